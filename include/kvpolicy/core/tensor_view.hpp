@@ -1,0 +1,142 @@
+// SPDX-License-Identifier: Apache-2.0
+// Non-owning strided views. `TensorView<T, Rank>` is pointer + extents +
+// strides (in elements) + device; `TensorView<const T, R>` is the read-only
+// form, and a mutable view converts to it implicitly (never the reverse).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/status.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+enum class DeviceType : std::uint8_t { kCPU = 1, kCUDA = 2, kCUDAHost = 3 };  // DLPack codes
+
+struct Device {
+  DeviceType type = DeviceType::kCPU;
+  std::int32_t id = 0;
+  constexpr bool is_host() const noexcept { return type != DeviceType::kCUDA; }
+  friend constexpr bool operator==(const Device&, const Device&) = default;
+};
+
+inline constexpr Device kHost{};
+
+template <class T, int Rank>
+class TensorView {
+  static_assert(Rank >= 1 && Rank <= 8, "TensorView rank must be in [1, 8]");
+
+ public:
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+  using Index = std::array<std::int64_t, Rank>;
+  static constexpr int kRank = Rank;
+
+  constexpr TensorView() noexcept = default;
+  constexpr TensorView(T* data, const Index& extents, const Index& strides, Device device = kHost) noexcept
+      : data_(data), extents_(extents), strides_(strides), device_(device) {}
+
+  /// Row-major contiguous view.
+  static constexpr TensorView contiguous(T* data, const Index& extents, Device device = kHost) noexcept {
+    Index strides{};
+    std::int64_t s = 1;
+    for (int i = Rank - 1; i >= 0; --i) {
+      strides[i] = s;
+      s *= extents[i];
+    }
+    return TensorView(data, extents, strides, device);
+  }
+
+  /// Mutable -> const conversion (only adds const).
+  template <class U>
+    requires(!std::is_same_v<U, T> && std::is_same_v<const U, T>)
+  constexpr TensorView(const TensorView<U, Rank>& other) noexcept  // NOLINT(google-explicit-constructor)
+      : data_(other.data()), extents_(other.extents()), strides_(other.strides()), device_(other.device()) {}
+
+  constexpr T* data() const noexcept { return data_; }
+  constexpr const Index& extents() const noexcept { return extents_; }
+  constexpr const Index& strides() const noexcept { return strides_; }
+  constexpr std::int64_t extent(int i) const noexcept { return extents_[i]; }
+  constexpr std::int64_t stride(int i) const noexcept { return strides_[i]; }
+  constexpr Device device() const noexcept { return device_; }
+
+  constexpr std::int64_t size() const noexcept {
+    std::int64_t n = 1;
+    for (auto e : extents_) n *= e;
+    return n;
+  }
+  constexpr bool empty() const noexcept { return size() == 0; }
+
+  constexpr bool is_contiguous() const noexcept {
+    std::int64_t s = 1;
+    for (int i = Rank - 1; i >= 0; --i) {
+      if (extents_[i] != 1 && strides_[i] != s) return false;
+      s *= extents_[i];
+    }
+    return true;
+  }
+
+  /// Element offset of a multi-index (no bounds check; see `contains`).
+  template <class... I>
+    requires(sizeof...(I) == Rank && (std::is_integral_v<I> && ...))
+  constexpr std::int64_t offset(I... idx) const noexcept {
+    const std::int64_t ii[] = {static_cast<std::int64_t>(idx)...};
+    std::int64_t off = 0;
+    for (int k = 0; k < Rank; ++k) off += ii[k] * strides_[k];
+    return off;
+  }
+
+  template <class... I>
+    requires(sizeof...(I) == Rank && (std::is_integral_v<I> && ...))
+  constexpr T& operator()(I... idx) const noexcept {
+    return data_[offset(idx...)];
+  }
+
+  /// Fix the leading index: a view of rank Rank-1.
+  constexpr TensorView<T, Rank - 1> operator[](std::int64_t i) const noexcept
+    requires(Rank > 1)
+  {
+    std::array<std::int64_t, Rank - 1> e{}, s{};
+    for (int k = 1; k < Rank; ++k) {
+      e[k - 1] = extents_[k];
+      s[k - 1] = strides_[k];
+    }
+    return TensorView<T, Rank - 1>(data_ + i * strides_[0], e, s, device_);
+  }
+
+  /// Pointer to row `i` of a rank-1 view's base (rank 1 only): `data() + i*stride(0)`.
+  constexpr T* ptr(std::int64_t i) const noexcept
+    requires(Rank == 1)
+  {
+    return data_ + i * strides_[0];
+  }
+
+  /// Sub-range [begin, begin+len) along `axis`.
+  constexpr TensorView narrow(int axis, std::int64_t begin, std::int64_t len) const noexcept {
+    TensorView v = *this;
+    v.data_ = data_ + begin * strides_[axis];
+    v.extents_[axis] = len;
+    return v;
+  }
+
+  /// Validation used at every public entry point: non-null data when non-empty,
+  /// non-negative extents. `who` / `name` go into the message.
+  Status check_basic(const char* who, const char* name) const noexcept {
+    for (int k = 0; k < Rank; ++k) {
+      if (extents_[k] < 0) return KVP_INVALID("%s: %s has negative extent %lld on axis %d", who, name, static_cast<long long>(extents_[k]), k);
+    }
+    if (data_ == nullptr && size() != 0) return KVP_INVALID("%s: %s has null data but %lld elements", who, name, static_cast<long long>(size()));
+    return Status::ok();
+  }
+
+ private:
+  T* data_ = nullptr;
+  Index extents_{};
+  Index strides_{};
+  Device device_{};
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// Caller-owned scratch memory. Entry points report `workspace_bytes(...)`
+// first; the caller allocates once and passes a `Workspace` on every call.
+// `WorkspacePlan` computes sizes with exactly the same carving rules that
+// `WorkspaceCarver` uses at run time, so the two can never disagree.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvpolicy/core/status.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+inline constexpr std::size_t kWorkspaceAlign = 64;
+
+constexpr std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) noexcept { return (n + a - 1) / a * a; }
+
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// Size accumulator: `add<T>(n)` reserves an aligned block of n T's.
+struct WorkspacePlan {
+  std::size_t bytes = 0;
+  template <class T> constexpr WorkspacePlan& add(std::size_t n) noexcept {
+    bytes += align_up(n * sizeof(T));
+    return *this;
+  }
+  constexpr WorkspacePlan& add_bytes(std::size_t n) noexcept {
+    bytes += align_up(n);
+    return *this;
+  }
+  /// What to report from `workspace_bytes()`: the blocks plus slack for an
+  /// unaligned base pointer (zero when nothing is needed).
+  constexpr std::size_t total() const noexcept { return bytes == 0 ? 0 : bytes + kWorkspaceAlign; }
+};
+
+/// Bump allocator over a Workspace (64-byte aligned blocks, in order).
+class WorkspaceCarver {
+ public:
+  explicit WorkspaceCarver(Workspace ws) noexcept : base_(static_cast<std::byte*>(ws.data)), bytes_(ws.bytes) {
+    // Align the start; the plan assumes an aligned base, so account for the shift.
+    const auto addr = reinterpret_cast<std::uintptr_t>(base_);
+    const std::size_t pad = (kWorkspaceAlign - addr % kWorkspaceAlign) % kWorkspaceAlign;
+    if (base_ != nullptr && pad <= bytes_) {
+      base_ += pad;
+      bytes_ -= pad;
+    } else if (base_ != nullptr) {
+      bytes_ = 0;
+    }
+  }
+  /// nullptr when the workspace is exhausted (callers check `workspace_bytes` first).
+  template <class T> T* take(std::size_t n) noexcept {
+    const std::size_t need = align_up(n * sizeof(T));
+    if (need == 0) return reinterpret_cast<T*>(base_ + used_);
+    if (base_ == nullptr || used_ + need > bytes_) return nullptr;
+    T* p = reinterpret_cast<T*>(base_ + used_);
+    used_ += need;
+    return p;
+  }
+  std::size_t used() const noexcept { return used_; }
+
+ private:
+  std::byte* base_;
+  std::size_t bytes_;
+  std::size_t used_ = 0;
+};
+
+/// Workspace size check with the standard message; `need` is a
+/// `WorkspacePlan::total()` (i.e. what `workspace_bytes()` reported).
+inline Status check_workspace(const char* who, Workspace ws, std::size_t need) noexcept {
+  if (need == 0) return Status::ok();
+  if (ws.data == nullptr || ws.bytes < need) {
+    return Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace has %zu bytes, needs at least %zu (see workspace_bytes())", who,
+                         ws.data == nullptr ? std::size_t{0} : ws.bytes, need);
+  }
+  return Status::ok();
+}
+
+KVP_NAMESPACE_END

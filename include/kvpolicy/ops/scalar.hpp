@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: Apache-2.0
+// The ops contract, as the portable scalar reference (`backend::Scalar`).
+//
+// Every op works on one (sequence, kv head) unit so policies can split work
+// over (sequence, head) freely. Ops are `noexcept` and assume validated
+// inputs: the policies validate at their entry points and then call ops.
+// Other backends derive from `Scalar` and hide the ops they specialise; a
+// policy calls `Backend::op(...)` and gets the fastest available version.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/types.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+/// Shape and semantics of `window_scores` for one kv head.
+///
+/// Queries are the `num_q = group * window` rows `q[(g*window + i), :]`, fp32,
+/// contiguous `(group*window, head_dim)`. Query i of the window sits at
+/// absolute position `q_pos0 + i` and sees key j iff `j <= q_pos0 + i`
+/// (causal). For each query row the softmax runs in fp32 over all visible keys
+/// of `[0, kv_len)`; the output is, for head g of the group and key j < num_cols,
+/// `out[g*num_cols + j] = reduce_i softmax_i(j)` (mean or sum over the window).
+struct WindowScoreShape {
+  std::int64_t group = 1;     ///< G query heads sharing this kv head
+  std::int64_t window = 1;    ///< w queries per head
+  std::int64_t head_dim = 0;  ///< d
+  std::int64_t kv_len = 0;    ///< T keys (softmax denominator runs over all visible keys)
+  std::int64_t num_cols = 0;  ///< L <= T: columns written to the output
+  std::int64_t q_pos0 = 0;    ///< absolute position of window query 0 (causal offset)
+  float scale = 1.0f;         ///< logit scale, usually 1/sqrt(d)
+  WindowReduce reduce = WindowReduce::kMean;
+};
+
+/// Total order used by every top-k in the library: higher score first; equal
+/// scores -> higher token index first (the more recent token survives); NaN
+/// ranks below every number including -inf. Implemented as a monotone map of
+/// the float to an unsigned key, so all backends agree bit for bit.
+inline std::uint32_t score_order_key(float f) noexcept {
+  if (f != f) return 0u;  // NaN: lowest
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return k == 0u ? 1u : k;  // keep 0 reserved for NaN (only -NaN patterns could map there)
+}
+
+namespace backend {
+
+struct Scalar {
+  // ---- window attention -------------------------------------------------
+
+  static std::size_t window_scores_workspace(const WindowScoreShape& s) noexcept {
+    return WorkspacePlan{}.add<float>(static_cast<std::size_t>(s.kv_len)).total();
+  }
+
+  /// out: (group, num_cols) fp32, contiguous. See WindowScoreShape.
+  template <class Tk>
+  static void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws) noexcept {
+    WorkspaceCarver carve(ws);
+    float* row = carve.take<float>(static_cast<std::size_t>(s.kv_len));
+    const float inv_w = s.reduce == WindowReduce::kMean ? 1.0f / static_cast<float>(s.window) : 1.0f;
+    for (std::int64_t g = 0; g < s.group; ++g) {
+      float* o = out + g * s.num_cols;
+      std::fill(o, o + s.num_cols, 0.0f);
+      for (std::int64_t i = 0; i < s.window; ++i) {
+        const float* qi = q + (g * s.window + i) * s.head_dim;
+        const std::int64_t visible = std::min<std::int64_t>(s.kv_len, s.q_pos0 + i + 1);
+        float mx = -std::numeric_limits<float>::infinity();
+        for (std::int64_t j = 0; j < visible; ++j) {
+          const Tk* kj = keys.row(j);
+          float acc = 0.0f;
+          for (std::int64_t c = 0; c < s.head_dim; ++c) acc += qi[c] * to_float(kj[c]);
+          row[j] = acc * s.scale;
+          mx = std::max(mx, row[j]);
+        }
+        double denom = 0.0;
+        for (std::int64_t j = 0; j < visible; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          denom += row[j];
+        }
+        const float inv = static_cast<float>(1.0 / denom) * inv_w;
+        const std::int64_t cols = std::min(visible, s.num_cols);
+        for (std::int64_t j = 0; j < cols; ++j) o[j] += row[j] * inv;
+      }
+    }
+  }
+
+  // ---- pooling / reductions ---------------------------------------------
+
+  /// out[t] = pool over in[t-k/2 .. t+k/2] (stride 1, pad k/2), k odd.
+  /// kAvg divides by k always (zero padding counted); kMax ignores padding.
+  static void pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, float* out) noexcept {
+    if (kind == Pooling::kNone || kernel <= 1) {
+      std::memmove(out, in, static_cast<std::size_t>(n) * sizeof(float));
+      return;
+    }
+    const std::int64_t r = kernel / 2;
+    for (std::int64_t t = 0; t < n; ++t) {
+      const std::int64_t lo = std::max<std::int64_t>(0, t - r), hi = std::min<std::int64_t>(n - 1, t + r);
+      if (kind == Pooling::kAvg) {
+        float acc = 0.0f;
+        for (std::int64_t u = lo; u <= hi; ++u) acc += in[u];
+        out[t] = acc / static_cast<float>(kernel);
+      } else {
+        float m = in[lo];
+        for (std::int64_t u = lo + 1; u <= hi; ++u) m = (in[u] > m || m != m) ? in[u] : m;
+        out[t] = m;
+      }
+    }
+  }
+
+  /// out[j] = reduce_g in[g*ld + j] over g < group.
+  static void group_reduce(const float* in, std::int64_t group, std::int64_t n, std::int64_t ld, GroupReduce kind,
+                           float* out) noexcept {
+    for (std::int64_t j = 0; j < n; ++j) {
+      float acc = in[j];
+      for (std::int64_t g = 1; g < group; ++g) {
+        const float v = in[g * ld + j];
+        acc = kind == GroupReduce::kMax ? ((v > acc || acc != acc) ? v : acc) : acc + v;
+      }
+      out[j] = kind == GroupReduce::kMean ? acc / static_cast<float>(group) : acc;
+    }
+  }
+
+  // ---- top-k ------------------------------------------------------------
+
+  static std::size_t topk_workspace(std::int64_t n) noexcept {
+    return WorkspacePlan{}.add<std::uint64_t>(static_cast<std::size_t>(n)).total();
+  }
+
+  /// The k best of scores[0..n) under `score_order_key` (ties: higher index),
+  /// written to out[0..k) in ascending index order. 0 <= k <= n.
+  static void topk(const float* scores, std::int64_t n, std::int64_t k, std::int32_t* out, Workspace ws) noexcept {
+    if (k <= 0) return;
+    if (k >= n) {
+      for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<std::int32_t>(i);
+      return;
+    }
+    WorkspaceCarver carve(ws);
+    std::uint64_t* keys = carve.take<std::uint64_t>(static_cast<std::size_t>(n));
+    // (score key, index) packed so a plain integer comparison is the total order.
+    for (std::int64_t i = 0; i < n; ++i) keys[i] = (static_cast<std::uint64_t>(score_order_key(scores[i])) << 32) | static_cast<std::uint64_t>(i);
+    std::nth_element(keys, keys + (k - 1), keys + n, [](std::uint64_t a, std::uint64_t b) { return a > b; });
+    for (std::int64_t i = 0; i < k; ++i) out[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
+    std::sort(out, out + k);
+  }
+
+  // ---- gather -----------------------------------------------------------
+
+  /// dst row r = src row idx[r] for r < n (rows of `dim` elements).
+  template <class T>
+  static void gather_rows(KeyRows<T> src, const std::int32_t* idx, std::int64_t n, std::int64_t dim, T* dst,
+                          std::int64_t dst_row_stride) noexcept {
+    for (std::int64_t r = 0; r < n; ++r) std::memcpy(dst + r * dst_row_stride, src.row(idx[r]), static_cast<std::size_t>(dim) * sizeof(T));
+  }
+};
+
+}  // namespace backend
+
+KVP_NAMESPACE_END
