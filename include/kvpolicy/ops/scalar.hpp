@@ -4,8 +4,10 @@
 // Every op works on one (sequence, kv head) unit so policies can split work
 // over (sequence, head) freely. Ops are `noexcept` and assume validated
 // inputs: the policies validate at their entry points and then call ops.
-// Other backends derive from `Scalar` and hide the ops they specialise; a
-// policy calls `Backend::op(...)` and gets the fastest available version.
+// Ops come in families (structs); a backend derives its family struct from
+// the scalar one and hides the ops it specialises, so anything it does not
+// implement falls back to the reference by inheritance. A policy calls
+// `Backend::op(...)` and gets the fastest available version.
 #pragma once
 
 #include <algorithm>
@@ -55,7 +57,10 @@ inline std::uint32_t score_order_key(float f) noexcept {
 
 namespace backend {
 
-struct Scalar {
+/// Scoring / selection ops of the contract (window attention, pooling, group
+/// reduction, top-k, gather). Backends specialise by deriving from this
+/// struct and hiding the members they implement.
+struct ScalarScoreOps {
   // ---- window attention -------------------------------------------------
 
   static std::size_t window_scores_workspace(const WindowScoreShape& s) noexcept {
@@ -163,6 +168,9 @@ struct Scalar {
     for (std::int64_t r = 0; r < n; ++r) std::memcpy(dst + r * dst_row_stride, src.row(idx[r]), static_cast<std::size_t>(dim) * sizeof(T));
   }
 };
+
+/// The scalar reference backend: the union of every op family.
+struct Scalar : ScalarScoreOps {};
 
 }  // namespace backend
 

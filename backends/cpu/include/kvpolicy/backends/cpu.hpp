@@ -4,7 +4,7 @@
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
-struct Cpu : Scalar {
+struct Cpu : ScalarScoreOps {
   /// Name of the instruction set selected at run time.
   static const char* isa_name() noexcept;
 };
