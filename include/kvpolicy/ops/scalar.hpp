@@ -21,6 +21,7 @@
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/key_rows.hpp"
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/paged_scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -170,7 +171,7 @@ struct ScalarScoreOps {
 };
 
 /// The scalar reference backend: the union of every op family.
-struct Scalar : ScalarScoreOps {};
+struct Scalar : ScalarScoreOps, ScalarPageOps {};
 
 }  // namespace backend
 
