@@ -61,6 +61,8 @@ class WorkspaceCarver {
     return p;
   }
   std::size_t used() const noexcept { return used_; }
+  /// The not-yet-carved remainder, e.g. to hand to a nested op.
+  Workspace rest() const noexcept { return Workspace{base_ == nullptr ? nullptr : base_ + used_, bytes_ - used_}; }
 
  private:
   std::byte* base_;

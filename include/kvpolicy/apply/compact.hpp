@@ -1,0 +1,191 @@
+// SPDX-License-Identifier: Apache-2.0
+// Apply a `KeepSet` to engine memory.
+//
+//  * `compact_contiguous`: per kv head, move kept rows to the front of a
+//    `(kv_heads, capacity, head_dim)` cache (any strides, K and V), in place,
+//    and permute the caller's logical-positions array the same way (the RoPE
+//    position of a kept token is not its new slot index).
+//  * `compact_paged`: move kept tokens of each sequence to the front of its
+//    own page list, write the compacted CSR page table into caller buffers and
+//    report the pages that became free (whole tail pages).
+//
+// Both validate everything before the first write: on error nothing changed.
+// In-place safety: rows are ascending and kept row r moves to slot r <= id[r],
+// so a forward sweep never overwrites a row it still has to read.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "kvpolicy/core/keep_set.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/tensor_view.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+namespace detail {
+
+inline Status check_keep_row(const char* who, const KeepSet& keep, std::int64_t row, std::int64_t len) noexcept {
+  const std::int32_t b = keep.indptr[row], e = keep.indptr[row + 1];
+  KVP_REQUIRE(b >= 0 && e >= b && e <= keep.capacity, "%s: keep set indptr[%lld..%lld] = [%d, %d) is not a valid range of %lld entries",
+              who, static_cast<long long>(row), static_cast<long long>(row + 1), b, e, static_cast<long long>(keep.capacity));
+  std::int64_t prev = -1;
+  for (std::int32_t i = b; i < e; ++i) {
+    const std::int64_t t = keep.indices[i];
+    KVP_REQUIRE(t > prev, "%s: keep set row %lld is not strictly ascending at entry %d (%lld after %lld)", who,
+                static_cast<long long>(row), i - b, static_cast<long long>(t), static_cast<long long>(prev));
+    KVP_REQUIRE(t < len, "%s: keep set row %lld holds token %lld, out of range [0, %lld)", who, static_cast<long long>(row),
+                static_cast<long long>(t), static_cast<long long>(len));
+    prev = t;
+  }
+  return Status::ok();
+}
+
+template <class T>
+void move_row(T* dst, const T* src, std::int64_t dim, std::int64_t dim_stride) noexcept {
+  if (dst == src) return;
+  if (dim_stride == 1) {
+    std::memmove(dst, src, static_cast<std::size_t>(dim) * sizeof(T));
+  } else {
+    for (std::int64_t c = 0; c < dim; ++c) dst[c * dim_stride] = src[c * dim_stride];
+  }
+}
+
+}  // namespace detail
+
+/// Compact one sequence of a contiguous cache in place.
+///
+/// keys, values: (kv_heads, capacity, head_dim), any strides; values may be empty (K-only).
+/// positions:    (kv_heads, capacity) int32 logical positions, permuted alongside; may be empty.
+/// keep:         rows `row0 .. row0 + kv_heads` (the sequence's rows in a batch KeepSet),
+///               ascending ids < kv_len; rows may differ in length (per-head budgets).
+/// new_lens:     (kv_heads) receives each head's new length.
+template <class T>
+Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, TensorView<std::int32_t, 2> positions, std::int64_t kv_len,
+                          const KeepSet& keep, std::int64_t row0, std::span<std::int64_t> new_lens) noexcept {
+  const char* who = "compact_contiguous";
+  KVP_RETURN_IF_ERROR(keys.check_basic(who, "keys"));
+  KVP_RETURN_IF_ERROR(values.check_basic(who, "values"));
+  KVP_RETURN_IF_ERROR(positions.check_basic(who, "positions"));
+  const std::int64_t H = keys.extent(0);
+  KVP_REQUIRE(keys.device().is_host() && values.device().is_host(), "%s: keys/values must be host memory", who);
+  KVP_REQUIRE(kv_len >= 0 && kv_len <= keys.extent(1), "%s: kv_len %lld out of range [0, capacity=%lld]", who,
+              static_cast<long long>(kv_len), static_cast<long long>(keys.extent(1)));
+  KVP_REQUIRE(values.empty() || (values.extent(0) == H && values.extent(1) >= kv_len),
+              "%s: values has shape (%lld, %lld, %lld), expected (%lld, >= %lld, *)", who, static_cast<long long>(values.extent(0)),
+              static_cast<long long>(values.extent(1)), static_cast<long long>(values.extent(2)), static_cast<long long>(H),
+              static_cast<long long>(kv_len));
+  KVP_REQUIRE(positions.empty() || (positions.extent(0) == H && positions.extent(1) >= kv_len),
+              "%s: positions has shape (%lld, %lld), expected (%lld, >= %lld)", who, static_cast<long long>(positions.extent(0)),
+              static_cast<long long>(positions.extent(1)), static_cast<long long>(H), static_cast<long long>(kv_len));
+  KVP_REQUIRE(static_cast<std::int64_t>(new_lens.size()) >= H, "%s: new_lens has %zu entries, needs kv_heads=%lld", who,
+              new_lens.size(), static_cast<long long>(H));
+  KVP_REQUIRE(keep.indptr != nullptr && row0 >= 0 && row0 + H <= keep.num_rows,
+              "%s: keep set rows [%lld, %lld) out of range [0, %lld)", who, static_cast<long long>(row0), static_cast<long long>(row0 + H),
+              static_cast<long long>(keep.num_rows));
+  for (std::int64_t h = 0; h < H; ++h) KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, row0 + h, kv_len));
+
+  for (std::int64_t h = 0; h < H; ++h) {
+    const auto ids = keep.row(row0 + h);
+    for (std::size_t r = 0; r < ids.size(); ++r) {
+      const std::int64_t src = ids[r], dst = static_cast<std::int64_t>(r);
+      detail::move_row(&keys(h, dst, 0), &keys(h, src, 0), keys.extent(2), keys.stride(2));
+      if (!values.empty()) detail::move_row(&values(h, dst, 0), &values(h, src, 0), values.extent(2), values.stride(2));
+      if (!positions.empty()) positions(h, dst) = positions(h, src);
+    }
+    new_lens[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(ids.size());
+  }
+  return Status::ok();
+}
+
+/// Output of `compact_paged`. Buffers may alias the input page table (the
+/// compacted CSR is never longer and is written front to back).
+struct PagedCompactOutput {
+  std::int32_t* indptr = nullptr;         // (batch + 1)
+  std::int32_t* indices = nullptr;        // (capacity)
+  std::int32_t* last_page_len = nullptr;  // (batch)
+  std::int64_t indices_capacity = 0;
+  std::int32_t* freed_pages = nullptr;    // (freed_capacity) ids of pages no longer referenced
+  std::int64_t freed_capacity = 0;
+  std::int64_t num_freed = 0;             // written
+};
+
+/// Compact a paged cache to a KeepSet whose rows are `b * kv_heads + h`. All
+/// kv heads of a sequence share its page list, so they must keep the same
+/// number of tokens (per-head page tables are needed for ragged budgets).
+/// positions: (num_pages, kv_heads, page_size) logical positions indexed like
+/// the pool, moved alongside the tokens; may be empty.
+template <class T>
+Status compact_paged(const PagedKVView<T>& cache, const KeepSet& keep, TensorView<std::int32_t, 3> positions,
+                     PagedCompactOutput& out) noexcept {
+  const char* who = "compact_paged";
+  KVP_RETURN_IF_ERROR(cache.validate(who, cache.v_data != nullptr));
+  KVP_REQUIRE(cache.device.is_host(), "%s: the page pool must be host memory", who);
+  const PageTable& t = cache.table;
+  const std::int64_t H = cache.num_kv_heads, ps = cache.page_size;
+  KVP_REQUIRE(keep.indptr != nullptr && keep.num_rows == static_cast<std::int64_t>(t.batch) * H,
+              "%s: keep set has %lld rows, expected batch x kv_heads = %lld", who, static_cast<long long>(keep.num_rows),
+              static_cast<long long>(t.batch) * H);
+  KVP_RETURN_IF_ERROR(positions.check_basic(who, "positions"));
+  KVP_REQUIRE(positions.empty() || (positions.extent(0) == cache.num_pages && positions.extent(1) == H && positions.extent(2) == ps),
+              "%s: positions has shape (%lld, %lld, %lld), expected (num_pages=%d, kv_heads=%lld, page_size=%lld)", who,
+              static_cast<long long>(positions.extent(0)), static_cast<long long>(positions.extent(1)),
+              static_cast<long long>(positions.extent(2)), cache.num_pages, static_cast<long long>(H), static_cast<long long>(ps));
+  KVP_REQUIRE(out.indptr != nullptr && out.last_page_len != nullptr, "%s: output indptr / last_page_len is null", who);
+  std::int64_t new_pages = 0, freed = 0;
+  for (std::int32_t b = 0; b < t.batch; ++b) {
+    const std::int64_t len = t.seq_len(b, cache.page_size);
+    const std::int64_t n = keep.row_size(static_cast<std::int64_t>(b) * H);
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t row = b * H + h;
+      KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, row, len));
+      KVP_REQUIRE(keep.row_size(row) == n, "%s: sequence %d keeps %lld tokens in kv head 0 but %lld in kv head %lld; a shared page list needs equal counts",
+                  who, b, static_cast<long long>(n), static_cast<long long>(keep.row_size(row)), static_cast<long long>(h));
+    }
+    const std::int64_t pages = (n + ps - 1) / ps;
+    new_pages += pages;
+    freed += t.num_pages(b) - pages;
+  }
+  KVP_REQUIRE(new_pages == 0 || out.indices != nullptr, "%s: output indices is null", who);
+  KVP_REQUIRE(out.indices_capacity >= new_pages, "%s: output indices capacity %lld < %lld pages", who,
+              static_cast<long long>(out.indices_capacity), static_cast<long long>(new_pages));
+  KVP_REQUIRE(out.freed_capacity >= freed && (freed == 0 || out.freed_pages != nullptr),
+              "%s: freed_pages capacity %lld < %lld freed pages", who, static_cast<long long>(out.freed_capacity), static_cast<long long>(freed));
+
+  // Move tokens (page list unchanged while moving: slot r of the sequence is
+  // page indices[indptr[b] + r / ps], slot r % ps).
+  for (std::int32_t b = 0; b < t.batch; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto ids = keep.row(b * H + h);
+      for (std::size_t r = 0; r < ids.size(); ++r) {
+        const std::int64_t src = ids[r], dst = static_cast<std::int64_t>(r);
+        if (src == dst) continue;
+        const std::int32_t sp = t.page_of(b, src, cache.page_size), dp = t.page_of(b, dst, cache.page_size);
+        const auto ss = static_cast<std::int32_t>(src % ps), ds = static_cast<std::int32_t>(dst % ps);
+        const auto hh = static_cast<std::int32_t>(h);
+        detail::move_row(cache.k_ptr(dp, hh, ds), cache.k_ptr(sp, hh, ss), cache.head_dim, 1);
+        if (cache.v_data != nullptr) detail::move_row(cache.v_ptr(dp, hh, ds), cache.v_ptr(sp, hh, ss), cache.head_dim, 1);
+        if (!positions.empty()) positions(dp, hh, ds) = positions(sp, hh, ss);
+      }
+    }
+  }
+  // Rewrite the table front to back (safe when aliasing the input).
+  std::int64_t pos = 0, nf = 0;
+  for (std::int32_t b = 0; b < t.batch; ++b) {
+    const std::int64_t n = keep.row_size(static_cast<std::int64_t>(b) * H);
+    const std::int64_t pages = (n + ps - 1) / ps;
+    const std::int32_t begin = t.indptr[b], old_pages = t.indptr[b + 1] - t.indptr[b];
+    for (std::int32_t p = static_cast<std::int32_t>(pages); p < old_pages; ++p) out.freed_pages[nf++] = t.indices[begin + p];
+    for (std::int64_t p = 0; p < pages; ++p) out.indices[pos + p] = t.indices[begin + p];
+    out.last_page_len[b] = pages == 0 ? 0 : static_cast<std::int32_t>(n - (pages - 1) * ps);
+    out.indptr[b] = static_cast<std::int32_t>(pos);
+    pos += pages;
+  }
+  out.indptr[t.batch] = static_cast<std::int32_t>(pos);
+  out.num_freed = nf;
+  return Status::ok();
+}
+
+KVP_NAMESPACE_END

@@ -1,0 +1,46 @@
+// SPDX-License-Identifier: Apache-2.0
+// `KVSource<T>`: the keys (or values) of one sequence as policies read them —
+// either a strided `(kv_heads, kv_len, head_dim)` tensor or one sequence of a
+// paged cache. Both hand out `KeyRows<T>` per kv head, read in place.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/tensor_view.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+template <class T>
+struct KVSource {
+  TensorView<const T, 3> dense{};              ///< (kv_heads, kv_len, head_dim); used when `paged` is null
+  const PagedKVView<const T>* paged = nullptr;  ///< paged cache (keys), sequence `seq`
+  std::int32_t seq = 0;
+
+  static KVSource from(TensorView<const T, 3> v) noexcept { return KVSource{v, nullptr, 0}; }
+  static KVSource from_paged(const PagedKVView<const T>& p, std::int32_t seq) noexcept { return KVSource{{}, &p, seq}; }
+
+  std::int64_t kv_heads() const noexcept { return paged ? paged->num_kv_heads : dense.extent(0); }
+  std::int64_t kv_len() const noexcept { return paged ? paged->seq_len(seq) : dense.extent(1); }
+  std::int64_t head_dim() const noexcept { return paged ? paged->head_dim : dense.extent(2); }
+  KeyRows<T> rows(std::int64_t h) const noexcept {
+    return paged ? KeyRows<T>::paged_keys(*paged, seq, static_cast<std::int32_t>(h)) : KeyRows<T>::from_heads(dense, h);
+  }
+
+  /// Structure checks (the paged table itself is validated once per batch by the caller).
+  Status validate(const char* who, const char* name) const noexcept {
+    if (paged != nullptr) {
+      KVP_REQUIRE(seq >= 0 && seq < paged->table.batch, "%s: %s sequence %d out of range [0, %d)", who, name, seq, paged->table.batch);
+      return Status::ok();
+    }
+    KVP_RETURN_IF_ERROR(dense.check_basic(who, name));
+    KVP_REQUIRE(dense.device().is_host(), "%s: %s is a device tensor; this entry point reads host memory", who, name);
+    KVP_REQUIRE(dense.extent(2) == 0 || dense.stride(2) == 1 || dense.extent(2) == 1,
+                "%s: %s has head_dim stride %lld, must be 1 (rows are read as contiguous vectors)", who, name,
+                static_cast<long long>(dense.stride(2)));
+    return Status::ok();
+  }
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: Apache-2.0
+// SnapKV — "SnapKV: LLM Knows What You are Looking for Before Generation"
+// (Li et al., 2024, arXiv 2404.14469).
+//
+// Algorithm (per sequence, per kv head g, at the end of prefill):
+//   1. A[q, i, j] = softmax_j(<Q[q, T-w+i], K[g, j]> * scale), causal, fp32, for
+//      the w observation-window queries of every query head q of the group;
+//      the softmax runs over all T keys (window included).
+//   2. s[q, j] = mean_i A[q, i, j] (kvpress, Ada-KV) or sum_i (original), j < L = T-w.
+//   3. pool along j (avg with count_include_pad, or max; odd kernel, pad k/2)
+//      and reduce the G query heads of the group (mean / max / sum), in the
+//      order `pool -> group` (kvpress) or `group -> pool` (Ada-KV GQA,
+//      KVCache-Factory kv_head mode).
+//   4. keep the top (n_keep - w) past tokens plus the window.
+//
+// Choices where the references differ (reference §3, §15), all selectable:
+//  * Budget. `SnapKVParams::kvpress(r)`: n_keep = int(T * (1 - r)) counts the
+//    window (kvpress). `SnapKVParams::original(C)`: capacity C includes the
+//    window, prompts with T <= C are kept whole (FasterDecoding/SnapKV).
+//    `Budget::tokens(B).protected_on_top()` keeps B past tokens + the window.
+//  * When the budget is smaller than the window, the most recent n_keep window
+//    tokens are kept (kvpress keeps an arbitrary subset: its window ties at max+1).
+//  * GQA. Selection is per kv head (memory savings survive). The original
+//    repository repeats K/V to every query head and selects per query head; a
+//    per-query-head cache is expressible by calling with num_q_heads ==
+//    num_kv_heads on repeated views.
+//  * Precision. Softmax and all reductions are fp32; the references cast the
+//    softmax back to the model dtype (bf16/fp16) before reducing, which creates
+//    ties. Our results equal theirs on fp32 data.
+//  * Ties. Higher score first; equal scores keep the more recent token; NaN
+//    scores rank last (see `score_order_key`). Kept ids are ascending.
+//  * Non-finite inputs. NaN/Inf in queries or keys yield NaN scores for the
+//    affected rows; those tokens are evicted first. Indices stay valid.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/policy.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+enum class ReduceOrder : std::uint8_t {
+  kPoolThenGroup,  ///< kvpress: pool each query head's scores, then reduce the group
+  kGroupThenPool,  ///< Ada-KV gqa_support / KVCache-Factory kv_head: reduce, then pool
+};
+
+struct SnapKVParams {
+  std::int32_t window = 64;                       ///< w: observation window (last w prompt queries)
+  std::int32_t kernel = 5;                        ///< pooling kernel (odd)
+  Pooling pooling = Pooling::kAvg;
+  WindowReduce window_reduce = WindowReduce::kMean;
+  GroupReduce group_reduce = GroupReduce::kMean;
+  ReduceOrder order = ReduceOrder::kPoolThenGroup;
+  Budget budget = Budget::compression_ratio(0.5);
+  float scale = 0.0f;                             ///< logit scale; 0 means 1/sqrt(head_dim)
+
+  /// kvpress `SnapKVPress(compression_ratio=r, window_size, kernel_size)`.
+  static constexpr SnapKVParams kvpress(double r, std::int32_t window = 64, std::int32_t kernel = 5) noexcept {
+    return SnapKVParams{window, kernel, Pooling::kAvg, WindowReduce::kMean, GroupReduce::kMean, ReduceOrder::kPoolThenGroup,
+                        Budget::compression_ratio(r), 0.0f};
+  }
+  /// FasterDecoding/SnapKV `SnapKVCluster(window_size, max_capacity_prompt=C, kernel_size, pooling)`
+  /// at kv-head granularity (group mean before pooling, as KVCache-Factory's kv_head mode).
+  static constexpr SnapKVParams original(std::int64_t capacity, std::int32_t window = 32, std::int32_t kernel = 7,
+                                         Pooling pooling = Pooling::kMax) noexcept {
+    return SnapKVParams{window, kernel, pooling, WindowReduce::kSum, GroupReduce::kMean, ReduceOrder::kGroupThenPool,
+                        Budget::tokens(capacity).clamp_to_length(), 0.0f};
+  }
+};
+
+class SnapKV {
+ public:
+  using Params = SnapKVParams;
+  static constexpr const char* kName = "snapkv";
+
+  constexpr SnapKV() noexcept = default;
+  explicit constexpr SnapKV(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+
+  /// Parameter checks independent of the inputs.
+  Status validate_params() const noexcept {
+    KVP_REQUIRE(params_.window >= 1, "snapkv: window is %d, must be >= 1", params_.window);
+    KVP_REQUIRE(params_.kernel >= 1 && params_.kernel % 2 == 1, "snapkv: pooling kernel is %d, must be odd and >= 1", params_.kernel);
+    KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "snapkv: scale is %g, must be finite and >= 0",
+                static_cast<double>(params_.scale));
+    return params_.budget.validate("snapkv");
+  }
+
+  /// Tokens kept per kv head for a sequence of `kv_len` tokens (-1 if the budget is invalid for it).
+  std::int64_t kept_count(std::int64_t kv_len) const noexcept {
+    std::int64_t n = 0;
+    if (!params_.budget.resolve(kName, kv_len, std::min<std::int64_t>(params_.window, kv_len), &n).is_ok()) return -1;
+    return n;
+  }
+
+  /// Workspace for `select` / `score` on inputs of at most `shape`.
+  template <class Backend, class Tk = float>
+  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
+    return detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.workers());
+  }
+
+  /// Per-kv-head scores of one sequence: out (num_kv_heads, kv_len); past tokens
+  /// get their pooled, group-reduced score, window tokens +inf (always kept).
+  template <class Backend, class Tq, class Tk>
+  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    PrefillShape shape;
+    KVP_RETURN_IF_ERROR(validate_batch(std::span<const PrefillInput<Tq, Tk>>(&in, 1), &shape));
+    KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
+    KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == in.keys.kv_len(),
+                "snapkv: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)", static_cast<long long>(out.extent(0)),
+                static_cast<long long>(out.extent(1)), static_cast<long long>(shape.num_kv_heads), static_cast<long long>(in.keys.kv_len()));
+    const std::size_t per = per_worker_bytes<Backend>(shape);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const auto slices = detail::WorkerSlices::carve(ws, per);
+    const std::int64_t T = in.keys.kv_len(), w = params_.window, L = T - w;
+    ctx.parallel_for(shape.num_kv_heads, [&](std::int64_t h, int worker) {
+      WorkspaceCarver c(slices.slice(worker));
+      float* s = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(L, 1)));
+      if (L > 0) score_head<Backend>(in, shape, h, s, c);
+      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : INFINITY;
+    });
+    return Status::ok();
+  }
+
+  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
+  template <class Backend, class Tq, class Tk>
+  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    PrefillShape shape;
+    KVP_RETURN_IF_ERROR(validate_batch(batch, &shape));
+    const std::size_t per = per_worker_bytes<Backend>(shape);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const std::int64_t H = shape.num_kv_heads;
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
+                                                     [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
+    const auto slices = detail::WorkerSlices::carve(ws, per);
+    ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
+      const auto& in = batch[static_cast<std::size_t>(row / H)];
+      const std::int64_t h = row % H, T = in.keys.kv_len(), w = params_.window;
+      std::int32_t* dst = out.indices + out.indptr[row];
+      const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
+      if (n_keep >= T) {
+        for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+        return;
+      }
+      const std::int64_t n_win = std::min(n_keep, w), n_past = n_keep - n_win, L = T - w;
+      if (n_past > 0) {
+        WorkspaceCarver c(slices.slice(worker));
+        float* s = c.take<float>(static_cast<std::size_t>(L));
+        score_head<Backend>(in, shape, h, s, c);
+        Backend::topk(s, L, n_past, dst, c.rest());
+      }
+      for (std::int64_t j = 0; j < n_win; ++j) dst[n_past + j] = static_cast<std::int32_t>(T - n_win + j);
+    });
+    return Status::ok();
+  }
+
+  /// Single-sequence convenience.
+  template <class Backend, class Tq, class Tk>
+  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  }
+
+ private:
+  template <class Backend>
+  std::size_t per_worker_bytes(const PrefillShape& s) const noexcept {
+    const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
+    const std::int64_t w = params_.window, T = std::max<std::int64_t>(s.max_kv_len, 1), L = std::max<std::int64_t>(T - w, 1);
+    WindowScoreShape ws{G, w, s.head_dim, T, L, T - w, 1.0f, params_.window_reduce};
+    WorkspacePlan plan;
+    plan.add<float>(static_cast<std::size_t>(L));                      // final scores
+    plan.add<float>(static_cast<std::size_t>(G * w * s.head_dim));     // fp32 queries
+    plan.add<float>(static_cast<std::size_t>(G * L));                  // raw window scores
+    plan.add<float>(static_cast<std::size_t>(G * L));                  // pooled / reduced
+    plan.add_bytes(std::max(Backend::window_scores_workspace(ws), Backend::topk_workspace(L)));
+    return plan.bytes;
+  }
+
+  template <class Tq, class Tk>
+  Status validate_batch(std::span<const PrefillInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_REQUIRE(!batch.empty(), "snapkv: batch is empty");
+    const PagedKVView<const Tk>* last_paged = nullptr;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const auto& in = batch[b];
+      KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+      if (in.keys.paged != nullptr && in.keys.paged != last_paged) {
+        KVP_RETURN_IF_ERROR(in.keys.paged->validate(kName, /*need_values=*/false));
+        KVP_REQUIRE(in.keys.paged->device.is_host(), "snapkv: paged keys live on a device; this entry point reads host memory");
+        last_paged = in.keys.paged;
+      }
+      KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
+      KVP_REQUIRE(in.queries.device().is_host(), "snapkv: queries is a device tensor; this entry point reads host memory");
+      GqaMap gqa;
+      KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(0), in.keys.kv_heads(), kName, &gqa));
+      KVP_REQUIRE(in.queries.extent(2) == in.keys.head_dim(), "snapkv: queries head_dim %lld differs from keys head_dim %lld",
+                  static_cast<long long>(in.queries.extent(2)), static_cast<long long>(in.keys.head_dim()));
+      KVP_REQUIRE(in.keys.head_dim() > 0, "snapkv: head_dim must be > 0");
+      KVP_REQUIRE(in.queries.extent(1) == params_.window, "snapkv: queries has %lld rows per head, expected window=%d",
+                  static_cast<long long>(in.queries.extent(1)), params_.window);
+      const std::int64_t T = in.keys.kv_len();
+      KVP_REQUIRE(T <= INT32_MAX, "snapkv: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
+      KVP_REQUIRE(params_.window <= T, "snapkv: window %d is larger than kv_len %lld (sequence %zu)", params_.window,
+                  static_cast<long long>(T), b);
+      std::int64_t n = 0;
+      KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, params_.window, &n));
+      if (b == 0) {
+        *shape = PrefillShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), T, in.queries.extent(1)};
+      } else {
+        KVP_REQUIRE(in.queries.extent(0) == shape->num_q_heads && in.keys.kv_heads() == shape->num_kv_heads &&
+                        in.keys.head_dim() == shape->head_dim,
+                    "snapkv: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", b,
+                    static_cast<long long>(in.queries.extent(0)), static_cast<long long>(in.keys.kv_heads()),
+                    static_cast<long long>(in.keys.head_dim()), static_cast<long long>(shape->num_q_heads),
+                    static_cast<long long>(shape->num_kv_heads), static_cast<long long>(shape->head_dim));
+        shape->max_kv_len = std::max(shape->max_kv_len, T);
+      }
+    }
+    return Status::ok();
+  }
+
+  /// Scores of the L = T - w past tokens of kv head h into s[0..L).
+  template <class Backend, class Tq, class Tk>
+  void score_head(const PrefillInput<Tq, Tk>& in, const PrefillShape& shape, std::int64_t h, float* s, WorkspaceCarver& c) const noexcept {
+    const std::int64_t G = shape.num_q_heads / shape.num_kv_heads, w = params_.window, d = shape.head_dim;
+    const std::int64_t T = in.keys.kv_len(), L = T - w;
+    float* q = c.take<float>(static_cast<std::size_t>(G * w * d));
+    float* raw = c.take<float>(static_cast<std::size_t>(G * L));
+    float* tmp = c.take<float>(static_cast<std::size_t>(G * L));
+    for (std::int64_t g = 0; g < G; ++g)
+      for (std::int64_t i = 0; i < w; ++i)
+        for (std::int64_t k = 0; k < d; ++k) q[(g * w + i) * d + k] = to_float(in.queries(h * G + g, i, k));
+    const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    const WindowScoreShape ss{G, w, d, T, L, T - w, scale, params_.window_reduce};
+    Backend::window_scores(ss, q, in.keys.rows(h), raw, c.rest());
+    if (params_.order == ReduceOrder::kPoolThenGroup) {
+      for (std::int64_t g = 0; g < G; ++g) Backend::pool1d(raw + g * L, L, params_.kernel, params_.pooling, tmp + g * L);
+      Backend::group_reduce(tmp, G, L, L, params_.group_reduce, s);
+    } else {
+      Backend::group_reduce(raw, G, L, L, params_.group_reduce, tmp);
+      Backend::pool1d(tmp, L, params_.kernel, params_.pooling, s);
+    }
+  }
+
+  Params params_{};
+};
+
+KVP_NAMESPACE_END

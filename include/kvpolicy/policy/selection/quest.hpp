@@ -1,0 +1,347 @@
+// SPDX-License-Identifier: Apache-2.0
+// Quest — "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+// Inference" (Tang, Zhao, Zhu, Xiao, Kasikci, Han; ICML 2024, arXiv 2406.10774;
+// reference code mit-han-lab/Quest).
+//
+// Algorithm (per layer >= dense_layers, per decode step, per sequence):
+//   on append:  for every page touched, M = channel max, m = channel min of its
+//               post-RoPE keys (per kv head); a page restarts at slot 0.
+//   select:     n = pages of the sequence, B = page budget (last page included).
+//               if n <= B: every page.
+//               else for each query head h (kv head g = h / G):
+//                 U[h][p] = sum_i max(q_h[i] * M[p][g][i], q_h[i] * m[p][g][i]),  p < n-1
+//                 pages(h) = top_{B-1}(U[h]) + {n-1}
+//   attend:     exact attention over the selected pages only (nothing is evicted).
+//
+// Choices (reference/algorithms-other.md §1), each documented where it is made:
+//  * Budget. `page_budget = token_budget / page_size` (floor, the kernel path's
+//    `token_budget // page_size`), or `page_budget` set directly; it counts the
+//    last page. A budget that rounds to 0 pages is an error, not a silent 1.
+//    The HF evaluation path's floor of 3 pages is not applied.
+//  * Last page. Always attended, never scored (it may be partial; Quest's
+//    kernel appends `last_page_idx` after top-k).
+//  * Dense layers. Layers `< dense_layers` (Quest: 2) attend to every page.
+//  * GQA (`QuestGqa`). kPerQueryHead is the reference (one row per query head).
+//    A per-kv-head consumer can use kUnion (the group's selections merged,
+//    variable length), kGroupMax or kGroupSum (bounds reduced over the group
+//    before one top-k: one row of exactly B pages per kv head). The metadata is
+//    per kv head in every mode and each metadata row is read once per group.
+//  * Ties. The library's top-k order (`score_order_key`): higher bound first,
+//    equal bounds -> the higher (more recent) page, NaN bounds last. The
+//    reference's radix select leaves ties unspecified.
+//  * Metadata dtype. The key dtype or fp32, both exact (see PageMetaView).
+//  * Output. `PageSelection` rows in ascending logical page order with the last
+//    page last, so a row is a FlashInfer `kv_indptr/kv_indices/last_page_len`
+//    request as-is.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/core/page_selection.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/parallel.hpp"
+#include "kvpolicy/core/tensor_view.hpp"
+#include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/scalar.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+/// How Quest's per-query-head selection meets grouped-query attention.
+enum class QuestGqa : std::uint8_t {
+  kPerQueryHead,  ///< reference: one selection per query head; rows = batch * num_q_heads, B pages each
+  kUnion,         ///< one row per kv head: union of its G query heads' selections (B .. G*(B-1)+1 pages)
+  kGroupMax,      ///< one row per kv head: top-(B-1) of max_h U[h] over the group, plus the last page
+  kGroupSum,      ///< one row per kv head: top-(B-1) of sum_h U[h] over the group, plus the last page
+};
+
+struct QuestParams {
+  std::int32_t token_budget = 512;  ///< tokens attended per head, last page included (Quest default 512)
+  std::int32_t page_budget = 0;     ///< > 0: pages per head directly, overriding token_budget
+  std::int32_t dense_layers = 2;    ///< layers [0, dense_layers) attend to every page (Quest: 2)
+  QuestGqa gqa = QuestGqa::kPerQueryHead;
+};
+
+class Quest {
+ public:
+  using Params = QuestParams;
+  static constexpr const char* kName = "quest";
+
+  constexpr Quest() noexcept = default;
+  explicit constexpr Quest(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+
+  /// Pages attended per head for `page_size`-token pages (last page included).
+  constexpr std::int32_t page_budget(std::int32_t page_size) const noexcept {
+    if (params_.page_budget > 0) return params_.page_budget;
+    return page_size > 0 ? params_.token_budget / page_size : 0;
+  }
+  constexpr bool is_dense_layer(int layer) const noexcept { return layer < params_.dense_layers; }
+  /// Rows per sequence of the selection: query heads (kPerQueryHead) or kv heads.
+  constexpr std::int64_t heads_per_seq(const GqaMap& gqa) const noexcept {
+    return params_.gqa == QuestGqa::kPerQueryHead ? gqa.num_q_heads : gqa.num_kv_heads;
+  }
+
+  Status validate_params(std::int32_t page_size) const noexcept {
+    KVP_REQUIRE(page_size > 0, "quest: page_size is %d, must be > 0", page_size);
+    KVP_REQUIRE(params_.token_budget >= 0 && params_.page_budget >= 0, "quest: token_budget %d / page_budget %d must be >= 0",
+                params_.token_budget, params_.page_budget);
+    KVP_REQUIRE(page_budget(page_size) >= 1,
+                "quest: page budget is 0 (token_budget=%d / page_size=%d rounds down to 0 pages); must be >= 1 (the last page)",
+                params_.token_budget, page_size);
+    KVP_REQUIRE(params_.dense_layers >= 0, "quest: dense_layers is %d, must be >= 0", params_.dense_layers);
+    return Status::ok();
+  }
+
+  /// Entries a row reserves for a sequence of `n` pages: exact for every mode
+  /// but kUnion, whose rows are compacted to their actual size afterwards.
+  std::int64_t row_capacity(int layer, std::int32_t n, std::int32_t page_size, const GqaMap& gqa) const noexcept {
+    const std::int64_t B = page_budget(page_size);
+    if (n <= 0) return 0;
+    if (is_dense_layer(layer) || n <= B) return n;
+    if (params_.gqa == QuestGqa::kUnion) return std::min<std::int64_t>(n, gqa.group_size() * (B - 1) + 1);
+    return B;
+  }
+
+  /// `PageSelection::capacity` that `select` needs for this table.
+  std::int64_t output_capacity(int layer, const PageTable& table, std::int32_t page_size, const GqaMap& gqa) const noexcept {
+    std::int64_t total = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) total += row_capacity(layer, table.num_pages(b), page_size, gqa) * heads_per_seq(gqa);
+    return total;
+  }
+
+  /// Workspace for `select` on sequences of at most `max_pages` pages.
+  /// Sized per worker: fp32 queries (G*d), bounds (G*n), group reduction (n),
+  /// top-k output (G*B) and the backend top-k's own workspace.
+  template <class Backend = backend::Scalar>
+  std::size_t workspace_bytes(std::int32_t max_pages, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim,
+                              const ExecContext& ctx = {}) const noexcept {
+    const std::size_t per = per_worker_bytes<Backend>(max_pages, page_size, gqa, head_dim);
+    return per == 0 ? 0 : per * static_cast<std::size_t>(ctx.workers()) + kWorkspaceAlign;
+  }
+  template <class Backend = backend::Scalar>
+  std::size_t workspace_bytes(const PageTable& table, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim,
+                              const ExecContext& ctx = {}) const noexcept {
+    std::int32_t max_pages = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) max_pages = std::max(max_pages, table.num_pages(b));
+    return workspace_bytes<Backend>(max_pages, page_size, gqa, head_dim, ctx);
+  }
+
+  /// Page selection for one decode step of layer `layer`.
+  ///
+  /// queries: (batch, num_q_heads, head_dim), any strides, post-RoPE, float / half / bfloat16.
+  /// table:   the batch's FlashInfer CSR page table (batch = queries.extent(0)).
+  /// meta:    the layer's page metadata, kept current by `update_metadata`.
+  /// out:     rows `b * heads_per_seq + head`, capacity >= `output_capacity(...)`.
+  ///
+  /// Every input is validated before anything is written; on error `out` is
+  /// untouched. Work is split over (sequence, kv head) through `ctx`; the
+  /// result does not depend on the number of workers. Cost per sequence of n
+  /// pages: O(n * Hq * d) for the bounds (reading 2 * d metadata values per
+  /// page and kv head) plus the backend top-k. Thread-safe (const, no state).
+  template <class Backend = backend::Scalar, class Tq, class Tm>
+    requires KVElement<Tq> && KVElement<Tm>
+  Status select(int layer, TensorView<Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
+                PageSelection out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params(page_size));
+    KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
+    KVP_REQUIRE(queries.device().is_host(), "quest: queries is a device tensor; this entry point reads host memory");
+    KVP_RETURN_IF_ERROR(meta.validate(kName, meta.num_pages, meta.num_kv_heads, meta.head_dim));
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));
+    KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
+                static_cast<long long>(queries.extent(2)), meta.head_dim);
+    KVP_REQUIRE(queries.extent(0) == table.batch, "quest: queries has %lld sequences, the page table has batch %d",
+                static_cast<long long>(queries.extent(0)), table.batch);
+    KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size));
+    const std::int64_t H = heads_per_seq(gqa);
+    KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
+    std::int32_t max_pages = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) max_pages = std::max(max_pages, table.num_pages(b));
+    const std::size_t per = per_worker_bytes<Backend>(max_pages, page_size, gqa, meta.head_dim);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, per == 0 ? 0 : per * static_cast<std::size_t>(ctx.workers()) + kWorkspaceAlign));
+
+    // Rows reserve row_capacity() entries at fixed offsets, so items write independently.
+    std::int64_t pos = 0;
+    out.indptr[0] = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_size, gqa);
+      for (std::int64_t h = 0; h < H; ++h) {
+        pos += cap;
+        out.indptr[b * H + h + 1] = static_cast<std::int32_t>(pos);
+        out.last_page_len[b * H + h] = cap == 0 ? 0 : table.last_page_len[b];
+      }
+    }
+    std::byte* slices = WorkspaceCarver(ws).take<std::byte>(0);
+    const std::int32_t B = page_budget(page_size);
+    ctx.parallel_for(static_cast<std::int64_t>(table.batch) * gqa.num_kv_heads, [&](std::int64_t item, int worker) {
+      const auto b = static_cast<std::int32_t>(item / gqa.num_kv_heads);
+      const auto g = static_cast<std::int32_t>(item % gqa.num_kv_heads);
+      WorkspaceCarver c(Workspace{slices + static_cast<std::size_t>(worker) * per, per});
+      select_item<Backend>(layer, B, gqa, queries, table, b, g, meta, out, c);
+    });
+    if (params_.gqa == QuestGqa::kUnion) compact_rows(out);
+    return Status::ok();
+  }
+
+  /// Updates the metadata after `append_len[b]` tokens were appended to each
+  /// sequence b: the keys of tokens [len_b - append_len[b], len_b) are
+  /// already in the pool and `keys.table` already counts them (len_b is its
+  /// sequence length). Covers a decode step (1 token), chunked prefill (any
+  /// chunk, straddling pages) and resuming a partially filled page; a page
+  /// whose slot 0 is written starts afresh. Validates everything before
+  /// writing. With a parallel `ctx`, a page must not be appended to by two
+  /// sequences in one call. O(appended tokens * kv_heads * d).
+  template <class Backend = backend::Scalar, class Tk, class Tm>
+    requires PageMetaStorableFrom<Tk, Tm>
+  static Status update_metadata(const PagedKVView<const Tk>& keys, PageMetaView<Tm> meta, const std::int32_t* append_len,
+                                const ExecContext& ctx = {}) noexcept {
+    KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
+    KVP_REQUIRE(keys.table.batch == 0 || append_len != nullptr, "quest: append_len is null");
+    for (std::int32_t b = 0; b < keys.table.batch; ++b) {
+      KVP_REQUIRE(append_len[b] >= 0 && append_len[b] <= keys.seq_len(b),
+                  "quest: append_len[%d] is %d, must be in [0, sequence length %lld]", b, append_len[b],
+                  static_cast<long long>(keys.seq_len(b)));
+    }
+    fold_tokens<Backend>(keys, meta, append_len, ctx);
+    return Status::ok();
+  }
+
+  /// Recomputes the metadata of every page referenced by `keys.table` from
+  /// the keys (pages outside the table are left alone). Same preconditions
+  /// and cost model as `update_metadata` with every token appended.
+  template <class Backend = backend::Scalar, class Tk, class Tm>
+    requires PageMetaStorableFrom<Tk, Tm>
+  static Status rebuild_metadata(const PagedKVView<const Tk>& keys, PageMetaView<Tm> meta, const ExecContext& ctx = {}) noexcept {
+    KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
+    fold_tokens<Backend>(keys, meta, nullptr, ctx);
+    return Status::ok();
+  }
+
+ private:
+  template <class Backend>
+  std::size_t per_worker_bytes(std::int32_t max_pages, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim) const noexcept {
+    const auto n = static_cast<std::size_t>(std::max(max_pages, 1));
+    const auto G = static_cast<std::size_t>(std::max(gqa.group_size(), 1));
+    WorkspacePlan plan;
+    plan.add<float>(G * static_cast<std::size_t>(head_dim)).add<float>(G * n).add<float>(n);
+    plan.add<std::int32_t>(G * static_cast<std::size_t>(std::max(page_budget(page_size), 1)));
+    plan.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(n)));
+    return plan.bytes;
+  }
+
+  template <class Tk, class Tm>
+  static Status validate_keys(const PagedKVView<const Tk>& keys, const PageMetaView<Tm>& meta) noexcept {
+    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false));
+    KVP_REQUIRE(keys.device.is_host(), "quest: keys are on a device; this entry point reads host memory");
+    return meta.validate(kName, keys.num_pages, keys.num_kv_heads, keys.head_dim);
+  }
+
+  /// Folds tokens [len - append, len) of every (sequence, kv head) page by
+  /// page (append == nullptr: every token).
+  template <class Backend, class Tk, class Tm>
+  static void fold_tokens(const PagedKVView<const Tk>& keys, PageMetaView<Tm> meta, const std::int32_t* append,
+                          const ExecContext& ctx) noexcept {
+    const std::int32_t P = keys.page_size;
+    ctx.parallel_for(static_cast<std::int64_t>(keys.table.batch) * keys.num_kv_heads, [&](std::int64_t item, int) {
+      const auto b = static_cast<std::int32_t>(item / keys.num_kv_heads);
+      const auto h = static_cast<std::int32_t>(item % keys.num_kv_heads);
+      const std::int64_t len = keys.seq_len(b);
+      for (std::int64_t t = append ? len - append[b] : 0; t < len;) {
+        const auto slot = static_cast<std::int32_t>(t % P);
+        const std::int64_t rows = std::min<std::int64_t>(P - slot, len - t);
+        const std::int32_t page = keys.table.page_of(b, t, P);
+        Backend::page_meta_fold(keys.k_ptr(page, h, slot), keys.k_strides.slot, rows, keys.head_dim, meta.max_row(page, h),
+                                meta.min_row(page, h), /*fresh=*/slot == 0);
+        t += rows;
+      }
+    });
+  }
+
+  /// One (sequence b, kv head g): the rows of its G query heads, or its own row.
+  template <class Backend, class Tq, class Tm>
+  void select_item(int layer, std::int32_t B, const GqaMap& gqa, const TensorView<Tq, 3>& queries, const PageTable& table,
+                   std::int32_t b, std::int32_t g, const PageMetaView<Tm>& meta, PageSelection& out, WorkspaceCarver& c) const noexcept {
+    const std::int32_t n = table.num_pages(b), G = gqa.group_size(), d = meta.head_dim;
+    if (n == 0) return;
+    const std::int32_t* pages = table.indices + table.indptr[b];
+    const bool per_q = params_.gqa == QuestGqa::kPerQueryHead;
+    const std::int64_t first_row = per_q ? static_cast<std::int64_t>(b) * gqa.num_q_heads + static_cast<std::int64_t>(g) * G
+                                         : static_cast<std::int64_t>(b) * gqa.num_kv_heads + g;
+    const std::int32_t rows = per_q ? G : 1;
+    auto write_row = [&](std::int64_t row, const std::int32_t* sel, std::int32_t k, bool add_last) {
+      std::int32_t* dst = out.indices + out.indptr[row];
+      std::int32_t* lg = out.logical ? out.logical + out.indptr[row] : nullptr;
+      for (std::int32_t i = 0; i < k; ++i) {
+        const std::int32_t p = sel ? sel[i] : i;
+        dst[i] = pages[p];
+        if (lg) lg[i] = p;
+      }
+      if (add_last) {
+        dst[k] = pages[n - 1];
+        if (lg) lg[k] = n - 1;
+      }
+      return k + (add_last ? 1 : 0);
+    };
+    if (is_dense_layer(layer) || n <= B) {
+      for (std::int32_t r = 0; r < rows; ++r) write_row(first_row + r, nullptr, n, false);
+      return;
+    }
+    // Bounds of the n-1 complete pages for the G query heads of the group.
+    const std::int64_t m = n - 1, k = B - 1;
+    float* q = c.take<float>(static_cast<std::size_t>(G) * d);
+    float* bounds = c.take<float>(static_cast<std::size_t>(G) * m);
+    float* reduced = c.take<float>(static_cast<std::size_t>(m));
+    std::int32_t* sel = c.take<std::int32_t>(static_cast<std::size_t>(G) * std::max<std::int64_t>(k, 1));
+    const Workspace topk_ws{c.take<std::byte>(Backend::topk_workspace(m)), Backend::topk_workspace(m)};
+    for (std::int32_t j = 0; j < G; ++j)
+      for (std::int32_t i = 0; i < d; ++i) q[j * d + i] = to_float(queries(b, g * G + j, i));
+    Backend::page_bounds(q, G, d, meta.head(g), pages, m, bounds, m);
+    switch (params_.gqa) {
+      case QuestGqa::kPerQueryHead:
+        for (std::int32_t j = 0; j < G; ++j) {
+          Backend::topk(bounds + j * m, m, k, sel, topk_ws);
+          write_row(first_row + j, sel, static_cast<std::int32_t>(k), true);
+        }
+        break;
+      case QuestGqa::kGroupMax:
+      case QuestGqa::kGroupSum:
+        Backend::group_reduce(bounds, G, m, m, params_.gqa == QuestGqa::kGroupMax ? GroupReduce::kMax : GroupReduce::kSum, reduced);
+        Backend::topk(reduced, m, k, sel, topk_ws);
+        write_row(first_row, sel, static_cast<std::int32_t>(k), true);
+        break;
+      case QuestGqa::kUnion: {
+        for (std::int32_t j = 0; j < G; ++j) Backend::topk(bounds + j * m, m, k, sel + j * k, topk_ws);
+        std::sort(sel, sel + G * k);
+        const auto u = static_cast<std::int32_t>(std::unique(sel, sel + G * k) - sel);
+        // Mark the unused tail of the reserved row; compact_rows drops it.
+        const std::int32_t used = write_row(first_row, sel, u, true);
+        std::fill(out.indices + out.indptr[first_row] + used, out.indices + out.indptr[first_row + 1], -1);
+        break;
+      }
+    }
+  }
+
+  /// kUnion: every row was written at its reserved offset, its unused tail
+  /// marked -1; move the rows down so the CSR is dense (entries only move to
+  /// lower addresses, so a forward pass is safe).
+  static void compact_rows(PageSelection& out) noexcept {
+    std::int32_t write = 0, start = 0;
+    for (std::int64_t r = 0; r < out.num_rows; ++r) {
+      const std::int32_t end = out.indptr[r + 1];
+      std::int32_t i = start;
+      for (; i < end && out.indices[i] >= 0; ++i, ++write) {
+        out.indices[write] = out.indices[i];
+        if (out.logical) out.logical[write] = out.logical[i];
+      }
+      out.indptr[r + 1] = write;
+      start = end;
+    }
+  }
+
+  Params params_{};
+};
+
+KVP_NAMESPACE_END

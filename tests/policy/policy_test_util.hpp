@@ -1,0 +1,134 @@
+// Helpers shared by the policy tests: random inputs in several layouts, an
+// owning KeepSet, and one-call select wrappers.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "kvpolicy/core/keep_set.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/policy/policy.hpp"
+
+#define STATIC_ASSERT_POLICY(P)                                                          \
+  static_assert(::kvpolicy::EvictionPolicy<P, float, float>, #P " is not an EvictionPolicy"); \
+  static_assert(::kvpolicy::EvictionPolicy<P, float, ::kvpolicy::half>, #P " (fp16 keys)")
+
+namespace kvp_test {
+using namespace kvpolicy;
+
+struct KeepSetBuffer {
+  std::vector<std::int32_t> indptr, indices;
+  KeepSetBuffer(std::int64_t rows, std::int64_t capacity) : indptr(rows + 1, 0), indices(capacity, 0) {}
+  KeepSet view() { return KeepSet{indptr.data(), indices.data(), static_cast<std::int64_t>(indptr.size()) - 1, static_cast<std::int64_t>(indices.size())}; }
+  std::vector<std::int32_t> row(std::int64_t r) const { return {indices.begin() + indptr[r], indices.begin() + indptr[r + 1]}; }
+  void fill_sentinel() {
+    std::fill(indptr.begin(), indptr.end(), -7);
+    std::fill(indices.begin(), indices.end(), -7);
+  }
+  bool untouched() const {
+    return std::all_of(indptr.begin(), indptr.end(), [](auto v) { return v == -7; }) &&
+           std::all_of(indices.begin(), indices.end(), [](auto v) { return v == -7; });
+  }
+  bool operator==(const KeepSetBuffer& o) const {
+    if (indptr != o.indptr) return false;
+    return std::equal(indices.begin(), indices.begin() + indptr.back(), o.indices.begin());
+  }
+};
+
+/// Random queries (Hq, w, d) fp32 and keys (Hkv, T, d) of type Tk, with a few
+/// heavy keys so that scores are not flat.
+template <class Tk>
+struct RandomCase {
+  std::int64_t Hq, Hkv, T, d, w;
+  std::vector<float> queries;  // (Hq, w, d)
+  std::vector<float> keys;     // (Hkv, T, d) fp32 master copy (tests may poke values)
+  mutable std::vector<Tk> keys_t, strided_keys, pool;
+  mutable std::vector<float> strided_q;
+  mutable std::vector<std::int32_t> indptr, indices, last;
+  mutable PagedKVView<const Tk> paged{};
+
+  RandomCase(std::int64_t hq, std::int64_t hkv, std::int64_t t, std::int64_t dd, std::int64_t ww, unsigned seed)
+      : Hq(hq), Hkv(hkv), T(t), d(dd), w(ww), queries(hq * ww * dd), keys(hkv * t * dd) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    for (auto& x : queries) x = nd(rng);
+    for (auto& x : keys) x = nd(rng) * 0.5f;
+    std::uniform_int_distribution<std::int64_t> pick(0, std::max<std::int64_t>(t - 1, 0));
+    for (int k = 0; k < 4 && t > 0; ++k) {  // heavy hitters aligned with a query direction
+      const std::int64_t j = pick(rng);
+      for (std::int64_t h = 0; h < hkv; ++h)
+        for (std::int64_t c = 0; c < dd; ++c) keys[(h * t + j) * dd + c] += queries[(h * (hq / hkv)) * ww * dd + c] * 0.7f;
+    }
+  }
+
+  PrefillInput<float, Tk> input() const {
+    keys_t.resize(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) keys_t[i] = from_float<Tk>(keys[i]);
+    return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}),
+            KVSource<Tk>::from(TensorView<const Tk, 3>::contiguous(keys_t.data(), {Hkv, T, d}))};
+  }
+
+  /// Keys stored (capacity, Hkv, d + pad) token-major; queries (w, Hq, d + pad).
+  PrefillInput<float, Tk> strided_input() const {
+    const std::int64_t pad = 8, cap = T + 5, dp = d + pad;
+    strided_keys.assign(cap * Hkv * dp, from_float<Tk>(1e6f));
+    for (std::int64_t h = 0; h < Hkv; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t c = 0; c < d; ++c) strided_keys[(t * Hkv + h) * dp + c] = from_float<Tk>(keys[(h * T + t) * d + c]);
+    strided_q.assign(w * Hq * dp, 1e6f);
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t i = 0; i < w; ++i)
+        for (std::int64_t c = 0; c < d; ++c) strided_q[(i * Hq + h) * dp + c] = queries[(h * w + i) * d + c];
+    return {TensorView<const float, 3>(strided_q.data(), {Hq, w, d}, {dp, Hq * dp, 1}),
+            KVSource<Tk>::from(TensorView<const Tk, 3>(strided_keys.data(), {Hkv, T, d}, {dp, Hkv * dp, 1}))};
+  }
+
+  /// Keys in an NHD page pool with shuffled page ids and spare pages.
+  PrefillInput<float, Tk> paged_input(std::int32_t ps) const {
+    const std::int32_t pages = static_cast<std::int32_t>((T + ps - 1) / ps), pool_pages = pages + 3;
+    const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, Hkv, ps, d);
+    pool.assign(static_cast<std::size_t>(pool_pages) * st.page, from_float<Tk>(-1e6f));
+    std::vector<std::int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(T));
+    indices.assign(perm.begin(), perm.begin() + pages);
+    indptr = {0, pages};
+    last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(pages - 1) * ps)};
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t h = 0; h < Hkv; ++h)
+        for (std::int64_t c = 0; c < d; ++c)
+          pool[indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c] = from_float<Tk>(keys[(h * T + t) * d + c]);
+    paged = PagedKVView<const Tk>{pool.data(), nullptr, st, st, pool_pages, static_cast<std::int32_t>(Hkv), ps, static_cast<std::int32_t>(d),
+                                  PageTable{indptr.data(), indices.data(), last.data(), 1}, kHost};
+    return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}), KVSource<Tk>::from_paged(paged, 0)};
+  }
+};
+
+template <class Backend, class Policy, class Tq, class Tk>
+KeepSetBuffer run_select_batch(const Policy& p, const std::vector<PrefillInput<Tq, Tk>>& batch, const ExecContext& ctx = {}) {
+  PrefillShape shape{batch[0].queries.extent(0), batch[0].keys.kv_heads(), batch[0].keys.head_dim(), 0, batch[0].queries.extent(1)};
+  std::int64_t total = 0;
+  for (const auto& in : batch) {
+    shape.max_kv_len = std::max(shape.max_kv_len, in.keys.kv_len());
+    total += std::max<std::int64_t>(p.kept_count(in.keys.kv_len()), 0) * in.keys.kv_heads();
+  }
+  KeepSetBuffer keep(static_cast<std::int64_t>(batch.size()) * shape.num_kv_heads, std::max<std::int64_t>(total, 1));
+  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape, ctx));
+  const Status s = p.template select<Backend>(std::span<const PrefillInput<Tq, Tk>>(batch), keep.view(), Workspace{ws.data(), ws.size()}, ctx);
+  INFO(s.message());
+  REQUIRE(s.is_ok());
+  return keep;
+}
+
+template <class Backend, class Policy, class Tq, class Tk>
+KeepSetBuffer run_select(const Policy& p, const PrefillInput<Tq, Tk>& in, const ExecContext& ctx = {}) {
+  return run_select_batch<Backend>(p, std::vector<PrefillInput<Tq, Tk>>{in}, ctx);
+}
+
+}  // namespace kvp_test
+
+using namespace kvp_test;
