@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# kvpolicy quick start driver.
+#   tools/kvp.sh compare [args...]   build, then run the policy comparison on built-in data
+#   tools/kvp.sh test [ctest args]   build, then run the whole test suite
+#   tools/kvp.sh bench               build, then run every benchmark (median table)
+#   tools/kvp.sh build               install missing packages, configure, build
+# Installs missing Debian packages non-interactively (as root, or via sudo),
+# configures build/ once (Release, Ninja), builds incrementally.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${KVP_BUILD_DIR:-build}
+JOBS=${KVP_JOBS:-$(nproc)}
+
+packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev)
+
+install_missing() {
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "kvp: installing missing Debian packages: ${missing[*]}"
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "kvp: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+    sudo=(sudo)
+  fi
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+build() {
+  install_missing
+  if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+    local launcher=()
+    command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+    # nvcc is often installed outside PATH; let AUTO find it.
+    [ -x /usr/local/cuda/bin/nvcc ] && export PATH="$PATH:/usr/local/cuda/bin"
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" ${KVP_CMAKE_ARGS:-}
+  fi
+  cmake --build "$BUILD_DIR" -j "$JOBS"
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  build) build ;;
+  compare) build; exec "$BUILD_DIR/examples/compare_policies" "$@" ;;
+  test) build; exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
+  bench) build; exec benchmarks/run_all.sh "$BUILD_DIR" "$@" ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
+esac
