@@ -113,6 +113,12 @@ class StreamingLLM {
     return Status::ok();
   }
 
+  /// Single-sequence convenience.
+  template <class Backend, class Tq, class Tk>
+  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws = {}, const ExecContext& ctx = {}) const noexcept {
+    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  }
+
  private:
   void write_row(std::int64_t kv_len, std::int64_t n, std::int32_t* out) const noexcept {
     const std::int64_t s = std::min<std::int64_t>(params_.sinks, n);
