@@ -64,7 +64,7 @@ void check_op(PageLayout layout, std::int32_t P, std::int32_t G, unsigned seed) 
     for (std::int32_t s = 0; s < P; ++s)
       if (static_cast<std::int64_t>(lp) * P + s < len) toks.push_back(static_cast<std::int64_t>(lp) * P + s);
   }
-  std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(G, P));
+  std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(G, P, d));
   for (std::int32_t h = 0; h < Hkv; ++h) {
     const KeyRows<T> keys{c.k.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
     const KeyRows<T> vals{c.v.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
@@ -97,7 +97,7 @@ TEST_CASE("paged_decode_attention matches a double-precision softmax over the se
 TEST_CASE("paged_decode_attention: no tokens gives zeros and lse -inf; -inf logits are skipped", "[quest][attention]") {
   std::vector<float> k(8, 0.0f), v(8, 1.0f), q(4, 1.0f), out(4, 7.0f);
   float lse = 0.0f;
-  std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(1, 64));
+  std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(1, 64, 4));
   const KeyRows<float> rows{k.data(), 4, nullptr, 0, 0};
   const KeyRows<float> vrows{v.data(), 4, nullptr, 0, 0};
   backend::Scalar::paged_decode_attention(q.data(), 1, 4, rows, vrows, 0, 1.0f, out.data(), &lse, Workspace{ws.data(), ws.size()});

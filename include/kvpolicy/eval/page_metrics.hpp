@@ -83,7 +83,7 @@ template <class Backend = backend::Scalar>
 std::size_t attend_pages_workspace(std::int64_t group, std::int32_t page_size, std::int32_t head_dim, const ExecContext& ctx = {}) noexcept {
   WorkspacePlan plan;
   plan.add<float>(static_cast<std::size_t>(2 * group * head_dim)).add<float>(static_cast<std::size_t>(group));
-  plan.add_bytes(Backend::paged_attention_workspace(group, page_size));
+  plan.add_bytes(Backend::paged_attention_workspace(group, page_size, head_dim));
   return plan.bytes * static_cast<std::size_t>(ctx.workers()) + kWorkspaceAlign;
 }
 
@@ -136,7 +136,7 @@ Status attend_pages(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries, c
     float* q = c.take<float>(static_cast<std::size_t>(G * d));
     float* o = c.take<float>(static_cast<std::size_t>(G * d));
     float* l = c.take<float>(static_cast<std::size_t>(G));
-    const std::size_t op_bytes = Backend::paged_attention_workspace(G, kv.page_size);
+    const std::size_t op_bytes = Backend::paged_attention_workspace(G, kv.page_size, d);
     const Workspace op_ws{c.take<std::byte>(op_bytes), op_bytes};
     for (std::int64_t j = 0; j < G; ++j)
       for (std::int64_t i = 0; i < d; ++i) q[j * d + i] = to_float(queries(b, g * G + j, i));

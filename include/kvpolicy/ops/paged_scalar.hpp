@@ -104,7 +104,11 @@ struct ScalarPageOps {
     return keys.pages != nullptr ? keys.page_size : 64;
   }
 
-  static std::size_t paged_attention_workspace(std::int64_t group, std::int64_t block) noexcept {
+  /// Workspace of `paged_decode_attention` for `group` heads, blocks of
+  /// `block` rows (`attention_block(keys)`) and `head_dim` (unused by the
+  /// reference; backends may stage widened rows).
+  static std::size_t paged_attention_workspace(std::int64_t group, std::int64_t block, std::int64_t head_dim) noexcept {
+    (void)head_dim;
     return WorkspacePlan{}.add<float>(static_cast<std::size_t>(group * block)).total();
   }
 
@@ -121,7 +125,7 @@ struct ScalarPageOps {
   /// num_tokens == 0 the output is 0 and lse is -inf. `lse` may be null; it
   /// is what lets a caller merge partial attentions or compute the attention
   /// mass of a selection, exp(lse_sel - lse_full).
-  /// Workspace: `paged_attention_workspace(group, attention_block(keys))`.
+  /// Workspace: `paged_attention_workspace(group, attention_block(keys), head_dim)`.
   template <class Tk, class Tv>
   static void paged_decode_attention(const float* q, std::int64_t group, std::int64_t head_dim, KeyRows<Tk> keys, KeyRows<Tv> values,
                                      std::int64_t num_tokens, float scale, float* out, float* lse, Workspace ws) noexcept {
