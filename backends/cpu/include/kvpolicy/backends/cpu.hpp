@@ -1,12 +1,37 @@
 // SPDX-License-Identifier: Apache-2.0
+// `backend::Cpu`: the CPU SIMD backend (kvpolicy::cpu). Policies instantiated
+// with it call the vectorised ops of `CpuScoreOps` and fall back to the scalar
+// reference, by inheritance, for every op it does not specialise.
+//
+// Instruction set: chosen once, at first use, as the best level this machine
+// and OS support (cpuid + xgetbv), unless the environment variable
+// KVP_CPU_ISA=sse2|avx2|avx512 asks for a lower one. `set_isa` changes it at
+// run time (tests and benchmarks use it to compare levels).
 #pragma once
+
+#include "kvpolicy/backends/cpu_isa.hpp"
+#include "kvpolicy/backends/cpu_score_ops.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
-struct Cpu : ScalarScoreOps {
-  /// Name of the instruction set selected at run time.
+
+// Paged ops join as the second base: ScalarPageOps until CpuPageOps replaces it.
+struct Cpu : CpuScoreOps, ScalarPageOps {
+  /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
+
+  /// The instruction set in use.
+  static CpuIsa isa() noexcept;
+
+  /// The best instruction set this machine and OS support.
+  static CpuIsa best_isa() noexcept;
+
+  /// Use `isa` from now on, process-wide; false (and no change) when the
+  /// machine lacks it. Thread-safe, but calls running concurrently on other
+  /// threads may still use the previous level: meant for tests and benchmarks.
+  static bool set_isa(CpuIsa isa) noexcept;
 };
+
 }  // namespace backend
 KVP_NAMESPACE_END

@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: Apache-2.0
+// `backend::CpuScoreOps`: the scoring / selection ops of the contract,
+// vectorised (xsimd, SSE2 / AVX2 / AVX-512 chosen at run time) and compiled
+// into kvpolicy::cpu. Same signatures and semantics as `ScalarScoreOps`; the
+// ops not re-declared here (`group_reduce`, `gather_rows`) are inherited from
+// the scalar reference.
+//
+// Agreement with the reference (what tests/cpu pins):
+//  * `topk`: bit-identical indices (same `score_order_key` total order).
+//  * `pool1d`: bit-identical (same summation order per output, same NaN rule).
+//  * `window_scores`: |cpu - scalar| <= 1e-5 * |scalar| + 1e-9 per element;
+//    the dot products run in a different order (and fused on FMA ISAs).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvpolicy/ops/scalar.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace backend {
+
+struct CpuScoreOps : ScalarScoreOps {
+  /// Workspace of `window_scores`: O(group*window * (kv_len + head_dim)) floats
+  /// (the softmax numerators of every visible (query, key) pair are kept
+  /// between the two passes). Independent of the selected ISA.
+  static std::size_t window_scores_workspace(const WindowScoreShape& s) noexcept;
+
+  /// out: (group, num_cols) fp32, contiguous. See `WindowScoreShape`.
+  /// Keys are read in place in their storage type (float, half, bfloat16),
+  /// contiguous, strided or paged. Requires kv_len < 2^31. One pass computes
+  /// the logits with the G*w queries as the SIMD dimension and keeps
+  /// exp(logit - chunk max) per chunk of keys; a second pass rescales by the
+  /// final max and denominator and reduces each head's window.
+  /// Thread-safe (no shared state); defined for Tk in {float, half, bfloat16}.
+  template <class Tk>
+  static void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws) noexcept;
+
+  /// Same as the reference (avg with count_include_pad, max ignoring padding
+  /// and NaN as the scalar comparison does); `out` must not alias `in` unless
+  /// `kind` is `kNone`. O(n * kernel) with SIMD over outputs.
+  static void pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, float* out) noexcept;
+
+  /// Workspace of `topk` for n scores: O(n) bytes.
+  static std::size_t topk_workspace(std::int64_t n) noexcept;
+
+  /// The k best of scores[0..n) under `score_order_key`, ascending indices,
+  /// identical to the reference. A strided sample of the scores gives a
+  /// threshold; one SIMD pass collects the indices at or above it (about
+  /// 1.5 k of them), and the exact order key resolves the boundary. Expected
+  /// O(n) with one read pass; O(n log n) worst case (all scores tied).
+  static void topk(const float* scores, std::int64_t n, std::int64_t k, std::int32_t* out, Workspace ws) noexcept;
+};
+
+// Explicit specialisations, defined in the library (src/cpu_score_ops.cpp).
+template <>
+void CpuScoreOps::window_scores<float>(const WindowScoreShape& s, const float* q, KeyRows<float> keys, float* out, Workspace ws) noexcept;
+template <>
+void CpuScoreOps::window_scores<half>(const WindowScoreShape& s, const float* q, KeyRows<half> keys, float* out, Workspace ws) noexcept;
+template <>
+void CpuScoreOps::window_scores<bfloat16>(const WindowScoreShape& s, const float* q, KeyRows<bfloat16> keys, float* out,
+                                          Workspace ws) noexcept;
+
+}  // namespace backend
+KVP_NAMESPACE_END

@@ -1,0 +1,61 @@
+// SPDX-License-Identifier: Apache-2.0
+// First include of every per-ISA translation unit (src/*_<isa>.cpp) and of the
+// kernel headers they include (internal). CMake defines KVP_CPU_TU_ISA
+// (0 = sse2, 1 = avx2, 2 = avx512) together with that level's flags; from it
+// this header names the level's namespace (`KVP_CPU_ISA_NS`: sse2, avx2,
+// avx512), its xsimd architecture (`Arch`) and its `CpuIsa` (`kIsa`).
+// Everything a per-ISA unit defines goes into
+// `kvpolicy::cpu_detail::KVP_CPU_ISA_NS`, so the three compilations of one
+// kernel header never share a symbol (see the rule in isa_dispatch.hpp).
+#pragma once
+
+#ifndef KVP_CPU_TU_ISA
+#error "isa_arch.hpp is for per-ISA translation units (src/*_sse2.cpp, *_avx2.cpp, *_avx512.cpp)"
+#endif
+
+// GCC 12's AVX-512 intrinsics initialise their "undefined" operands from
+// themselves, which -Wuninitialized reports at every inlined use (GCC bug
+// 105593, fixed in GCC 13). The same kernel sources are compiled warning-clean
+// for avx2 and sse2, so nothing of ours is hidden by silencing it here.
+#if KVP_CPU_TU_ISA == 2 && defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include <immintrin.h>
+
+#include <xsimd/xsimd.hpp>
+
+#include "isa_dispatch.hpp"
+
+#if KVP_CPU_TU_ISA == 2
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512DQ__) || !defined(__AVX512VL__) || !defined(__FMA__) || \
+    !defined(__F16C__)
+#error "an *_avx512.cpp unit was compiled without the AVX-512 F/BW/DQ/VL + FMA + F16C flags"
+#endif
+#define KVP_CPU_ISA_NS avx512
+#elif KVP_CPU_TU_ISA == 1
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "an *_avx2.cpp unit was compiled without the AVX2 + FMA + F16C flags"
+#endif
+#define KVP_CPU_ISA_NS avx2
+#elif KVP_CPU_TU_ISA == 0
+#define KVP_CPU_ISA_NS sse2
+#else
+#error "KVP_CPU_TU_ISA must be 0 (sse2), 1 (avx2) or 2 (avx512)"
+#endif
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail::KVP_CPU_ISA_NS {
+#if KVP_CPU_TU_ISA == 2
+using Arch = xsimd::avx512bw;
+inline constexpr CpuIsa kIsa = CpuIsa::kAvx512;
+#elif KVP_CPU_TU_ISA == 1
+using Arch = xsimd::fma3<xsimd::avx2>;
+inline constexpr CpuIsa kIsa = CpuIsa::kAvx2;
+#else
+using Arch = xsimd::sse2;
+inline constexpr CpuIsa kIsa = CpuIsa::kSse2;
+#endif
+}  // namespace cpu_detail::KVP_CPU_ISA_NS
+KVP_NAMESPACE_END

@@ -1,0 +1,87 @@
+// SPDX-License-Identifier: Apache-2.0
+// Kernel table of the score ops (internal): what each per-ISA unit
+// (score_ops_<isa>.cpp) provides to the entry points in cpu_score_ops.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "isa_dispatch.hpp"
+#include "kvpolicy/ops/scalar.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail {
+
+/// Workspace geometry of `window_scores`, fixed for every level so that the
+/// size reported before a call never depends on the level used during it.
+struct WindowLayout {
+  static constexpr std::int64_t kChunk = 64;       ///< keys per softmax chunk (one exp sweep, one max)
+  static constexpr std::int64_t kQueryAlign = 16;  ///< query rows padded to the widest vector (AVX-512 floats)
+
+  std::int64_t num_q = 0;       ///< G * w
+  std::int64_t qpad = 0;        ///< num_q rounded up to kQueryAlign
+  std::int64_t num_chunks = 0;  ///< ceil(kv_len / kChunk)
+
+  static WindowLayout of(const WindowScoreShape& s) noexcept {
+    WindowLayout l;
+    l.num_q = s.group * s.window;
+    l.qpad = (l.num_q + kQueryAlign - 1) / kQueryAlign * kQueryAlign;
+    l.num_chunks = (s.kv_len + kChunk - 1) / kChunk;
+    return l;
+  }
+};
+
+/// Scratch of one `window_scores` call, carved from the caller's workspace.
+/// Every array is 64-byte aligned; rows of `qpad` floats stay aligned.
+struct WindowScratch {
+  WindowLayout layout{};
+  float* qt = nullptr;                   // (head_dim, qpad): queries transposed, zero padded
+  std::int32_t* last_visible = nullptr;  // (qpad): last key each query row sees (causal)
+  float* p = nullptr;                    // (kv_len, qpad): logits, then exp(logit - chunk max)
+  float* chunk_max = nullptr;            // (num_chunks, qpad): chunk maxima, then exp(chunk max - max)
+  float* chunk_sum = nullptr;            // (num_chunks, qpad): sum of the chunk's exp
+  float* key_buf = nullptr;              // (kChunk, head_dim): keys of one chunk widened to fp32
+  float* row_max = nullptr;              // (qpad): max over all visible keys
+  double* denom = nullptr;               // (qpad): softmax denominators
+  float* inv_denom = nullptr;            // (qpad): 1/denominator (x 1/w for the mean), 0 for padding rows
+  float* factor = nullptr;               // (qpad): per-chunk rescale factors
+  float* row_tmp = nullptr;              // (qpad): one weighted row of p
+
+  /// Calls fn(pointer_member, element_count) for every array in carving
+  /// order: the single definition behind both the size report and the carve.
+  template <class Fn>
+  static void visit(const WindowScoreShape& s, WindowScratch& w, Fn&& fn) noexcept {
+    const auto q = static_cast<std::size_t>(w.layout.qpad);
+    const auto chunks = static_cast<std::size_t>(w.layout.num_chunks);
+    fn(w.qt, static_cast<std::size_t>(s.head_dim) * q);
+    fn(w.last_visible, q);
+    fn(w.p, static_cast<std::size_t>(s.kv_len) * q);
+    fn(w.chunk_max, chunks * q);
+    fn(w.chunk_sum, chunks * q);
+    fn(w.key_buf, static_cast<std::size_t>(WindowLayout::kChunk * s.head_dim));
+    fn(w.row_max, q);
+    fn(w.denom, q);
+    fn(w.inv_denom, q);
+    fn(w.factor, q);
+    fn(w.row_tmp, q);
+  }
+};
+
+struct ScoreKernels {
+  void (*window_scores_f32)(const WindowScoreShape&, const float*, KeyRows<float>, float*, const WindowScratch&) noexcept;
+  void (*window_scores_f16)(const WindowScoreShape&, const float*, KeyRows<half>, float*, const WindowScratch&) noexcept;
+  void (*window_scores_bf16)(const WindowScoreShape&, const float*, KeyRows<bfloat16>, float*, const WindowScratch&) noexcept;
+  /// pool1d outputs t in [t0, t1), all with complete windows (t0 >= k/2, t1 + k/2 <= n).
+  void (*pool1d_full)(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept;
+  /// Writes the indices i < n with scores[i] >= threshold (ordered compare:
+  /// NaN never qualifies), ascending, and returns their count. `out` needs
+  /// room for n + kCollectSlack entries (whole vectors are stored).
+  std::int64_t (*collect_at_least)(const float* scores, std::int64_t n, float threshold, std::int32_t* out) noexcept;
+};
+
+inline constexpr std::int64_t kCollectSlack = 64;
+
+KVP_CPU_DECLARE_KERNELS(ScoreKernels, score_kernels)
+
+}  // namespace cpu_detail
+KVP_NAMESPACE_END

@@ -1,0 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0
+// Score-op kernels for the avx2 level (flags and KVP_CPU_TU_ISA come from CMake).
+#include "score_kernels_impl.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail {
+KVP_CPU_DEFINE_KERNELS(ScoreKernels, score_kernels,
+                       &KVP_CPU_ISA_NS::window_scores<float>, &KVP_CPU_ISA_NS::window_scores<half>,
+                       &KVP_CPU_ISA_NS::window_scores<bfloat16>, &KVP_CPU_ISA_NS::pool1d_full,
+                       &KVP_CPU_ISA_NS::collect_at_least)
+}  // namespace cpu_detail
+KVP_NAMESPACE_END
