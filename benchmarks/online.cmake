@@ -1,0 +1,11 @@
+# Online eviction (H2O update + evict, TOVA) at one 32K-token decode step.
+find_package(benchmark QUIET)
+if(TARGET benchmark::benchmark)
+  add_executable(bench_online ${CMAKE_CURRENT_LIST_DIR}/bench_online.cpp)
+  target_link_libraries(bench_online PRIVATE kvpolicy::kvpolicy benchmark::benchmark)
+  target_include_directories(bench_online PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_compile_features(bench_online PRIVATE cxx_std_20)
+  kvp_set_warnings(bench_online)
+else()
+  message(STATUS "kvpolicy: Google Benchmark not found, bench_online not built")
+endif()

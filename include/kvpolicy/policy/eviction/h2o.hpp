@@ -1,0 +1,441 @@
+// SPDX-License-Identifier: Apache-2.0
+// H2O — "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+// Language Models" (Zhang et al., NeurIPS 2023, arXiv 2306.14048), in the
+// online "real drop" form of FMInference/H2O `utils_real_drop` (reference §6.1, §6.6).
+//
+// State (caller-owned, one per sequence and layer): `H2OState::scores`
+// (state_heads, capacity), the attention each cache slot has received since it
+// entered the cache, aligned with the K/V slots, and `length`, the slots in use.
+// Per forward call (a prefill of q tokens or one decode step), after the call's
+// attention output was computed over the full cache of n = length + q tokens:
+//   1. update: c[h, j] = sum_i A[h, i, j] over the call's q query rows; slots
+//      j < length add it to their score, the q new slots start from it.
+//   2. evict:  if n > hh + recent, each head keeps its hh best scores among the
+//      slots [0, n - recent) plus the recent slots [n - recent, n); the kept
+//      slots (ascending) go to a KeepSet row for `apply/`, and the state row is
+//      re-packed the same way, so scores stay aligned with the compacted K/V.
+// `evict_for_space(num_coming)` makes room before a multi-token input.
+// Probabilities come from the engine (`update`: (Hq, q, n) rows, or
+// `update_from_column_sums`: (Hq, n)) or are recomputed from the step's queries
+// and the cached keys (`update_from_queries`, Backend::window_scores, kSum).
+//
+// Choices (the original is MHA-only and batch 1):
+//  * GQA. Default `H2OGranularity::kKvHead`: one state row per kv head,
+//    r[g, j] = sum over the G query heads of group g of c[h, j]
+//    (`GroupReduce::kSum`, default) or their mean (`kMean`); selection per kv
+//    head, so the cache stays at Hkv heads. `kQueryHead`: one state row per query
+//    head, the original's layout; it needs a per-query-head cache (K/V repeated
+//    G times), i.e. probabilities / queries / keys with as many heads as the state.
+//  * Accumulation order, fp32 (probabilities may be fp16/bf16): c sums i
+//    ascending, r sums the group ascending (then divides by G for kMean), the
+//    state adds r. A test reproduces it bit for bit.
+//  * Ties: higher score kept, equal scores keep the more recent slot, as
+//    `score_order_key` (torch.topk's tie order is unspecified).
+//  * evict_for_space: the original keeps candidates [0, n - recent + num_coming)
+//    and recent [n - recent + num_coming, n) and crashes when num_coming > recent;
+//    here the heavy part then shrinks by the excess (after appending, the cache
+//    holds hh + recent), and num_coming > hh + recent is an error.
+//  * Non-finite values: `update` is a streaming add and does not inspect values;
+//    `evict` refuses a state holding NaN (naming head and slot) before writing.
+//  * Not this algorithm: kvpress `ObservedAttentionPress` (one-shot, normalised by
+//    T - j) and the KVCache-Factory one-shot "H2O"; both are in observed_attention.hpp.
+//
+// Cost per decode step: update O(Hq n) streaming add; evicting one slot is one
+// min pass over the candidates plus a memmove of the state tail; larger
+// evictions use Backend::topk. Thread-safety: const; distinct states may be
+// updated concurrently; work on one state is split over heads via ExecContext.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/policy/policy.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+namespace detail {
+
+// One-victim selection shared by the online policies (H2O, TOVA): evicting a
+// single slot of a top-(n-1) is an argmin under the same total order.
+
+inline bool has_nan(const float* x, std::int64_t n) noexcept {
+  constexpr std::int64_t kL = 32;
+  int bad[kL] = {};
+  const std::int64_t body = n - n % kL;
+  for (std::int64_t j = 0; j < body; j += kL)
+    for (int l = 0; l < kL; ++l) bad[l] |= x[j + l] != x[j + l];
+  for (std::int64_t j = body; j < n; ++j) bad[0] |= x[j] != x[j];
+  int any = 0;
+  for (int v : bad) any |= v;
+  return any != 0;
+}
+inline std::int64_t first_nan(const float* x, std::int64_t n) noexcept {
+  for (std::int64_t j = 0; j < n; ++j)
+    if (x[j] != x[j]) return j;
+  return 0;
+}
+
+/// Lowest slot of the minimum of x[0..n) under score_order_key (the slot a
+/// top-(n-1) drops); returns -1 and sets *at, or returns 0 when x holds NaN.
+/// One pass of block minima over 32 independent lanes (enough accumulators for
+/// the compiler to vectorise and hide the min latency), then a search inside
+/// the first block that holds the minimum.
+inline std::int64_t argmin_or_nan(const float* x, std::int64_t n, std::int64_t* at) noexcept {
+  constexpr std::int64_t kB = 1024, kL = 32;
+  float best = std::numeric_limits<float>::infinity();
+  std::int64_t best_block = 0;
+  int bad_any = 0;
+  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
+    const std::int64_t nb = std::min(kB, n - b0);
+    float m[kL];
+    int bad[kL] = {};
+    for (float& v : m) v = std::numeric_limits<float>::infinity();
+    std::int64_t j = 0;
+    for (; j + kL <= nb; j += kL)
+      for (int l = 0; l < kL; ++l) {
+        const float v = x[b0 + j + l];
+        m[l] = v < m[l] ? v : m[l];
+        bad[l] |= v != v;
+      }
+    for (; j < nb; ++j) {
+      const float v = x[b0 + j];
+      m[0] = v < m[0] ? v : m[0];
+      bad[0] |= v != v;
+    }
+    float bm = m[0];
+    for (int l = 0; l < kL; ++l) {
+      bm = m[l] < bm ? m[l] : bm;
+      bad_any |= bad[l];
+    }
+    if (bm < best) best = bm, best_block = b0;
+  }
+  const int bad = bad_any;
+  if (bad) return 0;
+  if (best == 0.0f) {  // -0 ranks below +0 in the total order: resolve by keys
+    std::int64_t arg = 0;
+    for (std::int64_t j = 1; j < n; ++j)
+      if (score_order_key(x[j]) < score_order_key(x[arg])) arg = j;
+    *at = arg;
+    return -1;
+  }
+  std::int64_t j = best_block;
+  while (x[j] != best) ++j;  // best occurs in its block (all-+inf rows: block 0)
+  *at = j;
+  return -1;
+}
+
+}  // namespace detail
+
+enum class H2OGranularity : std::uint8_t {
+  kKvHead,     ///< one state row per kv head (GQA-aware, the default)
+  kQueryHead,  ///< one state row per query head, over a per-query-head cache (original)
+};
+
+struct H2OParams {
+  std::int64_t hh_size = 4;        ///< heavy hitters kept per head
+  std::int64_t recent_size = 512;  ///< most recent slots always kept
+  GroupReduce group_reduce = GroupReduce::kSum;  ///< kKvHead: how a group's query heads combine (kSum / kMean)
+  H2OGranularity granularity = H2OGranularity::kKvHead;
+  float scale = 0.0f;  ///< logit scale for update_from_queries; 0 means 1/sqrt(head_dim)
+
+  /// `H2OKVCache_LayerWise(hh_size, recent_size)` (class defaults 4 / 512;
+  /// run_summarization.py uses 1024 / 1024).
+  static constexpr H2OParams original(std::int64_t hh_size, std::int64_t recent_size) noexcept {
+    return H2OParams{hh_size, recent_size, GroupReduce::kSum, H2OGranularity::kKvHead, 0.0f};
+  }
+  /// Budgets as ratios of the prompt length (§6.2): int(ratio * prompt_len).
+  static constexpr H2OParams from_prompt_ratios(double heavy_ratio, double recent_ratio, std::int64_t prompt_len) noexcept {
+    return original(static_cast<std::int64_t>(heavy_ratio * static_cast<double>(prompt_len)),
+                    static_cast<std::int64_t>(recent_ratio * static_cast<double>(prompt_len)));
+  }
+};
+
+/// Caller-owned H2O state of one sequence (one layer).
+struct H2OState {
+  TensorView<float, 2> scores{};  ///< (state_heads, capacity): accumulated attention per cache slot, rows contiguous
+  std::int64_t length = 0;        ///< slots in use; equals the cache length after each update / evict
+  void reset() noexcept { length = 0; }  ///< new sequence (the original's _clean_scores)
+};
+
+class H2O {
+ public:
+  using Params = H2OParams;
+  static constexpr const char* kName = "h2o";
+
+  constexpr H2O() noexcept = default;
+  explicit constexpr H2O(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+  constexpr std::int64_t cache_size() const noexcept { return params_.hh_size + params_.recent_size; }
+
+  Status validate_params() const noexcept {
+    KVP_REQUIRE(params_.hh_size >= 0 && params_.recent_size >= 0, "h2o: hh_size %lld and recent_size %lld must be >= 0",
+                static_cast<long long>(params_.hh_size), static_cast<long long>(params_.recent_size));
+    KVP_REQUIRE(cache_size() <= INT32_MAX, "h2o: hh_size + recent_size exceeds the int32 token id range");
+    KVP_REQUIRE(params_.group_reduce != GroupReduce::kMax, "h2o: group_reduce kMax is not additive; use kSum or kMean");
+    KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "h2o: scale is %g, must be finite and >= 0",
+                static_cast<double>(params_.scale));
+    return Status::ok();
+  }
+
+  /// Slots kept by an evict of a cache of n slots (-1 if invalid).
+  std::int64_t kept_count(std::int64_t n, std::int64_t num_coming = 0) const noexcept {
+    const std::int64_t target = cache_size() - num_coming;
+    if (!validate_params().is_ok() || n < 0 || num_coming < 0 || target < 0) return -1;
+    return std::min(n, target);
+  }
+
+  // ---- update ---------------------------------------------------------------
+
+  /// Accumulate one call's attention probabilities, probs (num_q_heads, q_len,
+  /// kv_len) with kv_len = state.length + q_len (the q new slots start fresh).
+  /// Rows must be contiguous along kv_len. No workspace.
+  template <class Tp>
+  Status update(H2OState& state, TensorView<const Tp, 3> probs, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
+    KVP_REQUIRE(probs.extent(1) >= 1, "h2o: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
+    return update_impl(state, probs, probs.extent(1), "probabilities", ctx);
+  }
+
+  /// Accumulate precomputed column sums (num_q_heads, kv_len) (sum over the
+  /// call's query rows, e.g. returned by the engine's attention kernel); the
+  /// kv_len - state.length new slots start fresh.
+  template <class Tp>
+  Status update_from_column_sums(H2OState& state, TensorView<const Tp, 2> col, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
+    const TensorView<const Tp, 3> as3(col.data(), {col.extent(0), 1, col.extent(1)}, {col.stride(0), 0, col.stride(1)}, col.device());
+    return update_impl(state, as3, col.extent(1) - state.length, "column sums", ctx);
+  }
+
+  template <class Backend, class Tk = float>
+  std::size_t update_workspace_bytes(const PrefillShape& s, const ExecContext& ctx = {}) const noexcept {
+    return detail::WorkerSlices::bytes(update_per_worker<Backend>(s), ctx.workers());
+  }
+
+  /// Recompute the call's attention from its queries (num_q_heads, q_len, d),
+  /// at positions kv_len - q_len .. kv_len - 1, and the cached keys
+  /// (num_kv_heads, kv_len, d) which already hold the call's tokens; then update.
+  template <class Backend, class Tq, class Tk>
+  Status update_from_queries(H2OState& state, const PrefillInput<Tq, Tk>& step, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_state(state));
+    KVP_RETURN_IF_ERROR(step.keys.validate(kName, "keys"));
+    if (step.keys.paged != nullptr) {
+      KVP_RETURN_IF_ERROR(step.keys.paged->validate(kName, /*need_values=*/false));
+      KVP_REQUIRE(step.keys.paged->device.is_host(), "h2o: paged keys live on a device; this entry point reads host memory");
+    }
+    KVP_RETURN_IF_ERROR(step.queries.check_basic(kName, "queries"));
+    KVP_REQUIRE(step.queries.device().is_host(), "h2o: queries is a device tensor; this entry point reads host memory");
+    const std::int64_t Hq = step.queries.extent(0), Hkv = step.keys.kv_heads(), Hs = state.scores.extent(0);
+    const std::int64_t q = step.queries.extent(1), n = step.keys.kv_len(), d = step.keys.head_dim();
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(Hq, Hkv, kName, &gqa));
+    KVP_REQUIRE(Hkv == Hs, "h2o: keys has %lld kv heads, the state has %lld rows", static_cast<long long>(Hkv), static_cast<long long>(Hs));
+    KVP_REQUIRE(params_.granularity == H2OGranularity::kKvHead || Hq == Hs,
+                "h2o: queries has %lld heads, the per-query-head state has %lld rows (repeat K/V per query head)",
+                static_cast<long long>(Hq), static_cast<long long>(Hs));
+    KVP_REQUIRE(step.queries.extent(2) == d && d > 0, "h2o: queries head_dim %lld differs from keys head_dim %lld",
+                static_cast<long long>(step.queries.extent(2)), static_cast<long long>(d));
+    KVP_REQUIRE(q >= 1, "h2o: queries has %lld rows per head, must be >= 1", static_cast<long long>(q));
+    KVP_RETURN_IF_ERROR(check_step(state, n, q, "keys"));
+    const PrefillShape shape{Hq, Hkv, d, n, q};
+    const std::size_t per = update_per_worker<Backend>(shape);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const auto slices = detail::WorkerSlices::carve(ws, per);
+    const std::int64_t G = Hq / Hkv, len_prev = state.length;
+    const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    ctx.parallel_for(Hs, [&](std::int64_t s, int worker) {
+      // Column sums of the call's causal attention, kQueryBlock queries at a time
+      // (a prefill never stages all its queries): col (G, n), blocks after the first add in.
+      WorkspaceCarver c(slices.slice(worker));
+      const std::int64_t B = std::min(q, kQueryBlock);
+      float* qf = c.take<float>(static_cast<std::size_t>(G * B * d));
+      float* col = c.take<float>(static_cast<std::size_t>(G * n));
+      float* blk = q > B ? c.take<float>(static_cast<std::size_t>(G * n)) : col;
+      for (std::int64_t q0 = 0; q0 < q; q0 += B) {
+        const std::int64_t bw = std::min(B, q - q0);
+        for (std::int64_t g = 0; g < G; ++g)
+          for (std::int64_t i = 0; i < bw; ++i)
+            for (std::int64_t k = 0; k < d; ++k) qf[(g * bw + i) * d + k] = to_float(step.queries(s * G + g, q0 + i, k));
+        float* out = q0 == 0 ? col : blk;
+        Backend::window_scores(WindowScoreShape{G, bw, d, n, n, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out, c.rest());
+        if (q0 > 0)
+          for (std::int64_t j = 0; j < G * n; ++j) col[j] += blk[j];
+      }
+      accumulate_row(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G);
+    });
+    state.length = n;
+    return Status::ok();
+  }
+
+  // ---- evict ----------------------------------------------------------------
+
+  template <class Backend>
+  std::size_t evict_workspace_bytes(std::int64_t state_heads, std::int64_t max_len, const ExecContext& ctx = {}) const noexcept {
+    return WorkspacePlan{}.add<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(state_heads, 1))).total() +
+           detail::WorkerSlices::bytes(Backend::topk_workspace(std::max<std::int64_t>(max_len, 1)), ctx.workers());
+  }
+
+  /// Evict down to hh + recent: writes one KeepSet row per state row (ascending
+  /// slots) and re-packs the state. Nothing is written on error.
+  template <class Backend>
+  Status evict(H2OState& state, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    return evict_for_space<Backend>(state, 0, out, ws, ctx);
+  }
+
+  /// Evict so that `num_coming` more tokens fit in hh + recent.
+  template <class Backend>
+  Status evict_for_space(H2OState& state, std::int64_t num_coming, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_state(state));
+    KVP_REQUIRE(num_coming >= 0 && num_coming <= cache_size(), "h2o: num_coming %lld out of range [0, hh_size + recent_size = %lld]",
+                static_cast<long long>(num_coming), static_cast<long long>(cache_size()));
+    const std::int64_t Hs = state.scores.extent(0), n = state.length, keep = kept_count(n, num_coming);
+    KVP_RETURN_IF_ERROR(out.check_output(kName, Hs, Hs * keep));
+    KVP_REQUIRE(Hs * keep <= INT32_MAX, "h2o: %lld kept slots overflow the int32 keep-set indices", static_cast<long long>(Hs * keep));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, evict_workspace_bytes<Backend>(Hs, n, ctx)));
+    WorkspaceCarver carve(ws);
+    std::int64_t* nan_at = carve.take<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(Hs, 1)));
+    std::int64_t* victim = nan_at + Hs;
+    const auto slices = detail::WorkerSlices::carve(carve.rest(), Backend::topk_workspace(std::max<std::int64_t>(n, 1)));
+    const std::int64_t recent = std::max<std::int64_t>(params_.recent_size - num_coming, 0);
+    const std::int64_t heavy = keep - std::min(recent, keep), cand = n - recent;
+    const bool single = n - keep == 1;
+
+    // Phase 1 (read only): NaN check, and the victim when exactly one slot goes.
+    ctx.parallel_for(Hs, [&](std::int64_t s, int) {
+      const float* row = &state.scores(s, 0);
+      nan_at[s] = single ? detail::argmin_or_nan(row, cand, &victim[s]) : (detail::has_nan(row, cand) ? 0 : -1);
+      if (nan_at[s] < 0 && detail::has_nan(row + std::max<std::int64_t>(cand, 0), n - std::max<std::int64_t>(cand, 0))) nan_at[s] = 0;
+      if (nan_at[s] >= 0) nan_at[s] = detail::first_nan(row, n);
+    });
+    for (std::int64_t s = 0; s < Hs; ++s) {
+      KVP_REQUIRE(nan_at[s] < 0, "h2o: state head %lld slot %lld is NaN (non-finite attention was accumulated)", static_cast<long long>(s),
+                  static_cast<long long>(nan_at[s]));
+    }
+
+    // Phase 2: decisions and state re-packing.
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, 1, Hs, [&](std::int64_t) { return keep; }));
+    ctx.parallel_for(Hs, [&](std::int64_t s, int worker) {
+      float* row = &state.scores(s, 0);
+      auto* ids = out.indices + out.indptr[s];
+      if (keep == n) {
+        for (std::int64_t r = 0; r < n; ++r) ids[r] = static_cast<std::int32_t>(r);
+      } else if (single) {
+        const std::int64_t x = victim[s];
+        for (std::int64_t r = 0; r < x; ++r) ids[r] = static_cast<std::int32_t>(r);
+        for (std::int64_t r = x; r < keep; ++r) ids[r] = static_cast<std::int32_t>(r + 1);
+        std::memmove(row + x, row + x + 1, static_cast<std::size_t>(n - x - 1) * sizeof(float));
+      } else {
+        Backend::topk(row, cand, heavy, ids, slices.slice(worker));
+        for (std::int64_t r = heavy; r < keep; ++r) ids[r] = static_cast<std::int32_t>(n - keep + r);
+        for (std::int64_t r = 0; r < keep; ++r) row[r] = row[ids[r]];  // ids[r] >= r: forward sweep is in-place safe
+      }
+    });
+    state.length = keep;
+    return Status::ok();
+  }
+
+ private:
+  Status check_state(const H2OState& st) const noexcept {
+    KVP_RETURN_IF_ERROR(st.scores.check_basic(kName, "state scores"));
+    KVP_REQUIRE(st.scores.device().is_host(), "h2o: state scores is a device tensor; this entry point uses host memory");
+    KVP_REQUIRE(st.scores.extent(0) >= 1, "h2o: state scores has %lld rows, must be >= 1", static_cast<long long>(st.scores.extent(0)));
+    KVP_REQUIRE(st.scores.stride(1) == 1 || st.scores.extent(1) <= 1, "h2o: state scores has slot stride %lld, must be 1",
+                static_cast<long long>(st.scores.stride(1)));
+    KVP_REQUIRE(st.length >= 0 && st.length <= st.scores.extent(1), "h2o: state length %lld out of range [0, capacity=%lld]",
+                static_cast<long long>(st.length), static_cast<long long>(st.scores.extent(1)));
+    return Status::ok();
+  }
+
+  /// The call covers kv_len = state.length + new slots and must fit the state.
+  Status check_step(const H2OState& st, std::int64_t kv_len, std::int64_t fresh, const char* name) const noexcept {
+    KVP_REQUIRE(kv_len >= st.length, "h2o: %s cover kv_len=%lld, fewer than the state's %lld slots", name, static_cast<long long>(kv_len),
+                static_cast<long long>(st.length));
+    KVP_REQUIRE(kv_len == st.length + fresh, "h2o: %s cover kv_len=%lld, expected state length %lld + %lld new = %lld", name,
+                static_cast<long long>(kv_len), static_cast<long long>(st.length), static_cast<long long>(fresh),
+                static_cast<long long>(st.length + fresh));
+    KVP_REQUIRE(kv_len <= st.scores.extent(1), "h2o: state capacity %lld is smaller than kv_len %lld", static_cast<long long>(st.scores.extent(1)),
+                static_cast<long long>(kv_len));
+    KVP_REQUIRE(kv_len <= INT32_MAX, "h2o: kv_len %lld exceeds the int32 token id range", static_cast<long long>(kv_len));
+    return Status::ok();
+  }
+
+  template <class Tp>
+  Status update_impl(H2OState& st, TensorView<const Tp, 3> p, std::int64_t fresh, const char* name, const ExecContext& ctx) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_state(st));
+    KVP_REQUIRE(p.device().is_host(), "h2o: %s is a device tensor; this entry point reads host memory", name);
+    const std::int64_t Hq = p.extent(0), Hs = st.scores.extent(0), n = p.extent(2);
+    if (params_.granularity == H2OGranularity::kQueryHead) {
+      KVP_REQUIRE(Hq == Hs, "h2o: %s has %lld query heads, the per-query-head state has %lld rows", name, static_cast<long long>(Hq),
+                  static_cast<long long>(Hs));
+    } else {
+      KVP_REQUIRE(Hq >= 1 && Hq % Hs == 0, "h2o: %s has %lld query heads, not a multiple of the state's %lld kv heads", name,
+                  static_cast<long long>(Hq), static_cast<long long>(Hs));
+    }
+    KVP_REQUIRE(p.stride(2) == 1 || n <= 1, "h2o: %s has kv stride %lld, must be 1 (rows are read as contiguous vectors)", name,
+                static_cast<long long>(p.stride(2)));
+    KVP_RETURN_IF_ERROR(check_step(st, n, fresh, name));
+    const std::int64_t G = Hq / Hs, len_prev = st.length;
+    ctx.parallel_for(Hs, [&](std::int64_t s, int) { accumulate_row(&st.scores(s, 0), len_prev, p, s * G, G); });
+    st.length = n;
+    return Status::ok();
+  }
+
+  /// state[j] = (j < len_prev ? state[j] : 0) + reduce_{g<G} sum_i p[h0+g, i, j],
+  /// in blocks that stay in L1 (the order documented at the top).
+  template <class Tp>
+  void accumulate_row(float* state, std::int64_t len_prev, const TensorView<const Tp, 3>& p, std::int64_t h0, std::int64_t G) const noexcept {
+    constexpr std::int64_t kBlock = 1024;
+    alignas(64) float r[kBlock];
+    alignas(64) float c[kBlock];
+    const std::int64_t n = p.extent(2), rows = p.extent(1);
+    const bool mean = params_.group_reduce == GroupReduce::kMean && G > 1;
+    const float gf = static_cast<float>(G);
+    for (std::int64_t j0 = 0; j0 < n; j0 += kBlock) {
+      const std::int64_t nb = std::min(kBlock, n - j0);
+      for (std::int64_t g = 0; g < G; ++g) {
+        const Tp* src = p.data() + (h0 + g) * p.stride(0) + j0;
+        if (g > 0 && rows == 1) {  // c == row 0 exactly: add it straight into r
+          for (std::int64_t k = 0; k < nb; ++k) r[k] += to_float(src[k]);
+          continue;
+        }
+        float* dst = g == 0 ? r : c;
+        for (std::int64_t k = 0; k < nb; ++k) dst[k] = to_float(src[k]);
+        for (std::int64_t i = 1; i < rows; ++i) {
+          const Tp* row = src + i * p.stride(1);
+          for (std::int64_t k = 0; k < nb; ++k) dst[k] += to_float(row[k]);
+        }
+        if (g > 0)
+          for (std::int64_t k = 0; k < nb; ++k) r[k] += c[k];
+      }
+      if (mean)
+        for (std::int64_t k = 0; k < nb; ++k) r[k] /= gf;
+      float* s = state + j0;
+      const std::int64_t split = std::clamp<std::int64_t>(len_prev - j0, 0, nb);
+      for (std::int64_t k = 0; k < split; ++k) s[k] += r[k];
+      for (std::int64_t k = split; k < nb; ++k) s[k] = r[k];
+    }
+  }
+
+  static constexpr std::int64_t kQueryBlock = 64;  ///< queries per window_scores call in update_from_queries
+
+  template <class Backend>
+  std::size_t update_per_worker(const PrefillShape& s) const noexcept {
+    const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
+    const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1), q = std::max<std::int64_t>(s.q_len, 1), B = std::min(q, kQueryBlock);
+    WorkspacePlan plan;
+    plan.add<float>(static_cast<std::size_t>(G * B * s.head_dim)).add<float>(static_cast<std::size_t>(G * n));
+    if (q > B) plan.add<float>(static_cast<std::size_t>(G * n));
+    plan.add_bytes(Backend::window_scores_workspace(WindowScoreShape{G, B, s.head_dim, n, n, n - q, 1.0f, WindowReduce::kSum}));
+    return plan.bytes;
+  }
+
+  Params params_{};
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,275 @@
+// SPDX-License-Identifier: Apache-2.0
+// Observed attention — one-shot prefill eviction by the attention every key
+// received from all prompt queries. Two published variants (reference §6.4, §6.5):
+//
+//  * kvpress `ObservedAttentionPress` (`ObservedAttentionParams::kvpress(r)`):
+//      score[g, j] = mean over the G query heads h of group g of
+//                    (sum_i A[h, i, j]) / (T - j)       (T - j queries see key j)
+//    keep n_keep = int(T * (1 - r)), no protected tokens.
+//  * KVCache-Factory `H2OKVCluster` (`ObservedAttentionParams::kvcache_factory_h2o(C, w)`),
+//    which that repository calls "H2O": score[j] = sum_i A[i, j] (no
+//    normalisation) for j < T - w, keep the top C - w plus the last w tokens;
+//    prompts with T <= C are kept whole.
+// Neither is the H2O paper's algorithm, which is online (accumulate every decode
+// step, evict every step): that is `H2O` in h2o.hpp.
+//
+// A[h, i, j] is the full causal prefill attention (softmax_j over j <= i of
+// <q_i, k_j> * scale, fp32). It is never materialised: the column sums are
+// accumulated block by block of `query_block` queries with Backend::window_scores
+// (q_pos0 = the block's first position, kSum), O(T) memory per kv head. Engines
+// whose attention kernel returns column sums pass them to `select_from_column_sums`.
+//
+// Choices: the kvpress mean of per-head normalised sums is computed as the
+// group reduction of the sums, then divided by T - j (equal up to rounding).
+// GQA for the Factory variant: its kv_head mode reduces the group by
+// `gqa_score_agg` (mean by default; sum / max selectable); its default
+// query_head mode is a per-query-head cache, i.e. a call with repeated K/V and
+// num_q_heads == num_kv_heads. If the budget is smaller than the window, the
+// most recent n_keep window tokens are kept. Ties: higher score, then the more
+// recent token (`score_order_key`); kept ids ascending. NaN scores rank last.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/policy.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+struct ObservedAttentionParams {
+  Budget budget = Budget::compression_ratio(0.5);
+  std::int32_t window = 0;       ///< last w tokens always kept (inside the budget)
+  bool normalize = true;         ///< divide the column sums by T - j (kvpress); false: raw sums (KVCache-Factory)
+  GroupReduce group_reduce = GroupReduce::kMean;
+  std::int32_t query_block = 64;  ///< queries per window_scores call: memory / work granularity, not semantics
+  float scale = 0.0f;             ///< logit scale; 0 means 1/sqrt(head_dim)
+
+  /// kvpress `ObservedAttentionPress(compression_ratio=r)`.
+  static constexpr ObservedAttentionParams kvpress(double r) noexcept {
+    return ObservedAttentionParams{Budget::compression_ratio(r), 0, true, GroupReduce::kMean, 64, 0.0f};
+  }
+  /// KVCache-Factory `H2OKVCluster(max_capacity_prompt=C, window_size=w)` in kv_head mode
+  /// (run_longbench.py: w = 8).
+  static constexpr ObservedAttentionParams kvcache_factory_h2o(std::int64_t capacity, std::int32_t window = 8,
+                                                               GroupReduce agg = GroupReduce::kMean) noexcept {
+    return ObservedAttentionParams{Budget::tokens(capacity).clamp_to_length(), window, false, agg, 64, 0.0f};
+  }
+};
+
+class ObservedAttention {
+ public:
+  using Params = ObservedAttentionParams;
+  static constexpr const char* kName = "observed_attention";
+
+  constexpr ObservedAttention() noexcept = default;
+  explicit constexpr ObservedAttention(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+
+  Status validate_params() const noexcept {
+    KVP_REQUIRE(params_.window >= 0, "observed_attention: window is %d, must be >= 0", params_.window);
+    KVP_REQUIRE(params_.query_block >= 1, "observed_attention: query_block is %d, must be >= 1", params_.query_block);
+    KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "observed_attention: scale is %g, must be finite and >= 0",
+                static_cast<double>(params_.scale));
+    return params_.budget.validate(kName);
+  }
+
+  std::int64_t kept_count(std::int64_t kv_len) const noexcept {
+    std::int64_t n = 0;
+    if (!validate_params().is_ok() || !params_.budget.resolve(kName, kv_len, std::min<std::int64_t>(params_.window, kv_len), &n).is_ok())
+      return -1;
+    return n;
+  }
+
+  /// Workspace for select / score; for select_from_column_sums pass head_dim = 0.
+  template <class Backend, class Tk = float>
+  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
+    return detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.workers());
+  }
+
+  /// Scores of one sequence, out (num_kv_heads, kv_len); window tokens +inf.
+  template <class Backend, class Tq, class Tk>
+  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_input(in, 0));
+    KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
+    const PrefillShape shape = shape_of(in);
+    const std::int64_t H = shape.num_kv_heads, T = shape.max_kv_len, L = T - std::min<std::int64_t>(params_.window, T);
+    KVP_REQUIRE(out.extent(0) == H && out.extent(1) == T,
+                "observed_attention: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
+                static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)), static_cast<long long>(H),
+                static_cast<long long>(T));
+    const std::size_t per = per_worker_bytes<Backend>(shape);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const auto slices = detail::WorkerSlices::carve(ws, per);
+    ctx.parallel_for(H, [&](std::int64_t h, int worker) {
+      WorkspaceCarver c(slices.slice(worker));
+      const float* s = score_head<Backend>(in, h, c);
+      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : INFINITY;
+    });
+    return Status::ok();
+  }
+
+  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
+  template <class Backend, class Tq, class Tk>
+  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_REQUIRE(!batch.empty(), "observed_attention: batch is empty");
+    PrefillShape shape = shape_of(batch[0]);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
+      const PrefillShape sb = shape_of(batch[b]);
+      KVP_REQUIRE(sb.num_q_heads == shape.num_q_heads && sb.num_kv_heads == shape.num_kv_heads && sb.head_dim == shape.head_dim,
+                  "observed_attention: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)",
+                  b, static_cast<long long>(sb.num_q_heads), static_cast<long long>(sb.num_kv_heads), static_cast<long long>(sb.head_dim),
+                  static_cast<long long>(shape.num_q_heads), static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.head_dim));
+      shape.max_kv_len = std::max(shape.max_kv_len, sb.max_kv_len);
+      shape.q_len = shape.max_kv_len;
+    }
+    const std::size_t per = per_worker_bytes<Backend>(shape);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const std::int64_t H = shape.num_kv_heads;
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
+                                                     [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
+    const auto slices = detail::WorkerSlices::carve(ws, per);
+    ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
+      const auto& in = batch[static_cast<std::size_t>(row / H)];
+      WorkspaceCarver c(slices.slice(worker));
+      const std::int64_t T = in.keys.kv_len();
+      const float* s = out.row_size(row) < T ? score_head<Backend>(in, row % H, c) : nullptr;
+      choose<Backend>(s, T, out, row, c);
+    });
+    return Status::ok();
+  }
+
+  template <class Backend, class Tq, class Tk>
+  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  }
+
+  /// One sequence from the engine's column sums (num_q_heads, kv_len):
+  /// sum_i A[h, i, j] over all T prompt queries. Writes num_kv_heads rows.
+  template <class Backend, class Tp>
+  Status select_from_column_sums(TensorView<const Tp, 2> col, std::int64_t num_kv_heads, KeepSet out, Workspace ws,
+                                 const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
+    KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(col.extent(0), num_kv_heads, kName, &gqa));
+    const std::int64_t T = col.extent(1), G = gqa.group_size();
+    KVP_REQUIRE(T <= INT32_MAX, "observed_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
+    std::int64_t n = 0;
+    KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.window, T), &n));
+    const std::size_t per = per_worker_bytes<Backend>(PrefillShape{col.extent(0), num_kv_heads, 0, T, T});
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, 1, num_kv_heads, [&](std::int64_t) { return n; }));
+    const auto slices = detail::WorkerSlices::carve(ws, per);
+    ctx.parallel_for(num_kv_heads, [&](std::int64_t h, int worker) {
+      WorkspaceCarver c(slices.slice(worker));
+      float* acc = c.take<float>(static_cast<std::size_t>(G * T));
+      float* s = c.take<float>(static_cast<std::size_t>(T));
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < T; ++j) acc[g * T + j] = to_float(col(h * G + g, j));
+      finish<Backend>(acc, G, T, s);
+      choose<Backend>(n < T ? s : nullptr, T, out, h, c);
+    });
+    return Status::ok();
+  }
+
+ private:
+  template <class Tq, class Tk>
+  static PrefillShape shape_of(const PrefillInput<Tq, Tk>& in) noexcept {
+    return PrefillShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), in.queries.extent(1)};
+  }
+
+  /// Per worker: fp32 query block, block output, per-head sums, final scores, op scratch.
+  template <class Backend>
+  std::size_t per_worker_bytes(const PrefillShape& s) const noexcept {
+    const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
+    const std::int64_t T = std::max<std::int64_t>(s.max_kv_len, 1), B = std::min<std::int64_t>(params_.query_block, T);
+    WorkspacePlan plan;
+    plan.add<float>(static_cast<std::size_t>(G * T)).add<float>(static_cast<std::size_t>(T));  // sums, scores
+    std::size_t op = Backend::topk_workspace(T);
+    if (s.head_dim > 0) {
+      plan.add<float>(static_cast<std::size_t>(G * B * s.head_dim)).add<float>(static_cast<std::size_t>(G * T));  // queries, block output
+      op = std::max(op, Backend::window_scores_workspace(WindowScoreShape{G, B, s.head_dim, T, T, 0, 1.0f, WindowReduce::kSum}));
+    }
+    plan.add_bytes(op);
+    return plan.bytes;
+  }
+
+  template <class Tq, class Tk>
+  Status validate_input(const PrefillInput<Tq, Tk>& in, std::size_t b) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+    if (in.keys.paged != nullptr) {
+      KVP_RETURN_IF_ERROR(in.keys.paged->validate(kName, /*need_values=*/false));
+      KVP_REQUIRE(in.keys.paged->device.is_host(), "observed_attention: paged keys live on a device; this entry point reads host memory");
+    }
+    KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
+    KVP_REQUIRE(in.queries.device().is_host(), "observed_attention: queries is a device tensor; this entry point reads host memory");
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(0), in.keys.kv_heads(), kName, &gqa));
+    KVP_REQUIRE(in.queries.extent(2) == in.keys.head_dim() && in.keys.head_dim() > 0,
+                "observed_attention: queries head_dim %lld differs from keys head_dim %lld", static_cast<long long>(in.queries.extent(2)),
+                static_cast<long long>(in.keys.head_dim()));
+    const std::int64_t T = in.keys.kv_len();
+    KVP_REQUIRE(in.queries.extent(1) == T, "observed_attention: queries has %lld rows per head, expected one per prompt token (kv_len=%lld, sequence %zu)",
+                static_cast<long long>(in.queries.extent(1)), static_cast<long long>(T), b);
+    KVP_REQUIRE(T <= INT32_MAX, "observed_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
+    std::int64_t n = 0;
+    return params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.window, T), &n);
+  }
+
+  /// Scores of kv head h (all T columns) from the block-wise causal column sums.
+  template <class Backend, class Tq, class Tk>
+  const float* score_head(const PrefillInput<Tq, Tk>& in, std::int64_t h, WorkspaceCarver& c) const noexcept {
+    const std::int64_t G = in.queries.extent(0) / in.keys.kv_heads(), d = in.keys.head_dim(), T = in.keys.kv_len();
+    const std::int64_t B = std::min<std::int64_t>(params_.query_block, T);
+    float* acc = c.take<float>(static_cast<std::size_t>(G * T));
+    float* s = c.take<float>(static_cast<std::size_t>(T));
+    float* q = c.take<float>(static_cast<std::size_t>(G * B * d));
+    float* blk = c.take<float>(static_cast<std::size_t>(G * T));
+    std::fill(acc, acc + G * T, 0.0f);
+    const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    for (std::int64_t q0 = 0; q0 < T; q0 += B) {
+      const std::int64_t bw = std::min(B, T - q0), cols = q0 + bw;  // keys visible to the block
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t i = 0; i < bw; ++i)
+          for (std::int64_t k = 0; k < d; ++k) q[(g * bw + i) * d + k] = to_float(in.queries(h * G + g, q0 + i, k));
+      Backend::window_scores(WindowScoreShape{G, bw, d, T, cols, q0, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk, c.rest());
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < cols; ++j) acc[g * T + j] += blk[g * cols + j];
+    }
+    finish<Backend>(acc, G, T, s);
+    return s;
+  }
+
+  /// s[j] = group-reduce of the per-head sums, / (T - j) when normalising.
+  template <class Backend>
+  void finish(const float* acc, std::int64_t G, std::int64_t T, float* s) const noexcept {
+    Backend::group_reduce(acc, G, T, T, params_.group_reduce, s);
+    if (params_.normalize)
+      for (std::int64_t j = 0; j < T; ++j) s[j] /= static_cast<float>(T - j);
+  }
+
+  /// Keep row `row`: top (n - window part) past tokens + the most recent window tokens.
+  template <class Backend>
+  void choose(const float* s, std::int64_t T, KeepSet out, std::int64_t row, WorkspaceCarver& c) const noexcept {
+    std::int32_t* dst = out.indices + out.indptr[row];
+    const std::int64_t n = out.row_size(row);
+    if (n >= T) {
+      for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+      return;
+    }
+    const std::int64_t w = std::min<std::int64_t>(params_.window, T), n_win = std::min(n, w), n_past = n - n_win;
+    if (n_past > 0) Backend::topk(s, T - w, n_past, dst, c.rest());
+    for (std::int64_t j = 0; j < n_win; ++j) dst[n_past + j] = static_cast<std::int32_t>(T - n_win + j);
+  }
+
+  Params params_{};
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,310 @@
+// SPDX-License-Identifier: Apache-2.0
+// TOVA — "Transformers are Multi-State RNNs" (Oren et al., 2024, arXiv 2401.06104),
+// Token Omission Via Attention (reference §8).
+//
+// Algorithm (per sequence and layer, after the call's attention output):
+//   s[j] = (1 / Hq) * sum over ALL query heads h of A[h, last, j]   (newest query row)
+//   keep the top n_keep slots of s, ascending, the same slots for every kv head.
+// Online (schwartz-lab-NLP/TOVA `TOVACache.reduce`): run it after every call with
+// `TOVAParams::original(cache_size)`; a cache of n <= cache_size is kept whole,
+// and the newest token itself can be evicted. One-shot (kvpress `TOVAPress`):
+// `TOVAParams::kvpress(r)` keeps n_keep = int(T * (1 - r)) and always keeps the
+// last token (kvpress pads its score with max + 1).
+// TOVA has no state: each call decides from that call's attention alone.
+//
+// Inputs: the engine's probabilities (`select_from_attention`, (Hq, q, n), the
+// last row is used, or the newest row alone, (Hq, n)), or the queries and keys
+// (`select` / `score`, PrefillInput: the last query row of each head is used,
+// at position n - 1; Backend::window_scores recomputes its attention row).
+//
+// Choices: the head mean sums heads in ascending order, then divides by Hq, in
+// fp32. Ties: higher score kept, equal scores keep the more recent token
+// (`score_order_key`; torch.topk's order is unspecified). With protect_last and
+// n_keep >= 1 the last token is kept and the other n_keep - 1 are chosen among
+// [0, n - 1), exactly what kvpress's max + 1 pad selects (`score` writes that
+// pad, max over the sequence, so the scores compare with kvpress's). NaN
+// probabilities rank lowest and are evicted first; indices stay valid. When
+// exactly one token goes (the online steady state) the victim is found by one
+// argmin pass instead of a top-k.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"  // detail::argmin_or_nan (one-victim selection)
+#include "kvpolicy/policy/policy.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+struct TOVAParams {
+  Budget budget = Budget::tokens(512).clamp_to_length();  ///< the original's cache_size
+  bool protect_last = false;  ///< kvpress: the last token is always kept
+  float scale = 0.0f;         ///< logit scale when recomputing attention; 0 means 1/sqrt(head_dim)
+
+  /// `TOVACache(cache_size)` applied after every call (README: 512).
+  static constexpr TOVAParams original(std::int64_t cache_size) noexcept {
+    return TOVAParams{Budget::tokens(cache_size).clamp_to_length(), false, 0.0f};
+  }
+  /// kvpress `TOVAPress(compression_ratio=r)`.
+  static constexpr TOVAParams kvpress(double r) noexcept { return TOVAParams{Budget::compression_ratio(r), true, 0.0f}; }
+};
+
+class TOVA {
+ public:
+  using Params = TOVAParams;
+  static constexpr const char* kName = "tova";
+
+  constexpr TOVA() noexcept = default;
+  explicit constexpr TOVA(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+
+  Status validate_params() const noexcept {
+    KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "tova: scale is %g, must be finite and >= 0",
+                static_cast<double>(params_.scale));
+    return params_.budget.validate(kName);
+  }
+
+  /// Tokens kept per kv head for a cache of kv_len tokens (-1 if invalid).
+  std::int64_t kept_count(std::int64_t kv_len) const noexcept {
+    std::int64_t n = 0;
+    if (!validate_params().is_ok() || !params_.budget.resolve(kName, kv_len, params_.protect_last ? 1 : 0, &n).is_ok()) return -1;
+    return n;
+  }
+
+  template <class Backend, class Tk = float>
+  std::size_t workspace_bytes(const PrefillShape& s, const ExecContext& ctx = {}) const noexcept {
+    const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
+    const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
+    return plan<Backend>(std::max<std::int64_t>(s.num_q_heads, 1), n, per_worker<Backend>(G, s.head_dim, n), ctx.workers()).total();
+  }
+
+  /// Workspace of `select_from_attention` for caches of at most max_kv_len tokens.
+  template <class Backend>
+  std::size_t attention_workspace_bytes(std::int64_t max_kv_len) const noexcept {
+    return plan<Backend>(0, std::max<std::int64_t>(max_kv_len, 1), 0, 1).total();
+  }
+
+  /// Scores of one sequence, out (num_kv_heads, kv_len): the head-averaged
+  /// attention row of the last query (identical for every kv head); with
+  /// protect_last the last token gets max + 1, as kvpress.
+  template <class Backend, class Tq, class Tk>
+  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_input(in, 0));
+    KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
+    const std::int64_t H = in.keys.kv_heads(), n = in.keys.kv_len();
+    KVP_REQUIRE(out.extent(0) == H && out.extent(1) == n, "tova: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
+                static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)), static_cast<long long>(H),
+                static_cast<long long>(n));
+    const PrefillShape shape = shape_of(in);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
+    const Blocks blk = carve<Backend>(ws, shape);
+    head_mean<Backend>(in, blk, ctx);
+    const float* s = blk.mean;
+    float mx = -INFINITY;
+    for (std::int64_t j = 0; j + 1 < n; ++j) mx = std::max(mx, s[j]);
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t j = 0; j < n; ++j) out(h, j) = (params_.protect_last && j == n - 1) ? mx + 1.0f : s[j];
+    return Status::ok();
+  }
+
+  /// Eviction decision for a batch: rows `b * num_kv_heads + h`, equal per sequence.
+  template <class Backend, class Tq, class Tk>
+  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    KVP_REQUIRE(!batch.empty(), "tova: batch is empty");
+    PrefillShape shape = shape_of(batch[0]);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
+      const auto sb = shape_of(batch[b]);
+      KVP_REQUIRE(sb.num_q_heads == shape.num_q_heads && sb.num_kv_heads == shape.num_kv_heads && sb.head_dim == shape.head_dim,
+                  "tova: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", b,
+                  static_cast<long long>(sb.num_q_heads), static_cast<long long>(sb.num_kv_heads), static_cast<long long>(sb.head_dim),
+                  static_cast<long long>(shape.num_q_heads), static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.head_dim));
+      shape.max_kv_len = std::max(shape.max_kv_len, sb.max_kv_len);
+    }
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
+    const Blocks blk = carve<Backend>(ws, shape);
+    const std::int64_t H = shape.num_kv_heads;
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
+                                                     [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::int64_t n = batch[b].keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
+      if (out.row_size(row0) < n) head_mean<Backend>(batch[b], blk, ctx);
+      choose<Backend>(blk, n, out, row0, H);
+    }
+    return Status::ok();
+  }
+
+  template <class Backend, class Tq, class Tk>
+  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  }
+
+  /// Online step from the engine's probabilities (num_q_heads, q_len, kv_len):
+  /// the last query row decides; writes num_kv_heads equal rows.
+  template <class Backend, class Tp>
+  Status select_from_attention(TensorView<const Tp, 3> probs, std::int64_t num_kv_heads, KeepSet out, Workspace ws) const noexcept {
+    KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
+    KVP_REQUIRE(probs.extent(1) >= 1, "tova: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
+    const std::int64_t last = probs.extent(1) - 1;
+    return select_from_rows<Backend>(TensorView<const Tp, 2>(probs.data() + last * probs.stride(1), {probs.extent(0), probs.extent(2)},
+                                                              {probs.stride(0), probs.stride(2)}, probs.device()),
+                                     num_kv_heads, out, ws);
+  }
+
+  /// Online step from the newest query's probability rows (num_q_heads, kv_len).
+  template <class Backend, class Tp>
+  Status select_from_attention(TensorView<const Tp, 2> rows, std::int64_t num_kv_heads, KeepSet out, Workspace ws) const noexcept {
+    KVP_RETURN_IF_ERROR(rows.check_basic(kName, "probabilities"));
+    return select_from_rows<Backend>(rows, num_kv_heads, out, ws);
+  }
+
+ private:
+  /// Workspace blocks: (Hq, n) attention rows, the mean row, top-k scratch, per-worker slices.
+  struct Blocks {
+    float* rows = nullptr;
+    float* mean = nullptr;
+    Workspace topk{};
+    detail::WorkerSlices workers{};
+  };
+
+  template <class Backend>
+  static WorkspacePlan plan(std::int64_t hq, std::int64_t n, std::size_t per, int workers) noexcept {
+    WorkspacePlan p;
+    p.add<float>(static_cast<std::size_t>(hq * n)).add<float>(static_cast<std::size_t>(n)).add_bytes(Backend::topk_workspace(n));
+    if (per > 0) p.add_bytes(detail::WorkerSlices::bytes(per, workers));
+    return p;
+  }
+
+  /// Carves exactly what `plan` sized (n = the largest kv_len the caller sized for).
+  template <class Backend>
+  static Blocks carve(Workspace ws, const PrefillShape& s) noexcept {
+    const std::int64_t G = std::max<std::int64_t>(1, s.num_q_heads / std::max<std::int64_t>(s.num_kv_heads, 1));
+    const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
+    WorkspaceCarver c(ws);
+    Blocks b;
+    b.rows = c.take<float>(static_cast<std::size_t>(s.num_q_heads * n));
+    b.mean = c.take<float>(static_cast<std::size_t>(n));
+    const std::size_t tk = Backend::topk_workspace(n);
+    b.topk = Workspace{c.take<std::byte>(tk), tk};
+    const std::size_t per = s.head_dim > 0 ? per_worker<Backend>(G, s.head_dim, n) : 0;  // 0: attention input, no recompute
+    if (per > 0) b.workers = detail::WorkerSlices::carve(c.rest(), per);
+    return b;
+  }
+
+  template <class Backend>
+  static std::size_t per_worker(std::int64_t G, std::int64_t d, std::int64_t n) noexcept {
+    WorkspacePlan per;
+    per.add<float>(static_cast<std::size_t>(G * d));
+    per.add_bytes(Backend::window_scores_workspace(WindowScoreShape{G, 1, d, n, n, n - 1, 1.0f, WindowReduce::kSum}));
+    return per.bytes;
+  }
+
+  template <class Tq, class Tk>
+  static PrefillShape shape_of(const PrefillInput<Tq, Tk>& in) noexcept {
+    return PrefillShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), 1};
+  }
+
+  template <class Tq, class Tk>
+  Status validate_input(const PrefillInput<Tq, Tk>& in, std::size_t b) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+    if (in.keys.paged != nullptr) {
+      KVP_RETURN_IF_ERROR(in.keys.paged->validate(kName, /*need_values=*/false));
+      KVP_REQUIRE(in.keys.paged->device.is_host(), "tova: paged keys live on a device; this entry point reads host memory");
+    }
+    KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
+    KVP_REQUIRE(in.queries.device().is_host(), "tova: queries is a device tensor; this entry point reads host memory");
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(0), in.keys.kv_heads(), kName, &gqa));
+    KVP_REQUIRE(in.queries.extent(2) == in.keys.head_dim() && in.keys.head_dim() > 0,
+                "tova: queries head_dim %lld differs from keys head_dim %lld", static_cast<long long>(in.queries.extent(2)),
+                static_cast<long long>(in.keys.head_dim()));
+    KVP_REQUIRE(in.queries.extent(1) >= 1, "tova: queries has %lld rows per head, must be >= 1 (the last is used)",
+                static_cast<long long>(in.queries.extent(1)));
+    const std::int64_t n = in.keys.kv_len();
+    KVP_REQUIRE(n <= INT32_MAX, "tova: kv_len %lld exceeds the int32 token id range (sequence %zu)", static_cast<long long>(n), b);
+    std::int64_t k = 0;
+    return params_.budget.resolve(kName, n, params_.protect_last ? 1 : 0, &k);
+  }
+
+  /// Head-mean attention row of the last query of one sequence into blk.mean.
+  template <class Backend, class Tq, class Tk>
+  void head_mean(const PrefillInput<Tq, Tk>& in, const Blocks& blk, const ExecContext& ctx) const noexcept {
+    const PrefillShape shape = shape_of(in);
+    const std::int64_t Hq = shape.num_q_heads, H = shape.num_kv_heads, G = Hq / H, d = shape.head_dim, n = shape.max_kv_len;
+    const std::int64_t last = in.queries.extent(1) - 1;
+    const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    ctx.parallel_for(H, [&](std::int64_t h, int worker) {
+      WorkspaceCarver wc(blk.workers.slice(worker));
+      float* q = wc.take<float>(static_cast<std::size_t>(G * d));
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t k = 0; k < d; ++k) q[g * d + k] = to_float(in.queries(h * G + g, last, k));
+      Backend::window_scores(WindowScoreShape{G, 1, d, n, n, n - 1, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk.rows + h * G * n,
+                             wc.rest());
+    });
+    mean_rows(TensorView<const float, 2>::contiguous(blk.rows, {Hq, n}), blk.mean);
+  }
+
+  template <class Tp>
+  static void mean_rows(TensorView<const Tp, 2> rows, float* mean) noexcept {
+    const std::int64_t Hq = rows.extent(0), n = rows.extent(1);
+    for (std::int64_t j = 0; j < n; ++j) mean[j] = to_float(rows(0, j));
+    for (std::int64_t h = 1; h < Hq; ++h) {
+      const Tp* r = rows.data() + h * rows.stride(0);
+      const std::int64_t st = rows.stride(1);
+      for (std::int64_t j = 0; j < n; ++j) mean[j] += to_float(r[j * st]);
+    }
+    const float hf = static_cast<float>(Hq);
+    for (std::int64_t j = 0; j < n; ++j) mean[j] /= hf;
+  }
+
+  template <class Backend, class Tp>
+  Status select_from_rows(TensorView<const Tp, 2> rows, std::int64_t H, KeepSet out, Workspace ws) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_REQUIRE(rows.device().is_host(), "tova: probabilities is a device tensor; this entry point reads host memory");
+    const std::int64_t Hq = rows.extent(0), n = rows.extent(1);
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(Hq, H, kName, &gqa));
+    KVP_REQUIRE(n <= INT32_MAX, "tova: kv_len %lld exceeds the int32 token id range", static_cast<long long>(n));
+    std::int64_t k = 0;
+    KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, n, params_.protect_last ? 1 : 0, &k));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, attention_workspace_bytes<Backend>(n)));
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, 1, H, [&](std::int64_t) { return k; }));
+    const Blocks blk = carve<Backend>(ws, PrefillShape{0, H, 0, n, 1});
+    if (k < n) mean_rows(rows, blk.mean);
+    choose<Backend>(blk, n, out, 0, H);
+    return Status::ok();
+  }
+
+  /// Row `row0` = the kept ids (all when the budget covers n), copied to the H - 1 next rows.
+  template <class Backend>
+  void choose(const Blocks& blk, std::int64_t n, KeepSet out, std::int64_t row0, std::int64_t H) const noexcept {
+    std::int32_t* dst = out.indices + out.indptr[row0];
+    const std::int64_t k = out.row_size(row0);
+    if (k >= n) {
+      for (std::int64_t j = 0; j < n; ++j) dst[j] = static_cast<std::int32_t>(j);
+    } else if (k == n - 1 && (k >= 1 || !params_.protect_last)) {
+      // The online steady state evicts one token: an argmin under the same order (NaN lowest, first NaN).
+      const std::int64_t cand = params_.protect_last ? n - 1 : n;
+      std::int64_t x = 0;
+      if (detail::argmin_or_nan(blk.mean, cand, &x) >= 0) x = detail::first_nan(blk.mean, cand);
+      for (std::int64_t j = 0; j < x; ++j) dst[j] = static_cast<std::int32_t>(j);
+      for (std::int64_t j = x; j < k; ++j) dst[j] = static_cast<std::int32_t>(j + 1);
+    } else if (params_.protect_last && k >= 1) {
+      Backend::topk(blk.mean, n - 1, k - 1, dst, blk.topk);
+      dst[k - 1] = static_cast<std::int32_t>(n - 1);
+    } else {
+      Backend::topk(blk.mean, n, k, dst, blk.topk);
+    }
+    for (std::int64_t h = 1; h < H; ++h) std::memcpy(out.indices + out.indptr[row0 + h], dst, static_cast<std::size_t>(k) * sizeof(std::int32_t));
+  }
+
+  Params params_{};
+};
+
+KVP_NAMESPACE_END
