@@ -165,6 +165,14 @@ class SnapKV {
     return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
   }
 
+  /// The input checks of `select` / `score` alone (params, shapes, budget), and
+  /// the batch's shape: lets policies that compose `score` (Ada-KV, PyramidKV)
+  /// reject a bad batch before writing any output.
+  template <class Tq, class Tk>
+  Status validate(std::span<const PrefillInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+    return validate_batch(batch, shape);
+  }
+
  private:
   template <class Backend>
   std::size_t per_worker_bytes(const PrefillShape& s) const noexcept {

@@ -1,0 +1,147 @@
+// kvp_speed_driver: times one scoring policy's decision (`select`, KeepSet
+// written) on synthetic fp16 keys, for tools/compare_kvpress_speed.py.
+//
+//   kvp_speed_driver --policy snapkv|adakv|pyramidkv [--backend cpu|scalar]
+//                    [--tokens 32768] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
+//                    [--window 64] [--kernel 5] [--ratio 0.5] [--alpha 0.2]
+//                    [--layer 0] [--num-layers 32] [--threads 1] [--reps 15] [--warmup 2]
+//
+// The policies are configured as their kvpress counterparts (SnapKVPress,
+// AdaKVPress(SnapKVPress), PyramidKVPress): average pooling, window mean,
+// pool-then-group, n_kept = int(T (1 - r)). Queries are the last `window`
+// post-RoPE queries in fp16, keys (kv_heads, tokens, head_dim) fp16, both
+// N(0, 1) from a fixed seed, plus a few heavy keys. Workspace and output are
+// allocated once, outside the timed region (as an engine would). Prints one
+// JSON object: the median, min and max wall time per call in milliseconds.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/pyramidkv.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/util/thread_pool.hpp"
+
+using namespace kvpolicy;
+
+namespace {
+
+struct Options {
+  std::string policy = "snapkv", backend = "cpu";
+  std::int64_t tokens = 32768, q_heads = 32, kv_heads = 8, head_dim = 128, window = 64, kernel = 5;
+  double ratio = 0.5, alpha = 0.2;
+  int layer = 0, num_layers = 32, threads = 1, reps = 15, warmup = 2;
+};
+
+[[noreturn]] void usage(const char* msg) {
+  std::fprintf(stderr, "kvp_speed_driver: %s\n(see the header of tools/kvp_speed_driver.cpp for the options)\n", msg);
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+    const char* v = argv[++i];
+    if (a == "--policy") o.policy = v;
+    else if (a == "--backend") o.backend = v;
+    else if (a == "--tokens") o.tokens = std::atoll(v);
+    else if (a == "--q-heads") o.q_heads = std::atoll(v);
+    else if (a == "--kv-heads") o.kv_heads = std::atoll(v);
+    else if (a == "--head-dim") o.head_dim = std::atoll(v);
+    else if (a == "--window") o.window = std::atoll(v);
+    else if (a == "--kernel") o.kernel = std::atoll(v);
+    else if (a == "--ratio") o.ratio = std::atof(v);
+    else if (a == "--alpha") o.alpha = std::atof(v);
+    else if (a == "--layer") o.layer = std::atoi(v);
+    else if (a == "--num-layers") o.num_layers = std::atoi(v);
+    else if (a == "--threads") o.threads = std::atoi(v);
+    else if (a == "--reps") o.reps = std::atoi(v);
+    else if (a == "--warmup") o.warmup = std::atoi(v);
+    else usage(("unknown option " + a).c_str());
+  }
+  if (o.reps < 1 || o.threads < 1) usage("--reps and --threads must be >= 1");
+  return o;
+}
+
+template <class Backend, class Policy>
+int run(const Options& o, const Policy& policy, const PrefillInput<half, half>& in, std::int64_t rows, std::int64_t capacity) {
+  ThreadPool pool(o.threads);
+  const ExecContext ctx = pool.context();
+  const PrefillShape shape{o.q_heads, o.kv_heads, o.head_dim, o.tokens, o.window};
+  std::vector<std::byte> ws(policy.template workspace_bytes<Backend>(shape, ctx));
+  std::vector<std::int32_t> indptr(rows + 1), indices(static_cast<std::size_t>(capacity));
+  const KeepSet keep{indptr.data(), indices.data(), rows, capacity};
+  std::vector<double> ms;
+  for (int it = 0; it < o.warmup + o.reps; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status s = policy.template select<Backend>(in, keep, Workspace{ws.data(), ws.size()}, ctx);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.is_ok()) {
+      std::fprintf(stderr, "kvp_speed_driver: %s\n", s.message());
+      return 1;
+    }
+    if (it >= o.warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
+  std::printf(
+      "{\"impl\": \"kvpolicy\", \"policy\": \"%s\", \"backend\": \"%s\", \"isa\": \"%s\", \"tokens\": %lld, \"q_heads\": %lld, "
+      "\"kv_heads\": %lld, \"head_dim\": %lld, \"window\": %lld, \"threads\": %d, \"reps\": %d, \"kept\": %d, "
+      "\"median_ms\": %.4f, \"min_ms\": %.4f, \"max_ms\": %.4f}\n",
+      o.policy.c_str(), o.backend.c_str(), o.backend == "cpu" ? backend::Cpu::isa_name() : "scalar", static_cast<long long>(o.tokens),
+      static_cast<long long>(o.q_heads), static_cast<long long>(o.kv_heads), static_cast<long long>(o.head_dim),
+      static_cast<long long>(o.window), o.threads, o.reps, indptr[rows], median, ms.front(), ms.back());
+  return 0;
+}
+
+template <class Backend>
+int dispatch_policy(const Options& o, const PrefillInput<half, half>& in) {
+  const auto w = static_cast<std::int32_t>(o.window), k = static_cast<std::int32_t>(o.kernel);
+  if (o.policy == "snapkv") {
+    const SnapKV p(SnapKVParams::kvpress(o.ratio, w, k));
+    return run<Backend>(o, p, in, o.kv_heads, o.kv_heads * p.kept_count(o.tokens));
+  }
+  if (o.policy == "adakv") {
+    const AdaKV<SnapKV> p(AdaKVParams::kvpress(o.ratio, o.alpha), SnapKV(SnapKVParams::kvpress(o.ratio, w, k)));
+    return run<Backend>(o, p, in, o.kv_heads, p.max_total_kept(o.tokens, o.kv_heads));
+  }
+  if (o.policy == "pyramidkv") {
+    const PyramidKV p(PyramidKVParams::kvpress(o.ratio, o.layer, o.num_layers, w, k));
+    return run<Backend>(o, p, in, o.kv_heads, o.kv_heads * p.kept_count(o.tokens));
+  }
+  usage(("unknown policy " + o.policy).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  std::vector<half> q(static_cast<std::size_t>(o.q_heads * o.window * o.head_dim)), keys(static_cast<std::size_t>(o.kv_heads * o.tokens * o.head_dim));
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd;
+  std::vector<float> qf(q.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = to_half(qf[i] = nd(rng));
+  for (auto& x : keys) x = to_half(nd(rng));
+  std::uniform_int_distribution<std::int64_t> pick(0, o.tokens - 1);
+  for (int r = 0; r < 16; ++r) {  // heavy keys aligned with a query so that scores are not flat
+    const std::int64_t j = pick(rng);
+    for (std::int64_t h = 0; h < o.kv_heads; ++h)
+      for (std::int64_t c = 0; c < o.head_dim; ++c) {
+        auto& x = keys[static_cast<std::size_t>((h * o.tokens + j) * o.head_dim + c)];
+        x = to_half(to_float(x) + qf[static_cast<std::size_t>(c)]);
+      }
+  }
+  const PrefillInput<half, half> in{TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
+                                    KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {o.kv_heads, o.tokens, o.head_dim}))};
+  if (o.backend == "cpu") return dispatch_policy<backend::Cpu>(o, in);
+  if (o.backend == "scalar") return dispatch_policy<backend::Scalar>(o, in);
+  usage(("unknown backend " + o.backend).c_str());
+}
