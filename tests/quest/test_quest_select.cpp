@@ -30,7 +30,7 @@ TEST_CASE("page_bounds: the bound is >= every key's dot product in the page (fp3
       for (auto& x : q) x = (rng() % 7 == 0) ? 0.0f : nd(rng) * 2.0f;
       std::vector<float> bounds(static_cast<std::size_t>(G * pages));
       const auto& sp = c.seq_pages[0];
-      backend::Scalar::page_bounds(q.data(), G, d, m.cview().head(0), sp.data(), pages, bounds.data(), pages);
+      backend::Scalar::page_bounds(q.data(), G, d, m.cview(), sp.data(), pages, bounds.data(), pages, Workspace{});
       for (std::int32_t g = 0; g < G; ++g) {
         for (std::int32_t p = 0; p < pages; ++p) {
           double mag = 0.0, best = -INFINITY;

@@ -20,19 +20,6 @@
 
 KVP_NAMESPACE_BEGIN
 
-/// The metadata rows of one kv head: page p's channel max row is
-/// `max_base + p*page_stride`, its min row `min_base + p*page_stride`.
-/// This is what the page ops take (one kv head at a time).
-template <class T>
-struct PageMetaHead {
-  T* max_base = nullptr;
-  T* min_base = nullptr;
-  std::int64_t page_stride = 0;
-
-  T* max_row(std::int32_t page) const noexcept { return max_base + static_cast<std::int64_t>(page) * page_stride; }
-  T* min_row(std::int32_t page) const noexcept { return min_base + static_cast<std::int64_t>(page) * page_stride; }
-};
-
 /// Per page and kv head of a page pool: the channel-wise max and min of the
 /// keys stored in that page (Quest's page metadata).
 ///
@@ -91,9 +78,13 @@ struct PageMetaView {
   T* min_row(std::int32_t page, std::int32_t head) const noexcept {
     return min_data + static_cast<std::int64_t>(page) * page_stride + static_cast<std::int64_t>(head) * head_stride;
   }
-  PageMetaHead<T> head(std::int32_t h) const noexcept {
-    return PageMetaHead<T>{max_data + static_cast<std::int64_t>(h) * head_stride, min_data + static_cast<std::int64_t>(h) * head_stride,
-                           page_stride};
+  /// The metadata of kv head h alone (a one-head view, same pages).
+  PageMetaView head_view(std::int32_t h) const noexcept {
+    PageMetaView v = *this;
+    v.max_data = max_data + static_cast<std::int64_t>(h) * head_stride;
+    v.min_data = min_data + static_cast<std::int64_t>(h) * head_stride;
+    v.num_kv_heads = 1;
+    return v;
   }
 
   operator PageMetaView<const T>() const noexcept

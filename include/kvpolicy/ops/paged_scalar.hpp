@@ -66,32 +66,49 @@ struct ScalarPageOps {
 
   // ---- upper-bound estimate ----------------------------------------------
 
-  /// Quest's criticality estimate for `group` query heads sharing one kv head:
+  /// Scratch of `page_bounds` for `num_q_rows` (= kv heads * group) query
+  /// rows of `head_dim` (none for the reference).
+  static std::size_t page_bounds_workspace(std::int64_t num_q_rows, std::int64_t head_dim) noexcept {
+    (void)num_q_rows;
+    (void)head_dim;
+    return 0;
+  }
+
+  /// Quest's criticality estimate for every query head of `meta.num_kv_heads`
+  /// kv heads, `group` query heads each:
   ///
-  ///     out[g*ld_out + i] = sum_c max(q[g][c] * M[c], q[g][c] * m[c])
+  ///     out[(g*group + j)*ld_out + i] = sum_c max(q[g*group + j][c] * M[c], q[g*group + j][c] * m[c])
   ///
-  /// with M / m the max / min rows of page `pages[i]` (page i when `pages` is
-  /// null), i < n. Since m[c] <= k[c] <= M[c] for every key of the page,
-  /// `out >= q.k` for all of them (up to fp32 rounding of the sum, relative
-  /// 2^-24 * head_dim * sum_c |q_c| max(|M_c|, |m_c|)). Unscaled (no 1/sqrt(d)):
-  /// a ranking score, not a logit. q is fp32 `(group, head_dim)` contiguous.
-  /// Each metadata row is read once for the whole group. O(n * group * head_dim).
+  /// with M / m the max / min rows of kv head g of page `pages[i]` (page i when
+  /// `pages` is null), i < n. Since m[c] <= k[c] <= M[c] for every key of the
+  /// page, `out >= q.k` for all of them (up to fp32 rounding of the sum,
+  /// relative 2^-24 * head_dim * sum_c |q_c| max(|M_c|, |m_c|)). Unscaled (no
+  /// 1/sqrt(d)): a ranking score, not a logit. q is fp32 `(num_kv_heads*group,
+  /// head_dim)` contiguous; `meta.head_view(g)` restricts the work to one kv
+  /// head. Every metadata row is read once for the whole group, and all kv
+  /// heads of a page are handled together (a page's metadata is usually one
+  /// contiguous block, so this is what keeps scattered page ids cheap).
+  /// O(n * num_kv_heads * group * head_dim). Workspace: `page_bounds_workspace`.
   template <class Tm>
-  static void page_bounds(const float* q, std::int64_t group, std::int64_t head_dim, PageMetaHead<const Tm> meta,
-                          const std::int32_t* pages, std::int64_t n, float* out, std::int64_t ld_out) noexcept {
+  static void page_bounds(const float* q, std::int64_t group, std::int64_t head_dim, PageMetaView<const Tm> meta, const std::int32_t* pages,
+                          std::int64_t n, float* out, std::int64_t ld_out, Workspace ws) noexcept {
+    (void)ws;
     for (std::int64_t i = 0; i < n; ++i) {
       const std::int32_t p = pages ? pages[i] : static_cast<std::int32_t>(i);
-      const Tm* hi = meta.max_row(p);
-      const Tm* lo = meta.min_row(p);
-      for (std::int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
-        float acc = 0.0f;
-        for (std::int64_t c = 0; c < head_dim; ++c) {
-          const float a = qg[c] * to_float(hi[c]);
-          const float b = qg[c] * to_float(lo[c]);
-          acc += a > b ? a : b;
+      for (std::int32_t g = 0; g < meta.num_kv_heads; ++g) {
+        const Tm* hi = meta.max_row(p, g);
+        const Tm* lo = meta.min_row(p, g);
+        for (std::int64_t j = 0; j < group; ++j) {
+          const std::int64_t row = g * group + j;
+          const float* qr = q + row * head_dim;
+          float acc = 0.0f;
+          for (std::int64_t c = 0; c < head_dim; ++c) {
+            const float a = qr[c] * to_float(hi[c]);
+            const float b = qr[c] * to_float(lo[c]);
+            acc += a > b ? a : b;
+          }
+          out[row * ld_out + i] = acc;
         }
-        out[g * ld_out + i] = acc;
       }
     }
   }

@@ -112,21 +112,22 @@ class Quest {
     return total;
   }
 
-  /// Workspace for `select` on sequences of at most `max_pages` pages.
-  /// Sized per worker: fp32 queries (G*d), bounds (G*n), group reduction (n),
-  /// top-k output (G*B) and the backend top-k's own workspace.
+  /// Workspace for `select` on any table of `batch` sequences holding at
+  /// most `total_pages` pages, none longer than `max_pages` (plan once for
+  /// the largest batch). Shared: fp32 queries (batch*Hq*d) and the bounds of
+  /// every scored page (total_pages*Hq floats, ~3% of the metadata it
+  /// summarises); per worker: the backend's bounds scratch, or the group
+  /// reduction (n), top-k output (G*B) and the backend top-k's workspace.
   template <class Backend = backend::Scalar>
-  std::size_t workspace_bytes(std::int32_t max_pages, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim,
-                              const ExecContext& ctx = {}) const noexcept {
-    const std::size_t per = per_worker_bytes<Backend>(max_pages, page_size, gqa, head_dim);
-    return per == 0 ? 0 : per * static_cast<std::size_t>(ctx.workers()) + kWorkspaceAlign;
+  std::size_t workspace_bytes(std::int32_t batch, std::int64_t total_pages, std::int32_t max_pages, std::int32_t page_size,
+                              const GqaMap& gqa, std::int32_t head_dim, const ExecContext& ctx = {}) const noexcept {
+    return layout<Backend>(batch, total_pages, max_pages, page_size, gqa, head_dim, ctx.workers()).total();
   }
+  /// Workspace for `select` on `table` (any layer).
   template <class Backend = backend::Scalar>
   std::size_t workspace_bytes(const PageTable& table, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim,
                               const ExecContext& ctx = {}) const noexcept {
-    std::int32_t max_pages = 0;
-    for (std::int32_t b = 0; b < table.batch; ++b) max_pages = std::max(max_pages, table.num_pages(b));
-    return workspace_bytes<Backend>(max_pages, page_size, gqa, head_dim, ctx);
+    return workspace_bytes<Backend>(table.batch, scored_pages(-1, table, page_size), max_pages(table), page_size, gqa, head_dim, ctx);
   }
 
   /// Page selection for one decode step of layer `layer`.
@@ -137,10 +138,12 @@ class Quest {
   /// out:     rows `b * heads_per_seq + head`, capacity >= `output_capacity(...)`.
   ///
   /// Every input is validated before anything is written; on error `out` is
-  /// untouched. Work is split over (sequence, kv head) through `ctx`; the
-  /// result does not depend on the number of workers. Cost per sequence of n
-  /// pages: O(n * Hq * d) for the bounds (reading 2 * d metadata values per
-  /// page and kv head) plus the backend top-k. Thread-safe (const, no state).
+  /// untouched. Two parallel phases through `ctx`: the bounds, over (sequence,
+  /// run of 256 pages) items with every kv head of a page at once; then
+  /// top-k and the CSR rows over (sequence, kv head) items. The result does
+  /// not depend on the number of workers. Cost per sequence of n pages:
+  /// O(n * Hq * d) for the bounds (reading 2 * d metadata values per page and
+  /// kv head) plus the backend top-k. Thread-safe (const, no state).
   template <class Backend = backend::Scalar, class Tq, class Tm>
     requires KVElement<Tq> && KVElement<Tm>
   Status select(int layer, TensorView<Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
@@ -158,10 +161,9 @@ class Quest {
     KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size));
     const std::int64_t H = heads_per_seq(gqa);
     KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
-    std::int32_t max_pages = 0;
-    for (std::int32_t b = 0; b < table.batch; ++b) max_pages = std::max(max_pages, table.num_pages(b));
-    const std::size_t per = per_worker_bytes<Backend>(max_pages, page_size, gqa, meta.head_dim);
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, per == 0 ? 0 : per * static_cast<std::size_t>(ctx.workers()) + kWorkspaceAlign));
+    const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table), page_size, gqa, meta.head_dim,
+                                       ctx.workers());
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
 
     // Rows reserve row_capacity() entries at fixed offsets, so items write independently.
     std::int64_t pos = 0;
@@ -174,13 +176,34 @@ class Quest {
         out.last_page_len[b * H + h] = cap == 0 ? 0 : table.last_page_len[b];
       }
     }
-    std::byte* slices = WorkspaceCarver(ws).take<std::byte>(0);
-    const std::int32_t B = page_budget(page_size);
+    Scratch sc = carve(lay, ws);
+    const std::int32_t B = page_budget(page_size), d = meta.head_dim;
+    const std::int64_t Hq = gqa.num_q_heads;
+    // Score offsets of the scored sequences, fp32 queries, bounds-phase items.
+    std::int64_t score_pos = 0, items = 0;
+    sc.chunk_start[0] = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int64_t m = scored(layer, table.num_pages(b), B) ? table.num_pages(b) - 1 : 0;
+      sc.score_start[b] = score_pos;
+      score_pos += m * Hq;
+      items += (m + kItemPages - 1) / kItemPages;
+      sc.chunk_start[b + 1] = items;
+      if (m > 0)
+        for (std::int64_t h = 0; h < Hq; ++h)
+          for (std::int32_t i = 0; i < d; ++i) sc.q[(b * Hq + h) * d + i] = to_float(queries(b, h, i));
+    }
+    const PageMetaView<const Tm> cmeta = meta;
+    ctx.parallel_for(items, [&](std::int64_t item, int worker) {
+      const auto b = static_cast<std::int32_t>(std::upper_bound(sc.chunk_start, sc.chunk_start + table.batch + 1, item) - sc.chunk_start - 1);
+      const std::int64_t m = table.num_pages(b) - 1, p0 = (item - sc.chunk_start[b]) * kItemPages;
+      Backend::page_bounds(sc.q + b * Hq * d, gqa.group_size(), d, cmeta, table.indices + table.indptr[b] + p0,
+                           std::min<std::int64_t>(kItemPages, m - p0), sc.scores + sc.score_start[b] + p0, m, sc.worker(worker));
+    });
     ctx.parallel_for(static_cast<std::int64_t>(table.batch) * gqa.num_kv_heads, [&](std::int64_t item, int worker) {
       const auto b = static_cast<std::int32_t>(item / gqa.num_kv_heads);
       const auto g = static_cast<std::int32_t>(item % gqa.num_kv_heads);
-      WorkspaceCarver c(Workspace{slices + static_cast<std::size_t>(worker) * per, per});
-      select_item<Backend>(layer, B, gqa, queries, table, b, g, meta, out, c);
+      WorkspaceCarver c(sc.worker(worker));
+      select_item<Backend>(layer, B, gqa, table, b, g, sc.scores + sc.score_start[b], out, c);
     });
     if (params_.gqa == QuestGqa::kUnion) compact_rows(out);
     return Status::ok();
@@ -221,15 +244,73 @@ class Quest {
   }
 
  private:
+  static constexpr std::int64_t kItemPages = 256;  ///< pages per bounds-phase work item
+
+  /// Whether a sequence of n pages is scored (not dense, longer than the budget).
+  constexpr bool scored(int layer, std::int32_t n, std::int32_t B) const noexcept { return !is_dense_layer(layer) && n > B; }
+  /// Pages scored in `table` at `layer` (layer < 0: at a sparse layer).
+  std::int64_t scored_pages(int layer, const PageTable& table, std::int32_t page_size) const noexcept {
+    std::int64_t total = 0;
+    const std::int32_t B = page_budget(page_size);
+    for (std::int32_t b = 0; b < table.batch; ++b)
+      if (layer < 0 ? table.num_pages(b) > B : scored(layer, table.num_pages(b), B)) total += table.num_pages(b) - 1;
+    return total;
+  }
+  static std::int32_t max_pages(const PageTable& table) noexcept {
+    std::int32_t n = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) n = std::max(n, table.num_pages(b));
+    return n;
+  }
+
+  /// Workspace geometry; `total()` is what `workspace_bytes` reports and
+  /// `carve` takes the blocks in the same order.
+  struct Layout {
+    std::size_t q = 0, scores = 0, offsets = 0, per_worker = 0;
+    int workers = 1;
+    std::size_t total() const noexcept {
+      WorkspacePlan p;
+      p.add<float>(q).add<float>(scores).add<std::int64_t>(offsets).add<std::int64_t>(offsets);
+      p.add_bytes(per_worker * static_cast<std::size_t>(workers));
+      return p.total();
+    }
+  };
+  struct Scratch {
+    float* q = nullptr;                   // (batch, Hq, d) fp32 queries of scored sequences
+    float* scores = nullptr;              // per scored sequence b: (Hq, n_b - 1) bounds at score_start[b]
+    std::int64_t* score_start = nullptr;  // (batch + 1)
+    std::int64_t* chunk_start = nullptr;  // (batch + 1): first bounds-phase item of each sequence
+    std::byte* workers = nullptr;
+    std::size_t per_worker = 0;
+    Workspace worker(int w) const noexcept { return Workspace{workers + static_cast<std::size_t>(w) * per_worker, per_worker}; }
+  };
+
   template <class Backend>
-  std::size_t per_worker_bytes(std::int32_t max_pages, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim) const noexcept {
+  Layout layout(std::int32_t batch, std::int64_t total_pages, std::int32_t max_pages, std::int32_t page_size, const GqaMap& gqa,
+                std::int32_t head_dim, int workers) const noexcept {
     const auto n = static_cast<std::size_t>(std::max(max_pages, 1));
     const auto G = static_cast<std::size_t>(std::max(gqa.group_size(), 1));
-    WorkspacePlan plan;
-    plan.add<float>(G * static_cast<std::size_t>(head_dim)).add<float>(G * n).add<float>(n);
-    plan.add<std::int32_t>(G * static_cast<std::size_t>(std::max(page_budget(page_size), 1)));
-    plan.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(n)));
-    return plan.bytes;
+    WorkspacePlan topk;
+    topk.add<float>(n).add<std::int32_t>(G * static_cast<std::size_t>(std::max(page_budget(page_size), 1)));
+    topk.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(n)));
+    Layout l;
+    const bool any = total_pages > 0;
+    l.q = any ? static_cast<std::size_t>(batch) * static_cast<std::size_t>(gqa.num_q_heads) * static_cast<std::size_t>(head_dim) : 0;
+    l.scores = static_cast<std::size_t>(total_pages) * static_cast<std::size_t>(gqa.num_q_heads);
+    l.offsets = static_cast<std::size_t>(batch) + 1;
+    l.per_worker = align_up(std::max(topk.bytes, align_up(Backend::page_bounds_workspace(gqa.num_q_heads, head_dim))));
+    l.workers = workers;
+    return l;
+  }
+  static Scratch carve(const Layout& l, Workspace ws) noexcept {
+    WorkspaceCarver c(ws);
+    Scratch s;
+    s.q = c.take<float>(l.q);
+    s.scores = c.take<float>(l.scores);
+    s.score_start = c.take<std::int64_t>(l.offsets);
+    s.chunk_start = c.take<std::int64_t>(l.offsets);
+    s.workers = c.take<std::byte>(l.per_worker * static_cast<std::size_t>(l.workers));
+    s.per_worker = l.per_worker;
+    return s;
   }
 
   template <class Tk, class Tm>
@@ -260,11 +341,12 @@ class Quest {
     });
   }
 
-  /// One (sequence b, kv head g): the rows of its G query heads, or its own row.
-  template <class Backend, class Tq, class Tm>
-  void select_item(int layer, std::int32_t B, const GqaMap& gqa, const TensorView<Tq, 3>& queries, const PageTable& table,
-                   std::int32_t b, std::int32_t g, const PageMetaView<Tm>& meta, PageSelection& out, WorkspaceCarver& c) const noexcept {
-    const std::int32_t n = table.num_pages(b), G = gqa.group_size(), d = meta.head_dim;
+  /// One (sequence b, kv head g): the rows of its G query heads, or its own
+  /// row, from the sequence's bounds `scores` ((Hq, n-1), when scored).
+  template <class Backend>
+  void select_item(int layer, std::int32_t B, const GqaMap& gqa, const PageTable& table, std::int32_t b, std::int32_t g, const float* scores,
+                   PageSelection& out, WorkspaceCarver& c) const noexcept {
+    const std::int32_t n = table.num_pages(b), G = gqa.group_size();
     if (n == 0) return;
     const std::int32_t* pages = table.indices + table.indptr[b];
     const bool per_q = params_.gqa == QuestGqa::kPerQueryHead;
@@ -285,20 +367,16 @@ class Quest {
       }
       return k + (add_last ? 1 : 0);
     };
-    if (is_dense_layer(layer) || n <= B) {
+    if (!scored(layer, n, B)) {
       for (std::int32_t r = 0; r < rows; ++r) write_row(first_row + r, nullptr, n, false);
       return;
     }
-    // Bounds of the n-1 complete pages for the G query heads of the group.
+    // Top-(B-1) of the n-1 complete pages' bounds, for each query head of the group.
     const std::int64_t m = n - 1, k = B - 1;
-    float* q = c.take<float>(static_cast<std::size_t>(G) * d);
-    float* bounds = c.take<float>(static_cast<std::size_t>(G) * m);
+    const float* bounds = scores + static_cast<std::int64_t>(g) * G * m;
     float* reduced = c.take<float>(static_cast<std::size_t>(m));
     std::int32_t* sel = c.take<std::int32_t>(static_cast<std::size_t>(G) * std::max<std::int64_t>(k, 1));
     const Workspace topk_ws{c.take<std::byte>(Backend::topk_workspace(m)), Backend::topk_workspace(m)};
-    for (std::int32_t j = 0; j < G; ++j)
-      for (std::int32_t i = 0; i < d; ++i) q[j * d + i] = to_float(queries(b, g * G + j, i));
-    Backend::page_bounds(q, G, d, meta.head(g), pages, m, bounds, m);
     switch (params_.gqa) {
       case QuestGqa::kPerQueryHead:
         for (std::int32_t j = 0; j < G; ++j) {

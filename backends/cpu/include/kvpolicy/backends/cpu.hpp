@@ -10,6 +10,7 @@
 #pragma once
 
 #include "kvpolicy/backends/cpu_isa.hpp"
+#include "kvpolicy/backends/cpu_page_ops.hpp"
 #include "kvpolicy/backends/cpu_score_ops.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 
@@ -17,7 +18,7 @@ KVP_NAMESPACE_BEGIN
 namespace backend {
 
 // Paged ops join as the second base: ScalarPageOps until CpuPageOps replaces it.
-struct Cpu : CpuScoreOps, ScalarPageOps {
+struct Cpu : CpuScoreOps, CpuPageOps {
   /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
 

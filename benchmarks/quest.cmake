@@ -1,0 +1,13 @@
+# Quest: estimate, top-k, select and paged attention at one 128K-token decode step.
+find_package(benchmark QUIET)
+if(TARGET benchmark::benchmark)
+  add_executable(bench_quest ${CMAKE_CURRENT_LIST_DIR}/bench_quest.cpp)
+  target_link_libraries(bench_quest PRIVATE kvpolicy::kvpolicy benchmark::benchmark)
+  target_compile_features(bench_quest PRIVATE cxx_std_20)
+  if(TARGET kvpolicy_cpu)
+    target_compile_definitions(bench_quest PRIVATE KVP_BENCH_QUEST_CPU=1)
+  endif()
+  kvp_set_warnings(bench_quest)
+else()
+  message(STATUS "kvpolicy: Google Benchmark not found, bench_quest not built")
+endif()
