@@ -37,11 +37,12 @@ struct WindowScratch {
   WindowLayout layout{};
   float* qt = nullptr;                   // (head_dim, qpad): queries transposed, zero padded
   std::int32_t* last_visible = nullptr;  // (qpad): last key each query row sees (causal)
-  float* p = nullptr;                    // (kv_len, qpad): logits, then exp(logit - chunk max)
-  float* chunk_max = nullptr;            // (num_chunks, qpad): chunk maxima, then exp(chunk max - max)
+  float* p = nullptr;                    // (kv_len, qpad): exp(logit - chunk reference)
+  float* chunk_ref = nullptr;            // (num_chunks, qpad): chunk references, then exp(ref - max)
   float* chunk_sum = nullptr;            // (num_chunks, qpad): sum of the chunk's exp
-  float* key_buf = nullptr;              // (kChunk, head_dim): keys of one chunk widened to fp32
-  float* row_max = nullptr;              // (qpad): max over all visible keys
+  float* key_buf = nullptr;              // (kChunk, head_dim): keys of one chunk in fp32
+  float* row_max = nullptr;              // (qpad): running max, finally the max over all keys
+  float* cur_max = nullptr;              // (qpad): max of the current chunk
   double* denom = nullptr;               // (qpad): softmax denominators
   float* inv_denom = nullptr;            // (qpad): 1/denominator (x 1/w for the mean), 0 for padding rows
   float* factor = nullptr;               // (qpad): per-chunk rescale factors
@@ -56,10 +57,11 @@ struct WindowScratch {
     fn(w.qt, static_cast<std::size_t>(s.head_dim) * q);
     fn(w.last_visible, q);
     fn(w.p, static_cast<std::size_t>(s.kv_len) * q);
-    fn(w.chunk_max, chunks * q);
+    fn(w.chunk_ref, chunks * q);
     fn(w.chunk_sum, chunks * q);
     fn(w.key_buf, static_cast<std::size_t>(WindowLayout::kChunk * s.head_dim));
     fn(w.row_max, q);
+    fn(w.cur_max, q);
     fn(w.denom, q);
     fn(w.inv_denom, q);
     fn(w.factor, q);

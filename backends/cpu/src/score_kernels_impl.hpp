@@ -119,47 +119,79 @@ inline void widen_row(const T* src, std::int64_t d, float* dst) noexcept {
 
 // ---- window scores -------------------------------------------------------------
 
-// e^x for the softmax, whose arguments are never positive (logit - max):
-// Cody-Waite reduction by ln 2 and a degree-6 polynomial (about 1 ulp on
-// [-87.3, 0]); below -87.3 the result (< 2^-126) is flushed to 0, and NaN
-// stays NaN. The integer rounding uses the 1.5 * 2^23 trick, so no
-// float -> int conversion can see a NaN or an out-of-range value.
-inline F exp_nonpositive(F x) noexcept {
-  const F lo(-87.33654f), magic(12582912.0f);
-  const F xc = xsimd::min(xsimd::max(x, lo), F(0.0f));
+// e^x for the softmax: Cody-Waite reduction by ln 2 and a degree-7
+// polynomial (Cephes' expf), about 1 ulp on [-87, 88]. Arguments below -87
+// give exactly 0, so no result is a denormal (denormals would cost microcode
+// assists in the sums and products that follow); arguments above 88 are clamped (the callers never keep such values,
+// see kHeadroom), NaN stays NaN (the clamps pass it through: max/min return
+// their second operand when one is NaN).
+inline F exp_clamped(F x) noexcept {
+  const F lo(-87.0f), hi(88.0f);  // e^-87 = 1.6e-38 > 2^-126
+  const F xc = xsimd::min(hi, xsimd::max(lo, x));
+#if KVP_CPU_TU_ISA == 2
+  // AVX-512: round with vrndscaleps and scale by 2^n with vscalefps.
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const F nf(n);
+#else
+  // Round to an integer with the 1.5 * 2^23 trick (no float -> int conversion
+  // can see a NaN or an out-of-range value).
+  const F magic(12582912.0f);
   const F t = xsimd::fma(xc, F(1.44269504088896341f), magic);
-  const F n = t - magic;
-  F r = xsimd::fnma(n, F(0.693359375f), xc);
-  r = xsimd::fnma(n, F(-2.12194440e-4f), r);
+  const F nf = t - magic;
+#endif
+  F r = xsimd::fnma(nf, F(0.693359375f), xc);
+  r = xsimd::fnma(nf, F(-2.12194440e-4f), r);
   F p(1.9875691500e-4f);
   p = xsimd::fma(p, r, F(1.3981999507e-3f));
   p = xsimd::fma(p, r, F(8.3334519073e-3f));
   p = xsimd::fma(p, r, F(4.1665795894e-2f));
   p = xsimd::fma(p, r, F(1.6666665459e-1f));
   p = xsimd::fma(p, r, F(5.0000001201e-1f));
-  const F y = xsimd::fma(p * r, r, r) + F(1.0f);
+  p = xsimd::fma(p, r, F(1.0f));  // e^r = 1 + r (1 + r P(r))
+  const F y = xsimd::fma(p, r, F(1.0f));
+#if KVP_CPU_TU_ISA == 2
+  const F scaled(_mm512_scalef_ps(y, n));
+#else
   const I e = (xsimd::bitwise_cast<I>(t) - xsimd::bitwise_cast<I>(magic) + I(127)) << 23;
   const F scaled = y * xsimd::bitwise_cast<F>(e);
-  return xsimd::select(xsimd::isnan(x), x, xsimd::select(x < lo, F(0.0f), scaled));
+#endif
+  return xsimd::select(x < lo, F(0.0f), scaled);
 }
 
+// Softmax bookkeeping (pass 1). Each chunk of keys stores p = exp(logit - ref)
+// with one reference per query, recorded in chunk_ref; pass 2 multiplies by
+// exp(ref - max) / denominator. The reference is the running max of the
+// previous chunks, so the exp is computed as the logits come out of the
+// register tile (one sweep over p instead of two). A chunk whose logits
+// exceed its reference by more than kHeadroom for some query (the first
+// chunk, a query that saw no key before, a jump of the max) is recomputed in
+// two steps: logits first, then exp(logit - chunk max). Either way p <=
+// e^kHeadroom, and the probabilities lost to the exp's flush to zero are
+// below e^(kHeadroom - 87) of the row max.
+inline constexpr float kHeadroom = 32.0f;
+
+enum class TileMode { kLogits, kExp };
+
 struct TileArgs {
-  const float* const* rows;            // kChunk row pointers (fp32, contiguous along d)
+  const float* key_buf;                // (kChunk, d): the chunk's keys in fp32
   const float* qt;                     // (d, qpad)
   const std::int32_t* last_visible;    // (qpad)
   float* p;                            // (kv_len, qpad)
-  float* cmax;                         // (qpad): running max of the current chunk
+  float* cur_max;                      // (qpad): max of the current chunk
+  const float* ref;                    // (qpad): reference of the current chunk (kExp)
+  float* sum;                          // (qpad): sums of the current chunk (kExp)
   std::int64_t qpad, d, q_pos0;
   std::int64_t j;                      // absolute index of the tile's first key
-  std::int64_t r;                      // index of the tile's first row in `rows`
+  std::int64_t r;                      // row of the tile's first key in key_buf
   std::int64_t v;                      // first query vector of the tile
   float scale;
 };
 
-// logits of R keys x V query vectors: broadcast one key element, FMA against
-// V query vectors, over the head dimension. Then scale, causal mask, store
-// and fold into the chunk max.
-template <int R, int V>
+// Logits of R keys x V query vectors: broadcast one key element, FMA against
+// V query vectors, over the head dimension. Then scale, causal mask, fold
+// into the chunk max, and store either the logits (kLogits) or
+// exp(logit - ref) with the chunk sums (kExp).
+template <TileMode kMode, int R, int V>
 inline void logit_tile(const TileArgs& a) noexcept {
   F acc[R][V];
 #pragma GCC unroll 8
@@ -168,7 +200,7 @@ inline void logit_tile(const TileArgs& a) noexcept {
     for (int v = 0; v < V; ++v) acc[r][v] = F(0.0f);
   const float* rows[R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) rows[r] = a.rows[a.r + r];
+  for (int r = 0; r < R; ++r) rows[r] = a.key_buf + (a.r + r) * a.d;
   const float* qt = a.qt + a.v * kLanes;
   for (std::int64_t c = 0; c < a.d; ++c) {
     F qv[V];
@@ -182,9 +214,16 @@ inline void logit_tile(const TileArgs& a) noexcept {
     }
   }
   const F scale(a.scale);
-  F m[V];
+  F m[V], base[V], sum[V];
 #pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) m[v] = F::load_aligned(a.cmax + (a.v + v) * kLanes);
+  for (int v = 0; v < V; ++v) {
+    m[v] = F::load_aligned(a.cur_max + (a.v + v) * kLanes);
+    if constexpr (kMode == TileMode::kExp) {
+      const F ref = F::load_aligned(a.ref + (a.v + v) * kLanes);
+      base[v] = xsimd::select(ref == F(-kInf), F(0.0f), ref);  // no key seen yet: its masked logits give exp(-inf) = 0
+      sum[v] = F::load_aligned(a.sum + (a.v + v) * kLanes);
+    }
+  }
   // Only keys after q_pos0 are hidden from some query of the window.
   const bool masked = a.j + R - 1 > a.q_pos0;
 #pragma GCC unroll 8
@@ -198,24 +237,52 @@ inline void logit_tile(const TileArgs& a) noexcept {
         const I lv = I::load_aligned(a.last_visible + (a.v + v) * kLanes);
         l = xsimd::select(xsimd::bool_cast(key_index <= lv), l, F(-kInf));
       }
-      l.store_aligned(prow + v * kLanes);
       m[v] = xsimd::max(m[v], l);
+      if constexpr (kMode == TileMode::kExp) {
+        const F e = exp_clamped(l - base[v]);
+        e.store_aligned(prow + v * kLanes);
+        sum[v] += e;
+      } else {
+        l.store_aligned(prow + v * kLanes);
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) m[v].store_aligned(a.cmax + (a.v + v) * kLanes);
+  for (int v = 0; v < V; ++v) {
+    m[v].store_aligned(a.cur_max + (a.v + v) * kLanes);
+    if constexpr (kMode == TileMode::kExp) sum[v].store_aligned(a.sum + (a.v + v) * kLanes);
+  }
 }
 
 // Picks the tile instantiation for a partial tile (rc <= R rows, vc <= V vectors).
-template <int R, int V>
+template <TileMode kMode, int R, int V>
 inline void dispatch_tile(int rc, int vc, const TileArgs& a) noexcept {
   if constexpr (R > 1) {
-    if (rc < R) return dispatch_tile<R - 1, V>(rc, vc, a);
+    if (rc < R) return dispatch_tile<kMode, R - 1, V>(rc, vc, a);
   }
   if constexpr (V > 1) {
-    if (vc < V) return dispatch_tile<R, V - 1>(rc, vc, a);
+    if (vc < V) return dispatch_tile<kMode, R, V - 1>(rc, vc, a);
   }
-  logit_tile<R, V>(a);
+  logit_tile<kMode, R, V>(a);
+}
+
+// All tiles of one chunk (nr keys starting at key j0, already in key_buf).
+template <TileMode kMode>
+inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int64_t nv) noexcept {
+  for (std::int64_t i = 0; i < a.qpad; ++i) a.cur_max[i] = -kInf;
+  if constexpr (kMode == TileMode::kExp) {
+    for (std::int64_t i = 0; i < a.qpad; ++i) a.sum[i] = 0.0f;
+  }
+  for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
+    a.v = v0;
+    const int vc = static_cast<int>(nv - v0 < kVecs ? nv - v0 : kVecs);
+    for (std::int64_t r0 = 0; r0 < nr; r0 += kRows) {
+      a.r = r0;
+      a.j = j0 + r0;
+      const int rc = static_cast<int>(nr - r0 < kRows ? nr - r0 : kRows);
+      dispatch_tile<kMode, kRows, kVecs>(rc, vc, a);
+    }
+  }
 }
 
 template <class Tk>
@@ -237,65 +304,66 @@ void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, 
     std::int64_t last = r < Q ? s.q_pos0 + r % w : INT32_MAX;
     last = last > INT32_MAX ? INT32_MAX : (last < INT32_MIN ? INT32_MIN : last);
     ws.last_visible[r] = static_cast<std::int32_t>(last);
+    ws.row_max[r] = -kInf;
   }
 
-  // Pass 1: per chunk of keys, logits into p, the chunk max per query, then
-  // p = exp(logit - chunk max) and the chunk sums.
-  const float* rows[kChunk];
-  TileArgs a{rows, ws.qt, ws.last_visible, ws.p, nullptr, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
+  // Pass 1, chunk by chunk: keys widened (or copied) into an L1-resident
+  // buffer, then p = exp(logit - ref) with the chunk sums (see kHeadroom).
+  TileArgs a{ws.key_buf, ws.qt, ws.last_visible, ws.p, ws.cur_max, nullptr, nullptr, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
   for (std::int64_t ch = 0; ch * kChunk < T; ++ch) {
     const std::int64_t j0 = ch * kChunk, nr = T - j0 < kChunk ? T - j0 : kChunk;
     for (std::int64_t r = 0; r < nr; ++r) {
       if constexpr (std::is_same_v<Tk, float>) {
-        rows[r] = key_row(keys, j0 + r);
+        std::memcpy(ws.key_buf + r * d, key_row(keys, j0 + r), static_cast<std::size_t>(d) * sizeof(float));
       } else {
         widen_row(key_row(keys, j0 + r), d, ws.key_buf + r * d);
-        rows[r] = ws.key_buf + r * d;
       }
     }
-    float* cmax = ws.chunk_max + ch * qpad;
-    for (std::int64_t i = 0; i < qpad; ++i) cmax[i] = -kInf;
-    a.cmax = cmax;
-    for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
-      a.v = v0;
-      const int vc = static_cast<int>(nv - v0 < kVecs ? nv - v0 : kVecs);
-      for (std::int64_t r0 = 0; r0 < nr; r0 += kRows) {
-        a.r = r0;
-        a.j = j0 + r0;
-        const int rc = static_cast<int>(nr - r0 < kRows ? nr - r0 : kRows);
-        dispatch_tile<kRows, kVecs>(rc, vc, a);
-      }
-    }
+    float* cref = ws.chunk_ref + ch * qpad;
     float* csum = ws.chunk_sum + ch * qpad;
-    for (std::int64_t v = 0; v < nv; ++v) {
-      const F m = F::load_aligned(cmax + v * kLanes);
-      const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
-      F sum(0.0f);
-      float* pp = ws.p + j0 * qpad + v * kLanes;
-      for (std::int64_t r = 0; r < nr; ++r, pp += qpad) {
-        const F e = exp_nonpositive(F::load_aligned(pp) - base);
-        e.store_aligned(pp);
-        sum += e;
+    bool two_step = ch == 0;
+    if (!two_step) {
+      a.ref = ws.row_max;
+      a.sum = csum;
+      chunk_tiles<TileMode::kExp>(a, j0, nr, nv);
+      for (std::int64_t v = 0; v < nv && !two_step; ++v) {
+        const F ref = F::load_aligned(ws.row_max + v * kLanes);
+        two_step = xsimd::any(F::load_aligned(ws.cur_max + v * kLanes) > ref + F(kHeadroom));
       }
-      sum.store_aligned(csum + v * kLanes);
+      if (!two_step) std::memcpy(cref, ws.row_max, static_cast<std::size_t>(qpad) * sizeof(float));
+    }
+    if (two_step) {
+      chunk_tiles<TileMode::kLogits>(a, j0, nr, nv);
+      for (std::int64_t v = 0; v < nv; ++v) {
+        const F m = F::load_aligned(ws.cur_max + v * kLanes);
+        const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
+        F sum(0.0f);
+        float* pp = ws.p + j0 * qpad + v * kLanes;
+        for (std::int64_t r = 0; r < nr; ++r, pp += qpad) {
+          const F e = exp_clamped(F::load_aligned(pp) - base);
+          e.store_aligned(pp);
+          sum += e;
+        }
+        sum.store_aligned(csum + v * kLanes);
+        m.store_aligned(cref + v * kLanes);
+      }
+    }
+    for (std::int64_t v = 0; v < nv; ++v) {
+      const F m = xsimd::max(F::load_aligned(ws.row_max + v * kLanes), F::load_aligned(ws.cur_max + v * kLanes));
+      m.store_aligned(ws.row_max + v * kLanes);
     }
   }
 
-  // Softmax statistics: max over chunks, chunk rescale factors (stored over
-  // the chunk maxima), denominators accumulated in double.
+  // Softmax statistics: row_max is the max over all keys; chunk rescale
+  // factors exp(ref - max) overwrite the references; denominators in double.
   const std::int64_t nch = ws.layout.num_chunks;
-  for (std::int64_t v = 0; v < nv; ++v) {
-    F m(-kInf);
-    for (std::int64_t ch = 0; ch < nch; ++ch) m = xsimd::max(m, F::load_aligned(ws.chunk_max + ch * qpad + v * kLanes));
-    m.store_aligned(ws.row_max + v * kLanes);
-  }
   for (std::int64_t r = 0; r < qpad; ++r) ws.denom[r] = 0.0;
   for (std::int64_t ch = 0; ch < nch; ++ch) {
-    float* cm = ws.chunk_max + ch * qpad;
+    float* cm = ws.chunk_ref + ch * qpad;
     const float* cs = ws.chunk_sum + ch * qpad;
     for (std::int64_t v = 0; v < nv; ++v) {
       const F m = F::load_aligned(cm + v * kLanes);
-      const F e = xsimd::select(m == F(-kInf), F(0.0f), exp_nonpositive(m - F::load_aligned(ws.row_max + v * kLanes)));
+      const F e = xsimd::select(m == F(-kInf), F(0.0f), exp_clamped(m - F::load_aligned(ws.row_max + v * kLanes)));
       e.store_aligned(cm + v * kLanes);
     }
     for (std::int64_t r = 0; r < Q; ++r) ws.denom[r] += static_cast<double>(cs[r]) * static_cast<double>(cm[r]);
@@ -312,7 +380,7 @@ void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, 
   for (std::int64_t ch = 0; ch * kChunk < cols; ++ch) {
     const std::int64_t j0 = ch * kChunk, j1 = cols - j0 < kChunk ? cols : j0 + kChunk;
     for (std::int64_t v = 0; v < nv; ++v) {
-      const F f = F::load_aligned(ws.chunk_max + ch * qpad + v * kLanes) * F::load_aligned(ws.inv_denom + v * kLanes);
+      const F f = F::load_aligned(ws.chunk_ref + ch * qpad + v * kLanes) * F::load_aligned(ws.inv_denom + v * kLanes);
       f.store_aligned(ws.factor + v * kLanes);
     }
     if (whole_vectors) {
