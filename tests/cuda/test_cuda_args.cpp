@@ -1,0 +1,246 @@
+// Host-only tests of kvpolicy::cuda: compiled by the C++ compiler (the public
+// header needs no CUDA headers) and runnable without a GPU. Every bad
+// argument must be rejected on the host with a Status that names it, before
+// anything is enqueued: the pointers handed in below are never valid device
+// memory, so a call that reached the device would report kDeviceError here
+// (no driver) or fault on a GPU machine instead of returning kInvalidArgument.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "kvpolicy/backends/cuda.hpp"
+
+#if defined(__CUDA_RUNTIME_H__) || defined(__CUDA_RUNTIME_API_H__) || defined(__CUDACC__)
+#error "kvpolicy/backends/cuda.hpp must not pull in CUDA headers"
+#endif
+
+using kvpolicy::KeyRows;
+using kvpolicy::Status;
+using kvpolicy::StatusCode;
+using kvpolicy::WindowReduce;
+using kvpolicy::WindowScoreShape;
+using kvpolicy::Workspace;
+using kvpolicy::backend::Cuda;
+
+namespace {
+
+// Distinct non-null addresses that are never dereferenced (64-byte aligned so
+// workspace alignment is not what a test trips over).
+template <class T> T* fake(std::uintptr_t slot) { return reinterpret_cast<T*>(std::uintptr_t{0x1000} * slot); }
+
+bool mentions(const Status& s, const char* text) { return std::strstr(s.message(), text) != nullptr; }
+
+WindowScoreShape snapkv_shape() {
+  WindowScoreShape s;
+  s.group = 4;
+  s.window = 8;
+  s.head_dim = 64;
+  s.kv_len = 100;
+  s.num_cols = 92;
+  s.q_pos0 = 92;
+  s.scale = 0.125f;
+  s.reduce = WindowReduce::kMean;
+  return s;
+}
+
+Workspace big_ws() { return Workspace{fake<void>(64), std::size_t{1} << 40}; }
+
+Status scores_call(const WindowScoreShape& s, const float* q, KeyRows<float> keys, float* out, Workspace ws) {
+  return Cuda::window_scores(s, q, keys, out, ws, nullptr);
+}
+
+KeyRows<float> contiguous_keys(std::int64_t row_stride) { return KeyRows<float>{fake<const float>(2), row_stride}; }
+
+}  // namespace
+
+TEST_CASE("cuda window_scores: shape errors name the field", "[cuda][args]") {
+  const float* q = fake<const float>(1);
+  float* out = fake<float>(3);
+  auto expect = [&](WindowScoreShape s, const char* field) {
+    const Status st = scores_call(s, q, contiguous_keys(s.head_dim > 0 ? s.head_dim : 1), out, big_ws());
+    INFO(st.message());
+    REQUIRE(st.code() == StatusCode::kInvalidArgument);
+    REQUIRE(mentions(st, "cuda window_scores"));
+    REQUIRE(mentions(st, field));
+  };
+  WindowScoreShape s = snapkv_shape();
+  s.group = 0;
+  expect(s, "group is 0");
+  s = snapkv_shape();
+  s.window = -1;
+  expect(s, "window is -1");
+  s = snapkv_shape();
+  s.head_dim = 0;
+  expect(s, "head_dim is 0");
+  s = snapkv_shape();
+  s.kv_len = -5;
+  s.num_cols = 0;
+  expect(s, "kv_len is -5");
+  s = snapkv_shape();
+  s.num_cols = 101;
+  expect(s, "num_cols is 101");
+  s = snapkv_shape();
+  s.q_pos0 = -1;
+  expect(s, "q_pos0 is -1");
+  s = snapkv_shape();
+  s.reduce = static_cast<WindowReduce>(7);
+  expect(s, "reduce");
+}
+
+TEST_CASE("cuda window_scores: null pointers and bad key strides", "[cuda][args]") {
+  const WindowScoreShape s = snapkv_shape();
+  const float* q = fake<const float>(1);
+  float* out = fake<float>(3);
+
+  Status st = scores_call(s, nullptr, contiguous_keys(64), out, big_ws());
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "q is null"));
+
+  st = scores_call(s, q, contiguous_keys(64), nullptr, big_ws());
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "out is null"));
+
+  st = scores_call(s, q, KeyRows<float>{}, out, big_ws());
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "keys.base is null"));
+
+  st = scores_call(s, q, contiguous_keys(63), out, big_ws());
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "keys.row_stride is 63"));
+
+  // Paged keys: page_size must be positive, pages must not alias.
+  KeyRows<kvpolicy::half> paged{fake<const kvpolicy::half>(2), 64, fake<const std::int32_t>(4), 0, 16};
+  st = Cuda::window_scores(s, q, paged, out, big_ws(), nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "keys.page_stride is 0"));
+  paged.page_stride = 2 * 16 * 64;
+  paged.page_size = 0;
+  st = Cuda::window_scores(s, q, paged, out, big_ws(), nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "keys.page_size is 0"));
+
+  KeyRows<kvpolicy::bfloat16> bf{nullptr, 64};
+  st = Cuda::window_scores(s, q, bf, out, big_ws(), nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "keys.base is null"));
+}
+
+TEST_CASE("cuda window_scores: workspace size is checked before launching", "[cuda][args]") {
+  const WindowScoreShape s = snapkv_shape();
+  const std::size_t need = Cuda::window_scores_workspace(s);
+  // (G*w) x min(T, q_pos0 + w) logits plus two floats per row, 64-byte blocks, plus alignment slack.
+  const std::size_t rows = 32, ld = 100;
+  REQUIRE(need == kvpolicy::WorkspacePlan{}.add<float>(rows * ld).add<float>(rows).add<float>(rows).total());
+
+  Status st = scores_call(s, fake<const float>(1), contiguous_keys(64), fake<float>(3), Workspace{});
+  REQUIRE(st.code() == StatusCode::kWorkspaceTooSmall);
+  REQUIRE(mentions(st, "cuda window_scores"));
+  st = scores_call(s, fake<const float>(1), contiguous_keys(64), fake<float>(3), Workspace{fake<void>(64), need - 1});
+  REQUIRE(st.code() == StatusCode::kWorkspaceTooSmall);
+
+  // The logits only span the keys the last window query sees.
+  WindowScoreShape early = s;
+  early.q_pos0 = 10;  // ld = min(100, 10 + 8) = 18
+  REQUIRE(Cuda::window_scores_workspace(early) ==
+          kvpolicy::WorkspacePlan{}.add<float>(rows * 18).add<float>(rows).add<float>(rows).total());
+}
+
+TEST_CASE("cuda window_scores: empty problems succeed without touching the device", "[cuda][args]") {
+  WindowScoreShape s = snapkv_shape();
+  s.kv_len = 0;
+  s.num_cols = 0;
+  s.q_pos0 = 0;
+  REQUIRE(Cuda::window_scores_workspace(s) == 0);
+  // Nothing to write: no pointer is needed and nothing is enqueued.
+  REQUIRE(scores_call(s, nullptr, KeyRows<float>{}, nullptr, Workspace{}).is_ok());
+  s = snapkv_shape();
+  s.num_cols = 0;
+  REQUIRE(scores_call(s, nullptr, KeyRows<float>{}, nullptr, Workspace{}).is_ok());
+}
+
+TEST_CASE("cuda window_scores: launch limits are reported as unsupported", "[cuda][args]") {
+  WindowScoreShape s = snapkv_shape();
+  s.group = 70000;
+  const Status st = scores_call(s, fake<const float>(1), contiguous_keys(64), fake<float>(3), big_ws());
+  REQUIRE(st.code() == StatusCode::kUnsupported);
+  REQUIRE(mentions(st, "group=70000"));
+}
+
+TEST_CASE("cuda topk: bad arguments", "[cuda][args]") {
+  const float* scores = fake<const float>(1);
+  std::int32_t* out = fake<std::int32_t>(2);
+  REQUIRE(Cuda::topk_workspace(1 << 20) == 0);
+  REQUIRE(Cuda::topk_rows_workspace(8, 1 << 20) == 0);
+
+  Status st = Cuda::topk(scores, 10, 11, out, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "cuda topk: k is 11, larger than n=10"));
+
+  st = Cuda::topk(scores, 10, -1, out, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "k is -1"));
+
+  st = Cuda::topk(scores, -3, 0, out, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "n is -3"));
+
+  st = Cuda::topk(nullptr, 10, 3, out, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "scores is null"));
+
+  st = Cuda::topk(scores, 10, 3, nullptr, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "out is null"));
+
+  st = Cuda::topk(scores, std::int64_t{1} << 31, 5, out, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kUnsupported);
+  REQUIRE(mentions(st, "int32"));
+
+  // k == 0 (and n == 0) is a valid no-op that needs no pointers.
+  REQUIRE(Cuda::topk(nullptr, 10, 0, nullptr, Workspace{}, nullptr).is_ok());
+  REQUIRE(Cuda::topk(nullptr, 0, 0, nullptr, Workspace{}, nullptr).is_ok());
+}
+
+TEST_CASE("cuda topk_rows: bad strides and row counts", "[cuda][args]") {
+  const float* scores = fake<const float>(1);
+  std::int32_t* out = fake<std::int32_t>(2);
+  Status st = Cuda::topk_rows(scores, 4, 100, 99, 10, out, 10, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "cuda topk_rows: ld is 99, less than n=100"));
+
+  st = Cuda::topk_rows(scores, 4, 100, 100, 10, out, 9, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "out_ld is 9, less than k=10"));
+
+  st = Cuda::topk_rows(scores, -1, 100, 100, 10, out, 10, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "rows is -1"));
+
+  st = Cuda::topk_rows(scores, 2, 5, 5, 6, out, 6, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "k is 6, larger than n=5"));
+
+  // A single row ignores ld / out_ld; zero rows is a no-op.
+  REQUIRE(Cuda::topk_rows(nullptr, 0, 100, 0, 10, nullptr, 0, Workspace{}, nullptr).is_ok());
+  st = Cuda::topk_rows(nullptr, 1, 100, 0, 10, out, 0, Workspace{}, nullptr);
+  REQUIRE(st.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(st, "scores is null"));
+}
+
+TEST_CASE("cuda device_count: reports the runtime's answer as a Status", "[cuda][device]") {
+  REQUIRE(Cuda::device_count(nullptr).code() == StatusCode::kInvalidArgument);
+  int n = -1;
+  const Status st = Cuda::device_count(&n);
+  if (st.is_ok()) {
+    REQUIRE(n >= 0);
+    REQUIRE(Cuda::device_available() == (n > 0));
+  } else {
+    INFO(st.message());
+    REQUIRE(st.code() == StatusCode::kDeviceError);
+    REQUIRE(std::string(st.message()).rfind("cudaGetDeviceCount: ", 0) == 0);
+    REQUIRE(n == 0);
+    REQUIRE_FALSE(Cuda::device_available());
+  }
+}
