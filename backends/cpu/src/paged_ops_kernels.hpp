@@ -23,6 +23,7 @@ struct AttnScratch {
   const float** vrows = nullptr;  // (block): fp32 value row pointers
   float* run_max = nullptr;      // (group)
   float* run_sum = nullptr;      // (group)
+  float* zero_row = nullptr;     // (head_dim): zeros, for the unused rows of a logit tile
 
   /// fn(pointer_member, count) for every array, in carving order: the one
   /// definition behind both the size report and the carve.
@@ -36,6 +37,7 @@ struct AttnScratch {
     fn(s.vrows, static_cast<std::size_t>(block));
     fn(s.run_max, static_cast<std::size_t>(group));
     fn(s.run_sum, static_cast<std::size_t>(group));
+    fn(s.zero_row, static_cast<std::size_t>(head_dim));
   }
 };
 

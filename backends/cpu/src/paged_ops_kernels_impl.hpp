@@ -337,37 +337,28 @@ void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const T
 
 // ---- paged decode attention -------------------------------------------------------
 
-/// lg[t] = scale * q.rows[t] for t < bn, four rows at a time (independent chains).
-inline void logits_row(const float* q, std::int64_t d, const float* const* rows, std::int64_t bn, float scale, float* lg) noexcept {
-  std::int64_t t = 0;
-  for (; t + 4 <= bn; t += 4) {
-    F a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+/// lg[t] = scale * q.rows[t] for t < bn: kLanes rows at a time, one
+/// accumulator each (independent chains), reduced together by `hsum_lanes`
+/// into one vector of kLanes logits. Rows past bn read `zero` (d floats).
+inline void logits_row(const float* q, std::int64_t d, const float* const* rows, std::int64_t bn, float scale, const float* zero,
+                       float* lg) noexcept {
+  for (std::int64_t t0 = 0; t0 < bn; t0 += kLanes) {
+    const float* r[kLanes];
+    for (std::int64_t i = 0; i < kLanes; ++i) r[i] = t0 + i < bn ? rows[t0 + i] : zero;
+    F acc[kLanes];
+    for (std::int64_t i = 0; i < kLanes; ++i) acc[i] = F(0.0f);
     std::int64_t c = 0;
     for (; c + kLanes <= d; c += kLanes) {
       const F qv = F::load_unaligned(q + c);
-      a0 = xsimd::fma(qv, F::load_unaligned(rows[t] + c), a0);
-      a1 = xsimd::fma(qv, F::load_unaligned(rows[t + 1] + c), a1);
-      a2 = xsimd::fma(qv, F::load_unaligned(rows[t + 2] + c), a2);
-      a3 = xsimd::fma(qv, F::load_unaligned(rows[t + 3] + c), a3);
+      for (std::int64_t i = 0; i < kLanes; ++i) acc[i] = xsimd::fma(qv, F::load_unaligned(r[i] + c), acc[i]);
     }
     if (c < d) {
       const F qv = load_partial(q + c, d - c);
-      a0 = xsimd::fma(qv, load_partial(rows[t] + c, d - c), a0);
-      a1 = xsimd::fma(qv, load_partial(rows[t + 1] + c, d - c), a1);
-      a2 = xsimd::fma(qv, load_partial(rows[t + 2] + c, d - c), a2);
-      a3 = xsimd::fma(qv, load_partial(rows[t + 3] + c, d - c), a3);
+      for (std::int64_t i = 0; i < kLanes; ++i) acc[i] = xsimd::fma(qv, load_partial(r[i] + c, d - c), acc[i]);
     }
-    lg[t] = xsimd::hadd(a0) * scale;
-    lg[t + 1] = xsimd::hadd(a1) * scale;
-    lg[t + 2] = xsimd::hadd(a2) * scale;
-    lg[t + 3] = xsimd::hadd(a3) * scale;
-  }
-  for (; t < bn; ++t) {
-    F a(0.0f);
-    std::int64_t c = 0;
-    for (; c + kLanes <= d; c += kLanes) a = xsimd::fma(F::load_unaligned(q + c), F::load_unaligned(rows[t] + c), a);
-    if (c < d) a = xsimd::fma(load_partial(q + c, d - c), load_partial(rows[t] + c, d - c), a);
-    lg[t] = xsimd::hadd(a) * scale;
+    const F v = hsum_lanes(acc) * F(scale);
+    if (t0 + kLanes <= bn) v.store_unaligned(lg + t0);
+    else store_partial(lg + t0, v, bn - t0);
   }
 }
 
@@ -474,8 +465,22 @@ void attention(const float* q, std::int64_t G, std::int64_t d, KeyRows<T> keys, 
     s.run_max[g] = -kInf;
     s.run_sum[g] = 0.0f;
   }
+  for (std::int64_t c = 0; c < d; ++c) s.zero_row[c] = 0.0f;
+  const std::int64_t row_bytes = d * static_cast<std::int64_t>(sizeof(T));
+  auto prefetch_block = [&](std::int64_t j0) {  // the next page's rows: page ids are scattered
+    for (std::int64_t t = j0; t < imin(j0 + block, n); ++t) {
+      const auto* kr = reinterpret_cast<const char*>(row_of(keys, t));
+      const auto* vr = reinterpret_cast<const char*>(row_of(values, t));
+      for (std::int64_t o = 0; o < row_bytes; o += 64) {
+        _mm_prefetch(kr + o, _MM_HINT_T0);
+        _mm_prefetch(vr + o, _MM_HINT_T0);
+      }
+    }
+  };
+  prefetch_block(block);
   for (std::int64_t j0 = 0; j0 < n; j0 += block) {
     const std::int64_t bn = imin(block, n - j0);
+    prefetch_block(j0 + 2 * block);  // two pages ahead: the current one is already on its way
     for (std::int64_t t = 0; t < bn; ++t) {
       const T* kr = row_of(keys, j0 + t);
       const T* vr = row_of(values, j0 + t);
@@ -491,7 +496,7 @@ void attention(const float* q, std::int64_t G, std::int64_t d, KeyRows<T> keys, 
     }
     for (std::int64_t g = 0; g < G; ++g) {
       float* lg = s.logits + g * block;
-      logits_row(q + g * d, d, s.krows, bn, scale, lg);
+      logits_row(q + g * d, d, s.krows, bn, scale, s.zero_row, lg);
       float bmax = -kInf;
       for (std::int64_t t = 0; t < bn; ++t) bmax = lg[t] > bmax ? lg[t] : bmax;
       const float new_max = bmax > s.run_max[g] ? bmax : s.run_max[g];
