@@ -230,6 +230,20 @@ TEST_CASE("select == brute force: GQA modes x layouts x dtypes x page sizes x ra
       }
 }
 
+TEST_CASE("select == brute force on long sequences (several bounds-phase work items per sequence)", "[quest][select]") {
+  ThreadPool pool(3);
+  unsigned seed = 900;
+  for (std::int32_t P : {1, 16}) {
+    Case<half, half, float> cs(PageLayout::kHND, P, 2, 4, 16, {700LL * P - 3, 5, 257LL * P, 513LL * P + 1}, seed++);
+    for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupSum}) {
+      const Quest quest(QuestParams{.page_budget = 24, .gqa = mode});
+      INFO("page_size " << P << " mode " << static_cast<int>(mode));
+      check_against_brute(cs, quest, 3, run_select<backend::Scalar>(cs, quest, 3));
+      check_against_brute(cs, quest, 3, run_select<backend::Scalar>(cs, quest, 3, pool.context()));
+    }
+  }
+}
+
 TEST_CASE("select: budget rule, dense layers, explicit page budget", "[quest][select]") {
   const Quest q512(QuestParams{});
   REQUIRE(q512.page_budget(16) == 32);
