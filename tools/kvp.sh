@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kvpolicy quick start driver.
-#   tools/kvp.sh compare [args...]   build, then run the policy comparison on built-in data
+#   tools/kvp.sh compare [args...]   build, then run the policy comparison (kvpolicy-compare) on built-in
+#                                    data: table on stdout, CSV + PNG plots in build/compare/
 #   tools/kvp.sh test [ctest args]   build, then run the whole test suite
 #   tools/kvp.sh bench               build, then run every benchmark (median table)
 #   tools/kvp.sh build               install missing packages, configure, build
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${KVP_BUILD_DIR:-build}
 JOBS=${KVP_JOBS:-$(nproc)}
 
-packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev)
+packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib)
 
 install_missing() {
   local missing=()
@@ -41,12 +42,33 @@ build() {
   cmake --build "$BUILD_DIR" -j "$JOBS"
 }
 
+# The comparison: table on stdout, then plots (tools/compare/plot.py) drawn
+# from the CSV it wrote. Arguments go to kvpolicy-compare (--help lists them).
+compare() {
+  local out="$BUILD_DIR/compare" csv="" prev="" a
+  for a in "$@"; do
+    [ "$prev" = "--out-dir" ] && out="$a"
+    [ "$prev" = "--csv" ] && csv="$a"
+    prev="$a"
+  done
+  [ -n "$csv" ] || csv="$out/results.csv"
+  local marker rev py=/usr/bin/python3
+  marker=$(mktemp)
+  rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  "$BUILD_DIR/examples/kvpolicy-compare" --out-dir "$out" --commit "$rev" "$@" || { rm -f "$marker"; return 1; }
+  [ -x "$py" ] || py=python3
+  if [ "$csv" -nt "$marker" ]; then
+    "$py" tools/compare/plot.py "$csv" --out-dir "$(dirname "$csv")" || echo "kvp: plotting failed (needs python3-matplotlib)" >&2
+  fi
+  rm -f "$marker"
+}
+
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   build) build ;;
-  compare) build; exec "$BUILD_DIR/examples/compare_policies" "$@" ;;
+  compare) build; compare "$@" ;;
   test) build; exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
   bench) build; exec benchmarks/run_all.sh "$BUILD_DIR" "$@" ;;
-  *) sed -n '2,9p' "$0"; exit 2 ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
 esac

@@ -6,22 +6,32 @@
 //  * heavy hitters: ~2% of tokens get a large component along the mean query;
 //  * needles: a few tokens per kv head carry a unique direction; the
 //    observation window (the "question") mentions them weakly, and the future
-//    decode queries look for them strongly.
-// Keys are fp16 (the engine's storage type); queries are fp32.
+//    decode queries look for them strongly;
+//  * prompt-body queries (every position before the window): noise, the sink
+//    direction and the positional features, so policies that read the whole
+//    prompt's attention (H2O, observed attention, Expected Attention) see a
+//    causal prompt with a local band and sinks, and no hint of the needles.
+// Keys are rounded to fp16 (the engine's storage type); queries are fp32.
+// There is no rotary embedding: positions enter additively, so the
+// "pre-RoPE" queries are the queries themselves (identity rotation).
+// The body queries come from their own random stream, so every other tensor
+// is independent of whether they are generated.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvpolicy/core/dtype.hpp"
+#include "layer_case.hpp"
 
-namespace kvp_examples {
+namespace kvp_compare {
 
 struct WorkloadShape {
   int num_q_heads = 32, num_kv_heads = 8, head_dim = 128;
-  int kv_len = 4096;     ///< prompt tokens in the cache
+  int kv_len = 2560;     ///< prompt tokens in the cache (not a power of two: ratio budgets fall between the token budgets)
   int window = 32;       ///< observation window (last prompt queries)
   int num_future = 16;   ///< decode queries used to evaluate a decision
   int needles = 8;       ///< planted per kv head
@@ -31,11 +41,13 @@ struct WorkloadShape {
 struct Workload {
   WorkloadShape s;
   std::vector<float> window_q;            // (Hq, window, d)
+  std::vector<float> prompt_q;            // (Hq, T, d): body queries, then the window queries
   std::vector<kvpolicy::half> keys;       // (Hkv, T, d)
   std::vector<float> keys_f, values;      // (Hkv, T, d) fp32 copies (values only exist in fp32 here)
   std::vector<float> future_q;            // (Hq, num_future, d)
   std::vector<std::int32_t> needle_pos;   // (Hkv, needles)
   std::vector<std::int32_t> needle_of_future;  // (Hq, num_future): needle index looked for, or -1
+  std::vector<float> mean_q;              // (Hkv, d): each kv head's mean query (sink) direction
 };
 
 inline Workload make_workload(const WorkloadShape& s, unsigned seed) {
@@ -86,6 +98,7 @@ inline Workload make_workload(const WorkloadShape& s, unsigned seed) {
     std::vector<float> mean_q, bias;
     unit(mean_q);
     unit(bias);
+    w.mean_q.insert(w.mean_q.end(), mean_q.begin(), mean_q.end());
     std::vector<std::vector<float>> needle_dir(s.needles);
     for (auto& u : needle_dir) unit(u);
     for (int t = 0; t < T; ++t) {
@@ -129,6 +142,25 @@ inline Workload make_workload(const WorkloadShape& s, unsigned seed) {
       }
     }
   }
+  // Body queries (positions 0 .. T-window-1) from a separate stream; the
+  // window rows of prompt_q are the window queries.
+  std::mt19937 body_rng(seed ^ 0x9e3779b9u);
+  std::normal_distribution<float> bnd;
+  w.prompt_q.assign(static_cast<std::size_t>(Hq) * T * d, 0.0f);
+  for (int qh = 0; qh < Hq; ++qh) {
+    const int h = qh / G;
+    for (int t = 0; t < T; ++t) {
+      float* q = &w.prompt_q[(static_cast<std::size_t>(qh) * T + t) * d];
+      if (t >= T - s.window) {
+        const float* src = &w.window_q[(static_cast<std::size_t>(qh) * s.window + (t - (T - s.window))) * d];
+        for (int c = 0; c < d; ++c) q[c] = src[c];
+        continue;
+      }
+      const float* mq = &w.mean_q[static_cast<std::size_t>(h) * d];
+      for (int c = 0; c < d; ++c) q[c] = bnd(body_rng) + a_sink * mq[c];
+      add_pos(q, t, a_pos);
+    }
+  }
   w.keys.resize(w.keys_f.size());
   for (std::size_t i = 0; i < w.keys_f.size(); ++i) {
     w.keys[i] = kvpolicy::to_half(w.keys_f[i]);
@@ -137,4 +169,32 @@ inline Workload make_workload(const WorkloadShape& s, unsigned seed) {
   return w;
 }
 
-}  // namespace kvp_examples
+/// The workload as a comparison case (one layer, fp32 copies of fp16 keys).
+inline LayerCase to_layer_case(Workload&& w, int instance) {
+  const auto& s = w.s;
+  LayerCase c;
+  c.workload = "synthetic";
+  c.layer = 0;
+  c.num_layers = 1;
+  c.instance = instance;
+  c.num_q_heads = s.num_q_heads;
+  c.num_kv_heads = s.num_kv_heads;
+  c.head_dim = s.head_dim;
+  c.kv_len = s.kv_len;
+  c.num_eval = s.num_future;
+  c.window = s.window;
+  c.sinks = s.sinks;
+  c.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  c.storage = kvpolicy::DType::kF16;
+  c.q = std::move(w.prompt_q);
+  c.inv_freq.assign(static_cast<std::size_t>(s.head_dim / 2), 0.0f);  // no RoPE: identity rotation
+  c.k = std::move(w.keys_f);
+  c.v = std::move(w.values);
+  c.eq = std::move(w.future_q);
+  // Needles sit at the same tokens in every kv head.
+  for (int n = 0; n < s.needles; ++n) c.needles.push_back(w.needle_pos[static_cast<std::size_t>(n)]);
+  c.needle_of_query = std::move(w.needle_of_future);
+  return c;
+}
+
+}  // namespace kvp_compare

@@ -1,0 +1,210 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvpolicy-compare: every policy x budget x workload, as a tidy CSV, a console
+// table and (through plot.py) PNG plots. See tools/compare/README.md.
+//
+//   kvpolicy-compare [--synthetic N] [--len T] [--trace file.safetensors]... [--budgets 64,128,...]
+//                    [--ratios 0.5,0.75] [--policies A,B] [--threads N] [--reps N] [--per-layer]
+//                    [--out-dir DIR | --csv FILE] [--commit REV] [--no-progress] [--list-policies]
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <sys/stat.h>
+#include <thread>
+#include <vector>
+
+#include "kvpolicy/util/thread_pool.hpp"
+#include "sweep.hpp"
+#include "synthetic_workload.hpp"
+#include "trace_cases.hpp"
+
+using namespace kvp_compare;
+
+namespace {
+
+const char* kUsage =
+    "usage: kvpolicy-compare [options]\n"
+    "  --synthetic N       synthetic workload instances (seeds), 0 for none (default 2)\n"
+    "  --len T             synthetic prompt length (default 2560)\n"
+    "  --trace FILE        a trace (tools/trace/export_trace.py); repeatable; every layer is used\n"
+    "  --budgets LIST      token budgets per kv head (default 64,128,256,512,1024; '' for none)\n"
+    "  --ratios LIST       kvpress compression ratios (fraction removed; default 0.5,0.75,0.875; '' for none)\n"
+    "  --policies LIST     policies to run (default all; see --list-policies)\n"
+    "  --threads N         worker threads (default: hardware threads)\n"
+    "  --reps N            timed repetitions per decision (default 3)\n"
+    "  --per-layer         also write per-layer rows to the CSV\n"
+    "  --out-dir DIR       write DIR/results.csv (plot.py draws its PNGs there)\n"
+    "  --csv FILE          write the CSV to FILE\n"
+    "  --commit REV        source revision recorded in the CSV\n"
+    "  --no-progress       no progress line on stderr\n"
+    "  --list-policies     print the policy names and exit\n";
+
+bool parse_list(const char* s, std::vector<double>* out) {
+  out->clear();
+  const char* p = s;
+  while (*p) {
+    char* end = nullptr;
+    errno = 0;
+    const double v = std::strtod(p, &end);
+    if (end == p || errno) return false;
+    out->push_back(v);
+    p = end;
+    if (*p == ',') ++p;
+    else if (*p) return false;
+  }
+  return true;
+}
+
+std::vector<std::string> split(const char* s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (const char* p = s;; ++p) {
+    if (*p == ',' || *p == 0) {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+      if (*p == 0) break;
+    } else {
+      cur += *p;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int synthetic = 2, threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  WorkloadShape shape;
+  std::vector<std::string> traces;
+  std::vector<double> budgets{64, 128, 256, 512, 1024}, ratios{0.5, 0.75, 0.875};
+  SweepOptions opt;
+  std::string out_dir, csv_path, commit = "unknown";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "kvpolicy-compare: missing value after %s\n%s", a.c_str(), kUsage);
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    auto bad = [&](const char* what) {
+      std::fprintf(stderr, "kvpolicy-compare: bad value for %s: '%s'\n", a.c_str(), what);
+      std::exit(2);
+    };
+    if (a == "--synthetic") {
+      const char* v = next();
+      synthetic = std::atoi(v);
+      if (synthetic < 0) bad(v);
+    } else if (a == "--len") {
+      const char* v = next();
+      shape.kv_len = std::atoi(v);
+      if (shape.kv_len < 4 * shape.window) bad(v);
+    } else if (a == "--trace") {
+      traces.push_back(next());
+    } else if (a == "--budgets") {
+      const char* v = next();
+      if (!parse_list(v, &budgets)) bad(v);
+      for (double b : budgets)
+        if (b < 1 || b != static_cast<double>(static_cast<long long>(b))) bad(v);
+    } else if (a == "--ratios") {
+      const char* v = next();
+      if (!parse_list(v, &ratios)) bad(v);
+      for (double r : ratios)
+        if (!(r > 0 && r < 1)) bad(v);
+    } else if (a == "--policies") {
+      opt.policies = split(next());
+    } else if (a == "--threads") {
+      const char* v = next();
+      threads = std::atoi(v);
+      if (threads < 1) bad(v);
+    } else if (a == "--reps") {
+      const char* v = next();
+      opt.reps = std::atoi(v);
+      if (opt.reps < 1) bad(v);
+    } else if (a == "--per-layer") {
+      opt.per_layer = true;
+    } else if (a == "--out-dir") {
+      out_dir = next();
+    } else if (a == "--csv") {
+      csv_path = next();
+    } else if (a == "--commit") {
+      commit = next();
+    } else if (a == "--no-progress") {
+      opt.progress = false;
+    } else if (a == "--list-policies") {
+      for (const auto& p : all_policies()) std::printf("%-28s %-10s%s%s\n", p.name.c_str(), p.family.c_str(), p.query_aware ? " query-aware" : "",
+                                                       p.multi_layer ? " multi-layer" : "");
+      return 0;
+    } else if (a == "-h" || a == "--help") {
+      std::printf("%s", kUsage);
+      return 0;
+    } else {
+      std::fprintf(stderr, "kvpolicy-compare: unknown option '%s'\n%s", a.c_str(), kUsage);
+      return 2;
+    }
+  }
+  for (const auto& name : opt.policies) {
+    bool known = false;
+    for (const auto& p : all_policies()) known |= p.name == name;
+    if (!known) {
+      std::fprintf(stderr, "kvpolicy-compare: unknown policy '%s' (see --list-policies)\n", name.c_str());
+      return 2;
+    }
+  }
+  std::sort(budgets.begin(), budgets.end());
+  std::sort(ratios.begin(), ratios.end());
+  for (double b : budgets) opt.budgets.push_back(BudgetSpec::tokens(static_cast<std::int64_t>(b)));
+  for (double r : ratios) opt.budgets.push_back(BudgetSpec::ratio(r));
+  if (!out_dir.empty() && csv_path.empty()) {
+    ::mkdir(out_dir.c_str(), 0755);
+    csv_path = out_dir + "/results.csv";
+  }
+
+  // Traces are loaded up front (a bad file fails before any work is done).
+  std::vector<LayerCase> trace_cases;
+  for (const auto& t : traces) {
+    const kvpolicy::Status s = load_trace_cases(t, &trace_cases);
+    if (!s) {
+      std::fprintf(stderr, "kvpolicy-compare: %s\n", s.message());
+      return 1;
+    }
+  }
+  if (synthetic == 0 && trace_cases.empty()) {
+    std::fprintf(stderr, "kvpolicy-compare: nothing to compare (no synthetic instances, no traces)\n");
+    return 2;
+  }
+
+  kvpolicy::ThreadPool pool(threads);
+  Sweep sweep(opt, pool.context());
+  LayerCase synth_shape;  // units() only reads the lengths
+  synth_shape.kv_len = shape.kv_len;
+  std::int64_t total = synthetic * sweep.units(synth_shape);
+  for (const auto& c : trace_cases) total += sweep.units(c);
+  sweep.set_total_units(total);
+
+  std::printf("kvpolicy-compare: %zu policies, %zu budgets, %d threads, CPU ISA %s\n", sweep.policies().size(), opt.budgets.size(), threads,
+              kvpolicy::backend::Cpu::isa_name());
+  if (synthetic > 0)
+    std::printf("  synthetic: %d instances of %d q heads / %d kv heads, head_dim %d, %d prompt tokens (fp16 keys), window %d,\n"
+                "             %d decode queries per head, %d needles\n",
+                synthetic, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.kv_len, shape.window, shape.num_future, shape.needles);
+  for (const auto& t : traces) std::printf("  trace: %s\n", t.c_str());
+  std::fflush(stdout);
+
+  for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));
+  for (const auto& c : trace_cases) sweep.run(c);
+
+  const auto rows = sweep.rows();
+  print_table(stdout, rows);
+  for (const auto& w : sweep.warnings()) std::printf("note: skipped %s\n", w.c_str());
+  if (!csv_path.empty()) {
+    if (!write_csv(csv_path, rows, commit)) {
+      std::fprintf(stderr, "kvpolicy-compare: cannot write %s\n", csv_path.c_str());
+      return 1;
+    }
+    std::printf("\nwrote %s (%zu rows)\n", csv_path.c_str(), rows.size());
+  }
+  return 0;
+}

@@ -1,0 +1,339 @@
+// SPDX-License-Identifier: Apache-2.0
+// The policies under comparison, each adapted to one question: "given this
+// layer case and a budget, which prompt tokens may each head read?".
+//
+// Budget: `n` tokens per kv head and layer, protected tokens (window, sinks)
+// inside, resolved from the sweep's budget (absolute tokens, or kvpress's
+// compression ratio r: n = int(T (1 - r))). Each adapter maps n onto the
+// policy's own vocabulary, so every policy keeps (on average) the same number
+// of tokens:
+//   StreamingLLM              4 sinks + (n - 4) recent
+//   SnapKV                    kvpress scoring (window mean, avg pool 5, pool -> group mean), window inside
+//   SnapKV(original)          FasterDecoding scoring (window sum, max pool 7, group -> pool), capacity n
+//   H2O                       online real drop: the prompt's attention accumulated, then evict to
+//                             hh = n/2 heavy + n - n/2 recent (the paper's 50/50 split)
+//   ObservedAttention         kvpress: column sums of the whole prompt's attention / (T - j)
+//   ObservedAttention(Factory) KVCache-Factory "H2O": raw column sums, last 8 tokens protected
+//   TOVA                      kvpress one-shot: the last prompt query's head-mean attention, last token kept
+//   Ada-KV                    kvpress AdaKVPress over SnapKV (alpha 0.2): n per head on average
+//   Ada-KV(original-GQA)      FFY0/AdaKV gqa_support over its own scoring (w 32, max pool 7), capacity n
+//   PyramidKV                 (multi-layer cases) token budgets: KVCache-Factory schedule with capacity n
+//                             (w 8, max pool 7); ratio budgets: kvpress's schedule (w 64 capped at T/4)
+//   ExpectedAttention         kvpress defaults (512 future positions, 4 sinks, covariance, value norm)
+//   Quest                     selection per decode step: page size 16, floor(n / 16) pages per query head
+//                             (last page included), every layer sparse (Quest's 2 dense layers are an
+//                             end-to-end choice; here every layer is judged)
+//   Oracle                    per (step, query head) the n heaviest prompt tokens: the ceiling
+// The observation window is the case's (32 by default; traces: min(32, T/4)).
+// Decision time is measured around the policy call only (workspace, inputs and
+// outputs are prepared outside the timed region); K/V are fp32 for every policy.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "evaluate.hpp"
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/observed_attention.hpp"
+#include "kvpolicy/policy/eviction/pyramidkv.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/eviction/streaming_llm.hpp"
+#include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
+#include "layer_case.hpp"
+
+namespace kvp_compare {
+
+using Backend = kvpolicy::backend::Cpu;
+
+/// A budget of the sweep: absolute tokens per kv head, or kvpress's fraction removed.
+struct BudgetSpec {
+  enum class Kind : std::uint8_t { kTokens, kRatio };
+  Kind kind = Kind::kTokens;
+  double value = 0;
+
+  static BudgetSpec tokens(std::int64_t n) { return {Kind::kTokens, static_cast<double>(n)}; }
+  static BudgetSpec ratio(double r) { return {Kind::kRatio, r}; }
+  const char* kind_name() const noexcept { return kind == Kind::kTokens ? "tokens" : "ratio_removed"; }
+  /// Tokens per kv head for a prompt of T tokens.
+  std::int64_t tokens_for(std::int64_t T) const noexcept {
+    return kind == Kind::kTokens ? std::min<std::int64_t>(static_cast<std::int64_t>(value), T) : kvpolicy::kvpress_n_kept(T, value);
+  }
+};
+
+/// Timing of the policy call: up to `reps` runs (fewer once they took
+/// `budget_ms` in all: slow policies are timed once), every run recorded.
+/// Decisions are deterministic, so repeating a call does not change its output.
+struct Timer {
+  int reps = 3;
+  double budget_ms = 500.0;
+  std::vector<double> ms;
+  template <class F>
+  kvpolicy::Status run(F&& f) {
+    kvpolicy::Status s;
+    double spent = 0;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      s = f();
+      const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ms.push_back(t);
+      spent += t;
+      if (!s || spent > budget_ms) break;
+    }
+    return s;
+  }
+};
+
+struct PolicySpec {
+  std::string name;
+  std::string family;        ///< "eviction", "selection", "oracle"
+  bool query_aware = false;  ///< reads the prompt's last queries (kvpress's "query-aware" presses read the question)
+  bool multi_layer = false;  ///< only meaningful on cases with several layers (layer schedules)
+  std::function<kvpolicy::Status(const LayerCase&, const Reference&, const BudgetSpec&, const kvpolicy::ExecContext&, Timer&, Decision*)> run;
+};
+
+namespace adapt {
+
+using namespace kvpolicy;
+
+inline TensorView<const float, 3> view3(const std::vector<float>& x, std::int64_t a, std::int64_t b, std::int64_t c) {
+  return TensorView<const float, 3>::contiguous(x.data(), {a, b, c});
+}
+inline KVSource<float> keys(const LayerCase& c) { return KVSource<float>::from(view3(c.k, c.num_kv_heads, c.kv_len, c.head_dim)); }
+inline KVSource<float> values(const LayerCase& c) { return KVSource<float>::from(view3(c.v, c.num_kv_heads, c.kv_len, c.head_dim)); }
+/// The last `w` prompt queries (the observation window), a view into `q`.
+inline TensorView<const float, 3> window_queries(const LayerCase& c, std::int64_t w) {
+  const std::int64_t T = c.kv_len, d = c.head_dim;
+  return TensorView<const float, 3>(c.q.data() + (T - w) * d, {c.num_q_heads, w, d}, {T * d, d, 1});
+}
+inline PrefillShape shape(const LayerCase& c, std::int64_t q_len) { return {c.num_q_heads, c.num_kv_heads, c.head_dim, c.kv_len, q_len}; }
+
+/// Output buffers of an eviction policy and the Decision they become.
+struct KeepBuffers {
+  std::vector<std::int32_t> indptr, indices;
+  KeepSet keep(std::int64_t rows, std::int64_t capacity) {
+    indptr.assign(static_cast<std::size_t>(rows + 1), 0);
+    indices.assign(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 1)), 0);
+    return KeepSet{indptr.data(), indices.data(), rows, capacity};
+  }
+  void to(Decision* d, Decision::Rows rows) {
+    d->rows = rows;
+    d->indptr = std::move(indptr);
+    d->indices.assign(indices.begin(), indices.begin() + d->indptr.back());
+  }
+};
+
+/// Any policy with the uniform `select(PrefillInput)` interface.
+template <class P>
+Status run_prefill_policy(const P& p, const LayerCase& c, std::int64_t q_len, const ExecContext& ctx, Timer& t, Decision* out) {
+  const PrefillInput<float, float> in{q_len == c.kv_len ? view3(c.q, c.num_q_heads, c.kv_len, c.head_dim) : window_queries(c, q_len), keys(c)};
+  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape(c, q_len), ctx));
+  const std::int64_t n = p.kept_count(c.kv_len);
+  if (n < 0) return KVP_INVALID("%s: budget invalid for kv_len %lld", P::kName, static_cast<long long>(c.kv_len));
+  KeepBuffers kb;
+  const KeepSet keep = kb.keep(c.num_kv_heads, n * c.num_kv_heads);
+  KVP_RETURN_IF_ERROR(t.run([&] { return p.template select<Backend>(in, keep, Workspace{ws.data(), ws.size()}, ctx); }));
+  kb.to(out, Decision::Rows::kKvHead);
+  return Status::ok();
+}
+
+inline Status streaming_llm(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  const StreamingLLM p(StreamingLLMParams{c.sinks, Budget::tokens(b.tokens_for(c.kv_len)), 0});
+  return run_prefill_policy(p, c, c.window, ctx, t, out);
+}
+
+inline Status snapkv(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  SnapKVParams sp = SnapKVParams::kvpress(0.0, c.window, 5);
+  sp.budget = Budget::tokens(b.tokens_for(c.kv_len));
+  return run_prefill_policy(SnapKV(sp), c, c.window, ctx, t, out);
+}
+
+inline Status snapkv_original(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  return run_prefill_policy(SnapKV(SnapKVParams::original(b.tokens_for(c.kv_len), c.window, 7, Pooling::kMax)), c, c.window, ctx, t, out);
+}
+
+inline Status observed_attention(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  ObservedAttentionParams p = ObservedAttentionParams::kvpress(0.0);
+  p.budget = Budget::tokens(b.tokens_for(c.kv_len));
+  return run_prefill_policy(ObservedAttention(p), c, c.kv_len, ctx, t, out);
+}
+
+inline Status observed_attention_factory(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t,
+                                         Decision* out) {
+  const std::int32_t w = static_cast<std::int32_t>(std::min<std::int64_t>(8, c.kv_len));
+  return run_prefill_policy(ObservedAttention(ObservedAttentionParams::kvcache_factory_h2o(b.tokens_for(c.kv_len), w)), c, c.kv_len, ctx, t, out);
+}
+
+inline Status tova(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  TOVAParams p = TOVAParams::kvpress(0.0);
+  p.budget = Budget::tokens(b.tokens_for(c.kv_len));
+  return run_prefill_policy(TOVA(p), c, c.window, ctx, t, out);
+}
+
+inline Status h2o(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  const std::int64_t n = b.tokens_for(c.kv_len), T = c.kv_len;
+  const H2O p(H2OParams::original(n / 2, n - n / 2));
+  const PrefillInput<float, float> in{view3(c.q, c.num_q_heads, T, c.head_dim), keys(c)};
+  std::vector<float> scores(static_cast<std::size_t>(c.num_kv_heads * T));
+  H2OState st{TensorView<float, 2>::contiguous(scores.data(), {c.num_kv_heads, T}), 0};
+  std::vector<std::byte> ws(std::max(p.update_workspace_bytes<Backend>(shape(c, T), ctx), p.evict_workspace_bytes<Backend>(c.num_kv_heads, T, ctx)));
+  KeepBuffers kb;
+  const KeepSet keep = kb.keep(c.num_kv_heads, p.kept_count(T) * c.num_kv_heads);
+  KVP_RETURN_IF_ERROR(t.run([&]() -> Status {
+    st.reset();
+    KVP_RETURN_IF_ERROR(p.update_from_queries<Backend>(st, in, Workspace{ws.data(), ws.size()}, ctx));
+    return p.evict<Backend>(st, keep, Workspace{ws.data(), ws.size()}, ctx);
+  }));
+  kb.to(out, Decision::Rows::kKvHead);
+  return Status::ok();
+}
+
+template <class Scorer>
+Status run_adakv(const AdaKV<Scorer>& p, const LayerCase& c, const ExecContext& ctx, Timer& t, Decision* out) {
+  const std::int64_t w = p.scorer().params().window;
+  const PrefillInput<float, float> in{window_queries(c, w), keys(c)};
+  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape(c, w), ctx));
+  const std::int64_t rows = p.rows_per_sequence(c.num_q_heads, c.num_kv_heads);
+  const std::int64_t cap = p.max_total_kept(c.kv_len, rows);
+  if (cap < 0) return KVP_INVALID("adakv: budget invalid for kv_len %lld", static_cast<long long>(c.kv_len));
+  KeepBuffers kb;
+  const KeepSet keep = kb.keep(rows, cap);
+  KVP_RETURN_IF_ERROR(t.run([&] { return p.template select<Backend>(std::span<const PrefillInput<float, float>>(&in, 1), keep, Workspace{ws.data(), ws.size()}, ctx); }));
+  kb.to(out, rows == c.num_kv_heads ? Decision::Rows::kKvHead : Decision::Rows::kQueryHead);
+  return Status::ok();
+}
+
+inline Status adakv(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  AdaKVParams ap = AdaKVParams::kvpress(0.0, 0.2);
+  ap.budget = Budget::tokens(b.tokens_for(c.kv_len));
+  return run_adakv(AdaKV<SnapKV>(ap, SnapKV(SnapKVParams::kvpress(0.0, c.window, 5))), c, ctx, t, out);
+}
+
+inline Status adakv_original(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  return run_adakv(AdaKV<SnapKV>(AdaKVParams::original_gqa(b.tokens_for(c.kv_len), 0.2), SnapKV(adakv_scoring(c.window))), c, ctx, t, out);
+}
+
+inline Status pyramidkv(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  PyramidKVParams p;
+  if (b.kind == BudgetSpec::Kind::kRatio) {
+    const std::int32_t w = static_cast<std::int32_t>(std::min<std::int64_t>(64, c.kv_len / 4));
+    p = PyramidKVParams::kvpress(b.value, c.layer, c.num_layers, w, 5);
+  } else {
+    const std::int32_t w = static_cast<std::int32_t>(std::min<std::int64_t>(8, c.kv_len));
+    p = PyramidKVParams::original(b.tokens_for(c.kv_len), c.layer, c.num_layers, w, 7, Pooling::kMax);
+  }
+  return run_prefill_policy(PyramidKV(p), c, p.scoring.window, ctx, t, out);
+}
+
+inline Status expected_attention(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  ExpectedAttentionParams p = ExpectedAttentionParams::kvpress(0.0);
+  p.budget = Budget::tokens(b.tokens_for(c.kv_len));
+  if (c.inv_freq.size() != static_cast<std::size_t>(c.head_dim / 2))
+    return Status::error(StatusCode::kUnsupported, "expected_attention: the case has no RoPE frequencies");
+  p.rope.inv_freq = c.inv_freq.data();
+  p.rope.attention_scaling = c.rope_scaling;
+  const ExpectedAttention ea(p);
+  ExpectedAttentionInput<float, float> in;
+  in.queries = view3(c.q_pre.empty() ? c.q : c.q_pre, c.num_q_heads, c.kv_len, c.head_dim);
+  in.keys = keys(c);
+  in.values = values(c);
+  std::vector<std::byte> ws(ea.workspace_bytes<Backend>(shape(c, c.kv_len), ctx));
+  KeepBuffers kb;
+  const KeepSet keep = kb.keep(c.num_kv_heads, ea.kept_count(c.kv_len) * c.num_kv_heads);
+  KVP_RETURN_IF_ERROR(t.run([&] { return ea.select<Backend>(in, keep, Workspace{ws.data(), ws.size()}, ctx); }));
+  kb.to(out, Decision::Rows::kKvHead);
+  return Status::ok();
+}
+
+/// Quest on a paged copy of the prompt (HND pages of 16 tokens), one
+/// selection per evaluation query; the metadata is built once (not timed:
+/// engines fold it while appending).
+inline Status quest(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+  constexpr std::int32_t kPage = 16;
+  const std::int64_t T = c.kv_len, d = c.head_dim, Hkv = c.num_kv_heads, Hq = c.num_q_heads, F = c.num_eval;
+  const std::int32_t P = static_cast<std::int32_t>((T + kPage - 1) / kPage);
+  std::vector<float> kp(static_cast<std::size_t>(P) * Hkv * kPage * d, 0.0f), vp(kp.size(), 0.0f);
+  const PageStrides st = PageStrides::contiguous(PageLayout::kHND, Hkv, kPage, d);
+  for (std::int64_t h = 0; h < Hkv; ++h)
+    for (std::int64_t j = 0; j < T; ++j) {
+      const std::size_t dst = static_cast<std::size_t>((j / kPage) * st.page + h * st.head + (j % kPage) * st.slot);
+      std::copy_n(&c.k[static_cast<std::size_t>((h * T + j) * d)], d, &kp[dst]);
+      std::copy_n(&c.v[static_cast<std::size_t>((h * T + j) * d)], d, &vp[dst]);
+    }
+  std::vector<std::int32_t> indptr{0, P}, pages(static_cast<std::size_t>(P)), last{static_cast<std::int32_t>((T - 1) % kPage + 1)};
+  for (std::int32_t i = 0; i < P; ++i) pages[static_cast<std::size_t>(i)] = i;
+  const PageTable table{indptr.data(), pages.data(), last.data(), 1};
+  const PagedKVView<const float> view{kp.data(), vp.data(), st, st, P, static_cast<std::int32_t>(Hkv), kPage, static_cast<std::int32_t>(d), table, kHost};
+  std::vector<float> meta(static_cast<std::size_t>(PageMetaView<float>::contiguous_size(P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d))));
+  const auto mv = PageMetaView<float>::contiguous(meta.data(), P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d));
+  KVP_RETURN_IF_ERROR(Quest::rebuild_metadata<Backend>(view, mv, ctx));
+
+  QuestParams qp;
+  const std::int64_t n = b.tokens_for(T);
+  qp.token_budget = static_cast<std::int32_t>(std::min<std::int64_t>(n, INT32_MAX));
+  if (n >= T) qp.page_budget = P;  // a budget covering the prompt reads every page (floor(T/16) may miss the partial last one)
+  qp.dense_layers = 0;
+  qp.gqa = QuestGqa::kPerQueryHead;
+  const Quest quest(qp);
+  GqaMap gqa;
+  KVP_RETURN_IF_ERROR(GqaMap::make(Hq, Hkv, "quest", &gqa));
+  std::vector<std::byte> ws(quest.workspace_bytes<Backend>(table, kPage, gqa, static_cast<std::int32_t>(d), ctx));
+  const std::int64_t cap = quest.output_capacity(c.layer, table, kPage, gqa);
+  std::vector<std::int32_t> sel_indptr(static_cast<std::size_t>(Hq + 1)), sel(static_cast<std::size_t>(std::max<std::int64_t>(cap, 1))),
+      sel_last(static_cast<std::size_t>(Hq));
+  const PageSelection ps{sel_indptr.data(), sel.data(), sel_last.data(), nullptr, Hq, cap};
+  out->rows = Decision::Rows::kQueryHeadPerStep;
+  out->indptr.assign(1, 0);
+  out->indices.clear();
+  for (std::int64_t f = 0; f < F; ++f) {
+    const TensorView<const float, 3> qv(c.eq.data() + f * d, {1, Hq, d}, {0, F * d, 1});
+    KVP_RETURN_IF_ERROR(t.run([&] { return quest.select<Backend>(c.layer, qv, table, kPage, mv, ps, Workspace{ws.data(), ws.size()}, ctx); }));
+    for (std::int64_t r = 0; r < Hq; ++r) {
+      for (std::int32_t i = sel_indptr[static_cast<std::size_t>(r)]; i < sel_indptr[static_cast<std::size_t>(r + 1)]; ++i) {
+        const std::int64_t p0 = static_cast<std::int64_t>(sel[static_cast<std::size_t>(i)]) * kPage;
+        for (std::int64_t j = p0; j < std::min(p0 + kPage, T); ++j) out->indices.push_back(static_cast<std::int32_t>(j));
+      }
+      out->indptr.push_back(static_cast<std::int32_t>(out->indices.size()));
+    }
+  }
+  // Metadata read per step: 2 rows (max, min) of d values per scored page and kv head.
+  const std::int64_t pb = quest.page_budget(kPage);
+  out->metadata_bytes = P > pb ? 2.0 * static_cast<double>(P - 1) * static_cast<double>(Hkv * d) * dtype_size(c.storage) : 0.0;
+  return Status::ok();
+}
+
+inline Status oracle(const LayerCase& c, const Reference& r, const BudgetSpec& b, const ExecContext&, Timer&, Decision* out) {
+  *out = oracle_decision(c, r, b.tokens_for(c.kv_len));
+  return Status::ok();
+}
+
+}  // namespace adapt
+
+/// Every policy of the comparison, in table order.
+inline std::vector<PolicySpec> all_policies() {
+  return {
+      {"StreamingLLM", "eviction", false, false, adapt::streaming_llm},
+      {"SnapKV", "eviction", true, false, adapt::snapkv},
+      {"SnapKV(original)", "eviction", true, false, adapt::snapkv_original},
+      {"H2O", "eviction", false, false, adapt::h2o},
+      {"ObservedAttention", "eviction", false, false, adapt::observed_attention},
+      {"ObservedAttention(Factory)", "eviction", false, false, adapt::observed_attention_factory},
+      {"TOVA", "eviction", true, false, adapt::tova},
+      {"Ada-KV", "eviction", true, false, adapt::adakv},
+      {"Ada-KV(original-GQA)", "eviction", true, false, adapt::adakv_original},
+      {"PyramidKV", "eviction", true, true, adapt::pyramidkv},
+      {"ExpectedAttention", "eviction", false, false, adapt::expected_attention},
+      {"Quest", "selection", true, false, adapt::quest},
+      {"Oracle", "oracle", true, false, adapt::oracle},
+  };
+}
+
+}  // namespace kvp_compare
