@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
 #include "scoring_test_util.hpp"
@@ -128,4 +130,39 @@ TEST_CASE("pyramidkv: bad input gets a clear message and writes nothing", "[pyra
   RandomCase<float> shortc(8, 2, 6, 64, 8, 9);
   expect_error(PyramidKVParams::kvpress(0.5, 0, 32, 8), shortc.input(), "window 8 is larger than kv_len 6");
   expect_error(PyramidKVParams::kvpress(0.5, 0, 32, 8), in, "workspace has 100 bytes", 100);
+}
+
+TEST_CASE("pyramidkv: layer schedules drive any scorer (Ada-KV pyram_mode, Expected Attention)", "[pyramidkv][budget]") {
+  RandomCase<float> rc(8, 2, 600, 32, 32, 21);
+  // Ada-KV's pyram_mode: the layer's base capacity from LayerSchedule::pyramid_adakv, then the original allocation.
+  const auto sched = LayerSchedule::pyramid_adakv(160, 32, 8);
+  for (int l : {0, 7}) {
+    Budget b;
+    REQUIRE(sched.layer_budget(l, 600, &b).is_ok());
+    AdaKVParams p = AdaKVParams::original_gqa(0, 0.2);
+    p.budget = b;
+    const AdaKV<SnapKV> ada(p, SnapKV(adakv_scoring(32, 7)));
+    PyramidBudget pb;
+    REQUIRE(pyramid_budget_adakv(600, 160, 32, 20, 8, l, &pb).is_ok());
+    REQUIRE(ada.kept_count(600) == pb.total);
+    const auto keep = run_ragged<backend::Cpu>(ada, std::vector{rc.input()}, 2, PrefillShape{8, 2, 32, 600, 32});
+    REQUIRE(keep.indptr.back() <= ada.max_total_kept(600, 2));
+    REQUIRE(keep.indptr.back() >= 2 * pb.total - 2);
+  }
+  // Expected Attention with the kvpress pyramid: the budget is the schedule's, the scores EA's.
+  std::vector<float> values(rc.keys.size(), 1.0f);
+  const ExpectedAttentionInput<float, float> in{TensorView<const float, 3>::contiguous(rc.queries.data(), {8, 32, 32}), {}, {},
+                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(rc.keys.data(), {2, 600, 32})),
+                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(values.data(), {2, 600, 32}))};
+  const auto kvp = LayerSchedule::pyramid_kvpress(0.5, 4, 16);
+  for (int l : {0, 15}) {
+    ExpectedAttentionParams p = ExpectedAttentionParams::kvpress(0.0, 64, 4);
+    REQUIRE(kvp.layer_budget(l, 600, &p.budget).is_ok());
+    const ExpectedAttention ea(p);
+    PyramidBudget pb;
+    REQUIRE(pyramid_budget_kvpress(600, 0.5, 4, 20, 16, l, false, &pb).is_ok());
+    REQUIRE(ea.kept_count(600) == pb.total);
+    const auto keep = run_ragged<backend::Cpu>(ea, std::vector{in}, 2, PrefillShape{8, 2, 32, 600, 32});
+    REQUIRE(keep.row(0).size() == static_cast<std::size_t>(pb.total));
+  }
 }
