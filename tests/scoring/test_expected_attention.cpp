@@ -247,7 +247,18 @@ TEST_CASE("expected attention: precomputed statistics, explicit inv_freq, attent
   in.next_position = 200;
   REQUIRE(ea_scores(ea, in, 8, 2, 200, 16) == base);
   in.next_position = 5000;
-  REQUIRE(ea_scores(ea, in, 8, 2, 200, 16) != base);
+  const auto far = ea_scores(ea, in, 8, 2, 200, 16);
+  REQUIRE(far != base);
+  // A float64 rotary table (fp64_angles) differs from HF's fp32 angles only by their rounding at large positions.
+  auto p64 = p;
+  p64.rope.fp64_angles = true;
+  const auto far64 = ea_scores(ExpectedAttention(p64), in, 8, 2, 200, 16);
+  REQUIRE(far64 != far);
+  for (std::size_t i = 0; i < far.size(); ++i)
+    if (!std::isinf(far[i])) REQUIRE(far64[i] == Approx(far[i]).epsilon(1e-3));
+  const auto near64 = ea_scores(ExpectedAttention(p64), c.input(), 8, 2, 200, 16);
+  for (std::size_t i = 0; i < base.size(); ++i)
+    if (!std::isinf(base[i])) REQUIRE(near64[i] == Approx(base[i]).epsilon(1e-5));
   // attention_scaling s multiplies cos and sin: the same as queries scaled by s.
   auto ps = p;
   ps.rope.attention_scaling = 1.25f;

@@ -27,14 +27,15 @@
 //    Llama-3, ...) or when bit-exact agreement with a torch run matters.
 //    `rope.fp64_angles` computes angle, cos and sin in double and rounds them
 //    to fp32 (a rotary table built in float64, e.g. the fixtures' stub): at
-//    positions ~4K the two recipes differ by ~1e-4 in cos/sin, which moves
-//    scores by ~1e-5 relative, so pick the one the reference used.
+//    positions ~4K the two recipes differ by ~1e-4 in cos/sin, which moved the
+//    fixtures' scores by up to 1.5e-5 relative, so pick the one the reference
+//    used (with the matching recipe they agree to 2e-6).
 //  * Softmax over the N non-sink keys, then the group mean, then the value norm.
 //  * Sinks: kvpress pads with the global max + 1; here +inf (only the order
 //    within a head matters, and Ada-KV treats +inf as protected).
 //  * Precision: kvpress runs in the model dtype throughout. Here statistics
 //    and the rotation accumulate in double, dot products and the softmax in
-//    fp32 (sums in double): on fp32 data the scores agree to ~1e-6 relative.
+//    fp32 (sums in double): on fp32 data the scores agree to a few 1e-6 relative.
 //  * Precomputed statistics (kvpress `ExpectedAttentionStatsPress`): pass
 //    `query_mean` (+ `query_cov`) instead of `queries`; they are pre-RoPE, and
 //    the averaged rotation is applied as above.
