@@ -5,13 +5,13 @@ Run with the fixture venv (see README.md):  /work/venv/bin/python tests/referenc
 Prints every value that differs from the spec by more than 1e-9 (the spec rounds to 10 decimals) and exits
 non-zero on any disagreement.
 """
+import importlib.metadata
 import math
 import sys
 import types
 
 import torch
 
-import kvpress
 from kvpress import (AdaKVPress, ExpectedAttentionPress, ObservedAttentionPress, PyramidKVPress, SnapKVPress,
                      StreamingLLMPress, TOVAPress)
 
@@ -155,6 +155,6 @@ with torch.no_grad():
     from kvpress.utils import compute_n_kept
     check("n_kept(1000, 0.8) == 199", [compute_n_kept(1000, 0.8)], [199], 0)
 
-print(f"kvpress {getattr(kvpress, '__version__', '?')}, torch {torch.__version__}: "
+print(f"kvpress {importlib.metadata.version('kvpress')}, torch {torch.__version__}: "
       f"{'all §11 vectors agree' if not bad else f'{bad} disagreement(s)'}")
 sys.exit(1 if bad else 0)
