@@ -308,6 +308,13 @@ TEST_CASE("h2o: one-slot eviction uses the library's total order (ties, signed z
   big[300] = 0.5f, big[555] = 0.5f;
   auto all = rows;
   all.push_back(big);
+  std::vector<float> zeros(700, 0.0f);  // the zero minimum: the first -0 wins over earlier +0s, across blocks
+  zeros[600] = -0.0f;
+  all.push_back(zeros);
+  zeros[600] = 0.0f;
+  all.push_back(zeros);
+  for (std::size_t j = 0; j < zeros.size(); ++j) zeros[j] = j == 300 || j == 500 ? 0.0f : 1.0f;
+  all.push_back(zeros);
   for (const auto& row : all) {
     const auto n = static_cast<std::int64_t>(row.size());
     const H2O policy(H2OParams::original(n - 3, 2));  // keep n - 1: the single-victim path

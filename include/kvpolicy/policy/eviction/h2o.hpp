@@ -47,6 +47,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,6 +78,22 @@ inline std::int64_t first_nan(const float* x, std::int64_t n) noexcept {
   for (std::int64_t j = 0; j < n; ++j)
     if (x[j] != x[j]) return j;
   return 0;
+}
+
+/// First j < n with pred(x[j]), or -1: a vectorisable any-test per block of
+/// 256, then a scan inside the first matching block.
+template <class Pred>
+std::int64_t first_where(const float* x, std::int64_t n, Pred pred) noexcept {
+  constexpr std::int64_t kB = 256;
+  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
+    const std::int64_t nb = std::min(kB, n - b0);
+    int any = 0;
+    for (std::int64_t j = 0; j < nb; ++j) any |= pred(x[b0 + j]) ? 1 : 0;
+    if (any)
+      for (std::int64_t j = 0; j < nb; ++j)
+        if (pred(x[b0 + j])) return b0 + j;
+  }
+  return -1;
 }
 
 /// Lowest slot of the minimum of x[0..n) under score_order_key (the slot a
@@ -115,11 +132,9 @@ inline std::int64_t argmin_or_nan(const float* x, std::int64_t n, std::int64_t* 
   }
   const int bad = bad_any;
   if (bad) return 0;
-  if (best == 0.0f) {  // -0 ranks below +0 in the total order: resolve by keys
-    std::int64_t arg = 0;
-    for (std::int64_t j = 1; j < n; ++j)
-      if (score_order_key(x[j]) < score_order_key(x[arg])) arg = j;
-    *at = arg;
+  if (best == 0.0f) {  // -0 ranks below +0 in the total order: the first -0 if any, else the first +0
+    std::int64_t j = first_where(x, n, [](float v) { return std::bit_cast<std::uint32_t>(v) == 0x80000000u; });
+    *at = j >= 0 ? j : first_where(x, n, [](float v) { return v == 0.0f; });
     return -1;
   }
   std::int64_t j = best_block;

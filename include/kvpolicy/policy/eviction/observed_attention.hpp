@@ -12,6 +12,9 @@
 //    prompts with T <= C are kept whole.
 // Neither is the H2O paper's algorithm, which is online (accumulate every decode
 // step, evict every step): that is `H2O` in h2o.hpp.
+// kvpress versions: the presets follow the reference snapshot (0.5.4), whose
+// n_keep = int(T * (1 - r)) can be 0; kvpress >= 0.5.5 keeps at least one token:
+// `params.budget = params.budget.keep_at_least_one()` (the fixture tests use it).
 //
 // A[h, i, j] is the full causal prefill attention (softmax_j over j <= i of
 // <q_i, k_j> * scale, fp32). It is never materialised: the column sums are

@@ -11,6 +11,9 @@
 // `TOVAParams::kvpress(r)` keeps n_keep = int(T * (1 - r)) and always keeps the
 // last token (kvpress pads its score with max + 1).
 // TOVA has no state: each call decides from that call's attention alone.
+// kvpress versions: the presets follow the reference snapshot (0.5.4), whose
+// n_keep = int(T * (1 - r)) can be 0; kvpress >= 0.5.5 keeps at least one token:
+// `params.budget = params.budget.keep_at_least_one()` (the fixture tests use it).
 //
 // Inputs: the engine's probabilities (`select_from_attention`, (Hq, q, n), the
 // last row is used, or the newest row alone, (Hq, n)), or the queries and keys
