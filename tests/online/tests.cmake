@@ -3,7 +3,8 @@ kvp_add_test(test_online
   ${CMAKE_CURRENT_LIST_DIR}/test_h2o.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_tova.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_observed_attention.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_compact_ragged.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_compact_ragged.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_isa_levels.cpp)
 
 # Cross-validation against the reference fixtures (needs the fixture reader and nlohmann-json).
 find_package(nlohmann_json 3 QUIET)
