@@ -48,56 +48,70 @@ void run_window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> ke
 }
 
 // ---- top-k ------------------------------------------------------------------
+//
+// Plan for k << n: (1) a strided sample of kSample scores and one histogram
+// give a threshold expected to pass ~1.5 k scores; (2) one SIMD pass collects
+// the indices of the scores at or above it (a superset of the answer whenever
+// at least k pass; otherwise step 3 runs on all scores); (3) an exact rank
+// search on the candidates' order keys finds the k-th largest (key, index)
+// pair; (4) one pass writes the candidates at or above that pair, in index
+// order. Large k (> n/8) and short rows go straight to step 3 on all scores.
 
-constexpr std::int64_t kSample = 2048;  // strided sample that estimates the threshold
-constexpr std::int64_t kBins = 2048;    // histogram bins of one rank search
+constexpr std::int64_t kSampleRun = 8;                      // neighbouring scores per sample run (one cache line)
+constexpr std::int64_t kSampleRuns = 256;                   // runs spread over the row
+constexpr std::int64_t kSample = kSampleRun * kSampleRuns;  // sample size
+constexpr std::int64_t kBins = 2048;    // histogram bins of one rank-search round
 constexpr std::int64_t kDirect = 4096;  // below this length every score is a candidate
+constexpr std::int64_t kSmallSet = 48;  // a boundary set this small is resolved by nth_element
 
 // Signed form of `score_order_key` (same order; NaN is INT32_MIN, the only
 // key no number maps to).
-inline std::int64_t signed_key(float f) noexcept {
-  return static_cast<std::int32_t>(score_order_key(f) ^ 0x80000000u);
+inline std::int32_t signed_key(float f) noexcept {
+  const auto i = std::bit_cast<std::int32_t>(f);
+  const std::int32_t k = i ^ ((i >> 31) & 0x7fffffff);
+  return f != f ? std::numeric_limits<std::int32_t>::min() : k;
 }
 // The float whose signed key is t (t >= the key of -inf).
-inline float key_float(std::int64_t t) noexcept {
-  const auto u = static_cast<std::uint32_t>(static_cast<std::int32_t>(t));
-  return std::bit_cast<float>(t >= 0 ? u : u ^ 0x7fffffffu);
-}
-inline std::uint64_t packed_key(std::int64_t key, std::int32_t idx) noexcept {
+inline float key_float(std::int32_t t) noexcept { return std::bit_cast<float>(t ^ ((t >> 31) & 0x7fffffff)); }
+inline std::uint64_t packed_key(std::int32_t key, std::int32_t idx) noexcept {
   return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(key) ^ 0x80000000u) << 32) | static_cast<std::uint32_t>(idx);
 }
 
-// Histogram search for the element of rank `rank` (1 = largest) among
-// `count` keys: keys are binned by (key - lo) >> shift into at most kBins
-// bins; `bin` holds the rank-th key, `above` keys lie in higher bins.
+// Histogram of `count` keys over at most kBins bins of width 2^shift above
+// lo; `bin` holds the element of rank `rank` (1 = largest), `above` counts
+// the elements in higher bins.
 struct RankBin {
   std::int64_t lo = 0;
   int shift = 0;
-  std::int64_t bin = 0;
-  std::int64_t above = 0;
-  std::int64_t in_bin = 0;
-  std::int64_t bin_of(std::int64_t key) const noexcept { return (key - lo) >> shift; }
-  std::int64_t bin_floor() const noexcept { return lo + (bin << shift); }  ///< smallest key of `bin`
+  std::int64_t bin = 0, above = 0;
+  std::int64_t bin_of(std::int32_t key) const noexcept { return (static_cast<std::int64_t>(key) - lo) >> shift; }
+  std::int64_t floor_key() const noexcept { return lo + (bin << shift); }   ///< smallest key of `bin`
+  std::int64_t end_key() const noexcept { return lo + ((bin + 1) << shift); }  ///< one past its largest
 };
 
-template <class KeyAt>
-RankBin rank_bin(KeyAt key_at, std::int64_t count, std::int64_t rank, std::uint32_t* hist) noexcept {
-  std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = std::numeric_limits<std::int64_t>::min();
-  for (std::int64_t i = 0; i < count; ++i) {
-    const std::int64_t key = key_at(i);
-    lo = key < lo ? key : lo;
-    hi = key > hi ? key : hi;
-  }
+RankBin rank_bin(const std::int32_t* keys, std::int64_t count, std::int32_t lo, std::int32_t hi, std::int64_t rank,
+                 std::uint32_t* hist) noexcept {
   RankBin rb;
   rb.lo = lo;
-  while (((hi - lo) >> rb.shift) >= kBins) ++rb.shift;
-  const std::int64_t nb = ((hi - lo) >> rb.shift) + 1;
-  std::fill(hist, hist + nb, 0u);
-  for (std::int64_t i = 0; i < count; ++i) ++hist[rb.bin_of(key_at(i))];
+  const std::int64_t range = static_cast<std::int64_t>(hi) - lo;
+  while ((range >> rb.shift) >= kBins) ++rb.shift;
+  const std::int64_t nb = (range >> rb.shift) + 1;
+  // Four interleaved sub-histograms: neighbouring keys often share a bin, and
+  // one table would serialise those increments through store forwarding.
+  std::fill(hist, hist + 4 * nb, 0u);
+  const std::int64_t quads = count / 4;
+  for (std::int64_t q = 0; q < quads; ++q) {
+    const std::int32_t* k4 = keys + 4 * q;
+    ++hist[rb.bin_of(k4[0])];
+    ++hist[nb + rb.bin_of(k4[1])];
+    ++hist[2 * nb + rb.bin_of(k4[2])];
+    ++hist[3 * nb + rb.bin_of(k4[3])];
+  }
+  for (std::int64_t i = 4 * quads; i < count; ++i) ++hist[rb.bin_of(keys[i])];
   for (std::int64_t b = nb - 1; b >= 0; --b) {
+    hist[b] += hist[nb + b] + hist[2 * nb + b] + hist[3 * nb + b];
     if (rb.above + hist[b] >= rank) {
       rb.bin = b;
-      rb.in_bin = hist[b];
       return rb;
     }
     rb.above += hist[b];
@@ -105,50 +119,75 @@ RankBin rank_bin(KeyAt key_at, std::int64_t count, std::int64_t rank, std::uint3
   return rb;  // not reached for 1 <= rank <= count
 }
 
-// Exact top-k of the candidates idx_at(0..m) (ascending indices, a superset
-// of the answer): rank search on their keys, the boundary bin resolved by
-// (key, index), then one pass writes the survivors in index order.
-template <class IdxAt>
-void select_exact(const float* scores, IdxAt idx_at, std::int64_t m, std::int64_t k, std::int32_t* out, std::uint64_t* packed,
-                  std::uint32_t* hist) noexcept {
-  if (m == k) {
-    for (std::int64_t i = 0; i < m; ++i) out[i] = idx_at(i);
-    return;
+void min_max(const std::int32_t* keys, std::int64_t count, std::int32_t* lo, std::int32_t* hi) noexcept {
+  std::int32_t a = std::numeric_limits<std::int32_t>::max(), b = std::numeric_limits<std::int32_t>::min();
+  for (std::int64_t i = 0; i < count; ++i) {
+    a = std::min(a, keys[i]);
+    b = std::max(b, keys[i]);
   }
-  const auto key_of = [&](std::int64_t i) { return signed_key(scores[idx_at(i)]); };
-  const RankBin rb = rank_bin(key_of, m, k, hist);
-  const std::int64_t need = k - rb.above;
-  std::uint64_t cut = 0;  // in the boundary bin, packed keys >= cut survive
-  if (need < rb.in_bin) {
-    std::int64_t nb = 0;
-    for (std::int64_t i = 0; i < m; ++i) {
-      const std::int64_t key = key_of(i);
-      if (rb.bin_of(key) == rb.bin) packed[nb++] = packed_key(key, idx_at(i));
-    }
-    std::nth_element(packed, packed + (need - 1), packed + nb, std::greater<std::uint64_t>());
-    cut = packed[need - 1];
-  }
-  std::int64_t o = 0;
-  for (std::int64_t i = 0; i < m; ++i) {
-    const std::int64_t key = key_of(i), b = rb.bin_of(key);
-    if (b > rb.bin || (b == rb.bin && packed_key(key, idx_at(i)) >= cut)) out[o++] = idx_at(i);
-  }
+  *lo = a;
+  *hi = b;
 }
 
 struct TopkScratch {
-  std::int32_t* candidates;
-  std::uint64_t* packed;
-  std::int64_t* sample;
-  std::uint32_t* hist;
+  std::int32_t* candidates;  // (n + slack): candidate indices, ascending
+  std::int32_t* keys;        // (n + slack): their order keys
+  std::int32_t* set_idx;     // (n + slack): boundary set of the rank search, then the answer
+  std::int32_t* set_key;     // (n + slack)
+  std::int32_t* sample_idx;  // (kSample + slack)
+  std::int32_t* sample_key;  // (kSample + slack)
+  std::uint32_t* hist;       // (4 kBins)
 
   template <class Fn>
   static void visit(std::int64_t n, TopkScratch& t, Fn&& fn) noexcept {
-    fn(t.candidates, static_cast<std::size_t>(n + cpu_detail::kCollectSlack));
-    fn(t.packed, static_cast<std::size_t>(n));
-    fn(t.sample, static_cast<std::size_t>(kSample));
-    fn(t.hist, static_cast<std::size_t>(kBins));
+    const auto un = static_cast<std::size_t>(n + cpu_detail::kCollectSlack);
+    const auto us = static_cast<std::size_t>(kSample + cpu_detail::kCollectSlack);
+    fn(t.candidates, un);
+    fn(t.keys, un);
+    fn(t.set_idx, un);
+    fn(t.set_key, un);
+    fn(t.sample_idx, us);
+    fn(t.sample_key, us);
+    fn(t.hist, static_cast<std::size_t>(4 * kBins));
   }
 };
+
+// The rank-th largest (key, index) pair of the m candidates (idx ascending):
+// rounds of histograms narrow the set to the bin that holds the rank (kept in
+// index order in set_idx / set_key) until it is small or all tied.
+std::uint64_t kth_pair(const cpu_detail::ScoreKernels& kern, const std::int32_t* idx, const std::int32_t* key, std::int64_t m,
+                       std::int64_t rank, std::int32_t lo, std::int32_t hi, const TopkScratch& t) noexcept {
+  for (bool first = true;; first = false) {
+    if (m <= kSmallSet) {
+      std::uint64_t packed[kSmallSet];
+      for (std::int64_t i = 0; i < m; ++i) packed[i] = packed_key(key[i], idx[i]);
+      std::nth_element(packed, packed + (rank - 1), packed + m, std::greater<std::uint64_t>());
+      return packed[rank - 1];
+    }
+    if (!first) min_max(key, m, &lo, &hi);
+    if (lo == hi) return packed_key(lo, idx[m - rank]);  // all tied: the rank-th highest index
+    const RankBin rb = rank_bin(key, m, lo, hi, rank, t.hist);
+    m = kern.keep_in_key_range(idx, key, m, static_cast<std::int32_t>(rb.floor_key()), rb.end_key(), t.set_idx, t.set_key);
+    idx = t.set_idx;
+    key = t.set_key;
+    rank -= rb.above;
+  }
+}
+
+// Exact top-k of the m candidates in t.candidates (ascending indices) whose
+// order keys are in t.keys, between lo and hi.
+void select_exact(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int64_t k, std::int32_t lo, std::int32_t hi, std::int32_t* out,
+                  const TopkScratch& t) noexcept {
+  if (m == k) {
+    std::copy(t.candidates, t.candidates + m, out);
+    return;
+  }
+  const std::uint64_t cut = kth_pair(kern, t.candidates, t.keys, m, k, lo, hi, t);
+  const auto cut_key = static_cast<std::int32_t>(static_cast<std::uint32_t>(cut >> 32) ^ 0x80000000u);
+  const auto cut_idx = static_cast<std::int32_t>(cut & 0xffffffffu);
+  const std::int64_t kept = kern.keep_at_least(t.candidates, t.keys, m, cut_key, cut_idx, t.set_idx);
+  std::copy(t.set_idx, t.set_idx + std::min(kept, k), out);  // kept == k: the pairs are distinct
+}
 
 }  // namespace
 
@@ -213,30 +252,34 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
   TopkScratch t{};
   WorkspaceCarver carve(ws);
   TopkScratch::visit(n, t, [&](auto*& ptr, std::size_t cnt) { ptr = carve.take<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(cnt); });
-  const auto every = [](std::int64_t i) { return static_cast<std::int32_t>(i); };
-  if (n <= kDirect || k > n / 8) {
-    select_exact(scores, every, n, k, out, t.packed, t.hist);
-    return;
+  const cpu_detail::ScoreKernels& kern = cpu_detail::score_kernels();
+  const auto all_candidates = [&] {
+    for (std::int64_t i = 0; i < n; ++i) t.candidates[i] = static_cast<std::int32_t>(i);
+    std::int32_t lo = 0, hi = 0;
+    kern.gather_keys(scores, t.candidates, n, t.keys, &lo, &hi);
+    select_exact(kern, n, k, lo, hi, out, t);
+  };
+  if (n <= kDirect || k > n / 8) return all_candidates();
+  // Threshold from a sample of kSampleRuns runs of kSampleRun neighbours
+  // spread evenly over the row (runs share cache lines, so the sample costs
+  // few memory accesses): aim at rank k*S/n plus three standard deviations
+  // (and a little), and take the floor of that rank's histogram bin.
+  for (std::int64_t r = 0; r < kSampleRuns; ++r) {
+    const std::int64_t start = (r * (n - kSampleRun)) / (kSampleRuns - 1);
+    for (std::int64_t j = 0; j < kSampleRun; ++j) t.sample_idx[r * kSampleRun + j] = static_cast<std::int32_t>(start + j);
   }
-  // Threshold from a strided sample: aim at rank k*S/n plus three standard
-  // deviations (and a little), so that about 1.5 k scores pass and fewer than
-  // k pass only rarely; then the bin floor of that rank.
-  for (std::int64_t i = 0; i < kSample; ++i) t.sample[i] = signed_key(scores[(i * n) / kSample]);
+  std::int32_t lo = 0, hi = 0;
+  kern.gather_keys(scores, t.sample_idx, kSample, t.sample_key, &lo, &hi);
   const double expected = static_cast<double>(k) * static_cast<double>(kSample) / static_cast<double>(n);
   const auto rank = static_cast<std::int64_t>(std::ceil(expected + 3.0 * std::sqrt(expected) + 3.0));
-  std::int64_t m = -1;
-  if (rank < kSample) {
-    const RankBin rb = rank_bin([&](std::int64_t i) { return t.sample[i]; }, kSample, rank, t.hist);
-    const std::int64_t neg_inf_key = signed_key(-std::numeric_limits<float>::infinity());
-    const std::int64_t floor_key = std::max(rb.bin_floor(), neg_inf_key);  // a NaN-level floor admits every number
-    m = cpu_detail::score_kernels().collect_at_least(scores, n, key_float(floor_key), t.candidates);
-  }
-  if (m < k) {  // the sample did not bound the k-th score: resolve over all scores
-    select_exact(scores, every, n, k, out, t.packed, t.hist);
-    return;
-  }
-  const std::int32_t* cand = t.candidates;
-  select_exact(scores, [cand](std::int64_t i) { return cand[i]; }, m, k, out, t.packed, t.hist);
+  if (rank >= kSample) return all_candidates();
+  const RankBin rb = rank_bin(t.sample_key, kSample, lo, hi, rank, t.hist);
+  // A NaN-level floor admits every number (-inf and up); NaN never passes.
+  const auto floor_key = static_cast<std::int32_t>(std::max<std::int64_t>(rb.floor_key(), signed_key(-std::numeric_limits<float>::infinity())));
+  const std::int64_t m = kern.collect_at_least(scores, n, key_float(floor_key), t.candidates);
+  if (m < k) return all_candidates();  // the sample did not bound the k-th score
+  kern.gather_keys(scores, t.candidates, m, t.keys, &lo, &hi);
+  select_exact(kern, m, k, lo, hi, out, t);
 }
 
 }  // namespace backend

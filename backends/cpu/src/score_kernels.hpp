@@ -76,9 +76,20 @@ struct ScoreKernels {
   /// pool1d outputs t in [t0, t1), all with complete windows (t0 >= k/2, t1 + k/2 <= n).
   void (*pool1d_full)(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept;
   /// Writes the indices i < n with scores[i] >= threshold (ordered compare:
-  /// NaN never qualifies), ascending, and returns their count. `out` needs
-  /// room for n + kCollectSlack entries (whole vectors are stored).
+  /// NaN never qualifies), ascending, and returns their count.
   std::int64_t (*collect_at_least)(const float* scores, std::int64_t n, float threshold, std::int32_t* out) noexcept;
+  /// keys[i] = signed order key of scores[idx[i]] (`score_order_key` ^ 2^31 as int32); *lo / *hi get
+  /// their min and max (INT32_MAX / INT32_MIN when m == 0).
+  void (*gather_keys)(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
+                      std::int32_t* hi) noexcept;
+  /// Stable compaction of the pairs with key_lo <= key < key_hi (key_hi may be 2^31); returns the count.
+  std::int64_t (*keep_in_key_range)(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
+                                    std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept;
+  /// Stable compaction of the indices whose (key, idx) >= (key_lo, idx_lo); returns the count.
+  std::int64_t (*keep_at_least)(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
+                                std::int32_t* out_idx) noexcept;
+  // The outputs of the last four need kCollectSlack entries of slack (whole
+  // vectors are stored) and may alias their inputs.
 };
 
 inline constexpr std::int64_t kCollectSlack = 64;

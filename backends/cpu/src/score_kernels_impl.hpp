@@ -448,72 +448,217 @@ inline void pool1d_full(const float* in, int kernel, Pooling kind, float* out, s
   }
 }
 
-// ---- top-k collection pass -------------------------------------------------------
+// ---- top-k kernels ---------------------------------------------------------------
+//
+// Order keys are the signed form of `score_order_key`: the float's bits with
+// the magnitude bits flipped for negatives (so integer order is IEEE order,
+// -0 < +0), NaN mapped to INT32_MIN (no number maps there).
+
+inline constexpr std::int32_t kNanKey = INT32_MIN;
+
+inline std::int32_t order_key(float f) noexcept {
+  std::int32_t i;
+  std::memcpy(&i, &f, sizeof i);
+  const std::int32_t k = i ^ ((i >> 31) & 0x7fffffff);
+  return f != f ? kNanKey : k;
+}
+
+// Candidate collection, 64 scores at a time: the compares produce one 64-bit
+// word per 64 scores (a block of words stays in L1), then the set bits are
+// turned into indices. Two light passes beat compressing every vector: only
+// the ~1-2% of scores above the threshold cost more than a compare.
+inline constexpr std::int64_t kCollectBlock = 4096;
 
 #if KVP_CPU_TU_ISA == 2
-inline std::int64_t collect_at_least(const float* s, std::int64_t n, float threshold, std::int32_t* out) noexcept {
-  const __m512 thr = _mm512_set1_ps(threshold);
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  std::int64_t m = 0, i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + i), thr, _CMP_GE_OQ);
-    _mm512_storeu_si512(out + m, _mm512_maskz_compress_epi32(k, idx));
-    m += __builtin_popcount(static_cast<unsigned>(k));
-    idx = _mm512_add_epi32(idx, step);
-  }
-  for (; i < n; ++i) {
-    out[m] = static_cast<std::int32_t>(i);
-    m += s[i] >= threshold ? 1 : 0;
-  }
-  return m;
+inline std::uint64_t ge_word(const float* s, __m512 thr) noexcept {
+  const std::uint64_t k0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s), thr, _CMP_GE_OQ);
+  const std::uint64_t k1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 16), thr, _CMP_GE_OQ);
+  const std::uint64_t k2 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 32), thr, _CMP_GE_OQ);
+  const std::uint64_t k3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 48), thr, _CMP_GE_OQ);
+  return k0 | (k1 << 16) | (k2 << 32) | (k3 << 48);
 }
+inline __m512 broadcast_threshold(float t) noexcept { return _mm512_set1_ps(t); }
 #elif KVP_CPU_TU_ISA == 1
-// Lane indices of each 8-bit mask, packed left: 256 x 8 bytes.
-struct CompressLut {
-  alignas(64) std::uint8_t idx[256][8];
-  constexpr CompressLut() : idx{} {
-    for (int m = 0; m < 256; ++m) {
-      int o = 0;
-      for (int b = 0; b < 8; ++b)
-        if (m & (1 << b)) idx[m][o++] = static_cast<std::uint8_t>(b);
-    }
+inline std::uint64_t ge_word(const float* s, __m256 thr) noexcept {
+  std::uint64_t w = 0;
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    const auto k = static_cast<std::uint64_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + 8 * q), thr, _CMP_GE_OQ)));
+    w |= k << (8 * q);
   }
-};
-inline constexpr CompressLut kCompressLut{};
+  return w;
+}
+inline __m256 broadcast_threshold(float t) noexcept { return _mm256_set1_ps(t); }
+#else
+inline std::uint64_t ge_word(const float* s, __m128 thr) noexcept {
+  std::uint64_t w = 0;
+#pragma GCC unroll 16
+  for (int q = 0; q < 16; ++q) {
+    const auto k = static_cast<std::uint64_t>(_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(s + 4 * q), thr)));  // ordered: NaN fails
+    w |= k << (4 * q);
+  }
+  return w;
+}
+inline __m128 broadcast_threshold(float t) noexcept { return _mm_set1_ps(t); }
+#endif
 
 inline std::int64_t collect_at_least(const float* s, std::int64_t n, float threshold, std::int32_t* out) noexcept {
-  const __m256 thr = _mm256_set1_ps(threshold);
-  std::int64_t m = 0, i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), thr, _CMP_GE_OQ));
-    const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(kCompressLut.idx[k])));
-    const __m256i idx = _mm256_add_epi32(perm, _mm256_set1_epi32(static_cast<std::int32_t>(i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m), idx);
-    m += __builtin_popcount(static_cast<unsigned>(k));
+  const auto thr = broadcast_threshold(threshold);
+  std::uint64_t words[kCollectBlock / 64];
+  std::int64_t m = 0, i0 = 0;
+  for (; i0 + 64 <= n; i0 += kCollectBlock) {
+    const std::int64_t nw = (n - i0 < kCollectBlock ? n - i0 : kCollectBlock) / 64;
+    for (std::int64_t w = 0; w < nw; ++w) words[w] = ge_word(s + i0 + 64 * w, thr);
+    for (std::int64_t w = 0; w < nw; ++w) {
+      const auto base = static_cast<std::int32_t>(i0 + 64 * w);
+      for (std::uint64_t bits = words[w]; bits != 0; bits &= bits - 1) out[m++] = base + __builtin_ctzll(bits);
+    }
   }
-  for (; i < n; ++i) {
+  for (std::int64_t i = n / 64 * 64; i < n; ++i) {
     out[m] = static_cast<std::int32_t>(i);
     m += s[i] >= threshold ? 1 : 0;
   }
   return m;
 }
+
+// keys[i] = order key of scores[idx[i]], and their min / max.
+#if KVP_CPU_TU_ISA == 2
+inline __m512i order_keys(__m512 f) noexcept {
+  const __m512i i = _mm512_castps_si512(f);
+  const __m512i k = _mm512_xor_si512(i, _mm512_and_si512(_mm512_srai_epi32(i, 31), _mm512_set1_epi32(0x7fffffff)));
+  return _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(kNanKey));
+}
+inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
+                        std::int32_t* hi) noexcept {
+  __m512i vlo = _mm512_set1_epi32(INT32_MAX), vhi = _mm512_set1_epi32(INT32_MIN);
+  std::int64_t i = 0;
+  for (; i + 16 <= m; i += 16) {
+    const __m512i k = order_keys(_mm512_i32gather_ps(_mm512_loadu_si512(idx + i), scores, 4));
+    _mm512_storeu_si512(keys + i, k);
+    vlo = _mm512_min_epi32(vlo, k);
+    vhi = _mm512_max_epi32(vhi, k);
+  }
+  std::int32_t a = _mm512_reduce_min_epi32(vlo), b = _mm512_reduce_max_epi32(vhi);
+  for (; i < m; ++i) {
+    keys[i] = order_key(scores[idx[i]]);
+    a = keys[i] < a ? keys[i] : a;
+    b = keys[i] > b ? keys[i] : b;
+  }
+  *lo = a;
+  *hi = b;
+}
+#elif KVP_CPU_TU_ISA == 1
+inline __m256i order_keys(__m256 f) noexcept {
+  const __m256i i = _mm256_castps_si256(f);
+  const __m256i k = _mm256_xor_si256(i, _mm256_and_si256(_mm256_srai_epi32(i, 31), _mm256_set1_epi32(0x7fffffff)));
+  return _mm256_blendv_epi8(k, _mm256_set1_epi32(kNanKey), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+}
+inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
+                        std::int32_t* hi) noexcept {
+  __m256i vlo = _mm256_set1_epi32(INT32_MAX), vhi = _mm256_set1_epi32(INT32_MIN);
+  std::int64_t i = 0;
+  for (; i + 8 <= m; i += 8) {
+    const __m256 f = _mm256_i32gather_ps(scores, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i)), 4);
+    const __m256i k = order_keys(f);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), k);
+    vlo = _mm256_min_epi32(vlo, k);
+    vhi = _mm256_max_epi32(vhi, k);
+  }
+  alignas(32) std::int32_t l[8], h[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l), vlo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), vhi);
+  std::int32_t a = INT32_MAX, b = INT32_MIN;
+  for (int q = 0; q < 8; ++q) {
+    a = l[q] < a ? l[q] : a;
+    b = h[q] > b ? h[q] : b;
+  }
+  for (; i < m; ++i) {
+    keys[i] = order_key(scores[idx[i]]);
+    a = keys[i] < a ? keys[i] : a;
+    b = keys[i] > b ? keys[i] : b;
+  }
+  *lo = a;
+  *hi = b;
+}
 #else
-inline std::int64_t collect_at_least(const float* s, std::int64_t n, float threshold, std::int32_t* out) noexcept {
-  const __m128 thr = _mm_set1_ps(threshold);
-  std::int64_t m = 0, i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const int k = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(s + i), thr));  // ordered: NaN never qualifies
-    for (int b = 0; b < 4; ++b) {
-      out[m] = static_cast<std::int32_t>(i + b);
-      m += (k >> b) & 1;
-    }
+inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
+                        std::int32_t* hi) noexcept {
+  std::int32_t a = INT32_MAX, b = INT32_MIN;
+  for (std::int64_t i = 0; i < m; ++i) {
+    keys[i] = order_key(scores[idx[i]]);
+    a = keys[i] < a ? keys[i] : a;
+    b = keys[i] > b ? keys[i] : b;
   }
-  for (; i < n; ++i) {
-    out[m] = static_cast<std::int32_t>(i);
-    m += s[i] >= threshold ? 1 : 0;
+  *lo = a;
+  *hi = b;
+}
+#endif
+
+// Stable compaction of (idx, key) pairs: keeps pair i when
+//   in_range:  key_lo <= key[i] < key_hi           (writes idx and key)
+//   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
+// and returns the count. The outputs need kCollectSlack entries of slack;
+// they may alias the inputs (writes never pass reads).
+#if KVP_CPU_TU_ISA == 2
+inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
+                                      std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept {
+  const __m512i lo = _mm512_set1_epi32(key_lo);
+  const bool unbounded = key_hi > INT32_MAX;
+  const __m512i hi = _mm512_set1_epi32(unbounded ? INT32_MAX : static_cast<std::int32_t>(key_hi));
+  std::int64_t o = 0, i = 0;
+  for (; i + 16 <= m; i += 16) {
+    const __m512i k = _mm512_loadu_si512(key + i);
+    __mmask16 keep = _mm512_cmpge_epi32_mask(k, lo);
+    if (!unbounded) keep &= _mm512_cmplt_epi32_mask(k, hi);
+    const __m512i x = _mm512_loadu_si512(idx + i);
+    _mm512_storeu_si512(out_idx + o, _mm512_maskz_compress_epi32(keep, x));
+    _mm512_storeu_si512(out_key + o, _mm512_maskz_compress_epi32(keep, k));
+    o += __builtin_popcount(keep);
   }
-  return m;
+  for (; i < m; ++i) {
+    const std::int32_t k = key[i], x = idx[i];
+    out_idx[o] = x;
+    out_key[o] = k;
+    o += (k >= key_lo && k < key_hi) ? 1 : 0;
+  }
+  return o;
+}
+inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
+                                  std::int32_t* out_idx) noexcept {
+  const __m512i kl = _mm512_set1_epi32(key_lo), il = _mm512_set1_epi32(idx_lo);
+  std::int64_t o = 0, i = 0;
+  for (; i + 16 <= m; i += 16) {
+    const __m512i k = _mm512_loadu_si512(key + i), x = _mm512_loadu_si512(idx + i);
+    const __mmask16 keep = _mm512_cmpgt_epi32_mask(k, kl) | (_mm512_cmpeq_epi32_mask(k, kl) & _mm512_cmpge_epi32_mask(x, il));
+    _mm512_storeu_si512(out_idx + o, _mm512_maskz_compress_epi32(keep, x));
+    o += __builtin_popcount(keep);
+  }
+  for (; i < m; ++i) {
+    out_idx[o] = idx[i];
+    o += (key[i] > key_lo || (key[i] == key_lo && idx[i] >= idx_lo)) ? 1 : 0;
+  }
+  return o;
+}
+#else
+inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
+                                      std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept {
+  std::int64_t o = 0;
+  for (std::int64_t i = 0; i < m; ++i) {
+    const std::int32_t k = key[i], x = idx[i];
+    out_idx[o] = x;
+    out_key[o] = k;
+    o += (k >= key_lo && k < key_hi) ? 1 : 0;
+  }
+  return o;
+}
+inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
+                                  std::int32_t* out_idx) noexcept {
+  std::int64_t o = 0;
+  for (std::int64_t i = 0; i < m; ++i) {
+    out_idx[o] = idx[i];
+    o += (key[i] > key_lo || (key[i] == key_lo && idx[i] >= idx_lo)) ? 1 : 0;
+  }
+  return o;
 }
 #endif
 

@@ -1,0 +1,17 @@
+# Ops and policy benchmarks of the CPU backend (bench_ops, bench_policies).
+# The peak probe they report against is built in benchmarks/CMakeLists.txt.
+if(NOT TARGET kvpolicy_cpu)
+  message(STATUS "kvpolicy: CPU backend off, bench_ops and bench_policies not built")
+  return()
+endif()
+find_package(benchmark QUIET)
+if(NOT TARGET benchmark::benchmark)
+  message(STATUS "kvpolicy: Google Benchmark not found, bench_ops and bench_policies not built")
+  return()
+endif()
+foreach(_kvp_bench bench_ops bench_policies)
+  add_executable(${_kvp_bench} ${CMAKE_CURRENT_LIST_DIR}/${_kvp_bench}.cpp)
+  target_link_libraries(${_kvp_bench} PRIVATE kvpolicy::kvpolicy benchmark::benchmark)
+  target_compile_features(${_kvp_bench} PRIVATE cxx_std_20)
+  kvp_set_warnings(${_kvp_bench})
+endforeach()

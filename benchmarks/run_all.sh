@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Builds (if needed) and runs every kvpolicy benchmark program with
+# repetitions, then prints one table of medians: name, time, throughput and
+# percent of this machine's peak (the in-process probe of benchmarks/peak.hpp).
+#
+#   benchmarks/run_all.sh [build-dir] [extra Google Benchmark flags...]
+#
+# Environment: KVP_BENCH_REPS (default 5), KVP_BENCH_FILTER (a regex passed as
+# --benchmark_filter), KVP_BENCH_PROGRAMS (space-separated subset of the
+# programs, default: every bench_* target that was built), KVP_BENCH_JOBS
+# (build parallelism, default 2). JSON results are kept in <build>/bench-results/.
+# Times are CPU time of the benchmark thread (process CPU time for the pool
+# runs; wall time for the /real_time ones), see benchmarks/bench_util.hpp.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${1:-$root/build-cpu}"
+shift || true
+reps="${KVP_BENCH_REPS:-5}"
+jobs="${KVP_BENCH_JOBS:-2}"
+
+if [[ ! -f "$build/build.ninja" && ! -f "$build/Makefile" ]]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVP_BUILD_BENCHMARKS=ON
+fi
+programs="${KVP_BENCH_PROGRAMS:-}"
+if [[ -z "$programs" ]]; then
+  for f in "$root"/benchmarks/bench_*.cpp; do programs+=" $(basename "${f%.cpp}")"; done
+fi
+targets=()
+for p in $programs; do
+  if cmake --build "$build" --target help 2>/dev/null | grep -qE "(^|[ :])$p(:|$| )"; then targets+=("$p"); fi
+done
+if [[ ${#targets[@]} -eq 0 ]]; then
+  echo "run_all.sh: no benchmark targets in $build (is Google Benchmark installed?)" >&2
+  exit 1
+fi
+cmake --build "$build" --parallel "$jobs" --target "${targets[@]}"
+
+out="$build/bench-results"
+mkdir -p "$out"
+filter=()
+[[ -n "${KVP_BENCH_FILTER:-}" ]] && filter=(--benchmark_filter="$KVP_BENCH_FILTER")
+for p in "${targets[@]}"; do
+  exe="$(find "$build" -type f -name "$p" -perm -u+x | head -n1)"
+  [[ -n "$exe" ]] || { echo "run_all.sh: $p was not built" >&2; continue; }
+  echo "== $p" >&2
+  "$exe" --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/$p.json" --benchmark_out_format=json "${filter[@]}" "$@" >/dev/null
+done
+
+python3 - "$out" "${targets[@]}" <<'EOF'
+import json, os, sys
+
+out, programs = sys.argv[1], sys.argv[2:]
+rows, context = [], {}
+for p in programs:
+    path = os.path.join(out, p + ".json")
+    if not os.path.exists(path):
+        continue
+    with open(path) as f:
+        data = json.load(f)
+    context.update({k: v for k, v in data.get("context", {}).items() if k.startswith(("peak_", "kvpolicy_"))})
+    runs = {}
+    for b in data.get("benchmarks", []):
+        if b.get("error_occurred"):
+            continue
+        name = b.get("run_name", b["name"])
+        # Medians where repetitions ran; a benchmark with one repetition reports its single run.
+        if b.get("run_type") == "aggregate":
+            if b.get("aggregate_name") == "median":
+                runs[name] = b
+        elif name not in runs:
+            runs[name] = b
+    for name, b in runs.items():
+        rows.append((p, name, b))
+
+def fmt_time(b):
+    t, unit = b["cpu_time"] if "real_time" not in b["name"] else b["real_time"], b.get("time_unit", "ns")
+    ns = t * {"ns": 1, "us": 1e3, "ms": 1e6, "s": 1e9}[unit]
+    for u, f in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if ns >= f:
+            return f"{ns / f:9.3f} {u}"
+    return f"{ns:9.1f} ns"
+
+def throughput(b):
+    if "GFLOP/s" in b:
+        return f'{b["GFLOP/s"]:8.2f} GFLOP/s', b.get("pct_peak_fma")
+    if "GB/s" in b:
+        return f'{b["GB/s"]:8.2f} GB/s   ', b.get("pct_peak_bw")
+    return "", None
+
+print()
+if context:
+    print("peak probe: %s GFLOP/s FP32 FMA (%s), %s GB/s read; kvpolicy::cpu best ISA %s" % (
+        context.get("peak_fma_gflops", "?")[:7], context.get("peak_fma_isa", "?"), context.get("peak_read_gbps", "?")[:6],
+        context.get("kvpolicy_cpu_best_isa", "?")))
+width = max([len(n) for _, n, _ in rows] + [9])
+print(f'{"benchmark":<{width}}  {"time (median)":>13}  {"throughput":>16}  {"% of peak":>9}')
+print("-" * (width + 46))
+for p, name, b in rows:
+    tp, pct = throughput(b)
+    pct_s = f"{pct:8.1f}%" if pct is not None else ""
+    print(f"{name:<{width}}  {fmt_time(b):>13}  {tp:>16}  {pct_s:>9}")
+
+# Ratios the targets are stated in: top-k against one read pass over the same rows.
+by_name = {n: b for _, n, b in rows}
+for n, b in by_name.items():
+    if n.startswith("topk/") and "/scalar" not in n:
+        shape = n[n.index("/n:"):]
+        base = by_name.get("read_pass" + shape)
+        if base:
+            print(f"ratio {n} / read_pass{shape}: {b['cpu_time'] / base['cpu_time']:.2f}x")
+EOF
