@@ -11,16 +11,18 @@
 //                 state) sets twice the last-level cache: inputs stream from memory.
 //   tova/step     TOVA::select_from_attention at cache_size 32767 (head mean of
 //                 the 32 rows + one argmin + KeepSet rows).
-//   read/<bytes>  a plain read pass (8 accumulators, summed) over a buffer as
-//                 large as what the step touches: the read bandwidth at the same
-//                 cache level, measured in this process.
+//   read/<bytes>  kvp_bench::read_pass over a buffer as large as what the step
+//                 touches (cache-resident, like the warm steps); read_cold the
+//                 same pass over the cold rotation: read bandwidths at the same
+//                 level of the memory hierarchy, measured in this process.
 //
-// Times are CPU time (the default of Google Benchmark): on a shared machine
-// wall time also counts the time the thread waits for a core. Each run reports
-// bytes_per_second counting the traffic a step cannot avoid
-// (inputs read once, state read and written once, KeepSet written once; the
-// evict memmove is not counted), and the summary prints the medians as a
-// fraction of the measured read bandwidth.
+// Times are CPU time (Google Benchmark's default; see bench_util.hpp): on a
+// shared machine wall time also counts the time the thread waits for a core.
+// Each run reports GB/s and pct_peak_bw (kvp_bench::report_bytes) counting the
+// traffic a step cannot avoid: inputs read once, state read and written once,
+// KeepSet written once (the evict memmove is not counted). The summary prints
+// the medians against the same-level read pass and the peak probe (peak.hpp:
+// one core streaming from memory).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -31,15 +33,9 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
-
-#if __has_include("peak.hpp")
-#include "peak.hpp"
-#define KVP_BENCH_HAVE_PEAK 1
-#endif
+#include "bench_util.hpp"  // report_bytes (GB/s, pct_peak_bw), peak.hpp
 
 using namespace kvpolicy;
 
@@ -73,32 +69,10 @@ Step& step() {
   return s;
 }
 
-/// One read pass over x[0..n): the peak probe's widest-vector pass when
-/// available, else 16 independent integer lanes (vectorised without reassociation concerns).
-float read_sum(const float* x, std::size_t n) {
-#if KVP_BENCH_HAVE_PEAK
-  return kvp_bench::read_pass(x, n);
-#else
-  std::uint32_t acc[16] = {};
-  const auto* u = reinterpret_cast<const std::uint32_t*>(x);
-  const std::size_t body = n - n % 16;
-  for (std::size_t j = 0; j < body; j += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += u[j + l];
-  std::uint32_t total = 0;
-  for (auto a : acc) total += a;
-  return static_cast<float>(total);
-#endif
-}
-
-/// Last-level cache size (the peak probe's, else sysconf, else 64 MiB).
+/// Last-level cache size as the peak probe reports it (64 MiB if unknown).
 std::size_t llc_bytes() {
-#if KVP_BENCH_HAVE_PEAK
-  if (kvp_bench::peak().llc_bytes > 0) return kvp_bench::peak().llc_bytes;
-#endif
-#ifdef _SC_LEVEL3_CACHE_SIZE
-  if (const long v = sysconf(_SC_LEVEL3_CACHE_SIZE); v > 0) return static_cast<std::size_t>(v);
-#endif
-  return std::size_t{64} << 20;
+  const std::size_t llc = kvp_bench::peak().llc_bytes;
+  return llc > 0 ? llc : std::size_t{64} << 20;
 }
 
 constexpr double kProbBytes = kHq * kN * 4.0, kStateBytes = kHkv * kN * 4.0, kKeepBytes = kHkv * (kN - 1) * 4.0;
@@ -114,7 +88,7 @@ void BM_H2OUpdate(benchmark::State& st) {
     require_ok(st, s.h2o.update(h, s.p()));
     benchmark::ClobberMemory();
   }
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (kProbBytes + 2 * kStateBytes)));
+  kvp_bench::report_bytes(st, kProbBytes + 2 * kStateBytes);
 }
 
 void BM_H2OEvict(benchmark::State& st) {
@@ -124,7 +98,7 @@ void BM_H2OEvict(benchmark::State& st) {
     require_ok(st, s.h2o.evict<backend::Scalar>(h, s.keep(), s.work()));
     benchmark::ClobberMemory();
   }
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (kStateBytes + kKeepBytes)));
+  kvp_bench::report_bytes(st, kStateBytes + kKeepBytes);
 }
 
 void BM_H2OStep(benchmark::State& st) {
@@ -135,7 +109,7 @@ void BM_H2OStep(benchmark::State& st) {
     require_ok(st, s.h2o.evict<backend::Scalar>(h, s.keep(), s.work()));
     benchmark::ClobberMemory();
   }
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (kProbBytes + 2 * kStateBytes + kKeepBytes)));
+  kvp_bench::report_bytes(st, kProbBytes + 2 * kStateBytes + kKeepBytes);
 }
 
 /// Many independent (probabilities, state) sets, together twice the last-level
@@ -173,7 +147,7 @@ void BM_H2OStepCold(benchmark::State& st) {
     require_ok(st, s.h2o.evict<backend::Scalar>(h, s.keep(), s.work()));
     benchmark::ClobberMemory();
   }
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (kProbBytes + 2 * kStateBytes + kKeepBytes)));
+  kvp_bench::report_bytes(st, kProbBytes + 2 * kStateBytes + kKeepBytes);
   st.counters["sets"] = static_cast<double>(cold.sets);
 }
 
@@ -184,10 +158,10 @@ void BM_ReadCold(benchmark::State& st) {
   std::int64_t i = 0;
   for (auto _ : st) {
     const std::int64_t k = i++ % cold.sets;
-    benchmark::DoNotOptimize(read_sum(cold.probs.data() + k * kHq * kN, static_cast<std::size_t>(kHq * kN)) +
-                             read_sum(cold.state.data() + k * kHkv * kN, static_cast<std::size_t>(kHkv * kN)));
+    benchmark::DoNotOptimize(kvp_bench::read_pass(cold.probs.data() + k * kHq * kN, static_cast<std::size_t>(kHq * kN)) +
+                             kvp_bench::read_pass(cold.state.data() + k * kHkv * kN, static_cast<std::size_t>(kHkv * kN)));
   }
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (kProbBytes + kStateBytes)));
+  kvp_bench::report_bytes(st, kProbBytes + kStateBytes);
 }
 
 void BM_TOVAStep(benchmark::State& st) {
@@ -196,7 +170,7 @@ void BM_TOVAStep(benchmark::State& st) {
     require_ok(st, s.tova.select_from_attention<backend::Scalar>(s.p(), kHkv, s.keep(), s.work()));
     benchmark::ClobberMemory();
   }
-  st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (kProbBytes + kKeepBytes)));
+  kvp_bench::report_bytes(st, kProbBytes + kKeepBytes);
 }
 
 /// Read bandwidth on a buffer of `bytes`, the working-set size of a step.
@@ -204,8 +178,8 @@ void BM_Read(benchmark::State& st) {
   static std::map<std::int64_t, std::vector<float>> bufs;
   auto& buf = bufs[st.range(0)];
   if (buf.empty()) buf.assign(static_cast<std::size_t>(st.range(0)) / sizeof(float), 1.0f);
-  for (auto _ : st) benchmark::DoNotOptimize(read_sum(buf.data(), buf.size()));
-  st.SetBytesProcessed(st.iterations() * st.range(0));
+  for (auto _ : st) benchmark::DoNotOptimize(kvp_bench::read_pass(buf.data(), buf.size()));
+  kvp_bench::report_bytes(st, static_cast<double>(st.range(0)));
 }
 
 constexpr std::int64_t kStepBytes = static_cast<std::int64_t>(kProbBytes + 2 * kStateBytes + kKeepBytes);
@@ -225,8 +199,8 @@ class Summary : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const auto& r : runs) {
       if (r.aggregate_name != "median") continue;
-      const auto it = r.counters.find("bytes_per_second");
-      if (it != r.counters.end()) bps[r.run_name.function_name] = it->second;
+      const auto it = r.counters.find("GB/s");
+      if (it != r.counters.end()) bps[r.run_name.function_name] = it->second * 1e9;
       times[r.run_name.function_name] = r.GetAdjustedCPUTime();
     }
     ConsoleReporter::ReportRuns(runs);
@@ -239,6 +213,7 @@ class Summary : public benchmark::ConsoleReporter {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  kvp_bench::add_peak_context();
   Summary rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
   auto bw = [&](const char* n) { return rep.bps.count(n) ? rep.bps[n] : 0.0; };
@@ -246,18 +221,14 @@ int main(int argc, char** argv) {
               static_cast<long long>(kHq), static_cast<long long>(kHkv));
   std::printf("  read pass, %.1f MiB buffer (cache-resident, as the warm steps):   %6.2f GB/s\n", kStepBytes / 1048576.0, bw("read") * 1e-9);
   std::printf("  read pass over the cold rotation (memory, as h2o/step_cold):  %6.2f GB/s\n", bw("read_cold") * 1e-9);
-#if KVP_BENCH_HAVE_PEAK
   const double peak_bw = kvp_bench::peak().read_bytes_per_second;
   std::printf("  peak read bandwidth, benchmarks/peak.hpp (memory, 1 core):    %6.2f GB/s\n", peak_bw * 1e-9);
-#endif
   for (const char* name : {"h2o/update", "h2o/evict", "h2o/step", "h2o/step_cold", "tova/step"}) {
     if (!rep.bps.count(name)) continue;
     const double base = bw(std::string(name) == "h2o/step_cold" ? "read_cold" : "read");
     std::printf("  %-13s %8.1f us  %6.2f GB/s  %6.1f%% of the same-level read pass", name, rep.times[name], rep.bps[name] * 1e-9,
                 base > 0 ? 100.0 * rep.bps[name] / base : 0.0);
-#if KVP_BENCH_HAVE_PEAK
     std::printf("  %6.1f%% of peak", 100.0 * rep.bps[name] / peak_bw);
-#endif
     std::printf("\n");
   }
   benchmark::Shutdown();
