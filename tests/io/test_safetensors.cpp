@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 
@@ -145,6 +146,36 @@ TEST_CASE("safetensors: file and directory I/O") {
   Status s = SafetensorsFile::open("does/not/exist.safetensors", &f);
   REQUIRE_FALSE(s.is_ok());
   CHECK_THAT(s.message(), Catch::Contains("cannot open"));
+
+  // The file path validates like the buffer path: every truncation, an absurd length.
+  const auto good = sample_file();
+  for (std::size_t len : {std::size_t{0}, std::size_t{5}, std::size_t{8}, std::size_t{40}, good.size() - 1}) {
+    {
+      std::ofstream o(path, std::ios::binary | std::ios::trunc);
+      o.write(reinterpret_cast<const char*>(good.data()), static_cast<std::streamsize>(len));
+    }
+    s = SafetensorsFile::open(path, &f);
+    INFO("length " << len << ": " << s.message());
+    CHECK_FALSE(s.is_ok());
+    CHECK_THAT(s.message(), Catch::Contains(path));
+  }
+  auto bad = good;
+  const std::uint64_t huge = 1ull << 50;
+  std::memcpy(bad.data(), &huge, 8);
+  {
+    std::ofstream o(path, std::ios::binary | std::ios::trunc);
+    o.write(reinterpret_cast<const char*>(bad.data()), static_cast<std::streamsize>(bad.size()));
+  }
+  s = SafetensorsFile::open(path, &f);
+  CHECK_THAT(s.message(), Catch::Contains("exceeds"));
+  {
+    std::ofstream o(path, std::ios::binary | std::ios::trunc);
+    o.write(reinterpret_cast<const char*>(good.data()), static_cast<std::streamsize>(good.size()));
+  }
+  REQUIRE(SafetensorsFile::open(path, &f).is_ok());
+  TensorView<const std::int64_t, 1> i64;
+  REQUIRE(f.view("i64", &i64).is_ok());
+  CHECK(i64(1) == 20);
   std::remove(path.c_str());
 }
 

@@ -116,7 +116,9 @@ class SafetensorsFile {
  public:
   SafetensorsFile() = default;
 
-  /// Read a whole file into owned memory and validate it.
+  /// Read a file into owned memory and validate it. The header is read and
+  /// checked first; the data section then goes straight into aligned storage
+  /// (one copy of the tensors in memory, nothing read for a corrupt header).
   static Status open(const std::string& path, SafetensorsFile* out) noexcept {
     try {
       std::ifstream f(path, std::ios::binary | std::ios::ate);
@@ -124,12 +126,27 @@ class SafetensorsFile {
       const std::streamoff size = f.tellg();
       if (size < 0) return KVP_INVALID("safetensors: cannot determine the size of '%s'", path.c_str());
       f.seekg(0);
-      std::vector<std::byte> bytes(static_cast<std::size_t>(size));
-      if (size > 0 && !f.read(reinterpret_cast<char*>(bytes.data()), size))
-        return KVP_INVALID("safetensors: short read on '%s'", path.c_str());
-      Status s = from_bytes(std::move(bytes), out);
-      if (!s) return Status::error(s.code(), "%s (file '%s')", s.message(), path.c_str());
-      return s;
+      const auto fsize = static_cast<std::uint64_t>(size);
+      std::byte len[8] = {};
+      if (fsize >= 8 && !f.read(reinterpret_cast<char*>(len), 8)) return KVP_INVALID("safetensors: short read on '%s'", path.c_str());
+      std::uint64_t n = 0;
+      Status s = check_header_length(len, fsize, &n);
+      std::string header;
+      if (s) {
+        header.resize(static_cast<std::size_t>(n));
+        if (!f.read(header.data(), static_cast<std::streamsize>(n))) return KVP_INVALID("safetensors: short read on '%s'", path.c_str());
+        SafetensorsFile t;
+        s = t.parse_header(header.data(), static_cast<std::size_t>(n), fsize - 8 - n);
+        if (s) {
+          t.alloc_storage(t.data_size_);
+          if (t.data_size_ && !f.read(reinterpret_cast<char*>(t.storage_.get()), static_cast<std::streamsize>(t.data_size_)))
+            return KVP_INVALID("safetensors: short read on '%s'", path.c_str());
+          t.data_ = reinterpret_cast<const std::byte*>(t.storage_.get());
+          *out = std::move(t);
+          return s;
+        }
+      }
+      return Status::error(s.code(), "%s (file '%s')", s.message(), path.c_str());
     } catch (const std::bad_alloc&) {
       return KVP_INVALID("safetensors: out of memory reading '%s'", path.c_str());
     } catch (...) {
@@ -144,7 +161,7 @@ class SafetensorsFile {
       SafetensorsFile f;
       KVP_RETURN_IF_ERROR(f.parse(bytes.data(), bytes.size()));
       const std::size_t n = bytes.size() - f.data_start_;
-      f.storage_.reset(new std::max_align_t[(n + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t) + 1]);
+      f.alloc_storage(n);
       if (n) std::memcpy(f.storage_.get(), bytes.data() + f.data_start_, n);
       f.data_ = reinterpret_cast<const std::byte*>(f.storage_.get());
       *out = std::move(f);
@@ -221,9 +238,38 @@ class SafetensorsFile {
  private:
   static bool is_uint(const nlohmann::json& j) noexcept { return j.is_number_unsigned() || (j.is_number_integer() && j.get<std::int64_t>() >= 0); }
 
+  void alloc_storage(std::uint64_t n) {
+    storage_.reset(new std::max_align_t[static_cast<std::size_t>(n / sizeof(std::max_align_t)) + 1]);
+  }
+
+  /// The 8-byte header length of a buffer of `size` bytes, checked against the limits.
+  static Status check_header_length(const std::byte* p, std::uint64_t size, std::uint64_t* n_out) noexcept {
+    if (size < 8)
+      return KVP_INVALID("safetensors: file too short (%llu bytes); needs at least 8 for the header length", static_cast<unsigned long long>(size));
+    std::uint64_t n = 0;
+    std::memcpy(&n, p, 8);
+    if (n > kMaxSafetensorsHeader)
+      return KVP_INVALID("safetensors: header length %llu exceeds the %llu-byte limit (corrupt or not a safetensors file)",
+                         static_cast<unsigned long long>(n), static_cast<unsigned long long>(kMaxSafetensorsHeader));
+    if (n > size - 8)
+      return KVP_INVALID("safetensors: header length %llu runs past the end of the %llu-byte file (truncated?)", static_cast<unsigned long long>(n),
+                         static_cast<unsigned long long>(size));
+    if (n < 2) return KVP_INVALID("safetensors: header length %llu is too small for a JSON object", static_cast<unsigned long long>(n));
+    *n_out = n;
+    return Status::ok();
+  }
+
+  /// Whole buffer: length, header, and the data section that follows.
   Status parse(const std::byte* p, std::size_t size) noexcept {
+    std::uint64_t n = 0;
+    KVP_RETURN_IF_ERROR(check_header_length(p, size, &n));
+    return parse_header(reinterpret_cast<const char*>(p + 8), static_cast<std::size_t>(n), size - 8 - n);
+  }
+
+  /// The JSON header `h` (n bytes) of a file whose data section has `data_size` bytes.
+  Status parse_header(const char* h, std::size_t n, std::uint64_t data_size) noexcept {
     try {
-      return parse_impl(p, size);
+      return parse_impl(h, n, data_size);
     } catch (const std::bad_alloc&) {
       return KVP_INVALID("safetensors: out of memory parsing the header");
     } catch (const std::exception& ex) {
@@ -231,18 +277,7 @@ class SafetensorsFile {
     }
   }
 
-  Status parse_impl(const std::byte* p, std::size_t size) {
-    if (size < 8) return KVP_INVALID("safetensors: file too short (%zu bytes); needs at least 8 for the header length", size);
-    std::uint64_t n = 0;
-    std::memcpy(&n, p, 8);
-    if (n > kMaxSafetensorsHeader)
-      return KVP_INVALID("safetensors: header length %llu exceeds the %llu-byte limit (corrupt or not a safetensors file)",
-                         static_cast<unsigned long long>(n), static_cast<unsigned long long>(kMaxSafetensorsHeader));
-    if (n > size - 8)
-      return KVP_INVALID("safetensors: header length %llu runs past the end of the %zu-byte file (truncated?)", static_cast<unsigned long long>(n),
-                         size);
-    if (n < 2) return KVP_INVALID("safetensors: header length %llu is too small for a JSON object", static_cast<unsigned long long>(n));
-    const char* h = reinterpret_cast<const char*>(p + 8);
+  Status parse_impl(const char* h, std::size_t n, std::uint64_t data_size) {
     // Duplicate keys: nlohmann keeps the last silently, so watch top-level keys while parsing.
     std::set<std::string> seen;
     std::string duplicate;
@@ -257,8 +292,8 @@ class SafetensorsFile {
     if (j.is_discarded()) return KVP_INVALID("safetensors: header is not valid JSON");
     if (!j.is_object()) return KVP_INVALID("safetensors: header is JSON but not an object");
     if (!duplicate.empty()) return KVP_INVALID("safetensors: duplicate tensor name '%s'", duplicate.c_str());
-    data_start_ = 8 + static_cast<std::size_t>(n);
-    data_size_ = size - data_start_;
+    data_start_ = 8 + n;
+    data_size_ = data_size;
 
     for (auto it = j.begin(); it != j.end(); ++it) {
       const std::string& name = it.key();
