@@ -85,7 +85,9 @@ void run_matrix(const char* dtype, unsigned seed) {
       for (std::int64_t T : {1, 7, 100, 1000, 4099}) {
         for (std::int64_t w : {1, 8, 32}) {
           if (w > T) continue;
-          if (kScaledDown && T > 1000 && G * w > 32) continue;
+          // Sanitizer builds: the largest products of shape parameters are skipped
+          // (every parameter value still appears in smaller combinations).
+          if (kScaledDown && ((T > 1000 && G * w > 8) || (T == 1000 && G * w > 64))) continue;
           ++variant;
           const WindowReduce red = variant % 3 == 0 ? WindowReduce::kSum : WindowReduce::kMean;
           const float gain = 1.0f + static_cast<float>(variant % 4);

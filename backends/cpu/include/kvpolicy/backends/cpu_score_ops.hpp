@@ -22,17 +22,22 @@ namespace backend {
 
 struct CpuScoreOps : ScalarScoreOps {
   /// Workspace of `window_scores`: O(group*window * (kv_len + head_dim)) floats
-  /// (the softmax numerators of every visible (query, key) pair are kept
-  /// between the two passes). Independent of the selected ISA.
+  /// (the softmax numerators of every (query, key) pair are kept between the
+  /// two passes: 16 MiB for G*w = 128 queries and 32K keys). Independent of
+  /// the selected ISA. Smaller workspaces (e.g. sized for the reference op)
+  /// are accepted: the call then computes with the reference.
   static std::size_t window_scores_workspace(const WindowScoreShape& s) noexcept;
 
   /// out: (group, num_cols) fp32, contiguous. See `WindowScoreShape`.
   /// Keys are read in place in their storage type (float, half, bfloat16),
-  /// contiguous, strided or paged. Requires kv_len < 2^31. One pass computes
-  /// the logits with the G*w queries as the SIMD dimension and keeps
-  /// exp(logit - chunk max) per chunk of keys; a second pass rescales by the
-  /// final max and denominator and reduces each head's window.
-  /// Thread-safe (no shared state); defined for Tk in {float, half, bfloat16}.
+  /// contiguous, strided or paged, 64 rows at a time widened into an L1
+  /// buffer. Requires kv_len < 2^31. Pass 1 computes the logits with the G*w
+  /// queries as the SIMD dimension (register tiles of keys x query vectors,
+  /// broadcast FMAs) and stores exp(logit - reference) per chunk of keys, the
+  /// reference being the running max; pass 2 rescales by exp(reference -
+  /// max) / denominator (denominators summed in double) and reduces each
+  /// head's window. Probabilities below ~e^-55 of a row's max may come out as
+  /// 0. Thread-safe (no shared state); defined for Tk in {float, half, bfloat16}.
   template <class Tk>
   static void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws) noexcept;
 
@@ -41,14 +46,17 @@ struct CpuScoreOps : ScalarScoreOps {
   /// `kind` is `kNone`. O(n * kernel) with SIMD over outputs.
   static void pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, float* out) noexcept;
 
-  /// Workspace of `topk` for n scores: O(n) bytes.
+  /// Workspace of `topk` for n scores: O(n) bytes (about 16 n).
   static std::size_t topk_workspace(std::int64_t n) noexcept;
 
   /// The k best of scores[0..n) under `score_order_key`, ascending indices,
-  /// identical to the reference. A strided sample of the scores gives a
-  /// threshold; one SIMD pass collects the indices at or above it (about
-  /// 1.5 k of them), and the exact order key resolves the boundary. Expected
-  /// O(n) with one read pass; O(n log n) worst case (all scores tied).
+  /// identical to the reference. For k <= n/8: a sample of 2048 scores (256
+  /// runs of 8 neighbours) gives a threshold that about 1.5-2 k scores pass;
+  /// one SIMD pass collects their indices (if fewer than k pass, the search
+  /// below runs on all scores instead); histogram rounds on the candidates'
+  /// order keys find the k-th largest (key, index) pair; one SIMD compaction
+  /// writes the survivors in index order. Larger k and n <= 4096 skip the
+  /// sample. Expected O(n) with one read pass over the scores plus O(k) work.
   static void topk(const float* scores, std::int64_t n, std::int64_t k, std::int32_t* out, Workspace ws) noexcept;
 };
 
