@@ -106,7 +106,7 @@ struct ScalarScoreOps {
   /// kAvg divides by k always (zero padding counted); kMax ignores padding.
   static void pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, float* out) noexcept {
     if (kind == Pooling::kNone || kernel <= 1) {
-      std::memmove(out, in, static_cast<std::size_t>(n) * sizeof(float));
+      if (n > 0) std::memmove(out, in, static_cast<std::size_t>(n) * sizeof(float));
       return;
     }
     const std::int64_t r = kernel / 2;
