@@ -33,7 +33,9 @@ Level level() noexcept {
 float mul_add_chains_sse2(std::int64_t iters) noexcept {
   __m128 acc[12];
   for (int j = 0; j < 12; ++j) acc[j] = _mm_set1_ps(1.0f + 1e-3f * static_cast<float>(j));
-  const __m128 mul = _mm_set1_ps(0.999999f), add = _mm_set1_ps(1e-6f);
+  __m128 mul = _mm_set1_ps(0.999999f), add = _mm_set1_ps(1e-6f);
+  KVP_BENCH_KEEP(mul, "+x");
+  KVP_BENCH_KEEP(add, "+x");
   for (std::int64_t i = 0; i < iters; ++i) {
     for (int j = 0; j < 12; ++j) acc[j] = _mm_add_ps(_mm_mul_ps(acc[j], mul), add);
   }
@@ -89,7 +91,7 @@ double measure_fma(const char** isa) {
   for (;;) {
     const double t0 = thread_seconds();
     g_sink = g_sink + kernel(iters);
-    if ((thread_seconds() - t0) > 0.05) break;
+    if ((thread_seconds() - t0) > 0.05 || iters > (std::int64_t{1} << 40)) break;
     iters *= 2;
   }
   double best = 0;

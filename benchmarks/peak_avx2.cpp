@@ -19,7 +19,9 @@ float fma_chains_avx2(std::int64_t iters) noexcept {
   // pipe, enough for a 4-cycle latency) run twice per step.
   __m256 acc[12];
   for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_ps(1.0f + 1e-3f * static_cast<float>(j));
-  const __m256 mul = _mm256_set1_ps(0.999999f), add = _mm256_set1_ps(1e-6f);
+  __m256 mul = _mm256_set1_ps(0.999999f), add = _mm256_set1_ps(1e-6f);
+  KVP_BENCH_KEEP(mul, "+x");
+  KVP_BENCH_KEEP(add, "+x");
   for (std::int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 12
     for (int j = 0; j < 12; ++j) acc[j] = _mm256_fmadd_ps(acc[j], mul, add);

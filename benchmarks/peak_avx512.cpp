@@ -16,7 +16,9 @@ namespace kvp_bench::detail {
 float fma_chains_avx512(std::int64_t iters) noexcept {
   __m512 acc[kFmaChains];
   for (int j = 0; j < kFmaChains; ++j) acc[j] = _mm512_set1_ps(1.0f + 1e-3f * static_cast<float>(j));
-  const __m512 mul = _mm512_set1_ps(0.999999f), add = _mm512_set1_ps(1e-6f);
+  __m512 mul = _mm512_set1_ps(0.999999f), add = _mm512_set1_ps(1e-6f);
+  KVP_BENCH_KEEP(mul, "+v");
+  KVP_BENCH_KEEP(add, "+v");
   for (std::int64_t i = 0; i < iters; ++i) {
 #pragma GCC unroll 24
     for (int j = 0; j < kFmaChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], mul, add);

@@ -6,6 +6,15 @@
 #include <cstddef>
 #include <cstdint>
 
+// Makes the compiler treat a value as unknown (and emit nothing): with opaque
+// multiplier and addend no step of a probe's recurrence can be folded away
+// (clang folds the converging FMA chains of constant operands).
+#if defined(__GNUC__) || defined(__clang__)
+#define KVP_BENCH_KEEP(x, constraint) __asm__ volatile("" : constraint(x))
+#else
+#define KVP_BENCH_KEEP(x, constraint) ((void)0)
+#endif
+
 namespace kvp_bench::detail {
 
 /// Runs `iters` steps of kFmaChains independent vector FMA chains; returns a

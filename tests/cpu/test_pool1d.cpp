@@ -10,10 +10,13 @@ namespace {
 
 void check_pool(const std::vector<float>& in, int kernel, Pooling kind, const char* what) {
   const auto n = static_cast<std::int64_t>(in.size());
-  std::vector<float> ref(in.size() + 1, 7.0f), out(in.size() + 1, 7.0f);
-  Scalar::pool1d(in.data(), n, kernel, kind, ref.data());
-  Cpu::pool1d(in.data(), n, kernel, kind, out.data());
-  for (std::size_t t = 0; t < out.size(); ++t) {
+  // One buffer, reference then result, each with one guard element past n.
+  std::vector<float> buf(2 * (in.size() + 1), 7.0f);
+  float* ref = buf.data();
+  float* out = ref + in.size() + 1;
+  Scalar::pool1d(in.data(), n, kernel, kind, ref);
+  Cpu::pool1d(in.data(), n, kernel, kind, out);
+  for (std::size_t t = 0; t <= in.size(); ++t) {
     INFO(what << ": n=" << n << " kernel=" << kernel << " kind=" << static_cast<int>(kind) << " isa=" << Cpu::isa_name() << " t=" << t
               << " got " << out[t] << " reference " << ref[t]);
     REQUIRE(same_float(out[t], ref[t]));

@@ -20,6 +20,24 @@ inline constexpr std::int64_t kLanes = static_cast<std::int64_t>(F::size);
 inline constexpr float kInf = __builtin_inff();
 static_assert(WindowLayout::kQueryAlign % kLanes == 0, "query padding must be a whole number of vectors");
 
+// a * b + c and c - a * b, fused where the level has FMA. (xsimd 8 has no
+// AVX-512 fma: its generic a * b + c is only contracted by compilers that
+// contract across inline functions, which GCC does and clang does not.)
+inline F fmadd(F a, F b, F c) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  return F(_mm512_fmadd_ps(a, b, c));
+#else
+  return xsimd::fma(a, b, c);
+#endif
+}
+inline F fnmadd(F a, F b, F c) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  return F(_mm512_fnmadd_ps(a, b, c));
+#else
+  return xsimd::fnma(a, b, c);
+#endif
+}
+
 // Register tile of the logit kernel: kRows keys x kVecs query vectors of
 // accumulators, plus kVecs query vectors and one broadcast key element
 // (AVX-512: 24 + 4 + 1 of 32 registers; AVX2 and SSE2: 12 + 3 + 1 of 16).
@@ -136,19 +154,19 @@ inline F exp_clamped(F x) noexcept {
   // Round to an integer with the 1.5 * 2^23 trick (no float -> int conversion
   // can see a NaN or an out-of-range value).
   const F magic(12582912.0f);
-  const F t = xsimd::fma(xc, F(1.44269504088896341f), magic);
+  const F t = fmadd(xc, F(1.44269504088896341f), magic);
   const F nf = t - magic;
 #endif
-  F r = xsimd::fnma(nf, F(0.693359375f), xc);
-  r = xsimd::fnma(nf, F(-2.12194440e-4f), r);
+  F r = fnmadd(nf, F(0.693359375f), xc);
+  r = fnmadd(nf, F(-2.12194440e-4f), r);
   F p(1.9875691500e-4f);
-  p = xsimd::fma(p, r, F(1.3981999507e-3f));
-  p = xsimd::fma(p, r, F(8.3334519073e-3f));
-  p = xsimd::fma(p, r, F(4.1665795894e-2f));
-  p = xsimd::fma(p, r, F(1.6666665459e-1f));
-  p = xsimd::fma(p, r, F(5.0000001201e-1f));
-  p = xsimd::fma(p, r, F(1.0f));  // e^r = 1 + r (1 + r P(r))
-  const F y = xsimd::fma(p, r, F(1.0f));
+  p = fmadd(p, r, F(1.3981999507e-3f));
+  p = fmadd(p, r, F(8.3334519073e-3f));
+  p = fmadd(p, r, F(4.1665795894e-2f));
+  p = fmadd(p, r, F(1.6666665459e-1f));
+  p = fmadd(p, r, F(5.0000001201e-1f));
+  p = fmadd(p, r, F(1.0f));  // e^r = 1 + r (1 + r P(r))
+  const F y = fmadd(p, r, F(1.0f));
 #if KVP_CPU_TU_ISA == 2
   const F scaled(_mm512_scalef_ps(y, n));
 #else
@@ -210,7 +228,7 @@ inline void logit_tile(const TileArgs& a) noexcept {
     for (int r = 0; r < R; ++r) {
       const F k(rows[r][c]);
 #pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[r][v] = xsimd::fma(k, qv[v], acc[r][v]);
+      for (int v = 0; v < V; ++v) acc[r][v] = fmadd(k, qv[v], acc[r][v]);
     }
   }
   const F scale(a.scale);
@@ -391,7 +409,7 @@ void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, 
           const float* pg = pr + g * w;
           const float* fg = ws.factor + g * w;
           F acc = F::load_aligned(pg) * F::load_aligned(fg);
-          for (std::int64_t v = 1; v < vph; ++v) acc = xsimd::fma(F::load_aligned(pg + v * kLanes), F::load_aligned(fg + v * kLanes), acc);
+          for (std::int64_t v = 1; v < vph; ++v) acc = fmadd(F::load_aligned(pg + v * kLanes), F::load_aligned(fg + v * kLanes), acc);
           out[g * L + j] = xsimd::hadd(acc);
         }
       }
