@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // `backend::Cpu`: the CPU SIMD backend (kvpolicy::cpu). Policies instantiated
-// with it call the vectorised ops of `CpuScoreOps` and fall back to the scalar
-// reference, by inheritance, for every op it does not specialise.
+// with it call the vectorised ops of `CpuScoreOps` and `CpuPageOps` and fall
+// back to the scalar reference, by inheritance, for every op they do not
+// specialise.
 //
 // Instruction set: chosen once, at first use, as the best level this machine
 // and OS support (cpuid + xgetbv), unless the environment variable
@@ -17,7 +18,7 @@
 KVP_NAMESPACE_BEGIN
 namespace backend {
 
-// Paged ops join as the second base: ScalarPageOps until CpuPageOps replaces it.
+// Score ops and page ops, one base per op family (each falls back to its scalar family).
 struct Cpu : CpuScoreOps, CpuPageOps {
   /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
