@@ -1,12 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // Entry points of `backend::CpuScoreOps` (baseline flags): workspace carving,
-// ISA dispatch, and the scalar parts of top-k (threshold estimation, exact
-// resolution of the boundary) around the vectorised collection pass.
+// ISA dispatch, and the control of top-k (sampling, histogram rank search)
+// around its vectorised kernels (collection, key gather, compaction).
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <type_traits>
@@ -49,13 +48,14 @@ void run_window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> ke
 
 // ---- top-k ------------------------------------------------------------------
 //
-// Plan for k << n: (1) a strided sample of kSample scores and one histogram
-// give a threshold expected to pass ~1.5 k scores; (2) one SIMD pass collects
-// the indices of the scores at or above it (a superset of the answer whenever
-// at least k pass; otherwise step 3 runs on all scores); (3) an exact rank
-// search on the candidates' order keys finds the k-th largest (key, index)
-// pair; (4) one pass writes the candidates at or above that pair, in index
-// order. Large k (> n/8) and short rows go straight to step 3 on all scores.
+// Plan for k << n: (1) a sample of kSample scores (runs of neighbours spread
+// over the row) and one histogram give a threshold expected to pass 1.5-2 k
+// scores; (2) one SIMD pass collects the indices of the scores at or above it
+// (a superset of the answer whenever at least k pass; otherwise step 3 runs
+// on all scores); (3) an exact rank search on the candidates' order keys
+// finds the k-th largest (key, index) pair; (4) one SIMD compaction writes the
+// candidates at or above that pair, in index order. Large k (> n/8) and short
+// rows go straight to step 3 on all scores.
 
 constexpr std::int64_t kSampleRun = 8;                      // neighbouring scores per sample run (one cache line)
 constexpr std::int64_t kSampleRuns = 256;                   // runs spread over the row

@@ -15,7 +15,7 @@ namespace cpu_detail {
 /// Workspace geometry of `window_scores`, fixed for every level so that the
 /// size reported before a call never depends on the level used during it.
 struct WindowLayout {
-  static constexpr std::int64_t kChunk = 64;       ///< keys per softmax chunk (one exp sweep, one max)
+  static constexpr std::int64_t kChunk = 60;       ///< keys per softmax chunk: whole register tiles (6 or 4 keys)
   static constexpr std::int64_t kQueryAlign = 16;  ///< query rows padded to the widest vector (AVX-512 floats)
 
   std::int64_t num_q = 0;       ///< G * w

@@ -205,12 +205,16 @@ struct TileArgs {
   float scale;
 };
 
-// Logits of R keys x V query vectors: broadcast one key element, FMA against
-// V query vectors, over the head dimension. Then scale, causal mask, fold
-// into the chunk max, and store either the logits (kLogits) or
-// exp(logit - ref) with the chunk sums (kExp).
-template <TileMode kMode, int R, int V>
-inline void logit_tile(const TileArgs& a) noexcept {
+// Logits of kRows keys x V query vectors: broadcast one key element, FMA
+// against V query vectors, over the head dimension. Then scale, causal mask,
+// fold into the chunk max, and store either the logits (kLogits) or
+// exp(logit - ref) with the chunk sums (kExp). A partial tile (rc < kRows
+// keys, the last of a short chunk) repeats its last key in the spare rows and
+// drops their results: one instantiation per V keeps the code size (and the
+// compile time) small.
+template <TileMode kMode, int V>
+inline void logit_tile(const TileArgs& a, int rc) noexcept {
+  constexpr int R = kRows;
   F acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -218,7 +222,7 @@ inline void logit_tile(const TileArgs& a) noexcept {
     for (int v = 0; v < V; ++v) acc[r][v] = F(0.0f);
   const float* rows[R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) rows[r] = a.key_buf + (a.r + r) * a.d;
+  for (int r = 0; r < R; ++r) rows[r] = a.key_buf + (a.r + (r < rc ? r : rc - 1)) * a.d;
   const float* qt = a.qt + a.v * kLanes;
   for (std::int64_t c = 0; c < a.d; ++c) {
     F qv[V];
@@ -243,9 +247,10 @@ inline void logit_tile(const TileArgs& a) noexcept {
     }
   }
   // Only keys after q_pos0 are hidden from some query of the window.
-  const bool masked = a.j + R - 1 > a.q_pos0;
+  const bool masked = a.j + rc - 1 > a.q_pos0;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
+    if (r >= rc) break;
     float* prow = a.p + (a.j + r) * a.qpad + a.v * kLanes;
     const I key_index(static_cast<std::int32_t>(a.j + r));
 #pragma GCC unroll 8
@@ -272,16 +277,13 @@ inline void logit_tile(const TileArgs& a) noexcept {
   }
 }
 
-// Picks the tile instantiation for a partial tile (rc <= R rows, vc <= V vectors).
-template <TileMode kMode, int R, int V>
-inline void dispatch_tile(int rc, int vc, const TileArgs& a) noexcept {
-  if constexpr (R > 1) {
-    if (rc < R) return dispatch_tile<kMode, R - 1, V>(rc, vc, a);
-  }
+// Picks the tile instantiation for the last query vectors (vc <= V).
+template <TileMode kMode, int V>
+inline void dispatch_tile(int vc, int rc, const TileArgs& a) noexcept {
   if constexpr (V > 1) {
-    if (vc < V) return dispatch_tile<kMode, R, V - 1>(rc, vc, a);
+    if (vc < V) return dispatch_tile<kMode, V - 1>(vc, rc, a);
   }
-  logit_tile<kMode, R, V>(a);
+  logit_tile<kMode, V>(a, rc);
 }
 
 // All tiles of one chunk (nr keys starting at key j0, already in key_buf).
@@ -298,7 +300,7 @@ inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int6
       a.r = r0;
       a.j = j0 + r0;
       const int rc = static_cast<int>(nr - r0 < kRows ? nr - r0 : kRows);
-      dispatch_tile<kMode, kRows, kVecs>(rc, vc, a);
+      dispatch_tile<kMode, kVecs>(vc, rc, a);
     }
   }
 }
