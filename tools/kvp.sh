@@ -55,7 +55,13 @@ compare() {
   local marker rev py=/usr/bin/python3
   marker=$(mktemp)
   rev=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-  "$BUILD_DIR/examples/kvpolicy-compare" --out-dir "$out" --commit "$rev" "$@" || { rm -f "$marker"; return 1; }
+  # With no arguments: the built-in data -- the synthetic workload, the committed kvp-tiny traces and the
+  # end-to-end tasks on kvp-tiny (kvpolicy-compare's defaults).
+  local defaults=()
+  if [ $# -eq 0 ]; then
+    for a in tests/data/traces/kvp_tiny_*.safetensors; do [ -f "$a" ] && defaults+=(--trace "$a"); done
+  fi
+  "$BUILD_DIR/examples/kvpolicy-compare" --out-dir "$out" --commit "$rev" "${defaults[@]}" "$@" || { rm -f "$marker"; return 1; }
   [ -x "$py" ] || py=python3
   if [ "$csv" -nt "$marker" ]; then
     "$py" tools/compare/plot.py "$csv" --out-dir "$(dirname "$csv")" || echo "kvp: plotting failed (needs python3-matplotlib)" >&2

@@ -12,12 +12,16 @@
 #include <string>
 #include <sys/stat.h>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include "kvpolicy/util/thread_pool.hpp"
 #include "sweep.hpp"
 #include "synthetic_workload.hpp"
 #include "trace_cases.hpp"
+#ifdef KVP_COMPARE_WITH_ENGINE
+#include "task_workload.hpp"
+#endif
 
 using namespace kvp_compare;
 
@@ -28,6 +32,9 @@ const char* kUsage =
     "  --synthetic N       synthetic workload instances (seeds), 0 for none (default 2)\n"
     "  --len T             synthetic prompt length (default 2560)\n"
     "  --trace FILE        a trace (tools/trace/export_trace.py); repeatable; every layer is used\n"
+    "  --task-samples N    end-to-end tasks on kvp-tiny: first N samples of each task (default 40; 0 for none)\n"
+    "  --model DIR         the engine model (default: the committed models/kvp-tiny)\n"
+    "  --tasks FILE        the task set (default: the committed tests/data/engine/eval_set.json)\n"
     "  --budgets LIST      token budgets per kv head (default 64,128,256,512,1024; '' for none)\n"
     "  --ratios LIST       kvpress compression ratios (fraction removed; default 0.5,0.75,0.875; '' for none)\n"
     "  --policies LIST     policies to run (default all; see --list-policies)\n"
@@ -80,6 +87,12 @@ int main(int argc, char** argv) {
   std::vector<double> budgets{64, 128, 256, 512, 1024}, ratios{0.5, 0.75, 0.875};
   SweepOptions opt;
   std::string out_dir, csv_path, commit = "unknown";
+  int task_samples = 40;
+#ifdef KVP_COMPARE_WITH_ENGINE
+  std::string model_dir = KVP_COMPARE_MODEL_DIR, task_set = KVP_COMPARE_TASK_SET;
+#else
+  std::string model_dir, task_set;
+#endif
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -103,6 +116,14 @@ int main(int argc, char** argv) {
       if (shape.kv_len < 4 * shape.window) bad(v);
     } else if (a == "--trace") {
       traces.push_back(next());
+    } else if (a == "--task-samples") {
+      const char* v = next();
+      task_samples = std::atoi(v);
+      if (task_samples < 0) bad(v);
+    } else if (a == "--model") {
+      model_dir = next();
+    } else if (a == "--tasks") {
+      task_set = next();
     } else if (a == "--budgets") {
       const char* v = next();
       if (!parse_list(v, &budgets)) bad(v);
@@ -171,7 +192,13 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (synthetic == 0 && trace_cases.empty()) {
+#ifndef KVP_COMPARE_WITH_ENGINE
+  if (task_samples > 0) {
+    std::fprintf(stderr, "kvpolicy-compare: built without the engine (Eigen 3.4 missing): no end-to-end tasks\n");
+    task_samples = 0;
+  }
+#endif
+  if (synthetic == 0 && trace_cases.empty() && task_samples == 0) {
     std::fprintf(stderr, "kvpolicy-compare: nothing to compare (no synthetic instances, no traces)\n");
     return 2;
   }
@@ -191,12 +218,24 @@ int main(int argc, char** argv) {
                 "             %d decode queries per head, %d needles\n",
                 synthetic, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.kv_len, shape.window, shape.num_future, shape.needles);
   for (const auto& t : traces) std::printf("  trace: %s\n", t.c_str());
+  if (task_samples > 0)
+    std::printf("  tasks: %d samples per task from %s, model %s (engine loop, one thread)\n", task_samples, task_set.c_str(), model_dir.c_str());
   std::fflush(stdout);
 
   for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));
   for (const auto& c : trace_cases) sweep.run(c);
 
-  const auto rows = sweep.rows();
+  auto rows = sweep.rows();
+#ifdef KVP_COMPARE_WITH_ENGINE
+  if (task_samples > 0) {
+    try {
+      run_task_workload({model_dir, task_set, task_samples, opt.progress && isatty(2)}, opt.budgets, opt.policies, &rows);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kvpolicy-compare: end-to-end tasks: %s\n", e.what());
+      return 1;
+    }
+  }
+#endif
   print_table(stdout, rows);
   for (const auto& w : sweep.warnings()) std::printf("note: skipped %s\n", w.c_str());
   if (!csv_path.empty()) {

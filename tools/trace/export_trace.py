@@ -22,6 +22,8 @@ Examples:
   export_trace.py --model Qwen/Qwen2.5-0.5B --prompt-file doc.txt --decode 16 --out doc.safetensors
   export_trace.py --random-llama --random-tokens 48 --decode 6 --dtype float32 \\
       --with-attn-output --out tests/data/traces/tiny_llama_random.safetensors
+  export_trace.py --kvp-tiny models/kvp-tiny --kvp-task passkey --seed 7 --decode 4 \\
+      --out tests/data/traces/kvp_tiny_passkey.safetensors
 
 Requires torch, transformers (>= 4.48, AttentionInterface) and safetensors.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -234,16 +237,42 @@ def random_llama(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128):
     return model
 
 
+def _kvp_tiny(model_dir, task, prompt, seed):
+    """kvp-tiny as a transformers Llama, its byte-level prompt ids and, for a task prompt, the needle tokens."""
+    import random
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model"))
+    import tasks
+    from model import BOS, load_model
+    from to_hf import to_llama
+
+    hf = to_llama(load_model(model_dir))
+    name = "kvp-tiny" + (f":{task}" if task else "")
+    if task:
+        sample = tasks.make_sample(tasks.Filler(), random.Random(seed), task, 1024)[0]
+        ids = sample.prompt
+        text = bytes(ids[1:]).decode("ascii")
+        at = 1 + text.find(bytes(sample.answer).decode("ascii"))  # the answer's first occurrence: in its needle
+        needles = list(range(at, at + len(sample.answer)))
+    else:
+        ids, needles = [BOS] + list(prompt.encode("utf-8")), []
+    return hf, None, name, ids, needles
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Hugging Face model id or local path")
     src.add_argument("--random-llama", action="store_true", help="a randomly initialised small Llama (tests, no download)")
+    src.add_argument("--kvp-tiny", metavar="DIR", help="the project's own model (models/kvp-tiny), via tools/model/to_hf.py")
     ap.add_argument("--seed", type=int, default=0)
     txt = ap.add_mutually_exclusive_group()
     txt.add_argument("--prompt", help="prompt text")
     txt.add_argument("--prompt-file", help="file holding the prompt text")
     txt.add_argument("--random-tokens", type=int, help="a prompt of N random token ids")
+    txt.add_argument("--kvp-task", choices=("passkey", "multikey", "copy"),
+                     help="--kvp-tiny only: a 1024-token task prompt (tools/model/tasks.py, seed --seed); the answer's "
+                          "tokens in the prompt are recorded as needles")
     ap.add_argument("--max-tokens", type=int, default=0, help="truncate the prompt to its last N tokens (0: no limit)")
     ap.add_argument("--decode", type=int, default=0, help="greedy decode steps to record")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="storage dtype of q/k/v (default float16)")
@@ -255,8 +284,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     torch.manual_seed(a.seed)
+    task_needles = []
     if a.random_llama:
         model, tok, name = random_llama(a.seed), None, "random-llama"
+    elif a.kvp_tiny:
+        model, tok, name, kvp_ids, task_needles = _kvp_tiny(a.kvp_tiny, a.kvp_task, a.prompt, a.seed)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -265,7 +297,13 @@ def main(argv=None):
         name = a.model
     model = model.to(a.device).to(DTYPES[a.model_dtype])
     vocab = model.config.vocab_size
-    if a.random_tokens:
+    if a.kvp_task and not a.kvp_tiny:
+        ap.error("--kvp-task needs --kvp-tiny")
+    if a.kvp_tiny and (a.kvp_task or a.prompt is not None):
+        ids = torch.tensor(kvp_ids, dtype=torch.int64)
+    elif a.kvp_tiny:
+        ap.error("--kvp-tiny takes --prompt or --kvp-task")
+    elif a.random_tokens:
         ids = torch.randint(0, vocab, (a.random_tokens,), generator=torch.Generator().manual_seed(a.seed))
     else:
         text = a.prompt if a.prompt is not None else (open(a.prompt_file, encoding="utf-8").read() if a.prompt_file else None)
@@ -276,7 +314,7 @@ def main(argv=None):
         ids = torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
     if a.max_tokens and ids.numel() > a.max_tokens:
         ids = ids[-a.max_tokens:]
-    needles = [int(x) for x in a.needles.split(",") if x.strip()]
+    needles = [int(x) for x in a.needles.split(",") if x.strip()] or task_needles
     gen = export_trace(model, ids, a.out, num_decode=a.decode, dtype=DTYPES[a.dtype], with_attn_output=a.with_attn_output,
                        model_name=name, needles=needles,
                        extra_metadata={"seed": a.seed, "prompt_source": "random" if a.random_tokens else "text"})

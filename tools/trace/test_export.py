@@ -10,6 +10,8 @@ On a randomly initialised small Llama (GQA, RoPE; nothing downloaded):
      positions 0..T-1 (attention alone is blind to a common position shift);
   3. the metadata and shapes follow the format of include/kvpolicy/io/trace.hpp;
   4. a model whose attention does not use AttentionInterface is rejected.
+On kvp-tiny (models/kvp-tiny through tools/model/to_hf.py):
+  5. the converted model's logits equal model.py's and the exported q/k/v are model.py's post-RoPE q/k and v.
 
   /work/venv/bin/python tools/trace/test_export.py
 """
@@ -150,6 +152,47 @@ class ExportTraceTest(unittest.TestCase):
 
         with self.assertRaisesRegex(RuntimeError, "AttentionInterface"):
             export_trace.export_trace(Plain(), torch.arange(4), os.path.join(self.tmp.name, "x.safetensors"))
+
+
+class KvpTinyTraceTest(unittest.TestCase):
+    """The exporter on the project's own model (models/kvp-tiny, converted by tools/model/to_hf.py)."""
+
+    MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models", "kvp-tiny")
+
+    def test_trace_holds_the_models_post_rope_qkv(self):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model"))
+        import random
+
+        import tasks
+        from model import load_model, rope_cos_sin
+        from to_hf import check, to_llama
+
+        model = load_model(self.MODEL)
+        hf = to_llama(model)
+        sample = tasks.make_sample(tasks.Filler(), random.Random(7), "passkey", 1024)[0]
+        check(model, hf, sample.prompt)  # same logits as model.py (tolerance in to_hf.check)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kt.safetensors")
+            export_trace.export_trace(hf, torch.tensor(sample.prompt), path, num_decode=2, dtype=torch.float32,
+                                      model_name="kvp-tiny")
+            with safe_open(path, "np") as f:
+                meta = f.metadata()
+                t = {k: f.get_tensor(k) for k in f.keys()}
+        c = model.c
+        self.assertEqual((int(meta["num_layers"]), int(meta["num_q_heads"]), int(meta["num_kv_heads"]), int(meta["head_dim"])),
+                         (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim))
+        T = len(sample.prompt)
+        with torch.no_grad():
+            x = model.embed_tokens(torch.tensor([sample.prompt]))
+            cos, sin = rope_cos_sin(torch.arange(T), c.head_dim, c.rope_base)
+            for i, blk in enumerate(model.layers):
+                _, (q, k, v) = blk.attn(blk.attn_norm(x), cos, sin, return_qkv=True)
+                # fp32 rotary angles in transformers vs fp64 in model.py (~1e-4 at position 1023), and what that
+                # changes in the earlier layers' outputs
+                np.testing.assert_allclose(t[f"layer.{i}.q"], q[0].numpy(), rtol=0, atol=2e-3, err_msg=f"layer {i} q")
+                np.testing.assert_allclose(t[f"layer.{i}.k"], k[0].numpy(), rtol=0, atol=2e-3, err_msg=f"layer {i} k")
+                np.testing.assert_allclose(t[f"layer.{i}.v"], v[0].numpy(), rtol=0, atol=1e-3, err_msg=f"layer {i} v")
+                x = blk(x, cos, sin)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,200 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvp-tiny in C++: the model weights and the fp32 math of one forward pass.
+//
+// Mirrors tools/model/model.py exactly (Llama-style: RMSNorm, RoPE half-split
+// with base 10000, grouped-query attention, SwiGLU MLP, tied embeddings; byte
+// tokenizer 0..255 + BOS 256, EOS 257, PAD 258). Matrices are torch Linear
+// weights, row-major (out_features, in_features), used through Eigen::Map;
+// everything is fp32. The KV cache and the policies live in engine.hpp.
+#pragma once
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "weights.hpp"
+
+namespace kvp_engine {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMatrixMap = Eigen::Map<const RowMatrix>;
+using MatrixMap = Eigen::Map<RowMatrix>;
+using StridedConstMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+using StridedMap = Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>;
+
+struct ModelConfig {
+  int vocab_size = 259, d_model = 128, n_layers = 3, n_heads = 4, n_kv_heads = 2, head_dim = 32, ffn_hidden = 384;
+  double rope_base = 10000.0;
+  float norm_eps = 1e-5f;
+  int max_seq_len = 1024;
+  bool tie_embeddings = true;
+  int bos_id = 256, eos_id = 257, pad_id = 258;
+
+  int group_size() const noexcept { return n_heads / n_kv_heads; }
+
+  static ModelConfig from_json(const std::string& text) {
+    const auto j = nlohmann::json::parse(text);
+    ModelConfig c;
+    c.vocab_size = j.at("vocab_size");
+    c.d_model = j.at("d_model");
+    c.n_layers = j.at("n_layers");
+    c.n_heads = j.at("n_heads");
+    c.n_kv_heads = j.at("n_kv_heads");
+    c.head_dim = j.at("head_dim");
+    c.ffn_hidden = j.at("ffn_hidden");
+    c.rope_base = j.at("rope_base");
+    c.norm_eps = j.at("norm_eps");
+    c.max_seq_len = j.at("max_seq_len");
+    c.tie_embeddings = j.at("tie_embeddings");
+    c.bos_id = j.at("bos_id");
+    c.eos_id = j.at("eos_id");
+    c.pad_id = j.at("pad_id");
+    if (j.value("rope_convention", "half_split") != "half_split") throw std::runtime_error("config: only the half_split RoPE convention is supported");
+    if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0)
+      throw std::runtime_error("config: n_heads " + std::to_string(c.n_heads) + " is not a multiple of n_kv_heads " + std::to_string(c.n_kv_heads));
+    if (c.head_dim % 2 != 0) throw std::runtime_error("config: head_dim must be even for RoPE");
+    return c;
+  }
+};
+
+/// Byte tokenizer: BOS, then the UTF-8 bytes of the text.
+inline std::vector<std::int32_t> tokenize(const std::string& text, int bos_id = 256) {
+  std::vector<std::int32_t> ids{bos_id};
+  for (unsigned char ch : text) ids.push_back(ch);
+  return ids;
+}
+inline std::string detokenize(std::span<const std::int32_t> ids) {
+  std::string s;
+  for (auto t : ids)
+    if (t >= 0 && t < 256) s.push_back(static_cast<char>(t));
+  return s;
+}
+
+class Model {
+ public:
+  struct Layer {
+    const float *attn_norm, *mlp_norm;
+    const float *wq, *wk, *wv, *wo;  // (Hq*hd, d), (Hkv*hd, d), (Hkv*hd, d), (d, Hq*hd)
+    const float *wg, *wu, *wd;       // (ffn, d), (ffn, d), (d, ffn)
+  };
+
+  /// Loads `<dir>/config.json` and `<dir>/model.safetensors`; throws on a
+  /// missing tensor or a shape that disagrees with the config.
+  static Model load(const std::string& dir) {
+    Model m;
+    m.config_ = ModelConfig::from_json(read_text_file(dir + "/config.json"));
+    m.tensors_ = load_safetensors_f32(dir + "/model.safetensors");
+    const ModelConfig& c = m.config_;
+    const std::int64_t d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, f = c.ffn_hidden;
+    m.embed_ = m.get("embed_tokens.weight", {c.vocab_size, d});
+    m.norm_ = m.get("norm.weight", {d});
+    m.lm_head_ = c.tie_embeddings ? m.embed_ : m.get("lm_head.weight", {c.vocab_size, d});
+    for (int i = 0; i < c.n_layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      m.layers_.push_back(Layer{m.get(p + "attn_norm.weight", {d}), m.get(p + "mlp_norm.weight", {d}),
+                                m.get(p + "attn.q_proj.weight", {q, d}), m.get(p + "attn.k_proj.weight", {kv, d}),
+                                m.get(p + "attn.v_proj.weight", {kv, d}), m.get(p + "attn.o_proj.weight", {d, q}),
+                                m.get(p + "mlp.gate_proj.weight", {f, d}), m.get(p + "mlp.up_proj.weight", {f, d}),
+                                m.get(p + "mlp.down_proj.weight", {d, f})});
+    }
+    return m;
+  }
+
+  const ModelConfig& config() const noexcept { return config_; }
+  const Layer& layer(int i) const noexcept { return layers_[static_cast<std::size_t>(i)]; }
+  const float* embedding(std::int32_t token) const noexcept { return embed_ + static_cast<std::int64_t>(token) * config_.d_model; }
+  const float* final_norm() const noexcept { return norm_; }
+  const float* lm_head() const noexcept { return lm_head_; }
+  /// Bytes of one token's K and V in one layer at element size `elem`.
+  std::int64_t kv_bytes_per_token(std::size_t elem) const noexcept {
+    return 2 * static_cast<std::int64_t>(config_.n_kv_heads) * config_.head_dim * static_cast<std::int64_t>(elem);
+  }
+
+ private:
+  const float* get(const std::string& name, std::vector<std::int64_t> shape) const {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) throw std::runtime_error("model: missing tensor '" + name + "'");
+    if (it->second.shape != shape) throw std::runtime_error("model: tensor '" + name + "' has an unexpected shape");
+    return it->second.data.data();
+  }
+
+  ModelConfig config_;
+  std::map<std::string, WeightTensor> tensors_;
+  const float *embed_ = nullptr, *norm_ = nullptr, *lm_head_ = nullptr;
+  std::vector<Layer> layers_;
+};
+
+// ---- fp32 math shared by prefill and decode ----------------------------------
+
+/// out = x * rsqrt(mean(x^2) + eps) * w for each of `rows` rows of length d.
+inline void rms_norm(const float* x, const float* w, std::int64_t rows, int d, float eps, float* out) noexcept {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    float ss = 0.0f;
+    for (int i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int i = 0; i < d; ++i) out[r * d + i] = xr[i] * inv * w[i];
+  }
+}
+
+/// y (rows, out) = x (rows, in) * W^T, W (out, in) row-major.
+inline void linear(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) {
+  MatrixMap(y, rows, out).noalias() = ConstMatrixMap(x, rows, in) * ConstMatrixMap(w, out, in).transpose();
+}
+
+/// cos/sin of RoPE for one position, half-split layout: entries i and i + d/2
+/// share angle pos * base^(-2i/d). Computed in double, rounded to float (as
+/// model.py does), so the C++ and PyTorch rotations agree to the last bit of
+/// the tables.
+inline void rope_table(std::int64_t pos, int head_dim, double base, float* cos_out, float* sin_out) noexcept {
+  const int half = head_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const double inv_freq = 1.0 / std::pow(base, static_cast<double>(2 * i) / head_dim);
+    const double ang = static_cast<double>(pos) * inv_freq;
+    cos_out[i] = cos_out[i + half] = static_cast<float>(std::cos(ang));
+    sin_out[i] = sin_out[i + half] = static_cast<float>(std::sin(ang));
+  }
+}
+
+/// Rotates `heads` rows of head_dim values (contiguous) in place.
+inline void apply_rope(float* x, int heads, int head_dim, const float* cos_t, const float* sin_t) noexcept {
+  const int half = head_dim / 2;
+  for (int h = 0; h < heads; ++h) {
+    float* r = x + static_cast<std::int64_t>(h) * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const float a = r[i], b = r[i + half];
+      r[i] = a * cos_t[i] + (-b) * sin_t[i];
+      r[i + half] = b * cos_t[i + half] + a * sin_t[i + half];
+    }
+  }
+}
+
+/// In place: x (rows, d) += MLP(rms_norm(x)) with SwiGLU, using scratch of rows*(d + 2*ffn) floats.
+inline void mlp_block(const Model& m, const Model::Layer& L, float* x, std::int64_t rows, std::vector<float>& scratch) {
+  const ModelConfig& c = m.config();
+  const int d = c.d_model, f = c.ffn_hidden;
+  scratch.resize(static_cast<std::size_t>(rows * (d + 2 * f)));
+  float* xn = scratch.data();
+  float* g = xn + rows * d;
+  float* u = g + rows * f;
+  rms_norm(x, L.mlp_norm, rows, d, c.norm_eps, xn);
+  linear(xn, L.wg, rows, d, f, g);
+  linear(xn, L.wu, rows, d, f, u);
+  for (std::int64_t i = 0; i < rows * f; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  MatrixMap(x, rows, d).noalias() += ConstMatrixMap(g, rows, f) * ConstMatrixMap(L.wd, d, f).transpose();
+}
+
+/// logits (rows, vocab) = rms_norm(x) * lm_head^T.
+inline void final_logits(const Model& m, const float* x, std::int64_t rows, float* logits) {
+  const ModelConfig& c = m.config();
+  std::vector<float> xn(static_cast<std::size_t>(rows * c.d_model));
+  rms_norm(x, m.final_norm(), rows, c.d_model, c.norm_eps, xn.data());
+  linear(xn.data(), m.lm_head(), rows, c.d_model, c.vocab_size, logits);
+}
+
+}  // namespace kvp_engine

@@ -1,0 +1,294 @@
+// SPDX-License-Identifier: Apache-2.0
+// Adapters from kvpolicy policies to the engine's hook points (engine.hpp).
+//
+//  * eviction_hooks(policy): after prefill, per layer, any kvpolicy
+//    `EvictionPolicy` (SnapKV, StreamingLLM, ...) reads the cache in place
+//    (`KVSource`: dense view or paged view) and the last prompt queries, and
+//    writes a KeepSet the engine applies with compact_contiguous/compact_paged.
+//  * quest_hooks(quest): Quest page selection on the paged cache: page min/max
+//    metadata maintained on every append (and rebuilt after a compaction),
+//    and before each decode attention a `PageSelection` the cache attends to.
+//  * combine(a, b): both sets of hooks (e.g. SnapKV after prefill + Quest per step);
+//    each hook point calls a's then b's callback.
+//
+//  * eviction_hooks_by_layer(make): as eviction_hooks with a policy per layer
+//    (PyramidKV's layer-dependent budgets).
+//  * h2o_hooks(h2o): online H2O. After prefill the prompt's attention (all its
+//    queries: the engine must keep them, PolicyUnderTest::kWholePrompt) is
+//    accumulated and the cache evicted to hh + recent; on every decode step the
+//    step's attention weights (Hooks::after_attention) are added and one slot
+//    goes once the cache is full. The score state lives in the hook, one per layer.
+//  * expected_attention_hooks(params, rope_base): Expected Attention after
+//    prefill, from the whole prompt's queries rotated back to pre-RoPE.
+//  * tova_hooks(tova): online TOVA: after prefill the last prompt query's
+//    head-mean attention decides, then on every decode step the step's
+//    attention weights do; the cache never exceeds the budget.
+//
+// Workspaces are sized with the policy's `workspace_bytes` and kept (grown
+// only) inside the hook, so steady-state decoding does not allocate for the
+// policy. Every policy call goes through its noexcept Status API; the engine
+// turns a failed Status into an exception naming the policy's complaint.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "engine.hpp"
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/core/page_selection.hpp"
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
+
+namespace kvp_engine {
+
+/// Observation-window length a policy wants: its (or its scorer's / scoring's) `window` when it has one, else 1.
+template <class Policy>
+std::int64_t policy_query_window(const Policy& p) noexcept {
+  if constexpr (requires { p.params().window; }) {
+    return p.params().window;
+  } else if constexpr (requires { p.scorer().params().window; }) {
+    return p.scorer().params().window;
+  } else if constexpr (requires { p.params().scoring.window; }) {
+    return p.params().scoring.window;
+  } else {
+    return 1;
+  }
+}
+
+/// After-prefill eviction with any kvpolicy eviction policy (one sequence, every layer).
+/// The policy sees the last min(window, W) prompt queries of the layer, window
+/// = `query_window` or, when 0, the policy's own (policy_query_window); the
+/// engine must keep at least that many (PrefillOptions::query_window).
+template <class Cache, class Policy, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> eviction_hooks(Policy policy, kvpolicy::ExecContext ctx = {}, std::int64_t query_window = 0) {
+  using T = typename Cache::element_type;
+  Hooks<Cache> h;
+  auto ws = std::make_shared<std::vector<std::byte>>();
+  const std::int64_t window = query_window > 0 ? query_window : policy_query_window(policy);
+  h.after_prefill = [policy, ctx, ws, window](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    const KVSource<T> keys = cache.key_source(layer);
+    const std::int64_t w = std::min(window, queries.extent(1));
+    const kvpolicy::PrefillInput<float, T> in{queries.narrow(1, queries.extent(1) - w, w), keys};
+    const kvpolicy::PrefillShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), w};
+    const std::size_t need = policy.template workspace_bytes<Backend, T>(shape, ctx);
+    if (ws->size() < need) ws->resize(need);
+    // Capacity: every row may keep at most kv_len tokens (covers ragged per-head budgets).
+    keep.reserve(keys.kv_heads(), keys.kv_heads() * keys.kv_len());
+    return policy.template select<Backend>(in, keep.set, kvpolicy::Workspace{ws->data(), ws->size()}, ctx);
+  };
+  return h;
+}
+
+/// As eviction_hooks, with the policy of each layer built by `make(layer)`.
+template <class Cache, class MakePolicy, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> eviction_hooks_by_layer(MakePolicy make, kvpolicy::ExecContext ctx = {}) {
+  using Policy = decltype(make(0));
+  Hooks<Cache> h;
+  auto hooks = std::make_shared<std::vector<Hooks<Cache>>>();
+  h.after_prefill = [make, ctx, hooks](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    if (hooks->size() <= static_cast<std::size_t>(layer)) hooks->resize(static_cast<std::size_t>(layer) + 1);
+    auto& hl = (*hooks)[static_cast<std::size_t>(layer)];
+    if (!hl.after_prefill) hl = eviction_hooks<Cache, Policy, Backend>(make(layer), ctx);
+    return hl.after_prefill(cache, layer, queries, keep);
+  };
+  return h;
+}
+
+/// Online H2O (heavy hitters + recent window per kv head), see the header comment.
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> h2o_hooks(kvpolicy::H2O h2o, kvpolicy::ExecContext ctx = {}) {
+  struct State {
+    std::vector<std::vector<float>> scores;  // per layer (kv_heads, capacity)
+    std::vector<kvpolicy::H2OState> st;
+    std::vector<std::byte> ws;
+  };
+  auto S = std::make_shared<State>();
+  auto state_of = [S](Cache& c, int layer) -> kvpolicy::H2OState& {
+    const CacheShape& s = c.shape();
+    if (S->st.size() < static_cast<std::size_t>(s.n_layers)) {
+      S->scores.resize(static_cast<std::size_t>(s.n_layers));
+      S->st.resize(static_cast<std::size_t>(s.n_layers));
+    }
+    auto& buf = S->scores[static_cast<std::size_t>(layer)];
+    auto& st = S->st[static_cast<std::size_t>(layer)];
+    if (buf.empty()) {
+      buf.assign(static_cast<std::size_t>(s.num_kv_heads * s.capacity), 0.0f);
+      st = kvpolicy::H2OState{TensorView<float, 2>::contiguous(buf.data(), {s.num_kv_heads, s.capacity}), 0};
+    }
+    return st;
+  };
+  // Evicts to hh + recent when the cache is larger; fills `keep` only then.
+  auto evict = [h2o, ctx, S](Cache& c, kvpolicy::H2OState& st, KeepBuffer& keep) -> Status {
+    const std::int64_t n = st.length, kept = h2o.kept_count(n);
+    if (kept < 0) return KVP_INVALID("engine h2o: invalid parameters");
+    if (kept == n) return Status::ok();
+    const std::int64_t H = c.shape().num_kv_heads;
+    const std::size_t need = h2o.template evict_workspace_bytes<Backend>(H, n, ctx);
+    if (S->ws.size() < need) S->ws.resize(need);
+    return h2o.template evict<Backend>(st, keep.reserve(H, H * kept), kvpolicy::Workspace{S->ws.data(), S->ws.size()}, ctx);
+  };
+  Hooks<Cache> h;
+  h.after_prefill = [h2o, ctx, S, state_of, evict](Cache& c, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    using T = typename Cache::element_type;
+    const KVSource<T> keys = c.key_source(layer);
+    if (queries.extent(1) != keys.kv_len())
+      return KVP_INVALID("engine h2o: needs every prompt query (%lld of %lld given; PolicyUnderTest::kWholePrompt)",
+                         static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
+    kvpolicy::H2OState& st = state_of(c, layer);
+    st.reset();
+    const kvpolicy::PrefillInput<float, T> in{queries, keys};
+    const kvpolicy::PrefillShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
+    const std::size_t need = h2o.template update_workspace_bytes<Backend, T>(shape, ctx);
+    if (S->ws.size() < need) S->ws.resize(need);
+    KVP_RETURN_IF_ERROR(h2o.template update_from_queries<Backend>(st, in, kvpolicy::Workspace{S->ws.data(), S->ws.size()}, ctx));
+    return evict(c, st, keep);
+  };
+  h.after_attention = [h2o, ctx, state_of, evict](Cache& c, int layer, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {
+    kvpolicy::H2OState& st = state_of(c, layer);
+    KVP_RETURN_IF_ERROR(h2o.update_from_column_sums(st, probs, ctx));
+    return evict(c, st, keep);
+  };
+  return h;
+}
+
+/// Expected Attention after prefill. The engine caches post-RoPE queries; the
+/// policy wants pre-RoPE ones, so the hook rotates each prompt query back by
+/// its position (the inverse rotation, angles as the engine computes them) and
+/// passes the model's frequencies (base^(-2i/d), fp32) to the policy.
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> expected_attention_hooks(kvpolicy::ExpectedAttentionParams params, double rope_base, kvpolicy::ExecContext ctx = {}) {
+  using T = typename Cache::element_type;
+  struct State {
+    std::vector<float> q_pre, cos_t, sin_t, inv_freq;
+    std::vector<std::byte> ws;
+  };
+  auto S = std::make_shared<State>();
+  Hooks<Cache> h;
+  h.after_prefill = [params, rope_base, ctx, S](Cache& c, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    const KVSource<T> keys = c.key_source(layer);
+    const std::int64_t Hq = queries.extent(0), W = queries.extent(1), d = queries.extent(2), T0 = keys.kv_len() - W;
+    if (T0 < 0) return KVP_INVALID("engine expected_attention: %lld queries for %lld cached tokens", static_cast<long long>(W),
+                                   static_cast<long long>(keys.kv_len()));
+    const int hd = static_cast<int>(d), half = hd / 2;
+    S->q_pre.resize(static_cast<std::size_t>(Hq * W * d));
+    S->cos_t.resize(static_cast<std::size_t>(d));
+    S->sin_t.resize(static_cast<std::size_t>(d));
+    for (std::int64_t t = 0; t < W; ++t) {
+      rope_table(T0 + t, hd, rope_base, S->cos_t.data(), S->sin_t.data());
+      for (std::int64_t hh = 0; hh < Hq; ++hh) {
+        const float* x = &queries(hh, t, 0);
+        float* y = S->q_pre.data() + (hh * W + t) * d;
+        for (int i = 0; i < half; ++i) {  // inverse of x' = x cos + rotate_half(x) sin
+          const float cs = S->cos_t[static_cast<std::size_t>(i)], sn = S->sin_t[static_cast<std::size_t>(i)];
+          y[i] = x[i] * cs + x[i + half] * sn;
+          y[i + half] = x[i + half] * cs - x[i] * sn;
+        }
+      }
+    }
+    S->inv_freq.resize(static_cast<std::size_t>(half));
+    for (int i = 0; i < half; ++i) S->inv_freq[static_cast<std::size_t>(i)] = static_cast<float>(1.0 / std::pow(rope_base, 2.0 * i / hd));
+    kvpolicy::ExpectedAttentionParams p = params;
+    p.rope.inv_freq = S->inv_freq.data();
+    const kvpolicy::ExpectedAttention ea(p);
+    kvpolicy::ExpectedAttentionInput<float, T> in;
+    in.queries = TensorView<const float, 3>::contiguous(S->q_pre.data(), {Hq, W, d});
+    in.keys = keys;
+    in.values = c.value_source(layer);
+    const kvpolicy::PrefillShape shape{Hq, keys.kv_heads(), d, keys.kv_len(), W};
+    const std::size_t need = ea.template workspace_bytes<Backend>(shape, ctx);
+    if (S->ws.size() < need) S->ws.resize(need);
+    const std::int64_t kept = ea.kept_count(keys.kv_len());
+    if (kept < 0) return KVP_INVALID("engine expected_attention: budget invalid for %lld tokens", static_cast<long long>(keys.kv_len()));
+    return ea.template select<Backend>(in, keep.reserve(keys.kv_heads(), keys.kv_heads() * kept), kvpolicy::Workspace{S->ws.data(), S->ws.size()},
+                                       ctx);
+  };
+  return h;
+}
+
+/// Online TOVA (TOVAParams::original(budget)), see the header comment.
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> tova_hooks(kvpolicy::TOVA tova, kvpolicy::ExecContext ctx = {}) {
+  auto ws = std::make_shared<std::vector<std::byte>>();
+  Hooks<Cache> h = eviction_hooks<Cache, kvpolicy::TOVA, Backend>(tova, ctx);
+  h.after_attention = [tova, ws](Cache& c, int, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {
+    const std::int64_t n = probs.extent(1), H = c.shape().num_kv_heads;
+    const std::int64_t kept = tova.kept_count(n);
+    if (kept < 0) return KVP_INVALID("engine tova: budget invalid for %lld cached tokens", static_cast<long long>(n));
+    if (kept >= n) return Status::ok();
+    const std::size_t need = tova.template attention_workspace_bytes<Backend>(n);
+    if (ws->size() < need) ws->resize(need);
+    return tova.template select_from_attention<Backend>(probs, H, keep.reserve(H, H * kept), kvpolicy::Workspace{ws->data(), ws->size()});
+  };
+  return h;
+}
+
+/// Quest on a paged cache: metadata (channel min/max per page and kv head,
+/// stored in the key dtype, exact) kept current on every append, rebuilt after
+/// a compaction, and a page selection before every decode attention.
+template <class T, class Backend = kvpolicy::backend::Cpu>
+Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext ctx = {}) {
+  using Cache = PagedKVCache<T>;
+  struct State {
+    std::vector<std::vector<T>> meta;  // per layer, PageMetaView::contiguous storage
+    std::vector<std::byte> ws;
+  };
+  auto st = std::make_shared<State>();
+  auto meta_of = [st](Cache& c, int layer) {
+    const CacheShape& s = c.shape();
+    auto& m = st->meta;
+    if (m.size() < static_cast<std::size_t>(s.n_layers)) m.resize(static_cast<std::size_t>(s.n_layers));
+    auto& buf = m[static_cast<std::size_t>(layer)];
+    const auto n = kvpolicy::PageMetaView<T>::contiguous_size(c.num_pages(), s.num_kv_heads, s.head_dim);
+    if (buf.size() != static_cast<std::size_t>(n)) buf.assign(static_cast<std::size_t>(n), T{});
+    return kvpolicy::PageMetaView<T>::contiguous(buf.data(), c.num_pages(), s.num_kv_heads, s.head_dim);
+  };
+  Hooks<Cache> h;
+  h.on_append = [meta_of, ctx](Cache& c, int layer, std::int64_t appended) -> Status {
+    const std::int32_t n = static_cast<std::int32_t>(appended);
+    return kvpolicy::Quest::update_metadata<Backend>(c.const_view(layer), meta_of(c, layer), &n, ctx);
+  };
+  h.on_compact = [meta_of, ctx](Cache& c, int layer) -> Status {
+    return kvpolicy::Quest::rebuild_metadata<Backend>(c.const_view(layer), meta_of(c, layer), ctx);
+  };
+  h.select = [quest, meta_of, st, ctx](Cache& c, int layer, TensorView<const float, 3> query, SelectionBuffer& sel) -> Status {
+    const CacheShape& s = c.shape();
+    kvpolicy::GqaMap gqa;
+    KVP_RETURN_IF_ERROR(kvpolicy::GqaMap::make(s.num_q_heads, s.num_kv_heads, "engine quest", &gqa));
+    const auto& view = c.const_view(layer);
+    const std::size_t need = quest.template workspace_bytes<Backend>(view.table, c.page_size(), gqa, s.head_dim, ctx);
+    if (st->ws.size() < need) st->ws.resize(need);
+    sel.reserve(view.table.batch * quest.heads_per_seq(gqa), quest.output_capacity(layer, view.table, c.page_size(), gqa));
+    return quest.template select<Backend>(layer, query, view.table, c.page_size(), kvpolicy::PageMetaView<const T>(meta_of(c, layer)), sel.sel,
+                                          kvpolicy::Workspace{st->ws.data(), st->ws.size()}, ctx);
+  };
+  return h;
+}
+
+/// Both hook sets; at each point a's callback runs first. Two callbacks that
+/// both fill the same KeepBuffer / SelectionBuffer conflict: the later wins.
+template <class Cache>
+Hooks<Cache> combine(Hooks<Cache> a, Hooks<Cache> b) {
+  auto chain = [](auto f, auto g) -> decltype(f) {
+    if (!f) return g;
+    if (!g) return f;
+    return [f, g](auto&&... args) -> Status {
+      KVP_RETURN_IF_ERROR(f(args...));
+      return g(args...);
+    };
+  };
+  Hooks<Cache> h;
+  h.after_prefill = chain(a.after_prefill, b.after_prefill);
+  h.on_append = chain(a.on_append, b.on_append);
+  h.on_compact = chain(a.on_compact, b.on_compact);
+  h.select = chain(a.select, b.select);
+  h.after_attention = chain(a.after_attention, b.after_attention);
+  return h;
+}
+
+}  // namespace kvp_engine

@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+// The end-to-end workload of kvpolicy-compare (tools/compare/task_workload.hpp)
+// on the committed model: its CSV rows are complete, a budget >= the prompt
+// gives every policy the full cache's numbers, and two runs agree exactly.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <set>
+
+#include "engine_fixture.hpp"
+#include "task_workload.hpp"
+
+using namespace kvp_compare;
+
+namespace {
+
+std::vector<ResultRow> run(int per_task, const std::vector<BudgetSpec>& budgets, const std::vector<std::string>& policies = {}) {
+  std::vector<ResultRow> rows;
+  TaskWorkloadOptions o{engine_test::model_dir(), engine_test::fixture_dir() + "/eval_set.json", per_task, false};
+  run_task_workload(o, budgets, policies, &rows);
+  return rows;
+}
+
+double value(const std::vector<ResultRow>& rows, const std::string& wl, const std::string& policy, const std::string& kind, double budget,
+             const std::string& metric) {
+  for (const auto& r : rows)
+    if (r.workload == wl && r.policy == policy && r.metric == metric && (kind == "full" ? r.budget_kind == "full" : r.budget_kind == kind && r.budget_value == budget))
+      return r.value;
+  FAIL("no row " << wl << " " << policy << " " << kind << " " << budget << " " << metric);
+  return 0.0;
+}
+
+}  // namespace
+
+TEST_CASE("task workload: every policy x budget x task has its rows; budget >= prompt equals the full cache", "[engine][compare]") {
+  const std::vector<BudgetSpec> budgets = {BudgetSpec::tokens(64), BudgetSpec::tokens(4096), BudgetSpec::ratio(0.5)};
+#ifdef KVP_SANITIZER_BUILD
+  constexpr int kPerTask = 1;
+#else
+  constexpr int kPerTask = 2;
+#endif
+  const auto rows = run(kPerTask, budgets);
+  std::set<std::string> policies, workloads;
+  for (const auto& r : rows) {
+    policies.insert(r.policy);
+    workloads.insert(r.workload);
+    CHECK(r.n == kPerTask);
+    CHECK(r.model == "kvp-tiny");
+    CHECK(std::isfinite(r.value));
+  }
+  CHECK(workloads == std::set<std::string>{"tasks:passkey", "tasks:multikey", "tasks:copy"});
+  CHECK(policies == std::set<std::string>{"Full", "StreamingLLM", "H2O", "TOVA", "ObservedAttention", "SnapKV", "Ada-KV", "PyramidKV",
+                                          "ExpectedAttention", "Quest"});
+  for (const auto& wl : workloads) {
+    const double full_acc = value(rows, wl, "Full", "full", 0, "accuracy");
+    const double full_bytes = value(rows, wl, "Full", "full", 0, "kv_bytes");
+    for (const auto& p : policies) {
+      if (p == "Full") continue;
+      INFO(wl << " " << p);
+      CHECK(value(rows, wl, p, "tokens", 4096, "accuracy") == full_acc);
+      CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") == 0.0);
+      if (p != "Quest") {  // eviction: fewer bytes at 64 tokens; Quest keeps the cache and reads less
+        CHECK(value(rows, wl, p, "tokens", 4096, "kv_bytes") == full_bytes);
+        CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") < full_bytes / 8);
+      }
+      CHECK(value(rows, wl, p, "tokens", 64, "logit_kl") >= 0.0);
+    }
+  }
+}
+
+TEST_CASE("task workload: deterministic run to run; --policies filters", "[engine][compare]") {
+  const std::vector<BudgetSpec> budgets = {BudgetSpec::tokens(128)};
+  const auto a = run(1, budgets, {"SnapKV", "H2O"});
+  const auto b = run(1, budgets, {"SnapKV", "H2O"});
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO(a[i].workload << " " << a[i].policy << " " << a[i].metric);
+    CHECK(a[i].policy == b[i].policy);
+    CHECK(a[i].metric == b[i].metric);
+    if (a[i].metric != "time_ms") CHECK(a[i].value == b[i].value);
+    CHECK((a[i].policy == "Full" || a[i].policy == "SnapKV" || a[i].policy == "H2O"));
+  }
+}

@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: Apache-2.0
+// The end-to-end workload: the policies inside the engine loop
+// (examples/engine/) on the committed kvp-tiny model and its retrieval tasks
+// (passkey, multi-key recall, copy; tests/data/engine/eval_set.json, prompts of
+// ~1020 tokens), judged by what the model answers.
+//
+// Per task, policy and budget (rows with workload "tasks:<task>", layer "all"):
+//   accuracy   exact match of the answer (teacher-forced decoding = greedy exact match)
+//   logit_kl   KL(full || policy) of the next-token distribution at every answer step, nats, mean
+//   time_ms    time inside the policy hooks per request (after-prefill decision, per-step
+//              metadata / selection / online updates), mean over the task's samples
+//   kv_bytes   K/V bytes per layer held after the prefill hooks (fp32 cache), mean
+//   kept_tokens  prompt tokens per kv head and layer a decode step reads: the cache
+//              length after eviction, or the tokens of the selected pages (Quest)
+// "Full" (family baseline) is the full cache. Budgets are tokens per kv head and
+// layer; a kvpress ratio r becomes int(T (1 - r)) tokens for the task's longest
+// prompt T. Quest runs on the paged cache (pages of 16 tokens), the others on the
+// contiguous one (Ada-KV's ragged heads need it); both give bit-identical full-cache
+// logits (tests/engine). Everything is deterministic and single-threaded.
+#pragma once
+
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/eval.hpp"
+#include "policies.hpp"
+#include "results.hpp"
+
+namespace kvp_compare {
+
+struct TaskWorkloadOptions {
+  std::string model_dir, task_set;
+  int per_task = 40;  ///< first N samples of each task in the set (0: all)
+  bool progress = true;
+};
+
+/// Engine policy name -> the comparison's display name (the trace-level rows use the same names).
+inline std::string display_name(const std::string& engine_name) {
+  static const std::map<std::string, std::string> names = {{"streaming_llm", "StreamingLLM"}, {"h2o", "H2O"},         {"tova", "TOVA"},
+                                                           {"snapkv", "SnapKV"},              {"adakv", "Ada-KV"},     {"pyramidkv", "PyramidKV"},
+                                                           {"quest", "Quest"},                {"observed_attention", "ObservedAttention"},
+                                                           {"expected_attention", "ExpectedAttention"}};
+  const auto it = names.find(engine_name);
+  return it == names.end() ? engine_name : it->second;
+}
+
+/// Runs the workload and appends its rows. `policies`: display names to run (empty: all the engine has).
+inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<BudgetSpec>& budgets, const std::vector<std::string>& policies,
+                              std::vector<ResultRow>* rows) {
+  const kvp_engine::Model model = kvp_engine::Model::load(o.model_dir);
+  const auto& cfg = model.config();
+  const auto all = kvp_engine::load_task_set(o.task_set, cfg.bos_id);
+
+  // Tasks in order of appearance, the first per_task samples of each.
+  std::vector<std::string> tasks;
+  std::map<std::string, std::vector<kvp_engine::TaskSample>> by_task;
+  for (const auto& s : all) {
+    auto& v = by_task[s.task];
+    if (v.empty()) tasks.push_back(s.task);
+    if (o.per_task <= 0 || static_cast<int>(v.size()) < o.per_task) v.push_back(s);
+  }
+  std::vector<kvp_engine::PolicyUnderTest> contiguous, paged;
+  for (auto& p : kvp_engine::all_policies(cfg)) {
+    const std::string name = display_name(p.name);
+    if (!policies.empty() && std::find(policies.begin(), policies.end(), name) == policies.end()) continue;
+    p.name = name;
+    (p.contiguous ? contiguous : paged).push_back(std::move(p));
+  }
+  std::size_t done = 0, total = 0;
+  for (const auto& t : tasks) total += by_task[t].size() * (paged.empty() ? 1 : 2);
+  const double per_layer = 1.0 / static_cast<double>(cfg.n_layers);
+  const double bytes_per_token_head = 2.0 * cfg.head_dim * sizeof(float);
+
+  for (const auto& task : tasks) {
+    const auto& samples = by_task[task];
+    std::int64_t T = 0;
+    for (const auto& s : samples) T = std::max<std::int64_t>(T, static_cast<std::int64_t>(s.prompt.size()));
+    std::vector<std::int64_t> tokens;
+    // Token budgets as given (not clamped to the prompt: decoding appends, and online policies and Quest
+    // act on the growing cache); ratios against the prompt.
+    for (const auto& b : budgets)
+      tokens.push_back(b.kind == BudgetSpec::Kind::kTokens ? static_cast<std::int64_t>(b.value) : b.tokens_for(T));
+    const std::string wl = "tasks:" + task;
+    auto emit = [&](const kvp_engine::TaskEvalResult& r, const BudgetSpec* b, const char* family, bool query_aware) {
+      const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
+      const bool selection = r.policy == "Quest";
+      const double kept = selection ? r.mean_attended_tokens : r.mean_kept_bytes * per_layer / (bytes_per_token_head * cfg.n_kv_heads);
+      ResultRow base{wl, "kvp-tiny", "all", r.budget < 0 ? "Full" : r.policy, family, query_aware,
+                     b ? b->kind_name() : "full", b ? b->value : static_cast<double>(T), kept, "", 0.0, r.count};
+      auto add = [&](const char* metric, double v) {
+        ResultRow row = base;
+        row.metric = metric;
+        row.value = v;
+        rows->push_back(row);
+      };
+      add("accuracy", r.accuracy);
+      if (r.budget >= 0) add("logit_kl", r.mean_kl);
+      add("time_ms", 1e3 * r.decision_seconds / n);
+      add("kv_bytes", r.mean_kept_bytes * per_layer);
+    };
+    auto progress = [&](std::size_t, std::size_t) {
+      ++done;
+      if (o.progress) {
+        std::fprintf(stderr, "\r\033[K[tasks] %s: %zu / %zu requests", task.c_str(), done, total);
+        std::fflush(stderr);
+      }
+    };
+    auto run = [&](const std::vector<kvp_engine::PolicyUnderTest>& ps, kvp_engine::CacheKind cache, bool with_full) {
+      kvp_engine::EvalOptions eo;
+      eo.cache = cache;
+      eo.progress = progress;
+      const auto res = kvp_engine::run_task_eval(model, samples, ps, tokens, eo);
+      if (with_full) emit(res[0], nullptr, "baseline", false);
+      std::size_t i = 1;
+      for (const auto& p : ps)
+        for (std::size_t bi = 0; bi < budgets.size(); ++bi, ++i) {
+          const bool query_aware = p.name != "StreamingLLM" && p.name != "H2O" && p.name != "ObservedAttention" && p.name != "ExpectedAttention";
+          emit(res[i], &budgets[bi], p.name == "Quest" ? "selection" : "eviction", query_aware);
+        }
+    };
+    run(contiguous, kvp_engine::CacheKind::kContiguous, true);
+    if (!paged.empty()) run(paged, kvp_engine::CacheKind::kPaged, false);
+  }
+  if (o.progress) std::fprintf(stderr, "\r\033[K");
+}
+
+}  // namespace kvp_compare
