@@ -12,13 +12,19 @@ Formats (byte tokens; the prompt starts with BOS; the model must continue with e
            answer "48213" (5 digits)
   multikey needles " key XQ4821. " (n_keys of them, distinct 2-letter upper-case keys, 4-digit values)
            query " recall key XQ"                                 answer "4821"
-  copy     needle " copy this: KXJQWMZLPRTAHBNE. "              query " repeat the copied text: "
+  copy     needle " copy this: @KXJQWMZLPRTAHBNE. "             query " repeat the copied text: @"
            answer the 16 upper-case letters
 Multikey format decision: the value follows the key letters directly and the prompt ends with the key, so the
 lookup is an induction step ("find the earlier 'XQ', copy what followed"). An earlier format, needle
 " key XQ is 4821. " / query " what is key XQ? key XQ is ", put " is " between key and value in both places; every
 needle then ends in the same tokens before its value and the model, after 100 minutes of training, reached only 13 %:
 it copied the digits of a random needle (teacher-forced later digits were right, the first digit was a guess).
+Copy format decision: the copied string is preceded by "@" in the needle and the query ends with "@" (a byte
+that never occurs in the filler), so the first letter is found the way every later one is -- by matching the
+previous token. Without the marker (copy_marker=False; used in the first training phases, see
+models/kvp-tiny/README.md) the query's " text: " must be linked to the needle's " this: " by a learned, format-
+specific lookup; once the model had learned content-based induction (needed for multi-key recall), it lost that
+lookup and output one constant letter, with every later letter right.
 Needles are placed at uniformly random depths in the filler. For evaluation the prompt plus the answer is exactly
 `length` tokens (1024 by default), one query per prompt, the last query names one of the needles.
 """
@@ -128,7 +134,7 @@ def _assemble(filler: Filler, rng: random.Random, needles: list[str], tail: str,
 
 
 def make_sample(filler: Filler, rng: random.Random, task: str, length: int, n_keys: int = 6,
-                n_queries: int = 1, copy_len: int = 16) -> tuple[Sample, list[int], list[tuple[int, int]]]:
+                n_queries: int = 1, copy_len: int = 16, copy_marker: bool = True) -> tuple[Sample, list[int], list[tuple[int, int]]]:
     """One sample whose full sequence (prompt + answers [+ extra queries]) is `length` tokens.
 
     With n_queries > 1 (multikey training only) further query/answer pairs follow the first answer; copy_len
@@ -150,8 +156,9 @@ def make_sample(filler: Filler, rng: random.Random, task: str, length: int, n_ke
         qa = [(f" recall key {keys[i]}", vals[i]) for i in qidx]
     elif task == "copy":
         s = _upper(rng, copy_len)
-        needles = [f" copy this: {s}. "]
-        qa = [(" repeat the copied text: ", s)]
+        m = "@" if copy_marker else ""
+        needles = [f" copy this: {m}{s}. "]
+        qa = [(f" repeat the copied text: {m}", s)]
     else:
         raise ValueError(task)
     # tail = first query; extra (query, answer) pairs are appended after the first answer (".")
@@ -191,10 +198,11 @@ def make_induction(filler: Filler, rng: random.Random, length: int, random_len: 
     return seq, [(start + 1, start + n)]
 
 
-def make_eval_set(filler: Filler, seed: int = 1234, per_task: int = 100, length: int = 1024) -> list[Sample]:
+def make_eval_set(filler: Filler, seed: int = 1234, per_task: int = 100, length: int = 1024,
+                  copy_marker: bool = True) -> list[Sample]:
     rng = random.Random(seed)
     out = []
     for task in TASKS:
         for _ in range(per_task):
-            out.append(make_sample(filler, rng, task, length)[0])
+            out.append(make_sample(filler, rng, task, length, copy_marker=copy_marker)[0])
     return out

@@ -1,48 +1,49 @@
 """Train kvp-tiny on the retrieval mixture (tools/model/tasks.py), on CPU, reproducibly.
 
-    /work/venv/bin/python tools/model/train.py                 # full run (defaults below), writes models/kvp-tiny
-    /work/venv/bin/python tools/model/train.py --resume        # continue from the last checkpoint
+    tools/model/train_kvp_tiny.sh                              # the committed model: the exact sequence of runs
+    /work/venv/bin/python tools/model/train.py [options]       # one run (phase 1 [+ phase 2]); --help
+    /work/venv/bin/python tools/model/train.py --resume ...    # continue from the checkpoint in --ckpt
 
 Determinism: one torch thread by default, torch.manual_seed(seed) for the initialisation, a random.Random(seed)
-stream for the data; the checkpoint stores the data RNG state, so an interrupted run resumed with --resume sees the
-same batches. (Same seed + same torch version + same thread count -> same weights; other BLAS builds may differ in
-the last bits.)
+stream for the data; the checkpoint stores the data RNG state, so a run resumed with --resume sees the same batches
+(same seed + torch version + thread count -> same weights; other BLAS builds may differ in the last bits).
 
-Curriculum: the run is split into stages of increasing sequence length at a constant 4096 tokens per step:
+Phase 1 (--steps): a curriculum of increasing sequence length at a constant 4096 tokens per step:
   first 15 % of the steps: length 128, batch 32    15-35 %: length 256, batch 16
   35-55 %: length 512, batch 8                      last 45 %: length 1024, batch 4
-Batch mix: passkey, multikey, copy and an auxiliary "induction" sequence (a random string of <= 63 upper-case letters
-and digits written twice back to back in filler; the repeat is supervised -- tasks.make_induction) in turn.
-Dense supervision of the retrieval circuit: training copy strings are 8..min(48, length/4) letters (evaluation:
-16) and multikey samples are queried up to min(8, length/64) times, so most sequences carry tens of answer tokens.
-(History, kept for the record: a first attempt -- 3 layers, ffn 384, 8192 tokens per step, starting at length
-256, 16-letter copies, <= 4 queries -- showed no retrieval at all after 250 steps, answer loss flat at the entropy
-of the answer alphabet. A second one with this curriculum and the dense copies/queries but without the induction
-sequences had formed a previous-token head but still no retrieval after 450 steps (1.8 M tokens). The machine is
-shared (2 cores, ~8 processes), so steps had to become cheaper and the supervision of the induction circuit --
-which every task needs -- much denser. A third run with induction sequences made of one random string repeated
-back to back (length/2 characters each) learned passkey and copy but, at lengths 512-1024, the 255-511 supervised
-tokens of those strings -- over a 36-symbol alphabet, so full of repeated characters -- stayed at chance and, under
-a mean over all answer tokens, drowned the 4-digit multikey answers. Hence the bounded strings. A fourth run that
-also separated the two copies by filler and averaged the loss per sequence never left the plateau in 700 steps:
-the back-to-back repeat is what breaks it.)
-Loss: mean cross-entropy over answer tokens + 0.1 x mean cross-entropy over all other next-token predictions
-(the filler LM term is a weak auxiliary that helps previous-token / induction heads form early).
-Multikey training samples hold 1..min(8, length/64) needles and 1..min(4, length/128) queries (each followed by its answer), evaluation samples
-6 needles and one query.
-Optimiser: AdamW(lr 2e-3, betas (0.9, 0.95), weight decay 0.01 on matrices), 100 warm-up steps, cosine decay to
-10 %, gradient clipping at 1.0.
+Batch rows cycle through passkey, multikey, copy and an auxiliary "induction" sequence (a random string of
+upper-case letters and digits written twice back to back in filler, the repeat supervised -- tasks.make_induction).
+Training copy strings are 8..min(48, length/4) letters (evaluation: 16) and multikey samples are queried several
+times, so most sequences carry tens of answer tokens. AdamW(lr 2e-3, betas (0.9, 0.95), weight decay 0.01 on
+matrices), 100 warm-up steps, cosine decay to 10 %, gradient clipping at 1.0.
+Phase 2 (--finetune-steps N, after the --steps of phase 1; resuming with --steps equal to the checkpoint's step
+starts it at once): --ft-length / --ft-batch / --ft-mix (row kinds cycled; default one passkey and two multikey
+rows, the fourth cycling multikey/passkey/copy/induction), lr --ft-lr (20 warm-up steps, cosine to 10 %).
+--stop-at ends a run at a step (the checkpoint is saved there), which is how the phases of
+train_kvp_tiny.sh hand over.
+Loss: the answer tokens' cross-entropy -- with --balanced-loss (default) the mean over the row kinds present of
+each kind's mean, weighted by --task-weights -- plus 0.1 x the mean cross-entropy of every other next-token
+prediction (a weak language-model term on the filler).
+Data options: --dense-keys (multikey samples with up to min(12, length/20) keys and queries filling up to a third
+of the sequence; induction strings of random length), --min-keys (fewest keys per multikey sample), --copy-marker
+(the '@' copy format, tasks.py).
 
-Optional phase 2 (--finetune-steps N, default 0: not used for the committed model), after the --steps of phase 1:
-length 1024, batch 4, three multikey sequences + one passkey / copy / induction sequence in turn per batch, lr 1e-3
-(20 warm-up steps, cosine to 10 %). It was tried (600 steps) on the earlier multikey format (tasks.py) and did not
-lift multikey (13 % -> 12 %); the format change did.
+What the phases are for (models/kvp-tiny/README.md has the numbers): phase-1 training learns passkey and copy
+quickly but not multi-key recall. Its induction strings all have the same length at a given sequence length, so
+"attend 63 tokens back" solves them without looking at content (the model scored 98 % on them and 2 % on
+random-length ones); multi-key recall then stays at "copy the digits after some key" (1 / number of keys).
+Random-length strings alone (--ft-mix induction) make content-based induction form within ~600 steps; dense
+multi-key samples afterwards teach the key lookup; passkey and copy are then re-learned through it.
+(Earlier history: a 3-layer model trained only with phase 1 for 2500 steps reached passkey 8 %, multikey 0 %,
+copy 100 %; separating the two copies of the induction string by filler never left the initial plateau in 700
+steps -- the back-to-back repeat is what breaks it -- and an older multikey format with " is " between key and
+value reached 13 %.)
 
-Every --save-every steps the weights go to <out>/model.safetensors + config.json (so an interrupted run still
-leaves usable weights) and the resumable state to <ckpt>/state.pt. At the end the fixed evaluation set (tasks.py
-make_eval_set: seed 1234, 100 samples per task, length 1024) is scored and written to tools/model/eval_results.json.
-Exact match under teacher forcing equals exact match of greedy decoding (if every forced argmax equals the answer
-token, greedy decoding produces exactly the answer), so one forward pass per sample scores it.
+Every --save-every steps the weights go to <out>/model.safetensors + config.json and the resumable state to
+<ckpt>/state.pt. At the end the fixed evaluation set (tasks.make_eval_set: seed 1234, 100 samples per task,
+length 1024, in the run's task formats) is scored and written to --results. Exact match under teacher forcing
+equals exact match of greedy decoding (if every forced argmax equals the answer token, greedy decoding produces
+exactly the answer), so one forward pass per sample scores it.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def finetune_mix(step: int) -> tuple[str, ...]:
     return ("passkey", "multikey", "multikey", ("multikey", "passkey", "copy", "induction")[step % 4])
 
 
-def make_batch(filler, rng, length, batch, mix=MAIN_MIX, min_keys=1, dense_keys=False):
+def make_batch(filler, rng, length, batch, mix=MAIN_MIX, min_keys=1, dense_keys=False, copy_marker=True):
     """Token ids [batch, length], the answer mask and the task of every row."""
     ids = torch.empty(batch, length, dtype=torch.long)
     ans = torch.zeros(batch, length, dtype=torch.bool)  # marks target positions (predicting ids[t]) inside answers
@@ -117,11 +118,13 @@ def make_batch(filler, rng, length, batch, mix=MAIN_MIX, min_keys=1, dense_keys=
             else:
                 n_keys = rng.randint(min_keys, max(min_keys, min(8, length // 64)))
                 n_queries = rng.randint(1, min(8, length // 64))
-            _, seq, spans = tasks.make_sample(filler, rng, task, length, n_keys=n_keys, n_queries=n_queries)
+            _, seq, spans = tasks.make_sample(filler, rng, task, length, n_keys=n_keys, n_queries=n_queries,
+                                              copy_marker=copy_marker)
         elif task == "copy":
-            _, seq, spans = tasks.make_sample(filler, rng, task, length, copy_len=rng.randint(8, min(48, length // 4)))
+            _, seq, spans = tasks.make_sample(filler, rng, task, length, copy_len=rng.randint(8, min(48, length // 4)),
+                                              copy_marker=copy_marker)
         else:
-            _, seq, spans = tasks.make_sample(filler, rng, task, length)
+            _, seq, spans = tasks.make_sample(filler, rng, task, length, copy_marker=copy_marker)
         ids[b] = torch.tensor(seq)
         for s, e in spans:
             ans[b, s:e] = True
@@ -182,6 +185,8 @@ def main():
     ap.add_argument("--steps", type=int, default=2500)
     ap.add_argument("--finetune-steps", type=int, default=0)
     ap.add_argument("--ft-length", type=int, default=1024)
+    ap.add_argument("--ft-mix", default="", help="comma-separated row kinds of a phase-2 batch, cycled (default: finetune_mix)")
+    ap.add_argument("--stop-at", type=int, default=0, help="end the run after this step (checkpoint saved), 0: run to the end")
     ap.add_argument("--ft-batch", type=int, default=4)
     ap.add_argument("--ft-lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -199,6 +204,7 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--balanced-loss", type=int, default=1)
     ap.add_argument("--min-keys", type=int, default=1, help="fewest needles in a multikey training sample")
+    ap.add_argument("--copy-marker", type=int, default=1, help="copy format with the '@' marker (tasks.py)")
     ap.add_argument("--dense-keys", type=int, default=0, help="dense multikey samples and random-length induction strings")
     ap.add_argument("--task-weights", default="", help="answer-loss weights, e.g. multikey=2 (default 1 each)")
     ap.add_argument("--results", default=os.path.join(ROOT, "tools", "model", "eval_results.json"))
@@ -228,11 +234,13 @@ def main():
         step, elapsed = st["step"], st["elapsed"]
         print(f"resumed at step {step}", flush=True)
 
-    quick_eval = tasks.make_eval_set(filler, seed=999, per_task=8, length=1024)
+    quick_eval = tasks.make_eval_set(filler, seed=999, per_task=8, length=1024, copy_marker=bool(args.copy_marker))
     log = open(os.path.join(args.ckpt, "train_log.txt"), "a")
     t_last = time.time()
     model.train()
     total = args.steps + args.finetune_steps
+    if args.stop_at:
+        total = min(total, args.stop_at)
     while step < total:
         if step < args.steps:
             length, batch = stage_of(step, args.steps)
@@ -241,10 +249,11 @@ def main():
         else:
             length, batch = args.ft_length, args.ft_batch
             lr = finetune_lr(step - args.steps, args.finetune_steps, base=args.ft_lr)
-            mix = finetune_mix(step)
+            mix = tuple(args.ft_mix.split(",")) if args.ft_mix else finetune_mix(step)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, ans, row_tasks = make_batch(filler, rng, length, batch, mix, args.min_keys, bool(args.dense_keys))
+        ids, ans, row_tasks = make_batch(filler, rng, length, batch, mix, args.min_keys, bool(args.dense_keys),
+                                         bool(args.copy_marker))
         logits = model(ids[:, :-1])
         tgt = ids[:, 1:]
         m = ans[:, 1:]
@@ -280,7 +289,7 @@ def main():
                        state_path + ".tmp")
             os.replace(state_path + ".tmp", state_path)
 
-    final = evaluate(model, tasks.make_eval_set(filler))
+    final = evaluate(model, tasks.make_eval_set(filler, copy_marker=bool(args.copy_marker)))
     result = {"steps": step, "train_minutes": round(elapsed / 60, 1), "threads": args.threads, "seed": args.seed,
               "filler_sha256": filler.sha256, "filler_sources": filler.sources,
               "eval": {"seed": 1234, "per_task": 100, "length": 1024, "accuracy": final},
