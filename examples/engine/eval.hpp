@@ -114,8 +114,10 @@ inline kvpolicy::SnapKV snapkv_with_budget(std::int64_t budget, std::int32_t win
 inline kvpolicy::StreamingLLM streaming_llm_with_budget(std::int64_t budget, std::int32_t sinks = 4) {
   return kvpolicy::StreamingLLM(kvpolicy::StreamingLLMParams::original(sinks, std::max<std::int64_t>(0, budget - sinks)));
 }
-/// Quest with `budget` tokens per query head (budget / page_size pages, the last page included).
-inline kvpolicy::Quest quest_with_budget(std::int64_t budget, std::int32_t dense_layers = 1) {
+/// Quest with `budget` tokens per query head (budget / page_size pages, the last page included). Every layer
+/// sparse by default: the paper's 2 dense layers of 32 would be a quarter of a layer of kvp-tiny, and a dense
+/// layer would read more than the budget the other policies get.
+inline kvpolicy::Quest quest_with_budget(std::int64_t budget, std::int32_t dense_layers = 0) {
   kvpolicy::QuestParams q;
   q.token_budget = static_cast<std::int32_t>(std::min<std::int64_t>(budget, 1 << 30));
   q.dense_layers = dense_layers;
@@ -212,7 +214,7 @@ inline PolicyUnderTest streaming_llm_policy(std::int32_t sinks = 4) {
 }
 
 /// Quest runs on the paged cache only (it selects pages).
-inline PolicyUnderTest quest_policy(std::int32_t dense_layers = 1) {
+inline PolicyUnderTest quest_policy(std::int32_t dense_layers = 0) {
   PolicyUnderTest p;
   p.name = "quest";
   p.paged = [=](std::int64_t, std::int64_t budget) { return quest_hooks<float>(quest_with_budget(budget, dense_layers)); };
