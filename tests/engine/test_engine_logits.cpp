@@ -9,8 +9,12 @@
 // for bit. An fp16 cache stores K/V rounded to half: max diff <= 0.1.
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "engine_fixture.hpp"
 
@@ -145,4 +149,29 @@ TEST_CASE("engine: eviction keeps logical positions and decoding continues at th
   auto pos = c.cache().positions(0);
   CHECK(pos(0, budget) == T);
   CHECK(c.position() == T + 1);
+}
+
+TEST_CASE("engine: a bad model directory is refused with a message naming the problem", "[engine]") {
+  namespace fs = std::filesystem;
+  const fs::path src = engine_test::model_dir();
+  const fs::path dir = fs::temp_directory_path() / ("kvp_engine_bad_model_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(src / "config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+  const std::string weights = read_text_file((src / "model.safetensors").string());
+  auto write = [&](const std::string& bytes) {
+    std::ofstream f(dir / "model.safetensors", std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  write(weights.substr(0, weights.size() / 2));  // truncated data section
+  CHECK_THROWS_WITH(Model::load(dir.string()), Catch::Contains("model.safetensors") && Catch::Contains("data"));
+  write(weights.substr(0, 5));  // shorter than the header length
+  CHECK_THROWS_WITH(Model::load(dir.string()), Catch::Contains("model.safetensors"));
+  // A config that disagrees with the tensors (one more layer than the file holds).
+  auto cfg = nlohmann::json::parse(read_text_file((src / "config.json").string()));
+  cfg["n_layers"] = cfg["n_layers"].get<int>() + 1;
+  write(weights);
+  std::ofstream(dir / "config.json", std::ios::trunc) << cfg.dump();
+  CHECK_THROWS_WITH(Model::load(dir.string()), Catch::Contains("missing tensor"));
+  CHECK_THROWS_WITH(Model::load((dir / "nope").string()), Catch::Contains("cannot open"));
+  fs::remove_all(dir);
 }
