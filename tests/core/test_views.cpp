@@ -115,7 +115,7 @@ TEST_CASE("PagedKVView: NHD/HND addressing and page-table validation", "[views][
   REQUIRE_THAT(p.validate("apply").message(), Contains("not monotonic"));
 }
 
-TEST_CASE("Workspace: plan and carver agree; size check names the constraint", "[views]") {
+TEST_CASE("Workspace: plan and carver agree - size check names the constraint", "[views]") {
   WorkspacePlan plan;
   plan.add<float>(10).add<std::int32_t>(3);
   std::vector<std::byte> mem(plan.total());

@@ -55,7 +55,7 @@ TEST_CASE("pool1d: avg and max equal the reference bit for bit, every kernel 1..
   }
 }
 
-TEST_CASE("pool1d: a window of NaN only stays NaN; NaN elsewhere is skipped by max", "[cpu][pool1d]") {
+TEST_CASE("pool1d: a window of NaN only stays NaN - NaN elsewhere is skipped by max", "[cpu][pool1d]") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> x(40, 1.0f);
   for (int i = 10; i < 17; ++i) x[static_cast<std::size_t>(i)] = nan;

@@ -32,7 +32,7 @@ double value(const std::vector<ResultRow>& rows, const std::string& wl, const st
 
 }  // namespace
 
-TEST_CASE("task workload: every policy x budget x task has its rows; budget >= prompt equals the full cache", "[engine][compare]") {
+TEST_CASE("task workload: every policy x budget x task has its rows - budget >= prompt equals the full cache", "[engine][compare]") {
   const std::vector<BudgetSpec> budgets = {BudgetSpec::tokens(64), BudgetSpec::tokens(4096), BudgetSpec::ratio(0.5)};
 #ifdef KVP_SANITIZER_BUILD
   constexpr int kPerTask = 1;
@@ -68,7 +68,7 @@ TEST_CASE("task workload: every policy x budget x task has its rows; budget >= p
   }
 }
 
-TEST_CASE("task workload: deterministic run to run; --policies filters", "[engine][compare]") {
+TEST_CASE("task workload: deterministic run to run - --policies filters", "[engine][compare]") {
   const std::vector<BudgetSpec> budgets = {BudgetSpec::tokens(128)};
   const auto a = run(1, budgets, {"SnapKV", "H2O"});
   const auto b = run(1, budgets, {"SnapKV", "H2O"});

@@ -438,7 +438,7 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
   REQUIRE(st.length == 30);
 }
 
-TEST_CASE("h2o: reset starts a new sequence; ratios of the prompt length", "[h2o]") {
+TEST_CASE("h2o: reset starts a new sequence - ratios of the prompt length", "[h2o]") {
   const auto p = H2OParams::from_prompt_ratios(0.1, 0.1, 1005);
   REQUIRE(p.hh_size == 100);
   REQUIRE(p.recent_size == 100);

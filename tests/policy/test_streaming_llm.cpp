@@ -59,7 +59,7 @@ TEST_CASE("streaming_llm: plan matches kvpress's positional mask for many length
   }
 }
 
-TEST_CASE("streaming_llm: batch select writes identical rows for every kv head; bad input", "[streaming]") {
+TEST_CASE("streaming_llm: batch select writes identical rows for every kv head - bad input", "[streaming]") {
   RandomCase<half> a(4, 2, 50, 64, 4, 1), b(4, 2, 9, 64, 4, 2);
   const StreamingLLM p(StreamingLLMParams::original(2, 6));
   const auto keep = run_select_batch<backend::Cpu>(p, std::vector{a.input(), b.input()});

@@ -94,7 +94,7 @@ TEST_CASE("paged_decode_attention matches a double-precision softmax over the se
       }
 }
 
-TEST_CASE("paged_decode_attention: no tokens gives zeros and lse -inf; -inf logits are skipped", "[quest][attention]") {
+TEST_CASE("paged_decode_attention: no tokens gives zeros and lse -inf - -inf logits are skipped", "[quest][attention]") {
   std::vector<float> k(8, 0.0f), v(8, 1.0f), q(4, 1.0f), out(4, 7.0f);
   float lse = 0.0f;
   std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(1, 64, 4));
@@ -177,7 +177,7 @@ PageQuality quality(const Workload& w, const Quest& quest, std::int64_t oracle_t
 
 }  // namespace
 
-TEST_CASE("page_quality: all pages selected is perfect; metrics match brute-force definitions", "[quest][metrics]") {
+TEST_CASE("page_quality: all pages selected is perfect - metrics match brute-force definitions", "[quest][metrics]") {
   Workload w(16, 2, 4, 32, {1000, 37, 600}, 3);
   const float scale = 1.0f / std::sqrt(32.0f);
   SECTION("dense selection") {
@@ -258,7 +258,7 @@ TEST_CASE("quality improves with the token budget (64 / 256 / 1024 / 4096)", "[q
   }
 }
 
-TEST_CASE("selection_bytes: union of the group's pages, metadata of scored pages; traffic model", "[quest][metrics]") {
+TEST_CASE("selection_bytes: union of the group's pages, metadata of scored pages - traffic model", "[quest][metrics]") {
   // One sequence of 10 pages (last holds 3 of 4 tokens), G = 2, one kv head.
   std::vector<std::int32_t> tindptr{0, 10}, tindices{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, tlast{3};
   const PageTable table{tindptr.data(), tindices.data(), tlast.data(), 1};
@@ -277,7 +277,7 @@ TEST_CASE("selection_bytes: union of the group's pages, metadata of scored pages
   REQUIRE(attention_mass(-1.0f, -1.0f) == 1.0);
 }
 
-TEST_CASE("selection_attention == dense_attention when every page is selected; bad rows are rejected", "[quest][attention]") {
+TEST_CASE("selection_attention == dense_attention when every page is selected - bad rows are rejected", "[quest][attention]") {
   Workload w(8, 2, 2, 16, {100, 3, 64}, 8);
   const std::int32_t Hq = w.Hq, d = 16;
   const auto& c = w.cache;
