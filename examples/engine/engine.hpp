@@ -9,7 +9,7 @@
 //   std::vector<int32_t> out = s.greedy(5);          // decode 5 tokens
 //
 // Life of a request and the hook points (all optional std::function members of
-// `Hooks<Cache>`; policies/adapters.hpp builds them from kvpolicy policies):
+// `Hooks<Cache>`; policies.hpp builds them from kvpolicy policies):
 //
 //   prefill(prompt)                          computes every layer on the prompt (attention over the fresh
 //   |                                        Q/K/V, as prefill kernels do), then writes K/V to the cache:

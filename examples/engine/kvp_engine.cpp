@@ -4,8 +4,8 @@
 //   kvp_engine --model models/kvp-tiny --prompt "... the pass key is " --tokens 8 [--cache paged] [--policy snapkv --budget 128]
 //       greedy continuation of one prompt (BOS is prepended; the text is bytes)
 //   kvp_engine --model models/kvp-tiny --eval tests/data/engine/eval_set.json [--cache paged] [--budgets 64,128,256] [--limit N]
-//       end-to-end task accuracy, logit KL vs the full cache, decision time and bytes kept for
-//       SnapKV, StreamingLLM (and Quest on the paged cache) at each budget (eval.hpp)
+//       end-to-end task accuracy, logit KL vs the full cache, decision time and bytes kept for every
+//       policy of all_policies() that runs on the chosen cache layout, at each budget (eval.hpp)
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
