@@ -229,20 +229,32 @@ void BM_EstimateVsRead(benchmark::State& state) {
   state.counters["pct_read_bw"] = 100.0 * best_read / best_est;
 }
 
+/// The page scores of one decode step and the buffers of a top-k keeping `budget` tokens' pages.
+template <class Backend>
+struct TopKCase {
+  Step& s = step();
+  std::int64_t k;
+  std::vector<std::byte> ws;
+  std::vector<std::int32_t> out;
+  explicit TopKCase(std::int64_t budget) : k(budget / kPage - 1), ws(Backend::topk_workspace(kScored)), out(static_cast<std::size_t>(k)) {
+    auto ews = estimate_ws<Backend>();
+    estimate<Backend>(s, Workspace{ews.data(), ews.size()});
+  }
+  void all_heads() {
+    for (std::int32_t h = 0; h < kHq; ++h)
+      Backend::topk(s.scores.data() + static_cast<std::size_t>(h) * kScored, kScored, k, out.data(), Workspace{ws.data(), ws.size()});
+  }
+};
+
 /// Paired: top-k of all 32 heads vs one read pass over the same scores.
 template <class Backend>
 void BM_TopKVsPass(benchmark::State& state) {
-  Step& s = step();
-  auto ews = estimate_ws<Backend>();
-  estimate<Backend>(s, Workspace{ews.data(), ews.size()});
-  const std::int64_t k = state.range(0) / kPage - 1;
-  std::vector<std::byte> ws(Backend::topk_workspace(kScored));
-  std::vector<std::int32_t> out(static_cast<std::size_t>(k));
+  TopKCase<Backend> c(state.range(0));
+  Step& s = c.s;
   double best_topk = 1e30, best_pass = 1e30;
   for (auto _ : state) {
     const double t0 = thread_seconds();
-    for (std::int32_t h = 0; h < kHq; ++h)
-      Backend::topk(s.scores.data() + static_cast<std::size_t>(h) * kScored, kScored, k, out.data(), Workspace{ws.data(), ws.size()});
+    c.all_heads();
     const double t1 = thread_seconds();
     benchmark::DoNotOptimize(kvp_bench::read_pass(s.scores.data(), s.scores.size()));
     const double t2 = thread_seconds();
@@ -256,15 +268,9 @@ void BM_TopKVsPass(benchmark::State& state) {
 
 template <class Backend>
 void BM_TopK(benchmark::State& state) {
-  Step& s = step();
-  auto ews = estimate_ws<Backend>();
-  estimate<Backend>(s, Workspace{ews.data(), ews.size()});
-  const std::int64_t k = state.range(0) / kPage - 1;
-  std::vector<std::byte> ws(Backend::topk_workspace(kScored));
-  std::vector<std::int32_t> out(static_cast<std::size_t>(k));
+  TopKCase<Backend> c(state.range(0));
   for (auto _ : state) {
-    for (std::int32_t h = 0; h < kHq; ++h)
-      Backend::topk(s.scores.data() + static_cast<std::size_t>(h) * kScored, kScored, k, out.data(), Workspace{ws.data(), ws.size()});
+    c.all_heads();
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * kHq * kScored * 4);

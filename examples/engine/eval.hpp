@@ -93,14 +93,22 @@ struct PolicyUnderTest {
   std::function<Hooks<PagedKVCache<float>>(std::int64_t prompt_len, std::int64_t budget)> paged;
 };
 
+/// A policy that runs on both cache layouts: `hooks` is a template lambda
+/// `[]<class Cache>(std::int64_t budget) -> Hooks<Cache>`, instantiated for each.
+template <class MakeHooks>
+PolicyUnderTest on_both_layouts(std::string name, std::int64_t query_window, MakeHooks hooks) {
+  PolicyUnderTest p;
+  p.name = std::move(name);
+  p.query_window = query_window;
+  p.contiguous = [hooks](std::int64_t, std::int64_t budget) { return hooks.template operator()<ContiguousKVCache<float>>(budget); };
+  p.paged = [hooks](std::int64_t, std::int64_t budget) { return hooks.template operator()<PagedKVCache<float>>(budget); };
+  return p;
+}
+
 /// Any kvpolicy eviction policy, given a function budget -> policy object.
 template <class MakePolicy>
 PolicyUnderTest eviction_policy(std::string name, MakePolicy make) {
-  PolicyUnderTest p;
-  p.name = std::move(name);
-  p.contiguous = [make](std::int64_t, std::int64_t budget) { return eviction_hooks<ContiguousKVCache<float>>(make(budget)); };
-  p.paged = [make](std::int64_t, std::int64_t budget) { return eviction_hooks<PagedKVCache<float>>(make(budget)); };
-  return p;
+  return on_both_layouts(std::move(name), 64, [make]<class Cache>(std::int64_t budget) { return eviction_hooks<Cache>(make(budget)); });
 }
 
 /// SnapKV keeping `budget` tokens per kv head, the observation window inside the budget (kvpress
@@ -127,16 +135,11 @@ inline kvpolicy::Quest quest_with_budget(std::int64_t budget, std::int32_t dense
 /// PyramidKV (KVCache-Factory schedule): `budget` tokens per kv head on average over the layers, fewer in
 /// the upper layers; observation window 8, max pooling 7 (the original's defaults).
 inline PolicyUnderTest pyramidkv_policy(std::int32_t num_layers, std::int32_t window = 8) {
-  PolicyUnderTest p;
-  p.name = "pyramidkv";
-  auto make = [=](std::int64_t budget) {
-    return [=](int layer) {
+  return on_both_layouts("pyramidkv", 64, [=]<class Cache>(std::int64_t budget) {
+    return eviction_hooks_by_layer<Cache>([=](int layer) {
       return kvpolicy::PyramidKV(kvpolicy::PyramidKVParams::original(budget, layer, num_layers, window, 7, kvpolicy::Pooling::kMax));
-    };
-  };
-  p.contiguous = [=](std::int64_t, std::int64_t budget) { return eviction_hooks_by_layer<ContiguousKVCache<float>>(make(budget)); };
-  p.paged = [=](std::int64_t, std::int64_t budget) { return eviction_hooks_by_layer<PagedKVCache<float>>(make(budget)); };
-  return p;
+    });
+  });
 }
 
 /// Ada-KV (kvpress AdaKVPress over SnapKV, alpha 0.2): `budget` tokens per kv head on average, spread
@@ -155,55 +158,35 @@ inline PolicyUnderTest adakv_policy(std::int32_t window = 32, std::int32_t kerne
 
 /// Online H2O: hh = budget / 2 heavy hitters + the rest recent (the paper's 50/50 split).
 inline PolicyUnderTest h2o_policy() {
-  PolicyUnderTest p;
-  p.name = "h2o";
-  p.query_window = PolicyUnderTest::kWholePrompt;
-  auto make = [](std::int64_t budget) { return kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2)); };
-  p.contiguous = [=](std::int64_t, std::int64_t budget) { return h2o_hooks<ContiguousKVCache<float>>(make(budget)); };
-  p.paged = [=](std::int64_t, std::int64_t budget) { return h2o_hooks<PagedKVCache<float>>(make(budget)); };
-  return p;
+  return on_both_layouts("h2o", PolicyUnderTest::kWholePrompt, []<class Cache>(std::int64_t budget) {
+    return h2o_hooks<Cache>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2)));
+  });
 }
 
 /// kvpress ObservedAttentionPress: the whole prompt's attention per key, normalised by the queries that saw it.
 inline PolicyUnderTest observed_attention_policy() {
-  PolicyUnderTest p;
-  p.name = "observed_attention";
-  p.query_window = PolicyUnderTest::kWholePrompt;
-  auto make = [](std::int64_t budget) {
+  return on_both_layouts("observed_attention", PolicyUnderTest::kWholePrompt, []<class Cache>(std::int64_t budget) {
     kvpolicy::ObservedAttentionParams q = kvpolicy::ObservedAttentionParams::kvpress(0.0);
     q.budget = kvpolicy::Budget::tokens(budget).clamp_to_length();
-    return kvpolicy::ObservedAttention(q);
-  };
-  constexpr std::int64_t kAll = std::int64_t{1} << 40;  // every query the engine kept
-  p.contiguous = [=](std::int64_t, std::int64_t budget) { return eviction_hooks<ContiguousKVCache<float>>(make(budget), {}, kAll); };
-  p.paged = [=](std::int64_t, std::int64_t budget) { return eviction_hooks<PagedKVCache<float>>(make(budget), {}, kAll); };
-  return p;
+    constexpr std::int64_t kAll = std::int64_t{1} << 40;  // every query the engine kept
+    return eviction_hooks<Cache>(kvpolicy::ObservedAttention(q), {}, kAll);
+  });
 }
 
 /// kvpress ExpectedAttentionPress defaults (512 future positions, 4 sinks, covariance, value norm).
 inline PolicyUnderTest expected_attention_policy(double rope_base) {
-  PolicyUnderTest p;
-  p.name = "expected_attention";
-  p.query_window = PolicyUnderTest::kWholePrompt;
-  auto params = [](std::int64_t budget) {
+  return on_both_layouts("expected_attention", PolicyUnderTest::kWholePrompt, [rope_base]<class Cache>(std::int64_t budget) {
     kvpolicy::ExpectedAttentionParams q = kvpolicy::ExpectedAttentionParams::kvpress(0.0);
     q.budget = kvpolicy::Budget::tokens(budget).clamp_to_length();
-    return q;
-  };
-  p.contiguous = [=](std::int64_t, std::int64_t budget) { return expected_attention_hooks<ContiguousKVCache<float>>(params(budget), rope_base); };
-  p.paged = [=](std::int64_t, std::int64_t budget) { return expected_attention_hooks<PagedKVCache<float>>(params(budget), rope_base); };
-  return p;
+    return expected_attention_hooks<Cache>(q, rope_base);
+  });
 }
 
 /// Online TOVA with a cache of `budget` tokens.
 inline PolicyUnderTest tova_policy() {
-  PolicyUnderTest p;
-  p.name = "tova";
-  p.query_window = 1;
-  auto make = [](std::int64_t budget) { return kvpolicy::TOVA(kvpolicy::TOVAParams::original(budget)); };
-  p.contiguous = [=](std::int64_t, std::int64_t budget) { return tova_hooks<ContiguousKVCache<float>>(make(budget)); };
-  p.paged = [=](std::int64_t, std::int64_t budget) { return tova_hooks<PagedKVCache<float>>(make(budget)); };
-  return p;
+  return on_both_layouts("tova", 1, []<class Cache>(std::int64_t budget) {
+    return tova_hooks<Cache>(kvpolicy::TOVA(kvpolicy::TOVAParams::original(budget)));
+  });
 }
 
 inline PolicyUnderTest snapkv_policy(std::int32_t window = 32, std::int32_t kernel = 5) {

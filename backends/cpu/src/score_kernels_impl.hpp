@@ -619,13 +619,13 @@ inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64
 //   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
 // and returns the count. The outputs need kCollectSlack entries of slack;
 // they may alias the inputs (writes never pass reads).
-#if KVP_CPU_TU_ISA == 2
 inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
                                       std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept {
+  std::int64_t o = 0, i = 0;
+#if KVP_CPU_TU_ISA == 2
   const __m512i lo = _mm512_set1_epi32(key_lo);
   const bool unbounded = key_hi > INT32_MAX;
   const __m512i hi = _mm512_set1_epi32(unbounded ? INT32_MAX : static_cast<std::int32_t>(key_hi));
-  std::int64_t o = 0, i = 0;
   for (; i + 16 <= m; i += 16) {
     const __m512i k = _mm512_loadu_si512(key + i);
     __mmask16 keep = _mm512_cmpge_epi32_mask(k, lo);
@@ -635,7 +635,8 @@ inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_
     _mm512_storeu_si512(out_key + o, _mm512_maskz_compress_epi32(keep, k));
     o += __builtin_popcount(keep);
   }
-  for (; i < m; ++i) {
+#endif
+  for (; i < m; ++i) {  // the tail (all of it below AVX-512)
     const std::int32_t k = key[i], x = idx[i];
     out_idx[o] = x;
     out_key[o] = k;
@@ -645,42 +646,22 @@ inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_
 }
 inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
                                   std::int32_t* out_idx) noexcept {
-  const __m512i kl = _mm512_set1_epi32(key_lo), il = _mm512_set1_epi32(idx_lo);
   std::int64_t o = 0, i = 0;
+#if KVP_CPU_TU_ISA == 2
+  const __m512i kl = _mm512_set1_epi32(key_lo), il = _mm512_set1_epi32(idx_lo);
   for (; i + 16 <= m; i += 16) {
     const __m512i k = _mm512_loadu_si512(key + i), x = _mm512_loadu_si512(idx + i);
     const __mmask16 keep = _mm512_cmpgt_epi32_mask(k, kl) | (_mm512_cmpeq_epi32_mask(k, kl) & _mm512_cmpge_epi32_mask(x, il));
     _mm512_storeu_si512(out_idx + o, _mm512_maskz_compress_epi32(keep, x));
     o += __builtin_popcount(keep);
   }
+#endif
   for (; i < m; ++i) {
     out_idx[o] = idx[i];
     o += (key[i] > key_lo || (key[i] == key_lo && idx[i] >= idx_lo)) ? 1 : 0;
   }
   return o;
 }
-#else
-inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
-                                      std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept {
-  std::int64_t o = 0;
-  for (std::int64_t i = 0; i < m; ++i) {
-    const std::int32_t k = key[i], x = idx[i];
-    out_idx[o] = x;
-    out_key[o] = k;
-    o += (k >= key_lo && k < key_hi) ? 1 : 0;
-  }
-  return o;
-}
-inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
-                                  std::int32_t* out_idx) noexcept {
-  std::int64_t o = 0;
-  for (std::int64_t i = 0; i < m; ++i) {
-    out_idx[o] = idx[i];
-    o += (key[i] > key_lo || (key[i] == key_lo && idx[i] >= idx_lo)) ? 1 : 0;
-  }
-  return o;
-}
-#endif
 
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
 KVP_NAMESPACE_END
