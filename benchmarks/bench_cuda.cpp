@@ -102,7 +102,7 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
   }
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  const kvp::KeyRows<kvp::half> keys{static_cast<const kvp::half*>(dk.ptr), s.head_dim};
+  const kvp::Rows<kvp::half> keys{static_cast<const kvp::half*>(dk.ptr), s.head_dim};
   const kvp::Workspace ws{dws.ptr, ws_bytes};
   auto call = [&] { return Cuda::window_scores(s, static_cast<const float*>(dq.ptr), keys, static_cast<float*>(dout.ptr), ws, stream); };
 

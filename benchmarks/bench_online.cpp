@@ -1,7 +1,7 @@
 // Online eviction at one decode step with 32K cached tokens, 32 query / 8 kv
 // heads (GQA 4), engine-provided fp32 probabilities of the step's query.
 //
-//   h2o/update    H2O::update: a streaming add of the (32, 1, 32768) probability
+//   h2o/update    H2O::update (ScoreInput::attention): a streaming add of the (32, 1, 32768) probability
 //                 rows into the (8, 32768) state (reads 4 MiB + 1 MiB, writes 1 MiB).
 //   h2o/evict     H2O::evict of the one slot the step added: one min pass over
 //                 the candidates, a memmove of the state tail, the KeepSet rows
@@ -9,7 +9,7 @@
 //   h2o/step      update + evict, the per-step cost an engine pays.
 //   h2o/step_cold the same step over a rotation of independent (probabilities,
 //                 state) sets twice the last-level cache: inputs stream from memory.
-//   tova/step     TOVA::select_from_attention at cache_size 32767 (head mean of
+//   tova/step     TOVA::evict on ScoreInput::attention at cache_size 32767 (head mean of
 //                 the 32 rows + one argmin + KeepSet rows).
 //   read/<bytes>  kvp_bench::read_pass over a buffer as large as what the step
 //                 touches (cache-resident, like the warm steps); read_cold the
@@ -42,6 +42,7 @@ using namespace kvpolicy;
 namespace {
 
 constexpr std::int64_t kN = 32768, kHq = 32, kHkv = 8, kRecent = 1024;
+using Ctx = Context<backend::Scalar>;  // where the calls run: the scalar reference, the calling thread
 
 struct Step {
   std::vector<float> probs, state, state0;
@@ -56,12 +57,23 @@ struct Step {
     for (auto& p : probs) p = ex(rng) / static_cast<float>(kN);  // positive, rows sum to ~1
     for (auto& s : state0) s = ex(rng) * 3.0f;
     state = state0;
-    ws.resize(std::max(h2o.evict_workspace_bytes<backend::Scalar>(kHkv, kN), tova.attention_workspace_bytes<backend::Scalar>(kN)));
+    // Engine probabilities: head_dim 0 sizes the probabilities paths (H2O's covers evict too).
+    const ProblemShape shape{kHq, kHkv, 0, kN, 1};
+    const Requirements rh = h2o.requirements(Ctx{}, shape), rt = tova.requirements(Ctx{}, shape);
+    if (!rh || !rt) throw Error(rh ? rt.status : rh.status);
+    ws.resize(std::max(rh.workspace_bytes, rt.workspace_bytes));
   }
   H2OState view(std::int64_t len) { return H2OState{TensorView<float, 2>::contiguous(state.data(), {kHkv, kN}), len}; }
   KeepSet keep() { return KeepSet{indptr.data(), indices.data(), kHkv, static_cast<std::int64_t>(indices.size())}; }
-  Workspace work() { return Workspace{ws.data(), ws.size()}; }
-  TensorView<const float, 3> p() const { return TensorView<const float, 3>::contiguous(probs.data(), {kHq, 1, kN}); }
+  Ctx work() { return Ctx{Workspace{ws.data(), ws.size()}}; }
+  /// The step's probabilities (kHq, 1, kN) as the engine hands them; keys give the shape only.
+  static ScoreInput<float, float> attention(const float* probs) {
+    ScoreInput<float, float> in;
+    in.keys = KVSource<float>::shape_only(kHkv, kN);
+    in.attention = TensorView<const float, 3>::contiguous(probs, {kHq, 1, kN});
+    return in;
+  }
+  ScoreInput<float, float> p() const { return attention(probs.data()); }
 };
 
 Step& step() {
@@ -83,9 +95,10 @@ void require_ok(benchmark::State& st, const Status& s) {
 
 void BM_H2OUpdate(benchmark::State& st) {
   Step& s = step();
+  const auto in = s.p();
   for (auto _ : st) {
     H2OState h = s.view(kN - 1);
-    require_ok(st, s.h2o.update(h, s.p()));
+    require_ok(st, s.h2o.update(Ctx{}, h, in));
     benchmark::ClobberMemory();
   }
   kvp_bench::report_bytes(st, kProbBytes + 2 * kStateBytes);
@@ -93,9 +106,10 @@ void BM_H2OUpdate(benchmark::State& st) {
 
 void BM_H2OEvict(benchmark::State& st) {
   Step& s = step();
+  const Ctx cx = s.work();
   for (auto _ : st) {
     H2OState h = s.view(kN);
-    require_ok(st, s.h2o.evict<backend::Scalar>(h, s.keep(), s.work()));
+    require_ok(st, s.h2o.evict(cx, h, s.keep()));
     benchmark::ClobberMemory();
   }
   kvp_bench::report_bytes(st, kStateBytes + kKeepBytes);
@@ -103,10 +117,12 @@ void BM_H2OEvict(benchmark::State& st) {
 
 void BM_H2OStep(benchmark::State& st) {
   Step& s = step();
+  const Ctx cx = s.work();
+  const auto in = s.p();
   for (auto _ : st) {
     H2OState h = s.view(kN - 1);
-    require_ok(st, s.h2o.update(h, s.p()));
-    require_ok(st, s.h2o.evict<backend::Scalar>(h, s.keep(), s.work()));
+    require_ok(st, s.h2o.update(cx, h, in));
+    require_ok(st, s.h2o.evict(cx, h, s.keep()));
     benchmark::ClobberMemory();
   }
   kvp_bench::report_bytes(st, kProbBytes + 2 * kStateBytes + kKeepBytes);
@@ -139,12 +155,13 @@ ColdSets& cold_sets() {
 void BM_H2OStepCold(benchmark::State& st) {
   ColdSets& cold = cold_sets();
   Step& s = step();
+  const Ctx cx = s.work();
   std::int64_t i = 0;
   for (auto _ : st) {
     const std::int64_t k = i++ % cold.sets;
     H2OState h{TensorView<float, 2>::contiguous(cold.state.data() + k * kHkv * kN, {kHkv, kN}), kN - 1};
-    require_ok(st, s.h2o.update(h, TensorView<const float, 3>::contiguous(cold.probs.data() + k * kHq * kN, {kHq, 1, kN})));
-    require_ok(st, s.h2o.evict<backend::Scalar>(h, s.keep(), s.work()));
+    require_ok(st, s.h2o.update(cx, h, Step::attention(cold.probs.data() + k * kHq * kN)));
+    require_ok(st, s.h2o.evict(cx, h, s.keep()));
     benchmark::ClobberMemory();
   }
   kvp_bench::report_bytes(st, kProbBytes + 2 * kStateBytes + kKeepBytes);
@@ -166,8 +183,10 @@ void BM_ReadCold(benchmark::State& st) {
 
 void BM_TOVAStep(benchmark::State& st) {
   Step& s = step();
+  const Ctx cx = s.work();
+  const auto in = s.p();
   for (auto _ : st) {
-    require_ok(st, s.tova.select_from_attention<backend::Scalar>(s.p(), kHkv, s.keep(), s.work()));
+    require_ok(st, s.tova.evict(cx, in, s.keep()));
     benchmark::ClobberMemory();
   }
   kvp_bench::report_bytes(st, kProbBytes + kKeepBytes);

@@ -51,7 +51,7 @@ void bm_window_scores(benchmark::State& st, CpuIsa isa) {
   std::vector<std::byte> ws(Backend::window_scores_workspace(s));
   std::vector<float> out(static_cast<std::size_t>(kG * s.num_cols));
   for (auto _ : st) {
-    Backend::window_scores(s, data.q.data(), KeyRows<Tk>{data.k.data(), kD}, out.data(), Workspace{ws.data(), ws.size()});
+    Backend::window_scores(s, data.q.data(), Rows<Tk>{data.k.data(), kD}, out.data(), Workspace{ws.data(), ws.size()});
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -71,7 +71,7 @@ void bm_window_scores_layer(benchmark::State& st, CpuIsa isa, int threads, bool 
   std::vector<float> out(static_cast<std::size_t>(kKvHeads * kG * s.num_cols));
   for (auto _ : st) {
     ctx.parallel_for(kKvHeads, [&](std::int64_t h, int worker) {
-      backend::Cpu::window_scores(s, data.q.data() + h * kG * kW * kD, KeyRows<Tk>{data.k.data() + h * kT * kD, kD},
+      backend::Cpu::window_scores(s, data.q.data() + h * kG * kW * kD, Rows<Tk>{data.k.data() + h * kT * kD, kD},
                                   out.data() + h * kG * s.num_cols, Workspace{ws.data() + static_cast<std::size_t>(worker) * per_worker, per_worker});
     });
     benchmark::DoNotOptimize(out.data());

@@ -34,8 +34,8 @@ constexpr std::int64_t kHq = 32, kHkv = 8, kD = 128, kW = 32, kT = 32768;
 struct SnapInputs {
   std::vector<float> q = kvp_bench::normal_values<float>(static_cast<std::size_t>(kHq * kW * kD), 11);   // (Hq, w, d)
   std::vector<half> k = kvp_bench::normal_values<half>(static_cast<std::size_t>(kHkv * kT * kD), 12);    // (Hkv, T, d)
-  PrefillInput<float, half> input() const {
-    return PrefillInput<float, half>{TensorView<const float, 3>::contiguous(q.data(), {kHq, kW, kD}),
+  ScoreInput<float, half> input() const {
+    return ScoreInput<float, half>{TensorView<const float, 3>::contiguous(q.data(), {kHq, kW, kD}),
                                      KVSource<half>::from(TensorView<const half, 3>::contiguous(k.data(), {kHkv, kT, kD}))};
   }
   static const SnapInputs& get() {
@@ -51,13 +51,19 @@ void bm_snapkv_select(benchmark::State& st, int threads, bool wall) {
   const auto in = SnapInputs::get().input();
   ThreadPool pool(threads);
   const ExecContext ctx = pool.context();
-  const PrefillShape shape{kHq, kHkv, kD, kT, kW};
-  std::vector<std::byte> ws(policy.workspace_bytes<Backend, half>(shape, ctx));
+  const ProblemShape shape{kHq, kHkv, kD, kT, kW};
+  const Requirements req = policy.requirements(Context<Backend>{{}, ctx}, shape);
+  if (!req) {
+    st.SkipWithError(req.status.message());
+    return;
+  }
+  std::vector<std::byte> ws(req.workspace_bytes);
   const std::int64_t kept = policy.kept_count(kT);
-  std::vector<std::int32_t> indptr(kHkv + 1), indices(static_cast<std::size_t>(kHkv * kept));
-  const KeepSet keep{indptr.data(), indices.data(), kHkv, static_cast<std::int64_t>(indices.size())};
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(req.output.rows + 1)), indices(static_cast<std::size_t>(req.output.capacity));
+  const KeepSet keep{indptr.data(), indices.data(), req.output.rows, req.output.capacity};
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}, ctx};
   for (auto _ : st) {
-    const Status s = policy.select<Backend>(std::span<const PrefillInput<float, half>>(&in, 1), keep, Workspace{ws.data(), ws.size()}, ctx);
+    const Status s = policy.evict(cx, std::span<const ScoreInput<float, half>>(&in, 1), keep);
     if (!s.is_ok()) {
       st.SkipWithError(s.message());
       return;
@@ -74,7 +80,7 @@ void bm_streaming_llm_plan(benchmark::State& st, std::int64_t kv_len) {
   const std::int64_t kept = policy.kept_count(kv_len);
   std::vector<std::int32_t> out(static_cast<std::size_t>(kept));
   for (auto _ : st) {
-    const Status s = policy.plan(kv_len, out.data(), kept);
+    const Status s = policy.evict_row(kv_len, std::span<std::int32_t>(out.data(), out.size()));
     if (!s.is_ok()) {
       st.SkipWithError(s.message());
       return;

@@ -9,7 +9,8 @@
 //                 metadata's size (the same cache level).
 //   topk          Backend::topk of the 8191 bounds of each query head, against
 //                 one read pass over the same scores (peak.hpp `read_pass`).
-//   select        Quest::select end to end (estimate + top-k + CSR output).
+//   select        Quest::select end to end (estimate + top-k + CSR output; the
+//                 step's Quest::plan is made once, outside the timed loop).
 //   attention     decode attention over the selection vs over every page
 //                 (eval/page_metrics.hpp `attend_pages`), per-query-head rows.
 //
@@ -127,12 +128,20 @@ struct Step {
         }
     meta.resize(static_cast<std::size_t>(PageMetaView<half>::contiguous_size(kPages, kHkv, kDim)));
     auto mview = PageMetaView<half>::contiguous(meta.data(), kPages, kHkv, kDim);
-    throw_if_error(Quest::rebuild_metadata(kv, mview));
+    throw_if_error(Quest{}.on_append(Context<backend::Scalar>{}, AppendInput<half>{kv, nullptr}, mview));  // every page
     mv = mview;
     scores.resize(static_cast<std::size_t>(kHq) * kScored);
   }
   PageTable table() const { return PageTable{indptr.data(), indices.data(), last.data(), 1}; }
   TensorView<const float, 3> queries() const { return TensorView<const float, 3>::contiguous(q.data(), {1, kHq, kDim}); }
+  /// The decode step Quest selects for: layer 2 (sparse with Quest's 2 dense layers).
+  DecodeInput<float> decode_input() const { return DecodeInput<float>{queries(), table(), kPage, 2}; }
+  template <class Backend>
+  static Quest::Plan plan(const Quest& quest, const DecodeInput<float>& in) {
+    Quest::Plan p;
+    throw_if_error(quest.plan(Context<Backend>{}, in, ProblemShape{.num_q_heads = kHq, .num_kv_heads = kHkv, .head_dim = kDim}, p));
+    return p;
+  }
   double meta_bytes() const { return 2.0 * kDim * sizeof(half) * static_cast<double>(kScored) * kHkv; }
 };
 
@@ -287,12 +296,16 @@ template <class Backend>
 void BM_Select(benchmark::State& state) {
   Step& s = step();
   const Quest quest(QuestParams{.token_budget = static_cast<std::int32_t>(state.range(0))});
-  const GqaMap gqa{kHq, kHkv};
-  std::vector<std::int32_t> indptr(kHq + 1), last(kHq), idx(static_cast<std::size_t>(quest.output_capacity(2, s.table(), kPage, gqa)));
-  const PageSelection sel{indptr.data(), idx.data(), last.data(), nullptr, kHq, static_cast<std::int64_t>(idx.size())};
-  std::vector<std::byte> ws(quest.workspace_bytes<Backend>(s.table(), kPage, gqa, kDim));
+  const DecodeInput<float> in = s.decode_input();
+  const Quest::Plan plan = s.plan<Backend>(quest, in);  // host work per batch composition, outside the timed loop
+  const std::int64_t rows = plan.requirements.output.rows;
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(rows + 1)), last(static_cast<std::size_t>(rows)),
+      idx(static_cast<std::size_t>(plan.requirements.output.capacity));
+  const PageSelection sel{indptr.data(), idx.data(), last.data(), nullptr, rows, static_cast<std::int64_t>(idx.size())};
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}};
   for (auto _ : state) {
-    throw_if_error(quest.select<Backend>(2, s.queries(), s.table(), kPage, s.mv, sel, Workspace{ws.data(), ws.size()}));
+    throw_if_error(quest.select(cx, plan, in, s.mv, sel));
     benchmark::ClobberMemory();
   }
 }
@@ -311,13 +324,14 @@ template <class Backend>
 Selection make_selection(std::int32_t token_budget, QuestGqa mode) {
   Step& s = step();
   const Quest quest(QuestParams{.token_budget = token_budget, .gqa = mode});
-  const GqaMap gqa{kHq, kHkv};
+  const DecodeInput<float> in = s.decode_input();
+  const Quest::Plan plan = s.plan<Backend>(quest, in);
   Selection out;
-  out.indptr.resize(static_cast<std::size_t>(quest.heads_per_seq(gqa) + 1));
-  out.last.resize(static_cast<std::size_t>(quest.heads_per_seq(gqa)));
-  out.idx.resize(static_cast<std::size_t>(quest.output_capacity(2, s.table(), kPage, gqa)));
-  std::vector<std::byte> ws(quest.workspace_bytes<Backend>(s.table(), kPage, gqa, kDim));
-  throw_if_error(quest.select<Backend>(2, s.queries(), s.table(), kPage, s.mv, out.view(), Workspace{ws.data(), ws.size()}));
+  out.indptr.resize(static_cast<std::size_t>(plan.requirements.output.rows + 1));
+  out.last.resize(static_cast<std::size_t>(plan.requirements.output.rows));
+  out.idx.resize(static_cast<std::size_t>(plan.requirements.output.capacity));
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  throw_if_error(quest.select(Context<Backend>{Workspace{ws.data(), ws.size()}}, plan, in, s.mv, out.view()));
   return out;
 }
 

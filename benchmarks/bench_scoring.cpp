@@ -54,14 +54,16 @@ struct Inputs {
     std::exponential_distribution<float> ex(1.0f);
     for (auto& s : scores) s = ex(rng);
   }
-  PrefillInput<half, half> prefill(std::int64_t w) const {
+  ScoreInput<half, half> prefill(std::int64_t w) const {
     return {TensorView<const half, 3>(q.data() + (kW - w) * kD, {kHq, w, kD}, {kW * kD, kD, 1}),
             KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {kHkv, kT, kD}))};
   }
   ExpectedAttentionInput<half, half> ea() const {
-    return {TensorView<const half, 3>::contiguous(prompt.data(), {kHq, kEaT, kD}), {}, {},
-            KVSource<half>::from(TensorView<const half, 3>(keys.data(), {kHkv, kEaT, kD}, {kT * kD, kD, 1})),
-            KVSource<half>::from(TensorView<const half, 3>::contiguous(values.data(), {kHkv, kEaT, kD}))};
+    ExpectedAttentionInput<half, half> in;
+    in.queries = TensorView<const half, 3>::contiguous(prompt.data(), {kHq, kEaT, kD});
+    in.keys = KVSource<half>::from(TensorView<const half, 3>(keys.data(), {kHkv, kEaT, kD}, {kT * kD, kD, 1}));
+    in.values = KVSource<half>::from(TensorView<const half, 3>::contiguous(values.data(), {kHkv, kEaT, kD}));
+    return in;
   }
 };
 
@@ -76,13 +78,18 @@ std::map<std::string, double>& flops_by_run() {
 }
 
 template <class Policy, class In>
-void run_policy(benchmark::State& state, const Policy& policy, const In& in, const PrefillShape& shape, std::int64_t capacity, double flops,
-                double bytes) {
-  std::vector<std::byte> ws(policy.template workspace_bytes<backend::Cpu>(shape));
-  std::vector<std::int32_t> indptr(shape.num_kv_heads + 1), indices(static_cast<std::size_t>(capacity));
-  const KeepSet keep{indptr.data(), indices.data(), shape.num_kv_heads, capacity};
+void run_policy(benchmark::State& state, const Policy& policy, const In& in, const ProblemShape& shape, double flops, double bytes) {
+  const Requirements req = policy.requirements(Context<backend::Cpu>{}, shape);  // workspace, KeepSet rows and capacity
+  if (!req) {
+    state.SkipWithError(req.status.message());
+    return;
+  }
+  std::vector<std::byte> ws(req.workspace_bytes);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(req.output.rows + 1)), indices(static_cast<std::size_t>(req.output.capacity));
+  const KeepSet keep{indptr.data(), indices.data(), req.output.rows, req.output.capacity};
+  const Context<backend::Cpu> cx{Workspace{ws.data(), ws.size()}};
   for (auto _ : state) {
-    const Status s = policy.template select<backend::Cpu>(in, keep, Workspace{ws.data(), ws.size()});
+    const Status s = policy.evict(cx, in, keep);
     if (!s.is_ok()) {
       state.SkipWithError(s.message());
       return;
@@ -99,28 +106,28 @@ double window_flops(std::int64_t w) { return 2.0 * kHq * static_cast<double>(w) 
 
 void BM_SnapKV(benchmark::State& state) {
   const SnapKV p(SnapKVParams::kvpress(0.5, kW, 5));
-  run_policy(state, p, inputs().prefill(kW), {kHq, kHkv, kD, kT, kW}, kHkv * p.kept_count(kT), window_flops(kW), kKeyBytes);
+  run_policy(state, p, inputs().prefill(kW), {kHq, kHkv, kD, kT, kW}, window_flops(kW), kKeyBytes);
 }
 
 void BM_AdaKV_kvpress(benchmark::State& state) {
   const AdaKV<SnapKV> p(AdaKVParams::kvpress(0.5, 0.2), SnapKV(SnapKVParams::kvpress(0.5, kW, 5)));
-  run_policy(state, p, inputs().prefill(kW), {kHq, kHkv, kD, kT, kW}, p.max_total_kept(kT, kHkv), window_flops(kW), kKeyBytes);
+  run_policy(state, p, inputs().prefill(kW), {kHq, kHkv, kD, kT, kW}, window_flops(kW), kKeyBytes);
 }
 
 void BM_AdaKV_original_gqa(benchmark::State& state) {
   const AdaKV<SnapKV> p(AdaKVParams::original_gqa(kT / 2, 0.2), SnapKV(adakv_scoring(32, 7)));
-  run_policy(state, p, inputs().prefill(32), {kHq, kHkv, kD, kT, 32}, p.max_total_kept(kT, kHkv), window_flops(32), kKeyBytes);
+  run_policy(state, p, inputs().prefill(32), {kHq, kHkv, kD, kT, 32}, window_flops(32), kKeyBytes);
 }
 
 void BM_PyramidKV(benchmark::State& state) {
   const PyramidKV p(PyramidKVParams::kvpress(0.5, static_cast<std::int32_t>(state.range(0)), 32, kW, 5));
-  run_policy(state, p, inputs().prefill(kW), {kHq, kHkv, kD, kT, kW}, kHkv * p.kept_count(kT), window_flops(kW), kKeyBytes);
+  run_policy(state, p, inputs().prefill(kW), {kHq, kHkv, kD, kT, kW}, window_flops(kW), kKeyBytes);
 }
 
 void BM_ExpectedAttention(benchmark::State& state) {
   const ExpectedAttention p(ExpectedAttentionParams::kvpress(0.5));
   const double flops = 2.0 * kHq * kEaT * kD * kD * 1.5;  // quadratic form + half the covariance
-  run_policy(state, p, inputs().ea(), {kHq, kHkv, kD, kEaT, kEaT}, kHkv * p.kept_count(kEaT), flops,
+  run_policy(state, p, inputs().ea(), {kHq, kHkv, kD, kEaT, kEaT}, flops,
              static_cast<double>(kHkv * kEaT * kD * 2 * 2 + kHq * kEaT * kD * 2));
 }
 

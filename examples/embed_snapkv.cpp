@@ -30,7 +30,7 @@ int main() {
   const std::int64_t tok = n_kv_heads * head_dim;  // token stride of the token-major cache
   TensorView<half, 3> keys(k_cache.data(), {n_kv_heads, capacity, head_dim}, {head_dim, tok, 1});
   TensorView<half, 3> values(v_cache.data(), {n_kv_heads, capacity, head_dim}, {head_dim, tok, 1});
-  PrefillInput<float, half> in{
+  ScoreInput<float, half> in{
       TensorView<const float, 3>(q_window.data(), {n_q_heads, window, head_dim}, {head_dim, n_q_heads * head_dim, 1}),
       KVSource<half>::from(TensorView<const half, 3>(keys.narrow(1, 0, kv_len)))};
 
@@ -38,10 +38,16 @@ int main() {
   const SnapKV snapkv(SnapKVParams::kvpress(/*compression_ratio=*/0.75, window, /*kernel=*/5));
   ThreadPool pool(2);
   const ExecContext ctx = pool.context();
-  std::vector<std::byte> ws(snapkv.workspace_bytes<backend::Cpu>({n_q_heads, n_kv_heads, head_dim, kv_len, window}, ctx));
-  std::vector<std::int32_t> indptr(n_kv_heads + 1), ids(n_kv_heads * snapkv.kept_count(kv_len));
-  KeepSet keep{indptr.data(), ids.data(), n_kv_heads, static_cast<std::int64_t>(ids.size())};
-  Status s = snapkv.select<backend::Cpu>(in, keep, Workspace{ws.data(), ws.size()}, ctx);
+  // One size query: workspace, KeepSet rows / capacity (and the query window the engine must keep).
+  const Requirements req = snapkv.requirements(Context<backend::Cpu>{{}, ctx}, ProblemShape{n_q_heads, n_kv_heads, head_dim, kv_len, window});
+  if (!req) {
+    std::fprintf(stderr, "snapkv: %s\n", req.status.message());
+    return 1;
+  }
+  std::vector<std::byte> ws(req.workspace_bytes);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(req.output.rows + 1)), ids(static_cast<std::size_t>(req.output.capacity));
+  KeepSet keep{indptr.data(), ids.data(), req.output.rows, req.output.capacity};
+  Status s = snapkv.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, ctx}, in, keep);
   if (!s) {
     std::fprintf(stderr, "snapkv: %s\n", s.message());
     return 1;

@@ -1,8 +1,8 @@
 // Quest in a decode loop over a paged KV cache, the way an engine drives it:
 //
-//   prefill (chunked)  append K/V to the page pool, Quest::update_metadata
-//   every decode step  append one token per sequence, update_metadata,
-//                      per layer: Quest::select -> PageSelection (FlashInfer CSR)
+//   prefill (chunked)  append K/V to the page pool, Quest::on_append
+//   every decode step  append one token per sequence, on_append,
+//                      per layer: Quest::plan + Quest::select -> PageSelection (FlashInfer CSR)
 //                      -> attention over the selected pages only
 //
 // The model is synthetic (random post-RoPE keys with planted clusters that the
@@ -107,7 +107,11 @@ struct Engine {
       }
     }
     rebuild_table();
-    for (int l = 0; l < kLayers; ++l) throw_if_error(Quest::update_metadata<Backend>(view(l), meta_view(l), n.data(), ctx));
+    const Quest quest{};  // the metadata (page channel min / max) does not depend on Quest's parameters
+    for (int l = 0; l < kLayers; ++l) {
+      const PagedKVView<const half> kv = view(l);
+      throw_if_error(quest.on_append(Context<Backend>{{}, ctx}, AppendInput<half>{kv, n.data()}, meta_view(l)));
+    }
   }
 
   /// This step's queries of layer l: each head leans towards one topic.
@@ -144,16 +148,18 @@ struct Selection {
   double seconds = 0;
 };
 Selection select(Engine& eng, int l, TensorView<const float, 3> qv, const Quest& quest, const ExecContext& ctx) {
-  const GqaMap gqa{kHq, kHkv};
-  const std::int64_t rows = eng.batch() * quest.heads_per_seq(gqa);
+  const DecodeInput<float> in{qv, eng.table(), kPage, l};
+  Quest::Plan plan;  // host work per batch composition: validation, output and workspace sizes
+  throw_if_error(quest.plan(Context<Backend>{{}, ctx}, in, ProblemShape{.num_q_heads = kHq, .num_kv_heads = kHkv, .head_dim = kDim}, plan));
+  const std::int64_t rows = plan.requirements.output.rows;
   Selection s;
   s.indptr.resize(static_cast<std::size_t>(rows + 1));
   s.last.resize(static_cast<std::size_t>(rows));
-  s.idx.resize(static_cast<std::size_t>(quest.output_capacity(l, eng.table(), kPage, gqa)));
+  s.idx.resize(static_cast<std::size_t>(plan.requirements.output.capacity));
   s.view = PageSelection{s.indptr.data(), s.idx.data(), s.last.data(), nullptr, rows, static_cast<std::int64_t>(s.idx.size())};
-  std::vector<std::byte> ws(quest.workspace_bytes<Backend>(eng.table(), kPage, gqa, kDim, ctx));
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
   const auto t0 = std::chrono::steady_clock::now();
-  throw_if_error(quest.select<Backend>(l, qv, eng.table(), kPage, eng.meta_view(l), s.view, Workspace{ws.data(), ws.size()}, ctx));
+  throw_if_error(quest.select(Context<Backend>{Workspace{ws.data(), ws.size()}, ctx}, plan, in, eng.meta_view(l), s.view));
   s.seconds = seconds_since(t0);
   return s;
 }

@@ -1,4 +1,4 @@
-// kvp_speed_driver: times one scoring policy's decision (`select`, KeepSet
+// kvp_speed_driver: times one scoring policy's decision (`evict`, KeepSet
 // written) on synthetic fp16 keys, for tools/compare_kvpress_speed.py.
 //
 //   kvp_speed_driver --policy snapkv|adakv|pyramidkv [--backend cpu|scalar]
@@ -11,7 +11,8 @@
 // pool-then-group, n_kept = int(T (1 - r)). Queries are the last `window`
 // post-RoPE queries in fp16, keys (kv_heads, tokens, head_dim) fp16, both
 // N(0, 1) from a fixed seed, plus a few heavy keys. Workspace and output are
-// allocated once, outside the timed region (as an engine would). Prints one
+// sized by the policy's `requirements` and allocated once, outside the timed
+// region (as an engine would). Prints one
 // JSON object: the median, min and max wall time per call in milliseconds,
 // and the median process CPU time per call (all threads; on a shared machine
 // it shows how much of the wall time the process actually ran).
@@ -75,18 +76,25 @@ Options parse(int argc, char** argv) {
 }
 
 template <class Backend, class Policy>
-int run(const Options& o, const Policy& policy, const PrefillInput<half, half>& in, std::int64_t rows, std::int64_t capacity) {
+int run(const Options& o, const Policy& policy, const ScoreInput<half, half>& in) {
   ThreadPool pool(o.threads);
   const ExecContext ctx = pool.context();
-  const PrefillShape shape{o.q_heads, o.kv_heads, o.head_dim, o.tokens, o.window};
-  std::vector<std::byte> ws(policy.template workspace_bytes<Backend>(shape, ctx));
-  std::vector<std::int32_t> indptr(rows + 1), indices(static_cast<std::size_t>(capacity));
+  const ProblemShape shape{o.q_heads, o.kv_heads, o.head_dim, o.tokens, o.window};
+  const Requirements req = policy.requirements(Context<Backend>{{}, ctx}, shape);
+  if (!req) {
+    std::fprintf(stderr, "kvp_speed_driver: %s\n", req.status.message());
+    return 1;
+  }
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const std::int64_t rows = req.output.rows, capacity = req.output.capacity;
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(rows + 1)), indices(static_cast<std::size_t>(capacity));
   const KeepSet keep{indptr.data(), indices.data(), rows, capacity};
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}, ctx};
   std::vector<double> ms, cpu_ms;
   for (int it = 0; it < o.warmup + o.reps; ++it) {
     const std::clock_t c0 = std::clock();
     const auto t0 = std::chrono::steady_clock::now();
-    const Status s = policy.template select<Backend>(in, keep, Workspace{ws.data(), ws.size()}, ctx);
+    const Status s = policy.evict(cx, in, keep);
     const auto t1 = std::chrono::steady_clock::now();
     const std::clock_t c1 = std::clock();
     if (!s.is_ok()) {
@@ -115,19 +123,19 @@ int run(const Options& o, const Policy& policy, const PrefillInput<half, half>& 
 }
 
 template <class Backend>
-int dispatch_policy(const Options& o, const PrefillInput<half, half>& in) {
+int dispatch_policy(const Options& o, const ScoreInput<half, half>& in) {
   const auto w = static_cast<std::int32_t>(o.window), k = static_cast<std::int32_t>(o.kernel);
   if (o.policy == "snapkv") {
     const SnapKV p(SnapKVParams::kvpress(o.ratio, w, k));
-    return run<Backend>(o, p, in, o.kv_heads, o.kv_heads * p.kept_count(o.tokens));
+    return run<Backend>(o, p, in);
   }
   if (o.policy == "adakv") {
     const AdaKV<SnapKV> p(AdaKVParams::kvpress(o.ratio, o.alpha), SnapKV(SnapKVParams::kvpress(o.ratio, w, k)));
-    return run<Backend>(o, p, in, o.kv_heads, p.max_total_kept(o.tokens, o.kv_heads));
+    return run<Backend>(o, p, in);
   }
   if (o.policy == "pyramidkv") {
     const PyramidKV p(PyramidKVParams::kvpress(o.ratio, o.layer, o.num_layers, w, k));
-    return run<Backend>(o, p, in, o.kv_heads, o.kv_heads * p.kept_count(o.tokens));
+    return run<Backend>(o, p, in);
   }
   usage(("unknown policy " + o.policy).c_str());
 }
@@ -151,7 +159,7 @@ int main(int argc, char** argv) {
         x = to_half(to_float(x) + qf[static_cast<std::size_t>(c)]);
       }
   }
-  const PrefillInput<half, half> in{TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
+  const ScoreInput<half, half> in{TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
                                     KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {o.kv_heads, o.tokens, o.head_dim}))};
   if (o.backend == "cpu") return dispatch_policy<backend::Cpu>(o, in);
   if (o.backend == "scalar") return dispatch_policy<backend::Scalar>(o, in);

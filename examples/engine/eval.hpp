@@ -168,8 +168,7 @@ inline PolicyUnderTest observed_attention_policy() {
   return on_both_layouts("observed_attention", PolicyUnderTest::kWholePrompt, []<class Cache>(std::int64_t budget) {
     kvpolicy::ObservedAttentionParams q = kvpolicy::ObservedAttentionParams::kvpress(0.0);
     q.budget = kvpolicy::Budget::tokens(budget).clamp_to_length();
-    constexpr std::int64_t kAll = std::int64_t{1} << 40;  // every query the engine kept
-    return eviction_hooks<Cache>(kvpolicy::ObservedAttention(q), {}, kAll);
+    return eviction_hooks<Cache>(kvpolicy::ObservedAttention(q));  // its query window: the whole prompt
   });
 }
 

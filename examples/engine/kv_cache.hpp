@@ -260,8 +260,8 @@ class PagedKVCache {
   std::int64_t length(int l, int /*h*/ = 0) const noexcept { return view(l).seq_len(0); }
   std::int64_t uniform_length(int l) const noexcept { return length(l); }
   KVSource<T> key_source(int l) const noexcept { return KVSource<T>::from_paged(const_view(l), 0); }
-  /// Paged sources read values through the view's v_data: the same source serves both.
-  KVSource<T> value_source(int l) const noexcept { return KVSource<T>::from_paged(const_view(l), 0); }
+  /// The values of the same view (a paged source states which half of the pool it reads).
+  KVSource<T> value_source(int l) const noexcept { return KVSource<T>::from_paged_values(const_view(l), 0); }
   std::int64_t kept_tokens(int l) const noexcept { return length(l) * shape_.num_kv_heads; }
   std::int64_t pages_in_use(int l) const noexcept { return layers_[static_cast<std::size_t>(l)].indices.size(); }
 

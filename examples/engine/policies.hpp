@@ -24,10 +24,12 @@
 //    head-mean attention decides, then on every decode step the step's
 //    attention weights do; the cache never exceeds the budget.
 //
-// Workspaces are sized with the policy's `workspace_bytes` and kept (grown
-// only) inside the hook, so steady-state decoding does not allocate for the
-// policy. Every policy call goes through its noexcept Status API; the engine
-// turns a failed Status into an exception naming the policy's complaint.
+// Workspaces and output buffers are sized by the policy's one size query,
+// `requirements(ctx, shape)` (workspace bytes, output rows / capacity, the
+// query window it reads); workspaces are kept (grown only) inside the hook, so
+// steady-state decoding does not allocate for the policy. Every policy call
+// goes through its noexcept Status API; the engine turns a failed Status into
+// an exception naming the policy's complaint.
 #pragma once
 
 #include <algorithm>
@@ -47,40 +49,43 @@
 
 namespace kvp_engine {
 
-/// Observation-window length a policy wants: its (or its scorer's / scoring's) `window` when it has one, else 1.
-template <class Policy>
-std::int64_t policy_query_window(const Policy& p) noexcept {
-  if constexpr (requires { p.params().window; }) {
-    return p.params().window;
-  } else if constexpr (requires { p.scorer().params().window; }) {
-    return p.scorer().params().window;
-  } else if constexpr (requires { p.params().scoring.window; }) {
-    return p.params().scoring.window;
-  } else {
-    return 1;
-  }
+/// The context of a policy call: backend `Backend`, the hook's pool, `ws` as scratch (none: a size query).
+template <class Backend>
+kvpolicy::Context<Backend> policy_context(const kvpolicy::ExecContext& ctx, std::vector<std::byte>* ws = nullptr) {
+  return kvpolicy::Context<Backend>{ws ? kvpolicy::Workspace{ws->data(), ws->size()} : kvpolicy::Workspace{}, ctx};
+}
+
+/// Grows `ws` to the requirement (never shrinks: steady-state calls do not allocate).
+inline void grow_workspace(std::vector<std::byte>& ws, const kvpolicy::Requirements& r) {
+  if (ws.size() < r.workspace_bytes) ws.resize(r.workspace_bytes);
 }
 
 /// After-prefill eviction with any kvpolicy eviction policy (one sequence, every layer).
 /// The policy sees the last min(window, W) prompt queries of the layer, window
-/// = `query_window` or, when 0, the policy's own (policy_query_window); the
-/// engine must keep at least that many (PrefillOptions::query_window).
+/// = `query_window` or, when 0, the policy's own (`Requirements::query_window`);
+/// the engine must keep at least that many (PrefillOptions::query_window).
 template <class Cache, class Policy, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> eviction_hooks(Policy policy, kvpolicy::ExecContext ctx = {}, std::int64_t query_window = 0) {
   using T = typename Cache::element_type;
   Hooks<Cache> h;
   auto ws = std::make_shared<std::vector<std::byte>>();
-  const std::int64_t window = query_window > 0 ? query_window : policy_query_window(policy);
-  h.after_prefill = [policy, ctx, ws, window](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+  h.after_prefill = [policy, ctx, ws, query_window](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
     const KVSource<T> keys = cache.key_source(layer);
-    const std::int64_t w = std::min(window, queries.extent(1));
-    const kvpolicy::PrefillInput<float, T> in{queries.narrow(1, queries.extent(1) - w, w), keys};
-    const kvpolicy::PrefillShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), w};
-    const std::size_t need = policy.template workspace_bytes<Backend, T>(shape, ctx);
-    if (ws->size() < need) ws->resize(need);
-    // Capacity: every row may keep at most kv_len tokens (covers ragged per-head budgets).
-    keep.reserve(keys.kv_heads(), keys.kv_heads() * keys.kv_len());
-    return policy.template select<Backend>(in, keep.set, kvpolicy::Workspace{ws->data(), ws->size()}, ctx);
+    const std::int64_t W = queries.extent(1);
+    kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), W};
+    kvpolicy::Requirements r = policy.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    const std::int64_t w = std::min(query_window > 0 ? query_window : r.query_window, W);
+    if (w != shape.q_len) {  // size for the queries the policy actually gets
+      shape.q_len = w;
+      r = policy.requirements(policy_context<Backend>(ctx), shape);
+      KVP_RETURN_IF_ERROR(r.status);
+    }
+    const kvpolicy::ScoreInput<float, T> in{queries.narrow(1, W - w, w), keys};
+    grow_workspace(*ws, r);
+    // Rows and capacity from the size query (covers ragged per-head budgets).
+    keep.reserve(r.output.rows, r.output.capacity);
+    return policy.evict(policy_context<Backend>(ctx, ws.get()), in, keep.set);
   };
   return h;
 }
@@ -128,10 +133,12 @@ Hooks<Cache> h2o_hooks(kvpolicy::H2O h2o, kvpolicy::ExecContext ctx = {}) {
     const std::int64_t n = st.length, kept = h2o.kept_count(n);
     if (kept < 0) return KVP_INVALID("engine h2o: invalid parameters");
     if (kept == n) return Status::ok();
-    const std::int64_t H = c.shape().num_kv_heads;
-    const std::size_t need = h2o.template evict_workspace_bytes<Backend>(H, n, ctx);
-    if (S->ws.size() < need) S->ws.resize(need);
-    return h2o.template evict<Backend>(st, keep.reserve(H, H * kept), kvpolicy::Workspace{S->ws.data(), S->ws.size()}, ctx);
+    // Evict alone reads no queries: head_dim 0.
+    const kvpolicy::Requirements r =
+        h2o.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{c.shape().num_q_heads, c.shape().num_kv_heads, 0, n, 1});
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    return h2o.evict(policy_context<Backend>(ctx, &S->ws), st, keep.reserve(r.output.rows, r.output.capacity));
   };
   Hooks<Cache> h;
   h.after_prefill = [h2o, ctx, S, state_of, evict](Cache& c, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
@@ -142,16 +149,19 @@ Hooks<Cache> h2o_hooks(kvpolicy::H2O h2o, kvpolicy::ExecContext ctx = {}) {
                          static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
     kvpolicy::H2OState& st = state_of(c, layer);
     st.reset();
-    const kvpolicy::PrefillInput<float, T> in{queries, keys};
-    const kvpolicy::PrefillShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
-    const std::size_t need = h2o.template update_workspace_bytes<Backend, T>(shape, ctx);
-    if (S->ws.size() < need) S->ws.resize(need);
-    KVP_RETURN_IF_ERROR(h2o.template update_from_queries<Backend>(st, in, kvpolicy::Workspace{S->ws.data(), S->ws.size()}, ctx));
+    const kvpolicy::ScoreInput<float, T> in{queries, keys};  // the attention is recomputed from the prompt's queries
+    const kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
+    const kvpolicy::Requirements r = h2o.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    KVP_RETURN_IF_ERROR(h2o.update(policy_context<Backend>(ctx, &S->ws), st, in));
     return evict(c, st, keep);
   };
   h.after_attention = [h2o, ctx, state_of, evict](Cache& c, int layer, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {
     kvpolicy::H2OState& st = state_of(c, layer);
-    KVP_RETURN_IF_ERROR(h2o.update_from_column_sums(st, probs, ctx));
+    kvpolicy::ScoreInput<float, float> in;  // the step's probabilities (Hq, n), summed over its one query row; no keys needed
+    in.column_sums = probs;
+    KVP_RETURN_IF_ERROR(h2o.update(policy_context<Backend>(ctx), st, in));
     return evict(c, st, keep);
   };
   return h;
@@ -200,13 +210,11 @@ Hooks<Cache> expected_attention_hooks(kvpolicy::ExpectedAttentionParams params, 
     in.queries = TensorView<const float, 3>::contiguous(S->q_pre.data(), {Hq, W, d});
     in.keys = keys;
     in.values = c.value_source(layer);
-    const kvpolicy::PrefillShape shape{Hq, keys.kv_heads(), d, keys.kv_len(), W};
-    const std::size_t need = ea.template workspace_bytes<Backend>(shape, ctx);
-    if (S->ws.size() < need) S->ws.resize(need);
-    const std::int64_t kept = ea.kept_count(keys.kv_len());
-    if (kept < 0) return KVP_INVALID("engine expected_attention: budget invalid for %lld tokens", static_cast<long long>(keys.kv_len()));
-    return ea.template select<Backend>(in, keep.reserve(keys.kv_heads(), keys.kv_heads() * kept), kvpolicy::Workspace{S->ws.data(), S->ws.size()},
-                                       ctx);
+    const kvpolicy::ProblemShape shape{Hq, keys.kv_heads(), d, keys.kv_len(), W};
+    const kvpolicy::Requirements r = ea.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    return ea.evict(policy_context<Backend>(ctx, &S->ws), in, keep.reserve(r.output.rows, r.output.capacity));
   };
   return h;
 }
@@ -216,14 +224,19 @@ template <class Cache, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> tova_hooks(kvpolicy::TOVA tova, kvpolicy::ExecContext ctx = {}) {
   auto ws = std::make_shared<std::vector<std::byte>>();
   Hooks<Cache> h = eviction_hooks<Cache, kvpolicy::TOVA, Backend>(tova, ctx);
-  h.after_attention = [tova, ws](Cache& c, int, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {
-    const std::int64_t n = probs.extent(1), H = c.shape().num_kv_heads;
+  h.after_attention = [tova, ctx, ws](Cache& c, int, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {
+    const std::int64_t n = probs.extent(1), Hq = probs.extent(0), H = c.shape().num_kv_heads;
     const std::int64_t kept = tova.kept_count(n);
     if (kept < 0) return KVP_INVALID("engine tova: budget invalid for %lld cached tokens", static_cast<long long>(n));
     if (kept >= n) return Status::ok();
-    const std::size_t need = tova.template attention_workspace_bytes<Backend>(n);
-    if (ws->size() < need) ws->resize(need);
-    return tova.template select_from_attention<Backend>(probs, H, keep.reserve(H, H * kept), kvpolicy::Workspace{ws->data(), ws->size()});
+    // The step's probabilities (Hq, n) as (Hq, 1, n) attention rows; keys give the shape only.
+    kvpolicy::ScoreInput<float, float> in;
+    in.keys = KVSource<float>::shape_only(H, n);
+    in.attention = TensorView<const float, 3>(probs.data(), {Hq, 1, n}, {probs.stride(0), n, probs.stride(1)}, probs.device());
+    const kvpolicy::Requirements r = tova.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{Hq, H, 0, n, 1});
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(*ws, r);
+    return tova.evict(policy_context<Backend>(ctx, ws.get()), in, keep.reserve(r.output.rows, r.output.capacity));
   };
   return h;
 }
@@ -249,23 +262,24 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
     return kvpolicy::PageMetaView<T>::contiguous(buf.data(), c.num_pages(), s.num_kv_heads, s.head_dim);
   };
   Hooks<Cache> h;
-  h.on_append = [meta_of, ctx](Cache& c, int layer, std::int64_t appended) -> Status {
+  h.on_append = [quest, meta_of, ctx](Cache& c, int layer, std::int64_t appended) -> Status {
     const std::int32_t n = static_cast<std::int32_t>(appended);
-    return kvpolicy::Quest::update_metadata<Backend>(c.const_view(layer), meta_of(c, layer), &n, ctx);
+    return quest.on_append(policy_context<Backend>(ctx), kvpolicy::AppendInput<T>{c.const_view(layer), &n}, meta_of(c, layer));
   };
-  h.on_compact = [meta_of, ctx](Cache& c, int layer) -> Status {
-    return kvpolicy::Quest::rebuild_metadata<Backend>(c.const_view(layer), meta_of(c, layer), ctx);
+  h.on_compact = [quest, meta_of, ctx](Cache& c, int layer) -> Status {  // rebuild every page of the table
+    return quest.on_append(policy_context<Backend>(ctx), kvpolicy::AppendInput<T>{c.const_view(layer), nullptr}, meta_of(c, layer));
   };
   h.select = [quest, meta_of, st, ctx](Cache& c, int layer, TensorView<const float, 3> query, SelectionBuffer& sel) -> Status {
     const CacheShape& s = c.shape();
-    kvpolicy::GqaMap gqa;
-    KVP_RETURN_IF_ERROR(kvpolicy::GqaMap::make(s.num_q_heads, s.num_kv_heads, "engine quest", &gqa));
     const auto& view = c.const_view(layer);
-    const std::size_t need = quest.template workspace_bytes<Backend>(view.table, c.page_size(), gqa, s.head_dim, ctx);
-    if (st->ws.size() < need) st->ws.resize(need);
-    sel.reserve(view.table.batch * quest.heads_per_seq(gqa), quest.output_capacity(layer, view.table, c.page_size(), gqa));
-    return quest.template select<Backend>(layer, query, view.table, c.page_size(), kvpolicy::PageMetaView<const T>(meta_of(c, layer)), sel.sel,
-                                          kvpolicy::Workspace{st->ws.data(), st->ws.size()}, ctx);
+    const kvpolicy::DecodeInput<float> in{query, view.table, c.page_size(), layer};
+    kvpolicy::Quest::Plan plan;
+    KVP_RETURN_IF_ERROR(quest.plan(policy_context<Backend>(ctx), in,
+                                   kvpolicy::ProblemShape{.num_q_heads = s.num_q_heads, .num_kv_heads = s.num_kv_heads, .head_dim = s.head_dim},
+                                   plan));
+    grow_workspace(st->ws, plan.requirements);
+    sel.reserve(plan.requirements.output.rows, plan.requirements.output.capacity);
+    return quest.select(policy_context<Backend>(ctx, &st->ws), plan, in, kvpolicy::PageMetaView<const T>(meta_of(c, layer)), sel.sel);
   };
   return h;
 }

@@ -62,7 +62,7 @@ TEST_CASE("window_scores: matches a double-precision softmax with causal offset"
     WindowScoreShape s{G, w, d, T, T - w, T - w, 0.35f, red};
     std::vector<float> out(G * s.num_cols);
     std::vector<std::byte> ws(Scalar::window_scores_workspace(s));
-    Scalar::window_scores(s, q.data(), KeyRows<float>{k.data(), d}, out.data(), Workspace{ws.data(), ws.size()});
+    Scalar::window_scores(s, q.data(), Rows<float>{k.data(), d}, out.data(), Workspace{ws.data(), ws.size()});
     for (std::int64_t g = 0; g < G; ++g) {
       std::vector<double> ref(T, 0.0);
       for (std::int64_t i = 0; i < w; ++i) {

@@ -8,7 +8,7 @@
 #include "kvpolicy/core/any_tensor_view.hpp"
 #include "kvpolicy/core/dispatch.hpp"
 #include "kvpolicy/core/gqa.hpp"
-#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/core/workspace.hpp"
@@ -91,7 +91,7 @@ TEST_CASE("PagedKVView: NHD/HND addressing and page-table validation", "[views][
     const float* k = p.key(0, 1, 4);
     const std::int64_t expect = layout == PageLayout::kNHD ? (1 * ps * heads * d + 1 * heads * d + 1 * d) : (1 * heads * ps * d + 1 * ps * d + 1 * d);
     REQUIRE(k - pool.data() == expect);
-    const KeyRows<float> rows = KeyRows<float>::paged_keys(PagedKVView<const float>(p), 0, 1);
+    const Rows<float> rows = Rows<float>::paged_keys(PagedKVView<const float>(p), 0, 1);
     REQUIRE(rows.row(4) == k);
   }
   PagedKVView<float> p;

@@ -86,7 +86,7 @@ template <class Tk>
 struct KeyStore {
   std::vector<Tk> buf;
   std::vector<std::int32_t> pages;
-  KeyRows<Tk> rows{};
+  Rows<Tk> rows{};
 
   KeyStore(const std::vector<Tk>& dense, std::int64_t T, std::int64_t d, Layout layout, std::mt19937& rng) {
     const Tk poison = from_float<Tk>(std::numeric_limits<float>::quiet_NaN());
@@ -94,7 +94,7 @@ struct KeyStore {
       const std::int64_t stride = layout == Layout::kStrided ? d + 7 : d;
       buf.assign(static_cast<std::size_t>(std::max<std::int64_t>(T, 1) * stride + 16), poison);
       for (std::int64_t j = 0; j < T; ++j) std::copy_n(dense.begin() + j * d, d, buf.begin() + j * stride);
-      rows = KeyRows<Tk>{buf.data(), stride, nullptr, 0, 0};
+      rows = Rows<Tk>{buf.data(), stride, nullptr, 0, 0};
       return;
     }
     const std::int32_t P = layout == Layout::kPaged1 ? 1 : 16;
@@ -110,7 +110,7 @@ struct KeyStore {
       const std::int64_t off = pages[static_cast<std::size_t>(j / P)] * page_stride + (j % P) * slot_stride;
       std::copy_n(dense.begin() + j * d, d, buf.begin() + off);
     }
-    rows = KeyRows<Tk>{buf.data(), slot_stride, pages.data(), page_stride, P};
+    rows = Rows<Tk>{buf.data(), slot_stride, pages.data(), page_stride, P};
   }
 };
 

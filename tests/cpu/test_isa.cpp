@@ -56,7 +56,7 @@ TEST_CASE("Cpu ISA: backend::Cpu offers every op of the contract", "[cpu][isa]")
   std::vector<float> q(4, 1.0f), k(8, 0.5f), out(2);
   const WindowScoreShape s{1, 1, 4, 2, 2, 1, 0.5f, WindowReduce::kSum};
   std::vector<std::byte> ws(Cpu::window_scores_workspace(s));
-  Cpu::template window_scores<float>(s, q.data(), KeyRows<float>{k.data(), 4}, out.data(), Workspace{ws.data(), ws.size()});
+  Cpu::template window_scores<float>(s, q.data(), Rows<float>{k.data(), 4}, out.data(), Workspace{ws.data(), ws.size()});
   REQUIRE(out[0] == Approx(0.5f));
   REQUIRE(out[1] == Approx(0.5f));
 }

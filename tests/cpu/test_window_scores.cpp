@@ -43,7 +43,7 @@ std::int64_t check_case(const Case& c, const char* dtype, std::mt19937& rng) {
   WindowScoreShape ref_shape{c.G, c.w, c.d, c.T, c.T, c.q_pos0, scale, c.reduce};
   std::vector<float> ref(static_cast<std::size_t>(c.G * c.T));
   std::vector<std::byte> ref_ws(Scalar::window_scores_workspace(ref_shape));
-  Scalar::window_scores(ref_shape, q.data(), KeyRows<Tk>{keys.data(), c.d}, ref.data(), Workspace{ref_ws.data(), ref_ws.size()});
+  Scalar::window_scores(ref_shape, q.data(), Rows<Tk>{keys.data(), c.d}, ref.data(), Workspace{ref_ws.data(), ref_ws.size()});
 
   std::int64_t compared = 0;
   const Layout layouts[] = {Layout::kContiguous, Layout::kStrided, Layout::kPaged16, Layout::kPaged1};
@@ -149,14 +149,14 @@ TEST_CASE("window_scores: non-finite inputs stay confined and never crash", "[cp
   const WindowScoreShape s{G, w, d, T, T - w, T - w, 0.125f, WindowReduce::kMean};
   std::vector<float> ref(static_cast<std::size_t>(G * s.num_cols));
   std::vector<std::byte> rws(Scalar::window_scores_workspace(s));
-  Scalar::window_scores(s, q.data(), KeyRows<half>{keys.data(), d}, ref.data(), Workspace{rws.data(), rws.size()});
+  Scalar::window_scores(s, q.data(), Rows<half>{keys.data(), d}, ref.data(), Workspace{rws.data(), rws.size()});
   IsaGuard guard;
   for (CpuIsa isa : available_isas()) {
     REQUIRE(Cpu::set_isa(isa));
     INFO("isa " << cpu_isa_name(isa));
     std::vector<float> out(ref.size());
     std::vector<std::byte> ws(Cpu::window_scores_workspace(s));
-    Cpu::window_scores(s, q.data(), KeyRows<half>{keys.data(), d}, out.data(), Workspace{ws.data(), ws.size()});
+    Cpu::window_scores(s, q.data(), Rows<half>{keys.data(), d}, out.data(), Workspace{ws.data(), ws.size()});
     for (std::size_t i = 0; i < out.size(); ++i) {
       // Where the reference is finite (no poisoned query or key reaches it) the
       // results agree; where it is NaN, so is ours.
@@ -177,7 +177,7 @@ TEST_CASE("window_scores: a workspace sized for the reference op falls back to i
   REQUIRE(Scalar::window_scores_workspace(s) < Cpu::window_scores_workspace(s));
   std::vector<std::byte> small(Scalar::window_scores_workspace(s));
   std::vector<float> ref(static_cast<std::size_t>(G * s.num_cols)), out(ref.size());
-  Scalar::window_scores(s, q.data(), KeyRows<float>{keys.data(), d}, ref.data(), Workspace{small.data(), small.size()});
-  Cpu::window_scores(s, q.data(), KeyRows<float>{keys.data(), d}, out.data(), Workspace{small.data(), small.size()});
+  Scalar::window_scores(s, q.data(), Rows<float>{keys.data(), d}, ref.data(), Workspace{small.data(), small.size()});
+  Cpu::window_scores(s, q.data(), Rows<float>{keys.data(), d}, out.data(), Workspace{small.data(), small.size()});
   REQUIRE(out == ref);
 }

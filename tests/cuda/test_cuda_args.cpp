@@ -16,7 +16,7 @@
 #error "kvpolicy/backends/cuda.hpp must not pull in CUDA headers"
 #endif
 
-using kvpolicy::KeyRows;
+using kvpolicy::Rows;
 using kvpolicy::Status;
 using kvpolicy::StatusCode;
 using kvpolicy::WindowReduce;
@@ -47,11 +47,11 @@ WindowScoreShape snapkv_shape() {
 
 Workspace big_ws() { return Workspace{fake<void>(64), std::size_t{1} << 40}; }
 
-Status scores_call(const WindowScoreShape& s, const float* q, KeyRows<float> keys, float* out, Workspace ws) {
+Status scores_call(const WindowScoreShape& s, const float* q, Rows<float> keys, float* out, Workspace ws) {
   return Cuda::window_scores(s, q, keys, out, ws, nullptr);
 }
 
-KeyRows<float> contiguous_keys(std::int64_t row_stride) { return KeyRows<float>{fake<const float>(2), row_stride}; }
+Rows<float> contiguous_keys(std::int64_t row_stride) { return Rows<float>{fake<const float>(2), row_stride}; }
 
 }  // namespace
 
@@ -102,7 +102,7 @@ TEST_CASE("cuda window_scores: null pointers and bad key strides", "[cuda][args]
   REQUIRE(st.code() == StatusCode::kInvalidArgument);
   REQUIRE(mentions(st, "out is null"));
 
-  st = scores_call(s, q, KeyRows<float>{}, out, big_ws());
+  st = scores_call(s, q, Rows<float>{}, out, big_ws());
   REQUIRE(st.code() == StatusCode::kInvalidArgument);
   REQUIRE(mentions(st, "keys.base is null"));
 
@@ -111,7 +111,7 @@ TEST_CASE("cuda window_scores: null pointers and bad key strides", "[cuda][args]
   REQUIRE(mentions(st, "keys.row_stride is 63"));
 
   // Paged keys: page_size must be positive, pages must not alias.
-  KeyRows<kvpolicy::half> paged{fake<const kvpolicy::half>(2), 64, fake<const std::int32_t>(4), 0, 16};
+  Rows<kvpolicy::half> paged{fake<const kvpolicy::half>(2), 64, fake<const std::int32_t>(4), 0, 16};
   st = Cuda::window_scores(s, q, paged, out, big_ws(), nullptr);
   REQUIRE(st.code() == StatusCode::kInvalidArgument);
   REQUIRE(mentions(st, "keys.page_stride is 0"));
@@ -121,7 +121,7 @@ TEST_CASE("cuda window_scores: null pointers and bad key strides", "[cuda][args]
   REQUIRE(st.code() == StatusCode::kInvalidArgument);
   REQUIRE(mentions(st, "keys.page_size is 0"));
 
-  KeyRows<kvpolicy::bfloat16> bf{nullptr, 64};
+  Rows<kvpolicy::bfloat16> bf{nullptr, 64};
   st = Cuda::window_scores(s, q, bf, out, big_ws(), nullptr);
   REQUIRE(st.code() == StatusCode::kInvalidArgument);
   REQUIRE(mentions(st, "keys.base is null"));
@@ -154,10 +154,10 @@ TEST_CASE("cuda window_scores: empty problems succeed without touching the devic
   s.q_pos0 = 0;
   REQUIRE(Cuda::window_scores_workspace(s) == 0);
   // Nothing to write: no pointer is needed and nothing is enqueued.
-  REQUIRE(scores_call(s, nullptr, KeyRows<float>{}, nullptr, Workspace{}).is_ok());
+  REQUIRE(scores_call(s, nullptr, Rows<float>{}, nullptr, Workspace{}).is_ok());
   s = snapkv_shape();
   s.num_cols = 0;
-  REQUIRE(scores_call(s, nullptr, KeyRows<float>{}, nullptr, Workspace{}).is_ok());
+  REQUIRE(scores_call(s, nullptr, Rows<float>{}, nullptr, Workspace{}).is_ok());
 }
 
 TEST_CASE("cuda window_scores: launch limits are reported as unsupported", "[cuda][args]") {

@@ -29,7 +29,7 @@ using kvp::backend::Scalar;
 
 namespace {
 
-template <class T> using KeyRows = kvp::KeyRows<T>;
+template <class T> using Rows = kvp::Rows<T>;
 
 #define CUDA_REQUIRE(expr)                                              \
   do {                                                                  \
@@ -95,9 +95,9 @@ template <class T>
 struct KeyStore {
   std::vector<T> host;
   std::vector<std::int32_t> pages;
-  KeyRows<T> host_rows;
+  Rows<T> host_rows;
   std::unique_ptr<DeviceBuffer> dev, dev_pages;
-  KeyRows<T> dev_rows;
+  Rows<T> dev_rows;
 
   KeyStore(const std::vector<float>& k, std::int64_t T_, std::int64_t d, Layout layout, std::mt19937& rng) {
     constexpr std::int64_t kHeads = 2, kPage = 16;
@@ -106,8 +106,8 @@ struct KeyStore {
       for (std::int64_t j = 0; j < T_; ++j)
         for (std::int64_t c = 0; c < d; ++c) host[(j * kHeads + 1) * d + c] = kvp::from_float<T>(k[j * d + c]);
       dev = std::make_unique<DeviceBuffer>(host);
-      host_rows = KeyRows<T>{host.data() + d, kHeads * d};
-      dev_rows = KeyRows<T>{dev->get<T>() + d, kHeads * d};
+      host_rows = Rows<T>{host.data() + d, kHeads * d};
+      dev_rows = Rows<T>{dev->get<T>() + d, kHeads * d};
       return;
     }
     const std::int64_t used = (T_ + kPage - 1) / kPage, pool = used + 3;
@@ -122,8 +122,8 @@ struct KeyStore {
         host[pages[j / kPage] * page + head + (j % kPage) * slot + c] = kvp::from_float<T>(k[j * d + c]);
     dev = std::make_unique<DeviceBuffer>(host);
     dev_pages = std::make_unique<DeviceBuffer>(pages.empty() ? std::vector<std::int32_t>{0} : pages);
-    host_rows = KeyRows<T>{host.data() + head, slot, pages.data(), page, static_cast<std::int32_t>(kPage)};
-    dev_rows = KeyRows<T>{dev->get<T>() + head, slot, dev_pages->get<std::int32_t>(), page, static_cast<std::int32_t>(kPage)};
+    host_rows = Rows<T>{host.data() + head, slot, pages.data(), page, static_cast<std::int32_t>(kPage)};
+    dev_rows = Rows<T>{dev->get<T>() + head, slot, dev_pages->get<std::int32_t>(), page, static_cast<std::int32_t>(kPage)};
   }
 };
 
@@ -266,9 +266,9 @@ TEST_CASE("cuda window_scores: odd head_dim and a window longer than a tile", "[
     INFO("d=" << d);
     std::vector<float> want(static_cast<std::size_t>(G * s.num_cols));
     std::vector<std::byte> host_ws(Scalar::window_scores_workspace(s));
-    Scalar::window_scores(s, q.data(), kvp::KeyRows<float>{k.data(), d}, want.data(), kvp::Workspace{host_ws.data(), host_ws.size()});
+    Scalar::window_scores(s, q.data(), kvp::Rows<float>{k.data(), d}, want.data(), kvp::Workspace{host_ws.data(), host_ws.size()});
     DeviceBuffer dk(k), dq(q), dout(want.size() * sizeof(float)), dws(Cuda::window_scores_workspace(s));
-    KVP_REQUIRE_OK(Cuda::window_scores(s, dq.get<float>(), kvp::KeyRows<float>{dk.get<float>(), d}, dout.get<float>(),
+    KVP_REQUIRE_OK(Cuda::window_scores(s, dq.get<float>(), kvp::Rows<float>{dk.get<float>(), d}, dout.get<float>(),
                                        dws.workspace(), nullptr));
     CUDA_REQUIRE(cudaDeviceSynchronize());
     const auto got = dout.download<float>(want.size());

@@ -105,12 +105,43 @@ struct LibraryCache {
   }
 };
 
+/// The engine's probabilities (Hq, q, n) as an update input (keys are not read).
+template <class Tp>
+ScoreInput<float, float, Tp> probs_input(TensorView<const Tp, 3> probs) {
+  ScoreInput<float, float, Tp> in;
+  in.attention = probs;
+  return in;
+}
+
+/// The engine's column sums (Hq, n) as an update input (keys are not read).
+ScoreInput<float, float> column_sums_input(TensorView<const float, 2> col) {
+  ScoreInput<float, float> in;
+  in.column_sums = col;
+  return in;
+}
+
+/// Workspace from the one size query (update from queries when shape.head_dim > 0, and evict).
+template <class Backend>
+std::vector<std::byte> h2o_workspace(const H2O& p, const ProblemShape& shape, const ExecContext& ctx = {}) {
+  const Requirements req = p.requirements(Context<Backend>{{}, ctx}, shape);
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.output.rows == p.state_rows(shape));
+  return std::vector<std::byte>(req.workspace_bytes);
+}
+
+/// Workspace of an evict of a state of `state_rows` rows and `len` slots (no queries path).
+template <class Backend>
+std::vector<std::byte> evict_workspace(const H2O& p, std::int64_t state_rows, std::int64_t len, const ExecContext& ctx = {}) {
+  return h2o_workspace<Backend>(p, ProblemShape{state_rows, state_rows, 0, len, 0}, ctx);
+}
+
 template <class Backend>
 KeepSetBuffer evict_for_space(const H2O& p, H2OState& st, std::int64_t num_coming = 0, const ExecContext& ctx = {}) {
   const std::int64_t H = st.scores.extent(0);
   KeepSetBuffer keep(H, std::max<std::int64_t>(H * std::max<std::int64_t>(p.kept_count(st.length, num_coming), 0), 1));
-  std::vector<std::byte> ws(p.evict_workspace_bytes<Backend>(H, st.length, ctx));
-  const Status s = p.evict_for_space<Backend>(st, num_coming, keep.view(), Workspace{ws.data(), ws.size()}, ctx);
+  auto ws = evict_workspace<Backend>(p, H, st.length, ctx);
+  const Status s = p.evict_for_space(Context<Backend>{Workspace{ws.data(), ws.size()}, ctx}, st, num_coming, keep.view());
   INFO(s.message());
   REQUIRE(s.is_ok());
   return keep;
@@ -146,7 +177,8 @@ void run_against_reference(std::int64_t Hq, std::int64_t Hkv, GroupReduce red, s
     const auto ref_probs = causal_probs(queries, Hq, q, d, ref_keys_flat.data(), Hkv, n * d, n);
     REQUIRE(ref_probs == probs);  // identical caches give identical attention
     ref.accumulate(ref_probs, q, n);
-    REQUIRE(policy.update(lib.h2o, TensorView<const float, 3>::contiguous(probs.data(), {Hq, q, n}), ctx).is_ok());
+    REQUIRE(policy.update(Context<Backend>{{}, ctx}, lib.h2o, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, q, n})))
+                .is_ok());
     ref.evict(d);
     auto keep = evict_for_space<Backend>(policy, lib.h2o, 0, ctx);
     lib.compact(keep);
@@ -201,7 +233,8 @@ TEMPLATE_TEST_CASE("h2o: the library-computed update equals the update from engi
       const std::int64_t n = lib.len;
       const auto queries = ts.queries(q);
       const auto probs = causal_probs(queries, Hq, q, d, lib.keys.data(), Hkv, cap * d, n);
-      REQUIRE(policy.update(lib.h2o, TensorView<const float, 3>::contiguous(probs.data(), {Hq, q, n})).is_ok());
+      const Context<TestType> cx0{};  // the probabilities paths need no workspace
+      REQUIRE(policy.update(cx0, lib.h2o, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, q, n}))).is_ok());
       // column sums as an engine kernel would return them
       std::vector<float> col(Hq * n, 0.0f);
       for (std::int64_t h = 0; h < Hq; ++h)
@@ -210,11 +243,11 @@ TEMPLATE_TEST_CASE("h2o: the library-computed update equals the update from engi
           for (std::int64_t i = 1; i < q; ++i) c += probs[(h * q + i) * n + j];
           col[h * n + j] = c;
         }
-      REQUIRE(policy.update_from_column_sums(from_c, TensorView<const float, 2>::contiguous(col.data(), {Hq, n})).is_ok());
-      const PrefillInput<float, float> in{TensorView<const float, 3>::contiguous(queries.data(), {Hq, q, d}),
+      REQUIRE(policy.update(cx0, from_c, column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {Hq, n}))).is_ok());
+      const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(queries.data(), {Hq, q, d}),
                                           KVSource<float>::from(TensorView<const float, 3>(lib.keys.data(), {Hkv, n, d}, {cap * d, d, 1}))};
-      std::vector<std::byte> ws(policy.update_workspace_bytes<TestType>({Hq, Hkv, d, n, q}));
-      const Status s = policy.update_from_queries<TestType>(from_q, in, Workspace{ws.data(), ws.size()});
+      auto ws = h2o_workspace<TestType>(policy, ProblemShape{Hq, Hkv, d, n, q});
+      const Status s = policy.update(Context<TestType>{Workspace{ws.data(), ws.size()}}, from_q, in);
       INFO(s.message());
       REQUIRE(s.is_ok());
       REQUIRE(from_q.length == n);
@@ -244,19 +277,20 @@ TEST_CASE("h2o: per-query-head granularity, fp16 probabilities, paged keys, thre
   std::vector<float> s1(Hq * n), s2(Hq * n), s3(Hq * n);
   H2OState a{TensorView<float, 2>::contiguous(s1.data(), {Hq, n}), 0}, b{TensorView<float, 2>::contiguous(s2.data(), {Hq, n}), 0},
       c{TensorView<float, 2>::contiguous(s3.data(), {Hq, n}), 0};
-  std::vector<std::byte> ws(policy.update_workspace_bytes<backend::Cpu>({Hq, Hq, d, n, n}, ThreadPool(2).context()));
-  REQUIRE(policy.update_from_queries<backend::Scalar>(a, in, Workspace{ws.data(), ws.size()}).is_ok());
   ThreadPool pool(2);
-  REQUIRE(policy.update_from_queries<backend::Cpu>(b, rc.paged_input(16), Workspace{ws.data(), ws.size()}, pool.context()).is_ok());
+  auto ws = h2o_workspace<backend::Cpu>(policy, ProblemShape{Hq, Hq, d, n, n}, pool.context());
+  REQUIRE(policy.update(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, a, in).is_ok());
+  REQUIRE(policy.update(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()}, b, rc.paged_input(16)).is_ok());
   // fp16 probabilities: the update converts exactly (values already fp16-representable)
   const auto probs = causal_probs(rc.queries, Hq, n, d, rc.keys.data(), Hq, n * d, n);
   std::vector<half> ph(probs.size());
   std::vector<float> pf(probs.size());
   for (std::size_t i = 0; i < probs.size(); ++i) ph[i] = from_float<half>(probs[i]), pf[i] = to_float(ph[i]);
-  REQUIRE(policy.update(c, TensorView<const half, 3>::contiguous(ph.data(), {Hq, n, n})).is_ok());
+  const Context<backend::Scalar> cx0{};
+  REQUIRE(policy.update(cx0, c, probs_input(TensorView<const half, 3>::contiguous(ph.data(), {Hq, n, n}))).is_ok());
   std::vector<float> s4(Hq * n);
   H2OState e{TensorView<float, 2>::contiguous(s4.data(), {Hq, n}), 0};
-  REQUIRE(policy.update(e, TensorView<const float, 3>::contiguous(pf.data(), {Hq, n, n})).is_ok());
+  REQUIRE(policy.update(cx0, e, probs_input(TensorView<const float, 3>::contiguous(pf.data(), {Hq, n, n}))).is_ok());
   REQUIRE(s3 == s4);
   for (std::size_t i = 0; i < s1.size(); ++i) REQUIRE(s2[i] == Approx(s1[i]).epsilon(1e-5).margin(1e-6));
   const auto ka = evict_for_space<backend::Scalar>(policy, a), kb = evict_for_space<backend::Cpu>(policy, b, 0, pool.context());
@@ -346,6 +380,7 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
   H2OState st{TensorView<float, 2>::contiguous(state.data(), {Hkv, cap}), 30};
   const H2O policy(H2OParams::original(10, 10));
   std::vector<float> probs(Hq * 3 * 33, 0.01f);
+  const Context<backend::Scalar> cx0{};  // the probabilities paths need no workspace
 #define expect_update_error(expr, needle)      \
   do {                                         \
     const Status s_ = (expr);                  \
@@ -356,47 +391,47 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
     REQUIRE(st.length == 30);                  \
   } while (0)
   // state view of the wrong length: the call covers 33 keys with 1 query, but the state tracks 30 slots
-  expect_update_error(policy.update(st, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 1, 33})),
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 1, 33}))),
                       "probabilities cover kv_len=33, expected state length 30 + 1 new = 31");
-  expect_update_error(policy.update_from_column_sums(st, TensorView<const float, 2>::contiguous(probs.data(), {Hq, 20})),
+  expect_update_error(policy.update(cx0, st, column_sums_input(TensorView<const float, 2>::contiguous(probs.data(), {Hq, 20}))),
                       "column sums cover kv_len=20, fewer than the state's 30 slots");
   H2OState small{TensorView<float, 2>::contiguous(state.data(), {Hkv, 32}), 30};
-  expect_update_error(policy.update(small, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33})),
+  expect_update_error(policy.update(cx0, small, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
                       "state capacity 32 is smaller than kv_len 33");
   // mismatched head counts
-  expect_update_error(policy.update(st, TensorView<const float, 3>::contiguous(probs.data(), {7, 3, 33})),
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {7, 3, 33}))),
                       "probabilities has 7 query heads, not a multiple of the state's 2 kv heads");
   H2OParams qh = H2OParams::original(10, 10);
   qh.granularity = H2OGranularity::kQueryHead;
-  expect_update_error(H2O(qh).update(st, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33})),
+  expect_update_error(H2O(qh).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
                       "probabilities has 8 query heads, the per-query-head state has 2 rows");
   // probabilities with a wrong shape
-  expect_update_error(policy.update(st, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 0, 30})), "has 0 query rows");
-  expect_update_error(policy.update(st, TensorView<const float, 3>(probs.data(), {Hq, 3, 33}, {99, 33 * Hq, Hq})), "kv stride 8, must be 1");
-  expect_update_error(policy.update(st, TensorView<const float, 3>(nullptr, {Hq, 3, 33}, {99, 33, 1})), "probabilities has null data");
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 0, 30}))), "has 0 query rows");
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>(probs.data(), {Hq, 3, 33}, {99, 33 * Hq, Hq}))), "kv stride 8, must be 1");
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>(nullptr, {Hq, 3, 33}, {99, 33, 1}))), "probabilities has null data");
   H2OState bad_len{TensorView<float, 2>::contiguous(state.data(), {Hkv, cap}), cap + 1};
-  expect_update_error(policy.update(bad_len, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 1, 41})),
+  expect_update_error(policy.update(cx0, bad_len, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 1, 41}))),
                       "state length 41 out of range [0, capacity=40]");
   H2OState strided{TensorView<float, 2>(state.data(), {Hkv, cap}, {1, Hkv}), 30};
-  expect_update_error(policy.update(strided, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33})), "slot stride 2, must be 1");
+  expect_update_error(policy.update(cx0, strided, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))), "slot stride 2, must be 1");
   H2OParams bad = H2OParams::original(10, 10);
   bad.group_reduce = GroupReduce::kMax;
-  expect_update_error(H2O(bad).update(st, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33})), "kMax is not additive");
-  expect_update_error(H2O(H2OParams::original(-1, 10)).update(st, TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33})),
+  expect_update_error(H2O(bad).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))), "kMax is not additive");
+  expect_update_error(H2O(H2OParams::original(-1, 10)).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
                       "must be >= 0");
-  // update_from_queries: queries / keys / state head counts
+  // update from queries and keys: queries / keys / state head counts
   RandomCase<float> rc(Hq, Hkv, 33, d, 3, 1);
-  std::vector<std::byte> ws(policy.update_workspace_bytes<backend::Cpu>({Hq, Hkv, d, 33, 3}));
-  const Workspace w{ws.data(), ws.size()};
+  auto ws = h2o_workspace<backend::Cpu>(policy, ProblemShape{Hq, Hkv, d, 33, 3});
+  const Context<backend::Cpu> w{Workspace{ws.data(), ws.size()}};
   auto in = rc.input();
   auto q6 = in;
   q6.queries = TensorView<const float, 3>(rc.queries.data(), {5, 3, d}, {3 * d, d, 1});
-  expect_update_error(policy.update_from_queries<backend::Cpu>(st, q6, w), "queries has 5 heads, not a multiple of the 2 kv heads");
+  expect_update_error(policy.update(w, st, q6), "queries has 5 heads, not a multiple of the 2 kv heads");
   RandomCase<float> rc4(Hq, 4, 33, d, 3, 1);
-  expect_update_error(policy.update_from_queries<backend::Cpu>(st, rc4.input(), w), "keys has 4 kv heads, the state has 2 rows");
+  expect_update_error(policy.update(w, st, rc4.input()), "keys has 4 kv heads, the state has 2 rows");
   RandomCase<float> longer(Hq, Hkv, 35, d, 3, 1);
-  expect_update_error(policy.update_from_queries<backend::Cpu>(st, longer.input(), w), "keys cover kv_len=35, expected state length 30 + 3 new = 33");
-  expect_update_error(policy.update_from_queries<backend::Cpu>(st, in, Workspace{ws.data(), 64}), "workspace has 64 bytes");
+  expect_update_error(policy.update(w, st, longer.input()), "keys cover kv_len=35, expected state length 30 + 3 new = 33");
+  expect_update_error(policy.update(Context<backend::Cpu>{Workspace{ws.data(), 64}}, st, in), "workspace has 64 bytes");
 
   // evict: NaN in the state (both the one-victim and the top-k path), bad num_coming, small outputs
   st.length = 21;  // 21 > 20: one victim
@@ -408,8 +443,8 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
       st.length = len;
       KeepSetBuffer keep(Hkv, Hkv * 20);
       keep.fill_sentinel();
-      std::vector<std::byte> ews(policy.evict_workspace_bytes<backend::Cpu>(Hkv, len));
-      const Status s = policy.evict<backend::Cpu>(st, keep.view(), Workspace{ews.data(), ews.size()});
+      auto ews = h2o_workspace<backend::Cpu>(policy, ProblemShape{Hq, Hkv, 0, len, 0});
+      const Status s = policy.evict(Context<backend::Cpu>{Workspace{ews.data(), ews.size()}}, st, keep.view());
       INFO(s.message());
       REQUIRE_THAT(s.message(), Contains("state head 1 slot " + std::to_string(nan_slot) + " is NaN"));
       REQUIRE(keep.untouched());
@@ -419,18 +454,19 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
   }
   state = state0;
   st.length = 30;
-  std::vector<std::byte> ews(policy.evict_workspace_bytes<backend::Cpu>(Hkv, 30));
+  auto ews = h2o_workspace<backend::Cpu>(policy, ProblemShape{Hq, Hkv, 0, 30, 0});
+  const Context<backend::Cpu> ecx{Workspace{ews.data(), ews.size()}};
   KeepSetBuffer keep(Hkv, Hkv * 20);
   keep.fill_sentinel();
-  REQUIRE_THAT(policy.evict_for_space<backend::Cpu>(st, 21, keep.view(), Workspace{ews.data(), ews.size()}).message(),
+  REQUIRE_THAT(policy.evict_for_space(ecx, st, 21, keep.view()).message(),
                Contains("num_coming 21 out of range [0, hh_size + recent_size = 20]"));
   KeepSetBuffer small_keep(Hkv, 39);
   small_keep.fill_sentinel();
-  REQUIRE(policy.evict<backend::Cpu>(st, small_keep.view(), Workspace{ews.data(), ews.size()}).code() == StatusCode::kOutputTooSmall);
+  REQUIRE(policy.evict(ecx, st, small_keep.view()).code() == StatusCode::kOutputTooSmall);
   KeepSetBuffer wrong_rows(3, 60);
   wrong_rows.fill_sentinel();
-  REQUIRE_THAT(policy.evict<backend::Cpu>(st, wrong_rows.view(), Workspace{ews.data(), ews.size()}).message(), Contains("keep set has 3 rows"));
-  REQUIRE_THAT(policy.evict<backend::Cpu>(st, keep.view(), Workspace{ews.data(), 8}).message(), Contains("workspace has 8 bytes"));
+  REQUIRE_THAT(policy.evict(ecx, st, wrong_rows.view()).message(), Contains("keep set has 3 rows"));
+  REQUIRE_THAT(policy.evict(ecx.with_workspace(Workspace{ews.data(), 8}), st, keep.view()).message(), Contains("workspace has 8 bytes"));
   REQUIRE(keep.untouched());
   REQUIRE(small_keep.untouched());
   REQUIRE(wrong_rows.untouched());
@@ -447,7 +483,9 @@ TEST_CASE("h2o: reset starts a new sequence - ratios of the prompt length", "[h2
   st.reset();
   REQUIRE(st.length == 0);
   std::vector<float> probs(4 * 3 * 3, 0.25f);
-  REQUIRE(H2O(H2OParams::original(2, 2)).update(st, TensorView<const float, 3>::contiguous(probs.data(), {4, 3, 3})).is_ok());
+  REQUIRE(H2O(H2OParams::original(2, 2))
+              .update(Context<backend::Scalar>{}, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {4, 3, 3})))
+              .is_ok());
   REQUIRE(st.length == 3);
   REQUIRE(s[0] == 1.5f);  // 2 heads x 3 rows x 0.25, no stale score
 }

@@ -16,15 +16,18 @@ namespace {
 
 /// H2O decisions after accumulating the attention of a whole prompt recomputed from queries and keys.
 template <class Backend, class Tk>
-KeepSetBuffer h2o_prefill(const RandomCase<Tk>& rc, const PrefillInput<float, Tk>& in) {
+KeepSetBuffer h2o_prefill(const RandomCase<Tk>& rc, const ScoreInput<float, Tk>& in) {
   const H2O policy(H2OParams::original(rc.T / 4, rc.T / 8));
   std::vector<float> s(static_cast<std::size_t>(rc.Hkv * rc.T));
   H2OState st{TensorView<float, 2>::contiguous(s.data(), {rc.Hkv, rc.T}), 0};
-  std::vector<std::byte> ws(policy.update_workspace_bytes<Backend>({rc.Hq, rc.Hkv, rc.d, rc.T, rc.T}));
-  REQUIRE(policy.update_from_queries<Backend>(st, in, Workspace{ws.data(), ws.size()}).is_ok());
+  // one size query covers the update from queries and the evict
+  const Requirements req = policy.requirements(Context<Backend>{}, ProblemShape{rc.Hq, rc.Hkv, rc.d, rc.T, rc.T});
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}};
+  REQUIRE(policy.update(cx, st, in).is_ok());
   KeepSetBuffer keep(rc.Hkv, rc.Hkv * rc.T);
-  std::vector<std::byte> ews(policy.evict_workspace_bytes<Backend>(rc.Hkv, rc.T));
-  REQUIRE(policy.evict<Backend>(st, keep.view(), Workspace{ews.data(), ews.size()}).is_ok());
+  REQUIRE(policy.evict(cx, st, keep.view()).is_ok());
   return keep;
 }
 
@@ -41,15 +44,15 @@ TEST_CASE("online policies: backend::Cpu equals backend::Scalar at every ISA lev
   const auto in = rc.input();
   const TOVA tova(TOVAParams::kvpress(0.6));
   const ObservedAttention observed(ObservedAttentionParams::kvpress(0.7)), factory(ObservedAttentionParams::kvcache_factory_h2o(100, 8));
-  const auto ref_tova = run_select<backend::Scalar>(tova, in);
-  const auto ref_obs = run_select<backend::Scalar>(observed, in), ref_fac = run_select<backend::Scalar>(factory, in);
+  const auto ref_tova = run_evict<backend::Scalar>(tova, in);
+  const auto ref_obs = run_evict<backend::Scalar>(observed, in), ref_fac = run_evict<backend::Scalar>(factory, in);
   const auto ref_h2o = h2o_prefill<backend::Scalar>(rc, in);
   for (CpuIsa isa : {CpuIsa::kSse2, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
     if (!backend::Cpu::set_isa(isa)) continue;
     INFO(cpu_isa_name(isa));
-    REQUIRE(run_select<backend::Cpu>(tova, in) == ref_tova);
-    REQUIRE(run_select<backend::Cpu>(observed, in) == ref_obs);
-    REQUIRE(run_select<backend::Cpu>(factory, rc.paged_input(16)) == ref_fac);
+    REQUIRE(run_evict<backend::Cpu>(tova, in) == ref_tova);
+    REQUIRE(run_evict<backend::Cpu>(observed, in) == ref_obs);
+    REQUIRE(run_evict<backend::Cpu>(factory, rc.paged_input(16)) == ref_fac);
     REQUIRE(h2o_prefill<backend::Cpu>(rc, in) == ref_h2o);
   }
 }

@@ -20,14 +20,26 @@ STATIC_ASSERT_POLICY(ObservedAttention);
 
 namespace {
 
-std::vector<float> scores_of(const ObservedAttention& p, const PrefillInput<float, float>& in) {
+std::vector<float> scores_of(const ObservedAttention& p, const ScoreInput<float, float>& in) {
   const std::int64_t H = in.keys.kv_heads(), T = in.keys.kv_len();
   std::vector<float> out(static_cast<std::size_t>(H * T));
-  std::vector<std::byte> ws(p.workspace_bytes<backend::Scalar>({in.queries.extent(0), H, in.keys.head_dim(), T, T}));
-  const Status s = p.score<backend::Scalar>(in, TensorView<float, 2>::contiguous(out.data(), {H, T}), Workspace{ws.data(), ws.size()});
+  const Requirements req = p.requirements(Context<backend::Scalar>{}, ProblemShape{in.queries.extent(0), H, in.keys.head_dim(), T, T});
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.query_window == T);  // the whole prompt
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Status s = p.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(out.data(), {H, T}));
   INFO(s.message());
   REQUIRE(s.is_ok());
   return out;
+}
+
+/// The engine's column sums (Hq, T); keys give only the shape (Hkv, T).
+ScoreInput<float, float> column_sums_input(TensorView<const float, 2> col, std::int64_t Hkv) {
+  ScoreInput<float, float> in;
+  in.keys = KVSource<float>::shape_only(Hkv, col.extent(1));
+  in.column_sums = col;
+  return in;
 }
 
 /// The full T x T causal attention in double, literally: column sums per
@@ -67,7 +79,7 @@ TEST_CASE("observed_attention: golden vectors of reference §11 (kvpress Observe
   const auto qd = golden::queries(), kd = golden::keys();
   const int T = golden::kT, d = golden::kD;
   std::vector<float> q(qd.begin(), qd.end()), k(kd.begin(), kd.end());
-  const PrefillInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, T, d}),
+  const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, T, d}),
                                       KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
   const double expect[2][12] = {
       {0.3133542671, 0.1964031608, 0.1330593796, 0.1106263298, 0.1122726602, 0.1166411026, 0.1041945946, 0.0990454093, 0.0927701534,
@@ -81,7 +93,7 @@ TEST_CASE("observed_attention: golden vectors of reference §11 (kvpress Observe
     const auto s = scores_of(policy, in);
     for (int h = 0; h < 2; ++h)
       for (int j = 0; j < T; ++j) REQUIRE(s[h * T + j] == Approx(expect[h][j]).epsilon(1e-6));
-    for (auto keep : {run_select<backend::Scalar>(policy, in), run_select<backend::Cpu>(policy, in)}) {
+    for (auto keep : {run_evict<backend::Scalar>(policy, in), run_evict<backend::Cpu>(policy, in)}) {
       REQUIRE(keep.row(0) == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5});
       REQUIRE(keep.row(1) == std::vector<std::int32_t>{0, 1, 2, 3, 4, 6});
     }
@@ -97,13 +109,13 @@ TEST_CASE("observed_attention: kvpress and KVCache-Factory H2O equal a full T x 
     const ObservedAttention policy(params);
     const std::int64_t n = policy.kept_count(rc.T);
     const auto ref = reference_select(rc, params, n);
-    const auto keep = run_select<backend::Scalar>(policy, rc.input());
+    const auto keep = run_evict<backend::Scalar>(policy, rc.input());
     for (int h = 0; h < 2; ++h) REQUIRE(keep.row(h) == ref[h]);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.input()) == keep);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.strided_input()) == keep);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.paged_input(16)) == keep);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.input()) == keep);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.strided_input()) == keep);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.paged_input(16)) == keep);
     ThreadPool pool(2);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.input(), pool.context()) == keep);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.input(), pool.context()) == keep);
     // engine-provided column sums decide the same
     const auto A = causal_probs(rc.queries, rc.Hq, rc.T, rc.d, rc.keys.data(), rc.Hkv, rc.T * rc.d, rc.T);
     std::vector<float> col(static_cast<std::size_t>(rc.Hq * rc.T), 0.0f);
@@ -111,9 +123,12 @@ TEST_CASE("observed_attention: kvpress and KVCache-Factory H2O equal a full T x 
       for (std::int64_t i = 0; i < rc.T; ++i)
         for (std::int64_t j = 0; j <= i; ++j) col[h * rc.T + j] += A[(h * rc.T + i) * rc.T + j];
     KeepSetBuffer from_col(2, 2 * n);
-    std::vector<std::byte> ws(policy.workspace_bytes<backend::Cpu>({rc.Hq, 2, 0, rc.T, rc.T}, pool.context()));
-    REQUIRE(policy.select_from_column_sums<backend::Cpu>(TensorView<const float, 2>::contiguous(col.data(), {rc.Hq, rc.T}), 2, from_col.view(),
-                                                         Workspace{ws.data(), ws.size()}, pool.context())
+    const Requirements req = policy.requirements(Context<backend::Cpu>{{}, pool.context()}, ProblemShape{rc.Hq, 2, 0, rc.T, 0});
+    REQUIRE(req.status.is_ok());
+    REQUIRE(req.query_window == 0);  // the engine's sums: no queries
+    std::vector<std::byte> ws(req.workspace_bytes);
+    REQUIRE(policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()},
+                         column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {rc.Hq, rc.T}), 2), from_col.view())
                 .is_ok());
     REQUIRE(from_col == keep);
   }
@@ -125,12 +140,12 @@ TEST_CASE("observed_attention: kvpress and KVCache-Factory H2O equal a full T x 
 TEST_CASE("observed_attention: batches, dtypes and the window scores", "[observed]") {
   RandomCase<half> a(4, 2, 70, 64, 70, 1), b(4, 2, 33, 64, 33, 2);
   const ObservedAttention policy(ObservedAttentionParams::kvcache_factory_h2o(20, 8));
-  std::vector<PrefillInput<float, half>> batch{a.input(), b.input()};
+  std::vector<ScoreInput<float, half>> batch{a.input(), b.input()};
   ThreadPool pool(2);
-  const auto all = run_select_batch<backend::Cpu>(policy, batch, pool.context());
+  const auto all = run_evict_batch<backend::Cpu>(policy, batch, pool.context());
   for (int h = 0; h < 2; ++h) {
-    REQUIRE(all.row(h) == run_select<backend::Scalar>(policy, a.input()).row(h));
-    REQUIRE(all.row(2 + h) == run_select<backend::Scalar>(policy, b.input()).row(h));
+    REQUIRE(all.row(h) == run_evict<backend::Scalar>(policy, a.input()).row(h));
+    REQUIRE(all.row(2 + h) == run_evict<backend::Scalar>(policy, b.input()).row(h));
     const auto row = all.row(h);
     REQUIRE(std::vector<std::int32_t>(row.end() - 8, row.end()) == std::vector<std::int32_t>{62, 63, 64, 65, 66, 67, 68, 69});
   }
@@ -139,11 +154,14 @@ TEST_CASE("observed_attention: batches, dtypes and the window scores", "[observe
 TEST_CASE("observed_attention: bad input gets a clear message and writes nothing", "[observed][errors]") {
   RandomCase<float> rc(8, 2, 40, 32, 40, 9);
   const ObservedAttention policy(ObservedAttentionParams::kvpress(0.5));
-  auto expect_error = [&](const ObservedAttention& p, PrefillInput<float, float> in, const char* needle) {
+  auto expect_error = [&](const ObservedAttention& p, ScoreInput<float, float> in, const char* needle) {
     KeepSetBuffer keep(2, 40);
     keep.fill_sentinel();
-    std::vector<std::byte> ws(p.workspace_bytes<backend::Cpu>({8, 2, 32, 40, 40}));
-    const Status s = p.select<backend::Cpu>(in, keep.view(), Workspace{ws.data(), ws.size()});
+    // sized for the valid policy: the failure must come from `p` and `in`, not from a short workspace
+    const Requirements req = policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 32, 40, 40});
+    REQUIRE(req.status.is_ok());
+    std::vector<std::byte> ws(req.workspace_bytes);
+    const Status s = p.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view());
     INFO(s.message());
     REQUIRE(!s.is_ok());
     REQUIRE_THAT(s.message(), Contains(needle));
@@ -164,9 +182,11 @@ TEST_CASE("observed_attention: bad input gets a clear message and writes nothing
   std::vector<float> col(8 * 40, 1.0f);
   KeepSetBuffer keep(2, 40);
   keep.fill_sentinel();
-  std::vector<std::byte> ws(policy.workspace_bytes<backend::Cpu>({8, 2, 0, 40, 40}));
-  REQUIRE_THAT(policy.select_from_column_sums<backend::Cpu>(TensorView<const float, 2>::contiguous(col.data(), {8, 40}), 3, keep.view(),
-                                                            Workspace{ws.data(), ws.size()})
+  const Requirements req = policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 0, 40, 0});
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  REQUIRE_THAT(policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}},
+                            column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {8, 40}), 3), keep.view())
                    .message(),
                Contains("queries has 8 heads, not a multiple of the 3 kv heads"));
   REQUIRE(keep.untouched());

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <vector>
 
@@ -23,7 +24,6 @@ namespace {
 // Scores: kvpress fp32 (or the fp64 originals) against our fp32 computation.
 constexpr double kRel = 2e-5, kAbs = 1e-7;
 
-std::vector<std::int32_t> as_ids(std::span<const std::int32_t> row) { return {row.begin(), row.end()}; }
 
 template <class Policy>
 void check_one_shot(const kf::FixtureCase& c, const Policy& policy, const std::vector<float>& q, std::int64_t q_len) {
@@ -31,21 +31,27 @@ void check_one_shot(const kf::FixtureCase& c, const Policy& policy, const std::v
   REQUIRE(kf::check_inputs(c).empty());
   const std::int64_t Hq = c.num_q_heads, H = c.num_kv_heads, T = c.seq_len, d = c.head_dim;
   const std::vector<float> k = c.keys();
-  const PrefillInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {Hq, q_len, d}),
+  const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {Hq, q_len, d}),
                                       KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {H, T, d}))};
   REQUIRE(policy.kept_count(T) == c.n_kept.value());
   std::vector<float> s(static_cast<std::size_t>(H * T));
-  std::vector<std::byte> ws(policy.template workspace_bytes<backend::Scalar>({Hq, H, d, T, q_len}));
-  REQUIRE(policy.template score<backend::Scalar>(in, TensorView<float, 2>::contiguous(s.data(), {H, T}), Workspace{ws.data(), ws.size()}).is_ok());
+  const Requirements req = policy.requirements(Context<backend::Scalar>{}, ProblemShape{Hq, H, d, T, q_len});
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  REQUIRE(policy.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(s.data(), {H, T})).is_ok());
   for (std::int64_t h = 0; h < H; ++h)
     for (std::size_t i = 0; i < c.scores.tokens[h].size(); ++i) {
       const auto t = c.scores.tokens[h][i];
-      if (c.scores.is_protected(t)) continue;  // the pad: checked through the kept sets
+      if (c.scores.is_protected(t)) {  // kvpress's pad (max + 1): the library scores protected tokens +inf; the order is checked by the kept sets
+        REQUIRE(std::isinf(s[h * T + t]));
+        REQUIRE(s[h * T + t] > 0.0f);
+        continue;
+      }
       REQUIRE(s[h * T + t] == Approx(c.scores.value[h][i]).epsilon(kRel).margin(kAbs));
     }
-  const auto keep = run_select<backend::Scalar>(policy, in);
+  const auto keep = run_evict<backend::Scalar>(policy, in);
   for (std::int64_t h = 0; h < H; ++h) REQUIRE(keep.row(h) == c.kept[h]);
-  REQUIRE(run_select<backend::Cpu>(policy, in) == keep);
+  REQUIRE(run_evict<backend::Cpu>(policy, in) == keep);
 }
 
 }  // namespace
@@ -97,7 +103,7 @@ struct Replay {
     for (std::int64_t h = 0; h < Hq; ++h) out.insert(out.end(), q_all.begin() + (h * cap + p0) * d, q_all.begin() + (h * cap + p1) * d);
     return out;
   }
-  PrefillInput<float, float> input(const std::vector<float>& q, std::int64_t q_len) const {
+  ScoreInput<float, float> input(const std::vector<float>& q, std::int64_t q_len) const {
     return {TensorView<const float, 3>::contiguous(q.data(), {Hq, q_len, d}),
             KVSource<float>::from(TensorView<const float, 3>(keys.data(), {H, len, d}, {cap * d, d, 1}))};
   }
@@ -122,15 +128,18 @@ void replay_h2o(const kf::FixtureCase& c) {
   H2OState st{TensorView<float, 2>::contiguous(state.data(), {r.H, r.cap}), 0};
   std::map<int, const kf::StepResult*> recorded;
   for (const auto& s : c.steps) recorded[s.step] = &s;
-  std::vector<std::byte> ws(policy.update_workspace_bytes<Backend>({r.Hq, r.H, r.d, r.cap, T0}));
+  // one size query covers the update from queries (calls of at most T0 queries) and the evict, caches of at most cap slots
+  const Requirements req = policy.requirements(Context<Backend>{}, ProblemShape{r.Hq, r.H, r.d, r.cap, T0});
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}};
   for (std::int64_t step = 0; step <= steps; ++step) {
     const std::int64_t p0 = step == 0 ? 0 : T0 + step - 1, p1 = step == 0 ? T0 : p0 + 1;
     for (std::int64_t p = p0; p < p1; ++p) r.append(p);
     const auto q = r.queries(p0, p1);
-    REQUIRE(policy.update_from_queries<Backend>(st, r.input(q, p1 - p0), Workspace{ws.data(), ws.size()}).is_ok());
+    REQUIRE(policy.update(cx, st, r.input(q, p1 - p0)).is_ok());
     KeepSetBuffer keep(r.H, r.H * r.len);
-    std::vector<std::byte> ews(policy.evict_workspace_bytes<Backend>(r.H, st.length));
-    REQUIRE(policy.evict<Backend>(st, keep.view(), Workspace{ews.data(), ews.size()}).is_ok());
+    REQUIRE(policy.evict(cx, st, keep.view()).is_ok());
     r.compact(keep);
     const auto it = recorded.find(static_cast<int>(step));
     if (it == recorded.end()) continue;
@@ -164,15 +173,18 @@ void replay_tova(const kf::FixtureCase& c) {
     if (it != recorded.end()) {  // the scores this step decides on, before eviction
       INFO("step " << step);
       std::vector<float> s(static_cast<std::size_t>(r.H * r.len));
-      std::vector<std::byte> ws(policy.workspace_bytes<Backend>({r.Hq, r.H, r.d, r.len, 1}));
-      REQUIRE(policy.score<Backend>(in, TensorView<float, 2>::contiguous(s.data(), {r.H, r.len}), Workspace{ws.data(), ws.size()}).is_ok());
+      const Requirements req = policy.requirements(Context<Backend>{}, ProblemShape{r.Hq, r.H, r.d, r.len, 1});
+      REQUIRE(req.status.is_ok());
+      std::vector<std::byte> ws(req.workspace_bytes);
+      REQUIRE(policy.score(Context<Backend>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(s.data(), {r.H, r.len}))
+                  .is_ok());
       const auto before = r.positions(0);
       for (std::size_t i = 0; i < it->second->scores.tokens[0].size(); ++i) {
         const auto slot = std::find(before.begin(), before.end(), it->second->scores.tokens[0][i]) - before.begin();
         REQUIRE(s[slot] == Approx(it->second->scores.value[0][i]).epsilon(kRel).margin(kAbs));
       }
     }
-    auto keep = run_select<Backend>(policy, in);
+    auto keep = run_evict<Backend>(policy, in);
     r.compact(keep);
     if (it != recorded.end())
       for (std::int64_t h = 0; h < r.H; ++h) REQUIRE(r.positions(h) == it->second->kept[0]);

@@ -22,12 +22,37 @@ STATIC_ASSERT_POLICY(TOVA);
 
 namespace {
 
+/// The engine-probabilities input: `probs` (Hq, q, n), keys give only the shape (Hkv, n).
+template <class Tp>
+ScoreInput<float, float, Tp> attention_input(TensorView<const Tp, 3> probs, std::int64_t Hkv) {
+  ScoreInput<float, float, Tp> in;
+  in.keys = KVSource<float>::shape_only(Hkv, probs.extent(2));
+  in.attention = probs;
+  return in;
+}
+
+/// The newest query's probability rows (Hq, n) as a one-row (Hq, 1, n) attention view.
+template <class Tp>
+TensorView<const Tp, 3> last_rows(TensorView<const Tp, 2> rows) {
+  return TensorView<const Tp, 3>(rows.data(), {rows.extent(0), 1, rows.extent(1)}, {rows.stride(0), 0, rows.stride(1)}, rows.device());
+}
+
+/// Workspace of the engine-probabilities path (head_dim = 0) for caches of at most n tokens.
+template <class Backend>
+std::vector<std::byte> attention_workspace(const TOVA& p, std::int64_t Hq, std::int64_t Hkv, std::int64_t n) {
+  const Requirements req = p.requirements(Context<Backend>{}, ProblemShape{Hq, Hkv, 0, n, 1});
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.query_window == 0);
+  return std::vector<std::byte>(req.workspace_bytes);
+}
+
 template <class Backend, class Tp>
 KeepSetBuffer from_attention(const TOVA& p, TensorView<const Tp, 3> probs, std::int64_t Hkv) {
   const std::int64_t n = probs.extent(2);
   KeepSetBuffer keep(Hkv, std::max<std::int64_t>(Hkv * p.kept_count(n), 1));
-  std::vector<std::byte> ws(p.attention_workspace_bytes<Backend>(n));
-  const Status s = p.select_from_attention<Backend>(probs, Hkv, keep.view(), Workspace{ws.data(), ws.size()});
+  auto ws = attention_workspace<Backend>(p, probs.extent(0), Hkv, n);
+  const Status s = p.evict(Context<Backend>{Workspace{ws.data(), ws.size()}}, attention_input(probs, Hkv), keep.view());
   INFO(s.message());
   REQUIRE(s.is_ok());
   return keep;
@@ -57,19 +82,26 @@ TEST_CASE("tova: golden vector of reference §11 (kvpress TOVAPress r=0.5)", "[t
   const auto qd = golden::queries(), kd = golden::keys();
   const int T = golden::kT, d = golden::kD;
   std::vector<float> q(qd.begin(), qd.end()), k(kd.begin(), kd.end());
-  const PrefillInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, T, d}),
+  const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, T, d}),
                                       KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
   const TOVA policy(TOVAParams::kvpress(0.5));
+  // the last token is protected: kvpress pads it with max + 1 (1.1057962784), the library scores it +inf (same order)
   const double expect[12] = {0.0904457321, 0.0709299595, 0.0787085502, 0.0838177183, 0.0739060762, 0.0741375382,
-                             0.0907305992, 0.1035822777, 0.0719727796, 0.1057962784, 0.0846636382, 1.1057962784};
+                             0.0907305992, 0.1035822777, 0.0719727796, 0.1057962784, 0.0846636382, INFINITY};
   std::vector<float> scores(2 * T);
-  const PrefillShape shape{golden::kHq, golden::kHkv, d, T, T};
-  std::vector<std::byte> ws(policy.workspace_bytes<backend::Scalar>(shape));
-  REQUIRE(policy.score<backend::Scalar>(in, TensorView<float, 2>::contiguous(scores.data(), {2, T}), Workspace{ws.data(), ws.size()}).is_ok());
-  for (int h = 0; h < 2; ++h)
-    for (int j = 0; j < T; ++j) REQUIRE(scores[h * T + j] == Approx(expect[j]).epsilon(1e-6));
+  const ProblemShape shape{golden::kHq, golden::kHkv, d, T, T};
+  const Requirements req = policy.requirements(Context<backend::Scalar>{}, shape);
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  REQUIRE(policy.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(scores.data(), {2, T}))
+              .is_ok());
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < T - 1; ++j) REQUIRE(scores[h * T + j] == Approx(expect[j]).epsilon(1e-6));
+    REQUIRE(std::isinf(scores[h * T + T - 1]));
+    REQUIRE(scores[h * T + T - 1] > 0.0f);
+  }
   const std::vector<std::int32_t> kept{0, 6, 7, 9, 10, 11};  // top 5 of the first 11, plus the last
-  for (auto keep : {run_select<backend::Scalar>(policy, in), run_select<backend::Cpu>(policy, in)}) {
+  for (auto keep : {run_evict<backend::Scalar>(policy, in), run_evict<backend::Cpu>(policy, in)}) {
     REQUIRE(keep.row(0) == kept);
     REQUIRE(keep.row(1) == kept);
   }
@@ -118,9 +150,9 @@ TEMPLATE_TEST_CASE("tova: online over 100 steps equals the literal TOVACache.red
     const auto expect = reference_reduce(A, Hq, q, n, cache_size);
     auto keep = from_attention<TestType>(policy, TensorView<const float, 3>::contiguous(A.data(), {Hq, q, n}), Hkv);
     // the same decision from the queries and keys (Backend::window_scores recomputes the last row)
-    const PrefillInput<float, float> in{TensorView<const float, 3>::contiguous(queries.data(), {Hq, q, d}),
+    const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(queries.data(), {Hq, q, d}),
                                         KVSource<float>::from(TensorView<const float, 3>(keys.data(), {Hkv, n, d}, {cap * d, d, 1}))};
-    REQUIRE(run_select<TestType>(policy, in, pool.context()) == keep);
+    REQUIRE(run_evict<TestType>(policy, in, pool.context()) == keep);
     for (std::int64_t g = 0; g < Hkv; ++g) {
       const auto row = keep.row(g);
       REQUIRE(std::vector<std::int64_t>(row.begin(), row.end()) == expect);
@@ -144,7 +176,7 @@ TEST_CASE("tova: one selection for every kv head, budgets, protect_last, fp16 ro
   RandomCase<half> rc(8, 4, 300, 64, 5, 3);
   for (auto params : {TOVAParams::kvpress(0.3), TOVAParams::kvpress(0.99), TOVAParams::original(64), TOVAParams::original(1000)}) {
     const TOVA policy(params);
-    const auto ref = run_select<backend::Scalar>(policy, rc.input());
+    const auto ref = run_evict<backend::Scalar>(policy, rc.input());
     const std::int64_t n = policy.kept_count(300);
     for (int h = 0; h < 4; ++h) {
       const auto row = ref.row(h);
@@ -153,10 +185,10 @@ TEST_CASE("tova: one selection for every kv head, budgets, protect_last, fp16 ro
       REQUIRE(std::is_sorted(row.begin(), row.end()));
     }
     if (params.protect_last && n > 0) REQUIRE(ref.row(0).back() == 299);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.strided_input()) == ref);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.paged_input(16)) == ref);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.strided_input()) == ref);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.paged_input(16)) == ref);
     ThreadPool pool(2);
-    REQUIRE(run_select<backend::Cpu>(policy, rc.input(), pool.context()) == ref);
+    REQUIRE(run_evict<backend::Cpu>(policy, rc.input(), pool.context()) == ref);
   }
   REQUIRE(TOVA(TOVAParams::kvpress(0.8)).kept_count(1000) == 199);
   REQUIRE(TOVA(TOVAParams::kvpress(0.99)).kept_count(50) == 0);
@@ -166,21 +198,22 @@ TEST_CASE("tova: one selection for every kv head, budgets, protect_last, fp16 ro
   for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = from_float<half>(0.001f * static_cast<float>((i * 37) % 97)), rows_f[i] = to_float(rows[i]);
   const TOVA p(TOVAParams::original(20));
   KeepSetBuffer a(2, 40), b(2, 40);
-  std::vector<std::byte> ws(p.attention_workspace_bytes<backend::Scalar>(50));
-  REQUIRE(p.select_from_attention<backend::Scalar>(TensorView<const half, 2>::contiguous(rows.data(), {8, 50}), 2, a.view(), Workspace{ws.data(), ws.size()}).is_ok());
-  REQUIRE(p.select_from_attention<backend::Scalar>(TensorView<const float, 2>::contiguous(rows_f.data(), {8, 50}), 2, b.view(), Workspace{ws.data(), ws.size()}).is_ok());
+  auto ws = attention_workspace<backend::Scalar>(p, 8, 2, 50);
+  const Context<backend::Scalar> cx{Workspace{ws.data(), ws.size()}};
+  REQUIRE(p.evict(cx, attention_input(last_rows(TensorView<const half, 2>::contiguous(rows.data(), {8, 50})), 2), a.view()).is_ok());
+  REQUIRE(p.evict(cx, attention_input(last_rows(TensorView<const float, 2>::contiguous(rows_f.data(), {8, 50})), 2), b.view()).is_ok());
   REQUIRE(a == b);
 }
 
 TEST_CASE("tova: batch of sequences equals per-sequence calls", "[tova]") {
   RandomCase<float> a(8, 2, 100, 32, 1, 1), b(8, 2, 37, 32, 1, 2), c(8, 2, 250, 32, 1, 3);
   const TOVA policy(TOVAParams::kvpress(0.6));
-  std::vector<PrefillInput<float, float>> batch{a.input(), b.input(), c.input()};
+  std::vector<ScoreInput<float, float>> batch{a.input(), b.input(), c.input()};
   ThreadPool pool(2);
-  const auto all = run_select_batch<backend::Cpu>(policy, batch, pool.context());
+  const auto all = run_evict_batch<backend::Cpu>(policy, batch, pool.context());
   std::int64_t row = 0;
   for (auto* rc : {&a, &b, &c}) {
-    const auto one = run_select<backend::Scalar>(policy, rc->input());
+    const auto one = run_evict<backend::Scalar>(policy, rc->input());
     for (int h = 0; h < 2; ++h) REQUIRE(all.row(row++) == one.row(h));
   }
 }
@@ -188,11 +221,12 @@ TEST_CASE("tova: batch of sequences equals per-sequence calls", "[tova]") {
 TEST_CASE("tova: bad input gets a clear message and writes nothing", "[tova][errors]") {
   const TOVA policy(TOVAParams::original(10));
   std::vector<float> probs(8 * 3 * 20, 0.05f);
-  std::vector<std::byte> ws(policy.attention_workspace_bytes<backend::Scalar>(20));
+  auto ws = attention_workspace<backend::Scalar>(policy, 8, 2, 20);
   auto expect_error = [&](TensorView<const float, 3> p, std::int64_t hkv, const char* needle, std::size_t bytes = SIZE_MAX) {
     KeepSetBuffer keep(hkv > 0 ? hkv : 1, 40);
     keep.fill_sentinel();
-    const Status s = policy.select_from_attention<backend::Scalar>(p, hkv, keep.view(), Workspace{ws.data(), std::min(bytes, ws.size())});
+    const Status s =
+        policy.evict(Context<backend::Scalar>{Workspace{ws.data(), std::min(bytes, ws.size())}}, attention_input(p, hkv), keep.view());
     INFO(s.message());
     REQUIRE(!s.is_ok());
     REQUIRE_THAT(s.message(), Contains(needle));
@@ -205,19 +239,20 @@ TEST_CASE("tova: bad input gets a clear message and writes nothing", "[tova][err
   const TOVA strict(TOVAParams{Budget::tokens(30), false, 0.0f});
   KeepSetBuffer keep(2, 60);
   keep.fill_sentinel();
-  REQUIRE_THAT(strict.select_from_attention<backend::Scalar>(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 2, keep.view(),
-                                                             Workspace{ws.data(), ws.size()})
+  REQUIRE_THAT(strict.evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}},
+                            attention_input(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 2), keep.view())
                    .message(),
                Contains("token budget 30 is larger than the sequence length 20"));
   REQUIRE(keep.untouched());
   RandomCase<float> rc(8, 2, 50, 32, 1, 4);
   auto in = rc.input();
   in.queries = TensorView<const float, 3>(rc.queries.data(), {8, 1, 16}, {32, 32, 1});
-  std::vector<std::byte> ws2(policy.workspace_bytes<backend::Scalar>({8, 2, 32, 50, 1}));
-  REQUIRE_THAT(policy.select<backend::Scalar>(in, keep.view(), Workspace{ws2.data(), ws2.size()}).message(),
-               Contains("queries head_dim 16 differs from keys head_dim 32"));
-  REQUIRE_THAT(TOVA(TOVAParams::kvpress(1.0)).select<backend::Scalar>(rc.input(), keep.view(), Workspace{ws2.data(), ws2.size()}).message(),
-               Contains("compression_ratio is 1, must be in [0, 1)"));
+  const Requirements req2 = policy.requirements(Context<backend::Scalar>{}, ProblemShape{8, 2, 32, 50, 1});
+  REQUIRE(req2.status.is_ok());
+  std::vector<std::byte> ws2(req2.workspace_bytes);
+  const Context<backend::Scalar> cx2{Workspace{ws2.data(), ws2.size()}};
+  REQUIRE_THAT(policy.evict(cx2, in, keep.view()).message(), Contains("queries head_dim 16 differs from keys head_dim 32"));
+  REQUIRE_THAT(TOVA(TOVAParams::kvpress(1.0)).evict(cx2, rc.input(), keep.view()).message(), Contains("compression_ratio is 1, must be in [0, 1)"));
   REQUIRE(keep.untouched());
 }
 
@@ -226,10 +261,10 @@ TEST_CASE("tova: the one-victim path follows the total order (NaN lowest, first 
   const std::int64_t n = 9;
   std::vector<float> rows = {0.3f, 0.1f, 0.2f, 0.1f, 0.5f, 0.4f, 0.1f, 0.6f, 0.7f};  // one head: the mean is the row
   KeepSetBuffer keep(1, n);
-  std::vector<std::byte> ws(TOVA().attention_workspace_bytes<backend::Scalar>(n));
+  auto ws = attention_workspace<backend::Scalar>(TOVA(), 1, 1, n);
   auto run = [&](const TOVA& p) {
-    REQUIRE(p.select_from_attention<backend::Scalar>(TensorView<const float, 2>::contiguous(rows.data(), {1, n}), 1, keep.view(),
-                                                     Workspace{ws.data(), ws.size()})
+    REQUIRE(p.evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}},
+                    attention_input(last_rows(TensorView<const float, 2>::contiguous(rows.data(), {1, n})), 1), keep.view())
                 .is_ok());
     return keep.row(0);
   };

@@ -1,5 +1,5 @@
 // Helpers shared by the policy tests: random inputs in several layouts, an
-// owning KeepSet, and one-call select wrappers.
+// owning KeepSet, and one-call evict wrappers (sized by `requirements`).
 #pragma once
 
 #include <algorithm>
@@ -13,9 +13,9 @@
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
-#define STATIC_ASSERT_POLICY(P)                                                          \
-  static_assert(::kvpolicy::EvictionPolicy<P, float, float>, #P " is not an EvictionPolicy"); \
-  static_assert(::kvpolicy::EvictionPolicy<P, float, ::kvpolicy::half>, #P " (fp16 keys)")
+#define STATIC_ASSERT_POLICY(P)                                                                                          \
+  static_assert(::kvpolicy::EvictionPolicy<P, ::kvpolicy::ScoreInput<float, float>>, #P " is not an EvictionPolicy"); \
+  static_assert(::kvpolicy::EvictionPolicy<P, ::kvpolicy::ScoreInput<float, ::kvpolicy::half>>, #P " (fp16 keys)")
 
 namespace kvp_test {
 using namespace kvpolicy;
@@ -65,7 +65,7 @@ struct RandomCase {
     }
   }
 
-  PrefillInput<float, Tk> input() const {
+  ScoreInput<float, Tk> input() const {
     keys_t.resize(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) keys_t[i] = from_float<Tk>(keys[i]);
     return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}),
@@ -73,7 +73,7 @@ struct RandomCase {
   }
 
   /// Keys stored (capacity, Hkv, d + pad) token-major; queries (w, Hq, d + pad).
-  PrefillInput<float, Tk> strided_input() const {
+  ScoreInput<float, Tk> strided_input() const {
     const std::int64_t pad = 8, cap = T + 5, dp = d + pad;
     strided_keys.assign(cap * Hkv * dp, from_float<Tk>(1e6f));
     for (std::int64_t h = 0; h < Hkv; ++h)
@@ -88,7 +88,7 @@ struct RandomCase {
   }
 
   /// Keys in an NHD page pool with shuffled page ids and spare pages.
-  PrefillInput<float, Tk> paged_input(std::int32_t ps) const {
+  ScoreInput<float, Tk> paged_input(std::int32_t ps) const {
     const std::int32_t pages = static_cast<std::int32_t>((T + ps - 1) / ps), pool_pages = pages + 3;
     const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, Hkv, ps, d);
     pool.assign(static_cast<std::size_t>(pool_pages) * st.page, from_float<Tk>(-1e6f));
@@ -109,24 +109,30 @@ struct RandomCase {
 };
 
 template <class Backend, class Policy, class Tq, class Tk>
-KeepSetBuffer run_select_batch(const Policy& p, const std::vector<PrefillInput<Tq, Tk>>& batch, const ExecContext& ctx = {}) {
-  PrefillShape shape{batch[0].queries.extent(0), batch[0].keys.kv_heads(), batch[0].keys.head_dim(), 0, batch[0].queries.extent(1)};
+KeepSetBuffer run_evict_batch(const Policy& p, const std::vector<ScoreInput<Tq, Tk>>& batch, const ExecContext& ctx = {}) {
+  ProblemShape shape{batch[0].queries.extent(0), batch[0].keys.kv_heads(), batch[0].keys.head_dim(), 0, batch[0].queries.extent(1)};
   std::int64_t total = 0;
   for (const auto& in : batch) {
     shape.max_kv_len = std::max(shape.max_kv_len, in.keys.kv_len());
     total += std::max<std::int64_t>(p.kept_count(in.keys.kv_len()), 0) * in.keys.kv_heads();
   }
+  shape.batch = static_cast<std::int64_t>(batch.size());
   KeepSetBuffer keep(static_cast<std::int64_t>(batch.size()) * shape.num_kv_heads, std::max<std::int64_t>(total, 1));
-  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape, ctx));
-  const Status s = p.template select<Backend>(std::span<const PrefillInput<Tq, Tk>>(batch), keep.view(), Workspace{ws.data(), ws.size()}, ctx);
+  const Requirements req = p.requirements(Context<Backend>{{}, ctx}, shape);
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.output.rows == keep.view().num_rows);
+  REQUIRE(req.output.capacity >= total);
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Status s = p.evict(Context<Backend>{Workspace{ws.data(), ws.size()}, ctx}, std::span<const ScoreInput<Tq, Tk>>(batch), keep.view());
   INFO(s.message());
   REQUIRE(s.is_ok());
   return keep;
 }
 
 template <class Backend, class Policy, class Tq, class Tk>
-KeepSetBuffer run_select(const Policy& p, const PrefillInput<Tq, Tk>& in, const ExecContext& ctx = {}) {
-  return run_select_batch<Backend>(p, std::vector<PrefillInput<Tq, Tk>>{in}, ctx);
+KeepSetBuffer run_evict(const Policy& p, const ScoreInput<Tq, Tk>& in, const ExecContext& ctx = {}) {
+  return run_evict_batch<Backend>(p, std::vector<ScoreInput<Tq, Tk>>{in}, ctx);
 }
 
 }  // namespace kvp_test

@@ -23,21 +23,26 @@ TEST_CASE("snapkv: golden vectors of reference §11 (kvpress SnapKVPress r=0.5, 
   for (int h = 0; h < golden::kHq; ++h)
     for (int i = 0; i < w; ++i)
       for (int c = 0; c < d; ++c) q[(h * w + i) * d + c] = static_cast<float>(qd[(h * T + T - w + i) * d + c]);
-  PrefillInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, w, d}),
+  ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, w, d}),
                                 KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
   const SnapKV policy(SnapKVParams::kvpress(0.5, w, 3));
   const double expect[2][9] = {
       {0.0601205206, 0.0919918344, 0.092666697, 0.0944700379, 0.0923056415, 0.0875673948, 0.08966102, 0.0882648537, 0.0589748768},
       {0.0563088626, 0.08301497, 0.0814580114, 0.0842922597, 0.0862682352, 0.0891448109, 0.0955356365, 0.1022074042, 0.0706560419}};
   std::vector<float> scores(2 * T);
-  std::vector<std::byte> ws(policy.workspace_bytes<backend::Scalar>({4, 2, d, T, w}));
-  REQUIRE(policy.score<backend::Scalar>(in, TensorView<float, 2>::contiguous(scores.data(), {2, T}), Workspace{ws.data(), ws.size()}).is_ok());
+  const Requirements req = policy.requirements(Context<backend::Scalar>{}, ProblemShape{4, 2, d, T, w});
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.output.rows == 2);
+  REQUIRE(req.query_window == w);
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<backend::Scalar> cx{Workspace{ws.data(), ws.size()}};
+  REQUIRE(policy.score(cx, in, TensorView<float, 2>::contiguous(scores.data(), {2, T})).is_ok());
   for (int h = 0; h < 2; ++h) {
     for (int j = 0; j < T - w; ++j) REQUIRE(scores[h * T + j] == Approx(expect[h][j]).epsilon(1e-6));
     for (int j = T - w; j < T; ++j) REQUIRE(std::isinf(scores[h * T + j]));
   }
   KeepSetBuffer keep(2, 12);
-  REQUIRE(policy.select<backend::Scalar>(in, keep.view(), Workspace{ws.data(), ws.size()}).is_ok());
+  REQUIRE(policy.evict(cx, in, keep.view()).is_ok());
   REQUIRE(keep.row(0) == std::vector<std::int32_t>{2, 3, 4, 9, 10, 11});
   REQUIRE(keep.row(1) == std::vector<std::int32_t>{5, 6, 7, 9, 10, 11});
 }
@@ -61,7 +66,7 @@ TEMPLATE_TEST_CASE("snapkv: window kept, past = top pooled scores, budget below 
   RandomCase<TestType> rc(/*Hq=*/8, /*Hkv=*/2, /*T=*/300, /*d=*/64, /*w=*/16, 11);
   for (double r : {0.1, 0.5, 0.9, 0.97}) {
     const SnapKV policy(SnapKVParams::kvpress(r, 16, 5));
-    const auto keep = run_select<backend::Scalar>(policy, rc.input());
+    const auto keep = run_evict<backend::Scalar>(policy, rc.input());
     const std::int64_t n = kvpress_n_kept(300, r);
     for (int h = 0; h < 2; ++h) {
       const auto row = keep.row(h);
@@ -83,12 +88,12 @@ TEST_CASE("snapkv: every backend equals the scalar reference (dtypes, GQA, lengt
         for (auto params : {SnapKVParams::kvpress(0.5, w, 5), SnapKVParams::original(std::max(w + 1, T / 3), w, 7, Pooling::kMax)}) {
           if (T <= w && params.budget.kind == BudgetKind::kTokens) continue;
           const SnapKV policy(params);
-          const auto ref = run_select<backend::Scalar>(policy, rc.input());
-          REQUIRE(run_select<backend::Cpu>(policy, rc.input()) == ref);
-          REQUIRE(run_select<backend::Cpu>(policy, rc.strided_input()) == ref);
-          REQUIRE(run_select<backend::Cpu>(policy, rc.paged_input(16)) == ref);
+          const auto ref = run_evict<backend::Scalar>(policy, rc.input());
+          REQUIRE(run_evict<backend::Cpu>(policy, rc.input()) == ref);
+          REQUIRE(run_evict<backend::Cpu>(policy, rc.strided_input()) == ref);
+          REQUIRE(run_evict<backend::Cpu>(policy, rc.paged_input(16)) == ref);
           ThreadPool pool(2);
-          REQUIRE(run_select<backend::Cpu>(policy, rc.input(), pool.context()) == ref);
+          REQUIRE(run_evict<backend::Cpu>(policy, rc.input(), pool.context()) == ref);
         }
       }
     }
@@ -98,12 +103,12 @@ TEST_CASE("snapkv: every backend equals the scalar reference (dtypes, GQA, lengt
 TEST_CASE("snapkv: batch of sequences with different lengths equals per-sequence calls", "[snapkv]") {
   RandomCase<float> a(8, 2, 257, 64, 8, 1), b(8, 2, 64, 64, 8, 2), c(8, 2, 1000, 64, 8, 3);
   const SnapKV policy(SnapKVParams::kvpress(0.7, 8, 7));
-  std::vector<PrefillInput<float, float>> batch{a.input(), b.input(), c.input()};
+  std::vector<ScoreInput<float, float>> batch{a.input(), b.input(), c.input()};
   ThreadPool pool(2);
-  const auto all = run_select_batch<backend::Cpu>(policy, batch, pool.context());
+  const auto all = run_evict_batch<backend::Cpu>(policy, batch, pool.context());
   std::int64_t row = 0;
   for (auto* rc : {&a, &b, &c}) {
-    const auto one = run_select<backend::Scalar>(policy, rc->input());
+    const auto one = run_evict<backend::Scalar>(policy, rc->input());
     for (int h = 0; h < 2; ++h) REQUIRE(all.row(row++) == one.row(h));
   }
 }
@@ -116,7 +121,7 @@ TEST_CASE("snapkv: non-finite queries/keys never crash and give valid indices", 
   rc.keys[(200 + 7) * 64] = -inf;
   rc.queries[5] = nan;
   const SnapKV policy(SnapKVParams::kvpress(0.5, 8, 5));
-  for (auto keep : {run_select<backend::Scalar>(policy, rc.input()), run_select<backend::Cpu>(policy, rc.input())}) {
+  for (auto keep : {run_evict<backend::Scalar>(policy, rc.input()), run_evict<backend::Cpu>(policy, rc.input())}) {
     for (int h = 0; h < 2; ++h) {
       const auto row = keep.row(h);
       REQUIRE(row.size() == 100);
@@ -131,12 +136,15 @@ TEST_CASE("snapkv: non-finite queries/keys never crash and give valid indices", 
 TEST_CASE("snapkv: bad input gets a clear message and writes nothing", "[snapkv][errors]") {
   RandomCase<float> rc(8, 2, 100, 64, 8, 9);
   const SnapKV policy(SnapKVParams::kvpress(0.5, 8, 5));
-  auto expect_error = [&](const SnapKV& p, PrefillInput<float, float> in, const char* needle, std::size_t ws_bytes = SIZE_MAX) {
+  auto expect_error = [&](const SnapKV& p, ScoreInput<float, float> in, const char* needle, std::size_t ws_bytes = SIZE_MAX) {
     KeepSetBuffer keep(2, 100);
     keep.fill_sentinel();
-    PrefillShape shape{8, 2, 64, 100, 8};
-    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? p.workspace_bytes<backend::Cpu>(shape) : ws_bytes);
-    const Status s = p.select<backend::Cpu>(in, keep.view(), Workspace{ws.data(), ws.size()});
+    ProblemShape shape{8, 2, 64, 100, 8};
+    // sized for the valid policy (same window): the failure must come from `p` and `in`, not from a short workspace
+    const Requirements req = policy.requirements(Context<backend::Cpu>{}, shape);
+    REQUIRE(req.status.is_ok());
+    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? req.workspace_bytes : ws_bytes);
+    const Status s = p.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view());
     INFO(s.message());
     REQUIRE(!s.is_ok());
     REQUIRE_THAT(s.message(), Contains(needle));
@@ -169,6 +177,9 @@ TEST_CASE("snapkv: bad input gets a clear message and writes nothing", "[snapkv]
   expect_error(SnapKV(SnapKVParams::kvpress(0.5, 8, 4)), in, "pooling kernel is 4, must be odd");
   expect_error(policy, in, "workspace has 100 bytes", 100);
   KeepSetBuffer small(2, 10);
-  std::vector<std::byte> ws(policy.workspace_bytes<backend::Cpu>({8, 2, 64, 100, 8}));
-  REQUIRE(policy.select<backend::Cpu>(in, small.view(), Workspace{ws.data(), ws.size()}).code() == StatusCode::kOutputTooSmall);
+  const Requirements req = policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 64, 100, 8});
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.output.capacity > 10);
+  std::vector<std::byte> ws(req.workspace_bytes);
+  REQUIRE(policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, small.view()).code() == StatusCode::kOutputTooSmall);
 }

@@ -13,31 +13,31 @@ using Catch::Matchers::Contains;
 STATIC_ASSERT_POLICY(StreamingLLM);
 
 namespace {
-std::vector<std::int32_t> plan(const StreamingLLM& p, std::int64_t T) {
+std::vector<std::int32_t> kept_row(const StreamingLLM& p, std::int64_t T) {
   std::vector<std::int32_t> out(static_cast<std::size_t>(std::max<std::int64_t>(p.kept_count(T), 0)));
-  REQUIRE(p.plan(T, out.data(), static_cast<std::int64_t>(out.size())).is_ok());
+  REQUIRE(p.evict_row(T, std::span<std::int32_t>(out)).is_ok());
   return out;
 }
 }  // namespace
 
 TEST_CASE("streaming_llm: golden vector of reference §11 (kvpress r=0.5, n_sink=2, T=12)", "[streaming][golden]") {
   // kvpress scores 1 1 0 0 0 0 0 0 1 1 1 1 -> kept {0, 1, 8, 9, 10, 11}
-  REQUIRE(plan(StreamingLLM(StreamingLLMParams::kvpress(0.5, 2)), 12) == std::vector<std::int32_t>{0, 1, 8, 9, 10, 11});
+  REQUIRE(kept_row(StreamingLLM(StreamingLLMParams::kvpress(0.5, 2)), 12) == std::vector<std::int32_t>{0, 1, 8, 9, 10, 11});
 }
 
 TEST_CASE("streaming_llm: original StartRecentKVCache semantics and evict_for_space", "[streaming]") {
   const StreamingLLM p(StreamingLLMParams::original(4, 8));
-  REQUIRE(plan(p, 10).size() == 10);  // n <= start + recent: untouched
-  REQUIRE(plan(p, 12).size() == 12);
-  REQUIRE(plan(p, 20) == std::vector<std::int32_t>{0, 1, 2, 3, 12, 13, 14, 15, 16, 17, 18, 19});
+  REQUIRE(kept_row(p, 10).size() == 10);  // n <= start + recent: untouched
+  REQUIRE(kept_row(p, 12).size() == 12);
+  REQUIRE(kept_row(p, 20) == std::vector<std::int32_t>{0, 1, 2, 3, 12, 13, 14, 15, 16, 17, 18, 19});
   auto params = StreamingLLMParams::original(4, 8);
   params.num_coming = 3;  // cache[0:4] ++ cache[n - recent + 3 : n]
-  REQUIRE(plan(StreamingLLM(params), 20) == std::vector<std::int32_t>{0, 1, 2, 3, 15, 16, 17, 18, 19});
-  REQUIRE(plan(StreamingLLM(params), 9).size() == 9);  // 9 + 3 <= 12: nothing evicted
+  REQUIRE(kept_row(StreamingLLM(params), 20) == std::vector<std::int32_t>{0, 1, 2, 3, 15, 16, 17, 18, 19});
+  REQUIRE(kept_row(StreamingLLM(params), 9).size() == 9);  // 9 + 3 <= 12: nothing evicted
   // budget below the sinks: the first n tokens
-  REQUIRE(plan(StreamingLLM(StreamingLLMParams::kvpress(0.9, 4)), 20) == std::vector<std::int32_t>{0});  // int(20 * (1 - 0.9)) == 1
-  REQUIRE(plan(StreamingLLM(StreamingLLMParams::kvpress(0.5, 0)), 6) == std::vector<std::int32_t>{3, 4, 5});
-  REQUIRE(plan(StreamingLLM(StreamingLLMParams::kvpress(0.5, 4)), 0).empty());
+  REQUIRE(kept_row(StreamingLLM(StreamingLLMParams::kvpress(0.9, 4)), 20) == std::vector<std::int32_t>{0});  // int(20 * (1 - 0.9)) == 1
+  REQUIRE(kept_row(StreamingLLM(StreamingLLMParams::kvpress(0.5, 0)), 6) == std::vector<std::int32_t>{3, 4, 5});
+  REQUIRE(kept_row(StreamingLLM(StreamingLLMParams::kvpress(0.5, 4)), 0).empty());
 }
 
 TEST_CASE("streaming_llm: plan matches kvpress's positional mask for many lengths and ratios", "[streaming]") {
@@ -53,7 +53,7 @@ TEST_CASE("streaming_llm: plan matches kvpress's positional mask for many length
         } else {
           for (std::int64_t j = 0; j < n_kept; ++j) expect.push_back(static_cast<std::int32_t>(j));
         }
-        REQUIRE(plan(StreamingLLM(StreamingLLMParams::kvpress(r, n_sink)), T) == expect);
+        REQUIRE(kept_row(StreamingLLM(StreamingLLMParams::kvpress(r, n_sink)), T) == expect);
       }
     }
   }
@@ -62,20 +62,23 @@ TEST_CASE("streaming_llm: plan matches kvpress's positional mask for many length
 TEST_CASE("streaming_llm: batch select writes identical rows for every kv head - bad input", "[streaming]") {
   RandomCase<half> a(4, 2, 50, 64, 4, 1), b(4, 2, 9, 64, 4, 2);
   const StreamingLLM p(StreamingLLMParams::original(2, 6));
-  const auto keep = run_select_batch<backend::Cpu>(p, std::vector{a.input(), b.input()});
+  const auto keep = run_evict_batch<backend::Cpu>(p, std::vector{a.input(), b.input()});
   REQUIRE(keep.row(0) == std::vector<std::int32_t>{0, 1, 44, 45, 46, 47, 48, 49});
   REQUIRE(keep.row(1) == keep.row(0));
   REQUIRE(keep.row(2) == std::vector<std::int32_t>{0, 1, 3, 4, 5, 6, 7, 8});  // T=9 > start+recent=8
-  REQUIRE(run_select<backend::Scalar>(p, a.paged_input(16)) == run_select<backend::Scalar>(p, a.input()));
+  REQUIRE(run_evict<backend::Scalar>(p, a.paged_input(16)) == run_evict<backend::Scalar>(p, a.input()));
 
   std::vector<std::int32_t> out(4);
-  REQUIRE_THAT(StreamingLLM(StreamingLLMParams{-1, Budget::tokens(4), 0}).plan(10, out.data(), 4).message(), Contains("sinks is -1"));
-  REQUIRE_THAT(StreamingLLM(StreamingLLMParams{2, Budget::tokens(11), 0}).plan(10, out.data(), 4).message(),
+  const std::span<std::int32_t> out4(out.data(), 4);
+  REQUIRE_THAT(StreamingLLM(StreamingLLMParams{-1, Budget::tokens(4), 0}).evict_row(10, out4).message(), Contains("sinks is -1"));
+  REQUIRE_THAT(StreamingLLM(StreamingLLMParams{2, Budget::tokens(11), 0}).evict_row(10, out4).message(),
                Contains("token budget 11 is larger than the sequence length 10"));
-  REQUIRE(StreamingLLM(StreamingLLMParams{2, Budget::tokens(8), 0}).plan(10, out.data(), 4).code() == StatusCode::kInvalidArgument);
+  const Status too_small = StreamingLLM(StreamingLLMParams{2, Budget::tokens(8), 0}).evict_row(10, out4);
+  REQUIRE(too_small.code() == StatusCode::kInvalidArgument);
+  REQUIRE_THAT(too_small.message(), Contains("output capacity 4 < 8 kept tokens"));
   KeepSetBuffer small(2, 3);
   small.fill_sentinel();
-  std::vector<PrefillInput<float, half>> batch{a.input()};
-  REQUIRE(p.select<backend::Scalar>(std::span<const PrefillInput<float, half>>(batch), small.view()).code() == StatusCode::kOutputTooSmall);
+  std::vector<ScoreInput<float, half>> batch{a.input()};
+  REQUIRE(p.evict(Context<backend::Scalar>{}, std::span<const ScoreInput<float, half>>(batch), small.view()).code() == StatusCode::kOutputTooSmall);
   REQUIRE(small.untouched());
 }

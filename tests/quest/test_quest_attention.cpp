@@ -66,8 +66,8 @@ void check_op(PageLayout layout, std::int32_t P, std::int32_t G, unsigned seed) 
   }
   std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(G, P, d));
   for (std::int32_t h = 0; h < Hkv; ++h) {
-    const KeyRows<T> keys{c.k.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
-    const KeyRows<T> vals{c.v.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
+    const Rows<T> keys{c.k.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
+    const Rows<T> vals{c.v.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
     std::vector<float> out(static_cast<std::size_t>(G * d)), lse(static_cast<std::size_t>(G));
     backend::Scalar::paged_decode_attention(q.data(), G, d, keys, vals, static_cast<std::int64_t>(toks.size()), scale, out.data(), lse.data(),
                                             Workspace{ws.data(), ws.size()});
@@ -98,8 +98,8 @@ TEST_CASE("paged_decode_attention: no tokens gives zeros and lse -inf - -inf log
   std::vector<float> k(8, 0.0f), v(8, 1.0f), q(4, 1.0f), out(4, 7.0f);
   float lse = 0.0f;
   std::vector<std::byte> ws(backend::Scalar::paged_attention_workspace(1, 64, 4));
-  const KeyRows<float> rows{k.data(), 4, nullptr, 0, 0};
-  const KeyRows<float> vrows{v.data(), 4, nullptr, 0, 0};
+  const Rows<float> rows{k.data(), 4, nullptr, 0, 0};
+  const Rows<float> vrows{v.data(), 4, nullptr, 0, 0};
   backend::Scalar::paged_decode_attention(q.data(), 1, 4, rows, vrows, 0, 1.0f, out.data(), &lse, Workspace{ws.data(), ws.size()});
   REQUIRE(out == std::vector<float>(4, 0.0f));
   REQUIRE(lse == -INFINITY);
@@ -146,7 +146,7 @@ struct Workload {
           }
         }
     }
-    REQUIRE(Quest::update_metadata(cache.view(), meta.view(), append.data()).is_ok());
+    REQUIRE(Quest{}.on_append(Context<backend::Scalar>{}, AppendInput<half>{cache.view(), append.data()}, meta.view()).is_ok());
   }
   static std::int32_t pages_for(const std::vector<std::int64_t>& lens, std::int32_t P) {
     std::int64_t n = 1;
@@ -154,16 +154,28 @@ struct Workload {
     return static_cast<std::int32_t>(n);
   }
   TensorView<const float, 3> queries() const { return TensorView<const float, 3>::contiguous(q.data(), {cache.batch(), Hq, cache.head_dim}); }
+
+  /// Quest's selection of `layer` for this decode step: plan, then select into a buffer sized by the plan.
+  SelectionBuffer select(const Quest& quest, std::int32_t layer) const {
+    const DecodeInput<float> in{queries(), cache.table(), cache.page_size, layer};
+    Quest::Plan plan;
+    const ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = cache.kv_heads, .head_dim = cache.head_dim};
+    REQUIRE(quest.plan(Context<backend::Scalar>{}, in, shape, plan).is_ok());
+    const GqaMap gqa{Hq, cache.kv_heads};
+    REQUIRE(plan.requirements.output.rows == cache.batch() * quest.heads_per_seq(gqa));
+    REQUIRE(plan.requirements.output.capacity == quest.output_capacity(layer, cache.table(), cache.page_size, gqa));
+    SelectionBuffer sel(plan.requirements.output.rows, plan.requirements.output.capacity);
+    std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+    const Status s = quest.select(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, plan, in, meta.cview(), sel.view());
+    INFO(s.message());
+    REQUIRE(s.is_ok());
+    return sel;
+  }
 };
 
 PageQuality quality(const Workload& w, const Quest& quest, std::int64_t oracle_tokens, SelectionBuffer* keep = nullptr,
                     std::vector<float>* per_head = nullptr) {
-  const GqaMap gqa{w.Hq, w.cache.kv_heads};
-  const PageTable table = w.cache.table();
-  const std::int32_t P = w.cache.page_size;
-  SelectionBuffer sel(w.cache.batch() * quest.heads_per_seq(gqa), quest.output_capacity(2, table, P, gqa));
-  std::vector<std::byte> ws(quest.workspace_bytes(table, P, gqa, w.cache.head_dim));
-  REQUIRE(quest.select(2, w.queries(), table, P, w.meta.cview(), sel.view(), Workspace{ws.data(), ws.size()}).is_ok());
+  SelectionBuffer sel = w.select(quest, 2);
   PageQuality pq;
   std::vector<float> ph(static_cast<std::size_t>(w.cache.batch() * w.Hq * 4));
   const Status s = page_quality(w.cache.view(), w.queries(), sel.view(), oracle_tokens, 1.0f / std::sqrt(static_cast<float>(w.cache.head_dim)),
@@ -281,11 +293,9 @@ TEST_CASE("selection_attention == dense_attention when every page is selected - 
   Workload w(8, 2, 2, 16, {100, 3, 64}, 8);
   const std::int32_t Hq = w.Hq, d = 16;
   const auto& c = w.cache;
-  const GqaMap gqa{Hq, 2};
   const Quest all(QuestParams{.token_budget = 1 << 20});
-  SelectionBuffer sel(3 * Hq, all.output_capacity(2, c.table(), 8, gqa));
-  std::vector<std::byte> qws(all.workspace_bytes(c.table(), 8, gqa, d));
-  REQUIRE(all.select(2, w.queries(), c.table(), 8, w.meta.cview(), sel.view(), Workspace{qws.data(), qws.size()}).is_ok());
+  SelectionBuffer sel = w.select(all, 2);
+  REQUIRE(sel.last.size() == static_cast<std::size_t>(3 * Hq));
   ThreadPool pool(2);
   const ExecContext ctx = pool.context();
   std::vector<std::byte> ws(attend_pages_workspace(2, 8, d, ctx));

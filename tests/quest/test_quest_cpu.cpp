@@ -200,8 +200,8 @@ void attention_case(std::int64_t G, std::int64_t d, std::int32_t P, std::int64_t
   std::vector<std::int32_t> pages(static_cast<std::size_t>(pool_pages));
   std::iota(pages.begin(), pages.end(), 0);
   std::shuffle(pages.begin(), pages.end(), rng);
-  const KeyRows<T> kr = paged ? KeyRows<T>{k.data(), row_stride, pages.data(), P * row_stride, P} : KeyRows<T>{k.data(), row_stride, nullptr, 0, 0};
-  const KeyRows<T> vr = paged ? KeyRows<T>{v.data(), row_stride, pages.data(), P * row_stride, P} : KeyRows<T>{v.data(), row_stride, nullptr, 0, 0};
+  const Rows<T> kr = paged ? Rows<T>{k.data(), row_stride, pages.data(), P * row_stride, P} : Rows<T>{k.data(), row_stride, nullptr, 0, 0};
+  const Rows<T> vr = paged ? Rows<T>{v.data(), row_stride, pages.data(), P * row_stride, P} : Rows<T>{v.data(), row_stride, nullptr, 0, 0};
   std::vector<float> q(static_cast<std::size_t>(G * d));
   for (auto& x : q) x = nd(rng);
   const std::int64_t block = backend::Scalar::attention_block(kr);
@@ -258,8 +258,8 @@ void select_case(PageLayout layout, std::int32_t P, std::int32_t Hkv, std::int32
     append.push_back(static_cast<std::int32_t>(lens[b]));
   }
   MetaBuffer<Tm> ms(pool, Hkv, d), mc(pool, Hkv, d);
-  REQUIRE(Quest::update_metadata<backend::Scalar>(c.view(), ms.view(), append.data()).is_ok());
-  REQUIRE(Quest::update_metadata<Cpu>(c.view(), mc.view(), append.data()).is_ok());
+  REQUIRE(Quest{}.on_append(Context<backend::Scalar>{}, AppendInput<Tk>{c.view(), append.data()}, ms.view()).is_ok());
+  REQUIRE(Quest{}.on_append(Context<Cpu>{}, AppendInput<Tk>{c.view(), append.data()}, mc.view()).is_ok());
   REQUIRE(ms.data.size() == mc.data.size());
   REQUIRE(std::memcmp(ms.data.data(), mc.data.data(), ms.data.size() * sizeof(Tm)) == 0);
   std::mt19937 rng(seed);
@@ -270,11 +270,26 @@ void select_case(PageLayout layout, std::int32_t P, std::int32_t Hkv, std::int32
   for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupMax, QuestGqa::kGroupSum}) {
     const Quest quest(QuestParams{.token_budget = 16 * P, .gqa = mode});
     const std::int64_t rows = c.batch() * quest.heads_per_seq(gqa), cap = quest.output_capacity(2, c.table(), P, gqa);
+    const DecodeInput<float> in{qv, c.table(), P, 2};
+    const ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d};
+    Quest::Plan p1, p2;
+    REQUIRE(quest.plan(Context<backend::Scalar>{}, in, shape, p1).is_ok());
+    REQUIRE(quest.plan(Context<Cpu>{}, in, shape, p2).is_ok());
+    for (const Quest::Plan* p : {&p1, &p2}) {
+      REQUIRE(p->requirements.output.rows == rows);
+      REQUIRE(p->requirements.output.capacity == cap);
+    }
+    // The worst-case size query (no table) covers this step's plan.
+    const Requirements worst = quest.requirements(Context<Cpu>{}, ProblemShape{Hq, Hkv, d, lens.back(), 0, c.batch()}, P);
+    REQUIRE(worst.status.is_ok());
+    REQUIRE(worst.workspace_bytes >= p2.requirements.workspace_bytes);
+    REQUIRE(worst.output.rows == rows);
+    REQUIRE(worst.output.capacity >= cap);
     SelectionBuffer s1(rows, cap), s2(rows, cap);
-    std::vector<std::byte> w1(quest.workspace_bytes<backend::Scalar>(c.table(), P, gqa, d));
-    std::vector<std::byte> w2(quest.workspace_bytes<Cpu>(c.table(), P, gqa, d));
-    REQUIRE(quest.select<backend::Scalar>(2, qv, c.table(), P, ms.cview(), s1.view(), Workspace{w1.data(), w1.size()}).is_ok());
-    REQUIRE(quest.select<Cpu>(2, qv, c.table(), P, mc.cview(), s2.view(), Workspace{w2.data(), w2.size()}).is_ok());
+    std::vector<std::byte> w1(p1.requirements.workspace_bytes);
+    std::vector<std::byte> w2(p2.requirements.workspace_bytes);
+    REQUIRE(quest.select(Context<backend::Scalar>{Workspace{w1.data(), w1.size()}}, p1, in, ms.cview(), s1.view()).is_ok());
+    REQUIRE(quest.select(Context<Cpu>{Workspace{w2.data(), w2.size()}}, p2, in, mc.cview(), s2.view()).is_ok());
     REQUIRE(s2.view().validate("t", pool, P).is_ok());
     REQUIRE(s1.indptr == s2.indptr);
     REQUIRE(s1.last == s2.last);

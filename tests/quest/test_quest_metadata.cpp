@@ -1,5 +1,6 @@
-// Quest page metadata: the fold op, incremental maintenance vs rebuild vs
-// brute force, every layout / dtype pair / page size, and bad input.
+// Quest page metadata: the fold op, incremental maintenance (`on_append` with
+// append lengths) vs rebuild (`on_append` without) vs brute force, every
+// layout / dtype pair / page size, and bad input.
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -45,6 +46,13 @@ TEST_CASE("page_meta_fold: exact channel max/min, fresh restarts, resume extends
 
 namespace {
 
+/// `Quest::on_append` on the scalar backend: `append_len` tokens appended per
+/// sequence, or (nullptr) every page of the table rebuilt.
+template <class Tk, class Tm>
+Status append_meta(const PagedKVView<const Tk>& keys, PageMetaView<Tm> meta, const std::int32_t* append_len, const ExecContext& ctx = {}) {
+  return Quest{}.on_append(Context<backend::Scalar>{{}, ctx}, AppendInput<Tk>{keys, append_len}, meta);
+}
+
 /// Metadata rows of every page in the table: incremental == rebuilt == brute force.
 template <class Tk, class Tm>
 void check_meta(const PagedCache<Tk>& c, const MetaBuffer<Tm>& inc, const MetaBuffer<Tm>& rebuilt) {
@@ -88,9 +96,9 @@ void run_incremental(PageLayout layout, std::int32_t page_size, std::int32_t kv_
       c.append_normal(b, n);
       append[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(n);
     }
-    REQUIRE(Quest::update_metadata(c.view(), inc.view(), append.data(), ctx).is_ok());
+    REQUIRE(append_meta(c.view(), inc.view(), append.data(), ctx).is_ok());
     MetaBuffer<Tm> rebuilt(pool, kv_heads, head_dim);
-    REQUIRE(Quest::rebuild_metadata(c.view(), rebuilt.view(), ctx).is_ok());
+    REQUIRE(append_meta(c.view(), rebuilt.view(), nullptr, ctx).is_ok());
     check_meta(c, inc, rebuilt);
   }
 }
@@ -108,7 +116,7 @@ void run_all_shapes(const ExecContext& ctx) {
 
 }  // namespace
 
-TEST_CASE("update_metadata after any sequence of appends equals rebuild and brute force", "[quest][meta]") {
+TEST_CASE("on_append after any sequence of appends equals a rebuild and brute force", "[quest][meta]") {
   const ExecContext seq{};
   SECTION("fp32 keys, fp32 metadata") { run_all_shapes<float, float>(seq); }
   SECTION("fp16 keys, fp16 metadata") { run_all_shapes<half, half>(seq); }
@@ -121,12 +129,12 @@ TEST_CASE("update_metadata after any sequence of appends equals rebuild and brut
   }
 }
 
-TEST_CASE("update_metadata: a page restarted at slot 0 forgets stale metadata", "[quest][meta]") {
+TEST_CASE("on_append: a page restarted at slot 0 forgets stale metadata", "[quest][meta]") {
   PagedCache<float> c(4, 1, 4, 8, PageLayout::kNHD, 1, 3);
   MetaBuffer<float> m(4, 1, 8);  // poisoned with 12345: a resumed fold would keep it
   c.append_normal(0, 6);
   const std::int32_t n6 = 6;
-  REQUIRE(Quest::update_metadata(c.view(), m.view(), &n6).is_ok());
+  REQUIRE(append_meta(c.view(), m.view(), &n6).is_ok());
   const std::int32_t p0 = c.seq_pages[0][0];
   for (int i = 0; i < 8; ++i) REQUIRE(m.cview().max_row(p0, 0)[i] < 100.0f);
 }
@@ -146,32 +154,46 @@ TEST_CASE("metadata entry points reject bad input with a message and write nothi
   };
   SECTION("metadata view of the wrong size") {
     MetaBuffer<half> small(7, 2, 8);
-    expect_error(Quest::update_metadata(view, small.view(), append.data()), "metadata has 7 pages, the page pool has 8");
+    expect_error(append_meta(view, small.view(), append.data()), "metadata has 7 pages, the page pool has 8");
     MetaBuffer<half> heads(8, 1, 8);
-    expect_error(Quest::rebuild_metadata(view, heads.view()), "metadata has 1 kv heads");
+    expect_error(append_meta(view, heads.view(), nullptr), "metadata has 1 kv heads");
     MetaBuffer<half> dim(8, 2, 16);
-    expect_error(Quest::rebuild_metadata(view, dim.view()), "metadata head_dim is 16");
+    expect_error(append_meta(view, dim.view(), nullptr), "metadata head_dim is 16");
   }
   SECTION("append_len beyond the sequence") {
     append[1] = 5;
-    expect_error(Quest::update_metadata(view, m.view(), append.data()), "append_len[1] is 5");
+    expect_error(append_meta(view, m.view(), append.data()), "append_len[1] is 5");
     append[1] = -1;
-    expect_error(Quest::update_metadata(view, m.view(), append.data()), "append_len[1] is -1");
-    expect_error(Quest::update_metadata(view, m.view(), nullptr), "append_len is null");
+    expect_error(append_meta(view, m.view(), append.data()), "append_len[1] is -1");
+  }
+  SECTION("append_len null rebuilds every page of the table (no longer an error)") {
+    // Formerly "append_len is null"; a null append_len now means rebuild (on_append's AppendInput contract).
+    REQUIRE(append_meta(view, m.view(), nullptr).is_ok());
+    std::vector<float> mx, mn;
+    for (std::int32_t b = 0; b < c.batch(); ++b)
+      for (std::size_t lp = 0; lp < c.seq_pages[static_cast<std::size_t>(b)].size(); ++lp)
+        for (std::int32_t h = 0; h < c.kv_heads; ++h) {
+          brute_minmax(c, b, h, static_cast<std::int32_t>(lp), mx, mn);
+          const std::int32_t page = c.seq_pages[static_cast<std::size_t>(b)][lp];
+          for (std::int32_t i = 0; i < c.head_dim; ++i) {
+            REQUIRE(to_float(m.cview().max_row(page, h)[i]) == mx[static_cast<std::size_t>(i)]);
+            REQUIRE(to_float(m.cview().min_row(page, h)[i]) == mn[static_cast<std::size_t>(i)]);
+          }
+        }
   }
   SECTION("page ids out of range") {
     c.indices[1] = 8;
-    expect_error(Quest::update_metadata(c.view(), m.view(), append.data()), "indices[1] is 8, out of range [0, 8)");
+    expect_error(append_meta(c.view(), m.view(), append.data()), "indices[1] is 8, out of range [0, 8)");
   }
   SECTION("indptr not monotonic") {
     c.indptr[1] = 4;
     c.indptr[2] = 3;
-    expect_error(Quest::rebuild_metadata(c.view(), m.view()), "indptr is not monotonic");
+    expect_error(append_meta(c.view(), m.view(), nullptr), "indptr is not monotonic");
   }
   SECTION("last_page_len 0 or above the page size") {
     c.last[0] = 0;
-    expect_error(Quest::rebuild_metadata(c.view(), m.view()), "last_page_len[0] is 0, must be in [1, page_size=4]");
+    expect_error(append_meta(c.view(), m.view(), nullptr), "last_page_len[0] is 0, must be in [1, page_size=4]");
     c.last[0] = 5;
-    expect_error(Quest::rebuild_metadata(c.view(), m.view()), "last_page_len[0] is 5");
+    expect_error(append_meta(c.view(), m.view(), nullptr), "last_page_len[0] is 5");
   }
 }

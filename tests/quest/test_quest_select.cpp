@@ -24,7 +24,7 @@ TEST_CASE("page_bounds: the bound is >= every key's dot product in the page (fp3
     // Mixed scales and signs, some exact zeros in the queries.
     c.append(0, static_cast<std::int64_t>(pages) * page_size, [&](std::mt19937& r) { return nd(r) * (1.0f + static_cast<float>(r() % 4)); });
     MetaBuffer<float> m(pages, 1, d);
-    REQUIRE(Quest::rebuild_metadata(c.view(), m.view()).is_ok());
+    REQUIRE(Quest{}.on_append(Context<backend::Scalar>{}, AppendInput<float>{c.view(), nullptr}, m.view()).is_ok());
     for (int trial = 0; trial < 20; ++trial) {
       std::vector<float> q(static_cast<std::size_t>(G * d));
       for (auto& x : q) x = (rng() % 7 == 0) ? 0.0f : nd(rng) * 2.0f;
@@ -71,7 +71,7 @@ struct Case {
       cache.append_normal(static_cast<std::int32_t>(b), lens[b]);
       append.push_back(static_cast<std::int32_t>(lens[b]));
     }
-    REQUIRE(Quest::update_metadata(cache.view(), meta.view(), append.data()).is_ok());
+    REQUIRE(Quest{}.on_append(Context<backend::Scalar>{}, AppendInput<Tk>{cache.view(), append.data()}, meta.view()).is_ok());
     std::mt19937 rng(seed * 7 + 1);
     std::normal_distribution<float> nd;
     q.resize(lens.size() * static_cast<std::size_t>(Hq * d));
@@ -158,13 +158,20 @@ std::vector<std::vector<std::int32_t>> brute_rows(const Case<Tk, Tm, Tq>& cs, co
 }
 
 template <class Backend, class Tk, class Tm, class Tq>
-SelectionBuffer run_select(const Case<Tk, Tm, Tq>& cs, const Quest& quest, int layer, const ExecContext& ctx = {}) {
+SelectionBuffer select_pages(const Case<Tk, Tm, Tq>& cs, const Quest& quest, int layer, const ExecContext& ctx = {}) {
   const GqaMap gqa = cs.gqa();
   const PageTable table = cs.cache.table();
-  SelectionBuffer out(cs.cache.batch() * quest.heads_per_seq(gqa), quest.output_capacity(layer, table, cs.cache.page_size, gqa));
-  std::vector<std::byte> ws(quest.template workspace_bytes<Backend>(table, cs.cache.page_size, gqa, cs.cache.head_dim, ctx));
-  const Status s = quest.template select<Backend>(layer, cs.queries(), table, cs.cache.page_size, cs.meta.cview(), out.view(),
-                                                  Workspace{ws.data(), ws.size()}, ctx);
+  const DecodeInput<Tq> in{cs.queries(), table, cs.cache.page_size, layer};
+  Quest::Plan plan;
+  const ProblemShape shape{.num_q_heads = cs.Hq, .num_kv_heads = cs.cache.kv_heads, .head_dim = cs.cache.head_dim};
+  const Status ps = quest.plan(Context<Backend>{{}, ctx}, in, shape, plan);
+  INFO(ps.message());
+  REQUIRE(ps.is_ok());
+  REQUIRE(plan.requirements.output.rows == cs.cache.batch() * quest.heads_per_seq(gqa));
+  REQUIRE(plan.requirements.output.capacity == quest.output_capacity(layer, table, cs.cache.page_size, gqa));
+  SelectionBuffer out(plan.requirements.output.rows, plan.requirements.output.capacity);
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  const Status s = quest.select(Context<Backend>{Workspace{ws.data(), ws.size()}, ctx}, plan, in, cs.meta.cview(), out.view());
   INFO(s.message());
   REQUIRE(s.is_ok());
   return out;
@@ -208,7 +215,7 @@ void run_matrix_case(PageLayout layout, std::int32_t page_size, std::int32_t Hkv
       const Quest quest(QuestParams{.token_budget = pb * P, .dense_layers = 2, .gqa = mode});
       for (int layer : {1, 2}) {
         INFO("mode " << static_cast<int>(mode) << " page_budget " << pb << " layer " << layer);
-        check_against_brute(cs, quest, layer, run_select<backend::Scalar>(cs, quest, layer));
+        check_against_brute(cs, quest, layer, select_pages<backend::Scalar>(cs, quest, layer));
       }
     }
   }
@@ -238,8 +245,8 @@ TEST_CASE("select == brute force on long sequences (several bounds-phase work it
     for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupSum}) {
       const Quest quest(QuestParams{.page_budget = 24, .gqa = mode});
       INFO("page_size " << P << " mode " << static_cast<int>(mode));
-      check_against_brute(cs, quest, 3, run_select<backend::Scalar>(cs, quest, 3));
-      check_against_brute(cs, quest, 3, run_select<backend::Scalar>(cs, quest, 3, pool.context()));
+      check_against_brute(cs, quest, 3, select_pages<backend::Scalar>(cs, quest, 3));
+      check_against_brute(cs, quest, 3, select_pages<backend::Scalar>(cs, quest, 3, pool.context()));
     }
   }
 }
@@ -266,14 +273,17 @@ TEST_CASE("select: equal bounds pick the most recent pages", "[quest][select]") 
   PagedCache<float> c(32, 1, 4, 8, PageLayout::kNHD, 1, 9);
   c.append(0, 30 * 4 + 2, [](std::mt19937&) { return 0.5f; });
   MetaBuffer<float> m(32, 1, 8);
-  REQUIRE(Quest::rebuild_metadata(c.view(), m.view()).is_ok());
-  std::vector<float> q(8, 1.0f);
   const Quest quest(QuestParams{.page_budget = 5});
+  REQUIRE(quest.on_append(Context<backend::Scalar>{}, AppendInput<float>{c.view(), nullptr}, m.view()).is_ok());
+  std::vector<float> q(8, 1.0f);
   SelectionBuffer out(1, 5);
-  std::vector<std::byte> ws(quest.workspace_bytes(c.table(), 4, GqaMap{1, 1}, 8));
-  REQUIRE(quest.select(3, TensorView<const float, 3>::contiguous(q.data(), {1, 1, 8}), c.table(), 4, m.cview(), out.view(),
-                       Workspace{ws.data(), ws.size()})
-              .is_ok());
+  const DecodeInput<float> in{TensorView<const float, 3>::contiguous(q.data(), {1, 1, 8}), c.table(), 4, 3};
+  Quest::Plan plan;
+  REQUIRE(quest.plan(Context<backend::Scalar>{}, in, ProblemShape{1, 1, 8}, plan).is_ok());
+  REQUIRE(plan.requirements.output.rows == 1);
+  REQUIRE(plan.requirements.output.capacity == 5);
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  REQUIRE(quest.select(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, plan, in, m.cview(), out.view()).is_ok());
   REQUIRE(out.row_logical(0) == std::vector<std::int32_t>{26, 27, 28, 29, 30});
   REQUIRE(out.last[0] == 2);
 }
@@ -282,9 +292,9 @@ TEST_CASE("select: results do not depend on the number of workers", "[quest][sel
   Case<half, half, float> cs(PageLayout::kHND, 16, 4, 4, 32, {700, 5, 1600, 0, 333}, 77);
   for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupSum}) {
     const Quest quest(QuestParams{.token_budget = 128, .gqa = mode});
-    const SelectionBuffer one = run_select<backend::Scalar>(cs, quest, 5);
+    const SelectionBuffer one = select_pages<backend::Scalar>(cs, quest, 5);
     ThreadPool pool(3);
-    const SelectionBuffer many = run_select<backend::Scalar>(cs, quest, 5, pool.context());
+    const SelectionBuffer many = select_pages<backend::Scalar>(cs, quest, 5, pool.context());
     REQUIRE(one.indptr == many.indptr);
     REQUIRE(one.last == many.last);
     REQUIRE(std::equal(one.indices.begin(), one.indices.begin() + one.indptr.back(), many.indices.begin()));
@@ -326,7 +336,13 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
   const GqaMap gqa = cs.gqa();
   auto& c = cs.cache;
   SelectionBuffer out(3 * 4, 64);
-  std::vector<std::byte> ws(quest.workspace_bytes(c.table(), 4, gqa, 8) + 4096);
+  // Planned on the valid step: each section then breaks one input of `select`, which re-validates everything.
+  const DecodeInput<float> step{cs.queries(), c.table(), 4, 2};
+  const ProblemShape shape{.num_q_heads = cs.Hq, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim};
+  Quest::Plan plan;
+  REQUIRE(quest.plan(Context<backend::Scalar>{}, step, shape, plan).is_ok());
+  REQUIRE(plan.requirements.output.rows == 3 * quest.heads_per_seq(gqa));
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes + 4096);
   const Workspace w{ws.data(), ws.size()};
   auto expect_error = [&](const Status& s, const char* text) {
     INFO(s.message());
@@ -334,8 +350,11 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
     REQUIRE_THAT(s.message(), Contains(text));
     REQUIRE(out.untouched());
   };
+  auto select = [&](const Quest& qq, const DecodeInput<float>& in, PageMetaView<const half> meta, PageSelection o, Workspace wsp) {
+    return qq.select(Context<backend::Scalar>{wsp}, plan, in, meta, o);
+  };
   auto run = [&](const Quest& qq, PageSelection o, Workspace wsp) {
-    return qq.select(2, cs.queries(), c.table(), 4, cs.meta.cview(), o, wsp);
+    return select(qq, DecodeInput<float>{cs.queries(), c.table(), 4, 2}, cs.meta.cview(), o, wsp);
   };
   SECTION("page ids out of range") {
     c.indices[3] = c.num_pages;
@@ -353,15 +372,20 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
   }
   SECTION("metadata view of the wrong size") {
     MetaBuffer<half> small(c.num_pages - 3, 2, 8);
-    expect_error(quest.select(2, cs.queries(), c.table(), 4, small.cview(), out.view(), w), "out of range");
+    expect_error(select(quest, step, small.cview(), out.view(), w), "out of range");
     MetaBuffer<half> dim(c.num_pages, 2, 16);
-    expect_error(quest.select(2, cs.queries(), c.table(), 4, dim.cview(), out.view(), w), "queries head_dim is 8, the metadata has 16");
+    expect_error(select(quest, step, dim.cview(), out.view(), w), "queries head_dim is 8, the metadata has 16");
     MetaBuffer<half> heads(c.num_pages, 3, 8);
-    expect_error(quest.select(2, cs.queries(), c.table(), 4, heads.cview(), out.view(), w), "not a multiple of the 3 kv heads");
+    expect_error(select(quest, step, heads.cview(), out.view(), w), "not a multiple of the 3 kv heads");
   }
   SECTION("budget 0") {
     expect_error(run(Quest(QuestParams{.token_budget = 3}), out.view(), w), "page budget is 0 (token_budget=3 / page_size=4");
     expect_error(run(Quest(QuestParams{.token_budget = -4}), out.view(), w), "must be >= 0");
+    // plan() rejects the same parameters with the same message.
+    Quest::Plan p0;
+    expect_error(Quest(QuestParams{.token_budget = 3}).plan(Context<backend::Scalar>{}, step, shape, p0),
+                 "page budget is 0 (token_budget=3 / page_size=4");
+    expect_error(Quest(QuestParams{.token_budget = -4}).plan(Context<backend::Scalar>{}, step, shape, p0), "must be >= 0");
   }
   SECTION("outputs and workspace too small") {
     auto v = out.view();
@@ -378,6 +402,14 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
   }
   SECTION("queries of the wrong batch") {
     auto qv = TensorView<const float, 3>::contiguous(cs.q.data(), {2, 4, 8});
-    expect_error(quest.select(2, qv, c.table(), 4, cs.meta.cview(), out.view(), w), "queries has 2 sequences, the page table has batch 3");
+    expect_error(select(quest, DecodeInput<float>{qv, c.table(), 4, 2}, cs.meta.cview(), out.view(), w),
+                 "queries has 2 sequences, the page table has batch 3");
+    Quest::Plan p2;
+    expect_error(quest.plan(Context<backend::Scalar>{}, DecodeInput<float>{qv, c.table(), 4, 2}, shape, p2),
+                 "queries has 2 sequences, the page table has batch 3");
+  }
+  SECTION("a step that does not match the plan") {
+    expect_error(select(quest, DecodeInput<float>{cs.queries(), c.table(), 4, 3}, cs.meta.cview(), out.view(), w), "does not match the plan");
+    expect_error(select(quest, DecodeInput<float>{cs.queries(), c.table(), 8, 2}, cs.meta.cview(), out.view(), w), "does not match the plan");
   }
 }

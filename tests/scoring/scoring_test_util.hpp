@@ -13,10 +13,11 @@
 
 namespace kvp_test {
 
-/// select() of a policy with ragged rows: capacity from `max_total_kept` when
-/// the policy has it, else kept_count * rows.
+/// evict() of a policy with ragged rows: capacity from `max_total_kept` when
+/// the policy has it, else kept_count * rows; workspace and output sized by
+/// `requirements` on `shape` (its batch set to the batch's size).
 template <class Backend, class Policy, class In>
-KeepSetBuffer run_ragged(const Policy& p, const std::vector<In>& batch, std::int64_t rows_per_seq, const PrefillShape& shape,
+KeepSetBuffer run_ragged(const Policy& p, const std::vector<In>& batch, std::int64_t rows_per_seq, ProblemShape shape,
                          const ExecContext& ctx = {}) {
   std::int64_t total = 0;
   for (const auto& in : batch) {
@@ -26,9 +27,15 @@ KeepSetBuffer run_ragged(const Policy& p, const std::vector<In>& batch, std::int
       total += std::max<std::int64_t>(p.kept_count(in.keys.kv_len()), 0) * rows_per_seq;
     }
   }
+  shape.batch = static_cast<std::int64_t>(batch.size());
   KeepSetBuffer keep(static_cast<std::int64_t>(batch.size()) * rows_per_seq, std::max<std::int64_t>(total, 1));
-  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape, ctx));
-  const Status s = p.template select<Backend>(std::span<const In>(batch), keep.view(), Workspace{ws.data(), ws.size()}, ctx);
+  const Requirements req = p.requirements(Context<Backend>{{}, ctx}, shape);
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.output.rows == keep.view().num_rows);
+  REQUIRE(req.output.capacity >= total);
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Status s = p.evict(Context<Backend>{Workspace{ws.data(), ws.size()}, ctx}, std::span<const In>(batch), keep.view());
   INFO(s.message());
   REQUIRE(s.is_ok());
   return keep;
@@ -56,7 +63,7 @@ struct GoldenSnap {
       for (int i = 0; i < w; ++i)
         for (int c = 0; c < d; ++c) q[(h * w + i) * d + c] = static_cast<float>(qd[(h * T + T - w + i) * d + c]);
   }
-  PrefillInput<float, float> input(int w) const {
+  ScoreInput<float, float> input(int w) const {
     return {TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, w, golden::kD}),
             KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, golden::kT, golden::kD}))};
   }

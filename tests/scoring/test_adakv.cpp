@@ -19,33 +19,39 @@ using namespace kvpolicy;
 using Catch::Matchers::Contains;
 
 STATIC_ASSERT_POLICY(AdaKV<SnapKV>);
-static_assert(HeadScorer<SnapKV, PrefillInput<float, half>>);
+static_assert(HeadScorer<SnapKV, ScoreInput<float, half>>);
 static_assert(HeadScorer<ExpectedAttention, ExpectedAttentionInput<float, half>>);
 
 namespace kvp_test {
 
 /// A scorer with fixed scores (rows = kv heads, G = 1): isolates the allocation.
 struct FixedScorer {
+  struct Params {};
+  static constexpr const char* kName = "fixed";
   std::vector<float> s;
   std::int64_t H = 0, T = 0, P = 0;
+  Params params_{};
+  const Params& params() const noexcept { return params_; }
+  Status validate_params() const noexcept { return Status::ok(); }
   template <class Backend, class Tq, class Tk>
-  Status score(const PrefillInput<Tq, Tk>&, TensorView<float, 2> out, Workspace, const ExecContext& = {}) const noexcept {
+  Status score(const Context<Backend>&, const ScoreInput<Tq, Tk>&, ScoreMap out) const noexcept {
     for (std::int64_t h = 0; h < H; ++h)
       for (std::int64_t j = 0; j < T; ++j) out(h, j) = s[h * T + j];
     return Status::ok();
   }
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape&, const ExecContext& = {}) const noexcept {
-    return 0;
+  template <class Backend>
+  Requirements requirements(const Context<Backend>&, const ProblemShape&) const noexcept {
+    return Requirements{};  // ok, no workspace
   }
+  std::int64_t protected_tokens(std::int64_t) const noexcept { return P; }
   template <class Tq, class Tk>
-  Status validate(std::span<const PrefillInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+  Status validate(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
     KVP_REQUIRE(!batch.empty(), "fixed: batch is empty");
-    *shape = PrefillShape{H, H, 1, T, 1};
+    *shape = ProblemShape{H, H, 1, T, 1};
     return Status::ok();
   }
 };
-inline std::int64_t protected_tokens(const FixedScorer& f, std::int64_t) noexcept { return f.P; }
+static_assert(HeadScorer<FixedScorer, ScoreInput<float, float>>);
 
 struct FixedCase {
   std::vector<float> keys, q;
@@ -56,14 +62,14 @@ struct FixedCase {
     scorer.T = T;
     scorer.P = P;
   }
-  PrefillInput<float, float> input() const {
+  ScoreInput<float, float> input() const {
     return {TensorView<const float, 3>::contiguous(q.data(), {scorer.H, 1, 1}),
             KVSource<float>::from(TensorView<const float, 3>::contiguous(keys.data(), {scorer.H, scorer.T, 1}))};
   }
   KeepSetBuffer run(const AdaKVParams& p) const {
     const AdaKV<FixedScorer> policy(p, scorer);
-    return run_ragged<backend::Scalar>(policy, std::vector<PrefillInput<float, float>>{input()}, scorer.H,
-                                       PrefillShape{scorer.H, scorer.H, 1, scorer.T, 1});
+    return run_ragged<backend::Scalar>(policy, std::vector<ScoreInput<float, float>>{input()}, scorer.H,
+                                       ProblemShape{scorer.H, scorer.H, 1, scorer.T, 1});
   }
 };
 
@@ -157,8 +163,8 @@ std::vector<std::vector<std::int32_t>> rows_of(const KeepSetBuffer& k, std::int6
 TEST_CASE("adakv: golden vector of reference §11 (AdaKVPress(SnapKVPress(r=.5, w=3, K=3), alpha=0.2))", "[adakv][golden]") {
   const GoldenSnap g(3);
   const AdaKV<SnapKV> policy(AdaKVParams::kvpress(0.5, 0.2), SnapKV(SnapKVParams::kvpress(0.5, 3, 3)));
-  const PrefillShape shape{4, 2, 4, 12, 3};
-  const std::vector<PrefillInput<float, float>> batch{g.input(3)};
+  const ProblemShape shape{4, 2, 4, 12, 3};
+  const std::vector<ScoreInput<float, float>> batch{g.input(3)};
   for (const auto& keep : {run_ragged<backend::Scalar>(policy, batch, 2, shape), run_ragged<backend::Cpu>(policy, batch, 2, shape)}) {
     // masked kv0 {0,5,6,7,8} (keeps 7), kv1 {0,1,2,3,4,5,8} (keeps 5); n_kept = 6 per head on average.
     REQUIRE(keep.row(0) == std::vector<std::int32_t>{1, 2, 3, 4, 9, 10, 11});
@@ -239,11 +245,14 @@ TEST_CASE("adakv: random cases equal the sort-based references (both variants, b
       RandomCase<float> rc(G * Hkv, Hkv, T, 32, w, 31 * G + T);
       const SnapKV scorer(adakv_scoring(w, 7));
       const auto in = rc.input();
-      PrefillShape shape{G * Hkv, Hkv, 32, T, w};
+      ProblemShape shape{G * Hkv, Hkv, 32, T, w};
       // Scores as the policy sees them (kv heads).
       std::vector<float> S(Hkv * T);
-      std::vector<std::byte> sws(scorer.workspace_bytes<backend::Scalar>(shape));
-      REQUIRE(scorer.score<backend::Scalar>(in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T}), Workspace{sws.data(), sws.size()}).is_ok());
+      const Requirements sreq = scorer.requirements(Context<backend::Scalar>{}, shape);
+      REQUIRE(sreq.status.is_ok());
+      std::vector<std::byte> sws(sreq.workspace_bytes);
+      REQUIRE(scorer.score(Context<backend::Scalar>{Workspace{sws.data(), sws.size()}}, in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T}))
+                  .is_ok());
       for (double alpha : {0.0, 0.2, 0.5, 1.0}) {
         for (bool norm : {false, true}) {
           for (std::int64_t C : {w + 1, w + T / 4, w + T / 2, T}) {
@@ -270,7 +279,7 @@ TEST_CASE("adakv: the original per-query-head mode equals a kv-head run on repea
   // Repeated keys (Hq, T, d): what the original does with repeat_kv before compressing.
   std::vector<float> rep(Hq * T * d);
   for (int q = 0; q < Hq; ++q) std::copy_n(rc.keys.begin() + (q / G) * T * d, T * d, rep.begin() + q * T * d);
-  const PrefillInput<float, float> repeated{TensorView<const float, 3>::contiguous(rc.queries.data(), {Hq, w, d}),
+  const ScoreInput<float, float> repeated{TensorView<const float, 3>::contiguous(rc.queries.data(), {Hq, w, d}),
                                             KVSource<float>::from(TensorView<const float, 3>::contiguous(rep.data(), {Hq, T, d}))};
   const SnapKV scorer(adakv_scoring(w, 7));
   for (bool norm : {false, true}) {
@@ -279,11 +288,11 @@ TEST_CASE("adakv: the original per-query-head mode equals a kv-head run on repea
     kvp.heads = HeadGranularity::kKvHead;
     const AdaKV<SnapKV> on_repeated(kvp, scorer);
     REQUIRE(per_query.rows_per_sequence(Hq, Hkv) == Hq);
-    const auto a = run_ragged<backend::Scalar>(per_query, std::vector{rc.input()}, Hq, PrefillShape{Hq, Hkv, d, T, w});
-    const auto b = run_ragged<backend::Scalar>(on_repeated, std::vector{repeated}, Hq, PrefillShape{Hq, Hq, d, T, w});
+    const auto a = run_ragged<backend::Scalar>(per_query, std::vector{rc.input()}, Hq, ProblemShape{Hq, Hkv, d, T, w});
+    const auto b = run_ragged<backend::Scalar>(on_repeated, std::vector{repeated}, Hq, ProblemShape{Hq, Hq, d, T, w});
     REQUIRE(a == b);
     require_valid_rows(a, Hq, T);
-    REQUIRE(run_ragged<backend::Cpu>(per_query, std::vector{rc.input()}, Hq, PrefillShape{Hq, Hkv, d, T, w}) == a);
+    REQUIRE(run_ragged<backend::Cpu>(per_query, std::vector{rc.input()}, Hq, ProblemShape{Hq, Hkv, d, T, w}) == a);
   }
 }
 
@@ -295,7 +304,7 @@ TEST_CASE("adakv: GQA-aware scoring reduces the group before pooling (mean and m
     REQUIRE(sp.window_reduce == WindowReduce::kMean);
     REQUIRE(sp.pooling == Pooling::kMax);
     const AdaKV<SnapKV> policy(AdaKVParams::original_gqa(128, 0.2), SnapKV(sp));
-    const auto keep = run_ragged<backend::Scalar>(policy, std::vector{rc.input()}, 2, PrefillShape{8, 2, 32, 400, 32});
+    const auto keep = run_ragged<backend::Scalar>(policy, std::vector{rc.input()}, 2, ProblemShape{8, 2, 32, 400, 32});
     require_valid_rows(keep, 2, 400);
     std::int64_t total = 0;
     for (int h = 0; h < 2; ++h) {
@@ -313,7 +322,7 @@ TEST_CASE("adakv: every backend equals the scalar reference (GQA 1/2/4/8, length
     for (int T : {1, 2, 7, 100, 1000, 4099}) {
       const int w = std::min(T, 8), Hkv = 2, d = 64;
       RandomCase<half> rc(G * Hkv, Hkv, T, d, w, 1000 * G + T);
-      const PrefillShape shape{G * Hkv, Hkv, d, T, w};
+      const ProblemShape shape{G * Hkv, Hkv, d, T, w};
       const SnapKV snap_kvpress(SnapKVParams::kvpress(0.5, w, 5));
       const SnapKV snap_ada(adakv_scoring(w, 7));
       const std::vector<AdaKV<SnapKV>> policies{AdaKV<SnapKV>(AdaKVParams::kvpress(0.5, 0.2), snap_kvpress),
@@ -338,11 +347,11 @@ TEST_CASE("adakv: a batch of different lengths equals per-sequence calls", "[ada
   for (const auto& policy : {AdaKV<SnapKV>(AdaKVParams::kvpress(0.7, 0.2), SnapKV(SnapKVParams::kvpress(0.7, 8, 7))),
                              AdaKV<SnapKV>(AdaKVParams::original_gqa(100, 0.3), SnapKV(adakv_scoring(8, 7)))}) {
     ThreadPool pool(2);
-    const auto all = run_ragged<backend::Cpu>(policy, std::vector{a.input(), b.input(), c.input()}, 2, PrefillShape{8, 2, 64, 1000, 8},
+    const auto all = run_ragged<backend::Cpu>(policy, std::vector{a.input(), b.input(), c.input()}, 2, ProblemShape{8, 2, 64, 1000, 8},
                                               pool.context());
     std::int64_t row = 0;
     for (auto* rc : {&a, &b, &c}) {
-      const auto one = run_ragged<backend::Scalar>(policy, std::vector{rc->input()}, 2, PrefillShape{8, 2, 64, rc->T, 8});
+      const auto one = run_ragged<backend::Scalar>(policy, std::vector{rc->input()}, 2, ProblemShape{8, 2, 64, rc->T, 8});
       for (int h = 0; h < 2; ++h) REQUIRE(all.row(row++) == one.row(h));
     }
   }
@@ -353,22 +362,23 @@ TEST_CASE("adakv: on top of Expected Attention", "[adakv][expected_attention]") 
   RandomCase<float> rc(Hq, Hkv, T, d, T, 12);  // queries (Hq, T, d) as the prompt's pre-RoPE queries
   std::vector<float> values(rc.keys.size());
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = std::sin(0.37f * static_cast<float>(i)) + 1.2f;
-  const ExpectedAttentionInput<float, float> in{TensorView<const float, 3>::contiguous(rc.queries.data(), {Hq, T, d}),
-                                                {},
-                                                {},
-                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(rc.keys.data(), {Hkv, T, d})),
-                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(values.data(), {Hkv, T, d}))};
+  ExpectedAttentionInput<float, float> in;
+  in.queries = TensorView<const float, 3>::contiguous(rc.queries.data(), {Hq, T, d});
+  in.keys = KVSource<float>::from(TensorView<const float, 3>::contiguous(rc.keys.data(), {Hkv, T, d}));
+  in.values = KVSource<float>::from(TensorView<const float, 3>::contiguous(values.data(), {Hkv, T, d}));
   const ExpectedAttention ea(ExpectedAttentionParams::kvpress(0.5, 64, 4, true, true, 1e-2f));
   const AdaKV<ExpectedAttention> policy(AdaKVParams::kvpress(0.5, 0.2), ea);
-  const PrefillShape shape{Hq, Hkv, d, T, T};
+  const ProblemShape shape{Hq, Hkv, d, T, T};
   const auto keep = run_ragged<backend::Scalar>(policy, std::vector{in}, Hkv, shape);
   REQUIRE(run_ragged<backend::Cpu>(policy, std::vector{in}, Hkv, shape) == keep);
   REQUIRE(keep.indptr.back() == Hkv * kvpress_n_kept(T, 0.5));
   for (int h = 0; h < Hkv; ++h)
     for (int j = 0; j < 4; ++j) REQUIRE(keep.row(h)[j] == j);  // sinks protected
   std::vector<float> S(Hkv * T);
-  std::vector<std::byte> ws(ea.workspace_bytes<backend::Scalar>(shape));
-  REQUIRE(ea.score<backend::Scalar>(in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T}), Workspace{ws.data(), ws.size()}).is_ok());
+  const Requirements ereq = ea.requirements(Context<backend::Scalar>{}, shape);
+  REQUIRE(ereq.status.is_ok());
+  std::vector<std::byte> ws(ereq.workspace_bytes);
+  REQUIRE(ea.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T})).is_ok());
   REQUIRE(rows_of(keep, 0, Hkv) == reference_kvpress(S, Hkv, T, kvpress_n_kept(T, 0.5), 0.2));
   // Per query head: runs the scorer on each group member's heads.
   const AdaKV<ExpectedAttention> per_q(AdaKVParams::original(100, 0.2), ea);
@@ -379,12 +389,14 @@ TEST_CASE("adakv: on top of Expected Attention", "[adakv][expected_attention]") 
 TEST_CASE("adakv: bad input gets a clear message and writes nothing", "[adakv][errors]") {
   RandomCase<float> rc(8, 2, 100, 64, 8, 9);
   const auto in = rc.input();
-  auto expect_error = [&](const AdaKV<SnapKV>& p, PrefillInput<float, float> input, const char* needle, std::int64_t capacity = 400,
+  auto expect_error = [&](const AdaKV<SnapKV>& p, ScoreInput<float, float> input, const char* needle, std::int64_t capacity = 400,
                           std::size_t ws_bytes = SIZE_MAX) {
     KeepSetBuffer keep(p.rows_per_sequence(8, 2), capacity);
     keep.fill_sentinel();
-    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? p.workspace_bytes<backend::Cpu>(PrefillShape{8, 2, 64, 100, 8}) : ws_bytes);
-    const Status s = p.select<backend::Cpu>(input, keep.view(), Workspace{ws.data(), ws.size()});
+    // An invalid policy reports 0 bytes: the call validates its inputs before the workspace.
+    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? p.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 64, 100, 8}).workspace_bytes
+                                                   : ws_bytes);
+    const Status s = p.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, input, keep.view());
     INFO(s.message());
     REQUIRE(!s.is_ok());
     REQUIRE_THAT(s.message(), Contains(needle));
@@ -413,6 +425,6 @@ TEST_CASE("adakv: bad input gets a clear message and writes nothing", "[adakv][e
   expect_error(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), snap), in, "workspace has 100 bytes", 400, 100);
   KeepSetBuffer keep(2, 400);
   std::vector<std::byte> ws(100);
-  REQUIRE(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), snap).select<backend::Cpu>(in, keep.view(), Workspace{ws.data(), ws.size()}).code() ==
+  REQUIRE(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), snap).evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view()).code() ==
           StatusCode::kWorkspaceTooSmall);
 }

@@ -2,8 +2,11 @@
 // statistics input, RoPE options, every backend, bad input.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "kvpolicy/backends/cpu.hpp"
@@ -24,6 +27,9 @@ struct EACase {
   mutable std::vector<float> pool;
   mutable std::vector<std::int32_t> indptr, indices, last;
   mutable PagedKVView<const float> paged{};
+  mutable std::vector<float> pv_k, pv_v;
+  mutable std::vector<std::int32_t> pv_indptr, pv_indices, pv_last;
+  mutable PagedKVView<const float> pv{};
 
   EACase(std::int64_t hq, std::int64_t hkv, std::int64_t t, std::int64_t dd, unsigned seed)
       : Hq(hq), Hkv(hkv), T(t), Tq(t), d(dd), q(hq * t * dd), k(hkv * t * dd), v(hkv * t * dd) {
@@ -34,9 +40,11 @@ struct EACase {
     for (auto& x : v) x = nd(rng);
   }
   ExpectedAttentionInput<float, float> input() const {
-    return {TensorView<const float, 3>::contiguous(q.data(), {Hq, Tq, d}), {}, {},
-            KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {Hkv, T, d})),
-            KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {Hkv, T, d}))};
+    ExpectedAttentionInput<float, float> in;
+    in.queries = TensorView<const float, 3>::contiguous(q.data(), {Hq, Tq, d});
+    in.keys = KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {Hkv, T, d}));
+    in.values = KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {Hkv, T, d}));
+    return in;
   }
   /// Keys token-major with padding; values in a paged pool (NHD, shuffled pages).
   ExpectedAttentionInput<float, float> strided_paged_input(std::int32_t ps) const {
@@ -59,7 +67,34 @@ struct EACase {
         for (std::int64_t c = 0; c < d; ++c) pool[indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c] = v[(h * T + t) * d + c];
     paged = PagedKVView<const float>{pool.data(), pool.data(), st, st, pool_pages, static_cast<std::int32_t>(Hkv), ps,
                                      static_cast<std::int32_t>(d), PageTable{indptr.data(), indices.data(), last.data(), 1}, kHost};
-    in.values = KVSource<float>::from_paged(paged, 0);
+    in.values = KVSource<float>::from_paged_values(paged, 0);
+    return in;
+  }
+  /// Dense keys; values in an HND page pool (shuffled pages, spares) whose key half
+  /// is a separate pool holding other data (the keys, times 3): reading the wrong
+  /// half of the cache would change the value norms.
+  ExpectedAttentionInput<float, float> paged_values_input(std::int32_t ps) const {
+    auto in = input();
+    const std::int32_t pages = static_cast<std::int32_t>((T + ps - 1) / ps), pool_pages = pages + 3;
+    const PageStrides st = PageStrides::contiguous(PageLayout::kHND, Hkv, ps, d);
+    pv_k.assign(static_cast<std::size_t>(pool_pages) * st.page, 0.5f);
+    pv_v.assign(static_cast<std::size_t>(pool_pages) * st.page, std::nanf(""));  // unwritten slots would show
+    std::vector<std::int32_t> perm(pool_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(static_cast<unsigned>(T + ps)));
+    pv_indices.assign(perm.begin(), perm.begin() + pages);
+    pv_indptr = {0, pages};
+    pv_last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(pages - 1) * ps)};
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t h = 0; h < Hkv; ++h)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const std::int64_t off = pv_indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c;
+          pv_v[off] = v[(h * T + t) * d + c];
+          pv_k[off] = 3.0f * k[(h * T + t) * d + c];
+        }
+    pv = PagedKVView<const float>{pv_k.data(), pv_v.data(), st, st, pool_pages, static_cast<std::int32_t>(Hkv), ps,
+                                  static_cast<std::int32_t>(d), PageTable{pv_indptr.data(), pv_indices.data(), pv_last.data(), 1}, kHost};
+    in.values = KVSource<float>::from_paged_values(pv, 0);
     return in;
   }
 };
@@ -138,16 +173,19 @@ std::vector<double> reference_scores(const EACase& c, const ExpectedAttentionPar
 std::vector<float> ea_scores(const ExpectedAttention& ea, const ExpectedAttentionInput<float, float>& in, std::int64_t Hq, std::int64_t Hkv,
                              std::int64_t T, std::int64_t d, const ExecContext& ctx = {}) {
   std::vector<float> s(Hkv * T, -7.0f);
-  std::vector<std::byte> ws(ea.workspace_bytes<backend::Scalar>(PrefillShape{Hq, Hkv, d, T, in.queries.extent(1)}, ctx));
-  const Status st = ea.score<backend::Scalar>(in, TensorView<float, 2>::contiguous(s.data(), {Hkv, T}), Workspace{ws.data(), ws.size()}, ctx);
+  const Requirements req = ea.requirements(Context<backend::Scalar>{{}, ctx}, ProblemShape{Hq, Hkv, d, T, in.queries.extent(1)});
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Status st = ea.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}, ctx}, in, TensorView<float, 2>::contiguous(s.data(), {Hkv, T}));
   INFO(st.message());
   REQUIRE(st.is_ok());
   return s;
 }
 
 template <class Backend>
-KeepSetBuffer ea_select(const ExpectedAttention& ea, const ExpectedAttentionInput<float, float>& in, const ExecContext& ctx = {}) {
-  const PrefillShape shape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), in.queries.extent(1)};
+KeepSetBuffer ea_evict(const ExpectedAttention& ea, const ExpectedAttentionInput<float, float>& in, const ExecContext& ctx = {}) {
+  const ProblemShape shape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), in.queries.extent(1)};
   return run_ragged<Backend>(ea, std::vector{in}, shape.num_kv_heads, shape, ctx);
 }
 
@@ -164,9 +202,13 @@ TEST_CASE("expected attention: golden vector of reference §11 (n_future=4, n_si
       for (int c = 0; c < kD; ++c) v[(g * kT + t) * kD + c] = static_cast<float>(std::sin(0.2 * (g + 1) * (t + 1) + 0.9 * c) + 1.5);
   const auto kd = golden::keys();
   const std::vector<float> k(kd.begin(), kd.end());
-  const ExpectedAttentionInput<float, float> in{TensorView<const float, 3>::contiguous(qpre.data(), {kHq, kT, kD}), {}, {},
-                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {kHkv, kT, kD})),
-                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {kHkv, kT, kD}))};
+  // The aggregate form: {{queries, keys, values}, query_mean, query_cov, next_position}.
+  const ExpectedAttentionInput<float, float> in{{TensorView<const float, 3>::contiguous(qpre.data(), {kHq, kT, kD}),
+                                                 KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {kHkv, kT, kD})),
+                                                 KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {kHkv, kT, kD}))},
+                                                {},
+                                                {},
+                                                -1};
   const ExpectedAttention ea(ExpectedAttentionParams::kvpress(0.5, 4, 2));
   const double expect[2][12] = {
       {1.5267607596, 1.5267607596, 0.3256754954, 0.3214761585, 0.3434124955, 0.3562943172, 0.334817277, 0.2790828787, 0.2600226625,
@@ -179,7 +221,7 @@ TEST_CASE("expected attention: golden vector of reference §11 (n_future=4, n_si
     REQUIRE(std::isinf(s[g * kT + 1]));
     for (int j = 2; j < kT; ++j) REQUIRE(s[g * kT + j] == Approx(expect[g][j]).epsilon(1e-6));
   }
-  for (const auto& keep : {ea_select<backend::Scalar>(ea, in), ea_select<backend::Cpu>(ea, in)}) {
+  for (const auto& keep : {ea_evict<backend::Scalar>(ea, in), ea_evict<backend::Cpu>(ea, in)}) {
     REQUIRE(keep.row(0) == std::vector<std::int32_t>{0, 1, 4, 5, 9, 10});
     REQUIRE(keep.row(1) == std::vector<std::int32_t>{0, 1, 2, 3, 4, 10});
   }
@@ -277,13 +319,63 @@ TEST_CASE("expected attention: every backend equals the scalar reference (GQA 1/
       EACase c(2 * G, 2, T, 32, 17 * G + T);
       for (double r : {0.3, 0.9}) {
         const ExpectedAttention ea(ExpectedAttentionParams::kvpress(r, 64, 4));
-        const auto ref = ea_select<backend::Scalar>(ea, c.input());
+        const auto ref = ea_evict<backend::Scalar>(ea, c.input());
         require_valid_rows(ref, 2, T);
         for (int h = 0; h < 2; ++h) REQUIRE(static_cast<std::int64_t>(ref.row(h).size()) == kvpress_n_kept(T, r));
-        REQUIRE(ea_select<backend::Cpu>(ea, c.input()) == ref);
-        REQUIRE(ea_select<backend::Cpu>(ea, c.strided_paged_input(16)) == ref);
+        REQUIRE(ea_evict<backend::Cpu>(ea, c.input()) == ref);
+        REQUIRE(ea_evict<backend::Cpu>(ea, c.strided_paged_input(16)) == ref);
         ThreadPool pool(2);
-        REQUIRE(ea_select<backend::Cpu>(ea, c.input(), pool.context()) == ref);
+        REQUIRE(ea_evict<backend::Cpu>(ea, c.input(), pool.context()) == ref);
+      }
+    }
+  }
+}
+
+TEST_CASE("expected attention: paged values through KVSource::from_paged_values score as the dense values, and a keys-role source is rejected",
+          "[expected_attention][paged]") {
+  unsigned seed = 500;
+  for (int G : {1, 4}) {
+    for (int T : {37, 300}) {
+      for (std::int32_t ps : {1, 16}) {
+        INFO("G " << G << " T " << T << " page_size " << ps);
+        EACase c(2 * G, 2, T, 32, seed++);
+        const ExpectedAttention ea(ExpectedAttentionParams::kvpress(0.5, 64, 4, true, true, 1e-3f));
+        const auto dense_in = c.input();
+        auto in = c.paged_values_input(ps);
+        REQUIRE(in.values.paged != nullptr);
+        REQUIRE(in.values.role == KVRole::kValues);
+        // Value rows of the source are the value pool's rows.
+        for (std::int64_t h = 0; h < 2; ++h)
+          for (std::int64_t t : {std::int64_t{0}, std::int64_t{T / 2}, std::int64_t{T - 1}})
+            REQUIRE(in.values.rows(h).row(t)[5] == c.v[(h * T + t) * 32 + 5]);
+        const auto dense = ea_scores(ea, dense_in, c.Hq, c.Hkv, c.T, c.d);
+        REQUIRE(ea_scores(ea, in, c.Hq, c.Hkv, c.T, c.d) == dense);  // bit-identical: the same rows, read in place
+        const auto ref = ea_evict<backend::Scalar>(ea, dense_in);
+        REQUIRE(ea_evict<backend::Scalar>(ea, in) == ref);
+        REQUIRE(ea_evict<backend::Cpu>(ea, in) == ref);
+
+        // The same pool given through KVSource::from_paged (which reads the KEYS) as values: rejected, nothing written.
+        auto wrong = in;
+        wrong.values = KVSource<float>::from_paged(c.pv, 0);
+        REQUIRE(wrong.values.role == KVRole::kKeys);
+        const ProblemShape shape{c.Hq, c.Hkv, c.d, c.T, c.Tq};
+        const Requirements req = ea.requirements(Context<backend::Cpu>{}, shape);
+        REQUIRE(req.status.is_ok());
+        std::vector<std::byte> ws(req.workspace_bytes);
+        const Context<backend::Cpu> cx{Workspace{ws.data(), ws.size()}};
+        std::vector<float> scores(static_cast<std::size_t>(c.Hkv * c.T), -7.0f);
+        const Status ss = ea.score(cx, wrong, TensorView<float, 2>::contiguous(scores.data(), {c.Hkv, c.T}));
+        INFO(ss.message());
+        REQUIRE(!ss.is_ok());
+        REQUIRE_THAT(ss.message(), Contains("from_paged_values"));
+        REQUIRE(std::all_of(scores.begin(), scores.end(), [](float x) { return x == -7.0f; }));
+        KeepSetBuffer keep(req.output.rows, req.output.capacity);
+        keep.fill_sentinel();
+        const Status se = ea.evict(cx, wrong, keep.view());
+        INFO(se.message());
+        REQUIRE(!se.is_ok());
+        REQUIRE_THAT(se.message(), Contains("from_paged_values"));
+        REQUIRE(keep.untouched());
       }
     }
   }
@@ -295,8 +387,9 @@ TEST_CASE("expected attention: bad input gets a clear message and writes nothing
     const ExpectedAttention ea(p);
     KeepSetBuffer keep(2, 200);
     keep.fill_sentinel();
-    std::vector<std::byte> ws(ea.workspace_bytes<backend::Cpu>(PrefillShape{8, 2, 16, 100, 100}));
-    const Status s = ea.select<backend::Cpu>(in, keep.view(), Workspace{ws.data(), ws.size()});
+    // An invalid policy reports 0 bytes: the call validates its inputs before the workspace.
+    std::vector<std::byte> ws(ea.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 16, 100, 100}).workspace_bytes);
+    const Status s = ea.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view());
     INFO(needle);
     INFO(s.message());
     REQUIRE(!s.is_ok());

@@ -59,7 +59,7 @@ struct CaseInputs {
   explicit CaseInputs(const kf::FixtureCase& c)
       : Hq(c.num_q_heads), Hkv(c.num_kv_heads), T(c.seq_len), d(c.head_dim), q(c.queries()), k(c.keys()), v(c.values()) {}
   /// SnapKV-style input: the last w queries of every head.
-  PrefillInput<float, float> window(std::int64_t w, bool repeated = false) {
+  ScoreInput<float, float> window(std::int64_t w, bool repeated = false) {
     if (repeated && k_rep.empty()) {
       const std::int64_t G = Hq / Hkv;
       k_rep.resize(Hq * T * d);
@@ -70,17 +70,22 @@ struct CaseInputs {
   }
   /// Expected Attention input: all prompt queries are the pre-RoPE queries.
   ExpectedAttentionInput<float, float> prompt() const {
-    return {TensorView<const float, 3>::contiguous(q.data(), {Hq, T, d}), {}, {},
-            KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {Hkv, T, d})),
-            KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {Hkv, T, d}))};
+    ExpectedAttentionInput<float, float> in;
+    in.queries = TensorView<const float, 3>::contiguous(q.data(), {Hq, T, d});
+    in.keys = KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {Hkv, T, d}));
+    in.values = KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {Hkv, T, d}));
+    return in;
   }
 };
 
 template <class Scorer, class In>
-std::vector<float> scores_of(const Scorer& s, const In& in, std::int64_t rows, std::int64_t T, const PrefillShape& shape) {
+std::vector<float> scores_of(const Scorer& s, const In& in, std::int64_t rows, std::int64_t T, const ProblemShape& shape) {
   std::vector<float> out(rows * T);
-  std::vector<std::byte> ws(s.template workspace_bytes<backend::Cpu>(shape));
-  const Status st = s.template score<backend::Cpu>(in, TensorView<float, 2>::contiguous(out.data(), {rows, T}), Workspace{ws.data(), ws.size()});
+  const Requirements req = s.requirements(Context<backend::Cpu>{}, shape);
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Status st = s.score(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(out.data(), {rows, T}));
   INFO(st.message());
   REQUIRE(st.is_ok());
   return out;
@@ -168,10 +173,10 @@ TEST_CASE("fixtures: SnapKV (kvpress SnapKVPress)", "[fixtures][snapkv]") {
     SnapKVParams p = SnapKVParams::kvpress(c.param<double>("compression_ratio"), w, c.param<int>("kernel_size"));
     p.budget = p.budget.keep_at_least_one();
     const SnapKV snap(p);
-    const PrefillShape shape{in.Hq, in.Hkv, in.d, in.T, w};
+    const ProblemShape shape{in.Hq, in.Hkv, in.d, in.T, w};
     compare_scores(c, c.scores, scores_of(snap, in.window(w), in.Hkv, in.T, shape), in.T, st);
     REQUIRE(snap.kept_count(in.T) == *c.n_kept);
-    compare_kept(c, c.kept, c.kept_ties, run_select<backend::Cpu>(snap, in.window(w)), 0, st);
+    compare_kept(c, c.kept, c.kept_ties, run_evict<backend::Cpu>(snap, in.window(w)), 0, st);
     ++st.cases;
   }
 }
@@ -185,9 +190,9 @@ TEST_CASE("fixtures: SnapKV original and KVCache-Factory kv_head mode", "[fixtur
     const SnapKV snap(original_scoring(c));
     const auto input = in.window(w, per_q);
     const std::int64_t rows = per_q ? in.Hq : in.Hkv;
-    compare_scores(c, c.scores, scores_of(snap, input, rows, in.T, PrefillShape{in.Hq, rows, in.d, in.T, w}), in.T, st);
+    compare_scores(c, c.scores, scores_of(snap, input, rows, in.T, ProblemShape{in.Hq, rows, in.d, in.T, w}), in.T, st);
     REQUIRE(snap.kept_count(in.T) == (c.raw.at("compressed").get<bool>() ? *c.n_kept : in.T));
-    compare_kept(c, c.kept, c.kept_ties, run_select<backend::Cpu>(snap, input), 0, st);
+    compare_kept(c, c.kept, c.kept_ties, run_evict<backend::Cpu>(snap, input), 0, st);
     ++st.cases;
   }
 }
@@ -198,7 +203,7 @@ TEST_CASE("fixtures: StreamingLLM (kvpress StreamingLLMPress)", "[fixtures][stre
     CaseInputs in(c);
     const StreamingLLM policy(StreamingLLMParams{c.param<int>("n_sink"), Budget::compression_ratio(c.param<double>("compression_ratio")).keep_at_least_one(), 0});
     REQUIRE(policy.kept_count(in.T) == *c.n_kept);
-    compare_kept(c, c.kept, c.kept_ties, run_select<backend::Cpu>(policy, in.window(1)), 0, st);
+    compare_kept(c, c.kept, c.kept_ties, run_evict<backend::Cpu>(policy, in.window(1)), 0, st);
     ++st.cases;
   }
 }
@@ -213,7 +218,7 @@ TEST_CASE("fixtures: Ada-KV (kvpress AdaKVPress over SnapKVPress)", "[fixtures][
     p.budget = p.budget.keep_at_least_one();
     const SnapKV snap(SnapKVParams::kvpress(r, w, c.param<int>("kernel_size")));
     const AdaKV<SnapKV> ada(p, snap);
-    const PrefillShape shape{in.Hq, in.Hkv, in.d, in.T, w};
+    const ProblemShape shape{in.Hq, in.Hkv, in.d, in.T, w};
     compare_scores(c, c.scores, scores_of(snap, in.window(w), in.Hkv, in.T, shape), in.T, st);
     REQUIRE(ada.kept_count(in.T) == *c.n_kept);
     const auto keep = run_ragged<backend::Cpu>(ada, std::vector{in.window(w)}, in.Hkv, shape);
@@ -231,7 +236,7 @@ TEST_CASE("fixtures: Ada-KV (kvpress AdaKVPress over ExpectedAttentionPress)", "
     AdaKVParams p = AdaKVParams::kvpress(c.param<double>("compression_ratio"), c.param<double>("alpha_safeguard"));
     p.budget = p.budget.keep_at_least_one();
     const AdaKV<ExpectedAttention> ada(p, ea);
-    const PrefillShape shape{in.Hq, in.Hkv, in.d, in.T, in.T};
+    const ProblemShape shape{in.Hq, in.Hkv, in.d, in.T, in.T};
     compare_scores(c, c.scores, scores_of(ea, in.prompt(), in.Hkv, in.T, shape), in.T, st);
     compare_kept(c, c.kept, c.kept_ties, run_ragged<backend::Cpu>(ada, std::vector{in.prompt()}, in.Hkv, shape), 0, st);
     ++st.cases;
@@ -251,8 +256,8 @@ TEST_CASE("fixtures: Ada-KV original (FFY0/AdaKV, per query head and gqa_support
     const AdaKV<SnapKV> ada(p, snap);
     const std::int64_t rows = ada.rows_per_sequence(in.Hq, in.Hkv);
     // Scores at the fixture's granularity (per query head: the scorer on repeated keys).
-    compare_scores(c, c.scores, scores_of(snap, in.window(w, !gqa), rows, in.T, PrefillShape{in.Hq, rows, in.d, in.T, w}), in.T, st);
-    const auto keep = run_ragged<backend::Cpu>(ada, std::vector{in.window(w)}, rows, PrefillShape{in.Hq, in.Hkv, in.d, in.T, w});
+    compare_scores(c, c.scores, scores_of(snap, in.window(w, !gqa), rows, in.T, ProblemShape{in.Hq, rows, in.d, in.T, w}), in.T, st);
+    const auto keep = run_ragged<backend::Cpu>(ada, std::vector{in.window(w)}, rows, ProblemShape{in.Hq, in.Hkv, in.d, in.T, w});
     compare_kept(c, c.kept, c.kept_ties, keep, 0, st);
     const auto counts = c.raw.at("kept_counts").get<std::vector<int>>();
     for (std::int64_t r = 0; r < rows; ++r) REQUIRE(keep.row(r).size() == static_cast<std::size_t>(counts[r]));
@@ -280,7 +285,7 @@ TEST_CASE("fixtures: PyramidKV (kvpress PyramidKVPress): budget grid and kept se
   for (const auto& c : file.cases) {
     CaseInputs in(c);
     const int w = c.param<int>("window_size");
-    const PrefillShape shape{in.Hq, in.Hkv, in.d, in.T, w};
+    const ProblemShape shape{in.Hq, in.Hkv, in.d, in.T, w};
     for (const auto& layer : c.layers) {
       PyramidKVParams p = PyramidKVParams::kvpress(c.param<double>("compression_ratio"), layer.layer_idx, c.param<int>("num_hidden_layers"), w,
                                                    c.param<int>("kernel_size"), c.param<int>("beta"));
@@ -288,7 +293,7 @@ TEST_CASE("fixtures: PyramidKV (kvpress PyramidKVPress): budget grid and kept se
       const PyramidKV pyr(p);
       if (&layer == &c.layers.front()) compare_scores(c, c.scores, scores_of(pyr, in.window(w), in.Hkv, in.T, shape), in.T, st);
       REQUIRE(pyr.kept_count(in.T) == layer.n_kept);
-      compare_kept(c, layer.kept, layer.kept_ties, run_select<backend::Cpu>(pyr, in.window(w)), 0, st);
+      compare_kept(c, layer.kept, layer.kept_ties, run_evict<backend::Cpu>(pyr, in.window(w)), 0, st);
     }
     ++st.cases;
   }
@@ -326,9 +331,9 @@ TEST_CASE("fixtures: PyramidKV (KVCache-Factory): schedule grid and kept sets pe
       p.scoring.group_reduce = group_reduce_of(c.params["gqa_agg"]);
       const PyramidKV pyr(p);
       if (&layer == &c.layers.front())
-        compare_scores(c, c.scores, scores_of(pyr, input, rows, in.T, PrefillShape{in.Hq, rows, in.d, in.T, w}), in.T, st);
+        compare_scores(c, c.scores, scores_of(pyr, input, rows, in.T, ProblemShape{in.Hq, rows, in.d, in.T, w}), in.T, st);
       REQUIRE(pyr.kept_count(in.T) == layer.n_kept);
-      compare_kept(c, layer.kept, layer.kept_ties, run_select<backend::Cpu>(pyr, input), 0, st);
+      compare_kept(c, layer.kept, layer.kept_ties, run_evict<backend::Cpu>(pyr, input), 0, st);
     }
     ++st.cases;
   }
@@ -340,7 +345,7 @@ TEST_CASE("fixtures: Expected Attention (kvpress ExpectedAttentionPress)", "[fix
   for (const auto& c : kf::load_fixtures("expected_attention_kvpress")) {
     CaseInputs in(c);
     const ExpectedAttention ea(ea_params(c));
-    const PrefillShape shape{in.Hq, in.Hkv, in.d, in.T, in.T};
+    const ProblemShape shape{in.Hq, in.Hkv, in.d, in.T, in.T};
     compare_scores(c, c.scores, scores_of(ea, in.prompt(), in.Hkv, in.T, shape), in.T, st);
     REQUIRE(ea.kept_count(in.T) == *c.n_kept);
     compare_kept(c, c.kept, c.kept_ties, run_ragged<backend::Cpu>(ea, std::vector{in.prompt()}, in.Hkv, shape), 0, st);

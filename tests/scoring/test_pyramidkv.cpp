@@ -27,7 +27,7 @@ TEST_CASE("pyramidkv: §11 inputs with kvpress PyramidKVPress(r=.5, w=3, K=3), 4
   for (int l = 0; l < 4; ++l) {
     const PyramidKV policy(PyramidKVParams::kvpress(0.5, l, 4, 3, 3));
     REQUIRE(policy.kept_count(12) == 9 - 2 * l);
-    for (const auto& keep : {run_select<backend::Scalar>(policy, g.input(3)), run_select<backend::Cpu>(policy, g.input(3))}) {
+    for (const auto& keep : {run_evict<backend::Scalar>(policy, g.input(3)), run_evict<backend::Cpu>(policy, g.input(3))}) {
       REQUIRE(keep.row(0) == expect[l][0]);
       REQUIRE(keep.row(1) == expect[l][1]);
     }
@@ -55,9 +55,9 @@ TEST_CASE("pyramidkv: each layer equals SnapKV with that layer's token budget", 
       const PyramidKV pyr(p);
       SnapKVParams sp = p.scoring;
       sp.budget = Budget::tokens(pyr.kept_count(2000));
-      const auto expect = run_select<backend::Scalar>(SnapKV(sp), rc.input());
-      REQUIRE(run_select<backend::Scalar>(pyr, rc.input()) == expect);
-      REQUIRE(run_select<backend::Cpu>(pyr, rc.input()) == expect);
+      const auto expect = run_evict<backend::Scalar>(SnapKV(sp), rc.input());
+      REQUIRE(run_evict<backend::Scalar>(pyr, rc.input()) == expect);
+      REQUIRE(run_evict<backend::Cpu>(pyr, rc.input()) == expect);
     }
   }
   // Any schedule: an explicit per-layer list.
@@ -67,7 +67,7 @@ TEST_CASE("pyramidkv: each layer equals SnapKV with that layer's token budget", 
   REQUIRE(PyramidKV(p).kept_count(2000) == 100);
   SnapKVParams sp = p.scoring;
   sp.budget = Budget::tokens(100);
-  REQUIRE(run_select<backend::Cpu>(PyramidKV(p), rc.input()) == run_select<backend::Scalar>(SnapKV(sp), rc.input()));
+  REQUIRE(run_evict<backend::Cpu>(PyramidKV(p), rc.input()) == run_evict<backend::Scalar>(SnapKV(sp), rc.input()));
 }
 
 TEST_CASE("pyramidkv: every backend equals the scalar reference (GQA 1/2/4/8, lengths 1..4099, strided, paged, threads)",
@@ -78,13 +78,13 @@ TEST_CASE("pyramidkv: every backend equals the scalar reference (GQA 1/2/4/8, le
       RandomCase<half> rc(G * Hkv, Hkv, T, d, w, 300 * G + T);
       for (const auto& p : {PyramidKVParams::kvpress(0.5, 3, 8, w, 5), PyramidKVParams::original(std::max(w + 1, T / 4), 2, 8, w, 7)}) {
         const PyramidKV policy(p);
-        const auto ref = run_select<backend::Scalar>(policy, rc.input());
+        const auto ref = run_evict<backend::Scalar>(policy, rc.input());
         require_valid_rows(ref, Hkv, T);
-        REQUIRE(run_select<backend::Cpu>(policy, rc.input()) == ref);
-        REQUIRE(run_select<backend::Cpu>(policy, rc.strided_input()) == ref);
-        REQUIRE(run_select<backend::Cpu>(policy, rc.paged_input(16)) == ref);
+        REQUIRE(run_evict<backend::Cpu>(policy, rc.input()) == ref);
+        REQUIRE(run_evict<backend::Cpu>(policy, rc.strided_input()) == ref);
+        REQUIRE(run_evict<backend::Cpu>(policy, rc.paged_input(16)) == ref);
         ThreadPool pool(2);
-        REQUIRE(run_select<backend::Cpu>(policy, rc.input(), pool.context()) == ref);
+        REQUIRE(run_evict<backend::Cpu>(policy, rc.input(), pool.context()) == ref);
       }
     }
   }
@@ -94,10 +94,10 @@ TEST_CASE("pyramidkv: a batch of different lengths gets a budget per sequence", 
   RandomCase<float> a(8, 2, 257, 64, 8, 1), b(8, 2, 64, 64, 8, 2), c(8, 2, 1000, 64, 8, 3);
   const PyramidKV policy(PyramidKVParams::original(100, 5, 16, 8, 7));
   ThreadPool pool(2);
-  const auto all = run_select_batch<backend::Cpu>(policy, std::vector{a.input(), b.input(), c.input()}, pool.context());
+  const auto all = run_evict_batch<backend::Cpu>(policy, std::vector{a.input(), b.input(), c.input()}, pool.context());
   std::int64_t row = 0;
   for (auto* rc : {&a, &b, &c}) {
-    const auto one = run_select<backend::Scalar>(policy, rc->input());
+    const auto one = run_evict<backend::Scalar>(policy, rc->input());
     for (int h = 0; h < 2; ++h) REQUIRE(all.row(row++) == one.row(h));
   }
   REQUIRE(all.row(2).size() == 64);  // T = 64 < C = 100: not compressed
@@ -105,12 +105,14 @@ TEST_CASE("pyramidkv: a batch of different lengths gets a budget per sequence", 
 
 TEST_CASE("pyramidkv: bad input gets a clear message and writes nothing", "[pyramidkv][errors]") {
   RandomCase<float> rc(8, 2, 100, 64, 8, 9);
-  auto expect_error = [&](const PyramidKVParams& p, PrefillInput<float, float> in, const char* needle, std::size_t ws_bytes = SIZE_MAX) {
+  auto expect_error = [&](const PyramidKVParams& p, ScoreInput<float, float> in, const char* needle, std::size_t ws_bytes = SIZE_MAX) {
     const PyramidKV policy(p);
     KeepSetBuffer keep(2, 200);
     keep.fill_sentinel();
-    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? policy.workspace_bytes<backend::Cpu>(PrefillShape{8, 2, 64, 100, 8}) : ws_bytes);
-    const Status s = policy.select<backend::Cpu>(in, keep.view(), Workspace{ws.data(), ws.size()});
+    // An invalid policy reports 0 bytes: the call validates its inputs before the workspace.
+    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 64, 100, 8}).workspace_bytes
+                                                   : ws_bytes);
+    const Status s = policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view());
     INFO(s.message());
     REQUIRE(!s.is_ok());
     REQUIRE_THAT(s.message(), Contains(needle));
@@ -145,15 +147,16 @@ TEST_CASE("pyramidkv: layer schedules drive any scorer (Ada-KV pyram_mode, Expec
     PyramidBudget pb;
     REQUIRE(pyramid_budget_adakv(600, 160, 32, 20, 8, l, &pb).is_ok());
     REQUIRE(ada.kept_count(600) == pb.total);
-    const auto keep = run_ragged<backend::Cpu>(ada, std::vector{rc.input()}, 2, PrefillShape{8, 2, 32, 600, 32});
+    const auto keep = run_ragged<backend::Cpu>(ada, std::vector{rc.input()}, 2, ProblemShape{8, 2, 32, 600, 32});
     REQUIRE(keep.indptr.back() <= ada.max_total_kept(600, 2));
     REQUIRE(keep.indptr.back() >= 2 * pb.total - 2);
   }
   // Expected Attention with the kvpress pyramid: the budget is the schedule's, the scores EA's.
   std::vector<float> values(rc.keys.size(), 1.0f);
-  const ExpectedAttentionInput<float, float> in{TensorView<const float, 3>::contiguous(rc.queries.data(), {8, 32, 32}), {}, {},
-                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(rc.keys.data(), {2, 600, 32})),
-                                                KVSource<float>::from(TensorView<const float, 3>::contiguous(values.data(), {2, 600, 32}))};
+  ExpectedAttentionInput<float, float> in;
+  in.queries = TensorView<const float, 3>::contiguous(rc.queries.data(), {8, 32, 32});
+  in.keys = KVSource<float>::from(TensorView<const float, 3>::contiguous(rc.keys.data(), {2, 600, 32}));
+  in.values = KVSource<float>::from(TensorView<const float, 3>::contiguous(values.data(), {2, 600, 32}));
   const auto kvp = LayerSchedule::pyramid_kvpress(0.5, 4, 16);
   for (int l : {0, 15}) {
     ExpectedAttentionParams p = ExpectedAttentionParams::kvpress(0.0, 64, 4);
@@ -162,7 +165,7 @@ TEST_CASE("pyramidkv: layer schedules drive any scorer (Ada-KV pyram_mode, Expec
     PyramidBudget pb;
     REQUIRE(pyramid_budget_kvpress(600, 0.5, 4, 20, 16, l, false, &pb).is_ok());
     REQUIRE(ea.kept_count(600) == pb.total);
-    const auto keep = run_ragged<backend::Cpu>(ea, std::vector{in}, 2, PrefillShape{8, 2, 32, 600, 32});
+    const auto keep = run_ragged<backend::Cpu>(ea, std::vector{in}, 2, ProblemShape{8, 2, 32, 600, 32});
     REQUIRE(keep.row(0).size() == static_cast<std::size_t>(pb.total));
   }
 }

@@ -114,7 +114,16 @@ inline TensorView<const float, 3> window_queries(const LayerCase& c, std::int64_
   const std::int64_t T = c.kv_len, d = c.head_dim;
   return TensorView<const float, 3>(c.q.data() + (T - w) * d, {c.num_q_heads, w, d}, {T * d, d, 1});
 }
-inline PrefillShape shape(const LayerCase& c, std::int64_t q_len) { return {c.num_q_heads, c.num_kv_heads, c.head_dim, c.kv_len, q_len}; }
+inline ProblemShape shape(const LayerCase& c, std::int64_t q_len) { return {c.num_q_heads, c.num_kv_heads, c.head_dim, c.kv_len, q_len}; }
+/// Where every adapter's policy calls run: the CPU backend, the sweep's thread pool, `ws` as scratch.
+inline Context<Backend> context(const ExecContext& ctx, std::vector<std::byte>* ws = nullptr) {
+  return Context<Backend>{ws ? Workspace{ws->data(), ws->size()} : Workspace{}, ctx};
+}
+/// The one size query of a policy for this case (`q_len` query rows per head).
+template <class P>
+Requirements requirements(const P& p, const LayerCase& c, std::int64_t q_len, const ExecContext& ctx) {
+  return p.requirements(context(ctx), shape(c, q_len));
+}
 
 /// Output buffers of an eviction policy and the Decision they become.
 struct KeepBuffers {
@@ -131,16 +140,17 @@ struct KeepBuffers {
   }
 };
 
-/// Any policy with the uniform `select(PrefillInput)` interface.
+/// Any policy with the uniform `evict(ScoreInput)` interface.
 template <class P>
 Status run_prefill_policy(const P& p, const LayerCase& c, std::int64_t q_len, const ExecContext& ctx, Timer& t, Decision* out) {
-  const PrefillInput<float, float> in{q_len == c.kv_len ? view3(c.q, c.num_q_heads, c.kv_len, c.head_dim) : window_queries(c, q_len), keys(c)};
-  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape(c, q_len), ctx));
-  const std::int64_t n = p.kept_count(c.kv_len);
-  if (n < 0) return KVP_INVALID("%s: budget invalid for kv_len %lld", P::kName, static_cast<long long>(c.kv_len));
+  const ScoreInput<float, float> in{q_len == c.kv_len ? view3(c.q, c.num_q_heads, c.kv_len, c.head_dim) : window_queries(c, q_len), keys(c)};
+  const Requirements r = requirements(p, c, q_len, ctx);
+  KVP_RETURN_IF_ERROR(r.status);
+  std::vector<std::byte> ws(r.workspace_bytes);
   KeepBuffers kb;
-  const KeepSet keep = kb.keep(c.num_kv_heads, n * c.num_kv_heads);
-  KVP_RETURN_IF_ERROR(t.run([&] { return p.template select<Backend>(in, keep, Workspace{ws.data(), ws.size()}, ctx); }));
+  const KeepSet keep = kb.keep(r.output.rows, r.output.capacity);
+  const Context<Backend> cx = context(ctx, &ws);
+  KVP_RETURN_IF_ERROR(t.run([&] { return p.evict(cx, in, keep); }));
   kb.to(out, Decision::Rows::kKvHead);
   return Status::ok();
 }
@@ -181,16 +191,19 @@ inline Status tova(const LayerCase& c, const Reference&, const BudgetSpec& b, co
 inline Status h2o(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
   const std::int64_t n = b.tokens_for(c.kv_len), T = c.kv_len;
   const H2O p(H2OParams::original(n / 2, n - n / 2));
-  const PrefillInput<float, float> in{view3(c.q, c.num_q_heads, T, c.head_dim), keys(c)};
+  const ScoreInput<float, float> in{view3(c.q, c.num_q_heads, T, c.head_dim), keys(c)};
   std::vector<float> scores(static_cast<std::size_t>(c.num_kv_heads * T));
   H2OState st{TensorView<float, 2>::contiguous(scores.data(), {c.num_kv_heads, T}), 0};
-  std::vector<std::byte> ws(std::max(p.update_workspace_bytes<Backend>(shape(c, T), ctx), p.evict_workspace_bytes<Backend>(c.num_kv_heads, T, ctx)));
+  const Requirements r = requirements(p, c, T, ctx);  // one workspace for update (from the queries) and evict
+  KVP_RETURN_IF_ERROR(r.status);
+  std::vector<std::byte> ws(r.workspace_bytes);
   KeepBuffers kb;
-  const KeepSet keep = kb.keep(c.num_kv_heads, p.kept_count(T) * c.num_kv_heads);
+  const KeepSet keep = kb.keep(r.output.rows, r.output.capacity);
+  const Context<Backend> cx = context(ctx, &ws);
   KVP_RETURN_IF_ERROR(t.run([&]() -> Status {
     st.reset();
-    KVP_RETURN_IF_ERROR(p.update_from_queries<Backend>(st, in, Workspace{ws.data(), ws.size()}, ctx));
-    return p.evict<Backend>(st, keep, Workspace{ws.data(), ws.size()}, ctx);
+    KVP_RETURN_IF_ERROR(p.update(cx, st, in));
+    return p.evict(cx, st, keep);
   }));
   kb.to(out, Decision::Rows::kKvHead);
   return Status::ok();
@@ -199,14 +212,15 @@ inline Status h2o(const LayerCase& c, const Reference&, const BudgetSpec& b, con
 template <class Scorer>
 Status run_adakv(const AdaKV<Scorer>& p, const LayerCase& c, const ExecContext& ctx, Timer& t, Decision* out) {
   const std::int64_t w = p.scorer().params().window;
-  const PrefillInput<float, float> in{window_queries(c, w), keys(c)};
-  std::vector<std::byte> ws(p.template workspace_bytes<Backend>(shape(c, w), ctx));
-  const std::int64_t rows = p.rows_per_sequence(c.num_q_heads, c.num_kv_heads);
-  const std::int64_t cap = p.max_total_kept(c.kv_len, rows);
-  if (cap < 0) return KVP_INVALID("adakv: budget invalid for kv_len %lld", static_cast<long long>(c.kv_len));
+  const ScoreInput<float, float> in{window_queries(c, w), keys(c)};
+  const Requirements r = requirements(p, c, w, ctx);
+  KVP_RETURN_IF_ERROR(r.status);
+  std::vector<std::byte> ws(r.workspace_bytes);
+  const std::int64_t rows = r.output.rows;
   KeepBuffers kb;
-  const KeepSet keep = kb.keep(rows, cap);
-  KVP_RETURN_IF_ERROR(t.run([&] { return p.template select<Backend>(std::span<const PrefillInput<float, float>>(&in, 1), keep, Workspace{ws.data(), ws.size()}, ctx); }));
+  const KeepSet keep = kb.keep(rows, r.output.capacity);
+  const Context<Backend> cx = context(ctx, &ws);
+  KVP_RETURN_IF_ERROR(t.run([&] { return p.evict(cx, std::span<const ScoreInput<float, float>>(&in, 1), keep); }));
   kb.to(out, rows == c.num_kv_heads ? Decision::Rows::kKvHead : Decision::Rows::kQueryHead);
   return Status::ok();
 }
@@ -245,10 +259,13 @@ inline Status expected_attention(const LayerCase& c, const Reference&, const Bud
   in.queries = view3(c.q_pre.empty() ? c.q : c.q_pre, c.num_q_heads, c.kv_len, c.head_dim);
   in.keys = keys(c);
   in.values = values(c);
-  std::vector<std::byte> ws(ea.workspace_bytes<Backend>(shape(c, c.kv_len), ctx));
+  const Requirements r = requirements(ea, c, c.kv_len, ctx);
+  KVP_RETURN_IF_ERROR(r.status);
+  std::vector<std::byte> ws(r.workspace_bytes);
   KeepBuffers kb;
-  const KeepSet keep = kb.keep(c.num_kv_heads, ea.kept_count(c.kv_len) * c.num_kv_heads);
-  KVP_RETURN_IF_ERROR(t.run([&] { return ea.select<Backend>(in, keep, Workspace{ws.data(), ws.size()}, ctx); }));
+  const KeepSet keep = kb.keep(r.output.rows, r.output.capacity);
+  const Context<Backend> cx = context(ctx, &ws);
+  KVP_RETURN_IF_ERROR(t.run([&] { return ea.evict(cx, in, keep); }));
   kb.to(out, Decision::Rows::kKvHead);
   return Status::ok();
 }
@@ -274,7 +291,7 @@ inline Status quest(const LayerCase& c, const Reference&, const BudgetSpec& b, c
   const PagedKVView<const float> view{kp.data(), vp.data(), st, st, P, static_cast<std::int32_t>(Hkv), kPage, static_cast<std::int32_t>(d), table, kHost};
   std::vector<float> meta(static_cast<std::size_t>(PageMetaView<float>::contiguous_size(P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d))));
   const auto mv = PageMetaView<float>::contiguous(meta.data(), P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d));
-  KVP_RETURN_IF_ERROR(Quest::rebuild_metadata<Backend>(view, mv, ctx));
+  KVP_RETURN_IF_ERROR(Quest{}.on_append(context(ctx), AppendInput<float>{view, nullptr}, mv));  // every page of the table
 
   QuestParams qp;
   const std::int64_t n = b.tokens_for(T);
@@ -283,19 +300,24 @@ inline Status quest(const LayerCase& c, const Reference&, const BudgetSpec& b, c
   qp.dense_layers = 0;
   qp.gqa = QuestGqa::kPerQueryHead;
   const Quest quest(qp);
-  GqaMap gqa;
-  KVP_RETURN_IF_ERROR(GqaMap::make(Hq, Hkv, "quest", &gqa));
-  std::vector<std::byte> ws(quest.workspace_bytes<Backend>(table, kPage, gqa, static_cast<std::int32_t>(d), ctx));
-  const std::int64_t cap = quest.output_capacity(c.layer, table, kPage, gqa);
-  std::vector<std::int32_t> sel_indptr(static_cast<std::size_t>(Hq + 1)), sel(static_cast<std::size_t>(std::max<std::int64_t>(cap, 1))),
-      sel_last(static_cast<std::size_t>(Hq));
-  const PageSelection ps{sel_indptr.data(), sel.data(), sel_last.data(), nullptr, Hq, cap};
+  // One plan serves every evaluation query: the batch composition (table, layer, page size) does not change.
+  auto step = [&](std::int64_t f) {
+    return DecodeInput<float>{TensorView<const float, 3>(c.eq.data() + f * d, {1, Hq, d}, {0, F * d, 1}), table, kPage, c.layer};
+  };
+  Quest::Plan plan;
+  KVP_RETURN_IF_ERROR(quest.plan(context(ctx), step(0), ProblemShape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d}, plan));
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  const std::int64_t rows = plan.requirements.output.rows, cap = plan.requirements.output.capacity;
+  std::vector<std::int32_t> sel_indptr(static_cast<std::size_t>(rows + 1)), sel(static_cast<std::size_t>(std::max<std::int64_t>(cap, 1))),
+      sel_last(static_cast<std::size_t>(rows));
+  const PageSelection ps{sel_indptr.data(), sel.data(), sel_last.data(), nullptr, rows, cap};
+  const Context<Backend> cx = context(ctx, &ws);
   out->rows = Decision::Rows::kQueryHeadPerStep;
   out->indptr.assign(1, 0);
   out->indices.clear();
   for (std::int64_t f = 0; f < F; ++f) {
-    const TensorView<const float, 3> qv(c.eq.data() + f * d, {1, Hq, d}, {0, F * d, 1});
-    KVP_RETURN_IF_ERROR(t.run([&] { return quest.select<Backend>(c.layer, qv, table, kPage, mv, ps, Workspace{ws.data(), ws.size()}, ctx); }));
+    const DecodeInput<float> in = step(f);
+    KVP_RETURN_IF_ERROR(t.run([&] { return quest.select(cx, plan, in, mv, ps); }));
     for (std::int64_t r = 0; r < Hq; ++r) {
       for (std::int32_t i = sel_indptr[static_cast<std::size_t>(r)]; i < sel_indptr[static_cast<std::size_t>(r + 1)]; ++i) {
         const std::int64_t p0 = static_cast<std::int64_t>(sel[static_cast<std::size_t>(i)]) * kPage;

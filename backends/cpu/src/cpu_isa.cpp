@@ -107,9 +107,16 @@ bool set_active_isa(CpuIsa isa) noexcept {
   return true;
 }
 
+namespace {
+std::atomic<std::uint64_t> g_reference_fallbacks{0};
+}  // namespace
+
+void note_reference_fallback() noexcept { g_reference_fallbacks.fetch_add(1, std::memory_order_relaxed); }
+
 }  // namespace cpu_detail
 
 namespace backend {
+std::uint64_t Cpu::reference_fallbacks() noexcept { return cpu_detail::g_reference_fallbacks.load(std::memory_order_relaxed); }
 const char* Cpu::isa_name() noexcept { return cpu_isa_name(cpu_detail::active_isa()); }
 CpuIsa Cpu::isa() noexcept { return cpu_detail::active_isa(); }
 CpuIsa Cpu::best_isa() noexcept { return cpu_detail::detected_isa(); }

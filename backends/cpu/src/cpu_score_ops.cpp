@@ -34,9 +34,10 @@ std::size_t window_bytes(const WindowScoreShape& s) noexcept {
 }
 
 template <class Tk, class Kernel>
-void run_window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws, Kernel kernel) noexcept {
+void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws, Kernel kernel) noexcept {
   if (ws.data == nullptr || ws.bytes < window_bytes(s)) {
-    // Workspace sized for the reference op: compute with the reference.
+    // Workspace sized for the reference op: compute with the reference, and count it.
+    cpu_detail::note_reference_fallback();
     ScalarScoreOps::window_scores(s, q, keys, out, ws);
     return;
   }
@@ -194,15 +195,15 @@ void select_exact(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int
 std::size_t CpuScoreOps::window_scores_workspace(const WindowScoreShape& s) noexcept { return window_bytes(s); }
 
 template <>
-void CpuScoreOps::window_scores<float>(const WindowScoreShape& s, const float* q, KeyRows<float> keys, float* out, Workspace ws) noexcept {
+void CpuScoreOps::window_scores<float>(const WindowScoreShape& s, const float* q, Rows<float> keys, float* out, Workspace ws) noexcept {
   run_window_scores(s, q, keys, out, ws, &cpu_detail::ScoreKernels::window_scores_f32);
 }
 template <>
-void CpuScoreOps::window_scores<half>(const WindowScoreShape& s, const float* q, KeyRows<half> keys, float* out, Workspace ws) noexcept {
+void CpuScoreOps::window_scores<half>(const WindowScoreShape& s, const float* q, Rows<half> keys, float* out, Workspace ws) noexcept {
   run_window_scores(s, q, keys, out, ws, &cpu_detail::ScoreKernels::window_scores_f16);
 }
 template <>
-void CpuScoreOps::window_scores<bfloat16>(const WindowScoreShape& s, const float* q, KeyRows<bfloat16> keys, float* out,
+void CpuScoreOps::window_scores<bfloat16>(const WindowScoreShape& s, const float* q, Rows<bfloat16> keys, float* out,
                                           Workspace ws) noexcept {
   run_window_scores(s, q, keys, out, ws, &cpu_detail::ScoreKernels::window_scores_bf16);
 }
@@ -246,7 +247,8 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
     return;
   }
   if (ws.data == nullptr || ws.bytes < topk_workspace(n)) {
-    ScalarScoreOps::topk(scores, n, k, out, ws);  // workspace sized for the reference op
+    cpu_detail::note_reference_fallback();  // workspace sized for the reference op
+    ScalarScoreOps::topk(scores, n, k, out, ws);
     return;
   }
   TopkScratch t{};

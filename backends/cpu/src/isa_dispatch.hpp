@@ -34,6 +34,9 @@
 KVP_NAMESPACE_BEGIN
 namespace cpu_detail {
 
+/// Counts a vectorised op that fell back to the reference (Cpu::reference_fallbacks).
+void note_reference_fallback() noexcept;
+
 /// Best level this machine and OS support (cpuid + xgetbv; computed once).
 CpuIsa detected_isa() noexcept;
 

@@ -26,11 +26,12 @@ std::size_t attn_bytes(std::int64_t group, std::int64_t block, std::int64_t head
 }
 
 template <class T, class Kernel>
-void run_attention(const float* q, std::int64_t group, std::int64_t head_dim, KeyRows<T> keys, KeyRows<T> values, std::int64_t n,
+void run_attention(const float* q, std::int64_t group, std::int64_t head_dim, Rows<T> keys, Rows<T> values, std::int64_t n,
                    float scale, float* out, float* lse, Workspace ws, Kernel kernel) noexcept {
   const std::int64_t block = ScalarPageOps::attention_block(keys);
   if (ws.data == nullptr || ws.bytes < attn_bytes(group, block, head_dim)) {
-    // Workspace sized for the reference op: compute with the reference.
+    // Workspace sized for the reference op: compute with the reference, and count it.
+    cpu_detail::note_reference_fallback();
     ScalarPageOps::paged_decode_attention(q, group, head_dim, keys, values, n, scale, out, lse, ws);
     return;
   }
@@ -82,6 +83,7 @@ void run_bounds(const float* q, std::int64_t group, std::int64_t d, PageMetaView
                 float* out, std::int64_t ld, Workspace ws, Kernel kernel) noexcept {
   const std::int64_t rows = static_cast<std::int64_t>(meta.num_kv_heads) * group;
   if (ws.data == nullptr || ws.bytes < CpuPageOps::page_bounds_workspace(rows, d)) {
+    cpu_detail::note_reference_fallback();  // workspace sized for the reference op
     ScalarPageOps::page_bounds(q, group, d, meta, pages, n, out, ld, ws);
     return;
   }
@@ -113,20 +115,20 @@ std::size_t CpuPageOps::paged_attention_workspace(std::int64_t group, std::int64
 }
 
 template <>
-void CpuPageOps::paged_decode_attention<float, float>(const float* q, std::int64_t group, std::int64_t d, KeyRows<float> keys,
-                                                      KeyRows<float> values, std::int64_t n, float scale, float* out, float* lse,
+void CpuPageOps::paged_decode_attention<float, float>(const float* q, std::int64_t group, std::int64_t d, Rows<float> keys,
+                                                      Rows<float> values, std::int64_t n, float scale, float* out, float* lse,
                                                       Workspace ws) noexcept {
   run_attention(q, group, d, keys, values, n, scale, out, lse, ws, &PagedKernels::attn_f32);
 }
 template <>
-void CpuPageOps::paged_decode_attention<half, half>(const float* q, std::int64_t group, std::int64_t d, KeyRows<half> keys,
-                                                    KeyRows<half> values, std::int64_t n, float scale, float* out, float* lse,
+void CpuPageOps::paged_decode_attention<half, half>(const float* q, std::int64_t group, std::int64_t d, Rows<half> keys,
+                                                    Rows<half> values, std::int64_t n, float scale, float* out, float* lse,
                                                     Workspace ws) noexcept {
   run_attention(q, group, d, keys, values, n, scale, out, lse, ws, &PagedKernels::attn_f16);
 }
 template <>
-void CpuPageOps::paged_decode_attention<bfloat16, bfloat16>(const float* q, std::int64_t group, std::int64_t d, KeyRows<bfloat16> keys,
-                                                            KeyRows<bfloat16> values, std::int64_t n, float scale, float* out, float* lse,
+void CpuPageOps::paged_decode_attention<bfloat16, bfloat16>(const float* q, std::int64_t group, std::int64_t d, Rows<bfloat16> keys,
+                                                            Rows<bfloat16> values, std::int64_t n, float scale, float* out, float* lse,
                                                             Workspace ws) noexcept {
   run_attention(q, group, d, keys, values, n, scale, out, lse, ws, &PagedKernels::attn_bf16);
 }

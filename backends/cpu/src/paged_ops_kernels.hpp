@@ -66,11 +66,11 @@ struct PagedKernels {
   void (*bounds_bf16)(const float*, std::int64_t, std::int64_t, PageMetaView<const bfloat16>, const std::int32_t*, std::int64_t, float*,
                       std::int64_t, float*) noexcept;
 
-  void (*attn_f32)(const float*, std::int64_t, std::int64_t, KeyRows<float>, KeyRows<float>, std::int64_t, float, float*, float*,
+  void (*attn_f32)(const float*, std::int64_t, std::int64_t, Rows<float>, Rows<float>, std::int64_t, float, float*, float*,
                    const AttnScratch&) noexcept;
-  void (*attn_f16)(const float*, std::int64_t, std::int64_t, KeyRows<half>, KeyRows<half>, std::int64_t, float, float*, float*,
+  void (*attn_f16)(const float*, std::int64_t, std::int64_t, Rows<half>, Rows<half>, std::int64_t, float, float*, float*,
                    const AttnScratch&) noexcept;
-  void (*attn_bf16)(const float*, std::int64_t, std::int64_t, KeyRows<bfloat16>, KeyRows<bfloat16>, std::int64_t, float, float*, float*,
+  void (*attn_bf16)(const float*, std::int64_t, std::int64_t, Rows<bfloat16>, Rows<bfloat16>, std::int64_t, float, float*, float*,
                     const AttnScratch&) noexcept;
 };
 

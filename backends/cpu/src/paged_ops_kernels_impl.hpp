@@ -5,7 +5,7 @@
 // paged_ops_kernels.hpp for the table and paged_ops.cpp for the entry points.
 //
 // Per the rule in isa_dispatch.hpp nothing here calls an inline function
-// defined outside this namespace (no `to_float`, no `KeyRows::row`, no
+// defined outside this namespace (no `to_float`, no `Rows::row`, no
 // std::min / std::log): conversions are the intrinsics below, core structs are
 // read field by field, and libm is called by its C name.
 #pragma once
@@ -443,7 +443,7 @@ inline float scalar_exp(float x) noexcept {
 }
 
 template <class T>
-inline const T* row_of(const KeyRows<T>& k, std::int64_t j) noexcept {
+inline const T* row_of(const Rows<T>& k, std::int64_t j) noexcept {
   if (k.pages == nullptr) return k.base + j * k.row_stride;
   return k.base + static_cast<std::int64_t>(k.pages[j / k.page_size]) * k.page_stride + (j % k.page_size) * k.row_stride;
 }
@@ -457,7 +457,7 @@ inline void widen_row(const T* src, std::int64_t d, float* dst) noexcept {
 }
 
 template <class T>
-void attention(const float* q, std::int64_t G, std::int64_t d, KeyRows<T> keys, KeyRows<T> values, std::int64_t n, float scale, float* out,
+void attention(const float* q, std::int64_t G, std::int64_t d, Rows<T> keys, Rows<T> values, std::int64_t n, float scale, float* out,
                float* lse, const AttnScratch& s) noexcept {
   const std::int64_t block = keys.pages != nullptr ? keys.page_size : 64;
   for (std::int64_t i = 0; i < G * d; ++i) out[i] = 0.0f;

@@ -70,9 +70,9 @@ struct WindowScratch {
 };
 
 struct ScoreKernels {
-  void (*window_scores_f32)(const WindowScoreShape&, const float*, KeyRows<float>, float*, const WindowScratch&) noexcept;
-  void (*window_scores_f16)(const WindowScoreShape&, const float*, KeyRows<half>, float*, const WindowScratch&) noexcept;
-  void (*window_scores_bf16)(const WindowScoreShape&, const float*, KeyRows<bfloat16>, float*, const WindowScratch&) noexcept;
+  void (*window_scores_f32)(const WindowScoreShape&, const float*, Rows<float>, float*, const WindowScratch&) noexcept;
+  void (*window_scores_f16)(const WindowScoreShape&, const float*, Rows<half>, float*, const WindowScratch&) noexcept;
+  void (*window_scores_bf16)(const WindowScoreShape&, const float*, Rows<bfloat16>, float*, const WindowScratch&) noexcept;
   /// pool1d outputs t in [t0, t1), all with complete windows (t0 >= k/2, t1 + k/2 <= n).
   void (*pool1d_full)(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept;
   /// Writes the indices i < n with scores[i] >= threshold (ordered compare:

@@ -50,7 +50,7 @@ inline constexpr int kRows = 4, kVecs = 3;
 // ---- key rows ----------------------------------------------------------------
 
 template <class T>
-inline const T* key_row(const KeyRows<T>& k, std::int64_t j) noexcept {
+inline const T* key_row(const Rows<T>& k, std::int64_t j) noexcept {
   if (k.pages == nullptr) return k.base + j * k.row_stride;
   return k.base + static_cast<std::int64_t>(k.pages[j / k.page_size]) * k.page_stride + (j % k.page_size) * k.row_stride;
 }
@@ -306,7 +306,7 @@ inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int6
 }
 
 template <class Tk>
-void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, const WindowScratch& ws) noexcept {
+void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, const WindowScratch& ws) noexcept {
   const std::int64_t G = s.group, w = s.window, d = s.head_dim, T = s.kv_len, L = s.num_cols;
   const std::int64_t Q = ws.layout.num_q, qpad = ws.layout.qpad, nv = qpad / kLanes;
   constexpr std::int64_t kChunk = WindowLayout::kChunk;

@@ -2,7 +2,7 @@
 // `Cuda::topk` / `Cuda::topk_rows`: exact top-k under `score_order_key`, one
 // thread block per row, no sort and no global workspace.
 //
-// The reference ranks the packed 64-bit key (order_key(score) << 32 | index),
+// The reference ranks the packed 64-bit key (score_order_key(score) << 32 | index),
 // so the selected set is: every element whose 32-bit order key is above a
 // threshold t, plus the `need` elements with key == t that have the highest
 // indices. The block finds t with an MSB-first radix select over the 32-bit
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     for (int b = tid; b < kRadixBins; b += kTopkThreads) hist[b] = 0u;
     __syncthreads();
     for (std::int64_t i = tid; i < n; i += kTopkThreads) {
-      const std::uint32_t u = order_key(row[i]);
+      const std::uint32_t u = score_order_key(row[i]);
       if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & (kRadixBins - 1)], 1u);
     }
     __syncthreads();
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     const std::int64_t i = base + tid;
     unsigned long long flags = 0ull;
     if (i < n) {
-      const std::uint32_t u = order_key(row[i]);
+      const std::uint32_t u = score_order_key(row[i]);
       flags = u > t ? (1ull << 32) : (u == t ? 1ull : 0ull);
     }
     unsigned long long before = 0ull, total = 0ull;

@@ -54,7 +54,7 @@ __device__ __forceinline__ std::int64_t visible(const WindowParams& p, std::int6
 /// contraction), exactly the scalar loop; zero padding past head_dim adds +0.
 template <class Tk>
 __global__ void __launch_bounds__(kLogitThreads)
-    window_logits_kernel(WindowParams p, const float* __restrict__ q, DeviceRows<Tk> keys, float* __restrict__ logits) {
+    window_logits_kernel(WindowParams p, const float* __restrict__ q, Rows<Tk> keys, float* __restrict__ logits) {
   // Transposed tiles [c][row]; the +1 column keeps the transposing store conflict-free.
   __shared__ float qs[kChunk][kTile + 1];
   __shared__ float ks[kChunk][kTile + 1];
@@ -204,7 +204,7 @@ Status validate_shape(const char* who, const WindowScoreShape& s) noexcept {
 }
 
 template <class Tk>
-Status validate_keys(const char* who, const WindowScoreShape& s, const KeyRows<Tk>& keys) noexcept {
+Status validate_keys(const char* who, const WindowScoreShape& s, const Rows<Tk>& keys) noexcept {
   KVP_REQUIRE(keys.base != nullptr, "%s: keys.base is null", who);
   if (keys.pages == nullptr) {
     KVP_REQUIRE(s.kv_len <= 1 || keys.row_stride >= s.head_dim,
@@ -232,7 +232,7 @@ std::size_t workspace_bytes(const WindowScoreShape& s) noexcept {
 }
 
 template <class Tk>
-Status window_scores_impl(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws,
+Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws,
                           void* stream) noexcept {
   constexpr const char* who = "cuda window_scores";
   KVP_RETURN_IF_ERROR(validate_shape(who, s));
@@ -264,7 +264,7 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, KeyRows<Tk>
 
   const cudaStream_t st = as_stream(stream);
   const dim3 logit_grid(static_cast<unsigned>((p.ld + kTile - 1) / kTile), static_cast<unsigned>((p.rows + kTile - 1) / kTile));
-  window_logits_kernel<Tk><<<logit_grid, kLogitThreads, 0, st>>>(p, q, DeviceRows<Tk>::from(keys), logits);
+  window_logits_kernel<Tk><<<logit_grid, kLogitThreads, 0, st>>>(p, q, keys, logits);
   window_row_stats_kernel<<<static_cast<unsigned>(p.rows), kStatThreads, 0, st>>>(p, logits, row_max, row_scale);
   const dim3 reduce_grid(static_cast<unsigned>((p.num_cols + kReduceThreads - 1) / kReduceThreads), static_cast<unsigned>(s.group));
   window_reduce_kernel<<<reduce_grid, kReduceThreads, 0, st>>>(p, logits, row_max, row_scale, out);
@@ -278,17 +278,17 @@ namespace backend {
 
 std::size_t Cuda::window_scores_workspace(const WindowScoreShape& s) noexcept { return cuda_detail::workspace_bytes(s); }
 
-Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, KeyRows<float> keys_device, float* out_device,
+Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device, float* out_device,
                            Workspace ws_device, void* stream) noexcept {
   return cuda_detail::window_scores_impl(s, q_device, keys_device, out_device, ws_device, stream);
 }
 
-Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, KeyRows<half> keys_device, float* out_device,
+Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device, float* out_device,
                            Workspace ws_device, void* stream) noexcept {
   return cuda_detail::window_scores_impl(s, q_device, keys_device, out_device, ws_device, stream);
 }
 
-Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, KeyRows<bfloat16> keys_device,
+Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device,
                            float* out_device, Workspace ws_device, void* stream) noexcept {
   return cuda_detail::window_scores_impl(s, q_device, keys_device, out_device, ws_device, stream);
 }

@@ -1,31 +1,52 @@
 // SPDX-License-Identifier: Apache-2.0
-// `KVSource<T>`: the keys (or values) of one sequence as policies read them —
+// `KVSource<T>`: the keys or the values of one sequence as policies read them —
 // either a strided `(kv_heads, kv_len, head_dim)` tensor or one sequence of a
-// paged cache. Both hand out `KeyRows<T>` per kv head, read in place.
+// paged cache. Both hand out `Rows<T>` per kv head, read in place. A paged
+// source states which half of the pool it reads (`role`): `from_paged` reads
+// the keys (`k_data`), `from_paged_values` the values (`v_data`).
 #pragma once
 
 #include <cstdint>
 
-#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
 
 KVP_NAMESPACE_BEGIN
 
+/// Which half of a paged pool a `KVSource` reads.
+enum class KVRole : std::uint8_t { kKeys, kValues };
+
 template <class T>
 struct KVSource {
   TensorView<const T, 3> dense{};              ///< (kv_heads, kv_len, head_dim); used when `paged` is null
-  const PagedKVView<const T>* paged = nullptr;  ///< paged cache (keys), sequence `seq`
+  const PagedKVView<const T>* paged = nullptr;  ///< paged cache, sequence `seq`
   std::int32_t seq = 0;
+  KVRole role = KVRole::kKeys;                 ///< paged only: keys (k_data) or values (v_data)
 
-  static KVSource from(TensorView<const T, 3> v) noexcept { return KVSource{v, nullptr, 0}; }
-  static KVSource from_paged(const PagedKVView<const T>& p, std::int32_t seq) noexcept { return KVSource{{}, &p, seq}; }
+  static KVSource from(TensorView<const T, 3> v) noexcept { return KVSource{v, nullptr, 0, KVRole::kKeys}; }
+  /// The keys of sequence `seq` of a paged cache.
+  static KVSource from_paged(const PagedKVView<const T>& p, std::int32_t seq) noexcept { return KVSource{{}, &p, seq, KVRole::kKeys}; }
+  /// The values of sequence `seq` of a paged cache.
+  static KVSource from_paged_values(const PagedKVView<const T>& p, std::int32_t seq) noexcept {
+    return KVSource{{}, &p, seq, KVRole::kValues};
+  }
+  /// Shape only, no data: for policies that read the engine's probabilities
+  /// (`ScoreInput::attention` / `column_sums`) and need only (kv heads, kv_len).
+  static KVSource shape_only(std::int64_t kv_heads, std::int64_t kv_len, std::int64_t head_dim = 0) noexcept {
+    return KVSource{TensorView<const T, 3>(nullptr, {kv_heads, kv_len, head_dim}, {kv_len * head_dim, head_dim, 1}), nullptr, 0,
+                    KVRole::kKeys};
+  }
+
+  bool empty() const noexcept { return paged == nullptr && dense.data() == nullptr; }
 
   std::int64_t kv_heads() const noexcept { return paged ? paged->num_kv_heads : dense.extent(0); }
   std::int64_t kv_len() const noexcept { return paged ? paged->seq_len(seq) : dense.extent(1); }
   std::int64_t head_dim() const noexcept { return paged ? paged->head_dim : dense.extent(2); }
-  KeyRows<T> rows(std::int64_t h) const noexcept {
-    return paged ? KeyRows<T>::paged_keys(*paged, seq, static_cast<std::int32_t>(h)) : KeyRows<T>::from_heads(dense, h);
+  Rows<T> rows(std::int64_t h) const noexcept {
+    if (paged == nullptr) return Rows<T>::from_heads(dense, h);
+    return role == KVRole::kValues ? Rows<T>::paged_values(*paged, seq, static_cast<std::int32_t>(h))
+                                   : Rows<T>::paged_keys(*paged, seq, static_cast<std::int32_t>(h));
   }
 
   /// Structure checks (the paged table itself is validated once per batch by the caller).

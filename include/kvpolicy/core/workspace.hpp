@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Caller-owned scratch memory. Entry points report `workspace_bytes(...)`
-// first; the caller allocates once and passes a `Workspace` on every call.
+// Caller-owned scratch memory. Entry points report their workspace size first
+// (`requirements()` of the policies, `*_workspace()` of the ops); the caller
+// allocates once and passes a `Workspace` on every call.
 // `WorkspacePlan` computes sizes with exactly the same carving rules that
 // `WorkspaceCarver` uses at run time, so the two can never disagree.
 #pragma once
@@ -70,12 +71,36 @@ class WorkspaceCarver {
   std::size_t used_ = 0;
 };
 
+namespace detail {
+
+/// Per-worker workspace slices: `per_worker` bytes each, 64-byte aligned.
+struct WorkerSlices {
+  std::byte* base = nullptr;
+  std::size_t per_worker = 0;
+  Workspace slice(int w) const noexcept { return Workspace{base + static_cast<std::size_t>(w) * per_worker, per_worker}; }
+
+  static std::size_t bytes(std::size_t per_worker, int workers) noexcept {
+    return per_worker == 0 ? 0 : align_up(per_worker) * static_cast<std::size_t>(workers) + kWorkspaceAlign;
+  }
+  static WorkerSlices carve(Workspace ws, std::size_t per_worker) noexcept {
+    WorkspaceCarver c(ws);
+    WorkerSlices s;
+    s.per_worker = align_up(per_worker);
+    s.base = c.take<std::byte>(0);
+    return s;
+  }
+};
+
+}  // namespace detail
+
 /// Workspace size check with the standard message; `need` is a
-/// `WorkspacePlan::total()` (i.e. what `workspace_bytes()` reported).
+/// `WorkspacePlan::total()` (i.e. what the size query reported). A workspace
+/// sized for another backend (e.g. `Context<Scalar>` requirements passed to a
+/// `Context<Cpu>` call) fails here, loudly, rather than running slower.
 inline Status check_workspace(const char* who, Workspace ws, std::size_t need) noexcept {
   if (need == 0) return Status::ok();
   if (ws.data == nullptr || ws.bytes < need) {
-    return Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace has %zu bytes, needs at least %zu (see workspace_bytes())", who,
+    return Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace has %zu bytes, needs at least %zu (size it with requirements() on a context of the same backend)", who,
                          ws.data == nullptr ? std::size_t{0} : ws.bytes, need);
   }
   return Status::ok();

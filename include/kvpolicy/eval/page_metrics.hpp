@@ -147,8 +147,8 @@ Status attend_pages(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries, c
       const std::int32_t r32 = static_cast<std::int32_t>(row);
       const std::int64_t tokens = rows.seq_len(r32, kv.page_size);
       const std::int32_t* pages = rows.indices + rows.indptr[row];
-      const KeyRows<T> keys{kv.k_data + g * kv.k_strides.head, kv.k_strides.slot, pages, kv.k_strides.page, kv.page_size};
-      const KeyRows<T> values{kv.v_data + g * kv.v_strides.head, kv.v_strides.slot, pages, kv.v_strides.page, kv.page_size};
+      const Rows<T> keys{kv.k_data + g * kv.k_strides.head, kv.k_strides.slot, pages, kv.k_strides.page, kv.page_size};
+      const Rows<T> values{kv.v_data + g * kv.v_strides.head, kv.v_strides.slot, pages, kv.v_strides.page, kv.page_size};
       Backend::paged_decode_attention(q + j0 * d, heads_per_row, d, keys, values, tokens, scale, o + j0 * d, l + j0, op_ws);
     }
     for (std::int64_t j = 0; j < G; ++j) {
@@ -254,7 +254,7 @@ Status page_quality(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries, c
       for (std::int64_t i = 0; i < d; ++i) s.q[static_cast<std::size_t>(j * d + i)] = to_float(queries(b, g * G + j, i));
     const WindowScoreShape shape{G, 1, d, len, len, len - 1, scale, WindowReduce::kSum};
     const Workspace sw{s.ws.data(), s.ws.size()};
-    Backend::window_scores(shape, s.q.data(), KeyRows<T>::paged_keys(kv, b, g), s.probs.data(), sw);
+    Backend::window_scores(shape, s.q.data(), Rows<T>::paged_keys(kv, b, g), s.probs.data(), sw);
     const std::int32_t* seq_pages = kv.table.indices + kv.table.indptr[b];
     const std::int64_t k = std::min(oracle_tokens, len);
     for (std::int64_t j = 0; j < G; ++j) {

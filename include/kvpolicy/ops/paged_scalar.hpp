@@ -18,7 +18,7 @@
 #include <type_traits>
 
 #include "kvpolicy/core/dtype.hpp"
-#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/page_selection.hpp"
 #include "kvpolicy/core/workspace.hpp"
 
@@ -117,7 +117,7 @@ struct ScalarPageOps {
 
   /// Block length of `paged_decode_attention`: the page size for paged rows,
   /// 64 rows for a contiguous run.
-  template <class T> static std::int64_t attention_block(const KeyRows<T>& keys) noexcept {
+  template <class T> static std::int64_t attention_block(const Rows<T>& keys) noexcept {
     return keys.pages != nullptr ? keys.page_size : 64;
   }
 
@@ -144,7 +144,7 @@ struct ScalarPageOps {
   /// mass of a selection, exp(lse_sel - lse_full).
   /// Workspace: `paged_attention_workspace(group, attention_block(keys), head_dim)`.
   template <class Tk, class Tv>
-  static void paged_decode_attention(const float* q, std::int64_t group, std::int64_t head_dim, KeyRows<Tk> keys, KeyRows<Tv> values,
+  static void paged_decode_attention(const float* q, std::int64_t group, std::int64_t head_dim, Rows<Tk> keys, Rows<Tv> values,
                                      std::int64_t num_tokens, float scale, float* out, float* lse, Workspace ws) noexcept {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     const std::int64_t block = attention_block(keys);

@@ -18,10 +18,12 @@
 #include <cstring>
 #include <limits>
 
+#include "kvpolicy/core/config.hpp"
 #include "kvpolicy/core/dtype.hpp"
-#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/paged_scalar.hpp"
+#include "kvpolicy/ops/reduce_scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -49,9 +51,13 @@ struct WindowScoreShape {
 /// scores -> higher token index first (the more recent token survives); NaN
 /// ranks below every number including -inf. Implemented as a monotone map of
 /// the float to an unsigned key, so all backends agree bit for bit.
-inline std::uint32_t score_order_key(float f) noexcept {
+KVP_HOST_DEVICE inline std::uint32_t score_order_key(float f) noexcept {
   if (f != f) return 0u;  // NaN: lowest
+#if defined(__CUDA_ARCH__)
+  const std::uint32_t u = __float_as_uint(f);
+#else
   const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+#endif
   const std::uint32_t k = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return k == 0u ? 1u : k;  // keep 0 reserved for NaN (only -NaN patterns could map there)
 }
@@ -70,7 +76,7 @@ struct ScalarScoreOps {
 
   /// out: (group, num_cols) fp32, contiguous. See WindowScoreShape.
   template <class Tk>
-  static void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws) noexcept {
+  static void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws) noexcept {
     WorkspaceCarver carve(ws);
     float* row = carve.take<float>(static_cast<std::size_t>(s.kv_len));
     const float inv_w = s.reduce == WindowReduce::kMean ? 1.0f / static_cast<float>(s.window) : 1.0f;
@@ -164,14 +170,14 @@ struct ScalarScoreOps {
 
   /// dst row r = src row idx[r] for r < n (rows of `dim` elements).
   template <class T>
-  static void gather_rows(KeyRows<T> src, const std::int32_t* idx, std::int64_t n, std::int64_t dim, T* dst,
+  static void gather_rows(Rows<T> src, const std::int32_t* idx, std::int64_t n, std::int64_t dim, T* dst,
                           std::int64_t dst_row_stride) noexcept {
     for (std::int64_t r = 0; r < n; ++r) std::memcpy(dst + r * dst_row_stride, src.row(idx[r]), static_cast<std::size_t>(dim) * sizeof(T));
   }
 };
 
 /// The scalar reference backend: the union of every op family.
-struct Scalar : ScalarScoreOps, ScalarPageOps {};
+struct Scalar : ScalarScoreOps, ScalarPageOps, ScalarReduceOps {};
 
 }  // namespace backend
 

@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// The policy interface shared by every eviction policy.
+// What every policy header includes: the shared vocabulary (vocabulary.hpp),
+// the family concepts (concepts.hpp), and the small helpers policies share to
+// carve per-worker workspace slices and write uniform KeepSet rows.
 //
 // A policy is an immutable object holding only its `Params`. Given a batch of
-// sequences it writes a `KeepSet` (one ascending row of kept token ids per
-// (sequence, kv head)) into caller memory, using a caller-provided workspace:
+// sequences it writes a decision into caller memory, using a caller-provided
+// workspace sized by its one size query:
 //
 //   SnapKV policy(SnapKVParams::kvpress(0.5));
-//   std::size_t ws = policy.workspace_bytes<backend::Cpu, half>(shape, ctx);
-//   policy.select<backend::Cpu>(std::span(inputs), keep, Workspace{buf, ws}, ctx);
+//   Context<backend::Cpu> ctx{{}, pool.context()};
+//   Requirements r = policy.requirements(ctx, shape);          // workspace, output rows/capacity, query window
+//   policy.evict(ctx.with_workspace(Workspace{buf, r.workspace_bytes}), std::span(inputs), keep);
 //
 // Work is split over (sequence, kv head) through `ExecContext`; each item uses
 // its worker's own workspace slice, so results never depend on threading.
@@ -18,60 +21,22 @@
 #include <cstdint>
 #include <span>
 
+#include <algorithm>
+
+#include "kvpolicy/core/gqa.hpp"
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/kv_source.hpp"
 #include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/batched.hpp"
 #include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/concepts.hpp"
+#include "kvpolicy/policy/params.hpp"
+#include "kvpolicy/policy/vocabulary.hpp"
 
 KVP_NAMESPACE_BEGIN
 
-/// One sequence at the end of prefill (or at a compression point).
-template <class Tq, class Tk>
-struct PrefillInput {
-  TensorView<const Tq, 3> queries{};  ///< (num_q_heads, q_len, head_dim): the latest post-RoPE queries (observation window)
-  KVSource<Tk> keys{};                ///< (num_kv_heads, kv_len, head_dim), dense or paged
-};
-
-/// Problem size used to size workspaces and outputs up front.
-struct PrefillShape {
-  std::int64_t num_q_heads = 0;
-  std::int64_t num_kv_heads = 0;
-  std::int64_t head_dim = 0;
-  std::int64_t max_kv_len = 0;  ///< longest sequence in the batch
-  std::int64_t q_len = 0;       ///< queries per head passed in (the observation window)
-};
-
-/// What every eviction policy offers (checked by `static_assert` in tests).
-template <class P, class Tq = float, class Tk = float>
-concept EvictionPolicy = requires(const P& p, const PrefillShape& shape, const ExecContext& ctx,
-                                  std::span<const PrefillInput<Tq, Tk>> batch, KeepSet keep, Workspace ws, std::int64_t kv_len) {
-  typename P::Params;
-  { p.params() } -> std::convertible_to<const typename P::Params&>;
-  { p.template workspace_bytes<backend::Scalar>(shape, ctx) } -> std::same_as<std::size_t>;
-  { p.kept_count(kv_len) } -> std::same_as<std::int64_t>;
-  { p.template select<backend::Scalar>(batch, keep, ws, ctx) } -> std::same_as<Status>;
-};
-
 namespace detail {
-
-/// Per-worker workspace slices: `per_worker` bytes each, 64-byte aligned.
-struct WorkerSlices {
-  std::byte* base = nullptr;
-  std::size_t per_worker = 0;
-  Workspace slice(int w) const noexcept { return Workspace{base + static_cast<std::size_t>(w) * per_worker, per_worker}; }
-
-  static std::size_t bytes(std::size_t per_worker, int workers) noexcept {
-    return per_worker == 0 ? 0 : align_up(per_worker) * static_cast<std::size_t>(workers) + kWorkspaceAlign;
-  }
-  static WorkerSlices carve(Workspace ws, std::size_t per_worker) noexcept {
-    WorkspaceCarver c(ws);
-    WorkerSlices s;
-    s.per_worker = align_up(per_worker);
-    s.base = c.take<std::byte>(0);
-    return s;
-  }
-};
 
 /// Validates the KeepSet rows a policy is about to fill and writes `indptr`
 /// from per-row counts given by `count(b)` (same count for every kv head).
@@ -91,6 +56,73 @@ Status write_uniform_indptr(const char* who, KeepSet& out, std::int64_t batch, s
     }
   }
   return Status::ok();
+}
+
+/// The checks every query-based scorer makes on one sequence's queries and
+/// keys, in this order: the keys' structure; a paged table (once per distinct
+/// paged view when `last_paged` is given: batches often share one pool) and
+/// its memory; the queries' structure and memory; GQA; equal head_dim > 0.
+template <class Tq, class Tk>
+Status check_queries_and_keys(const char* who, const TensorView<const Tq, 3>& q, const KVSource<Tk>& keys,
+                              const PagedKVView<const Tk>** last_paged = nullptr) noexcept {
+  KVP_RETURN_IF_ERROR(keys.validate(who, "keys"));
+  if (keys.paged != nullptr && (last_paged == nullptr || keys.paged != *last_paged)) {
+    KVP_RETURN_IF_ERROR(keys.paged->validate(who, /*need_values=*/false));
+    KVP_REQUIRE(keys.paged->device.is_host(), "%s: paged keys live on a device; this entry point reads host memory", who);
+    if (last_paged != nullptr) *last_paged = keys.paged;
+  }
+  KVP_RETURN_IF_ERROR(q.check_basic(who, "queries"));
+  KVP_REQUIRE(q.device().is_host(), "%s: queries is a device tensor; this entry point reads host memory", who);
+  GqaMap gqa;
+  KVP_RETURN_IF_ERROR(GqaMap::make(q.extent(0), keys.kv_heads(), who, &gqa));
+  KVP_REQUIRE(q.extent(2) == keys.head_dim() && keys.head_dim() > 0, "%s: queries head_dim %lld differs from keys head_dim %lld", who,
+              static_cast<long long>(q.extent(2)), static_cast<long long>(keys.head_dim()));
+  return Status::ok();
+}
+
+/// Sequence `b` of a batch must have sequence 0's heads and head_dim; the
+/// longest sequence sets `first->max_kv_len`.
+inline Status check_same_heads(const char* who, std::size_t b, const ProblemShape& s, ProblemShape* first) noexcept {
+  if (b == 0) {
+    *first = s;
+    return Status::ok();
+  }
+  KVP_REQUIRE(s.num_q_heads == first->num_q_heads && s.num_kv_heads == first->num_kv_heads && s.head_dim == first->head_dim,
+              "%s: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", who, b,
+              static_cast<long long>(s.num_q_heads), static_cast<long long>(s.num_kv_heads), static_cast<long long>(s.head_dim),
+              static_cast<long long>(first->num_q_heads), static_cast<long long>(first->num_kv_heads), static_cast<long long>(first->head_dim));
+  first->max_kv_len = std::max(first->max_kv_len, s.max_kv_len);
+  first->q_len = std::max(first->q_len, s.q_len);
+  return Status::ok();
+}
+
+/// Shape checks every policy's size query shares (the call itself re-checks
+/// the actual inputs). `head_dim` may be 0 for inputs without queries/keys
+/// data (engine column sums).
+inline Status check_problem_shape(const char* who, const ProblemShape& s) noexcept {
+  KVP_REQUIRE(s.batch >= 1, "%s: shape batch is %lld, must be >= 1", who, static_cast<long long>(s.batch));
+  KVP_REQUIRE(s.num_kv_heads >= 1, "%s: shape num_kv_heads is %lld, must be >= 1", who, static_cast<long long>(s.num_kv_heads));
+  KVP_REQUIRE(s.num_q_heads >= 1 && s.num_q_heads % s.num_kv_heads == 0,
+              "%s: shape num_q_heads is %lld, must be a positive multiple of num_kv_heads=%lld", who, static_cast<long long>(s.num_q_heads),
+              static_cast<long long>(s.num_kv_heads));
+  KVP_REQUIRE(s.head_dim >= 0 && s.max_kv_len >= 0 && s.q_len >= 0, "%s: shape head_dim %lld, max_kv_len %lld, q_len %lld must be >= 0",
+              who, static_cast<long long>(s.head_dim), static_cast<long long>(s.max_kv_len), static_cast<long long>(s.q_len));
+  KVP_REQUIRE(s.max_kv_len <= INT32_MAX, "%s: shape max_kv_len %lld exceeds the int32 token id range", who,
+              static_cast<long long>(s.max_kv_len));
+  return Status::ok();
+}
+
+/// Requirements of a decision with `rows` rows per sequence of at most `kept`
+/// entries each (`kept` for the longest sequence: every budget is monotone in kv_len).
+inline Requirements uniform_requirements(Status status, std::size_t workspace, const ProblemShape& s, std::int64_t rows,
+                                         std::int64_t kept, std::int64_t query_window) noexcept {
+  Requirements r;
+  r.status = status;
+  if (!status.is_ok()) return r;
+  r.workspace_bytes = workspace;
+  r.output = OutputSize{s.batch * rows, s.batch * rows * kept};
+  r.query_window = query_window;
+  return r;
 }
 
 }  // namespace detail

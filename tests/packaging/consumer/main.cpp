@@ -12,15 +12,20 @@ int main() {
   std::vector<half> k(Hkv * T * d);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>((i * 37) % 17) / 17.0f - 0.5f;
   for (std::size_t i = 0; i < k.size(); ++i) k[i] = to_half(static_cast<float>((i * 53) % 23) / 23.0f - 0.5f);
-  PrefillInput<float, half> in{TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}),
-                               KVSource<half>::from(TensorView<const half, 3>::contiguous(k.data(), {Hkv, T, d}))};
+  ScoreInput<float, half> in{TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}),
+                             KVSource<half>::from(TensorView<const half, 3>::contiguous(k.data(), {Hkv, T, d}))};
   const SnapKV policy(SnapKVParams::kvpress(0.5, w, 5));
-  std::vector<std::byte> ws(policy.workspace_bytes<backend::Cpu>({Hq, Hkv, d, T, w}));
-  std::vector<std::int32_t> indptr(Hkv + 1), idx(Hkv * policy.kept_count(T));
-  KeepSet keep{indptr.data(), idx.data(), Hkv, static_cast<std::int64_t>(idx.size())};
-  const Status s = policy.select<backend::Cpu>(in, keep, Workspace{ws.data(), ws.size()});
+  const Requirements req = policy.requirements(Context<backend::Cpu>{}, ProblemShape{Hq, Hkv, d, T, w});
+  if (!req.status.is_ok()) {
+    std::fprintf(stderr, "requirements failed: %s\n", req.status.message());
+    return 1;
+  }
+  std::vector<std::byte> ws(req.workspace_bytes);
+  std::vector<std::int32_t> indptr(req.output.rows + 1), idx(req.output.capacity);
+  KeepSet keep{indptr.data(), idx.data(), req.output.rows, static_cast<std::int64_t>(idx.size())};
+  const Status s = policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep);
   if (!s.is_ok()) {
-    std::fprintf(stderr, "select failed: %s\n", s.message());
+    std::fprintf(stderr, "evict failed: %s\n", s.message());
     return 1;
   }
   std::printf("kvpolicy consumer: isa=%s kept %lld of %d tokens per kv head, last=%d\n", backend::Cpu::isa_name(),

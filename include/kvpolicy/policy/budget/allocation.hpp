@@ -22,6 +22,7 @@
 #include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/batched.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
@@ -52,29 +53,10 @@ struct HeadAllocation {
 
 namespace detail {
 
-/// Number of protected (+inf) scores in a row.
-inline std::int64_t count_protected(const float* s, std::int64_t n) noexcept {
-  std::int64_t p = 0;
-  for (std::int64_t j = 0; j < n; ++j) p += (s[j] == INFINITY) ? 1 : 0;
-  return p;
-}
-
 /// indptr[first_row + r + 1] = indptr[first_row + r] + rows[r] for r < n (indptr[first_row] already set).
 inline void append_indptr(KeepSet& out, std::int64_t first_row, const std::int64_t* rows, std::int64_t n) noexcept {
   for (std::int64_t r = 0; r < n; ++r)
     out.indptr[first_row + r + 1] = static_cast<std::int32_t>(out.indptr[first_row + r] + rows[r]);
-}
-
-/// Rows [first_row, first_row + heads): head h keeps the kept[h] best of scores row h,
-/// ascending, into out.indices + out.indptr[first_row + h] (indptr already written).
-template <class Backend>
-void topk_rows(const float* scores, std::int64_t ld, std::int64_t heads, std::int64_t kv_len, KeepSet& out, std::int64_t first_row,
-               const WorkerSlices& slices, const ExecContext& ctx) noexcept {
-  ctx.parallel_for(heads, [&](std::int64_t h, int worker) {
-    std::int32_t* dst = out.indices + out.indptr[first_row + h];
-    const std::int64_t k = out.indptr[first_row + h + 1] - out.indptr[first_row + h];
-    Backend::topk(scores + h * ld, kv_len, k, dst, slices.slice(worker));
-  });
 }
 
 }  // namespace detail
@@ -82,7 +64,7 @@ void topk_rows(const float* scores, std::int64_t ld, std::int64_t heads, std::in
 /// Workspace of `select_per_head` for rows of at most `kv_len` tokens.
 template <class Backend>
 std::size_t select_per_head_workspace(std::int64_t kv_len, const ExecContext& ctx = {}) noexcept {
-  return detail::WorkerSlices::bytes(Backend::topk_workspace(std::max<std::int64_t>(kv_len, 1)), ctx.workers());
+  return ops::topk_rows_workspace<Backend>(std::max<std::int64_t>(kv_len, 1), ctx);
 }
 
 /// KeepSet rows of one sequence from per-head scores `(heads, kv_len)` and an
@@ -103,20 +85,18 @@ Status select_per_head(TensorView<const float, 2> scores, const HeadAllocation& 
   KVP_RETURN_IF_ERROR(alloc.validate(who, T));
   std::int64_t total = 0;
   for (std::int64_t h = 0; h < H; ++h) {
-    const std::int64_t p = alloc.protected_inside ? 0 : detail::count_protected(scores.data() + h * scores.stride(0), T);
+    const std::int64_t p = alloc.protected_inside ? 0 : Backend::count_protected(scores.data() + h * scores.stride(0), T);
     total += std::min<std::int64_t>(T, alloc.counts[h] + p);
   }
   KVP_RETURN_IF_ERROR(out.check_output(who, H, total));
   KVP_REQUIRE(total <= INT32_MAX, "%s: %lld kept tokens overflow the int32 keep-set indices", who, static_cast<long long>(total));
-  const std::size_t per = Backend::topk_workspace(std::max<std::int64_t>(T, 1));
-  KVP_RETURN_IF_ERROR(check_workspace(who, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+  KVP_RETURN_IF_ERROR(check_workspace(who, ws, ops::topk_rows_workspace<Backend>(std::max<std::int64_t>(T, 1), ctx)));
   out.indptr[0] = 0;
   for (std::int64_t h = 0; h < H; ++h) {
-    const std::int64_t p = alloc.protected_inside ? 0 : detail::count_protected(scores.data() + h * scores.stride(0), T);
+    const std::int64_t p = alloc.protected_inside ? 0 : Backend::count_protected(scores.data() + h * scores.stride(0), T);
     out.indptr[h + 1] = static_cast<std::int32_t>(out.indptr[h] + std::min<std::int64_t>(T, alloc.counts[h] + p));
   }
-  const auto slices = detail::WorkerSlices::carve(ws, per);
-  detail::topk_rows<Backend>(scores.data(), scores.stride(0), H, T, out, 0, slices, ctx);
+  ops::topk_rows<Backend>(scores.data(), scores.stride(0), H, T, out, 0, ws, ctx);
   return Status::ok();
 }
 

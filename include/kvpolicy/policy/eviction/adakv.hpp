@@ -3,9 +3,9 @@
 // for Efficient LLM Inference" (Feng et al., 2024, arXiv 2407.11550).
 //
 // A layer's budget is shared by its heads: heads whose scores stand out get more
-// tokens. Ada-KV sits on top of any *scorer* — a policy with
-// `score<Backend>(input, out (kv_heads, kv_len), ws, ctx)` writing per-head
-// scores (higher = keep, protected tokens = +inf), `workspace_bytes`, and
+// tokens. Ada-KV sits on top of any `Scorer` (concepts.hpp) — a policy with
+// `score(ctx, input, out (kv_heads, kv_len))` writing per-head scores (higher =
+// keep, protected tokens = +inf), `requirements`, `protected_tokens`, and
 // `validate(batch, shape)` — e.g. SnapKV or ExpectedAttention. Three variants
 // (reference §5, §15.8):
 //
@@ -76,12 +76,26 @@ enum class HeadGranularity : std::uint8_t {
   kQueryHead,  ///< one row per (sequence, query head): the original's per-query-head cache
 };
 
+inline constexpr EnumName<AdaKVVariant> kAdaKVVariantNames[] = {{"original", AdaKVVariant::kOriginal}, {"kvpress", AdaKVVariant::kKvpress}};
+constexpr std::span<const EnumName<AdaKVVariant>> enum_names(AdaKVVariant) noexcept { return kAdaKVVariantNames; }
+inline constexpr EnumName<HeadGranularity> kHeadGranularityNames[] = {{"kv_head", HeadGranularity::kKvHead},
+                                                                      {"query_head", HeadGranularity::kQueryHead}};
+constexpr std::span<const EnumName<HeadGranularity>> enum_names(HeadGranularity) noexcept { return kHeadGranularityNames; }
+
 struct AdaKVParams {
   AdaKVVariant variant = AdaKVVariant::kKvpress;
   HeadGranularity heads = HeadGranularity::kKvHead;
   double alpha = 0.2;      ///< original: floor_alpha; kvpress: alpha_safeguard; in [0, 1]
   bool normalize = false;  ///< original only
   Budget budget = Budget::compression_ratio(0.5);
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&AdaKVParams::variant>("variant", "allocation"),
+                      param_field<&AdaKVParams::heads>("heads", "rows per kv head or per query head"),
+                      param_field<&AdaKVParams::alpha>("alpha", "original: floor_alpha; kvpress: alpha_safeguard"),
+                      param_field<&AdaKVParams::normalize>("normalize", "original: normalise rows before the global top-k"),
+                      budget_field<&AdaKVParams::budget>()};
+  }
 
   /// FFY0/AdaKV default mode: base_capacity C includes the window; per query head.
   static constexpr AdaKVParams original(std::int64_t base_capacity, double floor_alpha = 0.2, bool normalize = false) noexcept {
@@ -106,28 +120,24 @@ constexpr SnapKVParams adakv_scoring(std::int32_t window = 32, std::int32_t kern
   return SnapKVParams{window, kernel, pooling, WindowReduce::kMean, gqa_func, ReduceOrder::kGroupThenPool, Budget::compression_ratio(0.0), 0.0f};
 }
 
-/// Scorer hooks for SnapKV: its protected tokens are the window.
-inline std::int64_t protected_tokens(const SnapKV& s, std::int64_t kv_len) noexcept {
-  return std::min<std::int64_t>(s.params().window, kv_len);
-}
-/// Query heads first, first+step, ... of a prefill input (per-query-head scoring).
+/// Query heads first, first+step, ... of a score input (per-query-head scoring).
 template <class Tq, class Tk>
-PrefillInput<Tq, Tk> query_head_subset(const PrefillInput<Tq, Tk>& in, std::int64_t first, std::int64_t step) noexcept {
+ScoreInput<Tq, Tk> query_head_subset(const ScoreInput<Tq, Tk>& in, std::int64_t first, std::int64_t step) noexcept {
   const auto& q = in.queries;
-  PrefillInput<Tq, Tk> sub = in;
+  ScoreInput<Tq, Tk> sub = in;
   sub.queries = TensorView<const Tq, 3>(q.data() + first * q.stride(0), {q.extent(0) / step, q.extent(1), q.extent(2)},
                                         {q.stride(0) * step, q.stride(1), q.stride(2)}, q.device());
   return sub;
 }
 
-/// What Ada-KV needs from a scorer for inputs of type `In`.
-template <class S, class In>
-concept HeadScorer = requires(const S& s, const In& in, std::span<const In> batch, TensorView<float, 2> out, Workspace ws,
-                              const ExecContext& ctx, const PrefillShape& shape, PrefillShape* shape_out, std::int64_t n) {
-  { s.template score<backend::Scalar>(in, out, ws, ctx) } -> std::same_as<Status>;
-  { s.template workspace_bytes<backend::Scalar>(shape, ctx) } -> std::same_as<std::size_t>;
+/// What Ada-KV needs from a scorer for inputs of type `In`: the `Scorer`
+/// concept, a batch check that reports the batch's shape (so nothing is
+/// written before every sequence was checked), and query-head subsets of an
+/// input (per-query-head allocation scores each group member separately).
+template <class S, class In, class B = backend::Scalar>
+concept HeadScorer = Scorer<S, In, B> && requires(const S& s, const In& in, std::span<const In> batch, ProblemShape* shape_out,
+                                                  std::int64_t n) {
   { s.validate(batch, shape_out) } -> std::same_as<Status>;
-  { protected_tokens(s, n) } -> std::same_as<std::int64_t>;
   { query_head_subset(in, n, n) } -> std::same_as<In>;
   { in.keys.kv_len() } -> std::same_as<std::int64_t>;
 };
@@ -150,7 +160,7 @@ class AdaKV {
   /// Average tokens kept per row (protected included), -1 if the budget is invalid for kv_len.
   std::int64_t kept_count(std::int64_t kv_len) const noexcept {
     std::int64_t n = 0;
-    if (!validate_params().is_ok() || !params_.budget.resolve(kName, kv_len, protected_tokens(scorer_, kv_len), &n).is_ok()) return -1;
+    if (!validate_params().is_ok() || !params_.budget.resolve(kName, kv_len, scorer_.protected_tokens(kv_len), &n).is_ok()) return -1;
     return n;
   }
 
@@ -169,23 +179,50 @@ class AdaKV {
     return params_.heads == HeadGranularity::kQueryHead ? num_q_heads : num_kv_heads;
   }
 
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
-    const Layout l = layout<Backend>(shape, ctx);
-    return l.plan.total();
+  /// Tokens scored +inf by rule: the scorer's.
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return scorer_.protected_tokens(kv_len); }
+
+  /// The size query: workspace, KeepSet rows (batch x rows_per_sequence) and
+  /// capacity (the sum of `max_total_kept` over the batch, at most), the
+  /// scorer's query window.
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    const Requirements sr = scorer_.requirements(ctx, shape);
+    Status st = validate_params();
+    if (st.is_ok()) st = sr.status;
+    std::int64_t n = 0;
+    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
+    Requirements r;
+    r.status = st;
+    if (!st.is_ok()) return r;
+    const std::int64_t rows = rows_per_sequence(shape.num_q_heads, shape.num_kv_heads);
+    r.workspace_bytes = layout<Backend>(shape, ctx.exec).plan.total();
+    r.output = OutputSize{shape.batch * rows, shape.batch * max_total_kept(shape.max_kv_len, rows)};
+    r.query_window = sr.query_window;
+    return r;
+  }
+
+  /// The scorer's scores (Ada-KV changes only the allocation).
+  template <class Backend, class In>
+    requires HeadScorer<Scorer, In, Backend>
+  Status score(const Context<Backend>& cx, const In& in, ScoreMap out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    return scorer_.score(cx, in, out);
   }
 
   /// Eviction decision for a batch; rows b * rows_per_sequence + h, ragged.
   template <class Backend, class In>
-    requires HeadScorer<Scorer, In>
-  Status select(std::span<const In> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+    requires HeadScorer<Scorer, In, Backend>
+  Status evict(const Context<Backend>& cx, std::span<const In> batch, KeepSet out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
     KVP_RETURN_IF_ERROR(validate_params());
-    PrefillShape shape;
+    ProblemShape shape;
     KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape));
     const std::int64_t rows = rows_per_sequence(shape.num_q_heads, shape.num_kv_heads);
     std::int64_t total = 0;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::int64_t T = batch[b].keys.kv_len(), P = protected_tokens(scorer_, T);
+      const std::int64_t T = batch[b].keys.kv_len(), P = scorer_.protected_tokens(T);
       std::int64_t n = 0;
       KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, P, &n));
       KVP_REQUIRE(params_.variant != AdaKVVariant::kOriginal || params_.budget.total(T, P) >= P,
@@ -209,9 +246,9 @@ class AdaKV {
   }
 
   template <class Backend, class In>
-    requires HeadScorer<Scorer, In>
-  Status select(const In& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const In>(&in, 1), out, ws, ctx);
+    requires HeadScorer<Scorer, In, Backend>
+  Status evict(const Context<Backend>& cx, const In& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const In>(&in, 1), out);
   }
 
  private:
@@ -228,11 +265,12 @@ class AdaKV {
     std::int64_t* count = nullptr;  // rows: tokens kept per row
     std::int64_t* prot = nullptr;   // rows: protected (+inf) tokens per row
     Workspace global_ws{}, scorer_ws{};
+    Workspace rows_ws{};  // per-row top-k: ops::topk_rows, or per-worker slices
     detail::WorkerSlices slices{};
   };
 
   template <class Backend>
-  Layout layout(const PrefillShape& s, const ExecContext& ctx) const noexcept {
+  Layout layout(const ProblemShape& s, const ExecContext& ctx) const noexcept {
     Layout l;
     const std::int64_t rows = std::max<std::int64_t>(1, rows_per_sequence(s.num_q_heads, s.num_kv_heads));
     const std::int64_t T = std::max<std::int64_t>(1, s.max_kv_len);
@@ -240,7 +278,7 @@ class AdaKV {
     l.rows_t = static_cast<std::size_t>(rows * T);
     l.per_row_topk = Backend::topk_workspace(T);
     l.global_topk = Backend::topk_workspace(rows * T);
-    l.scorer = scorer_.template workspace_bytes<Backend>(s, ctx);
+    l.scorer = scorer_.requirements(Context<Backend>{{}, ctx}, s).workspace_bytes;
     const std::size_t rt = l.rows_t, nr = l.rows, extra = detail::WorkerSlices::bytes(l.per_row_topk, ctx.workers());
     WorkspacePlan plan;  // same order as `carve`
     plan.add<float>(rt).add<float>(rt).add<std::int32_t>(rt).add<std::int32_t>(rt).add<std::int32_t>(rt);
@@ -262,7 +300,8 @@ class AdaKV {
     b.prot = c.take<std::int64_t>(l.rows);
     b.global_ws = Workspace{c.take<std::byte>(l.global_topk), l.global_topk};
     b.scorer_ws = Workspace{c.take<std::byte>(l.scorer), l.scorer};
-    b.slices = detail::WorkerSlices::carve(c.rest(), l.per_row_topk);
+    b.rows_ws = c.rest();
+    b.slices = detail::WorkerSlices::carve(b.rows_ws, l.per_row_topk);
     return b;
   }
 
@@ -278,34 +317,34 @@ class AdaKV {
   /// Per-row scores (rows, T) into buf.scores: the scorer once (kv heads) or
   /// once per group member on the query-head subsets (query heads).
   template <class Backend, class In>
-  Status score_rows(const In& in, const PrefillShape& shape, std::int64_t T, Buffers& buf, const ExecContext& ctx) const noexcept {
+  Status score_rows(const In& in, const ProblemShape& shape, std::int64_t T, Buffers& buf, const ExecContext& ctx) const noexcept {
     if (params_.heads == HeadGranularity::kKvHead) {
-      return scorer_.template score<Backend>(in, TensorView<float, 2>::contiguous(buf.scores, {shape.num_kv_heads, T}), buf.scorer_ws, ctx);
+      return scorer_.score(Context<Backend>{buf.scorer_ws, ctx}, in, TensorView<float, 2>::contiguous(buf.scores, {shape.num_kv_heads, T}));
     }
     const std::int64_t G = shape.num_q_heads / shape.num_kv_heads;
     for (std::int64_t g = 0; g < G; ++g) {
       // Rows h*G + g of the (Hq, T) buffer: a (Hkv, T) view with row stride G*T.
       const TensorView<float, 2> rows_g(buf.scores + g * T, {shape.num_kv_heads, T}, {G * T, 1});
-      KVP_RETURN_IF_ERROR(scorer_.template score<Backend>(query_head_subset(in, g, G), rows_g, buf.scorer_ws, ctx));
+      KVP_RETURN_IF_ERROR(scorer_.score(Context<Backend>{buf.scorer_ws, ctx}, query_head_subset(in, g, G), rows_g));
     }
     return Status::ok();
   }
 
   template <class Backend, class In>
-  Status select_one(const In& in, const PrefillShape& shape, std::int64_t rows, std::int64_t row0, KeepSet& out, Buffers& buf,
+  Status select_one(const In& in, const ProblemShape& shape, std::int64_t rows, std::int64_t row0, KeepSet& out, Buffers& buf,
                     const ExecContext& ctx) const noexcept {
-    const std::int64_t T = in.keys.kv_len(), P = protected_tokens(scorer_, T);
+    const std::int64_t T = in.keys.kv_len(), P = scorer_.protected_tokens(T);
     const std::int64_t n_total = params_.budget.total(T, P);  // unclamped, protected included
     if (n_total >= T && (params_.variant == AdaKVVariant::kKvpress || n_total > T)) {
       keep_all(T, rows, row0, out);  // kvpress r == 0 / the original's B > L: nothing to evict, no scoring
       return Status::ok();
     }
     KVP_RETURN_IF_ERROR(score_rows<Backend>(in, shape, T, buf, ctx));
-    for (std::int64_t r = 0; r < rows; ++r) buf.prot[r] = detail::count_protected(buf.scores + r * T, T);
+    for (std::int64_t r = 0; r < rows; ++r) buf.prot[r] = Backend::count_protected(buf.scores + r * T, T);
     if (params_.variant == AdaKVVariant::kOriginal) {
       allocate_original<Backend>(T, rows, n_total - P, buf);
       detail::append_indptr(out, row0, buf.count, rows);
-      detail::topk_rows<Backend>(buf.scores, T, rows, T, out, row0, buf.slices, ctx);
+      ops::topk_rows<Backend>(buf.scores, T, rows, T, out, row0, buf.rows_ws, ctx);
     } else {
       select_kvpress<Backend>(T, rows, std::min(n_total, T), row0, out, buf, ctx);
     }
@@ -405,5 +444,7 @@ class AdaKV {
   Params params_{};
   Scorer scorer_{};
 };
+
+static_assert(EvictionPolicy<AdaKV<SnapKV>, ScoreInput<float, half>> && Scorer<AdaKV<SnapKV>, ScoreInput<float, float>>);
 
 KVP_NAMESPACE_END

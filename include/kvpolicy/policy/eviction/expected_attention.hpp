@@ -12,7 +12,7 @@
 //     s[g, j] = mean_q softmax_j(z[q, j]) over the non-sink keys j >= n_sink,
 //     s[g, j] = (s[g, j] + epsilon) * ||v[g, j]||   (use_vnorm),
 //     s[g, j] = +inf for the n_sink sink tokens (always kept).
-// `select` keeps, per kv head, the best n tokens (budget; kvpress:
+// `evict` keeps, per kv head, the best n tokens (budget; kvpress:
 // int(T (1-r)) including the sinks), ascending.
 //
 // Reproducing kvpress (where the details decide the numbers):
@@ -54,7 +54,7 @@
 #include <span>
 
 #include "kvpolicy/core/gqa.hpp"
-#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/policy/budget.hpp"
 #include "kvpolicy/policy/budget/allocation.hpp"
 #include "kvpolicy/policy/policy.hpp"
@@ -78,6 +78,18 @@ struct ExpectedAttentionParams {
   RopeParams rope{};
   Budget budget = Budget::compression_ratio(0.5);
 
+  static constexpr auto fields() noexcept {
+    using P = ExpectedAttentionParams;
+    return std::tuple{param_field<&P::n_future_positions>("n_future_positions", "future positions the RoPE is averaged over"),
+                      param_field<&P::n_sink>("n_sink", "sink tokens always kept (and left out of the statistics)"),
+                      param_field<&P::use_covariance>("use_covariance", "include the query covariance term"),
+                      param_field<&P::use_vnorm>("use_vnorm", "scale by the value norm"),
+                      param_field<&P::epsilon>("epsilon", "added before the value-norm scaling"),
+                      ParamField<P, double>{"rope_base", "RoPE base (without the model's inv_freq)", [](const P& p) { return p.rope.base; },
+                                            [](P& p, const double& b) { p.rope.base = b; }},
+                      budget_field<&P::budget>()};
+  }
+
   /// kvpress `ExpectedAttentionPress(compression_ratio=r, n_future_positions, n_sink, use_covariance, use_vnorm, epsilon)`.
   static constexpr ExpectedAttentionParams kvpress(double r, std::int32_t n_future_positions = 512, std::int32_t n_sink = 4,
                                                    bool use_covariance = true, bool use_vnorm = true, float epsilon = 0.0f) noexcept {
@@ -85,14 +97,15 @@ struct ExpectedAttentionParams {
   }
 };
 
-/// One sequence at the end of prefill.
+/// One sequence at the end of prefill: the common `ScoreInput` plus the query
+/// statistics. Read from the base: `queries` (num_q_heads, q_len, head_dim),
+/// here the *pre-RoPE* prompt queries (empty: use the statistics below),
+/// `keys` (num_kv_heads, kv_len, head_dim) post-RoPE and `values` (same
+/// shape; a paged source must be `KVSource::from_paged_values`).
 template <class Tq, class Tk>
-struct ExpectedAttentionInput {
-  TensorView<const Tq, 3> queries{};        ///< (num_q_heads, q_len, head_dim) pre-RoPE prompt queries; empty: use the statistics below
+struct ExpectedAttentionInput : ScoreInput<Tq, Tk> {
   TensorView<const float, 2> query_mean{};  ///< (num_q_heads, head_dim) precomputed pre-RoPE query mean
   TensorView<const float, 3> query_cov{};   ///< (num_q_heads, head_dim, head_dim) precomputed covariance (use_covariance)
-  KVSource<Tk> keys{};                      ///< (num_kv_heads, kv_len, head_dim) post-RoPE keys, dense or paged
-  KVSource<Tk> values{};                    ///< (num_kv_heads, kv_len, head_dim); a paged source is read through its v_data
   std::int64_t next_position = -1;          ///< position of the first future token; -1: kv_len
 };
 
@@ -122,18 +135,28 @@ class ExpectedAttention {
     return n;
   }
 
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
-    return detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.workers());
+  /// Tokens scored +inf by rule: the sinks.
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return std::min<std::int64_t>(params_.n_sink, kv_len); }
+
+  /// The size query: workspace for `score` / `evict`, KeepSet rows (batch x
+  /// num_kv_heads); the query window is the whole prompt (q_len; 0 with statistics).
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    Status st = validate_params();
+    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
+    std::int64_t n = 0;
+    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
+    return detail::uniform_requirements(st, detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape,
+                                        shape.num_kv_heads, n, shape.q_len);
   }
 
-  /// Input checks of `score` / `select` and the batch's shape (q_len = queries' rows, 0 with statistics).
+  /// Input checks of `score` / `evict` and the batch's shape (q_len = queries' rows, 0 with statistics).
   template <class Tq, class Tk>
-  Status validate(std::span<const ExpectedAttentionInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+  Status validate(std::span<const ExpectedAttentionInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "expected_attention: batch is empty");
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      PrefillShape s;
+      ProblemShape s;
       KVP_RETURN_IF_ERROR(validate_one(batch[b], b, &s));
       if (b == 0) {
         *shape = s;
@@ -152,8 +175,10 @@ class ExpectedAttention {
 
   /// Per-kv-head scores of one sequence: out (num_kv_heads, kv_len), sinks = +inf.
   template <class Backend, class Tq, class Tk>
-  Status score(const ExpectedAttentionInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    PrefillShape shape;
+  Status score(const Context<Backend>& cx, const ExpectedAttentionInput<Tq, Tk>& in, ScoreMap out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
+    ProblemShape shape;
     KVP_RETURN_IF_ERROR(validate(std::span<const ExpectedAttentionInput<Tq, Tk>>(&in, 1), &shape));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == shape.max_kv_len,
@@ -175,8 +200,10 @@ class ExpectedAttention {
 
   /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
   template <class Backend, class Tq, class Tk>
-  Status select(std::span<const ExpectedAttentionInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    PrefillShape shape;
+  Status evict(const Context<Backend>& cx, std::span<const ExpectedAttentionInput<Tq, Tk>> batch, KeepSet out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
+    ProblemShape shape;
     KVP_RETURN_IF_ERROR(validate(batch, &shape));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
@@ -186,7 +213,7 @@ class ExpectedAttention {
     const auto slices = detail::WorkerSlices::carve(ws, per);
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const auto& in = batch[b];
-      PrefillShape sb = shape;
+      ProblemShape sb = shape;
       sb.max_kv_len = in.keys.kv_len();
       ctx.parallel_for(H, [&](std::int64_t g, int worker) {
         const std::int64_t row = static_cast<std::int64_t>(b) * H + g, T = sb.max_kv_len;
@@ -206,13 +233,13 @@ class ExpectedAttention {
   }
 
   template <class Backend, class Tq, class Tk>
-  Status select(const ExpectedAttentionInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const ExpectedAttentionInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  Status evict(const Context<Backend>& cx, const ExpectedAttentionInput<Tq, Tk>& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const ExpectedAttentionInput<Tq, Tk>>(&in, 1), out);
   }
 
  private:
   template <class Tq, class Tk>
-  Status validate_one(const ExpectedAttentionInput<Tq, Tk>& in, std::size_t b, PrefillShape* s) const noexcept {
+  Status validate_one(const ExpectedAttentionInput<Tq, Tk>& in, std::size_t b, ProblemShape* s) const noexcept {
     KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
     KVP_RETURN_IF_ERROR(in.values.validate(kName, "values"));
     for (const KVSource<Tk>* src : {&in.keys, &in.values}) {
@@ -221,6 +248,10 @@ class ExpectedAttention {
         KVP_REQUIRE(src->paged->device.is_host(), "expected_attention: paged cache lives on a device; this entry point reads host memory");
       }
     }
+    KVP_REQUIRE(in.keys.paged == nullptr || in.keys.role == KVRole::kKeys,
+                "expected_attention: keys is a paged source reading values; build it with KVSource::from_paged");
+    KVP_REQUIRE(in.values.paged == nullptr || in.values.role == KVRole::kValues,
+                "expected_attention: values is a paged source reading keys; build it with KVSource::from_paged_values");
     const std::int64_t Hkv = in.keys.kv_heads(), T = in.keys.kv_len(), d = in.keys.head_dim();
     KVP_REQUIRE(in.values.kv_heads() == Hkv && in.values.kv_len() == T && in.values.head_dim() == d,
                 "expected_attention: values has shape (%lld, %lld, %lld), keys has (%lld, %lld, %lld)",
@@ -262,12 +293,12 @@ class ExpectedAttention {
                 "expected_attention: next_position %lld out of range [-1, 2^24 - n_future_positions)", static_cast<long long>(in.next_position));
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.n_sink, T), &n));
-    *s = PrefillShape{Hq, Hkv, d, T, q_len};
+    *s = ProblemShape{Hq, Hkv, d, T, q_len};
     return Status::ok();
   }
 
   template <class Backend>
-  std::size_t per_worker_bytes(const PrefillShape& s) const noexcept {
+  std::size_t per_worker_bytes(const ProblemShape& s) const noexcept {
     const auto d = static_cast<std::size_t>(std::max<std::int64_t>(s.head_dim, 2));
     const auto T = static_cast<std::size_t>(std::max<std::int64_t>(s.max_kv_len, 1));
     WorkspacePlan p;
@@ -353,7 +384,7 @@ class ExpectedAttention {
 
   /// Scores of kv head g into s[0..T): sinks +inf, the rest the group-mean expected attention (x value norm).
   template <class Tq, class Tk>
-  void score_head(const ExpectedAttentionInput<Tq, Tk>& in, const PrefillShape& shape, std::int64_t g, float* s,
+  void score_head(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* s,
                   WorkspaceCarver& c) const noexcept {
     const std::int64_t d = shape.head_dim, h = d / 2, T = in.keys.kv_len(), n0 = params_.n_sink;
     const std::int64_t G = shape.num_q_heads / shape.num_kv_heads;
@@ -367,7 +398,7 @@ class ExpectedAttention {
     averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
     auto partner = [h](std::int64_t i) { return i < h ? i + h : i - h; };
     auto off = [&](std::int64_t i) { return i < h ? -static_cast<double>(sb[i + h]) : static_cast<double>(sb[i - h]); };
-    const KeyRows<Tk> keys = in.keys.rows(g);
+    const Rows<Tk> keys = in.keys.rows(g);
     const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
     std::fill(s, s + T, 0.0f);
     for (std::int64_t qq = 0; qq < G; ++qq) {
@@ -418,8 +449,7 @@ class ExpectedAttention {
       const float inv = static_cast<float>(1.0 / denom);
       for (std::int64_t j = n0; j < T; ++j) s[j] += z[j] * inv;
     }
-    const KeyRows<Tk> values = in.values.paged != nullptr ? KeyRows<Tk>::paged_values(*in.values.paged, in.values.seq, static_cast<std::int32_t>(g))
-                                                          : in.values.rows(g);
+    const Rows<Tk> values = in.values.rows(g);
     for (std::int64_t j = n0; j < T; ++j) {
       float v = s[j] / static_cast<float>(G);
       if (params_.use_vnorm) {
@@ -439,10 +469,7 @@ class ExpectedAttention {
   Params params_{};
 };
 
-/// Scorer hooks (Ada-KV on top of Expected Attention): the sinks are protected.
-inline std::int64_t protected_tokens(const ExpectedAttention& e, std::int64_t kv_len) noexcept {
-  return std::min<std::int64_t>(e.params().n_sink, kv_len);
-}
+/// Query heads first, first+step, ... of an input (Ada-KV per-query-head scoring), statistics included.
 template <class Tq, class Tk>
 ExpectedAttentionInput<Tq, Tk> query_head_subset(const ExpectedAttentionInput<Tq, Tk>& in, std::int64_t first, std::int64_t step) noexcept {
   ExpectedAttentionInput<Tq, Tk> sub = in;
@@ -463,5 +490,8 @@ ExpectedAttentionInput<Tq, Tk> query_head_subset(const ExpectedAttentionInput<Tq
   }
   return sub;
 }
+
+static_assert(Scorer<ExpectedAttention, ExpectedAttentionInput<float, float>> &&
+              EvictionPolicy<ExpectedAttention, ExpectedAttentionInput<float, half>>);
 
 KVP_NAMESPACE_END

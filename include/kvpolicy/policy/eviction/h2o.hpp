@@ -15,9 +15,10 @@
 //      slots (ascending) go to a KeepSet row for `apply/`, and the state row is
 //      re-packed the same way, so scores stay aligned with the compacted K/V.
 // `evict_for_space(num_coming)` makes room before a multi-token input.
-// Probabilities come from the engine (`update`: (Hq, q, n) rows, or
-// `update_from_column_sums`: (Hq, n)) or are recomputed from the step's queries
-// and the cached keys (`update_from_queries`, Backend::window_scores, kSum).
+// Probabilities come from the engine (`update` with ScoreInput::attention,
+// (Hq, q, n) rows, or ScoreInput::column_sums, (Hq, n)) or are recomputed from
+// the step's queries and the cached keys (ScoreInput::queries + keys,
+// Backend::window_scores, kSum).
 //
 // Choices (the original is MHA-only and batch 1):
 //  * GQA. Default `H2OGranularity::kKvHead`: one state row per kv head,
@@ -58,104 +59,30 @@
 
 KVP_NAMESPACE_BEGIN
 
-namespace detail {
-
-// One-victim selection shared by the online policies (H2O, TOVA): evicting a
-// single slot of a top-(n-1) is an argmin under the same total order.
-
-inline bool has_nan(const float* x, std::int64_t n) noexcept {
-  constexpr std::int64_t kL = 32;
-  int bad[kL] = {};
-  const std::int64_t body = n - n % kL;
-  for (std::int64_t j = 0; j < body; j += kL)
-    for (int l = 0; l < kL; ++l) bad[l] |= x[j + l] != x[j + l];
-  for (std::int64_t j = body; j < n; ++j) bad[0] |= x[j] != x[j];
-  int any = 0;
-  for (int v : bad) any |= v;
-  return any != 0;
-}
-inline std::int64_t first_nan(const float* x, std::int64_t n) noexcept {
-  for (std::int64_t j = 0; j < n; ++j)
-    if (x[j] != x[j]) return j;
-  return 0;
-}
-
-/// First j < n with pred(x[j]), or -1: a vectorisable any-test per block of
-/// 256, then a scan inside the first matching block.
-template <class Pred>
-std::int64_t first_where(const float* x, std::int64_t n, Pred pred) noexcept {
-  constexpr std::int64_t kB = 256;
-  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
-    const std::int64_t nb = std::min(kB, n - b0);
-    int any = 0;
-    for (std::int64_t j = 0; j < nb; ++j) any |= pred(x[b0 + j]) ? 1 : 0;
-    if (any)
-      for (std::int64_t j = 0; j < nb; ++j)
-        if (pred(x[b0 + j])) return b0 + j;
-  }
-  return -1;
-}
-
-/// Lowest slot of the minimum of x[0..n) under score_order_key (the slot a
-/// top-(n-1) drops); returns -1 and sets *at, or returns 0 when x holds NaN.
-/// One pass of block minima over 32 independent lanes (enough accumulators for
-/// the compiler to vectorise and hide the min latency), then a search inside
-/// the first block that holds the minimum.
-inline std::int64_t argmin_or_nan(const float* x, std::int64_t n, std::int64_t* at) noexcept {
-  constexpr std::int64_t kB = 1024, kL = 32;
-  float best = std::numeric_limits<float>::infinity();
-  std::int64_t best_block = 0;
-  int bad_any = 0;
-  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
-    const std::int64_t nb = std::min(kB, n - b0);
-    float m[kL];
-    int bad[kL] = {};
-    for (float& v : m) v = std::numeric_limits<float>::infinity();
-    std::int64_t j = 0;
-    for (; j + kL <= nb; j += kL)
-      for (int l = 0; l < kL; ++l) {
-        const float v = x[b0 + j + l];
-        m[l] = v < m[l] ? v : m[l];
-        bad[l] |= v != v;
-      }
-    for (; j < nb; ++j) {
-      const float v = x[b0 + j];
-      m[0] = v < m[0] ? v : m[0];
-      bad[0] |= v != v;
-    }
-    float bm = m[0];
-    for (int l = 0; l < kL; ++l) {
-      bm = m[l] < bm ? m[l] : bm;
-      bad_any |= bad[l];
-    }
-    if (bm < best) best = bm, best_block = b0;
-  }
-  const int bad = bad_any;
-  if (bad) return 0;
-  if (best == 0.0f) {  // -0 ranks below +0 in the total order: the first -0 if any, else the first +0
-    std::int64_t j = first_where(x, n, [](float v) { return std::bit_cast<std::uint32_t>(v) == 0x80000000u; });
-    *at = j >= 0 ? j : first_where(x, n, [](float v) { return v == 0.0f; });
-    return -1;
-  }
-  std::int64_t j = best_block;
-  while (x[j] != best) ++j;  // best occurs in its block (all-+inf rows: block 0)
-  *at = j;
-  return -1;
-}
-
-}  // namespace detail
 
 enum class H2OGranularity : std::uint8_t {
   kKvHead,     ///< one state row per kv head (GQA-aware, the default)
   kQueryHead,  ///< one state row per query head, over a per-query-head cache (original)
 };
 
+inline constexpr EnumName<H2OGranularity> kH2OGranularityNames[] = {{"kv_head", H2OGranularity::kKvHead},
+                                                                    {"query_head", H2OGranularity::kQueryHead}};
+constexpr std::span<const EnumName<H2OGranularity>> enum_names(H2OGranularity) noexcept { return kH2OGranularityNames; }
+
 struct H2OParams {
   std::int64_t hh_size = 4;        ///< heavy hitters kept per head
   std::int64_t recent_size = 512;  ///< most recent slots always kept
   GroupReduce group_reduce = GroupReduce::kSum;  ///< kKvHead: how a group's query heads combine (kSum / kMean)
   H2OGranularity granularity = H2OGranularity::kKvHead;
-  float scale = 0.0f;  ///< logit scale for update_from_queries; 0 means 1/sqrt(head_dim)
+  float scale = 0.0f;  ///< logit scale when recomputing attention from queries; 0 means 1/sqrt(head_dim)
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&H2OParams::hh_size>("hh_size", "heavy hitters kept per head"),
+                      param_field<&H2OParams::recent_size>("recent_size", "most recent slots always kept"),
+                      param_field<&H2OParams::group_reduce>("group_reduce", "how a GQA group's query heads combine"),
+                      param_field<&H2OParams::granularity>("granularity", "state rows per kv head or per query head"),
+                      param_field<&H2OParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
+  }
 
   /// `H2OKVCache_LayerWise(hh_size, recent_size)` (class defaults 4 / 512;
   /// run_summarization.py uses 1024 / 1024).
@@ -179,6 +106,7 @@ struct H2OState {
 class H2O {
  public:
   using Params = H2OParams;
+  using State = H2OState;
   static constexpr const char* kName = "h2o";
 
   constexpr H2O() noexcept = default;
@@ -203,60 +131,91 @@ class H2O {
     return std::min(n, target);
   }
 
+  /// Rows of the state and of each KeepSet: kv heads (kKvHead) or query heads (kQueryHead).
+  constexpr std::int64_t state_rows(const ProblemShape& s) const noexcept {
+    return params_.granularity == H2OGranularity::kKvHead ? s.num_kv_heads : s.num_q_heads;
+  }
+
+  /// The size query for a cache of at most `shape.max_kv_len` slots and calls
+  /// of at most `shape.q_len` queries: one workspace serves `update` (from
+  /// queries when head_dim > 0; probabilities need none) and `evict`; the
+  /// KeepSet has state_rows() rows of at most hh + recent slots; the query
+  /// window is the call's q_len (queries path) or 0.
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    Status st = validate_params();
+    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
+    if (st.is_ok() && shape.batch != 1)
+      st = KVP_INVALID("h2o: shape batch is %lld; the state is per sequence, call once per sequence", static_cast<long long>(shape.batch));
+    const std::int64_t Hs = state_rows(shape);
+    const std::size_t upd = shape.head_dim > 0 ? detail::WorkerSlices::bytes(update_per_worker<Backend>(shape), ctx.exec.workers()) : 0;
+    const std::size_t ev = evict_workspace_bytes<Backend>(Hs, shape.max_kv_len, ctx.exec);
+    return detail::uniform_requirements(st, std::max(upd, ev), shape, Hs, std::min(shape.max_kv_len, cache_size()),
+                                        shape.head_dim > 0 ? shape.q_len : 0);
+  }
+
   // ---- update ---------------------------------------------------------------
 
-  /// Accumulate one call's attention probabilities, probs (num_q_heads, q_len,
-  /// kv_len) with kv_len = state.length + q_len (the q new slots start fresh).
-  /// Rows must be contiguous along kv_len. No workspace.
-  template <class Tp>
-  Status update(H2OState& state, TensorView<const Tp, 3> probs, const ExecContext& ctx = {}) const noexcept {
-    KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
-    KVP_REQUIRE(probs.extent(1) >= 1, "h2o: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
-    return update_impl(state, probs, probs.extent(1), "probabilities", ctx);
+  /// Fold one forward call's attention into the state. The evidence, in the
+  /// order checked:
+  ///  * `obs.attention` (num_q_heads, q_len, kv_len): the call's probabilities,
+  ///    kv_len = state.length + q_len (the q new slots start fresh); rows
+  ///    contiguous along kv_len; no workspace;
+  ///  * `obs.column_sums` (num_q_heads, kv_len): their sum over the call's
+  ///    query rows (e.g. from the engine's attention kernel); the
+  ///    kv_len - state.length new slots start fresh; no workspace;
+  ///  * otherwise `obs.queries` (num_q_heads, q_len, d) at positions
+  ///    kv_len - q_len .. kv_len - 1 and `obs.keys` (num_kv_heads, kv_len, d),
+  ///    which already hold the call's tokens: the attention is recomputed
+  ///    (Backend::window_scores, kQueryBlock queries at a time).
+  /// For the first two, `obs.keys` may be empty (only the probabilities are read).
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status update(const Context<Backend>& cx, State& state, const ScoreInput<Tq, Tk, Tp>& obs) const noexcept {
+    if (obs.has_attention()) {
+      const auto& probs = obs.attention;
+      KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
+      KVP_REQUIRE(probs.extent(1) >= 1, "h2o: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
+      return update_impl(state, probs, probs.extent(1), "probabilities", cx.exec);
+    }
+    if (obs.has_column_sums()) {
+      const auto& col = obs.column_sums;
+      KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
+      const TensorView<const Tp, 3> as3(col.data(), {col.extent(0), 1, col.extent(1)}, {col.stride(0), 0, col.stride(1)}, col.device());
+      return update_impl(state, as3, col.extent(1) - state.length, "column sums", cx.exec);
+    }
+    return update_from_queries<Backend>(state, obs, cx.workspace, cx.exec);
   }
 
-  /// Accumulate precomputed column sums (num_q_heads, kv_len) (sum over the
-  /// call's query rows, e.g. returned by the engine's attention kernel); the
-  /// kv_len - state.length new slots start fresh.
-  template <class Tp>
-  Status update_from_column_sums(H2OState& state, TensorView<const Tp, 2> col, const ExecContext& ctx = {}) const noexcept {
-    KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
-    const TensorView<const Tp, 3> as3(col.data(), {col.extent(0), 1, col.extent(1)}, {col.stride(0), 0, col.stride(1)}, col.device());
-    return update_impl(state, as3, col.extent(1) - state.length, "column sums", ctx);
+  // ---- evict ----------------------------------------------------------------
+
+  /// Evict down to hh + recent: writes one KeepSet row per state row (ascending
+  /// slots) and re-packs the state. Nothing is written on error.
+  template <class Backend>
+  Status evict(const Context<Backend>& cx, State& state, KeepSet out) const noexcept {
+    return evict_for_space(cx, state, 0, out);
   }
 
-  template <class Backend, class Tk = float>
-  std::size_t update_workspace_bytes(const PrefillShape& s, const ExecContext& ctx = {}) const noexcept {
-    return detail::WorkerSlices::bytes(update_per_worker<Backend>(s), ctx.workers());
+  /// Evict so that `num_coming` more tokens fit in hh + recent.
+  template <class Backend>
+  Status evict_for_space(const Context<Backend>& cx, State& state, std::int64_t num_coming, KeepSet out) const noexcept {
+    return evict_impl<Backend>(state, num_coming, out, cx.workspace, cx.exec);
   }
 
-  /// Recompute the call's attention from its queries (num_q_heads, q_len, d),
-  /// at positions kv_len - q_len .. kv_len - 1, and the cached keys
-  /// (num_kv_heads, kv_len, d) which already hold the call's tokens; then update.
-  template <class Backend, class Tq, class Tk>
-  Status update_from_queries(H2OState& state, const PrefillInput<Tq, Tk>& step, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+ private:
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status update_from_queries(H2OState& state, const ScoreInput<Tq, Tk, Tp>& step, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(state));
-    KVP_RETURN_IF_ERROR(step.keys.validate(kName, "keys"));
-    if (step.keys.paged != nullptr) {
-      KVP_RETURN_IF_ERROR(step.keys.paged->validate(kName, /*need_values=*/false));
-      KVP_REQUIRE(step.keys.paged->device.is_host(), "h2o: paged keys live on a device; this entry point reads host memory");
-    }
-    KVP_RETURN_IF_ERROR(step.queries.check_basic(kName, "queries"));
-    KVP_REQUIRE(step.queries.device().is_host(), "h2o: queries is a device tensor; this entry point reads host memory");
+    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, step.queries, step.keys));
     const std::int64_t Hq = step.queries.extent(0), Hkv = step.keys.kv_heads(), Hs = state.scores.extent(0);
     const std::int64_t q = step.queries.extent(1), n = step.keys.kv_len(), d = step.keys.head_dim();
-    GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(Hq, Hkv, kName, &gqa));
     KVP_REQUIRE(Hkv == Hs, "h2o: keys has %lld kv heads, the state has %lld rows", static_cast<long long>(Hkv), static_cast<long long>(Hs));
     KVP_REQUIRE(params_.granularity == H2OGranularity::kKvHead || Hq == Hs,
                 "h2o: queries has %lld heads, the per-query-head state has %lld rows (repeat K/V per query head)",
                 static_cast<long long>(Hq), static_cast<long long>(Hs));
-    KVP_REQUIRE(step.queries.extent(2) == d && d > 0, "h2o: queries head_dim %lld differs from keys head_dim %lld",
-                static_cast<long long>(step.queries.extent(2)), static_cast<long long>(d));
     KVP_REQUIRE(q >= 1, "h2o: queries has %lld rows per head, must be >= 1", static_cast<long long>(q));
     KVP_RETURN_IF_ERROR(check_step(state, n, q, "keys"));
-    const PrefillShape shape{Hq, Hkv, d, n, q};
+    const ProblemShape shape{Hq, Hkv, d, n, q};
     const std::size_t per = update_per_worker<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
     const auto slices = detail::WorkerSlices::carve(ws, per);
@@ -272,9 +231,7 @@ class H2O {
       float* blk = q > B ? c.take<float>(static_cast<std::size_t>(G * n)) : col;
       for (std::int64_t q0 = 0; q0 < q; q0 += B) {
         const std::int64_t bw = std::min(B, q - q0);
-        for (std::int64_t g = 0; g < G; ++g)
-          for (std::int64_t i = 0; i < bw; ++i)
-            for (std::int64_t k = 0; k < d; ++k) qf[(g * bw + i) * d + k] = to_float(step.queries(s * G + g, q0 + i, k));
+        Backend::widen_queries(step.queries, s * G, G, q0, bw, qf);
         float* out = q0 == 0 ? col : blk;
         Backend::window_scores(WindowScoreShape{G, bw, d, n, n, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out, c.rest());
         if (q0 > 0)
@@ -286,24 +243,14 @@ class H2O {
     return Status::ok();
   }
 
-  // ---- evict ----------------------------------------------------------------
-
   template <class Backend>
-  std::size_t evict_workspace_bytes(std::int64_t state_heads, std::int64_t max_len, const ExecContext& ctx = {}) const noexcept {
+  std::size_t evict_workspace_bytes(std::int64_t state_heads, std::int64_t max_len, const ExecContext& ctx) const noexcept {
     return WorkspacePlan{}.add<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(state_heads, 1))).total() +
            detail::WorkerSlices::bytes(Backend::topk_workspace(std::max<std::int64_t>(max_len, 1)), ctx.workers());
   }
 
-  /// Evict down to hh + recent: writes one KeepSet row per state row (ascending
-  /// slots) and re-packs the state. Nothing is written on error.
   template <class Backend>
-  Status evict(H2OState& state, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return evict_for_space<Backend>(state, 0, out, ws, ctx);
-  }
-
-  /// Evict so that `num_coming` more tokens fit in hh + recent.
-  template <class Backend>
-  Status evict_for_space(H2OState& state, std::int64_t num_coming, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  Status evict_impl(H2OState& state, std::int64_t num_coming, KeepSet out, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(state));
     KVP_REQUIRE(num_coming >= 0 && num_coming <= cache_size(), "h2o: num_coming %lld out of range [0, hh_size + recent_size = %lld]",
@@ -323,9 +270,9 @@ class H2O {
     // Phase 1 (read only): NaN check, and the victim when exactly one slot goes.
     ctx.parallel_for(Hs, [&](std::int64_t s, int) {
       const float* row = &state.scores(s, 0);
-      nan_at[s] = single ? detail::argmin_or_nan(row, cand, &victim[s]) : (detail::has_nan(row, cand) ? 0 : -1);
-      if (nan_at[s] < 0 && detail::has_nan(row + std::max<std::int64_t>(cand, 0), n - std::max<std::int64_t>(cand, 0))) nan_at[s] = 0;
-      if (nan_at[s] >= 0) nan_at[s] = detail::first_nan(row, n);
+      nan_at[s] = single ? Backend::argmin_or_nan(row, cand, &victim[s]) : (Backend::has_nan(row, cand) ? 0 : -1);
+      if (nan_at[s] < 0 && Backend::has_nan(row + std::max<std::int64_t>(cand, 0), n - std::max<std::int64_t>(cand, 0))) nan_at[s] = 0;
+      if (nan_at[s] >= 0) nan_at[s] = Backend::first_nan(row, n);
     });
     for (std::int64_t s = 0; s < Hs; ++s) {
       KVP_REQUIRE(nan_at[s] < 0, "h2o: state head %lld slot %lld is NaN (non-finite attention was accumulated)", static_cast<long long>(s),
@@ -354,7 +301,6 @@ class H2O {
     return Status::ok();
   }
 
- private:
   Status check_state(const H2OState& st) const noexcept {
     KVP_RETURN_IF_ERROR(st.scores.check_basic(kName, "state scores"));
     KVP_REQUIRE(st.scores.device().is_host(), "h2o: state scores is a device tensor; this entry point uses host memory");
@@ -440,7 +386,7 @@ class H2O {
   static constexpr std::int64_t kQueryBlock = 64;  ///< queries per window_scores call in update_from_queries
 
   template <class Backend>
-  std::size_t update_per_worker(const PrefillShape& s) const noexcept {
+  std::size_t update_per_worker(const ProblemShape& s) const noexcept {
     const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
     const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1), q = std::max<std::int64_t>(s.q_len, 1), B = std::min(q, kQueryBlock);
     WorkspacePlan plan;
@@ -452,5 +398,7 @@ class H2O {
 
   Params params_{};
 };
+
+static_assert(OnlineEvictionPolicy<H2O, ScoreInput<float, float>> && OnlineEvictionPolicy<H2O, ScoreInput<float, half, half>>);
 
 KVP_NAMESPACE_END

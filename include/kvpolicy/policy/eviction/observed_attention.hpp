@@ -20,7 +20,7 @@
 // <q_i, k_j> * scale, fp32). It is never materialised: the column sums are
 // accumulated block by block of `query_block` queries with Backend::window_scores
 // (q_pos0 = the block's first position, kSum), O(T) memory per kv head. Engines
-// whose attention kernel returns column sums pass them to `select_from_column_sums`.
+// whose attention kernel returns column sums pass them as `ScoreInput::column_sums`.
 //
 // Choices: the kvpress mean of per-head normalised sums is computed as the
 // group reduction of the sums, then divided by T - j (equal up to rounding).
@@ -50,6 +50,15 @@ struct ObservedAttentionParams {
   GroupReduce group_reduce = GroupReduce::kMean;
   std::int32_t query_block = 64;  ///< queries per window_scores call: memory / work granularity, not semantics
   float scale = 0.0f;             ///< logit scale; 0 means 1/sqrt(head_dim)
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{budget_field<&ObservedAttentionParams::budget>(),
+                      param_field<&ObservedAttentionParams::window>("window", "last w tokens always kept"),
+                      param_field<&ObservedAttentionParams::normalize>("normalize", "divide the column sums by T - j (kvpress)"),
+                      param_field<&ObservedAttentionParams::group_reduce>("group_reduce", "reduction over a GQA group"),
+                      param_field<&ObservedAttentionParams::query_block>("query_block", "queries per block (granularity only)"),
+                      param_field<&ObservedAttentionParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
+  }
 
   /// kvpress `ObservedAttentionPress(compression_ratio=r)`.
   static constexpr ObservedAttentionParams kvpress(double r) noexcept {
@@ -87,18 +96,30 @@ class ObservedAttention {
     return n;
   }
 
-  /// Workspace for select / score; for select_from_column_sums pass head_dim = 0.
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
-    return detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.workers());
+  /// Tokens scored +inf by rule: the window.
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return std::min<std::int64_t>(params_.window, kv_len); }
+
+  /// The size query: workspace for `score` / `evict` (head_dim = 0 sizes the
+  /// column-sum path alone), KeepSet rows (batch x num_kv_heads), query window
+  /// = the whole prompt (q_len = max_kv_len; 0 when the engine passes column sums).
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    Status st = validate_params();
+    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
+    std::int64_t n = 0;
+    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
+    return detail::uniform_requirements(st, detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape,
+                                        shape.num_kv_heads, n, shape.head_dim > 0 ? shape.max_kv_len : 0);
   }
 
   /// Scores of one sequence, out (num_kv_heads, kv_len); window tokens +inf.
-  template <class Backend, class Tq, class Tk>
-  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, ScoreMap out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
     KVP_RETURN_IF_ERROR(validate_input(in, 0));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
-    const PrefillShape shape = shape_of(in);
+    const ProblemShape shape = shape_of(in);
     const std::int64_t H = shape.num_kv_heads, T = shape.max_kv_len, L = T - std::min<std::int64_t>(params_.window, T);
     KVP_REQUIRE(out.extent(0) == H && out.extent(1) == T,
                 "observed_attention: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
@@ -110,25 +131,26 @@ class ObservedAttention {
     ctx.parallel_for(H, [&](std::int64_t h, int worker) {
       WorkspaceCarver c(slices.slice(worker));
       const float* s = score_head<Backend>(in, h, c);
-      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : INFINITY;
+      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : kProtectedScore;
     });
     return Status::ok();
   }
 
-  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
-  template <class Backend, class Tq, class Tk>
-  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`. Each
+  /// sequence gives either its prompt queries (q_len == kv_len; the column
+  /// sums are recomputed block by block) or the engine's `column_sums`
+  /// (num_q_heads, kv_len), summed over all prompt queries; then `keys` only
+  /// gives the shape (`KVSource::shape_only`).
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status evict(const Context<Backend>& cx, std::span<const ScoreInput<Tq, Tk, Tp>> batch, KeepSet out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
     KVP_REQUIRE(!batch.empty(), "observed_attention: batch is empty");
-    PrefillShape shape = shape_of(batch[0]);
+    ProblemShape shape;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
-      const PrefillShape sb = shape_of(batch[b]);
-      KVP_REQUIRE(sb.num_q_heads == shape.num_q_heads && sb.num_kv_heads == shape.num_kv_heads && sb.head_dim == shape.head_dim,
-                  "observed_attention: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)",
-                  b, static_cast<long long>(sb.num_q_heads), static_cast<long long>(sb.num_kv_heads), static_cast<long long>(sb.head_dim),
-                  static_cast<long long>(shape.num_q_heads), static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.head_dim));
-      shape.max_kv_len = std::max(shape.max_kv_len, sb.max_kv_len);
-      shape.q_len = shape.max_kv_len;
+      KVP_RETURN_IF_ERROR(detail::check_same_heads(kName, b, shape_of(batch[b]), &shape));
+      shape.q_len = shape.head_dim > 0 ? shape.max_kv_len : 0;
     }
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
@@ -146,50 +168,21 @@ class ObservedAttention {
     return Status::ok();
   }
 
-  template <class Backend, class Tq, class Tk>
-  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
-  }
-
-  /// One sequence from the engine's column sums (num_q_heads, kv_len):
-  /// sum_i A[h, i, j] over all T prompt queries. Writes num_kv_heads rows.
-  template <class Backend, class Tp>
-  Status select_from_column_sums(TensorView<const Tp, 2> col, std::int64_t num_kv_heads, KeepSet out, Workspace ws,
-                                 const ExecContext& ctx = {}) const noexcept {
-    KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
-    KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
-    GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(col.extent(0), num_kv_heads, kName, &gqa));
-    const std::int64_t T = col.extent(1), G = gqa.group_size();
-    KVP_REQUIRE(T <= INT32_MAX, "observed_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
-    std::int64_t n = 0;
-    KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.window, T), &n));
-    const std::size_t per = per_worker_bytes<Backend>(PrefillShape{col.extent(0), num_kv_heads, 0, T, T});
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
-    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, 1, num_kv_heads, [&](std::int64_t) { return n; }));
-    const auto slices = detail::WorkerSlices::carve(ws, per);
-    ctx.parallel_for(num_kv_heads, [&](std::int64_t h, int worker) {
-      WorkspaceCarver c(slices.slice(worker));
-      float* acc = c.take<float>(static_cast<std::size_t>(G * T));
-      float* s = c.take<float>(static_cast<std::size_t>(T));
-      for (std::int64_t g = 0; g < G; ++g)
-        for (std::int64_t j = 0; j < T; ++j) acc[g * T + j] = to_float(col(h * G + g, j));
-      finish<Backend>(acc, G, T, s);
-      choose<Backend>(n < T ? s : nullptr, T, out, h, c);
-    });
-    return Status::ok();
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status evict(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const ScoreInput<Tq, Tk, Tp>>(&in, 1), out);
   }
 
  private:
-  template <class Tq, class Tk>
-  static PrefillShape shape_of(const PrefillInput<Tq, Tk>& in) noexcept {
-    return PrefillShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), in.queries.extent(1)};
+  template <class Tq, class Tk, class Tp>
+  static ProblemShape shape_of(const ScoreInput<Tq, Tk, Tp>& in) noexcept {
+    if (in.has_column_sums()) return ProblemShape{in.column_sums.extent(0), in.keys.kv_heads(), 0, in.keys.kv_len(), 0};
+    return ProblemShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), in.queries.extent(1)};
   }
 
   /// Per worker: fp32 query block, block output, per-head sums, final scores, op scratch.
   template <class Backend>
-  std::size_t per_worker_bytes(const PrefillShape& s) const noexcept {
+  std::size_t per_worker_bytes(const ProblemShape& s) const noexcept {
     const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
     const std::int64_t T = std::max<std::int64_t>(s.max_kv_len, 1), B = std::min<std::int64_t>(params_.query_block, T);
     WorkspacePlan plan;
@@ -203,21 +196,23 @@ class ObservedAttention {
     return plan.bytes;
   }
 
-  template <class Tq, class Tk>
-  Status validate_input(const PrefillInput<Tq, Tk>& in, std::size_t b) const noexcept {
+  template <class Tq, class Tk, class Tp>
+  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
-    if (in.keys.paged != nullptr) {
-      KVP_RETURN_IF_ERROR(in.keys.paged->validate(kName, /*need_values=*/false));
-      KVP_REQUIRE(in.keys.paged->device.is_host(), "observed_attention: paged keys live on a device; this entry point reads host memory");
+    if (in.has_column_sums()) {
+      const auto& col = in.column_sums;
+      KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
+      KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
+      GqaMap gqa;
+      KVP_RETURN_IF_ERROR(GqaMap::make(col.extent(0), in.keys.kv_heads(), kName, &gqa));
+      const std::int64_t T = col.extent(1);
+      KVP_REQUIRE(in.keys.kv_len() == T, "observed_attention: column sums cover %lld tokens, keys has kv_len %lld (sequence %zu)",
+                  static_cast<long long>(T), static_cast<long long>(in.keys.kv_len()), b);
+      KVP_REQUIRE(T <= INT32_MAX, "observed_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
+      std::int64_t n = 0;
+      return params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.window, T), &n);
     }
-    KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
-    KVP_REQUIRE(in.queries.device().is_host(), "observed_attention: queries is a device tensor; this entry point reads host memory");
-    GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(0), in.keys.kv_heads(), kName, &gqa));
-    KVP_REQUIRE(in.queries.extent(2) == in.keys.head_dim() && in.keys.head_dim() > 0,
-                "observed_attention: queries head_dim %lld differs from keys head_dim %lld", static_cast<long long>(in.queries.extent(2)),
-                static_cast<long long>(in.keys.head_dim()));
+    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys));
     const std::int64_t T = in.keys.kv_len();
     KVP_REQUIRE(in.queries.extent(1) == T, "observed_attention: queries has %lld rows per head, expected one per prompt token (kv_len=%lld, sequence %zu)",
                 static_cast<long long>(in.queries.extent(1)), static_cast<long long>(T), b);
@@ -227,8 +222,17 @@ class ObservedAttention {
   }
 
   /// Scores of kv head h (all T columns) from the block-wise causal column sums.
-  template <class Backend, class Tq, class Tk>
-  const float* score_head(const PrefillInput<Tq, Tk>& in, std::int64_t h, WorkspaceCarver& c) const noexcept {
+  template <class Backend, class Tq, class Tk, class Tp>
+  const float* score_head(const ScoreInput<Tq, Tk, Tp>& in, std::int64_t h, WorkspaceCarver& c) const noexcept {
+    if (in.has_column_sums()) {  // the engine's sums: widen, reduce the group, normalise
+      const std::int64_t G = in.column_sums.extent(0) / in.keys.kv_heads(), T = in.keys.kv_len();
+      float* acc = c.take<float>(static_cast<std::size_t>(G * T));
+      float* s = c.take<float>(static_cast<std::size_t>(T));
+      for (std::int64_t g = 0; g < G; ++g)
+        for (std::int64_t j = 0; j < T; ++j) acc[g * T + j] = to_float(in.column_sums(h * G + g, j));
+      finish<Backend>(acc, G, T, s);
+      return s;
+    }
     const std::int64_t G = in.queries.extent(0) / in.keys.kv_heads(), d = in.keys.head_dim(), T = in.keys.kv_len();
     const std::int64_t B = std::min<std::int64_t>(params_.query_block, T);
     float* acc = c.take<float>(static_cast<std::size_t>(G * T));
@@ -239,9 +243,7 @@ class ObservedAttention {
     const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
     for (std::int64_t q0 = 0; q0 < T; q0 += B) {
       const std::int64_t bw = std::min(B, T - q0), cols = q0 + bw;  // keys visible to the block
-      for (std::int64_t g = 0; g < G; ++g)
-        for (std::int64_t i = 0; i < bw; ++i)
-          for (std::int64_t k = 0; k < d; ++k) q[(g * bw + i) * d + k] = to_float(in.queries(h * G + g, q0 + i, k));
+      Backend::widen_queries(in.queries, h * G, G, q0, bw, q);
       Backend::window_scores(WindowScoreShape{G, bw, d, T, cols, q0, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk, c.rest());
       for (std::int64_t g = 0; g < G; ++g)
         for (std::int64_t j = 0; j < cols; ++j) acc[g * T + j] += blk[g * cols + j];
@@ -274,5 +276,8 @@ class ObservedAttention {
 
   Params params_{};
 };
+
+static_assert(Scorer<ObservedAttention, ScoreInput<float, float>> && EvictionPolicy<ObservedAttention, ScoreInput<float, half>> &&
+              EvictionPolicy<ObservedAttention, ScoreInput<float, float, half>>);
 
 KVP_NAMESPACE_END

@@ -36,6 +36,7 @@
 #include "kvpolicy/policy/budget.hpp"
 #include "kvpolicy/policy/budget/allocation.hpp"
 #include "kvpolicy/policy/budget/schedule.hpp"
+#include "kvpolicy/policy/compose.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
@@ -45,6 +46,28 @@ struct PyramidKVParams {
   SnapKVParams scoring = SnapKVParams::kvpress(0.0, 64, 5);  ///< scoring only; its `budget` is ignored
   LayerSchedule schedule = LayerSchedule::pyramid_kvpress(0.5, 64, 32);
   std::int32_t layer = 0;                                     ///< this layer's index in [0, schedule.num_layers)
+
+  /// The window is one parameter: the scorer's and the schedule's must agree.
+  static constexpr auto fields() noexcept {
+    using P = PyramidKVParams;
+    return std::tuple{
+        ParamField<P, Budget>{"budget", "the schedule's budget: compression_ratio=r | tokens=n | keep_ratio=f",
+                              [](const P& p) { return p.schedule.budget; }, [](P& p, const Budget& b) { p.schedule.budget = b; }},
+        ParamField<P, std::int32_t>{"window", "observation window (scorer and schedule)", [](const P& p) { return p.scoring.window; },
+                                    [](P& p, const std::int32_t& w) {
+                                      p.scoring.window = w;
+                                      if (p.schedule.is_pyramid()) p.schedule.window = w;
+                                    }},
+        ParamField<P, std::int32_t>{"kernel", "pooling kernel (odd)", [](const P& p) { return p.scoring.kernel; },
+                                    [](P& p, const std::int32_t& k) { p.scoring.kernel = k; }},
+        ParamField<P, Pooling>{"pooling", "pooling along tokens", [](const P& p) { return p.scoring.pooling; },
+                               [](P& p, const Pooling& k) { p.scoring.pooling = k; }},
+        ParamField<P, std::int32_t>{"beta", "pyramid steepness", [](const P& p) { return p.schedule.beta; },
+                                    [](P& p, const std::int32_t& b) { p.schedule.beta = b; }},
+        ParamField<P, std::int32_t>{"num_layers", "layers of the model", [](const P& p) { return p.schedule.num_layers; },
+                                    [](P& p, const std::int32_t& n) { p.schedule.num_layers = n; }},
+        param_field<&P::layer>("layer", "this layer's index")};
+  }
 
   /// kvpress `PyramidKVPress(compression_ratio=r, window_size, kernel_size, beta)` at `layer`.
   static constexpr PyramidKVParams kvpress(double r, std::int32_t layer, std::int32_t num_layers, std::int32_t window = 64,
@@ -99,61 +122,42 @@ class PyramidKV {
     return n;
   }
 
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
-    return plan<Backend>(shape, ctx).total();
+  /// Tokens scored +inf by rule: SnapKV's window.
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return std::min<std::int64_t>(params_.scoring.window, kv_len); }
+
+  /// The size query: workspace for `score` / `evict`, KeepSet rows (batch x
+  /// num_kv_heads) of this layer's budget, SnapKV's window.
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    const Status st = validate_params();
+    if (!st.is_ok()) return Requirements{st};
+    return composed().requirements(kName, ctx, shape);
   }
 
   /// SnapKV's scores (PyramidKV only changes the budget): (num_kv_heads, kv_len), window = +inf.
   template <class Backend, class Tq, class Tk>
-  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk>& in, ScoreMap out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    return snap_.score<Backend>(in, out, ws, ctx);
+    return snap_.score(cx, in, out);
   }
 
   template <class Tq, class Tk>
-  Status validate(std::span<const PrefillInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+  Status validate(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     return snap_.validate(batch, shape);
   }
 
+  /// Eviction decision for a batch: rows `b * num_kv_heads + h`, SnapKV's
+  /// scores, this layer's budget: `Budgeted<SnapKV, LayerAllocation>`.
   template <class Backend, class Tq, class Tk>
-  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    PrefillShape shape;
-    KVP_RETURN_IF_ERROR(validate(batch, &shape));
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::int64_t T = batch[b].keys.kv_len();
-      Budget lb;
-      std::int64_t n = 0;
-      KVP_RETURN_IF_ERROR(layer_budget(T, &lb));
-      KVP_RETURN_IF_ERROR(lb.resolve(kName, T, std::min<std::int64_t>(params_.scoring.window, T), &n));
-    }
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, plan<Backend>(shape, ctx).total()));
-    const std::int64_t H = shape.num_kv_heads;
-    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
-                                                     [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
-    WorkspaceCarver c(ws);
-    float* scores = c.take<float>(static_cast<std::size_t>(H * std::max<std::int64_t>(shape.max_kv_len, 1)));
-    const std::size_t snap_bytes = snap_.workspace_bytes<Backend>(shape, ctx);
-    const Workspace snap_ws{c.take<std::byte>(snap_bytes), snap_bytes};
-    const auto slices = detail::WorkerSlices::carve(c.rest(), Backend::topk_workspace(std::max<std::int64_t>(shape.max_kv_len, 1)));
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const auto& in = batch[b];
-      const std::int64_t T = in.keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
-      if (out.indptr[row0 + 1] - out.indptr[row0] >= T) {  // not compressed: no scoring
-        for (std::int64_t h = 0; h < H; ++h)
-          for (std::int64_t j = 0; j < T; ++j) out.indices[out.indptr[row0 + h] + j] = static_cast<std::int32_t>(j);
-        continue;
-      }
-      KVP_RETURN_IF_ERROR(snap_.score<Backend>(in, TensorView<float, 2>::contiguous(scores, {H, T}), snap_ws, ctx));
-      detail::topk_rows<Backend>(scores, T, H, T, out, row0, slices, ctx);
-    }
-    return Status::ok();
+  Status evict(const Context<Backend>& cx, std::span<const ScoreInput<Tq, Tk>> batch, KeepSet out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    return composed().evict(kName, cx, batch, out);
   }
 
   template <class Backend, class Tq, class Tk>
-  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  Status evict(const Context<Backend>& cx, const ScoreInput<Tq, Tk>& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const ScoreInput<Tq, Tk>>(&in, 1), out);
   }
 
  private:
@@ -163,23 +167,14 @@ class PyramidKV {
     return s;
   }
 
-  template <class Backend>
-  WorkspacePlan plan(const PrefillShape& shape, const ExecContext& ctx) const noexcept {
-    const std::int64_t T = std::max<std::int64_t>(shape.max_kv_len, 1);
-    WorkspacePlan p;
-    p.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(shape.num_kv_heads, 1) * T));
-    p.add_bytes(snap_.workspace_bytes<Backend>(shape, ctx));
-    p.add_bytes(detail::WorkerSlices::bytes(Backend::topk_workspace(T), ctx.workers()));
-    return p;
+  Budgeted<SnapKV, LayerAllocation> composed() const noexcept {
+    return Budgeted<SnapKV, LayerAllocation>(snap_, LayerAllocation{params_.schedule, params_.layer, 0});
   }
 
   Params params_{};
   SnapKV snap_{};
 };
 
-/// Scorer hook (PyramidKV scores are SnapKV's): the window is protected.
-inline std::int64_t protected_tokens(const PyramidKV& p, std::int64_t kv_len) noexcept {
-  return std::min<std::int64_t>(p.params().scoring.window, kv_len);
-}
+static_assert(Scorer<PyramidKV, ScoreInput<float, float>> && EvictionPolicy<PyramidKV, ScoreInput<float, half>>);
 
 KVP_NAMESPACE_END

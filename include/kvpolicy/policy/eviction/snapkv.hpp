@@ -48,6 +48,9 @@ enum class ReduceOrder : std::uint8_t {
   kPoolThenGroup,  ///< kvpress: pool each query head's scores, then reduce the group
   kGroupThenPool,  ///< Ada-KV gqa_support / KVCache-Factory kv_head: reduce, then pool
 };
+inline constexpr EnumName<ReduceOrder> kReduceOrderNames[] = {{"pool_then_group", ReduceOrder::kPoolThenGroup},
+                                                              {"group_then_pool", ReduceOrder::kGroupThenPool}};
+constexpr std::span<const EnumName<ReduceOrder>> enum_names(ReduceOrder) noexcept { return kReduceOrderNames; }
 
 struct SnapKVParams {
   std::int32_t window = 64;                       ///< w: observation window (last w prompt queries)
@@ -58,6 +61,17 @@ struct SnapKVParams {
   ReduceOrder order = ReduceOrder::kPoolThenGroup;
   Budget budget = Budget::compression_ratio(0.5);
   float scale = 0.0f;                             ///< logit scale; 0 means 1/sqrt(head_dim)
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&SnapKVParams::window>("window", "observation window: the last w prompt queries"),
+                      param_field<&SnapKVParams::kernel>("kernel", "pooling kernel (odd)"),
+                      param_field<&SnapKVParams::pooling>("pooling", "pooling along tokens"),
+                      param_field<&SnapKVParams::window_reduce>("window_reduce", "reduction over the window"),
+                      param_field<&SnapKVParams::group_reduce>("group_reduce", "reduction over a GQA group"),
+                      param_field<&SnapKVParams::order>("order", "pool and group-reduce order"),
+                      budget_field<&SnapKVParams::budget>(),
+                      param_field<&SnapKVParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
+  }
 
   /// kvpress `SnapKVPress(compression_ratio=r, window_size, kernel_size)`.
   static constexpr SnapKVParams kvpress(double r, std::int32_t window = 64, std::int32_t kernel = 5) noexcept {
@@ -98,18 +112,30 @@ class SnapKV {
     return n;
   }
 
-  /// Workspace for `select` / `score` on inputs of at most `shape`.
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape& shape, const ExecContext& ctx = {}) const noexcept {
-    return detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.workers());
+  /// Tokens scored +inf by rule: the observation window.
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return std::min<std::int64_t>(params_.window, kv_len); }
+
+  /// The size query: workspace for `score` and `evict` on inputs of at most
+  /// `shape`, KeepSet rows (batch x num_kv_heads) and capacity, the window.
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    Status st = validate_params();
+    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
+    if (st.is_ok() && params_.window > shape.max_kv_len)
+      st = KVP_INVALID("snapkv: window %d is larger than max_kv_len %lld", params_.window, static_cast<long long>(shape.max_kv_len));
+    std::int64_t n = 0;
+    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, params_.window, &n);
+    return detail::uniform_requirements(st, workspace_bytes<Backend>(shape, ctx.exec), shape, shape.num_kv_heads, n, params_.window);
   }
 
   /// Per-kv-head scores of one sequence: out (num_kv_heads, kv_len); past tokens
   /// get their pooled, group-reduced score, window tokens +inf (always kept).
   template <class Backend, class Tq, class Tk>
-  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    PrefillShape shape;
-    KVP_RETURN_IF_ERROR(validate_batch(std::span<const PrefillInput<Tq, Tk>>(&in, 1), &shape));
+  Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk>& in, ScoreMap out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
+    ProblemShape shape;
+    KVP_RETURN_IF_ERROR(validate_batch(std::span<const ScoreInput<Tq, Tk>>(&in, 1), &shape));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == in.keys.kv_len(),
                 "snapkv: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)", static_cast<long long>(out.extent(0)),
@@ -122,15 +148,17 @@ class SnapKV {
       WorkspaceCarver c(slices.slice(worker));
       float* s = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(L, 1)));
       if (L > 0) score_head<Backend>(in, shape, h, s, c);
-      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : INFINITY;
+      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : kProtectedScore;
     });
     return Status::ok();
   }
 
   /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
   template <class Backend, class Tq, class Tk>
-  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    PrefillShape shape;
+  Status evict(const Context<Backend>& cx, std::span<const ScoreInput<Tq, Tk>> batch, KeepSet out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
+    ProblemShape shape;
     KVP_RETURN_IF_ERROR(validate_batch(batch, &shape));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
@@ -161,21 +189,26 @@ class SnapKV {
 
   /// Single-sequence convenience.
   template <class Backend, class Tq, class Tk>
-  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  Status evict(const Context<Backend>& cx, const ScoreInput<Tq, Tk>& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const ScoreInput<Tq, Tk>>(&in, 1), out);
   }
 
-  /// The input checks of `select` / `score` alone (params, shapes, budget), and
+  /// The input checks of `evict` / `score` alone (params, shapes, budget), and
   /// the batch's shape: lets policies that compose `score` (Ada-KV, PyramidKV)
   /// reject a bad batch before writing any output.
   template <class Tq, class Tk>
-  Status validate(std::span<const PrefillInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+  Status validate(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
     return validate_batch(batch, shape);
   }
 
  private:
   template <class Backend>
-  std::size_t per_worker_bytes(const PrefillShape& s) const noexcept {
+  std::size_t workspace_bytes(const ProblemShape& shape, const ExecContext& ctx) const noexcept {
+    return detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.workers());
+  }
+
+  template <class Backend>
+  std::size_t per_worker_bytes(const ProblemShape& s) const noexcept {
     const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
     const std::int64_t w = params_.window, T = std::max<std::int64_t>(s.max_kv_len, 1), L = std::max<std::int64_t>(T - w, 1);
     WindowScoreShape ws{G, w, s.head_dim, T, L, T - w, 1.0f, params_.window_reduce};
@@ -189,25 +222,13 @@ class SnapKV {
   }
 
   template <class Tq, class Tk>
-  Status validate_batch(std::span<const PrefillInput<Tq, Tk>> batch, PrefillShape* shape) const noexcept {
+  Status validate_batch(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "snapkv: batch is empty");
     const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const auto& in = batch[b];
-      KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
-      if (in.keys.paged != nullptr && in.keys.paged != last_paged) {
-        KVP_RETURN_IF_ERROR(in.keys.paged->validate(kName, /*need_values=*/false));
-        KVP_REQUIRE(in.keys.paged->device.is_host(), "snapkv: paged keys live on a device; this entry point reads host memory");
-        last_paged = in.keys.paged;
-      }
-      KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
-      KVP_REQUIRE(in.queries.device().is_host(), "snapkv: queries is a device tensor; this entry point reads host memory");
-      GqaMap gqa;
-      KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(0), in.keys.kv_heads(), kName, &gqa));
-      KVP_REQUIRE(in.queries.extent(2) == in.keys.head_dim(), "snapkv: queries head_dim %lld differs from keys head_dim %lld",
-                  static_cast<long long>(in.queries.extent(2)), static_cast<long long>(in.keys.head_dim()));
-      KVP_REQUIRE(in.keys.head_dim() > 0, "snapkv: head_dim must be > 0");
+      KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys, &last_paged));
       KVP_REQUIRE(in.queries.extent(1) == params_.window, "snapkv: queries has %lld rows per head, expected window=%d",
                   static_cast<long long>(in.queries.extent(1)), params_.window);
       const std::int64_t T = in.keys.kv_len();
@@ -216,32 +237,21 @@ class SnapKV {
                   static_cast<long long>(T), b);
       std::int64_t n = 0;
       KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, params_.window, &n));
-      if (b == 0) {
-        *shape = PrefillShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), T, in.queries.extent(1)};
-      } else {
-        KVP_REQUIRE(in.queries.extent(0) == shape->num_q_heads && in.keys.kv_heads() == shape->num_kv_heads &&
-                        in.keys.head_dim() == shape->head_dim,
-                    "snapkv: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", b,
-                    static_cast<long long>(in.queries.extent(0)), static_cast<long long>(in.keys.kv_heads()),
-                    static_cast<long long>(in.keys.head_dim()), static_cast<long long>(shape->num_q_heads),
-                    static_cast<long long>(shape->num_kv_heads), static_cast<long long>(shape->head_dim));
-        shape->max_kv_len = std::max(shape->max_kv_len, T);
-      }
+      KVP_RETURN_IF_ERROR(detail::check_same_heads(
+          kName, b, ProblemShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), T, in.queries.extent(1)}, shape));
     }
     return Status::ok();
   }
 
   /// Scores of the L = T - w past tokens of kv head h into s[0..L).
   template <class Backend, class Tq, class Tk>
-  void score_head(const PrefillInput<Tq, Tk>& in, const PrefillShape& shape, std::int64_t h, float* s, WorkspaceCarver& c) const noexcept {
+  void score_head(const ScoreInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t h, float* s, WorkspaceCarver& c) const noexcept {
     const std::int64_t G = shape.num_q_heads / shape.num_kv_heads, w = params_.window, d = shape.head_dim;
     const std::int64_t T = in.keys.kv_len(), L = T - w;
     float* q = c.take<float>(static_cast<std::size_t>(G * w * d));
     float* raw = c.take<float>(static_cast<std::size_t>(G * L));
     float* tmp = c.take<float>(static_cast<std::size_t>(G * L));
-    for (std::int64_t g = 0; g < G; ++g)
-      for (std::int64_t i = 0; i < w; ++i)
-        for (std::int64_t k = 0; k < d; ++k) q[(g * w + i) * d + k] = to_float(in.queries(h * G + g, i, k));
+    Backend::widen_queries(in.queries, h * G, G, 0, w, q);
     const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
     const WindowScoreShape ss{G, w, d, T, L, T - w, scale, params_.window_reduce};
     Backend::window_scores(ss, q, in.keys.rows(h), raw, c.rest());
@@ -256,5 +266,7 @@ class SnapKV {
 
   Params params_{};
 };
+
+static_assert(Scorer<SnapKV, ScoreInput<float, float>> && EvictionPolicy<SnapKV, ScoreInput<float, half>>);
 
 KVP_NAMESPACE_END

@@ -4,7 +4,7 @@
 //
 // Keep the first `sinks` tokens (attention sinks) and the most recent tokens,
 // the same positions for every kv head, layer and sequence. No scores: the
-// plan costs O(kv heads x budget) and is independent of the sequence length.
+// decision costs O(kv heads x budget) and is independent of the sequence length.
 //
 // Budget semantics (reference §7):
 //  * `StreamingLLMParams::original(start, recent)` — mit-han-lab StartRecentKVCache:
@@ -34,6 +34,12 @@ struct StreamingLLMParams {
   std::int32_t sinks = 4;                          ///< attention-sink tokens kept at the start
   Budget budget = Budget::compression_ratio(0.5);  ///< total kept, sinks included by default
   std::int64_t num_coming = 0;                     ///< tokens about to be appended (evict_for_space)
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&StreamingLLMParams::sinks>("sinks", "attention-sink tokens kept at the start"),
+                      budget_field<&StreamingLLMParams::budget>(),
+                      param_field<&StreamingLLMParams::num_coming>("num_coming", "tokens about to be appended (room made for them)")};
+  }
 
   static constexpr StreamingLLMParams original(std::int32_t start_size = 4, std::int64_t recent_size = 512) noexcept {
     return StreamingLLMParams{start_size, Budget::tokens(start_size + recent_size).clamp_to_length(), 0};
@@ -70,29 +76,39 @@ class StreamingLLM {
     return std::clamp<std::int64_t>(n, 0, kv_len);
   }
 
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape&, const ExecContext& = {}) const noexcept {
-    return 0;
+  /// Tokens kept by rule: the sinks.
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return std::min<std::int64_t>(params_.sinks, kv_len); }
+
+  /// The size query: no workspace, KeepSet rows (batch x num_kv_heads), no queries.
+  template <class Backend>
+  Requirements requirements(const Context<Backend>&, const ProblemShape& shape) const noexcept {
+    Status st = validate_params();
+    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
+    std::int64_t n = 0;
+    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
+    return detail::uniform_requirements(st, 0, shape, shape.num_kv_heads, kept_count(shape.max_kv_len), 0);
   }
 
-  /// Kept ids of one row (ascending) for a sequence of kv_len tokens; `out`
-  /// holds kept_count(kv_len) entries. O(kept), independent of kv_len.
-  Status plan(std::int64_t kv_len, std::int32_t* out, std::int64_t capacity) const noexcept {
+  /// Kept ids of one row (ascending) for a sequence of kv_len tokens into
+  /// `out` (at least kept_count(kv_len) entries): the decision without a
+  /// KeepSet, for engines that store one row for every head. O(kept).
+  Status evict_row(std::int64_t kv_len, std::span<std::int32_t> out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(kv_len >= 0 && kv_len <= INT32_MAX, "streaming_llm: kv_len %lld out of range [0, 2^31)", static_cast<long long>(kv_len));
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, kv_len, std::min<std::int64_t>(params_.sinks, kv_len), &n));
     n = kept_count(kv_len);  // includes the num_coming adjustment
-    KVP_REQUIRE(n == 0 || out != nullptr, "streaming_llm: output is null");
-    KVP_REQUIRE(capacity >= n, "streaming_llm: output capacity %lld < %lld kept tokens", static_cast<long long>(capacity),
+    KVP_REQUIRE(n == 0 || out.data() != nullptr, "streaming_llm: output is null");
+    KVP_REQUIRE(static_cast<std::int64_t>(out.size()) >= n, "streaming_llm: output capacity %zu < %lld kept tokens", out.size(),
                 static_cast<long long>(n));
-    write_row(kv_len, n, out);
+    write_row(kv_len, n, out.data());
     return Status::ok();
   }
 
-  /// Batch interface shared with the scoring policies; only the lengths are read.
-  template <class Backend, class Tq, class Tk>
-  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace = {}, const ExecContext& = {}) const noexcept {
+  /// Eviction decision for a batch: rows `b * num_kv_heads + h`; only the
+  /// keys' shape (kv heads, kv_len) is read.
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status evict(const Context<Backend>&, std::span<const ScoreInput<Tq, Tk, Tp>> batch, KeepSet out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "streaming_llm: batch is empty");
     const std::int64_t H = batch[0].keys.kv_heads();
@@ -114,9 +130,9 @@ class StreamingLLM {
   }
 
   /// Single-sequence convenience.
-  template <class Backend, class Tq, class Tk>
-  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws = {}, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status evict(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const ScoreInput<Tq, Tk, Tp>>(&in, 1), out);
   }
 
  private:
@@ -130,5 +146,7 @@ class StreamingLLM {
 
   Params params_{};
 };
+
+static_assert(EvictionPolicy<StreamingLLM, ScoreInput<float, float>> && EvictionPolicy<StreamingLLM, ScoreInput<float, half>>);
 
 KVP_NAMESPACE_END

@@ -15,17 +15,17 @@
 // n_keep = int(T * (1 - r)) can be 0; kvpress >= 0.5.5 keeps at least one token:
 // `params.budget = params.budget.keep_at_least_one()` (the fixture tests use it).
 //
-// Inputs: the engine's probabilities (`select_from_attention`, (Hq, q, n), the
-// last row is used, or the newest row alone, (Hq, n)), or the queries and keys
-// (`select` / `score`, PrefillInput: the last query row of each head is used,
-// at position n - 1; Backend::window_scores recomputes its attention row).
+// Inputs (`evict` / `score`, ScoreInput): the engine's probabilities
+// (`attention`, (Hq, q, n): the last row is used), or the queries and keys
+// (the last query row of each head is used, at position n - 1;
+// Backend::window_scores recomputes its attention row).
 //
 // Choices: the head mean sums heads in ascending order, then divides by Hq, in
 // fp32. Ties: higher score kept, equal scores keep the more recent token
 // (`score_order_key`; torch.topk's order is unspecified). With protect_last and
 // n_keep >= 1 the last token is kept and the other n_keep - 1 are chosen among
-// [0, n - 1), exactly what kvpress's max + 1 pad selects (`score` writes that
-// pad, max over the sequence, so the scores compare with kvpress's). NaN
+// [0, n - 1), exactly what kvpress's max + 1 pad selects (`score` writes +inf,
+// the library's protected-token convention; the order is the same). NaN
 // probabilities rank lowest and are evicted first; indices stay valid. When
 // exactly one token goes (the online steady state) the victim is found by one
 // argmin pass instead of a top-k.
@@ -39,7 +39,6 @@
 
 #include "kvpolicy/core/gqa.hpp"
 #include "kvpolicy/policy/budget.hpp"
-#include "kvpolicy/policy/eviction/h2o.hpp"  // detail::argmin_or_nan (one-victim selection)
 #include "kvpolicy/policy/policy.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -48,6 +47,11 @@ struct TOVAParams {
   Budget budget = Budget::tokens(512).clamp_to_length();  ///< the original's cache_size
   bool protect_last = false;  ///< kvpress: the last token is always kept
   float scale = 0.0f;         ///< logit scale when recomputing attention; 0 means 1/sqrt(head_dim)
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{budget_field<&TOVAParams::budget>(), param_field<&TOVAParams::protect_last>("protect_last", "always keep the last token (kvpress)"),
+                      param_field<&TOVAParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
+  }
 
   /// `TOVACache(cache_size)` applied after every call (README: 512).
   static constexpr TOVAParams original(std::int64_t cache_size) noexcept {
@@ -79,55 +83,59 @@ class TOVA {
     return n;
   }
 
-  template <class Backend, class Tk = float>
-  std::size_t workspace_bytes(const PrefillShape& s, const ExecContext& ctx = {}) const noexcept {
-    const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
-    const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
-    return plan<Backend>(std::max<std::int64_t>(s.num_q_heads, 1), n, per_worker<Backend>(G, s.head_dim, n), ctx.workers()).total();
-  }
+  /// Tokens scored +inf by rule: the last one with protect_last (kvpress).
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return params_.protect_last ? std::min<std::int64_t>(1, kv_len) : 0; }
 
-  /// Workspace of `select_from_attention` for caches of at most max_kv_len tokens.
+  /// The size query: workspace for `score` / `evict` (head_dim = 0 sizes the
+  /// engine-probabilities path alone), KeepSet rows (batch x num_kv_heads),
+  /// query window 1 (the newest query; 0 with probabilities).
   template <class Backend>
-  std::size_t attention_workspace_bytes(std::int64_t max_kv_len) const noexcept {
-    return plan<Backend>(0, std::max<std::int64_t>(max_kv_len, 1), 0, 1).total();
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
+    Status st = validate_params();
+    if (st.is_ok()) st = detail::check_problem_shape(kName, s);
+    std::int64_t k = 0;
+    if (st.is_ok()) st = params_.budget.resolve(kName, s.max_kv_len, protected_tokens(s.max_kv_len), &k);
+    return detail::uniform_requirements(st, workspace_bytes<Backend>(s, ctx.exec), s, s.num_kv_heads, k, s.head_dim > 0 ? 1 : 0);
   }
 
   /// Scores of one sequence, out (num_kv_heads, kv_len): the head-averaged
   /// attention row of the last query (identical for every kv head); with
-  /// protect_last the last token gets max + 1, as kvpress.
-  template <class Backend, class Tq, class Tk>
-  Status score(const PrefillInput<Tq, Tk>& in, TensorView<float, 2> out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  /// protect_last the last token scores +inf (kvpress pads it with max + 1:
+  /// the same order).
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, ScoreMap out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
     KVP_RETURN_IF_ERROR(validate_input(in, 0));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     const std::int64_t H = in.keys.kv_heads(), n = in.keys.kv_len();
     KVP_REQUIRE(out.extent(0) == H && out.extent(1) == n, "tova: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
                 static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)), static_cast<long long>(H),
                 static_cast<long long>(n));
-    const PrefillShape shape = shape_of(in);
+    const ProblemShape shape = shape_of(in);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
     const Blocks blk = carve<Backend>(ws, shape);
     head_mean<Backend>(in, blk, ctx);
     const float* s = blk.mean;
-    float mx = -INFINITY;
-    for (std::int64_t j = 0; j + 1 < n; ++j) mx = std::max(mx, s[j]);
     for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t j = 0; j < n; ++j) out(h, j) = (params_.protect_last && j == n - 1) ? mx + 1.0f : s[j];
+      for (std::int64_t j = 0; j < n; ++j) out(h, j) = (params_.protect_last && j == n - 1) ? kProtectedScore : s[j];
     return Status::ok();
   }
 
-  /// Eviction decision for a batch: rows `b * num_kv_heads + h`, equal per sequence.
-  template <class Backend, class Tq, class Tk>
-  Status select(std::span<const PrefillInput<Tq, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  /// Eviction decision for a batch: rows `b * num_kv_heads + h`, equal per
+  /// sequence. Each sequence gives its queries and keys (the last query row
+  /// decides; its attention row is recomputed), or the engine's probabilities
+  /// `attention` (num_q_heads, q_len, kv_len), whose last row decides (then
+  /// `keys` only gives the shape: `KVSource::shape_only`).
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status evict(const Context<Backend>& cx, std::span<const ScoreInput<Tq, Tk, Tp>> batch, KeepSet out) const noexcept {
+    const Workspace ws = cx.workspace;
+    const ExecContext& ctx = cx.exec;
     KVP_REQUIRE(!batch.empty(), "tova: batch is empty");
-    PrefillShape shape = shape_of(batch[0]);
+    ProblemShape shape;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
-      const auto sb = shape_of(batch[b]);
-      KVP_REQUIRE(sb.num_q_heads == shape.num_q_heads && sb.num_kv_heads == shape.num_kv_heads && sb.head_dim == shape.head_dim,
-                  "tova: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", b,
-                  static_cast<long long>(sb.num_q_heads), static_cast<long long>(sb.num_kv_heads), static_cast<long long>(sb.head_dim),
-                  static_cast<long long>(shape.num_q_heads), static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.head_dim));
-      shape.max_kv_len = std::max(shape.max_kv_len, sb.max_kv_len);
+      KVP_RETURN_IF_ERROR(detail::check_same_heads(kName, b, shape_of(batch[b]), &shape));
     }
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
     const Blocks blk = carve<Backend>(ws, shape);
@@ -142,28 +150,9 @@ class TOVA {
     return Status::ok();
   }
 
-  template <class Backend, class Tq, class Tk>
-  Status select(const PrefillInput<Tq, Tk>& in, KeepSet out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
-    return select<Backend>(std::span<const PrefillInput<Tq, Tk>>(&in, 1), out, ws, ctx);
-  }
-
-  /// Online step from the engine's probabilities (num_q_heads, q_len, kv_len):
-  /// the last query row decides; writes num_kv_heads equal rows.
-  template <class Backend, class Tp>
-  Status select_from_attention(TensorView<const Tp, 3> probs, std::int64_t num_kv_heads, KeepSet out, Workspace ws) const noexcept {
-    KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
-    KVP_REQUIRE(probs.extent(1) >= 1, "tova: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
-    const std::int64_t last = probs.extent(1) - 1;
-    return select_from_rows<Backend>(TensorView<const Tp, 2>(probs.data() + last * probs.stride(1), {probs.extent(0), probs.extent(2)},
-                                                              {probs.stride(0), probs.stride(2)}, probs.device()),
-                                     num_kv_heads, out, ws);
-  }
-
-  /// Online step from the newest query's probability rows (num_q_heads, kv_len).
-  template <class Backend, class Tp>
-  Status select_from_attention(TensorView<const Tp, 2> rows, std::int64_t num_kv_heads, KeepSet out, Workspace ws) const noexcept {
-    KVP_RETURN_IF_ERROR(rows.check_basic(kName, "probabilities"));
-    return select_from_rows<Backend>(rows, num_kv_heads, out, ws);
+  template <class Backend, class Tq, class Tk, class Tp>
+  Status evict(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, KeepSet out) const noexcept {
+    return evict(cx, std::span<const ScoreInput<Tq, Tk, Tp>>(&in, 1), out);
   }
 
  private:
@@ -185,7 +174,7 @@ class TOVA {
 
   /// Carves exactly what `plan` sized (n = the largest kv_len the caller sized for).
   template <class Backend>
-  static Blocks carve(Workspace ws, const PrefillShape& s) noexcept {
+  static Blocks carve(Workspace ws, const ProblemShape& s) noexcept {
     const std::int64_t G = std::max<std::int64_t>(1, s.num_q_heads / std::max<std::int64_t>(s.num_kv_heads, 1));
     const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
     WorkspaceCarver c(ws);
@@ -207,26 +196,38 @@ class TOVA {
     return per.bytes;
   }
 
-  template <class Tq, class Tk>
-  static PrefillShape shape_of(const PrefillInput<Tq, Tk>& in) noexcept {
-    return PrefillShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), 1};
+  template <class Backend>
+  std::size_t workspace_bytes(const ProblemShape& s, const ExecContext& ctx) const noexcept {
+    const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
+    const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
+    const std::size_t per = s.head_dim > 0 ? per_worker<Backend>(G, s.head_dim, n) : 0;
+    return plan<Backend>(std::max<std::int64_t>(s.num_q_heads, 1), n, per, ctx.workers()).total();
   }
 
-  template <class Tq, class Tk>
-  Status validate_input(const PrefillInput<Tq, Tk>& in, std::size_t b) const noexcept {
+  template <class Tq, class Tk, class Tp>
+  static ProblemShape shape_of(const ScoreInput<Tq, Tk, Tp>& in) noexcept {
+    if (in.has_attention()) return ProblemShape{in.attention.extent(0), in.keys.kv_heads(), 0, in.keys.kv_len(), 1};
+    return ProblemShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), in.keys.kv_len(), 1};
+  }
+
+  template <class Tq, class Tk, class Tp>
+  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
-    if (in.keys.paged != nullptr) {
-      KVP_RETURN_IF_ERROR(in.keys.paged->validate(kName, /*need_values=*/false));
-      KVP_REQUIRE(in.keys.paged->device.is_host(), "tova: paged keys live on a device; this entry point reads host memory");
+    if (in.has_attention()) {
+      const auto& p = in.attention;
+      KVP_RETURN_IF_ERROR(p.check_basic(kName, "probabilities"));
+      KVP_REQUIRE(p.device().is_host(), "tova: probabilities is a device tensor; this entry point reads host memory");
+      KVP_REQUIRE(p.extent(1) >= 1, "tova: probabilities has %lld query rows, must be >= 1", static_cast<long long>(p.extent(1)));
+      GqaMap gqa;
+      KVP_RETURN_IF_ERROR(GqaMap::make(p.extent(0), in.keys.kv_heads(), kName, &gqa));
+      const std::int64_t n = p.extent(2);
+      KVP_REQUIRE(in.keys.kv_len() == n, "tova: probabilities cover %lld tokens, keys has kv_len %lld (sequence %zu)",
+                  static_cast<long long>(n), static_cast<long long>(in.keys.kv_len()), b);
+      KVP_REQUIRE(n <= INT32_MAX, "tova: kv_len %lld exceeds the int32 token id range (sequence %zu)", static_cast<long long>(n), b);
+      std::int64_t k = 0;
+      return params_.budget.resolve(kName, n, params_.protect_last ? 1 : 0, &k);
     }
-    KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
-    KVP_REQUIRE(in.queries.device().is_host(), "tova: queries is a device tensor; this entry point reads host memory");
-    GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(0), in.keys.kv_heads(), kName, &gqa));
-    KVP_REQUIRE(in.queries.extent(2) == in.keys.head_dim() && in.keys.head_dim() > 0,
-                "tova: queries head_dim %lld differs from keys head_dim %lld", static_cast<long long>(in.queries.extent(2)),
-                static_cast<long long>(in.keys.head_dim()));
+    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys));
     KVP_REQUIRE(in.queries.extent(1) >= 1, "tova: queries has %lld rows per head, must be >= 1 (the last is used)",
                 static_cast<long long>(in.queries.extent(1)));
     const std::int64_t n = in.keys.kv_len();
@@ -236,52 +237,27 @@ class TOVA {
   }
 
   /// Head-mean attention row of the last query of one sequence into blk.mean.
-  template <class Backend, class Tq, class Tk>
-  void head_mean(const PrefillInput<Tq, Tk>& in, const Blocks& blk, const ExecContext& ctx) const noexcept {
-    const PrefillShape shape = shape_of(in);
+  template <class Backend, class Tq, class Tk, class Tp>
+  void head_mean(const ScoreInput<Tq, Tk, Tp>& in, const Blocks& blk, const ExecContext& ctx) const noexcept {
+    if (in.has_attention()) {  // the engine's probabilities: mean of the last query row over the heads
+      const auto& p = in.attention;
+      const std::int64_t last = p.extent(1) - 1;
+      Backend::mean_rows(TensorView<const Tp, 2>(p.data() + last * p.stride(1), {p.extent(0), p.extent(2)}, {p.stride(0), p.stride(2)}, p.device()),
+                blk.mean);
+      return;
+    }
+    const ProblemShape shape = shape_of(in);
     const std::int64_t Hq = shape.num_q_heads, H = shape.num_kv_heads, G = Hq / H, d = shape.head_dim, n = shape.max_kv_len;
     const std::int64_t last = in.queries.extent(1) - 1;
     const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
     ctx.parallel_for(H, [&](std::int64_t h, int worker) {
       WorkspaceCarver wc(blk.workers.slice(worker));
       float* q = wc.take<float>(static_cast<std::size_t>(G * d));
-      for (std::int64_t g = 0; g < G; ++g)
-        for (std::int64_t k = 0; k < d; ++k) q[g * d + k] = to_float(in.queries(h * G + g, last, k));
+      Backend::widen_queries(in.queries, h * G, G, last, 1, q);
       Backend::window_scores(WindowScoreShape{G, 1, d, n, n, n - 1, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk.rows + h * G * n,
                              wc.rest());
     });
-    mean_rows(TensorView<const float, 2>::contiguous(blk.rows, {Hq, n}), blk.mean);
-  }
-
-  template <class Tp>
-  static void mean_rows(TensorView<const Tp, 2> rows, float* mean) noexcept {
-    const std::int64_t Hq = rows.extent(0), n = rows.extent(1);
-    for (std::int64_t j = 0; j < n; ++j) mean[j] = to_float(rows(0, j));
-    for (std::int64_t h = 1; h < Hq; ++h) {
-      const Tp* r = rows.data() + h * rows.stride(0);
-      const std::int64_t st = rows.stride(1);
-      for (std::int64_t j = 0; j < n; ++j) mean[j] += to_float(r[j * st]);
-    }
-    const float hf = static_cast<float>(Hq);
-    for (std::int64_t j = 0; j < n; ++j) mean[j] /= hf;
-  }
-
-  template <class Backend, class Tp>
-  Status select_from_rows(TensorView<const Tp, 2> rows, std::int64_t H, KeepSet out, Workspace ws) const noexcept {
-    KVP_RETURN_IF_ERROR(validate_params());
-    KVP_REQUIRE(rows.device().is_host(), "tova: probabilities is a device tensor; this entry point reads host memory");
-    const std::int64_t Hq = rows.extent(0), n = rows.extent(1);
-    GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(Hq, H, kName, &gqa));
-    KVP_REQUIRE(n <= INT32_MAX, "tova: kv_len %lld exceeds the int32 token id range", static_cast<long long>(n));
-    std::int64_t k = 0;
-    KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, n, params_.protect_last ? 1 : 0, &k));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, attention_workspace_bytes<Backend>(n)));
-    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, 1, H, [&](std::int64_t) { return k; }));
-    const Blocks blk = carve<Backend>(ws, PrefillShape{0, H, 0, n, 1});
-    if (k < n) mean_rows(rows, blk.mean);
-    choose<Backend>(blk, n, out, 0, H);
-    return Status::ok();
+    Backend::mean_rows(TensorView<const float, 2>::contiguous(blk.rows, {Hq, n}), blk.mean);
   }
 
   /// Row `row0` = the kept ids (all when the budget covers n), copied to the H - 1 next rows.
@@ -295,7 +271,7 @@ class TOVA {
       // The online steady state evicts one token: an argmin under the same order (NaN lowest, first NaN).
       const std::int64_t cand = params_.protect_last ? n - 1 : n;
       std::int64_t x = 0;
-      if (detail::argmin_or_nan(blk.mean, cand, &x) >= 0) x = detail::first_nan(blk.mean, cand);
+      if (Backend::argmin_or_nan(blk.mean, cand, &x) >= 0) x = Backend::first_nan(blk.mean, cand);
       for (std::int64_t j = 0; j < x; ++j) dst[j] = static_cast<std::int32_t>(j);
       for (std::int64_t j = x; j < k; ++j) dst[j] = static_cast<std::int32_t>(j + 1);
     } else if (params_.protect_last && k >= 1) {
@@ -309,5 +285,8 @@ class TOVA {
 
   Params params_{};
 };
+
+static_assert(Scorer<TOVA, ScoreInput<float, float>> && EvictionPolicy<TOVA, ScoreInput<float, half>> &&
+              EvictionPolicy<TOVA, ScoreInput<float, float, half>>);
 
 KVP_NAMESPACE_END

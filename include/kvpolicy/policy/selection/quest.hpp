@@ -46,6 +46,9 @@
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/concepts.hpp"
+#include "kvpolicy/policy/params.hpp"
+#include "kvpolicy/policy/vocabulary.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -57,11 +60,22 @@ enum class QuestGqa : std::uint8_t {
   kGroupSum,      ///< one row per kv head: top-(B-1) of sum_h U[h] over the group, plus the last page
 };
 
+inline constexpr EnumName<QuestGqa> kQuestGqaNames[] = {
+    {"per_query_head", QuestGqa::kPerQueryHead}, {"union", QuestGqa::kUnion}, {"group_max", QuestGqa::kGroupMax}, {"group_sum", QuestGqa::kGroupSum}};
+constexpr std::span<const EnumName<QuestGqa>> enum_names(QuestGqa) noexcept { return kQuestGqaNames; }
+
 struct QuestParams {
   std::int32_t token_budget = 512;  ///< tokens attended per head, last page included (Quest default 512)
   std::int32_t page_budget = 0;     ///< > 0: pages per head directly, overriding token_budget
   std::int32_t dense_layers = 2;    ///< layers [0, dense_layers) attend to every page (Quest: 2)
   QuestGqa gqa = QuestGqa::kPerQueryHead;
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&QuestParams::token_budget>("token_budget", "tokens attended per head, last page included"),
+                      param_field<&QuestParams::page_budget>("page_budget", "> 0: pages per head, overriding token_budget"),
+                      param_field<&QuestParams::dense_layers>("dense_layers", "layers attending to every page"),
+                      param_field<&QuestParams::gqa>("gqa", "how the selection meets grouped-query attention")};
+  }
 };
 
 class Quest {
@@ -84,6 +98,16 @@ class Quest {
     return params_.gqa == QuestGqa::kPerQueryHead ? gqa.num_q_heads : gqa.num_kv_heads;
   }
 
+  /// The checks that do not depend on the page size.
+  Status validate_params() const noexcept {
+    KVP_REQUIRE(params_.token_budget >= 0 && params_.page_budget >= 0, "quest: token_budget %d / page_budget %d must be >= 0",
+                params_.token_budget, params_.page_budget);
+    KVP_REQUIRE(params_.token_budget > 0 || params_.page_budget > 0, "quest: token_budget and page_budget are both 0");
+    KVP_REQUIRE(params_.dense_layers >= 0, "quest: dense_layers is %d, must be >= 0", params_.dense_layers);
+    return Status::ok();
+  }
+
+  /// All checks for `page_size`-token pages.
   Status validate_params(std::int32_t page_size) const noexcept {
     KVP_REQUIRE(page_size > 0, "quest: page_size is %d, must be > 0", page_size);
     KVP_REQUIRE(params_.token_budget >= 0 && params_.page_budget >= 0, "quest: token_budget %d / page_budget %d must be >= 0",
@@ -112,42 +136,137 @@ class Quest {
     return total;
   }
 
-  /// Workspace for `select` on any table of `batch` sequences holding at
-  /// most `total_pages` pages, none longer than `max_pages` (plan once for
-  /// the largest batch). Shared: fp32 queries (batch*Hq*d) and the bounds of
-  /// every scored page (total_pages*Hq floats, ~3% of the metadata it
-  /// summarises); per worker: the backend's bounds scratch, or the group
-  /// reduction (n), top-k output (G*B) and the backend top-k's workspace.
-  template <class Backend = backend::Scalar>
-  std::size_t workspace_bytes(std::int32_t batch, std::int64_t total_pages, std::int32_t max_pages, std::int32_t page_size,
-                              const GqaMap& gqa, std::int32_t head_dim, const ExecContext& ctx = {}) const noexcept {
-    return layout<Backend>(batch, total_pages, max_pages, page_size, gqa, head_dim, ctx.workers()).total();
-  }
-  /// Workspace for `select` on `table` (any layer).
-  template <class Backend = backend::Scalar>
-  std::size_t workspace_bytes(const PageTable& table, std::int32_t page_size, const GqaMap& gqa, std::int32_t head_dim,
-                              const ExecContext& ctx = {}) const noexcept {
-    return workspace_bytes<Backend>(table.batch, scored_pages(-1, table, page_size), max_pages(table), page_size, gqa, head_dim, ctx);
+  /// Caller-owned per-page state: the channel max / min of every page's keys
+  /// (per kv head), indexed by physical page id (see `PageMetaView`).
+  template <class Tm>
+  using State = PageMetaView<Tm>;
+
+  /// The host-side plan of one decode step's batch composition (FlashInfer's
+  /// DecodePlan): parameters and table validated once, the output and the
+  /// workspace sized exactly. `select` checks that the step matches the plan
+  /// (layer, page size, batch) and re-derives per-sequence row offsets from
+  /// the table (O(batch) host work, no allocation).
+  struct Plan {
+    std::int32_t layer = -1;
+    std::int32_t page_size = 0;
+    std::int32_t batch = 0;
+    GqaMap gqa{};
+    Requirements requirements{};  ///< workspace, PageSelection rows / capacity, query window 1
+  };
+
+  /// Worst-case size query without a table: every sequence at most
+  /// `shape.max_kv_len` tokens in `page_size`-token pages, `shape.batch`
+  /// sequences, any layer. Lets an engine allocate once.
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape, std::int32_t page_size) const noexcept {
+    Requirements r;
+    r.status = validate_params(page_size);
+    GqaMap gqa;
+    if (r.status.is_ok()) r.status = GqaMap::make(shape.num_q_heads, shape.num_kv_heads, kName, &gqa);
+    if (r.status.is_ok() && (shape.batch < 1 || shape.batch > INT32_MAX || shape.head_dim < 1 || shape.max_kv_len < 0))
+      r.status = KVP_INVALID("quest: shape (batch %lld, head_dim %lld, max_kv_len %lld) must have batch >= 1, head_dim >= 1, max_kv_len >= 0",
+                             static_cast<long long>(shape.batch), static_cast<long long>(shape.head_dim),
+                             static_cast<long long>(shape.max_kv_len));
+    if (!r.status.is_ok()) return r;
+    const auto n = static_cast<std::int32_t>(std::min<std::int64_t>((shape.max_kv_len + page_size - 1) / page_size, INT32_MAX));
+    const auto batch = static_cast<std::int32_t>(shape.batch);
+    r.workspace_bytes =
+        layout<Backend>(batch, shape.batch * std::max(n - 1, 0), n, page_size, gqa, static_cast<std::int32_t>(shape.head_dim), ctx.exec.workers())
+            .total();
+    const std::int64_t cap = std::max(row_capacity(0, n, page_size, gqa), row_capacity(params_.dense_layers, n, page_size, gqa));
+    r.output = OutputSize{shape.batch * heads_per_seq(gqa), shape.batch * heads_per_seq(gqa) * cap};
+    r.query_window = 1;
+    return r;
   }
 
-  /// Page selection for one decode step of layer `layer`.
+  /// Plans a decode step of `in.layer` over `in.table` (queries (batch,
+  /// num_q_heads, head_dim), `shape.num_kv_heads` kv heads).
+  template <class Backend, class Tq>
+  Status plan(const Context<Backend>& ctx, const DecodeInput<Tq>& in, const ProblemShape& shape, Plan& out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params(in.page_size));
+    KVP_REQUIRE(in.layer >= 0, "quest: layer is %d, must be >= 0", in.layer);
+    KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(in.queries.extent(1), shape.num_kv_heads, kName, &gqa));
+    KVP_REQUIRE(in.queries.extent(0) == in.table.batch, "quest: queries has %lld sequences, the page table has batch %d",
+                static_cast<long long>(in.queries.extent(0)), in.table.batch);
+    KVP_REQUIRE(in.queries.extent(2) >= 1 && in.queries.extent(2) <= INT32_MAX, "quest: queries head_dim is %lld, must be >= 1",
+                static_cast<long long>(in.queries.extent(2)));
+    KVP_REQUIRE(in.table.batch == 0 || (in.table.indptr != nullptr && in.table.last_page_len != nullptr),
+                "quest: page table indptr / last_page_len is null");
+    for (std::int32_t b = 0; b < in.table.batch; ++b)
+      KVP_REQUIRE(in.table.indptr[b + 1] >= in.table.indptr[b], "quest: page table indptr is not monotonic at %d (%d > %d)", b,
+                  in.table.indptr[b], in.table.indptr[b + 1]);
+    Plan p;
+    p.layer = in.layer;
+    p.page_size = in.page_size;
+    p.batch = in.table.batch;
+    p.gqa = gqa;
+    p.requirements.workspace_bytes = layout<Backend>(in.table.batch, scored_pages(in.layer, in.table, in.page_size), max_pages(in.table),
+                                                     in.page_size, gqa, static_cast<std::int32_t>(in.queries.extent(2)), ctx.exec.workers())
+                                         .total();
+    p.requirements.output = OutputSize{static_cast<std::int64_t>(in.table.batch) * heads_per_seq(gqa),
+                                       output_capacity(in.layer, in.table, in.page_size, gqa)};
+    p.requirements.query_window = 1;
+    out = p;
+    return Status::ok();
+  }
+
+  /// Keeps the page metadata current after an append (`app.append_len[b]`
+  /// tokens appended to sequence b; the keys of tokens [len_b - append_len[b],
+  /// len_b) are already in the pool and `app.kv.table` already counts them),
+  /// or rebuilds every page the table references (`append_len == nullptr`;
+  /// pages outside the table are left alone). Covers a decode step (1 token),
+  /// chunked prefill (any chunk, straddling pages) and resuming a partially
+  /// filled page; a page whose slot 0 is written starts afresh. Validates
+  /// everything before writing. With a parallel context, a page must not be
+  /// appended to by two sequences in one call. O(appended tokens * kv_heads * d).
+  template <class Backend, class Tk, class Tm>
+    requires PageMetaStorableFrom<Tk, Tm>
+  Status on_append(const Context<Backend>& ctx, const AppendInput<Tk>& app, State<Tm> meta) const noexcept {
+    const PagedKVView<const Tk>& keys = app.kv;
+    KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
+    if (app.append_len != nullptr) {
+      for (std::int32_t b = 0; b < keys.table.batch; ++b) {
+        KVP_REQUIRE(app.append_len[b] >= 0 && app.append_len[b] <= keys.seq_len(b),
+                    "quest: append_len[%d] is %d, must be in [0, sequence length %lld]", b, app.append_len[b],
+                    static_cast<long long>(keys.seq_len(b)));
+      }
+    }
+    fold_tokens<Backend>(keys, meta, app.append_len, ctx.exec);
+    return Status::ok();
+  }
+
+  /// Page selection for one decode step planned by `plan`.
   ///
-  /// queries: (batch, num_q_heads, head_dim), any strides, post-RoPE, float / half / bfloat16.
-  /// table:   the batch's FlashInfer CSR page table (batch = queries.extent(0)).
-  /// meta:    the layer's page metadata, kept current by `update_metadata`.
-  /// out:     rows `b * heads_per_seq + head`, capacity >= `output_capacity(...)`.
+  /// in.queries: (batch, num_q_heads, head_dim), any strides, post-RoPE, float / half / bfloat16.
+  /// in.table:   the batch's FlashInfer CSR page table (batch = queries.extent(0)).
+  /// meta:       the layer's page metadata, kept current by `on_append`.
+  /// out:        rows `b * heads_per_seq + head`, capacity >= `plan.requirements.output.capacity`.
   ///
   /// Every input is validated before anything is written; on error `out` is
-  /// untouched. Two parallel phases through `ctx`: the bounds, over (sequence,
-  /// run of 256 pages) items with every kv head of a page at once; then
-  /// top-k and the CSR rows over (sequence, kv head) items. The result does
-  /// not depend on the number of workers. Cost per sequence of n pages:
-  /// O(n * Hq * d) for the bounds (reading 2 * d metadata values per page and
-  /// kv head) plus the backend top-k. Thread-safe (const, no state).
-  template <class Backend = backend::Scalar, class Tq, class Tm>
+  /// untouched. Two parallel phases through `ctx.exec`: the bounds, over
+  /// (sequence, run of 256 pages) items with every kv head of a page at
+  /// once; then top-k and the CSR rows over (sequence, kv head) items. The
+  /// result does not depend on the number of workers. Cost per sequence of
+  /// n pages: O(n * Hq * d) for the bounds (reading 2 * d metadata values per
+  /// page and kv head) plus the backend top-k. Thread-safe (const, no state).
+  template <class Backend, class Tq, class Tm>
     requires KVElement<Tq> && KVElement<Tm>
-  Status select(int layer, TensorView<Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
-                PageSelection out, Workspace ws, const ExecContext& ctx = {}) const noexcept {
+  Status select(const Context<Backend>& cx, const Plan& plan, const DecodeInput<Tq>& in, State<Tm> meta,
+                PageSelection out) const noexcept {
+    KVP_REQUIRE(plan.layer == in.layer && plan.page_size == in.page_size && plan.batch == in.table.batch,
+                "quest: the step (layer %d, page_size %d, batch %d) does not match the plan (layer %d, page_size %d, batch %d); re-plan",
+                in.layer, in.page_size, in.table.batch, plan.layer, plan.page_size, plan.batch);
+    return select_impl<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace, cx.exec);
+  }
+
+ private:
+  static constexpr std::int64_t kItemPages = 256;  ///< pages per bounds-phase work item
+
+  template <class Backend, class Tq, class Tm>
+  Status select_impl(int layer, TensorView<const Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
+                     PageSelection out, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params(page_size));
     KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
     KVP_REQUIRE(queries.device().is_host(), "quest: queries is a device tensor; this entry point reads host memory");
@@ -209,42 +328,6 @@ class Quest {
     return Status::ok();
   }
 
-  /// Updates the metadata after `append_len[b]` tokens were appended to each
-  /// sequence b: the keys of tokens [len_b - append_len[b], len_b) are
-  /// already in the pool and `keys.table` already counts them (len_b is its
-  /// sequence length). Covers a decode step (1 token), chunked prefill (any
-  /// chunk, straddling pages) and resuming a partially filled page; a page
-  /// whose slot 0 is written starts afresh. Validates everything before
-  /// writing. With a parallel `ctx`, a page must not be appended to by two
-  /// sequences in one call. O(appended tokens * kv_heads * d).
-  template <class Backend = backend::Scalar, class Tk, class Tm>
-    requires PageMetaStorableFrom<Tk, Tm>
-  static Status update_metadata(const PagedKVView<const Tk>& keys, PageMetaView<Tm> meta, const std::int32_t* append_len,
-                                const ExecContext& ctx = {}) noexcept {
-    KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
-    KVP_REQUIRE(keys.table.batch == 0 || append_len != nullptr, "quest: append_len is null");
-    for (std::int32_t b = 0; b < keys.table.batch; ++b) {
-      KVP_REQUIRE(append_len[b] >= 0 && append_len[b] <= keys.seq_len(b),
-                  "quest: append_len[%d] is %d, must be in [0, sequence length %lld]", b, append_len[b],
-                  static_cast<long long>(keys.seq_len(b)));
-    }
-    fold_tokens<Backend>(keys, meta, append_len, ctx);
-    return Status::ok();
-  }
-
-  /// Recomputes the metadata of every page referenced by `keys.table` from
-  /// the keys (pages outside the table are left alone). Same preconditions
-  /// and cost model as `update_metadata` with every token appended.
-  template <class Backend = backend::Scalar, class Tk, class Tm>
-    requires PageMetaStorableFrom<Tk, Tm>
-  static Status rebuild_metadata(const PagedKVView<const Tk>& keys, PageMetaView<Tm> meta, const ExecContext& ctx = {}) noexcept {
-    KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
-    fold_tokens<Backend>(keys, meta, nullptr, ctx);
-    return Status::ok();
-  }
-
- private:
-  static constexpr std::int64_t kItemPages = 256;  ///< pages per bounds-phase work item
 
   /// Whether a sequence of n pages is scored (not dense, longer than the budget).
   constexpr bool scored(int layer, std::int32_t n, std::int32_t B) const noexcept { return !is_dense_layer(layer) && n > B; }
@@ -421,5 +504,8 @@ class Quest {
 
   Params params_{};
 };
+
+static_assert(SelectionPolicy<Quest, float, float, float> && SelectionPolicy<Quest, half, half, half> &&
+              SelectionPolicy<Quest, float, half, float>);
 
 KVP_NAMESPACE_END

@@ -13,13 +13,14 @@
 #include "kvpolicy/backends/cpu_isa.hpp"
 #include "kvpolicy/backends/cpu_page_ops.hpp"
 #include "kvpolicy/backends/cpu_score_ops.hpp"
+#include "kvpolicy/ops/contract.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
 
-// Score ops and page ops, one base per op family (each falls back to its scalar family).
-struct Cpu : CpuScoreOps, CpuPageOps {
+// Score ops, page ops and row reductions, one base per op family (each falls back to its scalar family).
+struct Cpu : CpuScoreOps, CpuPageOps, ScalarReduceOps {
   /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
 
@@ -33,7 +34,17 @@ struct Cpu : CpuScoreOps, CpuPageOps {
   /// machine lacks it. Thread-safe, but calls running concurrently on other
   /// threads may still use the previous level: meant for tests and benchmarks.
   static bool set_isa(CpuIsa isa) noexcept;
+
+  /// Times a vectorised op was handed a workspace smaller than its own
+  /// `*_workspace()` and ran the scalar reference instead (process-wide,
+  /// monotone). Policies never cause it: they size and check the workspace
+  /// for the backend of their context and reject a short one with
+  /// kWorkspaceTooSmall. Direct op callers can watch it (the benchmarks
+  /// report it; tests assert it stays 0).
+  static std::uint64_t reference_fallbacks() noexcept;
 };
+
+static_assert(HostBackend<Cpu>, "backend::Cpu must model the whole ops contract (ops/contract.hpp)");
 
 }  // namespace backend
 KVP_NAMESPACE_END

@@ -66,7 +66,7 @@ struct CpuPageOps : ScalarPageOps {
   /// reference instead. Vectorised for Tk == Tv in {float, half, bfloat16};
   /// mixed K / V types use the reference.
   template <class Tk, class Tv>
-  static void paged_decode_attention(const float* q, std::int64_t group, std::int64_t head_dim, KeyRows<Tk> keys, KeyRows<Tv> values,
+  static void paged_decode_attention(const float* q, std::int64_t group, std::int64_t head_dim, Rows<Tk> keys, Rows<Tv> values,
                                      std::int64_t num_tokens, float scale, float* out, float* lse, Workspace ws) noexcept {
     ScalarPageOps::paged_decode_attention(q, group, head_dim, keys, values, num_tokens, scale, out, lse, ws);
   }
@@ -96,14 +96,14 @@ void CpuPageOps::page_bounds<bfloat16>(const float*, std::int64_t, std::int64_t,
                                        std::int64_t, float*, std::int64_t, Workspace) noexcept;
 
 template <>
-void CpuPageOps::paged_decode_attention<float, float>(const float*, std::int64_t, std::int64_t, KeyRows<float>, KeyRows<float>,
+void CpuPageOps::paged_decode_attention<float, float>(const float*, std::int64_t, std::int64_t, Rows<float>, Rows<float>,
                                                       std::int64_t, float, float*, float*, Workspace) noexcept;
 template <>
-void CpuPageOps::paged_decode_attention<half, half>(const float*, std::int64_t, std::int64_t, KeyRows<half>, KeyRows<half>, std::int64_t,
+void CpuPageOps::paged_decode_attention<half, half>(const float*, std::int64_t, std::int64_t, Rows<half>, Rows<half>, std::int64_t,
                                                     float, float*, float*, Workspace) noexcept;
 template <>
-void CpuPageOps::paged_decode_attention<bfloat16, bfloat16>(const float*, std::int64_t, std::int64_t, KeyRows<bfloat16>,
-                                                            KeyRows<bfloat16>, std::int64_t, float, float*, float*, Workspace) noexcept;
+void CpuPageOps::paged_decode_attention<bfloat16, bfloat16>(const float*, std::int64_t, std::int64_t, Rows<bfloat16>,
+                                                            Rows<bfloat16>, std::int64_t, float, float*, float*, Workspace) noexcept;
 
 }  // namespace backend
 KVP_NAMESPACE_END

@@ -24,8 +24,9 @@ struct CpuScoreOps : ScalarScoreOps {
   /// Workspace of `window_scores`: O(group*window * (kv_len + head_dim)) floats
   /// (the softmax numerators of every (query, key) pair are kept between the
   /// two passes: 16 MiB for G*w = 128 queries and 32K keys). Independent of
-  /// the selected ISA. Smaller workspaces (e.g. sized for the reference op)
-  /// are accepted: the call then computes with the reference.
+  /// the selected ISA. A smaller workspace (e.g. sized for the reference op)
+  /// makes the call compute with the reference and is counted in
+  /// `Cpu::reference_fallbacks()`; policies reject it before calling.
   static std::size_t window_scores_workspace(const WindowScoreShape& s) noexcept;
 
   /// out: (group, num_cols) fp32, contiguous. See `WindowScoreShape`.
@@ -39,7 +40,7 @@ struct CpuScoreOps : ScalarScoreOps {
   /// head's window. Probabilities below ~e^-55 of a row's max may come out as
   /// 0. Thread-safe (no shared state); defined for Tk in {float, half, bfloat16}.
   template <class Tk>
-  static void window_scores(const WindowScoreShape& s, const float* q, KeyRows<Tk> keys, float* out, Workspace ws) noexcept;
+  static void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws) noexcept;
 
   /// Same as the reference (avg with count_include_pad, max ignoring padding
   /// and NaN as the scalar comparison does); `out` must not alias `in` unless
@@ -62,11 +63,11 @@ struct CpuScoreOps : ScalarScoreOps {
 
 // Explicit specialisations, defined in the library (src/cpu_score_ops.cpp).
 template <>
-void CpuScoreOps::window_scores<float>(const WindowScoreShape& s, const float* q, KeyRows<float> keys, float* out, Workspace ws) noexcept;
+void CpuScoreOps::window_scores<float>(const WindowScoreShape& s, const float* q, Rows<float> keys, float* out, Workspace ws) noexcept;
 template <>
-void CpuScoreOps::window_scores<half>(const WindowScoreShape& s, const float* q, KeyRows<half> keys, float* out, Workspace ws) noexcept;
+void CpuScoreOps::window_scores<half>(const WindowScoreShape& s, const float* q, Rows<half> keys, float* out, Workspace ws) noexcept;
 template <>
-void CpuScoreOps::window_scores<bfloat16>(const WindowScoreShape& s, const float* q, KeyRows<bfloat16> keys, float* out,
+void CpuScoreOps::window_scores<bfloat16>(const WindowScoreShape& s, const float* q, Rows<bfloat16> keys, float* out,
                                           Workspace ws) noexcept;
 
 }  // namespace backend

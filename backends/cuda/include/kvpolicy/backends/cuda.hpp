@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "kvpolicy/core/dtype.hpp"
-#include "kvpolicy/core/key_rows.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/scalar.hpp"
@@ -79,11 +79,11 @@ struct Cuda {
   /// from `backend::Scalar` only by expf rounding (a few ulp).
   /// Complexity: 3 kernels; O(group*window*kv_len*head_dim) work, keys are
   /// read once per 64 query rows.
-  static Status window_scores(const WindowScoreShape& s, const float* q_device, KeyRows<float> keys_device,
+  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device,
                               float* out_device, Workspace ws_device, void* stream) noexcept;
-  static Status window_scores(const WindowScoreShape& s, const float* q_device, KeyRows<half> keys_device,
+  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device,
                               float* out_device, Workspace ws_device, void* stream) noexcept;
-  static Status window_scores(const WindowScoreShape& s, const float* q_device, KeyRows<bfloat16> keys_device,
+  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device,
                               float* out_device, Workspace ws_device, void* stream) noexcept;
 
   // ---- top-k ------------------------------------------------------------

@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvpolicy — the umbrella header: everything a CPU user needs.
+//
+//   #include <kvpolicy/kvpolicy.hpp>
+//
+// brings the core views and status, the ops contract and its scalar
+// reference, every policy of every family that exists (eviction: StreamingLLM,
+// SnapKV, H2O, ObservedAttention, TOVA, Ada-KV, PyramidKV, Expected Attention;
+// selection: Quest), the budget vocabulary, the apply/ helpers that compact a
+// cache, the engine lifecycle hooks, the run-time registry, the owning
+// convenience layer (easy.hpp) and the thread pool; plus `backend::Cpu` when
+// its header is on the include path (link `kvpolicy::cpu`). The readers under
+// kvpolicy/io/ need nlohmann-json and are included separately.
+#pragma once
+
+#include "kvpolicy/core/any_tensor_view.hpp"
+#include "kvpolicy/core/dispatch.hpp"
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/gqa.hpp"
+#include "kvpolicy/core/keep_set.hpp"
+#include "kvpolicy/core/kv_source.hpp"
+#include "kvpolicy/core/page_selection.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/core/parallel.hpp"
+#include "kvpolicy/core/rows.hpp"
+#include "kvpolicy/core/status.hpp"
+#include "kvpolicy/core/tensor_view.hpp"
+#include "kvpolicy/core/version.hpp"
+#include "kvpolicy/core/workspace.hpp"
+
+#include "kvpolicy/ops/batched.hpp"
+#include "kvpolicy/ops/contract.hpp"
+#include "kvpolicy/ops/scalar.hpp"
+
+#include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/budget/allocation.hpp"
+#include "kvpolicy/policy/budget/pyramid.hpp"
+#include "kvpolicy/policy/budget/schedule.hpp"
+#include "kvpolicy/policy/compose.hpp"
+#include "kvpolicy/policy/concepts.hpp"
+#include "kvpolicy/policy/decisions.hpp"
+#include "kvpolicy/policy/lifecycle.hpp"
+#include "kvpolicy/policy/vocabulary.hpp"
+
+#include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/observed_attention.hpp"
+#include "kvpolicy/policy/eviction/pyramidkv.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/eviction/streaming_llm.hpp"
+#include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
+
+#include "kvpolicy/apply/compact.hpp"
+#include "kvpolicy/apply/compact_ragged.hpp"
+
+#include "kvpolicy/easy.hpp"
+#include "kvpolicy/registry.hpp"
+#include "kvpolicy/util/thread_pool.hpp"
+
+#if __has_include("kvpolicy/backends/cpu.hpp")
+#include "kvpolicy/backends/cpu.hpp"
+
+// Every policy models its family concepts on the CPU backend too.
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::SnapKV, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::StreamingLLM, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::ObservedAttention, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::TOVA, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::PyramidKV, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::AdaKV<kvpolicy::SnapKV>, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::ExpectedAttention, kvpolicy::ExpectedAttentionInput<float, kvpolicy::half>,
+                                       kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::OnlineEvictionPolicy<kvpolicy::H2O, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::SelectionPolicy<kvpolicy::Quest, float, kvpolicy::half, kvpolicy::half, kvpolicy::backend::Cpu>);
+#endif

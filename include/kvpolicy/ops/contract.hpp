@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+// The ops contract, stated: one concept per op family. A backend tag models a
+// family when every op of it exists with the reference signature (the scalar
+// families in scalar.hpp, paged_scalar.hpp and reduce_scalar.hpp are the
+// semantics). Policies are written against these ops only, so
+//   static_assert(HostBackend<backend::Cpu>);
+// in a backend header turns a missing op into one readable line instead of a
+// template error deep inside a policy. Batched forms (ops/batched.hpp) have
+// scalar defaults; a device backend implements them to run a policy step
+// without one launch per head.
+//
+// Conventions shared by every op: static, `noexcept`, `void`, inputs
+// already validated by the calling policy (ops never validate), workspace
+// sized by the op's `*_workspace` companion; a workspace smaller than that is
+// a caller bug that policies reject before calling (`check_workspace`).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/page_selection.hpp"
+#include "kvpolicy/core/parallel.hpp"
+#include "kvpolicy/core/rows.hpp"
+#include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/scalar.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+/// Window attention, pooling, group reduction, top-k, gather (SnapKV, TOVA,
+/// ObservedAttention, H2O from queries, Ada-KV, PyramidKV, Expected Attention).
+template <class B, class Tk = float>
+concept ScoreOps = requires(const WindowScoreShape& s, const float* q, const float* in, float* out, Rows<Tk> rows, Workspace ws,
+                            std::int64_t n, std::int32_t* idx, const std::int32_t* cidx, Tk* dst) {
+  { B::window_scores_workspace(s) } -> std::same_as<std::size_t>;
+  B::window_scores(s, q, rows, out, ws);
+  B::pool1d(in, n, 5, Pooling::kAvg, out);
+  B::group_reduce(in, n, n, n, GroupReduce::kMean, out);
+  { B::topk_workspace(n) } -> std::same_as<std::size_t>;
+  B::topk(in, n, n, idx, ws);
+  B::gather_rows(rows, cidx, n, n, dst, n);
+};
+
+/// Page metadata fold, upper-bound estimate, decode attention over pages (Quest).
+template <class B, class Tk = float, class Tm = float>
+concept PageOps = requires(const Tk* krows, Tm* mx, Tm* mn, const float* q, PageMetaView<const Tm> meta, const std::int32_t* pages,
+                           float* out, float* lse, Rows<Tk> rows, Workspace ws, std::int64_t n) {
+  B::page_meta_fold(krows, n, n, n, mx, mn, true);
+  { B::page_bounds_workspace(n, n) } -> std::same_as<std::size_t>;
+  B::page_bounds(q, n, n, meta, pages, n, out, n, ws);
+  { B::attention_block(rows) } -> std::same_as<std::int64_t>;
+  { B::paged_attention_workspace(n, n, n) } -> std::same_as<std::size_t>;
+  B::paged_decode_attention(q, n, n, rows, rows, n, 1.0f, out, lse, ws);
+};
+
+/// Row kernels shared by the policies: query widening, NaN scans, the
+/// one-victim argmin, protected counts, head means.
+template <class B, class Tq = float>
+concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<const Tq, 2>& rows, const float* x, float* out,
+                             std::int64_t n, std::int64_t* at) {
+  B::widen_queries(q, n, n, n, n, out);
+  { B::has_nan(x, n) } -> std::same_as<bool>;
+  { B::first_nan(x, n) } -> std::same_as<std::int64_t>;
+  { B::argmin_or_nan(x, n, at) } -> std::same_as<std::int64_t>;
+  { B::count_protected(x, n) } -> std::same_as<std::int64_t>;
+  B::mean_rows(rows, out);
+};
+
+/// Everything a host policy calls, for the key dtypes the library stores.
+template <class B>
+concept HostBackend = ScoreOps<B, float> && ScoreOps<B, half> && ScoreOps<B, bfloat16> && PageOps<B, float, float> &&
+                      PageOps<B, half, half> && PageOps<B, bfloat16, bfloat16> && ReduceOps<B, float> && ReduceOps<B, half>;
+
+static_assert(HostBackend<backend::Scalar>, "the scalar reference must model the whole contract");
+
+KVP_NAMESPACE_END

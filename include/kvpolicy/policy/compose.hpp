@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: Apache-2.0
+// Composition: a `Scorer` plus a `BudgetAllocator` is an `EvictionPolicy`.
+//
+//   Budgeted<SnapKV, UniformAllocation>   == SnapKV's own decision (any Budget)
+//   Budgeted<SnapKV, LayerAllocation>     == PyramidKV (pyramidkv.hpp is built on it)
+//   Budgeted<ExpectedAttention, ...>      any scorer with any allocation
+//
+// Per sequence: the scorer writes its (rows, kv_len) score map (protected
+// tokens +inf), the allocator gives the count per row, and every row keeps
+// its `count` best tokens (`ops::topk_rows`, the library's total
+// order: higher score, then the more recent token), ascending. Because
+// protected tokens score +inf they are kept first, and among themselves the
+// most recent win: exactly what the policies do when a budget is smaller than
+// their window.
+//
+// Allocators in this header (each models `BudgetAllocator`):
+//   UniformAllocation  every row keeps Budget::resolve(kv_len, protected) tokens
+//   LayerAllocation    a LayerSchedule's budget for one layer (PyramidKV, per-layer budgets)
+// Ada-KV's allocations (original with its fp32 rounding, kvpress with its
+// safeguard) depend on the ranks of all heads' scores and live in
+// `AdaKV<Scorer>` (adakv.hpp), which composes any scorer the same way.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+
+#include "kvpolicy/ops/batched.hpp"
+#include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/budget/schedule.hpp"
+#include "kvpolicy/policy/policy.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+/// Every row keeps the same number of tokens: `budget` resolved for the
+/// sequence, with `num_protected` tokens counted as the Budget states.
+struct UniformAllocation {
+  Budget budget = Budget::compression_ratio(0.5);
+  std::int64_t num_protected = 0;  ///< set by `Budgeted` from the scorer's protected_tokens(kv_len)
+
+  Status validate(const char* who) const noexcept { return budget.validate(who); }
+  Status count(const char* who, std::int64_t kv_len, std::int64_t protected_tokens, std::int64_t* n) const noexcept {
+    return budget.resolve(who, kv_len, std::min(protected_tokens, kv_len), n);
+  }
+  template <class B>
+  Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
+    std::int64_t n = 0;
+    KVP_RETURN_IF_ERROR(count("uniform_allocation", kv_len, num_protected, &n));
+    KVP_REQUIRE(static_cast<std::int64_t>(counts.size()) == scores.extent(0), "uniform_allocation: %zu counts for %lld rows", counts.size(),
+                static_cast<long long>(scores.extent(0)));
+    std::fill(counts.begin(), counts.end(), n);
+    return Status::ok();
+  }
+};
+
+/// One layer of a `LayerSchedule` (PyramidKV's pyramid, or per-layer budgets):
+/// every row of that layer keeps the layer's budget.
+struct LayerAllocation {
+  LayerSchedule schedule = LayerSchedule::pyramid_kvpress(0.5, 64, 32);
+  std::int32_t layer = 0;
+  std::int64_t num_protected = 0;  ///< set by `Budgeted` from the scorer's protected_tokens(kv_len)
+
+  Status validate(const char* who) const noexcept {
+    KVP_RETURN_IF_ERROR(schedule.validate(who));
+    KVP_REQUIRE(layer >= 0 && layer < schedule.num_layers, "%s: layer %d out of range [0, num_layers=%d)", who, layer, schedule.num_layers);
+    return Status::ok();
+  }
+  Status count(const char* who, std::int64_t kv_len, std::int64_t protected_tokens, std::int64_t* n) const noexcept {
+    Budget b;
+    KVP_RETURN_IF_ERROR(schedule.layer_budget(layer, kv_len, &b));
+    return b.resolve(who, kv_len, std::min(protected_tokens, kv_len), n);
+  }
+  template <class B>
+  Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
+    std::int64_t n = 0;
+    KVP_RETURN_IF_ERROR(count("layer_allocation", kv_len, num_protected, &n));
+    KVP_REQUIRE(static_cast<std::int64_t>(counts.size()) == scores.extent(0), "layer_allocation: %zu counts for %lld rows", counts.size(),
+                static_cast<long long>(scores.extent(0)));
+    std::fill(counts.begin(), counts.end(), n);
+    return Status::ok();
+  }
+};
+
+static_assert(BudgetAllocator<UniformAllocation> && BudgetAllocator<LayerAllocation>);
+
+/// Scorer S + a uniform allocator A (one count per sequence, `A::count`): the
+/// eviction policy "score, allocate, keep each row's best". S must offer
+/// `validate(batch, shape*)` (every scorer of the library does), so nothing is
+/// written before every sequence was checked. `who` names the composed policy
+/// in messages. Allocators whose counts differ per row (Ada-KV) write ragged
+/// KeepSets and are composed by `AdaKV<Scorer>` or `select_per_head`.
+template <class S, class A>
+class Budgeted {
+ public:
+  Budgeted(const S& scorer, const A& alloc) noexcept : scorer_(scorer), alloc_(alloc) {}
+  const S& scorer() const noexcept { return scorer_; }
+  const A& allocation() const noexcept { return alloc_; }
+
+  Status validate(const char* who) const noexcept {
+    KVP_RETURN_IF_ERROR(scorer_.validate_params());
+    return alloc_.validate(who);
+  }
+  /// Tokens kept per row (-1 if invalid for kv_len).
+  std::int64_t kept_count(const char* who, std::int64_t kv_len) const noexcept {
+    std::int64_t n = 0;
+    if (!validate(who).is_ok() || !alloc_.count(who, kv_len, scorer_.protected_tokens(kv_len), &n).is_ok()) return -1;
+    return n;
+  }
+
+  /// Score map (rows, max_kv_len) + the scorer's workspace + the batched top-k.
+  template <class B>
+  Requirements requirements(const char* who, const Context<B>& ctx, const ProblemShape& shape) const noexcept {
+    const Requirements sr = scorer_.requirements(ctx, shape);
+    Status st = validate(who);
+    if (st.is_ok()) st = sr.status;
+    std::int64_t n = 0;
+    if (st.is_ok()) st = alloc_.count(who, shape.max_kv_len, scorer_.protected_tokens(shape.max_kv_len), &n);
+    return detail::uniform_requirements(st, plan<B>(shape, sr.workspace_bytes, ctx.exec).total(), shape, shape.num_kv_heads, n,
+                                        sr.query_window);
+  }
+
+  template <class B, class In>
+  Status evict(const char* who, const Context<B>& cx, std::span<const In> batch, KeepSet out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate(who));
+    ProblemShape shape;
+    KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape));
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      std::int64_t n = 0;
+      const std::int64_t T = batch[b].keys.kv_len();
+      KVP_RETURN_IF_ERROR(alloc_.count(who, T, scorer_.protected_tokens(T), &n));
+    }
+    const std::size_t scorer_bytes = scorer_.requirements(cx, shape).workspace_bytes;
+    KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, plan<B>(shape, scorer_bytes, cx.exec).total()));
+    const std::int64_t H = shape.num_kv_heads;
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(who, out, static_cast<std::int64_t>(batch.size()), H,
+                                                     [&](std::int64_t b) { return kept_count(who, batch[b].keys.kv_len()); }));
+    WorkspaceCarver c(cx.workspace);
+    float* scores = c.take<float>(static_cast<std::size_t>(H * std::max<std::int64_t>(shape.max_kv_len, 1)));
+    const Context<B> scorer_cx = cx.with_workspace(Workspace{c.take<std::byte>(scorer_bytes), scorer_bytes});
+    const Workspace topk_ws = c.rest();
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const auto& in = batch[b];
+      const std::int64_t T = in.keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
+      if (out.row_size(row0) >= T) {  // nothing to evict: no scoring
+        for (std::int64_t h = 0; h < H; ++h)
+          for (std::int64_t j = 0; j < T; ++j) out.indices[out.indptr[row0 + h] + j] = static_cast<std::int32_t>(j);
+        continue;
+      }
+      const ScoreMap map = TensorView<float, 2>::contiguous(scores, {H, T});
+      KVP_RETURN_IF_ERROR(scorer_.score(scorer_cx, in, map));
+      ops::topk_rows<B>(scores, T, H, T, out, row0, topk_ws, cx.exec);
+    }
+    return Status::ok();
+  }
+
+ private:
+  template <class B>
+  WorkspacePlan plan(const ProblemShape& shape, std::size_t scorer_bytes, const ExecContext& ctx) const noexcept {
+    const std::int64_t T = std::max<std::int64_t>(shape.max_kv_len, 1), H = std::max<std::int64_t>(shape.num_kv_heads, 1);
+    WorkspacePlan p;
+    p.add<float>(static_cast<std::size_t>(H * T));
+    p.add_bytes(scorer_bytes);
+    p.add_bytes(ops::topk_rows_workspace<B>(T, ctx));
+    return p;
+  }
+
+  S scorer_;
+  A alloc_;
+};
+
+KVP_NAMESPACE_END

@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: Apache-2.0
+// The run-time registry: every built-in policy by name, with its family, its
+// paper and its parameters (from the one `Params::fields()` list), built from
+// a spec string, and type-erased one-shot eviction for tools, scripts and
+// language bindings.
+//
+//   AnyEvictionPolicy p;
+//   throw_if_error(make_eviction_policy("snapkv:compression_ratio=0.5,window=64", &p));
+//   Requirements r = p.requirements(BackendKind::kCpu, shape);
+//   p.evict(BackendKind::kCpu, std::span(inputs), keep, Workspace{buf, r.workspace_bytes});
+//
+// Spec grammar: `name[:key=value[,key=value]...]`; keys and value syntax are
+// those of kvpolicy/policy/params.hpp. Errors name the bad key and list the
+// valid ones ("snapkv: unknown parameter 'windw'; valid: window, kernel, ...").
+//
+// Families: `eviction_registry()` lists the policies `make_eviction_policy`
+// builds (erased over the backend and the key dtype); `registry()` lists every
+// policy of every family, including those with caller-owned state (H2O) or a
+// plan (Quest), which are built typed with `make_policy<P>(spec, &p)` since
+// their state types are the caller's.
+//
+// The built-in tables are compiled once into kvpolicy::cpu (they instantiate
+// every policy on Scalar and Cpu); `AnyEvictionPolicy::of(policy)` is
+// header-only, so a user policy that models `EvictionPolicy` erases the same way.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvpolicy/core/keep_set.hpp"
+#include "kvpolicy/core/status.hpp"
+#include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/params.hpp"
+#include "kvpolicy/policy/vocabulary.hpp"
+
+#if __has_include("kvpolicy/backends/cpu.hpp")
+#include "kvpolicy/backends/cpu.hpp"
+#define KVP_REGISTRY_HAS_CPU 1
+#else
+#define KVP_REGISTRY_HAS_CPU 0
+#endif
+
+KVP_NAMESPACE_BEGIN
+
+/// The backends a type-erased call can run on.
+enum class BackendKind : std::uint8_t { kScalar, kCpu };
+
+/// A parsed spec string: the policy name and its key=value pairs, in order.
+struct PolicySpec {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> args;
+};
+
+/// Parses `name[:key=value,...]` (whitespace around tokens is ignored).
+inline Status parse_policy_spec(std::string_view spec, PolicySpec* out) {
+  auto trim = [](std::string_view s) {
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+    return s;
+  };
+  PolicySpec p;
+  const std::size_t colon = spec.find(':');
+  p.name = std::string(trim(spec.substr(0, colon)));
+  if (p.name.empty()) return KVP_INVALID("policy spec '%s': empty policy name", std::string(spec).c_str());
+  if (colon != std::string_view::npos) {
+    std::string_view rest = spec.substr(colon + 1);
+    while (!rest.empty()) {
+      const std::size_t comma = rest.find(',');
+      const std::string_view item = trim(rest.substr(0, comma));
+      rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+      if (item.empty()) continue;
+      const std::size_t eq = item.find('=');
+      if (eq == std::string_view::npos || trim(item.substr(0, eq)).empty())
+        return KVP_INVALID("%s: parameter '%s' is not key=value", p.name.c_str(), std::string(item).c_str());
+      p.args.emplace_back(std::string(trim(item.substr(0, eq))), std::string(trim(item.substr(eq + 1))));
+    }
+  }
+  *out = std::move(p);
+  return Status::ok();
+}
+
+/// Applies the spec's arguments to `params` (unchanged on error).
+template <DeclaresFields P>
+Status apply_spec_args(const char* who, const PolicySpec& spec, P& params) {
+  P p = params;
+  for (const auto& [k, v] : spec.args) KVP_RETURN_IF_ERROR(set_param(who, p, k, v));
+  params = p;
+  return Status::ok();
+}
+
+/// `name` and `name:key=value,...` for a concrete policy type `P` whose
+/// Params declare their fields, starting from `defaults`.
+template <class P>
+Status make_policy(std::string_view spec_text, P* out, const typename P::Params& defaults = typename P::Params{}) {
+  PolicySpec spec;
+  KVP_RETURN_IF_ERROR(parse_policy_spec(spec_text, &spec));
+  KVP_REQUIRE(spec.name == P::kName, "policy spec names '%s', expected '%s'", spec.name.c_str(), P::kName);
+  typename P::Params params = defaults;
+  KVP_RETURN_IF_ERROR(apply_spec_args(P::kName, spec, params));
+  const P policy(params);
+  KVP_RETURN_IF_ERROR(policy.validate_params());
+  *out = policy;
+  return Status::ok();
+}
+
+/// A one-shot eviction policy behind a value type: any `EvictionPolicy` over
+/// `ScoreInput<float, Tk>` for Tk in {float, half, bfloat16}, run on the
+/// backend named at the call. Copies share the (immutable) policy.
+class AnyEvictionPolicy {
+ public:
+  AnyEvictionPolicy() = default;
+
+  template <class P>
+  static AnyEvictionPolicy of(P policy, std::string name = P::kName) {
+    AnyEvictionPolicy a;
+    a.impl_ = std::make_shared<const Model<P>>(std::move(policy));
+    a.name_ = std::move(name);
+    return a;
+  }
+
+  explicit operator bool() const noexcept { return impl_ != nullptr; }
+  const std::string& name() const noexcept { return name_; }
+
+  /// Tokens kept per row for a sequence of kv_len tokens (-1 if invalid).
+  std::int64_t kept_count(std::int64_t kv_len) const noexcept { return impl_ ? impl_->kept_count(kv_len) : -1; }
+  /// Tokens scored +inf by rule (window, sinks).
+  std::int64_t protected_tokens(std::int64_t kv_len) const noexcept { return impl_ ? impl_->protected_tokens(kv_len) : 0; }
+
+  Requirements requirements(BackendKind b, const ProblemShape& shape, const ExecContext& exec = {}) const noexcept {
+    if (!impl_) return Requirements{KVP_INVALID("AnyEvictionPolicy: empty (no policy assigned)")};
+    return impl_->requirements(b, shape, exec);
+  }
+
+  template <class Tk>
+  Status evict(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& exec = {}) const noexcept {
+    KVP_REQUIRE(impl_ != nullptr, "AnyEvictionPolicy: empty (no policy assigned)");
+    return impl_->evict(b, batch, out, ws, exec);
+  }
+  template <class Tk>
+  Status evict(BackendKind b, const ScoreInput<float, Tk>& in, KeepSet out, Workspace ws, const ExecContext& exec = {}) const noexcept {
+    return evict(b, std::span<const ScoreInput<float, Tk>>(&in, 1), out, ws, exec);
+  }
+
+ private:
+  struct Concept {
+    virtual ~Concept() = default;
+    virtual std::int64_t kept_count(std::int64_t) const noexcept = 0;
+    virtual std::int64_t protected_tokens(std::int64_t) const noexcept = 0;
+    virtual Requirements requirements(BackendKind, const ProblemShape&, const ExecContext&) const noexcept = 0;
+    virtual Status evict(BackendKind, std::span<const ScoreInput<float, float>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
+    virtual Status evict(BackendKind, std::span<const ScoreInput<float, half>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
+    virtual Status evict(BackendKind, std::span<const ScoreInput<float, bfloat16>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
+  };
+
+  template <class P>
+  struct Model final : Concept {
+    explicit Model(P p) : policy(std::move(p)) {}
+    P policy;
+
+    std::int64_t kept_count(std::int64_t n) const noexcept override { return policy.kept_count(n); }
+    std::int64_t protected_tokens(std::int64_t n) const noexcept override { return policy.protected_tokens(n); }
+    Requirements requirements(BackendKind b, const ProblemShape& s, const ExecContext& exec) const noexcept override {
+#if KVP_REGISTRY_HAS_CPU
+      if (b == BackendKind::kCpu) return policy.requirements(Context<backend::Cpu>{{}, exec}, s);
+#endif
+      if (b == BackendKind::kScalar) return policy.requirements(Context<backend::Scalar>{{}, exec}, s);
+      return Requirements{KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName)};
+    }
+    template <class Tk>
+    Status run(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& exec) const noexcept {
+#if KVP_REGISTRY_HAS_CPU
+      if (b == BackendKind::kCpu) return policy.evict(Context<backend::Cpu>{ws, exec}, batch, out);
+#endif
+      if (b == BackendKind::kScalar) return policy.evict(Context<backend::Scalar>{ws, exec}, batch, out);
+      return KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName);
+    }
+    Status evict(BackendKind b, std::span<const ScoreInput<float, float>> x, KeepSet o, Workspace w, const ExecContext& e) const noexcept override {
+      return run(b, x, o, w, e);
+    }
+    Status evict(BackendKind b, std::span<const ScoreInput<float, half>> x, KeepSet o, Workspace w, const ExecContext& e) const noexcept override {
+      return run(b, x, o, w, e);
+    }
+    Status evict(BackendKind b, std::span<const ScoreInput<float, bfloat16>> x, KeepSet o, Workspace w,
+                 const ExecContext& e) const noexcept override {
+      return run(b, x, o, w, e);
+    }
+  };
+
+  std::shared_ptr<const Concept> impl_;
+  std::string name_;
+};
+
+/// One registered policy: what `--list-policies` prints and bindings expose.
+struct PolicyInfo {
+  std::string_view name;    ///< spec name, e.g. "snapkv"
+  std::string_view family;  ///< "eviction", "eviction (online)", "selection", ...
+  std::string_view paper;   ///< authors, year, title, arXiv id
+  std::vector<ParamInfo> params;  ///< keys with their defaults (spec syntax) and docs
+  bool erased = false;      ///< built by make_eviction_policy (else typed: make_policy<P>)
+};
+
+#if KVP_REGISTRY_HAS_CPU
+/// Every built-in policy of every family, in a fixed order (defined in kvpolicy::cpu).
+const std::vector<PolicyInfo>& registry();
+/// Builds an erased one-shot eviction policy from a spec string; errors name
+/// an unknown policy (listing the known ones) or a bad key / value.
+Status make_eviction_policy(std::string_view spec, AnyEvictionPolicy* out);
+/// "name  family  paper  key=default ..." lines, one per policy.
+std::string describe_registry();
+#endif
+
+KVP_NAMESPACE_END

@@ -1,0 +1,116 @@
+// The run-time registry: spec strings, errors that name the bad key and list
+// the valid ones, erased eviction identical to the typed call, every policy
+// listed with its family, paper and parameter defaults.
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include "kvpolicy/kvpolicy.hpp"
+#include "policy/policy_test_util.hpp"
+
+using namespace kvpolicy;
+using Catch::Contains;
+
+TEST_CASE("registry: spec strings parse into name and ordered key=value pairs", "[registry]") {
+  PolicySpec s;
+  REQUIRE(parse_policy_spec(" snapkv : compression_ratio=0.5 , window=64 ", &s).is_ok());
+  REQUIRE(s.name == "snapkv");
+  REQUIRE(s.args == std::vector<std::pair<std::string, std::string>>{{"compression_ratio", "0.5"}, {"window", "64"}});
+  REQUIRE(parse_policy_spec("tova", &s).is_ok());
+  REQUIRE(s.args.empty());
+  REQUIRE_THAT(parse_policy_spec("snapkv:window", &s).message(), Contains("'window' is not key=value"));
+  REQUIRE_THAT(parse_policy_spec(":window=3", &s).message(), Contains("empty policy name"));
+}
+
+TEST_CASE("registry: parameters set from specs, errors name the key and the valid ones", "[registry]") {
+  SnapKV p;
+  REQUIRE(make_policy("snapkv:compression_ratio=0.25,window=16,kernel=7,pooling=max,order=group_then_pool", &p,
+                      SnapKVParams::kvpress(0.5))
+              .is_ok());
+  REQUIRE(p.params().window == 16);
+  REQUIRE(p.params().kernel == 7);
+  REQUIRE(p.params().pooling == Pooling::kMax);
+  REQUIRE(p.params().order == ReduceOrder::kGroupThenPool);
+  REQUIRE(p.params().budget.kind == BudgetKind::kCompressionRatio);
+  REQUIRE(p.params().budget.value == 0.25);
+  SnapKV q;
+  REQUIRE(make_policy("snapkv:tokens=128", &q, SnapKVParams::original(64)).is_ok());
+  REQUIRE(q.params().budget.kind == BudgetKind::kTokens);
+  REQUIRE(q.params().budget.allow_above_length);  // the preset's flags survive
+  const Status bad_key = make_policy("snapkv:windw=3", &q);
+  REQUIRE_THAT(bad_key.message(), Contains("unknown parameter 'windw'") && Contains("valid: window, kernel, pooling"));
+  REQUIRE_THAT(make_policy("snapkv:kernel=4", &q).message(), Contains("pooling kernel is 4, must be odd"));
+  REQUIRE_THAT(make_policy("snapkv:pooling=median", &q).message(), Contains("expected one of none|avg|max"));
+  REQUIRE_THAT(make_policy("snapkv:window=abc", &q).message(), Contains("expected an integer"));
+  REQUIRE_THAT(make_policy("snapkv:compression_ratio=1.5", &q).message(), Contains("compression_ratio is 1.5, must be in [0, 1)"));
+  REQUIRE_THAT(make_policy("tova:window=3", &q).message(), Contains("names 'tova', expected 'snapkv'"));
+  H2O h;
+  REQUIRE(make_policy("h2o:hh_size=32,recent_size=96,granularity=query_head", &h).is_ok());
+  REQUIRE(h.params().hh_size == 32);
+  REQUIRE(h.params().granularity == H2OGranularity::kQueryHead);
+  Quest qu;
+  REQUIRE(make_policy("quest:token_budget=256,gqa=group_max", &qu).is_ok());
+  REQUIRE(qu.params().gqa == QuestGqa::kGroupMax);
+  PyramidKV py;
+  REQUIRE(make_policy("pyramidkv:window=16,layer=3,num_layers=8", &py, PyramidKVParams::kvpress(0.5, 0, 32)).is_ok());
+  REQUIRE(py.params().scoring.window == 16);
+  REQUIRE(py.params().schedule.window == 16);  // one window, both places
+}
+
+TEST_CASE("registry: erased eviction equals the typed call for every erased policy", "[registry]") {
+  const kvp_test::RandomCase<half> rc(8, 2, 150, 32, 16, 7);
+  const auto in = rc.input();
+  const ProblemShape shape{8, 2, 32, 150, 16};
+  for (const std::string spec : {"snapkv:compression_ratio=0.5,window=16", "streaming_llm:compression_ratio=0.75", "tova",
+                                 "pyramidkv:window=16,layer=5", "adakv:window=16,compression_ratio=0.6"}) {
+    INFO(spec);
+    AnyEvictionPolicy p;
+    REQUIRE(make_eviction_policy(spec, &p).is_ok());
+    for (BackendKind b : {BackendKind::kScalar, BackendKind::kCpu}) {
+      const Requirements r = p.requirements(b, shape);
+      REQUIRE(r.status.is_ok());
+      kvp_test::KeepSetBuffer keep(r.output.rows, r.output.capacity);
+      std::vector<std::byte> ws(r.workspace_bytes);
+      REQUIRE(p.evict(b, in, keep.view(), Workspace{ws.data(), ws.size()}).is_ok());
+      if (spec.rfind("snapkv", 0) == 0) {
+        REQUIRE(keep == kvp_test::run_evict<backend::Scalar>(SnapKV(SnapKVParams::kvpress(0.5, 16)), in));
+      }
+      if (spec == "tova") REQUIRE(keep == kvp_test::run_evict<backend::Scalar>(TOVA(TOVAParams::kvpress(0.5)), in));
+    }
+  }
+  AnyEvictionPolicy ea;
+  REQUIRE(make_eviction_policy("expected_attention:compression_ratio=0.5,n_sink=2", &ea).is_ok());
+  std::vector<half> values(2 * 150 * 32, from_float<half>(0.5f));
+  ScoreInput<float, half> with_values = in;
+  with_values.values = KVSource<half>::from(TensorView<const half, 3>::contiguous(values.data(), {2, 150, 32}));
+  const Requirements r = ea.requirements(BackendKind::kCpu, shape);
+  kvp_test::KeepSetBuffer keep(r.output.rows, r.output.capacity);
+  std::vector<std::byte> ws(r.workspace_bytes);
+  REQUIRE(ea.evict(BackendKind::kCpu, with_values, keep.view(), Workspace{ws.data(), ws.size()}).is_ok());
+}
+
+TEST_CASE("registry: unknown and typed-only names give a clear error", "[registry]") {
+  AnyEvictionPolicy p;
+  REQUIRE_THAT(make_eviction_policy("snapkvv", &p).message(), Contains("no eviction policy named 'snapkvv'; known: streaming_llm, snapkv"));
+  REQUIRE_THAT(make_eviction_policy("h2o", &p).message(), Contains("caller-owned state; build it with make_policy"));
+  REQUIRE_FALSE(p);
+  REQUIRE_FALSE(p.requirements(BackendKind::kCpu, {}).status.is_ok());
+}
+
+TEST_CASE("registry: every policy is listed with family, paper and parameter defaults", "[registry]") {
+  const auto& reg = registry();
+  std::vector<std::string> names;
+  for (const auto& p : reg) names.emplace_back(p.name);
+  REQUIRE(names == std::vector<std::string>{"streaming_llm", "snapkv", "observed_attention", "tova", "pyramidkv", "adakv",
+                                            "expected_attention", "h2o", "quest"});
+  for (const auto& p : reg) {
+    INFO(p.name);
+    REQUIRE(!p.family.empty());
+    REQUIRE_THAT(std::string(p.paper), Contains("arXiv"));
+    REQUIRE(!p.params.empty());
+  }
+  const std::string text = describe_registry();
+  REQUIRE_THAT(text, Contains("snapkv") && Contains("window=64") && Contains("compression_ratio=0.5") && Contains("kernel=5"));
+  REQUIRE_THAT(text, Contains("quest") && Contains("selection") && Contains("token_budget=512"));
+}
