@@ -29,7 +29,7 @@ execute_process(COMMAND "${CMAKE_COMMAND}" --build "${WORK_DIR}/build" -j 2 RESU
 if(rc)
   message(FATAL_ERROR "consumer build failed (${rc})")
 endif()
-foreach(exe consumer consumer_umbrella)
+foreach(exe consumer consumer_umbrella consumer_one_include)
   execute_process(COMMAND "${WORK_DIR}/build/${exe}" RESULT_VARIABLE rc)
   if(rc)
     message(FATAL_ERROR "${exe} failed (${rc})")

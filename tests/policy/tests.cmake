@@ -1,4 +1,5 @@
-kvp_add_test(test_policies
-  ${CMAKE_CURRENT_LIST_DIR}/test_snapkv.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_streaming_llm.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_apply.cpp)
+# policy/: one folder per family, as include/kvpolicy/policy/. Shared helpers
+# (random inputs, owning KeepSets, one-call evict wrappers) sit here.
+include(${CMAKE_CURRENT_LIST_DIR}/eviction/tests.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/selection/tests.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/budget/tests.cmake)

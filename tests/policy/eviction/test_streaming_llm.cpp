@@ -5,7 +5,7 @@
 
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
-#include "policy_test_util.hpp"
+#include "policy/policy_test_util.hpp"
 
 using namespace kvpolicy;
 using Catch::Matchers::Contains;

@@ -11,7 +11,7 @@
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
-#include "online/online_test_util.hpp"
+#include "policy/eviction/online_test_util.hpp"
 #include "policy/policy_test_util.hpp"
 
 using namespace kvpolicy;

@@ -13,7 +13,7 @@
 #include "kvpolicy/policy/budget/pyramid.hpp"
 #include "kvpolicy/policy/budget/schedule.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
-#include "scoring_test_util.hpp"
+#include "policy/eviction/scoring_test_util.hpp"
 
 using namespace kvpolicy;
 using Catch::Matchers::Contains;

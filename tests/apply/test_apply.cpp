@@ -7,7 +7,7 @@
 
 #include "kvpolicy/apply/compact.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
-#include "policy_test_util.hpp"
+#include "policy/policy_test_util.hpp"
 
 using namespace kvpolicy;
 using Catch::Matchers::Contains;

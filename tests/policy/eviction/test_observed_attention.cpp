@@ -8,7 +8,7 @@
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
-#include "online/online_test_util.hpp"
+#include "policy/eviction/online_test_util.hpp"
 #include "policy/golden_inputs.hpp"
 #include "policy/policy_test_util.hpp"
 

@@ -5,11 +5,11 @@
 #include <random>
 #include <vector>
 
-#include "golden_inputs.hpp"
+#include "policy/golden_inputs.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
-#include "policy_test_util.hpp"
+#include "policy/policy_test_util.hpp"
 
 using namespace kvpolicy;
 using Catch::Matchers::Contains;

@@ -10,7 +10,7 @@
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
-#include "online/online_test_util.hpp"
+#include "policy/eviction/online_test_util.hpp"
 #include "policy/golden_inputs.hpp"
 #include "policy/policy_test_util.hpp"
 

@@ -7,7 +7,7 @@
 #include "kvpolicy/eval/page_metrics.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
-#include "quest/quest_fixture.hpp"
+#include "policy/selection/quest_fixture.hpp"
 
 using namespace kvpolicy;
 using namespace quest_test;

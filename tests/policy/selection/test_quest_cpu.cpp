@@ -11,7 +11,7 @@
 #include "kvpolicy/backends/cpu_page_ops.hpp"
 #include "kvpolicy/eval/page_metrics.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
-#include "quest/quest_fixture.hpp"
+#include "policy/selection/quest_fixture.hpp"
 
 using namespace kvpolicy;
 using namespace quest_test;
