@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -57,6 +58,106 @@ struct ScalarReduceOps {
     }
     const float hf = static_cast<float>(Hq);
     for (std::int64_t j = 0; j < n; ++j) mean[j] /= hf;
+  }
+
+  /// state[j] = (j < len_prev ? state[j] : 0) + reduce_{g<G} sum_i p[h0+g, i, j]
+  /// (reduce = sum, or mean with `mean_over_group`), for j < p.extent(2): the column-sum
+  /// accumulation of online attention scores (H2O). fp32, in blocks that stay
+  /// in L1; order: rows i ascending, then the group ascending, then / G, then
+  /// added to the state (h2o.hpp pins it bit for bit). Rows contiguous along j.
+  template <class Tp>
+  static void accumulate_column_sums(float* state, std::int64_t len_prev, const TensorView<const Tp, 3>& p, std::int64_t h0, std::int64_t G,
+                                     bool mean_over_group) noexcept {
+    constexpr std::int64_t kBlock = 1024;
+    alignas(64) float r[kBlock];
+    alignas(64) float c[kBlock];
+    const std::int64_t n = p.extent(2), rows = p.extent(1);
+    const bool mean = mean_over_group && G > 1;
+    const float gf = static_cast<float>(G);
+    for (std::int64_t j0 = 0; j0 < n; j0 += kBlock) {
+      const std::int64_t nb = std::min(kBlock, n - j0);
+      for (std::int64_t g = 0; g < G; ++g) {
+        const Tp* src = p.data() + (h0 + g) * p.stride(0) + j0;
+        if (g > 0 && rows == 1) {  // c == row 0 exactly: add it straight into r
+          for (std::int64_t k = 0; k < nb; ++k) r[k] += to_float(src[k]);
+          continue;
+        }
+        float* dst = g == 0 ? r : c;
+        for (std::int64_t k = 0; k < nb; ++k) dst[k] = to_float(src[k]);
+        for (std::int64_t i = 1; i < rows; ++i) {
+          const Tp* row = src + i * p.stride(1);
+          for (std::int64_t k = 0; k < nb; ++k) dst[k] += to_float(row[k]);
+        }
+        if (g > 0)
+          for (std::int64_t k = 0; k < nb; ++k) r[k] += c[k];
+      }
+      if (mean)
+        for (std::int64_t k = 0; k < nb; ++k) r[k] /= gf;
+      float* s = state + j0;
+      const std::int64_t split = std::clamp<std::int64_t>(len_prev - j0, 0, nb);
+      for (std::int64_t k = 0; k < split; ++k) s[k] += r[k];
+      for (std::int64_t k = split; k < nb; ++k) s[k] = r[k];
+    }
+  }
+
+  // ---- expected attention (Gaussian future queries) -------------------------
+
+  /// Expected logits of keys j in [j0, j1) under a Gaussian query with
+  /// (rotated) mean `mean` and covariance `cov` (d x d, row-major; nullptr
+  /// drops the term): z[j] = <mean, k_j> / sqrt(d) + k_j^T cov k_j / (2 d),
+  /// fp32 with the quadratic form as t = sum_i k_i cov[i, :] then <t, k>.
+  /// Returns max_j z[j] (-inf for an empty range). `scratch`: 2 d floats.
+  template <class Tk>
+  static float expected_logits(const float* mean, const float* cov, std::int64_t d, const Rows<Tk>& keys, std::int64_t j0, std::int64_t j1,
+                               float* z, float* scratch) noexcept {
+    float* kf = scratch;
+    float* t = scratch + d;
+    const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
+    float mx = -std::numeric_limits<float>::infinity();
+    for (std::int64_t j = j0; j < j1; ++j) {
+      const Tk* kr = keys.row(j);
+      for (std::int64_t i = 0; i < d; ++i) kf[i] = to_float(kr[i]);
+      float dot = 0.0f;
+      for (std::int64_t i = 0; i < d; ++i) dot += mean[i] * kf[i];
+      float zj = dot / sqrt_d;
+      if (cov != nullptr) {
+        std::fill(t, t + d, 0.0f);
+        for (std::int64_t i = 0; i < d; ++i) {
+          const float* row = cov + i * d;
+          const float ki = kf[i];
+          for (std::int64_t k = 0; k < d; ++k) t[k] += ki * row[k];
+        }
+        float quad = 0.0f;
+        for (std::int64_t k = 0; k < d; ++k) quad += t[k] * kf[k];
+        zj += quad / static_cast<float>(d) / 2.0f;
+      }
+      z[j] = zj;
+      mx = std::max(mx, zj);
+    }
+    return mx;
+  }
+
+  /// Softmax of z[j0, j1) given its max, accumulated: z[j] = exp(z[j] - mx)
+  /// (the denominator summed in double), s[j] += z[j] / denominator.
+  static void softmax_accumulate(float* z, std::int64_t j0, std::int64_t j1, float mx, float* s) noexcept {
+    double denom = 0.0;
+    for (std::int64_t j = j0; j < j1; ++j) {
+      z[j] = std::exp(z[j] - mx);
+      denom += z[j];
+    }
+    const float inv = static_cast<float>(1.0 / denom);
+    for (std::int64_t j = j0; j < j1; ++j) s[j] += z[j] * inv;
+  }
+
+  /// Euclidean norm of a row of d values, accumulated in double.
+  template <class T>
+  static float row_norm(const T* v, std::int64_t d) noexcept {
+    double ss = 0.0;
+    for (std::int64_t i = 0; i < d; ++i) {
+      const double x = to_float(v[i]);
+      ss += x * x;
+    }
+    return static_cast<float>(std::sqrt(ss));
   }
 
   // ---- NaN scans and the one-victim selection --------------------------------

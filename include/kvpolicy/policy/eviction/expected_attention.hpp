@@ -192,7 +192,7 @@ class ExpectedAttention {
     ctx.parallel_for(shape.num_kv_heads, [&](std::int64_t g, int worker) {
       WorkspaceCarver c(slices.slice(worker));
       float* s = c.take<float>(static_cast<std::size_t>(T));
-      score_head(in, shape, g, s, c);
+      score_head<Backend>(in, shape, g, s, c);
       for (std::int64_t j = 0; j < T; ++j) out(g, j) = s[j];
     });
     return Status::ok();
@@ -225,7 +225,7 @@ class ExpectedAttention {
         }
         WorkspaceCarver c(slices.slice(worker));
         float* s = c.take<float>(static_cast<std::size_t>(T));
-        score_head(in, sb, g, s, c);
+        score_head<Backend>(in, sb, g, s, c);
         Backend::topk(s, T, n_keep, dst, c.rest());
       });
     }
@@ -383,7 +383,7 @@ class ExpectedAttention {
   }
 
   /// Scores of kv head g into s[0..T): sinks +inf, the rest the group-mean expected attention (x value norm).
-  template <class Tq, class Tk>
+  template <class Backend, class Tq, class Tk>
   void score_head(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* s,
                   WorkspaceCarver& c) const noexcept {
     const std::int64_t d = shape.head_dim, h = d / 2, T = in.keys.kv_len(), n0 = params_.n_sink;
@@ -394,12 +394,11 @@ class ExpectedAttention {
     double* cov = c.take<double>(static_cast<std::size_t>(d * d));
     float* covf = c.take<float>(static_cast<std::size_t>(d * d));
     float* cb = c.take<float>(static_cast<std::size_t>(5 * d));
-    float *sb = cb + d, *kf = cb + 2 * d, *mf = cb + 3 * d, *t = cb + 4 * d;
+    float *sb = cb + d, *mf = cb + 2 * d, *kf = cb + 3 * d;  // kf: 2 d floats of op scratch (key, quadratic-form row)
     averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
     auto partner = [h](std::int64_t i) { return i < h ? i + h : i - h; };
     auto off = [&](std::int64_t i) { return i < h ? -static_cast<double>(sb[i + h]) : static_cast<double>(sb[i - h]); };
     const Rows<Tk> keys = in.keys.rows(g);
-    const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
     std::fill(s, s + T, 0.0f);
     for (std::int64_t qq = 0; qq < G; ++qq) {
       const std::int64_t q = g * G + qq;
@@ -419,47 +418,14 @@ class ExpectedAttention {
           for (std::int64_t j = 0; j < d; ++j)
             covf[i * d + j] = static_cast<float>(cov[i * d + j] * static_cast<double>(cb[j]) + cov[i * d + partner(j)] * off(j));
       }
-      float mx = -INFINITY;
-      for (std::int64_t j = n0; j < T; ++j) {
-        const Tk* kr = keys.row(j);
-        for (std::int64_t i = 0; i < d; ++i) kf[i] = to_float(kr[i]);
-        float dot = 0.0f;
-        for (std::int64_t i = 0; i < d; ++i) dot += mf[i] * kf[i];
-        float zj = dot / sqrt_d;
-        if (params_.use_covariance) {
-          // k^T C' k as t = sum_i k_i C'[i, :] (vectorisable rows), then <t, k>.
-          std::fill(t, t + d, 0.0f);
-          for (std::int64_t i = 0; i < d; ++i) {
-            const float* row = covf + i * d;
-            const float ki = kf[i];
-            for (std::int64_t k = 0; k < d; ++k) t[k] += ki * row[k];
-          }
-          float quad = 0.0f;
-          for (std::int64_t k = 0; k < d; ++k) quad += t[k] * kf[k];
-          zj += quad / static_cast<float>(d) / 2.0f;
-        }
-        z[j] = zj;
-        mx = std::max(mx, zj);
-      }
-      double denom = 0.0;
-      for (std::int64_t j = n0; j < T; ++j) {
-        z[j] = std::exp(z[j] - mx);
-        denom += z[j];
-      }
-      const float inv = static_cast<float>(1.0 / denom);
-      for (std::int64_t j = n0; j < T; ++j) s[j] += z[j] * inv;
+      const float mx = Backend::expected_logits(mf, params_.use_covariance ? covf : nullptr, d, keys, n0, T, z, kf);
+      Backend::softmax_accumulate(z, n0, T, mx, s);
     }
     const Rows<Tk> values = in.values.rows(g);
     for (std::int64_t j = n0; j < T; ++j) {
       float v = s[j] / static_cast<float>(G);
       if (params_.use_vnorm) {
-        const Tk* vr = values.row(j);
-        double ss = 0.0;
-        for (std::int64_t i = 0; i < d; ++i) {
-          const double x = to_float(vr[i]);
-          ss += x * x;
-        }
-        v = (v + params_.epsilon) * static_cast<float>(std::sqrt(ss));
+        v = (v + params_.epsilon) * Backend::row_norm(values.row(j), d);
       }
       s[j] = v;
     }

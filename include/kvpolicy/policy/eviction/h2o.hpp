@@ -175,13 +175,13 @@ class H2O {
       const auto& probs = obs.attention;
       KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
       KVP_REQUIRE(probs.extent(1) >= 1, "h2o: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
-      return update_impl(state, probs, probs.extent(1), "probabilities", cx.exec);
+      return update_impl<Backend>(state, probs, probs.extent(1), "probabilities", cx.exec);
     }
     if (obs.has_column_sums()) {
       const auto& col = obs.column_sums;
       KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
       const TensorView<const Tp, 3> as3(col.data(), {col.extent(0), 1, col.extent(1)}, {col.stride(0), 0, col.stride(1)}, col.device());
-      return update_impl(state, as3, col.extent(1) - state.length, "column sums", cx.exec);
+      return update_impl<Backend>(state, as3, col.extent(1) - state.length, "column sums", cx.exec);
     }
     return update_from_queries<Backend>(state, obs, cx.workspace, cx.exec);
   }
@@ -237,7 +237,7 @@ class H2O {
         if (q0 > 0)
           for (std::int64_t j = 0; j < G * n; ++j) col[j] += blk[j];
       }
-      accumulate_row(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G);
+      Backend::accumulate_column_sums(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G, mean_groups());
     });
     state.length = n;
     return Status::ok();
@@ -325,7 +325,9 @@ class H2O {
     return Status::ok();
   }
 
-  template <class Tp>
+  bool mean_groups() const noexcept { return params_.group_reduce == GroupReduce::kMean; }
+
+  template <class Backend, class Tp>
   Status update_impl(H2OState& st, TensorView<const Tp, 3> p, std::int64_t fresh, const char* name, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
@@ -342,45 +344,9 @@ class H2O {
                 static_cast<long long>(p.stride(2)));
     KVP_RETURN_IF_ERROR(check_step(st, n, fresh, name));
     const std::int64_t G = Hq / Hs, len_prev = st.length;
-    ctx.parallel_for(Hs, [&](std::int64_t s, int) { accumulate_row(&st.scores(s, 0), len_prev, p, s * G, G); });
+    ctx.parallel_for(Hs, [&](std::int64_t s, int) { Backend::accumulate_column_sums(&st.scores(s, 0), len_prev, p, s * G, G, mean_groups()); });
     st.length = n;
     return Status::ok();
-  }
-
-  /// state[j] = (j < len_prev ? state[j] : 0) + reduce_{g<G} sum_i p[h0+g, i, j],
-  /// in blocks that stay in L1 (the order documented at the top).
-  template <class Tp>
-  void accumulate_row(float* state, std::int64_t len_prev, const TensorView<const Tp, 3>& p, std::int64_t h0, std::int64_t G) const noexcept {
-    constexpr std::int64_t kBlock = 1024;
-    alignas(64) float r[kBlock];
-    alignas(64) float c[kBlock];
-    const std::int64_t n = p.extent(2), rows = p.extent(1);
-    const bool mean = params_.group_reduce == GroupReduce::kMean && G > 1;
-    const float gf = static_cast<float>(G);
-    for (std::int64_t j0 = 0; j0 < n; j0 += kBlock) {
-      const std::int64_t nb = std::min(kBlock, n - j0);
-      for (std::int64_t g = 0; g < G; ++g) {
-        const Tp* src = p.data() + (h0 + g) * p.stride(0) + j0;
-        if (g > 0 && rows == 1) {  // c == row 0 exactly: add it straight into r
-          for (std::int64_t k = 0; k < nb; ++k) r[k] += to_float(src[k]);
-          continue;
-        }
-        float* dst = g == 0 ? r : c;
-        for (std::int64_t k = 0; k < nb; ++k) dst[k] = to_float(src[k]);
-        for (std::int64_t i = 1; i < rows; ++i) {
-          const Tp* row = src + i * p.stride(1);
-          for (std::int64_t k = 0; k < nb; ++k) dst[k] += to_float(row[k]);
-        }
-        if (g > 0)
-          for (std::int64_t k = 0; k < nb; ++k) r[k] += c[k];
-      }
-      if (mean)
-        for (std::int64_t k = 0; k < nb; ++k) r[k] /= gf;
-      float* s = state + j0;
-      const std::int64_t split = std::clamp<std::int64_t>(len_prev - j0, 0, nb);
-      for (std::int64_t k = 0; k < split; ++k) s[k] += r[k];
-      for (std::int64_t k = split; k < nb; ++k) s[k] = r[k];
-    }
   }
 
   static constexpr std::int64_t kQueryBlock = 64;  ///< queries per window_scores call in update_from_queries
