@@ -5,6 +5,7 @@
 #   tools/kvp.sh test [ctest args]   build, then run the whole test suite
 #   tools/kvp.sh bench               build, then run every benchmark (median table)
 #   tools/kvp.sh build               install missing packages, configure, build
+#   tools/kvp.sh format [--check]    clang-format every C++ source (.clang-format); --check only reports
 # Installs missing Debian packages non-interactively (as root, or via sudo),
 # configures build/ once (Release, Ninja), builds incrementally.
 set -euo pipefail
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${KVP_BUILD_DIR:-build}
 JOBS=${KVP_JOBS:-$(nproc)}
 
-packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib)
+packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib clang-format)
 
 install_missing() {
   local missing=()
@@ -69,6 +70,18 @@ compare() {
   rm -f "$marker"
 }
 
+# Every tracked C++ source (not test data) through clang-format (Debian's, as in CI).
+format() {
+  install_missing
+  local files=()
+  mapfile -t files < <(git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh' '*.h' | grep -v '^tests/data/')
+  if [ "${1:-}" = "--check" ]; then
+    clang-format --dry-run -Werror "${files[@]}" && echo "kvp: ${#files[@]} C++ files formatted as .clang-format says"
+  else
+    clang-format -i "${files[@]}"
+  fi
+}
+
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -76,5 +89,6 @@ case "$cmd" in
   compare) build; compare "$@" ;;
   test) build; exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
   bench) build; exec benchmarks/run_all.sh "$BUILD_DIR" "$@" ;;
+  format) format "$@" ;;
   *) sed -n '2,10p' "$0"; exit 2 ;;
 esac

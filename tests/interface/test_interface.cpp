@@ -334,3 +334,23 @@ TEST_CASE("interface: Budgeted<SnapKV, UniformAllocation> is SnapKV's decision f
     REQUIRE(keep == kvp_test::run_evict<backend::Scalar>(snap, in));
   }
 }
+
+TEST_CASE("interface: allocators give every row the layer's budget and reject a wrong count buffer", "[interface][compose]") {
+  std::vector<float> s(3 * 100, 0.0f);
+  const auto scores = TensorView<const float, 2>::contiguous(s.data(), {3, 100});
+  std::vector<std::int64_t> counts(3, -1);
+  UniformAllocation u{Budget::compression_ratio(0.75), 8};
+  REQUIRE(u.allocate(Context<backend::Scalar>{}, 100, scores, counts).is_ok());
+  REQUIRE(counts == std::vector<std::int64_t>{25, 25, 25});
+  const LayerAllocation pyramid{LayerSchedule::pyramid_kvpress(0.5, 8, 4), 0, 8};
+  const LayerAllocation top{LayerSchedule::pyramid_kvpress(0.5, 8, 4), 3, 8};
+  std::vector<std::int64_t> c0(3), c3(3);
+  REQUIRE(pyramid.allocate(Context<backend::Scalar>{}, 100, scores, c0).is_ok());
+  REQUIRE(top.allocate(Context<backend::Scalar>{}, 100, scores, c3).is_ok());
+  REQUIRE(c0[0] > c3[0]);  // the pyramid keeps more in the lower layers
+  REQUIRE(c0[0] == PyramidKV(PyramidKVParams::kvpress(0.5, 0, 4, 8)).kept_count(100));
+  REQUIRE(c3[0] == PyramidKV(PyramidKVParams::kvpress(0.5, 3, 4, 8)).kept_count(100));
+  std::vector<std::int64_t> wrong(2);
+  REQUIRE_THAT(std::string(u.allocate(Context<backend::Scalar>{}, 100, scores, wrong).message()),
+               Catch::Contains("2 counts for 3 rows"));
+}

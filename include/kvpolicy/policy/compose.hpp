@@ -32,6 +32,16 @@
 
 KVP_NAMESPACE_BEGIN
 
+namespace detail {
+/// counts[h] = n for every row of `scores`.
+inline Status fill_counts(const char* who, std::int64_t n, const TensorView<const float, 2>& scores, std::span<std::int64_t> counts) noexcept {
+  KVP_REQUIRE(static_cast<std::int64_t>(counts.size()) == scores.extent(0), "%s: %zu counts for %lld rows", who, counts.size(),
+              static_cast<long long>(scores.extent(0)));
+  std::fill(counts.begin(), counts.end(), n);
+  return Status::ok();
+}
+}  // namespace detail
+
 /// Every row keeps the same number of tokens: `budget` resolved for the
 /// sequence, with `num_protected` tokens counted as the Budget states.
 struct UniformAllocation {
@@ -46,10 +56,7 @@ struct UniformAllocation {
   Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(count("uniform_allocation", kv_len, num_protected, &n));
-    KVP_REQUIRE(static_cast<std::int64_t>(counts.size()) == scores.extent(0), "uniform_allocation: %zu counts for %lld rows", counts.size(),
-                static_cast<long long>(scores.extent(0)));
-    std::fill(counts.begin(), counts.end(), n);
-    return Status::ok();
+    return detail::fill_counts("uniform_allocation", n, scores, counts);
   }
 };
 
@@ -74,10 +81,7 @@ struct LayerAllocation {
   Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(count("layer_allocation", kv_len, num_protected, &n));
-    KVP_REQUIRE(static_cast<std::int64_t>(counts.size()) == scores.extent(0), "layer_allocation: %zu counts for %lld rows", counts.size(),
-                static_cast<long long>(scores.extent(0)));
-    std::fill(counts.begin(), counts.end(), n);
-    return Status::ok();
+    return detail::fill_counts("layer_allocation", n, scores, counts);
   }
 };
 

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The family concepts: one templated policy interface over eviction,
 // selection, budgets, merging, quantization and prefetch. Every policy header
-// `static_assert`s the concepts it models for `backend::Scalar`; the CPU
-// backend's header asserts them for `backend::Cpu` (tests/policy/
-// test_concepts.cpp instantiates every pair).
+// `static_assert`s the concepts it models for `backend::Scalar`; the umbrella
+// header (kvpolicy.hpp) asserts them for `backend::Cpu` when that backend is
+// available, and tests/interface/test_interface.cpp checks every (policy,
+// backend, dtype) pair.
 //
 // The shape shared by all families (vocabulary.hpp):
 //   Requirements r = policy.requirements(ctx, shape);   // one size query per phase

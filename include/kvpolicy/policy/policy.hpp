@@ -30,6 +30,7 @@
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/batched.hpp"
 #include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/budget.hpp"
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
@@ -123,6 +124,19 @@ inline Requirements uniform_requirements(Status status, std::size_t workspace, c
   r.output = OutputSize{s.batch * rows, s.batch * rows * kept};
   r.query_window = query_window;
   return r;
+}
+
+/// The size query of a policy whose rows (`rows` per sequence) keep `budget`
+/// with `protected_of(max_kv_len)` protected tokens: params and shape checked,
+/// the budget resolved for the longest sequence (budgets are monotone in kv_len).
+template <class ProtectedFn>
+Requirements budget_requirements(const char* who, Status params, const ProblemShape& s, const Budget& budget, ProtectedFn&& protected_of,
+                                 std::size_t workspace, std::int64_t rows, std::int64_t query_window) noexcept {
+  Status st = params;
+  if (st.is_ok()) st = check_problem_shape(who, s);
+  std::int64_t n = 0;
+  if (st.is_ok()) st = budget.resolve(who, s.max_kv_len, protected_of(s.max_kv_len), &n);
+  return uniform_requirements(st, workspace, s, rows, n, query_window);
 }
 
 }  // namespace detail

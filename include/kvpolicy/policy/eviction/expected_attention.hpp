@@ -142,12 +142,9 @@ class ExpectedAttention {
   /// num_kv_heads); the query window is the whole prompt (q_len; 0 with statistics).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
-    Status st = validate_params();
-    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
-    std::int64_t n = 0;
-    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
-    return detail::uniform_requirements(st, detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape,
-                                        shape.num_kv_heads, n, shape.q_len);
+    return detail::budget_requirements(kName, validate_params(), shape, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
+                                       detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape.num_kv_heads,
+                                       shape.q_len);
   }
 
   /// Input checks of `score` / `evict` and the batch's shape (q_len = queries' rows, 0 with statistics).

@@ -104,12 +104,9 @@ class ObservedAttention {
   /// = the whole prompt (q_len = max_kv_len; 0 when the engine passes column sums).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
-    Status st = validate_params();
-    if (st.is_ok()) st = detail::check_problem_shape(kName, shape);
-    std::int64_t n = 0;
-    if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
-    return detail::uniform_requirements(st, detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape,
-                                        shape.num_kv_heads, n, shape.head_dim > 0 ? shape.max_kv_len : 0);
+    return detail::budget_requirements(kName, validate_params(), shape, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
+                                       detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape.num_kv_heads,
+                                       shape.head_dim > 0 ? shape.max_kv_len : 0);
   }
 
   /// Scores of one sequence, out (num_kv_heads, kv_len); window tokens +inf.

@@ -91,11 +91,8 @@ class TOVA {
   /// query window 1 (the newest query; 0 with probabilities).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
-    Status st = validate_params();
-    if (st.is_ok()) st = detail::check_problem_shape(kName, s);
-    std::int64_t k = 0;
-    if (st.is_ok()) st = params_.budget.resolve(kName, s.max_kv_len, protected_tokens(s.max_kv_len), &k);
-    return detail::uniform_requirements(st, workspace_bytes<Backend>(s, ctx.exec), s, s.num_kv_heads, k, s.head_dim > 0 ? 1 : 0);
+    return detail::budget_requirements(kName, validate_params(), s, params_.budget, [this](std::int64_t n) { return protected_tokens(n); }, workspace_bytes<Backend>(s, ctx.exec),
+                                       s.num_kv_heads, s.head_dim > 0 ? 1 : 0);
   }
 
   /// Scores of one sequence, out (num_kv_heads, kv_len): the head-averaged
