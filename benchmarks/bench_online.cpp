@@ -238,7 +238,8 @@ int main(int argc, char** argv) {
   auto bw = [&](const char* n) { return rep.bps.count(n) ? rep.bps[n] : 0.0; };
   std::printf("\nOnline eviction at %lld cached tokens, %lld q / %lld kv heads (medians of CPU time)\n", static_cast<long long>(kN),
               static_cast<long long>(kHq), static_cast<long long>(kHkv));
-  std::printf("  read pass, %.1f MiB buffer (cache-resident, as the warm steps):   %6.2f GB/s\n", kStepBytes / 1048576.0, bw("read") * 1e-9);
+  std::printf("  read pass, %.1f MiB buffer (cache-resident, as the warm steps):   %6.2f GB/s\n", kStepBytes / 1048576.0,
+              bw("read") * 1e-9);
   std::printf("  read pass over the cold rotation (memory, as h2o/step_cold):  %6.2f GB/s\n", bw("read_cold") * 1e-9);
   const double peak_bw = kvp_bench::peak().read_bytes_per_second;
   std::printf("  peak read bandwidth, benchmarks/peak.hpp (memory, 1 core):    %6.2f GB/s\n", peak_bw * 1e-9);

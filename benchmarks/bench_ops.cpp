@@ -72,7 +72,8 @@ void bm_window_scores_layer(benchmark::State& st, CpuIsa isa, int threads, bool 
   for (auto _ : st) {
     ctx.parallel_for(kKvHeads, [&](std::int64_t h, int worker) {
       backend::Cpu::window_scores(s, data.q.data() + h * kG * kW * kD, Rows<Tk>{data.k.data() + h * kT * kD, kD},
-                                  out.data() + h * kG * s.num_cols, Workspace{ws.data() + static_cast<std::size_t>(worker) * per_worker, per_worker});
+                                  out.data() + h * kG * s.num_cols,
+                                  Workspace{ws.data() + static_cast<std::size_t>(worker) * per_worker, per_worker});
     });
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
@@ -139,7 +140,7 @@ void register_window(const char* dtype) {
   for (CpuIsa isa : kvp_bench::isas()) {
     benchmark::RegisterBenchmark((std::string("window_scores/cpu/") + cpu_isa_name(isa) + "/" + dtype).c_str(),
                                  bm_window_scores<backend::Cpu, Tk>, isa)
-          ->Unit(benchmark::kMillisecond);
+        ->Unit(benchmark::kMillisecond);
   }
 }
 
@@ -169,21 +170,21 @@ void register_all() {
     benchmark::RegisterBenchmark(("read_pass" + shape).c_str(), bm_read_pass, rows)->Unit(benchmark::kMicrosecond);
     for (CpuIsa isa : kvp_bench::isas()) {
       benchmark::RegisterBenchmark(("topk/cpu/" + std::string(cpu_isa_name(isa)) + shape).c_str(), bm_topk<backend::Cpu>, isa, rows)
-              ->Unit(benchmark::kMicrosecond);
+          ->Unit(benchmark::kMicrosecond);
     }
     benchmark::RegisterBenchmark(("topk/scalar" + shape).c_str(), bm_topk<backend::Scalar>, CpuIsa::kSse2, rows)
-          ->Unit(benchmark::kMicrosecond);
+        ->Unit(benchmark::kMicrosecond);
   }
 
   for (auto [kind, kernel, name] : {std::tuple{Pooling::kAvg, 5, "avg/k:5"}, std::tuple{Pooling::kMax, 7, "max/k:7"}}) {
     const std::string shape = std::string("/") + name + "/n:" + std::to_string(kPoolN);
     for (CpuIsa isa : kvp_bench::isas()) {
-      benchmark::RegisterBenchmark(("pool1d/cpu/" + std::string(cpu_isa_name(isa)) + shape).c_str(), bm_pool1d<backend::Cpu>, isa,
-                                   kind, kernel)
-              ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(("pool1d/cpu/" + std::string(cpu_isa_name(isa)) + shape).c_str(), bm_pool1d<backend::Cpu>, isa, kind,
+                                   kernel)
+          ->Unit(benchmark::kMicrosecond);
     }
     benchmark::RegisterBenchmark(("pool1d/scalar" + shape).c_str(), bm_pool1d<backend::Scalar>, CpuIsa::kSse2, kind, kernel)
-          ->Unit(benchmark::kMicrosecond);
+        ->Unit(benchmark::kMicrosecond);
   }
 }
 

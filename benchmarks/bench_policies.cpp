@@ -32,11 +32,11 @@ namespace {
 constexpr std::int64_t kHq = 32, kHkv = 8, kD = 128, kW = 32, kT = 32768;
 
 struct SnapInputs {
-  std::vector<float> q = kvp_bench::normal_values<float>(static_cast<std::size_t>(kHq * kW * kD), 11);   // (Hq, w, d)
-  std::vector<half> k = kvp_bench::normal_values<half>(static_cast<std::size_t>(kHkv * kT * kD), 12);    // (Hkv, T, d)
+  std::vector<float> q = kvp_bench::normal_values<float>(static_cast<std::size_t>(kHq * kW * kD), 11);  // (Hq, w, d)
+  std::vector<half> k = kvp_bench::normal_values<half>(static_cast<std::size_t>(kHkv * kT * kD), 12);   // (Hkv, T, d)
   ScoreInput<float, half> input() const {
     return ScoreInput<float, half>{TensorView<const float, 3>::contiguous(q.data(), {kHq, kW, kD}),
-                                     KVSource<half>::from(TensorView<const half, 3>::contiguous(k.data(), {kHkv, kT, kD}))};
+                                   KVSource<half>::from(TensorView<const half, 3>::contiguous(k.data(), {kHkv, kT, kD}))};
   }
   static const SnapInputs& get() {
     static const SnapInputs s;

@@ -180,8 +180,9 @@ void BM_Estimate(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(static_cast<double>(state.iterations()) * s.meta_bytes()));
-  state.counters["pct_peak_bw"] = benchmark::Counter(100.0 * s.meta_bytes() * static_cast<double>(state.iterations()) /
-                                                     kvp_bench::peak().read_bytes_per_second, benchmark::Counter::kIsRate);
+  state.counters["pct_peak_bw"] =
+      benchmark::Counter(100.0 * s.meta_bytes() * static_cast<double>(state.iterations()) / kvp_bench::peak().read_bytes_per_second,
+                         benchmark::Counter::kIsRate);
 }
 
 double thread_seconds() {
@@ -315,8 +316,8 @@ void BM_Select(benchmark::State& state) {
 struct Selection {
   std::vector<std::int32_t> indptr, last, idx;
   PageSelection view() {
-    return PageSelection{indptr.data(), idx.data(), last.data(), nullptr, static_cast<std::int64_t>(last.size()),
-                         static_cast<std::int64_t>(idx.size())};
+    return PageSelection{
+        indptr.data(), idx.data(), last.data(), nullptr, static_cast<std::int64_t>(last.size()), static_cast<std::int64_t>(idx.size())};
   }
 };
 
@@ -364,9 +365,9 @@ void BM_SparseAttention(benchmark::State& state) {
 
 constexpr int kPerHead = static_cast<int>(QuestGqa::kPerQueryHead), kGroupSum = static_cast<int>(QuestGqa::kGroupSum);
 
-#define KVP_QUEST_SELECT_BENCHES(B, NAME)                                                                                     \
-  BENCHMARK_TEMPLATE(BM_Estimate, B)->Name("estimate/" NAME)->Unit(benchmark::kMicrosecond);                                   \
-  BENCHMARK_TEMPLATE(BM_TopK, B)->Name("topk/" NAME)->Arg(1024)->Arg(4096)->Unit(benchmark::kMicrosecond);                     \
+#define KVP_QUEST_SELECT_BENCHES(B, NAME)                                                                  \
+  BENCHMARK_TEMPLATE(BM_Estimate, B)->Name("estimate/" NAME)->Unit(benchmark::kMicrosecond);               \
+  BENCHMARK_TEMPLATE(BM_TopK, B)->Name("topk/" NAME)->Arg(1024)->Arg(4096)->Unit(benchmark::kMicrosecond); \
   BENCHMARK_TEMPLATE(BM_Select, B)->Name("select/" NAME)->Arg(1024)->Arg(4096)->Unit(benchmark::kMicrosecond)
 
 BENCHMARK(BM_ReadBandwidth)->Name("read_bandwidth/32MiB")->Unit(benchmark::kMicrosecond);
@@ -375,7 +376,12 @@ KVP_QUEST_SELECT_BENCHES(backend::Scalar, "scalar");
 #if KVP_BENCH_QUEST_CPU
 KVP_QUEST_SELECT_BENCHES(backend::Cpu, "cpu");
 BENCHMARK_TEMPLATE(BM_EstimateVsRead, backend::Cpu)->Name("estimate_vs_read_cold/cpu")->Iterations(24)->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_TopKVsPass, backend::Cpu)->Name("topk_vs_pass/cpu")->Arg(1024)->Arg(4096)->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_TopKVsPass, backend::Cpu)
+    ->Name("topk_vs_pass/cpu")
+    ->Arg(1024)
+    ->Arg(4096)
+    ->Iterations(200)
+    ->Unit(benchmark::kMicrosecond);
 // Attention at 128K x 32 heads: the CPU backend only (the scalar reference takes seconds).
 BENCHMARK_TEMPLATE(BM_DenseAttention, backend::Cpu)->Name("dense_attention/cpu")->Unit(benchmark::kMillisecond);
 BENCHMARK_TEMPLATE(BM_SparseAttention, backend::Cpu)
@@ -425,8 +431,8 @@ void summary(const SummaryReporter& rep) {
   const kvp_bench::Peak& pk = kvp_bench::peak();
   std::printf("\n== Quest decode step, 128K tokens (8192 pages x 16), head_dim 128, 32 q / 8 kv heads, fp16 (CPU time, medians) ==\n");
   std::printf("peak probe: read bandwidth %.2f GB/s (%.0f MiB buffer), FMA %.1f GFLOP/s (%s); read pass over 32 MiB: %.2f GB/s\n",
-              pk.read_bytes_per_second / 1e9, static_cast<double>(pk.read_buffer_bytes) / 1048576.0, pk.fma_flops_per_second / 1e9, pk.fma_isa,
-              bw / 1e9);
+              pk.read_bytes_per_second / 1e9, static_cast<double>(pk.read_buffer_bytes) / 1048576.0, pk.fma_flops_per_second / 1e9,
+              pk.fma_isa, bw / 1e9);
   for (const char* b : {"scalar", "cpu"}) {
     const std::string B = b;
     const double est = get(rep, "estimate/" + B);
@@ -462,16 +468,17 @@ void summary(const SummaryReporter& rep) {
     }
   }
   // Bytes read per step, from the selections themselves.
-  for (auto [budget, mode, label] : {std::tuple{1024, QuestGqa::kPerQueryHead, "per-query-head"},
-                                     std::tuple{4096, QuestGqa::kPerQueryHead, "per-query-head"},
-                                     std::tuple{4096, QuestGqa::kGroupSum, "group-sum"}}) {
+  for (auto [budget, mode, label] :
+       {std::tuple{1024, QuestGqa::kPerQueryHead, "per-query-head"}, std::tuple{4096, QuestGqa::kPerQueryHead, "per-query-head"},
+        std::tuple{4096, QuestGqa::kGroupSum, "group-sum"}}) {
     Selection sel = make_selection<backend::Scalar>(budget, mode);
     StepBytes sb;
     throw_if_error(selection_bytes(s.table(), kPage, sel.view(), kHq, kHkv, kDim, sizeof(half), sizeof(half), budget / kPage, &sb));
-    std::printf("bytes per step, budget %d (%s): metadata %.1f MiB + KV %.1f MiB vs dense %.1f MiB = %.4f "
-                "(model 1/page_size + budget/length = %.4f)\n",
-                budget, label, sb.metadata / 1048576.0, sb.kv / 1048576.0, sb.dense_kv / 1048576.0, sb.fraction(),
-                quest_traffic_fraction(kTokens, kPage, budget));
+    std::printf(
+        "bytes per step, budget %d (%s): metadata %.1f MiB + KV %.1f MiB vs dense %.1f MiB = %.4f "
+        "(model 1/page_size + budget/length = %.4f)\n",
+        budget, label, sb.metadata / 1048576.0, sb.kv / 1048576.0, sb.dense_kv / 1048576.0, sb.fraction(),
+        quest_traffic_fraction(kTokens, kPage, budget));
   }
 }
 
@@ -480,8 +487,8 @@ void summary(const SummaryReporter& rep) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  step();               // build the cache outside the timed runs
-  kvp_bench::peak();    // and measure the peaks once
+  step();             // build the cache outside the timed runs
+  kvp_bench::peak();  // and measure the peaks once
   SummaryReporter rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
   summary(rep);

@@ -82,10 +82,14 @@ inline std::vector<float> score_values(std::size_t n, unsigned seed) {
   return v;
 }
 
-template <class T> constexpr const char* dtype_tag() {
-  if constexpr (std::is_same_v<T, kvpolicy::half>) return "f16";
-  else if constexpr (std::is_same_v<T, kvpolicy::bfloat16>) return "bf16";
-  else return "f32";
+template <class T>
+constexpr const char* dtype_tag() {
+  if constexpr (std::is_same_v<T, kvpolicy::half>)
+    return "f16";
+  else if constexpr (std::is_same_v<T, kvpolicy::bfloat16>)
+    return "bf16";
+  else
+    return "f32";
 }
 
 }  // namespace kvp_bench

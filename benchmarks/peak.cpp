@@ -148,8 +148,8 @@ const Peak& peak() {
     r.llc_bytes = llc_size();
     r.read_bytes_per_second = measure_read(r.llc_bytes, &r.read_buffer_bytes);
     std::fprintf(stderr, "peak probe: %.1f GFLOP/s FP32 FMA (%s, 1 core), %.2f GB/s read (1 core, %.0f MiB buffer, LLC %.0f MiB)\n",
-                 r.fma_flops_per_second * 1e-9, r.fma_isa, r.read_bytes_per_second * 1e-9, static_cast<double>(r.read_buffer_bytes) / 1048576.0,
-                 static_cast<double>(r.llc_bytes) / 1048576.0);
+                 r.fma_flops_per_second * 1e-9, r.fma_isa, r.read_bytes_per_second * 1e-9,
+                 static_cast<double>(r.read_buffer_bytes) / 1048576.0, static_cast<double>(r.llc_bytes) / 1048576.0);
     return r;
   }();
   return p;

@@ -22,11 +22,11 @@
 namespace kvp_bench {
 
 struct Peak {
-  double fma_flops_per_second = 0;   ///< FP32 flops/s (an FMA counts 2), one core
-  double read_bytes_per_second = 0;  ///< bytes/s streamed from memory, one core
-  const char* fma_isa = "";          ///< vector ISA of the FMA probe: "avx512", "avx2" or "sse2" (mul + add)
-  std::size_t read_buffer_bytes = 0; ///< size of the bandwidth probe's buffer
-  std::size_t llc_bytes = 0;         ///< last-level cache size reported by the OS (0 if unknown)
+  double fma_flops_per_second = 0;    ///< FP32 flops/s (an FMA counts 2), one core
+  double read_bytes_per_second = 0;   ///< bytes/s streamed from memory, one core
+  const char* fma_isa = "";           ///< vector ISA of the FMA probe: "avx512", "avx2" or "sse2" (mul + add)
+  std::size_t read_buffer_bytes = 0;  ///< size of the bandwidth probe's buffer
+  std::size_t llc_bytes = 0;          ///< last-level cache size reported by the OS (0 if unknown)
 };
 
 /// The probe's result; measured on the first call (about a second), thread-safe.

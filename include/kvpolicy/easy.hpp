@@ -65,9 +65,9 @@ class Evictor {
  public:
   explicit Evictor(const Policy& policy, const ExecContext& exec = {}) : policy_(policy), exec_(exec) {}
   /// From the policy's parameters (`Evictor<SnapKV> e(SnapKVParams::kvpress(0.5))`).
-  explicit Evictor(const typename Policy::Params& params, const ExecContext& exec = {})
-    requires std::is_constructible_v<Policy, const typename Policy::Params&>
-      : policy_(params), exec_(exec) {}
+  explicit Evictor(const typename Policy::Params& params,
+                   const ExecContext& exec = {}) requires std::is_constructible_v<Policy, const typename Policy::Params&> : policy_(params),
+                                                                                                                            exec_(exec) {}
 
   const Policy& policy() const noexcept { return policy_; }
 

@@ -68,9 +68,10 @@ static_assert(kvpolicy::EvictionPolicy<kvpolicy::StreamingLLM, kvpolicy::ScoreIn
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::ObservedAttention, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::TOVA, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::PyramidKV, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
-static_assert(kvpolicy::EvictionPolicy<kvpolicy::AdaKV<kvpolicy::SnapKV>, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
-static_assert(kvpolicy::EvictionPolicy<kvpolicy::ExpectedAttention, kvpolicy::ExpectedAttentionInput<float, kvpolicy::half>,
-                                       kvpolicy::backend::Cpu>);
+static_assert(
+    kvpolicy::EvictionPolicy<kvpolicy::AdaKV<kvpolicy::SnapKV>, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(
+    kvpolicy::EvictionPolicy<kvpolicy::ExpectedAttention, kvpolicy::ExpectedAttentionInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::OnlineEvictionPolicy<kvpolicy::H2O, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::SelectionPolicy<kvpolicy::Quest, float, kvpolicy::half, kvpolicy::half, kvpolicy::backend::Cpu>);
 #endif

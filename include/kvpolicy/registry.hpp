@@ -136,7 +136,8 @@ class AnyEvictionPolicy {
   }
 
   template <class Tk>
-  Status evict(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& exec = {}) const noexcept {
+  Status evict(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws,
+               const ExecContext& exec = {}) const noexcept {
     KVP_REQUIRE(impl_ != nullptr, "AnyEvictionPolicy: empty (no policy assigned)");
     return impl_->evict(b, batch, out, ws, exec);
   }
@@ -153,7 +154,8 @@ class AnyEvictionPolicy {
     virtual Requirements requirements(BackendKind, const ProblemShape&, const ExecContext&) const noexcept = 0;
     virtual Status evict(BackendKind, std::span<const ScoreInput<float, float>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
     virtual Status evict(BackendKind, std::span<const ScoreInput<float, half>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
-    virtual Status evict(BackendKind, std::span<const ScoreInput<float, bfloat16>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
+    virtual Status evict(BackendKind, std::span<const ScoreInput<float, bfloat16>>, KeepSet, Workspace,
+                         const ExecContext&) const noexcept = 0;
   };
 
   template <class P>
@@ -171,17 +173,20 @@ class AnyEvictionPolicy {
       return Requirements{KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName)};
     }
     template <class Tk>
-    Status run(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws, const ExecContext& exec) const noexcept {
+    Status run(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws,
+               const ExecContext& exec) const noexcept {
 #if KVP_REGISTRY_HAS_CPU
       if (b == BackendKind::kCpu) return policy.evict(Context<backend::Cpu>{ws, exec}, batch, out);
 #endif
       if (b == BackendKind::kScalar) return policy.evict(Context<backend::Scalar>{ws, exec}, batch, out);
       return KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName);
     }
-    Status evict(BackendKind b, std::span<const ScoreInput<float, float>> x, KeepSet o, Workspace w, const ExecContext& e) const noexcept override {
+    Status evict(BackendKind b, std::span<const ScoreInput<float, float>> x, KeepSet o, Workspace w,
+                 const ExecContext& e) const noexcept override {
       return run(b, x, o, w, e);
     }
-    Status evict(BackendKind b, std::span<const ScoreInput<float, half>> x, KeepSet o, Workspace w, const ExecContext& e) const noexcept override {
+    Status evict(BackendKind b, std::span<const ScoreInput<float, half>> x, KeepSet o, Workspace w,
+                 const ExecContext& e) const noexcept override {
       return run(b, x, o, w, e);
     }
     Status evict(BackendKind b, std::span<const ScoreInput<float, bfloat16>> x, KeepSet o, Workspace w,
@@ -196,11 +201,11 @@ class AnyEvictionPolicy {
 
 /// One registered policy: what `--list-policies` prints and bindings expose.
 struct PolicyInfo {
-  std::string_view name;    ///< spec name, e.g. "snapkv"
-  std::string_view family;  ///< "eviction", "eviction (online)", "selection", ...
-  std::string_view paper;   ///< authors, year, title, arXiv id
+  std::string_view name;          ///< spec name, e.g. "snapkv"
+  std::string_view family;        ///< "eviction", "eviction (online)", "selection", ...
+  std::string_view paper;         ///< authors, year, title, arXiv id
   std::vector<ParamInfo> params;  ///< keys with their defaults (spec syntax) and docs
-  bool erased = false;      ///< built by make_eviction_policy (else typed: make_policy<P>)
+  bool erased = false;            ///< built by make_eviction_policy (else typed: make_policy<P>)
 };
 
 #if KVP_REGISTRY_HAS_CPU

@@ -47,7 +47,8 @@ TEMPLATE_TEST_CASE("compact_contiguous: kept rows bit-identical, positions carri
     }
     const auto k0 = k, v0 = v;
     auto view = [&](std::vector<TestType>& buf) {
-      return token_major ? TensorView<TestType, 3>(buf.data(), {H, cap, d}, {d, H * d, 1}) : TensorView<TestType, 3>::contiguous(buf.data(), {H, cap, d});
+      return token_major ? TensorView<TestType, 3>(buf.data(), {H, cap, d}, {d, H * d, 1})
+                         : TensorView<TestType, 3>::contiguous(buf.data(), {H, cap, d});
     };
     auto kv = view(k), vv = view(v);
     const auto k0v = TensorView<const TestType, 3>(k0.data(), kv.extents(), kv.strides());
@@ -57,7 +58,8 @@ TEMPLATE_TEST_CASE("compact_contiguous: kept rows bit-identical, positions carri
       for (std::int64_t t = 0; t < cap; ++t) pos[h * cap + t] = static_cast<std::int32_t>(1000 + t);
     auto keep = random_keep(H, T, {10, 33, 0}, 3);
     std::vector<std::int64_t> lens(H);
-    REQUIRE(compact_contiguous<TestType>(kv, vv, TensorView<std::int32_t, 2>::contiguous(pos.data(), {H, cap}), T, keep.view(), 0, lens).is_ok());
+    REQUIRE(compact_contiguous<TestType>(kv, vv, TensorView<std::int32_t, 2>::contiguous(pos.data(), {H, cap}), T, keep.view(), 0, lens)
+                .is_ok());
     REQUIRE(lens == std::vector<std::int64_t>{10, 33, 0});
     for (std::int64_t h = 0; h < H; ++h) {
       const auto row = keep.row(h);
@@ -106,11 +108,13 @@ TEST_CASE("compact_paged: pages freed as the budget implies, tokens and position
   for (PageLayout layout : {PageLayout::kNHD, PageLayout::kHND}) {
     const PageStrides st = PageStrides::contiguous(layout, H, ps, d);
     std::vector<half> k(pool_pages * st.page), v(pool_pages * st.page);
-    for (std::size_t i = 0; i < k.size(); ++i) k[i] = half::from_bits(static_cast<std::uint16_t>(i)), v[i] = half::from_bits(static_cast<std::uint16_t>(i + 30000));
+    for (std::size_t i = 0; i < k.size(); ++i)
+      k[i] = half::from_bits(static_cast<std::uint16_t>(i)), v[i] = half::from_bits(static_cast<std::uint16_t>(i + 30000));
     const auto k0 = k, v0 = v;
     // seq 0: 11 tokens on pages {7, 2, 9}; seq 1: 5 tokens on pages {0, 5}; seq 2: 4 tokens on page {11}
     std::vector<std::int32_t> indptr{0, 3, 5, 6}, indices{7, 2, 9, 0, 5, 11}, last{3, 1, 4};
-    PagedKVView<half> cache{k.data(), v.data(), st, st, pool_pages, H, ps, d, PageTable{indptr.data(), indices.data(), last.data(), 3}, kHost};
+    PagedKVView<half> cache{k.data(), v.data(), st, st, pool_pages, H, ps, d, PageTable{indptr.data(), indices.data(), last.data(), 3},
+                            kHost};
     REQUIRE(cache.validate("t").is_ok());
     std::vector<std::int32_t> positions(pool_pages * H * ps);
     for (std::int32_t b = 0; b < 3; ++b)
@@ -118,7 +122,8 @@ TEST_CASE("compact_paged: pages freed as the budget implies, tokens and position
         for (std::int32_t h = 0; h < H; ++h)
           positions[(cache.table.page_of(b, t, ps) * H + h) * ps + t % ps] = static_cast<std::int32_t>(100 * b + t);
     auto keep = random_keep(6, 11, {5, 5, 2, 2, 4, 4}, 4);
-    for (int r = 2; r < 4; ++r) keep.indices[keep.indptr[r]] = std::min(keep.indices[keep.indptr[r]], 0), keep.indices[keep.indptr[r] + 1] = 4;
+    for (int r = 2; r < 4; ++r)
+      keep.indices[keep.indptr[r]] = std::min(keep.indices[keep.indptr[r]], 0), keep.indices[keep.indptr[r] + 1] = 4;
     for (int r = 4; r < 6; ++r) std::iota(keep.indices.begin() + keep.indptr[r], keep.indices.begin() + keep.indptr[r + 1], 0);
     const PagedKVView<half> before = cache;
     std::vector<std::int32_t> out_indptr(4), out_indices(6), out_last(3), freed(6);
@@ -132,7 +137,8 @@ TEST_CASE("compact_paged: pages freed as the budget implies, tokens and position
           for (int c = 0; c < d; ++c) row.push_back(before.key(b, h, t)[c].bits);
           expect_k.push_back(row);
         }
-    REQUIRE(compact_paged<half>(cache, keep.view(), TensorView<std::int32_t, 3>::contiguous(positions.data(), {pool_pages, H, ps}), out).is_ok());
+    REQUIRE(compact_paged<half>(cache, keep.view(), TensorView<std::int32_t, 3>::contiguous(positions.data(), {pool_pages, H, ps}), out)
+                .is_ok());
     REQUIRE(out_indptr == std::vector<std::int32_t>{0, 2, 3, 4});
     REQUIRE(out_indices == std::vector<std::int32_t>{7, 2, 0, 11, 0, 0});
     REQUIRE(out_last == std::vector<std::int32_t>{1, 2, 4});

@@ -40,7 +40,8 @@ std::uint16_t bits(half h) { return h.bits; }
 TEST_CASE("ragged contiguous: per-head budgets compacted twice, kept rows bit-identical at their logical positions", "[apply][ragged]") {
   const std::int64_t H = 4, cap = 64, T = 57, d = 6;
   std::vector<half> k(H * cap * d), v(H * cap * d);
-  for (std::size_t i = 0; i < k.size(); ++i) k[i] = half::from_bits(static_cast<std::uint16_t>(i * 5 + 3)), v[i] = half::from_bits(static_cast<std::uint16_t>(i * 11 + 1));
+  for (std::size_t i = 0; i < k.size(); ++i)
+    k[i] = half::from_bits(static_cast<std::uint16_t>(i * 5 + 3)), v[i] = half::from_bits(static_cast<std::uint16_t>(i * 11 + 1));
   const auto k0 = k, v0 = v;
   std::vector<std::int32_t> pos(H * cap);
   for (std::int64_t h = 0; h < H; ++h)
@@ -103,8 +104,14 @@ struct PerHeadPool {
   std::vector<half> k, v;
   std::vector<std::int32_t> indptr{0}, indices, last, positions;
   PerHeadPool(std::int32_t page_size, std::int32_t dim, std::int32_t pages)
-      : ps(page_size), d(dim), num_pages(pages), k(static_cast<std::size_t>(pages) * page_size * dim), v(k.size()), positions(static_cast<std::size_t>(pages) * page_size, -1) {
-    for (std::size_t i = 0; i < k.size(); ++i) k[i] = half::from_bits(static_cast<std::uint16_t>(i * 3 + 7)), v[i] = half::from_bits(static_cast<std::uint16_t>(i * 13 + 2));
+      : ps(page_size),
+        d(dim),
+        num_pages(pages),
+        k(static_cast<std::size_t>(pages) * page_size * dim),
+        v(k.size()),
+        positions(static_cast<std::size_t>(pages) * page_size, -1) {
+    for (std::size_t i = 0; i < k.size(); ++i)
+      k[i] = half::from_bits(static_cast<std::uint16_t>(i * 3 + 7)), v[i] = half::from_bits(static_cast<std::uint16_t>(i * 13 + 2));
   }
   /// Rows of the given lengths on shuffled distinct pages; positions = 1000 * row + t.
   void build(const std::vector<std::int64_t>& lens, unsigned seed) {
@@ -117,13 +124,17 @@ struct PerHeadPool {
       for (std::int64_t p = 0; p < pages; ++p) indices.push_back(perm[next++]);
       indptr.push_back(static_cast<std::int32_t>(indices.size()));
       last.push_back(pages == 0 ? 0 : static_cast<std::int32_t>(lens[r] - (pages - 1) * ps));
-      for (std::int64_t t = 0; t < lens[r]; ++t) positions[indices[indptr[r] + t / ps] * ps + t % ps] = static_cast<std::int32_t>(1000 * r + t);
+      for (std::int64_t t = 0; t < lens[r]; ++t)
+        positions[indices[indptr[r] + t / ps] * ps + t % ps] = static_cast<std::int32_t>(1000 * r + t);
     }
   }
   PagedKVView<half> view(std::int32_t num_kv_heads = 1) {
     PageStrides st{static_cast<std::int64_t>(ps) * d, 0, d, 1};
-    return PagedKVView<half>{k.data(), v.data(), st, st, num_pages, num_kv_heads, ps, d,
-                             PageTable{indptr.data(), indices.data(), last.data(), static_cast<std::int32_t>(last.size())}, kHost};
+    return PagedKVView<half>{
+        k.data(), v.data(),  st,
+        st,       num_pages, num_kv_heads,
+        ps,       d,         PageTable{indptr.data(), indices.data(), last.data(), static_cast<std::int32_t>(last.size())},
+        kHost};
   }
 };
 
@@ -133,7 +144,7 @@ TEST_CASE("ragged paged: per-head budgets free pages, kept tokens bit-identical 
   const std::int64_t B = 2, H = 3;
   const std::vector<std::int64_t> lens{37, 37, 37, 20, 20, 20};
   const std::vector<std::int64_t> counts{9, 37, 0, 20, 1, 16};  // ragged per-head budgets
-  for (std::int32_t heads_in_view : {1, 3}) {  // num_kv_heads 1, or H heads with head stride 0
+  for (std::int32_t heads_in_view : {1, 3}) {                   // num_kv_heads 1, or H heads with head stride 0
     PerHeadPool pool(8, 5, 40);
     pool.build(lens, 3);
     auto cache = pool.view(heads_in_view);
@@ -149,11 +160,17 @@ TEST_CASE("ragged paged: per-head budgets free pages, kept tokens bit-identical 
       expect_freed += (lens[r] + 7) / 8 - kept_pages;
     }
     std::vector<std::int32_t> out_indptr(B * H + 1), out_indices(old_indices.size()), out_last(B * H), freed(old_indices.size());
-    PagedCompactOutput out{out_indptr.data(), out_indices.data(), out_last.data(), static_cast<std::int64_t>(out_indices.size()),
-                           freed.data(), static_cast<std::int64_t>(freed.size()), 0};
+    PagedCompactOutput out{out_indptr.data(),
+                           out_indices.data(),
+                           out_last.data(),
+                           static_cast<std::int64_t>(out_indices.size()),
+                           freed.data(),
+                           static_cast<std::int64_t>(freed.size()),
+                           0};
     std::vector<std::byte> ws(compact_paged_per_head_workspace(pool.num_pages));
-    const Status s = compact_paged_per_head<half>(cache, H, keep.view(), TensorView<std::int32_t, 2>::contiguous(pool.positions.data(), {pool.num_pages, 8}),
-                                                  out, Workspace{ws.data(), ws.size()});
+    const Status s = compact_paged_per_head<half>(cache, H, keep.view(),
+                                                  TensorView<std::int32_t, 2>::contiguous(pool.positions.data(), {pool.num_pages, 8}), out,
+                                                  Workspace{ws.data(), ws.size()});
     INFO(s.message());
     REQUIRE(s.is_ok());
     REQUIRE(out.num_freed == expect_freed);
@@ -188,14 +205,17 @@ TEST_CASE("ragged paged: bad layouts and budgets are rejected with nothing modif
   pool.build({9, 5, 4, 0}, 7);
   const std::vector<half> k0 = pool.k;
   const std::vector<std::int32_t> pos0 = pool.positions, idx0 = pool.indices, ptr0 = pool.indptr, last0 = pool.last;
-  auto same_bits = [](const std::vector<half>& a, const std::vector<half>& b) { return std::memcmp(a.data(), b.data(), a.size() * sizeof(half)) == 0; };
+  auto same_bits = [](const std::vector<half>& a, const std::vector<half>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(half)) == 0;
+  };
   std::vector<std::int32_t> idx_now = idx0;  // the table as the test set it
   std::vector<std::int32_t> oi(5, -1), oidx(12, -1), ol(4, -1), fr(12, -1);
   PagedCompactOutput out{oi.data(), oidx.data(), ol.data(), 12, fr.data(), 12, 0};
   std::vector<std::byte> ws(compact_paged_per_head_workspace(12));
   auto check = [&](PagedKVView<half> cache, std::int64_t H, KeepSetBuffer keep, const char* needle, std::size_t ws_bytes = SIZE_MAX) {
-    const Status s = compact_paged_per_head<half>(cache, H, keep.view(), TensorView<std::int32_t, 2>::contiguous(pool.positions.data(), {12, 4}),
-                                                  out, Workspace{ws.data(), std::min(ws_bytes, ws.size())});
+    const Status s =
+        compact_paged_per_head<half>(cache, H, keep.view(), TensorView<std::int32_t, 2>::contiguous(pool.positions.data(), {12, 4}), out,
+                                     Workspace{ws.data(), std::min(ws_bytes, ws.size())});
     INFO(s.message());
     REQUIRE(!s.is_ok());
     REQUIRE_THAT(s.message(), Contains(needle));

@@ -63,15 +63,14 @@ TEST_CASE("half: float -> half matches the compiler's _Float16 (round to nearest
   for (std::uint32_t x = 0x32800000u; x < 0x48000000u; x += 0x1001u) check(std::bit_cast<float>(x));
   for (std::uint32_t e = 0x33000000u; e < 0x47800000u; e += 0x00800000u) {
     for (std::uint32_t m = 0; m < 0x800000u; m += 0x1000u) {
-      check(std::bit_cast<float>(e | m));            // exact ties for normal halves
+      check(std::bit_cast<float>(e | m));  // exact ties for normal halves
       check(std::bit_cast<float>(e | m | 0x800u));
       check(std::bit_cast<float>((e | m | 0x800u) ^ 0x80000000u));
     }
   }
   for (float f : {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, -65520.0f, 6.0e-8f, 5.96046448e-8f, 2.98023224e-8f, 2.9802326e-8f,
-                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                  std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::denorm_min(), 6.103515625e-05f,
-                  6.1e-05f}) {
+                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::denorm_min(), 6.103515625e-05f, 6.1e-05f}) {
     check(f);
   }
 }

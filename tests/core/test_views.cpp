@@ -89,7 +89,8 @@ TEST_CASE("PagedKVView: NHD/HND addressing and page-table validation", "[views][
     REQUIRE(p.seq_len(1) == 3);
     // token 4 of seq 0 = page indices[1] = 1, slot 1
     const float* k = p.key(0, 1, 4);
-    const std::int64_t expect = layout == PageLayout::kNHD ? (1 * ps * heads * d + 1 * heads * d + 1 * d) : (1 * heads * ps * d + 1 * ps * d + 1 * d);
+    const std::int64_t expect =
+        layout == PageLayout::kNHD ? (1 * ps * heads * d + 1 * heads * d + 1 * d) : (1 * heads * ps * d + 1 * ps * d + 1 * d);
     REQUIRE(k - pool.data() == expect);
     const Rows<float> rows = Rows<float>::paged_keys(PagedKVView<const float>(p), 0, 1);
     REQUIRE(rows.row(4) == k);

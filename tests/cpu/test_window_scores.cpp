@@ -16,8 +16,8 @@ namespace {
 struct Case {
   std::int64_t G, d, T, w, q_pos0;
   WindowReduce reduce;
-  float q_gain;            // > 1 sharpens the softmax
-  double rel_tol = 1e-5;   // see window_close
+  float q_gain;           // > 1 sharpens the softmax
+  double rel_tol = 1e-5;  // see window_close
 };
 
 std::string describe(const Case& c, const char* dtype, CpuIsa isa, Layout layout, std::int64_t L) {
@@ -144,7 +144,7 @@ TEST_CASE("window_scores: non-finite inputs stay confined and never crash", "[cp
   for (auto& x : q) x = nd(rng);
   std::vector<half> keys(static_cast<std::size_t>(T * d));
   for (auto& x : keys) x = to_half(nd(rng));
-  q[3] = std::numeric_limits<float>::quiet_NaN();                 // head 0, query 0
+  q[3] = std::numeric_limits<float>::quiet_NaN();                       // head 0, query 0
   keys[static_cast<std::size_t>((T - 2) * d + 5)] = to_half(INFINITY);  // key T-2: seen by the last queries only
   const WindowScoreShape s{G, w, d, T, T - w, T - w, 0.125f, WindowReduce::kMean};
   std::vector<float> ref(static_cast<std::size_t>(G * s.num_cols));

@@ -28,7 +28,10 @@ namespace {
 
 // Distinct non-null addresses that are never dereferenced (64-byte aligned so
 // workspace alignment is not what a test trips over).
-template <class T> T* fake(std::uintptr_t slot) { return reinterpret_cast<T*>(std::uintptr_t{0x1000} * slot); }
+template <class T>
+T* fake(std::uintptr_t slot) {
+  return reinterpret_cast<T*>(std::uintptr_t{0x1000} * slot);
+}
 
 bool mentions(const Status& s, const char* text) { return std::strstr(s.message(), text) != nullptr; }
 

@@ -29,20 +29,21 @@ using kvp::backend::Scalar;
 
 namespace {
 
-template <class T> using Rows = kvp::Rows<T>;
+template <class T>
+using Rows = kvp::Rows<T>;
 
-#define CUDA_REQUIRE(expr)                                              \
-  do {                                                                  \
-    const cudaError_t e_ = (expr);                                      \
-    INFO(#expr << ": " << cudaGetErrorString(e_));                      \
-    REQUIRE(e_ == cudaSuccess);                                         \
+#define CUDA_REQUIRE(expr)                         \
+  do {                                             \
+    const cudaError_t e_ = (expr);                 \
+    INFO(#expr << ": " << cudaGetErrorString(e_)); \
+    REQUIRE(e_ == cudaSuccess);                    \
   } while (0)
 
-#define KVP_REQUIRE_OK(expr)          \
-  do {                                \
-    const kvp::Status s_ = (expr);    \
-    INFO(s_.message());               \
-    REQUIRE(s_.is_ok());              \
+#define KVP_REQUIRE_OK(expr)       \
+  do {                             \
+    const kvp::Status s_ = (expr); \
+    INFO(s_.message());            \
+    REQUIRE(s_.is_ok());           \
   } while (0)
 
 /// Device allocation owned by the test.
@@ -51,7 +52,8 @@ class DeviceBuffer {
   explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
     if (bytes_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, bytes_));
   }
-  template <class T> explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+  template <class T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
     if (bytes_ > 0) CUDA_REQUIRE(cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice));
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -59,10 +61,14 @@ class DeviceBuffer {
   ~DeviceBuffer() {
     if (ptr_ != nullptr) cudaFree(ptr_);
   }
-  template <class T = void> T* get() const { return static_cast<T*>(ptr_); }
+  template <class T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
   std::size_t bytes() const { return bytes_; }
   kvp::Workspace workspace() const { return kvp::Workspace{ptr_, bytes_}; }
-  template <class T> std::vector<T> download(std::size_t n) const {
+  template <class T>
+  std::vector<T> download(std::size_t n) const {
     std::vector<T> host(n);
     if (n > 0) CUDA_REQUIRE(cudaMemcpy(host.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
     return host;
@@ -79,10 +85,14 @@ bool close_rel(float got, float want, float rel) {
   return std::fabs(got - want) <= rel * std::max(std::fabs(got), std::fabs(want));
 }
 
-template <class T> const char* type_name() {
-  if constexpr (std::is_same_v<T, float>) return "fp32";
-  else if constexpr (std::is_same_v<T, kvp::half>) return "fp16";
-  else return "bf16";
+template <class T>
+const char* type_name() {
+  if constexpr (std::is_same_v<T, float>)
+    return "fp32";
+  else if constexpr (std::is_same_v<T, kvp::half>)
+    return "fp16";
+  else
+    return "bf16";
 }
 
 enum class Layout { kContiguous, kPaged };
@@ -118,8 +128,7 @@ struct KeyStore {
     const std::int64_t slot = d, head = kPage * d, page = kHeads * kPage * d;
     host.assign(static_cast<std::size_t>(pool * page), kvp::from_float<T>(99.0f));
     for (std::int64_t j = 0; j < T_; ++j)
-      for (std::int64_t c = 0; c < d; ++c)
-        host[pages[j / kPage] * page + head + (j % kPage) * slot + c] = kvp::from_float<T>(k[j * d + c]);
+      for (std::int64_t c = 0; c < d; ++c) host[pages[j / kPage] * page + head + (j % kPage) * slot + c] = kvp::from_float<T>(k[j * d + c]);
     dev = std::make_unique<DeviceBuffer>(host);
     dev_pages = std::make_unique<DeviceBuffer>(pages.empty() ? std::vector<std::int32_t>{0} : pages);
     host_rows = Rows<T>{host.data() + head, slot, pages.data(), page, static_cast<std::int32_t>(kPage)};
@@ -155,8 +164,8 @@ void check_window_scores(std::int64_t G, std::int64_t d, std::int64_t T_, Layout
     s.q_pos0 = c.q_pos0;
     s.scale = 1.0f / std::sqrt(static_cast<float>(d));
     s.reduce = c.reduce;
-    INFO("G=" << G << " w=" << s.window << " d=" << d << " T=" << T_ << " q_pos0=" << s.q_pos0 << " L=" << s.num_cols
-              << " " << type_name<T>() << (layout == Layout::kPaged ? " paged" : " contiguous")
+    INFO("G=" << G << " w=" << s.window << " d=" << d << " T=" << T_ << " q_pos0=" << s.q_pos0 << " L=" << s.num_cols << " "
+              << type_name<T>() << (layout == Layout::kPaged ? " paged" : " contiguous")
               << (c.reduce == kvp::WindowReduce::kMean ? " mean" : " sum"));
 
     std::vector<float> q(static_cast<std::size_t>(G * s.window * d));
@@ -268,8 +277,8 @@ TEST_CASE("cuda window_scores: odd head_dim and a window longer than a tile", "[
     std::vector<std::byte> host_ws(Scalar::window_scores_workspace(s));
     Scalar::window_scores(s, q.data(), kvp::Rows<float>{k.data(), d}, want.data(), kvp::Workspace{host_ws.data(), host_ws.size()});
     DeviceBuffer dk(k), dq(q), dout(want.size() * sizeof(float)), dws(Cuda::window_scores_workspace(s));
-    KVP_REQUIRE_OK(Cuda::window_scores(s, dq.get<float>(), kvp::Rows<float>{dk.get<float>(), d}, dout.get<float>(),
-                                       dws.workspace(), nullptr));
+    KVP_REQUIRE_OK(
+        Cuda::window_scores(s, dq.get<float>(), kvp::Rows<float>{dk.get<float>(), d}, dout.get<float>(), dws.workspace(), nullptr));
     CUDA_REQUIRE(cudaDeviceSynchronize());
     const auto got = dout.download<float>(want.size());
     for (std::size_t i = 0; i < want.size(); ++i) {
@@ -316,8 +325,7 @@ TEST_CASE("cuda topk_rows: every row as the scalar topk, padding untouched, on a
   DeviceBuffer ds(scores), dout(init);
   cudaStream_t stream = nullptr;
   CUDA_REQUIRE(cudaStreamCreate(&stream));
-  const kvp::Status st =
-      Cuda::topk_rows(ds.get<float>(), rows, n, ld, k, dout.get<std::int32_t>(), out_ld, kvp::Workspace{}, stream);
+  const kvp::Status st = Cuda::topk_rows(ds.get<float>(), rows, n, ld, k, dout.get<std::int32_t>(), out_ld, kvp::Workspace{}, stream);
   CUDA_REQUIRE(cudaStreamSynchronize(stream));
   CUDA_REQUIRE(cudaStreamDestroy(stream));
   INFO(st.message());

@@ -74,7 +74,8 @@ KeepSetBuffer h2o_decide(const H2O& p, const ScoreInput<float, half>& in, const 
   const Requirements r = p.requirements(Context<B>{{}, ex}, shape);
   REQUIRE(r.status.is_ok());
   std::vector<float> scores(static_cast<std::size_t>(p.state_rows(shape) * shape.max_kv_len));
-  H2OState st{TensorView<float, 2>::contiguous(scores.data(), {p.state_rows(shape), shape.max_kv_len}), in.keys.kv_len() - in.queries.extent(1)};
+  H2OState st{TensorView<float, 2>::contiguous(scores.data(), {p.state_rows(shape), shape.max_kv_len}),
+              in.keys.kv_len() - in.queries.extent(1)};
   std::vector<std::byte> ws(r.workspace_bytes);
   const Context<B> ctx{Workspace{ws.data(), ws.size()}, ex};
   std::fill(scores.begin(), scores.end(), 0.0f);
@@ -200,7 +201,8 @@ TEST_CASE("interface: requirements() sizes exactly, one byte less is rejected an
     REQUIRE_THAT(std::string(bad.status.message()), Catch::Contains("window 200 is larger than max_kv_len 120"));
     REQUIRE(bad.workspace_bytes == 0);
     const Requirements bad_shape = SnapKV().requirements(Context<backend::Scalar>{}, ProblemShape{6, 4, 16, 120, 8});
-    REQUIRE_THAT(std::string(bad_shape.status.message()), Catch::Contains("num_q_heads is 6, must be a positive multiple of num_kv_heads=4"));
+    REQUIRE_THAT(std::string(bad_shape.status.message()),
+                 Catch::Contains("num_q_heads is 6, must be a positive multiple of num_kv_heads=4"));
   }
 }
 
@@ -241,7 +243,8 @@ TEST_CASE("interface: a paged values source reads values, a paged keys source re
     v[i] = -static_cast<float>(i) - 1.0f;
   }
   const std::vector<std::int32_t> indptr{0, 2}, indices{2, 0}, last{3};
-  const PagedKVView<const float> paged{k.data(), v.data(), st, st, pages, Hkv, ps, d, PageTable{indptr.data(), indices.data(), last.data(), 1}, kHost};
+  const PagedKVView<const float> paged{
+      k.data(), v.data(), st, st, pages, Hkv, ps, d, PageTable{indptr.data(), indices.data(), last.data(), 1}, kHost};
   const auto keys = KVSource<float>::from_paged(paged, 0);
   const auto values = KVSource<float>::from_paged_values(paged, 0);
   REQUIRE(keys.kv_len() == 7);
@@ -328,8 +331,9 @@ TEST_CASE("interface: Budgeted<SnapKV, UniformAllocation> is SnapKV's decision f
     KeepSetBuffer keep(r.output.rows, r.output.capacity);
     std::vector<std::byte> ws(r.workspace_bytes);
     const auto in = rc.input();
-    REQUIRE(composed.evict("budgeted", Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, std::span<const ScoreInput<float, half>>(&in, 1),
-                           keep.view())
+    REQUIRE(composed
+                .evict("budgeted", Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, std::span<const ScoreInput<float, half>>(&in, 1),
+                       keep.view())
                 .is_ok());
     REQUIRE(keep == kvp_test::run_evict<backend::Scalar>(snap, in));
   }
@@ -351,6 +355,5 @@ TEST_CASE("interface: allocators give every row the layer's budget and reject a 
   REQUIRE(c0[0] == PyramidKV(PyramidKVParams::kvpress(0.5, 0, 4, 8)).kept_count(100));
   REQUIRE(c3[0] == PyramidKV(PyramidKVParams::kvpress(0.5, 3, 4, 8)).kept_count(100));
   std::vector<std::int64_t> wrong(2);
-  REQUIRE_THAT(std::string(u.allocate(Context<backend::Scalar>{}, 100, scores, wrong).message()),
-               Catch::Contains("2 counts for 3 rows"));
+  REQUIRE_THAT(std::string(u.allocate(Context<backend::Scalar>{}, 100, scores, wrong).message()), Catch::Contains("2 counts for 3 rows"));
 }

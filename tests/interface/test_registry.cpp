@@ -25,8 +25,7 @@ TEST_CASE("registry: spec strings parse into name and ordered key=value pairs", 
 
 TEST_CASE("registry: parameters set from specs, errors name the key and the valid ones", "[registry]") {
   SnapKV p;
-  REQUIRE(make_policy("snapkv:compression_ratio=0.25,window=16,kernel=7,pooling=max,order=group_then_pool", &p,
-                      SnapKVParams::kvpress(0.5))
+  REQUIRE(make_policy("snapkv:compression_ratio=0.25,window=16,kernel=7,pooling=max,order=group_then_pool", &p, SnapKVParams::kvpress(0.5))
               .is_ok());
   REQUIRE(p.params().window == 16);
   REQUIRE(p.params().kernel == 7);

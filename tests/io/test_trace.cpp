@@ -31,10 +31,14 @@ struct TraceBuilder {
   std::map<std::string, std::pair<std::vector<std::int64_t>, DType>> shapes;  // name -> (shape, dtype)
 
   explicit TraceBuilder(TraceSpec spec = {}) : s(spec) {
-    meta = {{"format", "kvpolicy-trace"},          {"version", "1"},
-            {"num_layers", std::to_string(s.layers)}, {"num_q_heads", std::to_string(s.hq)},
-            {"num_kv_heads", std::to_string(s.hkv)},  {"head_dim", std::to_string(s.d)},
-            {"num_tokens", std::to_string(s.t)},      {"num_decode", std::to_string(s.dec)},
+    meta = {{"format", "kvpolicy-trace"},
+            {"version", "1"},
+            {"num_layers", std::to_string(s.layers)},
+            {"num_q_heads", std::to_string(s.hq)},
+            {"num_kv_heads", std::to_string(s.hkv)},
+            {"head_dim", std::to_string(s.d)},
+            {"num_tokens", std::to_string(s.t)},
+            {"num_decode", std::to_string(s.dec)},
             {"rope_theta", "10000"}};
     for (int i = 0; i < s.layers; ++i) {
       const std::string p = "layer." + std::to_string(i) + ".";
@@ -123,17 +127,27 @@ TEST_CASE("trace: malformed traces are rejected with clear messages") {
       {"num_q_heads 4 is not a multiple of num_kv_heads 3", [](TraceBuilder& b) { b.meta["num_kv_heads"] = "3"; }},
       {"'layer.1.v' is missing", [](TraceBuilder& b) { b.shapes.erase("layer.1.v"); }},
       {"'layer.1.k' has shape (2, 9, 8), expected (num_kv_heads, num_tokens, head_dim) = (2, 10, 8)",
-       [](TraceBuilder& b) { b.shapes["layer.1.k"].first = {2, 9, 8}; }},
+       [](TraceBuilder& b) {
+         b.shapes["layer.1.k"].first = {2, 9, 8};
+       }},
       {"'layer.0.q' has shape (2, 10, 8), expected (num_q_heads",  // q vs k heads
-       [](TraceBuilder& b) { b.shapes["layer.0.q"].first = {2, 10, 8}; }},
+       [](TraceBuilder& b) {
+         b.shapes["layer.0.q"].first = {2, 10, 8};
+       }},
       {"'layer.1.q' has dtype F16, other layer tensors are F32", [](TraceBuilder& b) { b.shapes["layer.1.q"].second = DType::kF16; }},
       {"'layer.0.k' has dtype I32, expected F32, F16 or BF16", [](TraceBuilder& b) { b.shapes["layer.0.k"].second = DType::kI32; }},
-      {"'layer.2.q' names layer 2, outside [0, num_layers=2)", [](TraceBuilder& b) { b.shapes["layer.2.q"] = {{4, 10, 8}, DType::kF32}; }},
+      {"'layer.2.q' names layer 2, outside [0, num_layers=2)",
+       [](TraceBuilder& b) {
+         b.shapes["layer.2.q"] = {{4, 10, 8}, DType::kF32};
+       }},
       {"layer 1 has k_decode without v_decode", [](TraceBuilder& b) { b.shapes.erase("layer.1.v_decode"); }},
       {"'layer.0.q_decode' is missing", [](TraceBuilder& b) { b.shapes.erase("layer.0.q_decode"); }},
       {"'positions' has shape (9), expected (num_tokens) = (10)", [](TraceBuilder& b) { b.shapes["positions"].first = {9}; }},
       {"'positions' has dtype I32, expected I64", [](TraceBuilder& b) { b.shapes["positions"].second = DType::kI32; }},
-      {"not layer.<i>.<what>", [](TraceBuilder& b) { b.shapes["layer.x"] = {{1}, DType::kF32}; }},
+      {"not layer.<i>.<what>",
+       [](TraceBuilder& b) {
+         b.shapes["layer.x"] = {{1}, DType::kF32};
+       }},
   };
   for (const auto& c : cases) {
     TraceBuilder b;
@@ -170,8 +184,10 @@ TEST_CASE("trace fuzz: random truncations and header flips never crash") {
   std::mt19937_64 rng(7);
   for (int it = 0; it < 1500; ++it) {
     std::vector<std::byte> b = good;
-    if (it % 2) b.resize(rng() % b.size());
-    else b[8 + rng() % hlen] = static_cast<std::byte>(rng() & 0xff);
+    if (it % 2)
+      b.resize(rng() % b.size());
+    else
+      b[8 + rng() % hlen] = static_cast<std::byte>(rng() & 0xff);
     Trace t;
     if (Trace::from_bytes(std::move(b), &t)) {
       // An accepted trace must give in-bounds views of every layer.

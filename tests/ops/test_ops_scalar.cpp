@@ -14,14 +14,14 @@ TEST_CASE("pool1d: avg divides by the kernel at the edges, max ignores padding",
   const std::vector<float> x{1, 2, 3, 4, 5};
   std::vector<float> y(5);
   Scalar::pool1d(x.data(), 5, 3, Pooling::kAvg, y.data());
-  REQUIRE(y[0] == Approx(1.0));       // (0 + 1 + 2) / 3
+  REQUIRE(y[0] == Approx(1.0));  // (0 + 1 + 2) / 3
   REQUIRE(y[2] == Approx(3.0));
-  REQUIRE(y[4] == Approx(3.0));       // (4 + 5 + 0) / 3
+  REQUIRE(y[4] == Approx(3.0));  // (4 + 5 + 0) / 3
   Scalar::pool1d(x.data(), 5, 5, Pooling::kMax, y.data());
   REQUIRE(y == std::vector<float>{3, 4, 5, 5, 5});
   const std::vector<float> neg{-5, -4, -3};
   Scalar::pool1d(neg.data(), 3, 3, Pooling::kMax, y.data());
-  REQUIRE(y[0] == -4.0f);             // -inf padding never wins
+  REQUIRE(y[0] == -4.0f);  // -inf padding never wins
   Scalar::pool1d(x.data(), 1, 7, Pooling::kAvg, y.data());
   REQUIRE(y[0] == Approx(1.0 / 7));
 }

@@ -13,7 +13,7 @@
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
-#define STATIC_ASSERT_POLICY(P)                                                                                          \
+#define STATIC_ASSERT_POLICY(P)                                                                                       \
   static_assert(::kvpolicy::EvictionPolicy<P, ::kvpolicy::ScoreInput<float, float>>, #P " is not an EvictionPolicy"); \
   static_assert(::kvpolicy::EvictionPolicy<P, ::kvpolicy::ScoreInput<float, ::kvpolicy::half>>, #P " (fp16 keys)")
 
@@ -23,7 +23,9 @@ using namespace kvpolicy;
 struct KeepSetBuffer {
   std::vector<std::int32_t> indptr, indices;
   KeepSetBuffer(std::int64_t rows, std::int64_t capacity) : indptr(rows + 1, 0), indices(capacity, 0) {}
-  KeepSet view() { return KeepSet{indptr.data(), indices.data(), static_cast<std::int64_t>(indptr.size()) - 1, static_cast<std::int64_t>(indices.size())}; }
+  KeepSet view() {
+    return KeepSet{indptr.data(), indices.data(), static_cast<std::int64_t>(indptr.size()) - 1, static_cast<std::int64_t>(indices.size())};
+  }
   std::vector<std::int32_t> row(std::int64_t r) const { return {indices.begin() + indptr[r], indices.begin() + indptr[r + 1]}; }
   void fill_sentinel() {
     std::fill(indptr.begin(), indptr.end(), -7);
@@ -102,8 +104,16 @@ struct RandomCase {
       for (std::int64_t h = 0; h < Hkv; ++h)
         for (std::int64_t c = 0; c < d; ++c)
           pool[indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c] = from_float<Tk>(keys[(h * T + t) * d + c]);
-    paged = PagedKVView<const Tk>{pool.data(), nullptr, st, st, pool_pages, static_cast<std::int32_t>(Hkv), ps, static_cast<std::int32_t>(d),
-                                  PageTable{indptr.data(), indices.data(), last.data(), 1}, kHost};
+    paged = PagedKVView<const Tk>{pool.data(),
+                                  nullptr,
+                                  st,
+                                  st,
+                                  pool_pages,
+                                  static_cast<std::int32_t>(Hkv),
+                                  ps,
+                                  static_cast<std::int32_t>(d),
+                                  PageTable{indptr.data(), indices.data(), last.data(), 1},
+                                  kHost};
     return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}), KVSource<Tk>::from_paged(paged, 0)};
   }
 };

@@ -39,9 +39,9 @@ using TokenList = std::vector<std::int32_t>;
 struct TensorInfo {
   std::string role;  // "post_rope_queries", "pre_rope_queries", "post_rope_keys", "values"
   int heads = 0, tokens = 0, dim = 0;
-  double sum = 0.0;                // exact float64 sum of all elements
+  double sum = 0.0;                 // exact float64 sum of all elements
   std::uint64_t bits_checksum = 0;  // sum_i bits(x_i) * (2i+1) mod 2^64
-  std::vector<double> first;       // the first 8 elements (flat order)
+  std::vector<double> first;        // the first 8 elements (flat order)
 };
 
 // Sampled reference scores: tokens[h][i] is a position, value[h][i] the reference score there (kvpress: its float32
@@ -108,12 +108,8 @@ struct FixtureCase {
   std::vector<float> queries(int t0 = 0, int t1 = -1) const {
     return gen_queries(seed, num_q_heads, num_kv_heads, seq_len, head_dim, t0, t1);
   }
-  std::vector<float> keys(int t0 = 0, int t1 = -1) const {
-    return gen_keys(seed, num_kv_heads, seq_len, head_dim, t0, t1);
-  }
-  std::vector<float> values(int t0 = 0, int t1 = -1) const {
-    return gen_values(seed, num_kv_heads, seq_len, head_dim, t0, t1);
-  }
+  std::vector<float> keys(int t0 = 0, int t1 = -1) const { return gen_keys(seed, num_kv_heads, seq_len, head_dim, t0, t1); }
+  std::vector<float> values(int t0 = 0, int t1 = -1) const { return gen_values(seed, num_kv_heads, seq_len, head_dim, t0, t1); }
 };
 
 struct FixtureFile {
@@ -136,9 +132,12 @@ inline TokenList decode_set(const nlohmann::json& j) {
     for (std::size_t i = 0; i < hex.size(); ++i) {
       const char ch = hex[i];
       int v = 0;
-      if (ch >= '0' && ch <= '9') v = ch - '0';
-      else if (ch >= 'a' && ch <= 'f') v = ch - 'a' + 10;
-      else throw std::runtime_error("fixture bitmap: bad hex digit");
+      if (ch >= '0' && ch <= '9')
+        v = ch - '0';
+      else if (ch >= 'a' && ch <= 'f')
+        v = ch - 'a' + 10;
+      else
+        throw std::runtime_error("fixture bitmap: bad hex digit");
       for (int b = 0; b < 4; ++b)
         if (v & (1 << b)) out.push_back(static_cast<std::int32_t>(4 * i + b));
     }
@@ -152,9 +151,7 @@ inline TokenList decode_set(const nlohmann::json& j) {
 
 namespace detail {
 
-inline std::uint64_t parse_hex64(const std::string& s) {
-  return static_cast<std::uint64_t>(std::stoull(s, nullptr, 16));
-}
+inline std::uint64_t parse_hex64(const std::string& s) { return static_cast<std::uint64_t>(std::stoull(s, nullptr, 16)); }
 
 inline TensorInfo parse_tensor(const nlohmann::json& j) {
   TensorInfo t;
@@ -289,12 +286,19 @@ inline std::vector<FixtureCase> load_fixtures(std::string_view name) { return lo
 
 // Every fixture file name (without .json) the generator writes.
 inline const std::vector<std::string>& fixture_names() {
-  static const std::vector<std::string> names = {
-      "snapkv_kvpress",       "streamingllm_kvpress",  "tova_kvpress",
-      "observed_attention_kvpress", "expected_attention_kvpress", "adakv_snapkv_kvpress",
-      "adakv_expected_attention_kvpress", "pyramidkv_kvpress", "snapkv_original",
-      "pyramidkv_factory",    "adakv_original",        "h2o_original",
-      "tova_original"};
+  static const std::vector<std::string> names = {"snapkv_kvpress",
+                                                 "streamingllm_kvpress",
+                                                 "tova_kvpress",
+                                                 "observed_attention_kvpress",
+                                                 "expected_attention_kvpress",
+                                                 "adakv_snapkv_kvpress",
+                                                 "adakv_expected_attention_kvpress",
+                                                 "pyramidkv_kvpress",
+                                                 "snapkv_original",
+                                                 "pyramidkv_factory",
+                                                 "adakv_original",
+                                                 "h2o_original",
+                                                 "tova_original"};
   return names;
 }
 
@@ -323,8 +327,7 @@ inline std::string check_tensor(const TensorInfo& info, const std::vector<float>
 
 // Regenerates all three inputs of a case and checks them (empty string when everything matches).
 inline std::string check_inputs(const FixtureCase& c) {
-  return check_tensor(c.queries_info, c.queries()) + check_tensor(c.keys_info, c.keys()) +
-         check_tensor(c.values_info, c.values());
+  return check_tensor(c.queries_info, c.queries()) + check_tensor(c.keys_info, c.keys()) + check_tensor(c.values_info, c.values());
 }
 
 }  // namespace kvp_fixtures

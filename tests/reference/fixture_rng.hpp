@@ -36,9 +36,7 @@ constexpr std::uint64_t splitmix64(std::uint64_t x) noexcept {
   return z ^ (z >> 31);
 }
 
-constexpr std::uint64_t stream_key(std::uint64_t seed, std::uint64_t stream) noexcept {
-  return splitmix64(splitmix64(seed) ^ stream);
-}
+constexpr std::uint64_t stream_key(std::uint64_t seed, std::uint64_t stream) noexcept { return splitmix64(splitmix64(seed) ^ stream); }
 
 // hash(seed, stream, index) = sm(sm(sm(seed) ^ stream) ^ index)
 constexpr std::uint64_t fixture_hash(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) noexcept {
@@ -70,8 +68,7 @@ struct KeyTokenParams {
 
 inline KeyTokenParams key_token_params(std::uint64_t seed, int tokens, int kv_head, int t) noexcept {
   static constexpr int kExp[8] = {-1, 0, 0, 0, 0, 0, 1, 1};
-  const std::uint64_t h =
-      fixture_hash(seed, kStreamKeyToken, static_cast<std::uint64_t>(kv_head) * tokens + static_cast<std::uint64_t>(t));
+  const std::uint64_t h = fixture_hash(seed, kStreamKeyToken, static_cast<std::uint64_t>(kv_head) * tokens + static_cast<std::uint64_t>(t));
   const bool heavy = ((h >> 55) & 63) < 2;
   return {kExp[h >> 61], heavy ? 1 + static_cast<int>((h >> 53) & 3) : 0};
 }
@@ -88,8 +85,8 @@ inline QueryHeadParams query_head_params(std::uint64_t seed, int q_head) noexcep
 
 inline int value_token_exponent(std::uint64_t seed, int tokens, int kv_head, int t) noexcept {
   static constexpr int kExp[4] = {-1, 0, 0, 1};
-  const std::uint64_t h = fixture_hash(seed, kStreamValueToken,
-                                       static_cast<std::uint64_t>(kv_head) * tokens + static_cast<std::uint64_t>(t));
+  const std::uint64_t h =
+      fixture_hash(seed, kStreamValueToken, static_cast<std::uint64_t>(kv_head) * tokens + static_cast<std::uint64_t>(t));
   return kExp[h >> 62];
 }
 
@@ -98,8 +95,7 @@ inline std::size_t clamp_t1(int tokens, int t1) { return static_cast<std::size_t
 }  // namespace detail
 
 // keys[g][t][c] = (noise + level[g][t] * dir[g][c]) * 2^exp[g][t], for t in [t0, t1); shape (Hkv, t1-t0, d).
-inline std::vector<float> gen_keys(std::uint64_t seed, int num_kv_heads, int tokens, int dim, int t0 = 0,
-                                   int t1 = -1) {
+inline std::vector<float> gen_keys(std::uint64_t seed, int num_kv_heads, int tokens, int dim, int t0 = 0, int t1 = -1) {
   const std::size_t te = detail::clamp_t1(tokens, t1);
   const std::size_t nt = te - static_cast<std::size_t>(t0);
   std::vector<float> out(static_cast<std::size_t>(num_kv_heads) * nt * dim);
@@ -121,8 +117,7 @@ inline std::vector<float> gen_keys(std::uint64_t seed, int num_kv_heads, int tok
 }
 
 // queries[h][t][c] = (noise + align[h] * 0.25 * dir[h/G][c]) * 2^exp[h]; shape (Hq, t1-t0, d).
-inline std::vector<float> gen_queries(std::uint64_t seed, int num_q_heads, int num_kv_heads, int tokens, int dim,
-                                      int t0 = 0, int t1 = -1) {
+inline std::vector<float> gen_queries(std::uint64_t seed, int num_q_heads, int num_kv_heads, int tokens, int dim, int t0 = 0, int t1 = -1) {
   const std::size_t te = detail::clamp_t1(tokens, t1);
   const std::size_t nt = te - static_cast<std::size_t>(t0);
   const int group = num_q_heads / num_kv_heads;
@@ -145,8 +140,7 @@ inline std::vector<float> gen_queries(std::uint64_t seed, int num_q_heads, int n
 }
 
 // values[g][t][c] = noise * 2^vexp[g][t]; shape (Hkv, t1-t0, d).
-inline std::vector<float> gen_values(std::uint64_t seed, int num_kv_heads, int tokens, int dim, int t0 = 0,
-                                     int t1 = -1) {
+inline std::vector<float> gen_values(std::uint64_t seed, int num_kv_heads, int tokens, int dim, int t0 = 0, int t1 = -1) {
   const std::size_t te = detail::clamp_t1(tokens, t1);
   const std::size_t nt = te - static_cast<std::size_t>(t0);
   std::vector<float> out(static_cast<std::size_t>(num_kv_heads) * nt * dim);
@@ -156,8 +150,7 @@ inline std::vector<float> gen_values(std::uint64_t seed, int num_kv_heads, int t
       const int e = value_token_exponent(seed, tokens, g, static_cast<int>(t));
       const std::uint64_t base = (static_cast<std::uint64_t>(g) * tokens + t) * dim;
       float* row = out.data() + (static_cast<std::size_t>(g) * nt + (t - t0)) * dim;
-      for (int c = 0; c < dim; ++c)
-        row[c] = std::ldexp(static_cast<float>(noise_int(splitmix64(key ^ (base + c)))), e - kNoiseFracBits);
+      for (int c = 0; c < dim; ++c) row[c] = std::ldexp(static_cast<float>(noise_int(splitmix64(key ^ (base + c)))), e - kNoiseFracBits);
     }
   }
   return out;

@@ -32,8 +32,7 @@ TEST_CASE("fixture_rng: splitmix64 and the kvp-fixture-v1 recipe", "[reference]"
   for (int h = 0; h < 8; ++h)
     for (int t = 30; t < 33; ++t)
       for (int d = 0; d < 16; ++d)
-        REQUIRE(q_tail[(static_cast<std::size_t>(h) * 3 + (t - 30)) * 16 + d] ==
-                q[(static_cast<std::size_t>(h) * 33 + t) * 16 + d]);
+        REQUIRE(q_tail[(static_cast<std::size_t>(h) * 3 + (t - 30)) * 16 + d] == q[(static_cast<std::size_t>(h) * 33 + t) * 16 + d]);
   // Every value is an exact dyadic rational: |x| < 8 and x * 2^22 is an integer.
   for (const float x : kf::gen_values(3, 4, 50, 64)) {
     REQUIRE(std::fabs(x) < 8.0f);
@@ -103,8 +102,7 @@ TEST_CASE("fixture_reader: kept sets, scores and budgets are consistent", "[refe
           REQUIRE(c.scores.tokens[h].size() == c.scores.value[h].size());
           check_set(c.scores.tokens[h], c.seq_len);
           for (std::size_t i = 0; i < c.scores.tokens[h].size(); ++i)
-            if (c.scores.pad_value && c.scores.is_protected(c.scores.tokens[h][i]))
-              CHECK(c.scores.value[h][i] == *c.scores.pad_value);
+            if (c.scores.pad_value && c.scores.is_protected(c.scores.tokens[h][i])) CHECK(c.scores.value[h][i] == *c.scores.pad_value);
         }
       }
       if (is_kvpress && c.has_param("compression_ratio") && name != "pyramidkv_kvpress") {
@@ -130,9 +128,8 @@ TEST_CASE("fixture_reader: kept sets, scores and budgets are consistent", "[refe
         if (!c.kept_ties[h]) continue;
         const kf::Ties& t = *c.kept_ties[h];
         check_set(t.tied, c.seq_len);
-        const auto in_kept = std::count_if(t.tied.begin(), t.tied.end(), [&](std::int32_t x) {
-          return std::binary_search(c.kept[h].begin(), c.kept[h].end(), x);
-        });
+        const auto in_kept = std::count_if(t.tied.begin(), t.tied.end(),
+                                           [&](std::int32_t x) { return std::binary_search(c.kept[h].begin(), c.kept[h].end(), x); });
         CHECK(in_kept == t.n_tied_kept);
       }
       for (const auto& s : c.steps) {

@@ -61,10 +61,9 @@ CpuIsa detect() noexcept {
   const bool fma = bit(r1.c, 12), osxsave = bit(r1.c, 27), avx = bit(r1.c, 28), f16c = bit(r1.c, 29);
   if (!osxsave || !avx) return CpuIsa::kSse2;
   const std::uint64_t xcr0 = read_xcr0();
-  const bool os_ymm = (xcr0 & 0x6u) == 0x6u;     // SSE + AVX state
-  const bool os_zmm = (xcr0 & 0xe6u) == 0xe6u;   // + opmask, ZMM_Hi256, Hi16_ZMM
-  const bool avx2 = bit(r7.b, 5), avx512f = bit(r7.b, 16), avx512dq = bit(r7.b, 17), avx512bw = bit(r7.b, 30),
-             avx512vl = bit(r7.b, 31);
+  const bool os_ymm = (xcr0 & 0x6u) == 0x6u;    // SSE + AVX state
+  const bool os_zmm = (xcr0 & 0xe6u) == 0xe6u;  // + opmask, ZMM_Hi256, Hi16_ZMM
+  const bool avx2 = bit(r7.b, 5), avx512f = bit(r7.b, 16), avx512dq = bit(r7.b, 17), avx512bw = bit(r7.b, 30), avx512vl = bit(r7.b, 31);
   if (!os_ymm || !avx2 || !fma || !f16c) return CpuIsa::kSse2;
   if (os_zmm && avx512f && avx512dq && avx512bw && avx512vl) return CpuIsa::kAvx512;
   return CpuIsa::kAvx2;

@@ -29,7 +29,8 @@ WindowScratch window_scratch_layout(const WindowScoreShape& s) noexcept {
 std::size_t window_bytes(const WindowScoreShape& s) noexcept {
   WindowScratch w = window_scratch_layout(s);
   WorkspacePlan plan;
-  WindowScratch::visit(s, w, [&](auto*& ptr, std::size_t n) { plan.add<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(n); });
+  WindowScratch::visit(s, w,
+                       [&](auto*& ptr, std::size_t n) { plan.add<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(n); });
   return plan.total();
 }
 
@@ -43,7 +44,8 @@ void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys,
   }
   WindowScratch w = window_scratch_layout(s);
   WorkspaceCarver carve(ws);
-  WindowScratch::visit(s, w, [&](auto*& ptr, std::size_t n) { ptr = carve.take<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(n); });
+  WindowScratch::visit(
+      s, w, [&](auto*& ptr, std::size_t n) { ptr = carve.take<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(n); });
   (cpu_detail::score_kernels().*kernel)(s, q, keys, out, w);
 }
 
@@ -61,9 +63,9 @@ void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys,
 constexpr std::int64_t kSampleRun = 8;                      // neighbouring scores per sample run (one cache line)
 constexpr std::int64_t kSampleRuns = 256;                   // runs spread over the row
 constexpr std::int64_t kSample = kSampleRun * kSampleRuns;  // sample size
-constexpr std::int64_t kBins = 2048;    // histogram bins of one rank-search round
-constexpr std::int64_t kDirect = 4096;  // below this length every score is a candidate
-constexpr std::int64_t kSmallSet = 48;  // a boundary set this small is resolved by nth_element
+constexpr std::int64_t kBins = 2048;                        // histogram bins of one rank-search round
+constexpr std::int64_t kDirect = 4096;                      // below this length every score is a candidate
+constexpr std::int64_t kSmallSet = 48;                      // a boundary set this small is resolved by nth_element
 
 // Signed form of `score_order_key` (same order; NaN is INT32_MIN, the only
 // key no number maps to).
@@ -86,7 +88,7 @@ struct RankBin {
   int shift = 0;
   std::int64_t bin = 0, above = 0;
   std::int64_t bin_of(std::int32_t key) const noexcept { return (static_cast<std::int64_t>(key) - lo) >> shift; }
-  std::int64_t floor_key() const noexcept { return lo + (bin << shift); }   ///< smallest key of `bin`
+  std::int64_t floor_key() const noexcept { return lo + (bin << shift); }      ///< smallest key of `bin`
   std::int64_t end_key() const noexcept { return lo + ((bin + 1) << shift); }  ///< one past its largest
 };
 
@@ -236,7 +238,8 @@ void CpuScoreOps::pool1d(const float* in, std::int64_t n, int kernel, Pooling ki
 std::size_t CpuScoreOps::topk_workspace(std::int64_t n) noexcept {
   TopkScratch t{};
   WorkspacePlan plan;
-  TopkScratch::visit(n, t, [&](auto*& ptr, std::size_t cnt) { plan.add<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(cnt); });
+  TopkScratch::visit(n, t,
+                     [&](auto*& ptr, std::size_t cnt) { plan.add<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(cnt); });
   return plan.total();
 }
 
@@ -253,7 +256,8 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
   }
   TopkScratch t{};
   WorkspaceCarver carve(ws);
-  TopkScratch::visit(n, t, [&](auto*& ptr, std::size_t cnt) { ptr = carve.take<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(cnt); });
+  TopkScratch::visit(
+      n, t, [&](auto*& ptr, std::size_t cnt) { ptr = carve.take<std::remove_pointer_t<std::remove_reference_t<decltype(ptr)>>>(cnt); });
   const cpu_detail::ScoreKernels& kern = cpu_detail::score_kernels();
   const auto all_candidates = [&] {
     for (std::int64_t i = 0; i < n; ++i) t.candidates[i] = static_cast<std::int32_t>(i);
@@ -277,7 +281,8 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
   if (rank >= kSample) return all_candidates();
   const RankBin rb = rank_bin(t.sample_key, kSample, lo, hi, rank, t.hist);
   // A NaN-level floor admits every number (-inf and up); NaN never passes.
-  const auto floor_key = static_cast<std::int32_t>(std::max<std::int64_t>(rb.floor_key(), signed_key(-std::numeric_limits<float>::infinity())));
+  const auto floor_key =
+      static_cast<std::int32_t>(std::max<std::int64_t>(rb.floor_key(), signed_key(-std::numeric_limits<float>::infinity())));
   const std::int64_t m = kern.collect_at_least(scores, n, key_float(floor_key), t.candidates);
   if (m < k) return all_candidates();  // the sample did not bound the k-th score
   kern.gather_keys(scores, t.candidates, m, t.keys, &lo, &hi);

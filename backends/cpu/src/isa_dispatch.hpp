@@ -67,10 +67,10 @@ KVP_NAMESPACE_END
 
 /// Declares the three per-level accessors of kernel table `Table` and the
 /// selector `name()`; use inside `namespace cpu_detail`.
-#define KVP_CPU_DECLARE_KERNELS(Table, name)                                                               \
-  const Table& name##_sse2() noexcept;                                                                     \
-  const Table& name##_avx2() noexcept;                                                                     \
-  const Table& name##_avx512() noexcept;                                                                   \
+#define KVP_CPU_DECLARE_KERNELS(Table, name) \
+  const Table& name##_sse2() noexcept;       \
+  const Table& name##_avx2() noexcept;       \
+  const Table& name##_avx512() noexcept;     \
   inline const Table& name() noexcept { return select_kernels<Table>(&name##_sse2, &name##_avx2, &name##_avx512); }
 
 #define KVP_CPU_CAT_(a, b) a##_##b
@@ -78,8 +78,8 @@ KVP_NAMESPACE_END
 
 /// In a per-ISA translation unit (inside `namespace cpu_detail`): defines the
 /// accessor of this level, returning the table `{kernels...}`.
-#define KVP_CPU_DEFINE_KERNELS(Table, name, ...)     \
+#define KVP_CPU_DEFINE_KERNELS(Table, name, ...)              \
   const Table& KVP_CPU_CAT(name, KVP_CPU_ISA_NS)() noexcept { \
-    static constexpr Table kTable{__VA_ARGS__};      \
-    return kTable;                                   \
+    static constexpr Table kTable{__VA_ARGS__};               \
+    return kTable;                                            \
   }

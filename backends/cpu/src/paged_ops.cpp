@@ -26,8 +26,8 @@ std::size_t attn_bytes(std::int64_t group, std::int64_t block, std::int64_t head
 }
 
 template <class T, class Kernel>
-void run_attention(const float* q, std::int64_t group, std::int64_t head_dim, Rows<T> keys, Rows<T> values, std::int64_t n,
-                   float scale, float* out, float* lse, Workspace ws, Kernel kernel) noexcept {
+void run_attention(const float* q, std::int64_t group, std::int64_t head_dim, Rows<T> keys, Rows<T> values, std::int64_t n, float scale,
+                   float* out, float* lse, Workspace ws, Kernel kernel) noexcept {
   const std::int64_t block = ScalarPageOps::attention_block(keys);
   if (ws.data == nullptr || ws.bytes < attn_bytes(group, block, head_dim)) {
     // Workspace sized for the reference op: compute with the reference, and count it.
@@ -61,8 +61,8 @@ void CpuPageOps::page_meta_fold<half, float>(const half* rows, std::int64_t stri
   cpu_detail::paged_kernels().fold_f16_f32(rows, stride, n, d, mx, mn, fresh ? 1 : 0);
 }
 template <>
-void CpuPageOps::page_meta_fold<bfloat16, bfloat16>(const bfloat16* rows, std::int64_t stride, std::int64_t n, std::int64_t d,
-                                                    bfloat16* mx, bfloat16* mn, bool fresh) noexcept {
+void CpuPageOps::page_meta_fold<bfloat16, bfloat16>(const bfloat16* rows, std::int64_t stride, std::int64_t n, std::int64_t d, bfloat16* mx,
+                                                    bfloat16* mn, bool fresh) noexcept {
   cpu_detail::paged_kernels().fold_bf16_bf16(rows, stride, n, d, mx, mn, fresh ? 1 : 0);
 }
 template <>
@@ -121,9 +121,8 @@ void CpuPageOps::paged_decode_attention<float, float>(const float* q, std::int64
   run_attention(q, group, d, keys, values, n, scale, out, lse, ws, &PagedKernels::attn_f32);
 }
 template <>
-void CpuPageOps::paged_decode_attention<half, half>(const float* q, std::int64_t group, std::int64_t d, Rows<half> keys,
-                                                    Rows<half> values, std::int64_t n, float scale, float* out, float* lse,
-                                                    Workspace ws) noexcept {
+void CpuPageOps::paged_decode_attention<half, half>(const float* q, std::int64_t group, std::int64_t d, Rows<half> keys, Rows<half> values,
+                                                    std::int64_t n, float scale, float* out, float* lse, Workspace ws) noexcept {
   run_attention(q, group, d, keys, values, n, scale, out, lse, ws, &PagedKernels::attn_f16);
 }
 template <>

@@ -16,14 +16,14 @@ namespace cpu_detail {
 /// Scratch of one `paged_decode_attention` call, carved from the caller's
 /// workspace in this order (64-byte aligned blocks).
 struct AttnScratch {
-  float* kbuf = nullptr;         // (block, head_dim): the block's keys widened to fp32
-  float* vbuf = nullptr;         // (block, head_dim): its values widened
-  float* logits = nullptr;       // (group, block): scaled logits, then exp(logit - running max)
+  float* kbuf = nullptr;          // (block, head_dim): the block's keys widened to fp32
+  float* vbuf = nullptr;          // (block, head_dim): its values widened
+  float* logits = nullptr;        // (group, block): scaled logits, then exp(logit - running max)
   const float** krows = nullptr;  // (block): fp32 key row pointers (into kbuf, or the cache for fp32)
   const float** vrows = nullptr;  // (block): fp32 value row pointers
-  float* run_max = nullptr;      // (group)
-  float* run_sum = nullptr;      // (group)
-  float* zero_row = nullptr;     // (head_dim): zeros, for the unused rows of a logit tile
+  float* run_max = nullptr;       // (group)
+  float* run_sum = nullptr;       // (group)
+  float* zero_row = nullptr;      // (head_dim): zeros, for the unused rows of a logit tile
 
   /// fn(pointer_member, count) for every array, in carving order: the one
   /// definition behind both the size report and the carve.

@@ -233,7 +233,8 @@ inline F hsum_lanes(const F* acc) noexcept {
     const __m512 u = s2[2 * k], v = s2[2 * k + 1];
     s3[k] = _mm512_add_ps(_mm512_shuffle_ps(u, v, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(u, v, _MM_SHUFFLE(3, 2, 3, 2)));
   }
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s =
+      _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
   // Element 4i + j now holds the sum of acc[4j + i].
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return F(_mm512_permutexvar_ps(order, s));
@@ -283,10 +284,10 @@ void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const T
             float* out, std::int64_t ld, float* scratch) noexcept {
   const std::int64_t H = meta.num_kv_heads, R = H * G, dpad = bounds_dpad(d);
   const std::int64_t row_bytes = d * static_cast<std::int64_t>(sizeof(Tm));
-  float* buf = scratch;                  // (kLanes, 2, dpad): the chunk's rows of one kv head
-  float* qz = buf + kLanes * 2 * dpad;   // (R, dpad): q, zero padded
-  float* qp = qz + R * dpad;             // (R, dpad): q+ = max(q, 0)
-  float* qn = qp + R * dpad;             // (R, dpad): q- = min(q, 0)
+  float* buf = scratch;                 // (kLanes, 2, dpad): the chunk's rows of one kv head
+  float* qz = buf + kLanes * 2 * dpad;  // (R, dpad): q, zero padded
+  float* qp = qz + R * dpad;            // (R, dpad): q+ = max(q, 0)
+  float* qn = qp + R * dpad;            // (R, dpad): q- = min(q, 0)
   for (std::int64_t r = 0; r < R; ++r)
     for (std::int64_t c = 0; c < dpad; ++c) {
       const float x = c < d ? q[r * d + c] : 0.0f;
@@ -328,8 +329,10 @@ void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const T
         F sums = chunk_sums<true>(qp + row * dpad, qn + row * dpad, buf, dpad);
         if (!xsimd::all(sums == sums)) sums = chunk_sums<false>(qz + row * dpad, nullptr, buf, dpad);  // NaN (0 * inf met): exact form
         float* o = out + row * ld + i0;
-        if (cnt == kLanes) sums.store_unaligned(o);
-        else store_partial(o, sums, cnt);
+        if (cnt == kLanes)
+          sums.store_unaligned(o);
+        else
+          store_partial(o, sums, cnt);
       }
     }
   }
@@ -357,8 +360,10 @@ inline void logits_row(const float* q, std::int64_t d, const float* const* rows,
       for (std::int64_t i = 0; i < kLanes; ++i) acc[i] = xsimd::fma(qv, load_partial(r[i] + c, d - c), acc[i]);
     }
     const F v = hsum_lanes(acc) * F(scale);
-    if (t0 + kLanes <= bn) v.store_unaligned(lg + t0);
-    else store_partial(lg + t0, v, bn - t0);
+    if (t0 + kLanes <= bn)
+      v.store_unaligned(lg + t0);
+    else
+      store_partial(lg + t0, v, bn - t0);
   }
 }
 
@@ -386,8 +391,10 @@ inline void accumulate_values(float* o, std::int64_t d, const float* p, const fl
     F acc = w == kLanes ? F::load_unaligned(o + c) : load_partial(o + c, w);
     for (std::int64_t t = 0; t < bn; ++t)
       acc = xsimd::fma(F(p[t]), w == kLanes ? F::load_unaligned(rows[t] + c) : load_partial(rows[t] + c, w), acc);
-    if (w == kLanes) acc.store_unaligned(o + c);
-    else store_partial(o + c, acc, w);
+    if (w == kLanes)
+      acc.store_unaligned(o + c);
+    else
+      store_partial(o + c, acc, w);
   }
 }
 

@@ -114,20 +114,23 @@ Entry typed(std::string_view family, std::string_view paper, const typename P::P
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = [] {
     std::vector<Entry> t;
-    t.push_back(erased<StreamingLLM>("eviction", "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453",
+    t.push_back(erased<StreamingLLM>("eviction",
+                                     "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453",
                                      StreamingLLMParams::kvpress(0.5)));
     t.push_back(erased<SnapKV>("eviction", "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation, arXiv 2404.14469",
                                SnapKVParams::kvpress(0.5)));
     t.push_back(erased<ObservedAttention>("eviction", "kvpress ObservedAttentionPress (one-shot H2O scores), arXiv 2306.14048",
                                           ObservedAttentionParams::kvpress(0.5)));
-    t.push_back(erased<TOVA>("eviction", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA), arXiv 2401.06104", TOVAParams::kvpress(0.5)));
+    t.push_back(
+        erased<TOVA>("eviction", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA), arXiv 2401.06104", TOVAParams::kvpress(0.5)));
     t.push_back(erased<PyramidKV>("eviction", "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression, arXiv 2406.02069",
                                   PyramidKVParams::kvpress(0.5, 0, 32)));
     {
       Entry e;
       const AdaKVSpecParams defaults{};
-      e.info = PolicyInfo{"adakv", "eviction", "Feng et al. 2024, Ada-KV: Adaptive Budget Allocation, arXiv 2407.11550 (over SnapKV scores)",
-                          describe_params(defaults), true};
+      e.info =
+          PolicyInfo{"adakv", "eviction", "Feng et al. 2024, Ada-KV: Adaptive Budget Allocation, arXiv 2407.11550 (over SnapKV scores)",
+                     describe_params(defaults), true};
       e.make = [defaults](const PolicySpec& spec, AnyEvictionPolicy* out) -> Status {
         AdaKVSpecParams p = defaults;
         KVP_RETURN_IF_ERROR(apply_spec_args("adakv", spec, p));
@@ -142,9 +145,10 @@ const std::vector<Entry>& entries() {
     t.push_back(erased<ExpectedAttentionOnScoreInput>(
         "eviction", "Devoto et al. 2025, Expected Attention, arXiv 2510.00636 (queries = pre-RoPE prompt queries; values required)",
         ExpectedAttentionParams::kvpress(0.5)));
-    t.push_back(typed<H2O>("eviction (online)", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle, arXiv 2306.14048 (state: H2OState)", H2OParams{}));
-    t.push_back(typed<Quest>("selection", "Tang et al. 2024, Quest: Query-Aware Sparsity, arXiv 2406.10774 (state: page metadata)",
-                             QuestParams{}));
+    t.push_back(
+        typed<H2O>("eviction (online)", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle, arXiv 2306.14048 (state: H2OState)", H2OParams{}));
+    t.push_back(
+        typed<Quest>("selection", "Tang et al. 2024, Quest: Query-Aware Sparsity, arXiv 2406.10774 (state: page metadata)", QuestParams{}));
     return t;
   }();
   return table;

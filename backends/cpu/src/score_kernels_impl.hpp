@@ -148,7 +148,8 @@ inline F exp_clamped(F x) noexcept {
   const F xc = xsimd::min(hi, xsimd::max(lo, x));
 #if KVP_CPU_TU_ISA == 2
   // AVX-512: round with vrndscaleps and scale by 2^n with vscalefps.
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const F nf(n);
 #else
   // Round to an integer with the 1.5 * 2^23 trick (no float -> int conversion
@@ -191,17 +192,17 @@ inline constexpr float kHeadroom = 32.0f;
 enum class TileMode { kLogits, kExp };
 
 struct TileArgs {
-  const float* key_buf;                // (kChunk, d): the chunk's keys in fp32
-  const float* qt;                     // (d, qpad)
-  const std::int32_t* last_visible;    // (qpad)
-  float* p;                            // (kv_len, qpad)
-  float* cur_max;                      // (qpad): max of the current chunk
-  const float* ref;                    // (qpad): reference of the current chunk (kExp)
-  float* sum;                          // (qpad): sums of the current chunk (kExp)
+  const float* key_buf;              // (kChunk, d): the chunk's keys in fp32
+  const float* qt;                   // (d, qpad)
+  const std::int32_t* last_visible;  // (qpad)
+  float* p;                          // (kv_len, qpad)
+  float* cur_max;                    // (qpad): max of the current chunk
+  const float* ref;                  // (qpad): reference of the current chunk (kExp)
+  float* sum;                        // (qpad): sums of the current chunk (kExp)
   std::int64_t qpad, d, q_pos0;
-  std::int64_t j;                      // absolute index of the tile's first key
-  std::int64_t r;                      // row of the tile's first key in key_buf
-  std::int64_t v;                      // first query vector of the tile
+  std::int64_t j;  // absolute index of the tile's first key
+  std::int64_t r;  // row of the tile's first key in key_buf
+  std::int64_t v;  // first query vector of the tile
   float scale;
 };
 
@@ -644,8 +645,8 @@ inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_
   }
   return o;
 }
-inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
-                                  std::int32_t* out_idx) noexcept {
+inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
+                                  std::int32_t idx_lo, std::int32_t* out_idx) noexcept {
   std::int64_t o = 0, i = 0;
 #if KVP_CPU_TU_ISA == 2
   const __m512i kl = _mm512_set1_epi32(key_lo), il = _mm512_set1_epi32(idx_lo);

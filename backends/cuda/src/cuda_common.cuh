@@ -33,9 +33,7 @@ inline cudaStream_t as_stream(void* stream) noexcept { return static_cast<cudaSt
 /// Exact widening loads (every half / bfloat16 is a float).
 __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const half* p) { return __half2float(__ushort_as_half(p->bits)); }
-__device__ __forceinline__ float load_f32(const bfloat16* p) {
-  return __uint_as_float(static_cast<unsigned int>(p->bits) << 16);
-}
+__device__ __forceinline__ float load_f32(const bfloat16* p) { return __uint_as_float(static_cast<unsigned int>(p->bits) << 16); }
 
 }  // namespace cuda_detail
 KVP_NAMESPACE_END

@@ -26,9 +26,8 @@ constexpr int kRadixBins = 1 << kRadixBits;
 constexpr std::int64_t kMaxN = 2147483647;     // indices are int32
 constexpr std::int64_t kMaxRows = 2147483647;  // grid.x
 
-__global__ void __launch_bounds__(kTopkThreads)
-    topk_rows_kernel(const float* __restrict__ scores, std::int64_t n, std::int64_t ld, std::int64_t k,
-                     std::int32_t* __restrict__ out, std::int64_t out_ld) {
+__global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const float* __restrict__ scores, std::int64_t n, std::int64_t ld,
+                                                                 std::int64_t k, std::int32_t* __restrict__ out, std::int64_t out_ld) {
   using Scan = cub::BlockScan<unsigned long long, kTopkThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned int hist[kRadixBins];
@@ -108,18 +107,18 @@ Status topk_impl(const char* who, const float* scores, std::int64_t rows, std::i
   KVP_REQUIRE(k >= 0, "%s: k is %lld, must be >= 0", who, static_cast<long long>(k));
   KVP_REQUIRE(k <= n, "%s: k is %lld, larger than n=%lld", who, static_cast<long long>(k), static_cast<long long>(n));
   if (n > kMaxN) {
-    return Status::error(StatusCode::kUnsupported, "%s: n is %lld; indices are int32, at most %lld", who,
-                         static_cast<long long>(n), static_cast<long long>(kMaxN));
+    return Status::error(StatusCode::kUnsupported, "%s: n is %lld; indices are int32, at most %lld", who, static_cast<long long>(n),
+                         static_cast<long long>(kMaxN));
   }
   if (rows > 1) {
     KVP_REQUIRE(ld >= n, "%s: ld is %lld, less than n=%lld (rows would overlap)", who, static_cast<long long>(ld),
                 static_cast<long long>(n));
-    KVP_REQUIRE(out_ld >= k, "%s: out_ld is %lld, less than k=%lld (output rows would overlap)", who,
-                static_cast<long long>(out_ld), static_cast<long long>(k));
+    KVP_REQUIRE(out_ld >= k, "%s: out_ld is %lld, less than k=%lld (output rows would overlap)", who, static_cast<long long>(out_ld),
+                static_cast<long long>(k));
   }
   if (rows > kMaxRows) {
-    return Status::error(StatusCode::kUnsupported, "%s: rows is %lld, at most %lld per call", who,
-                         static_cast<long long>(rows), static_cast<long long>(kMaxRows));
+    return Status::error(StatusCode::kUnsupported, "%s: rows is %lld, at most %lld per call", who, static_cast<long long>(rows),
+                         static_cast<long long>(kMaxRows));
   }
   if (rows == 0 || k == 0) return Status::ok();
   KVP_REQUIRE(scores != nullptr, "%s: scores is null", who);

@@ -39,7 +39,7 @@ struct WindowParams {
   std::int64_t q_pos0;    // clamped to [0, T] (same visibility, no overflow)
   std::int64_t num_cols;  // L
   float scale;
-  float inv_w;            // 1/w for kMean, 1 for kSum (computed as the scalar reference does)
+  float inv_w;  // 1/w for kMean, 1 for kSum (computed as the scalar reference does)
 };
 
 /// Keys visible to window query i: [0, min(T, q_pos0 + i + 1)).
@@ -122,8 +122,7 @@ struct MaxIgnoringNaN {
 /// Pass 2. One block per query row: max over the visible logits, then the
 /// softmax denominator summed in fp64 (the reference's `double denom`).
 __global__ void __launch_bounds__(kStatThreads)
-    window_row_stats_kernel(WindowParams p, const float* __restrict__ logits, float* __restrict__ row_max,
-                            float* __restrict__ row_scale) {
+    window_row_stats_kernel(WindowParams p, const float* __restrict__ logits, float* __restrict__ row_max, float* __restrict__ row_scale) {
   using MaxReduce = cub::BlockReduce<float, kStatThreads>;
   using SumReduce = cub::BlockReduce<double, kStatThreads>;
   __shared__ typename MaxReduce::TempStorage max_tmp;
@@ -178,8 +177,7 @@ std::int64_t logits_ld(const WindowScoreShape& s) noexcept {
 
 /// Shapes this implementation launches (beyond these: kUnsupported).
 bool within_launch_limits(const WindowScoreShape& s) noexcept {
-  return s.group <= kMaxGridY && s.window <= kMaxGridY * kTile && s.group * s.window <= kMaxGridY * kTile &&
-         s.kv_len <= kMaxKvLen;
+  return s.group <= kMaxGridY && s.window <= kMaxGridY * kTile && s.group * s.window <= kMaxGridY * kTile && s.kv_len <= kMaxKvLen;
 }
 
 Status validate_shape(const char* who, const WindowScoreShape& s) noexcept {
@@ -190,15 +188,14 @@ Status validate_shape(const char* who, const WindowScoreShape& s) noexcept {
   KVP_REQUIRE(s.num_cols >= 0 && s.num_cols <= s.kv_len, "%s: num_cols is %lld, must be in [0, kv_len=%lld]", who,
               static_cast<long long>(s.num_cols), static_cast<long long>(s.kv_len));
   KVP_REQUIRE(s.q_pos0 >= 0, "%s: q_pos0 is %lld, must be >= 0", who, static_cast<long long>(s.q_pos0));
-  KVP_REQUIRE(s.reduce == WindowReduce::kMean || s.reduce == WindowReduce::kSum, "%s: reduce is %d, not kMean or kSum",
-              who, static_cast<int>(s.reduce));
+  KVP_REQUIRE(s.reduce == WindowReduce::kMean || s.reduce == WindowReduce::kSum, "%s: reduce is %d, not kMean or kSum", who,
+              static_cast<int>(s.reduce));
   if (!within_launch_limits(s)) {
     return Status::error(StatusCode::kUnsupported,
                          "%s: group=%lld, window=%lld, kv_len=%lld exceed this backend's launch limits "
                          "(group <= %lld, group*window <= %lld, kv_len <= %lld)",
-                         who, static_cast<long long>(s.group), static_cast<long long>(s.window),
-                         static_cast<long long>(s.kv_len), static_cast<long long>(kMaxGridY),
-                         static_cast<long long>(kMaxGridY * kTile), static_cast<long long>(kMaxKvLen));
+                         who, static_cast<long long>(s.group), static_cast<long long>(s.window), static_cast<long long>(s.kv_len),
+                         static_cast<long long>(kMaxGridY), static_cast<long long>(kMaxGridY * kTile), static_cast<long long>(kMaxKvLen));
   }
   return Status::ok();
 }
@@ -207,19 +204,17 @@ template <class Tk>
 Status validate_keys(const char* who, const WindowScoreShape& s, const Rows<Tk>& keys) noexcept {
   KVP_REQUIRE(keys.base != nullptr, "%s: keys.base is null", who);
   if (keys.pages == nullptr) {
-    KVP_REQUIRE(s.kv_len <= 1 || keys.row_stride >= s.head_dim,
-                "%s: keys.row_stride is %lld, less than head_dim %lld (rows would overlap)", who,
-                static_cast<long long>(keys.row_stride), static_cast<long long>(s.head_dim));
+    KVP_REQUIRE(s.kv_len <= 1 || keys.row_stride >= s.head_dim, "%s: keys.row_stride is %lld, less than head_dim %lld (rows would overlap)",
+                who, static_cast<long long>(keys.row_stride), static_cast<long long>(s.head_dim));
     return Status::ok();
   }
-  KVP_REQUIRE(keys.page_size >= 1, "%s: keys.page_size is %d, must be >= 1 for paged keys", who,
-              static_cast<int>(keys.page_size));
+  KVP_REQUIRE(keys.page_size >= 1, "%s: keys.page_size is %d, must be >= 1 for paged keys", who, static_cast<int>(keys.page_size));
   KVP_REQUIRE(keys.page_size == 1 || s.kv_len <= 1 || keys.row_stride >= s.head_dim,
               "%s: keys.row_stride (slot stride) is %lld, less than head_dim %lld (rows would overlap)", who,
               static_cast<long long>(keys.row_stride), static_cast<long long>(s.head_dim));
   KVP_REQUIRE(s.kv_len <= keys.page_size || keys.page_stride >= s.head_dim,
-              "%s: keys.page_stride is %lld, less than head_dim %lld (pages would overlap)", who,
-              static_cast<long long>(keys.page_stride), static_cast<long long>(s.head_dim));
+              "%s: keys.page_stride is %lld, less than head_dim %lld (pages would overlap)", who, static_cast<long long>(keys.page_stride),
+              static_cast<long long>(s.head_dim));
   return Status::ok();
 }
 
@@ -232,8 +227,7 @@ std::size_t workspace_bytes(const WindowScoreShape& s) noexcept {
 }
 
 template <class Tk>
-Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws,
-                          void* stream) noexcept {
+Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws, void* stream) noexcept {
   constexpr const char* who = "cuda window_scores";
   KVP_RETURN_IF_ERROR(validate_shape(who, s));
   if (s.num_cols == 0) return Status::ok();  // nothing to write (covers kv_len == 0)
@@ -283,13 +277,13 @@ Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Row
   return cuda_detail::window_scores_impl(s, q_device, keys_device, out_device, ws_device, stream);
 }
 
-Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device, float* out_device,
-                           Workspace ws_device, void* stream) noexcept {
+Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device, float* out_device, Workspace ws_device,
+                           void* stream) noexcept {
   return cuda_detail::window_scores_impl(s, q_device, keys_device, out_device, ws_device, stream);
 }
 
-Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device,
-                           float* out_device, Workspace ws_device, void* stream) noexcept {
+Status Cuda::window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device, float* out_device,
+                           Workspace ws_device, void* stream) noexcept {
   return cuda_detail::window_scores_impl(s, q_device, keys_device, out_device, ws_device, stream);
 }
 

@@ -34,8 +34,8 @@ inline Status check_keep_row(const char* who, const KeepSet& keep, std::int64_t 
   std::int64_t prev = -1;
   for (std::int32_t i = b; i < e; ++i) {
     const std::int64_t t = keep.indices[i];
-    KVP_REQUIRE(t > prev, "%s: keep set row %lld is not strictly ascending at entry %d (%lld after %lld)", who,
-                static_cast<long long>(row), i - b, static_cast<long long>(t), static_cast<long long>(prev));
+    KVP_REQUIRE(t > prev, "%s: keep set row %lld is not strictly ascending at entry %d (%lld after %lld)", who, static_cast<long long>(row),
+                i - b, static_cast<long long>(t), static_cast<long long>(prev));
     KVP_REQUIRE(t < len, "%s: keep set row %lld holds token %lld, out of range [0, %lld)", who, static_cast<long long>(row),
                 static_cast<long long>(t), static_cast<long long>(len));
     prev = t;
@@ -80,11 +80,10 @@ Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, Tensor
   KVP_REQUIRE(positions.empty() || (positions.extent(0) == H && positions.extent(1) >= kv_len),
               "%s: positions has shape (%lld, %lld), expected (%lld, >= %lld)", who, static_cast<long long>(positions.extent(0)),
               static_cast<long long>(positions.extent(1)), static_cast<long long>(H), static_cast<long long>(kv_len));
-  KVP_REQUIRE(static_cast<std::int64_t>(new_lens.size()) >= H, "%s: new_lens has %zu entries, needs kv_heads=%lld", who,
-              new_lens.size(), static_cast<long long>(H));
-  KVP_REQUIRE(keep.indptr != nullptr && row0 >= 0 && row0 + H <= keep.num_rows,
-              "%s: keep set rows [%lld, %lld) out of range [0, %lld)", who, static_cast<long long>(row0), static_cast<long long>(row0 + H),
-              static_cast<long long>(keep.num_rows));
+  KVP_REQUIRE(static_cast<std::int64_t>(new_lens.size()) >= H, "%s: new_lens has %zu entries, needs kv_heads=%lld", who, new_lens.size(),
+              static_cast<long long>(H));
+  KVP_REQUIRE(keep.indptr != nullptr && row0 >= 0 && row0 + H <= keep.num_rows, "%s: keep set rows [%lld, %lld) out of range [0, %lld)",
+              who, static_cast<long long>(row0), static_cast<long long>(row0 + H), static_cast<long long>(keep.num_rows));
   for (std::int64_t h = 0; h < H; ++h) KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, row0 + h, kv_len));
 
   for (std::int64_t h = 0; h < H; ++h) {
@@ -107,9 +106,9 @@ struct PagedCompactOutput {
   std::int32_t* indices = nullptr;        // (capacity)
   std::int32_t* last_page_len = nullptr;  // (batch)
   std::int64_t indices_capacity = 0;
-  std::int32_t* freed_pages = nullptr;    // (freed_capacity) ids of pages no longer referenced
+  std::int32_t* freed_pages = nullptr;  // (freed_capacity) ids of pages no longer referenced
   std::int64_t freed_capacity = 0;
-  std::int64_t num_freed = 0;             // written
+  std::int64_t num_freed = 0;  // written
 };
 
 /// Compact a paged cache to a KeepSet whose rows are `b * kv_heads + h`. All
@@ -141,8 +140,9 @@ Status compact_paged(const PagedKVView<T>& cache, const KeepSet& keep, TensorVie
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t row = b * H + h;
       KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, row, len));
-      KVP_REQUIRE(keep.row_size(row) == n, "%s: sequence %d keeps %lld tokens in kv head 0 but %lld in kv head %lld; a shared page list needs equal counts",
-                  who, b, static_cast<long long>(n), static_cast<long long>(keep.row_size(row)), static_cast<long long>(h));
+      KVP_REQUIRE(keep.row_size(row) == n,
+                  "%s: sequence %d keeps %lld tokens in kv head 0 but %lld in kv head %lld; a shared page list needs equal counts", who, b,
+                  static_cast<long long>(n), static_cast<long long>(keep.row_size(row)), static_cast<long long>(h));
     }
     const std::int64_t pages = (n + ps - 1) / ps;
     new_pages += pages;
@@ -151,8 +151,8 @@ Status compact_paged(const PagedKVView<T>& cache, const KeepSet& keep, TensorVie
   KVP_REQUIRE(new_pages == 0 || out.indices != nullptr, "%s: output indices is null", who);
   KVP_REQUIRE(out.indices_capacity >= new_pages, "%s: output indices capacity %lld < %lld pages", who,
               static_cast<long long>(out.indices_capacity), static_cast<long long>(new_pages));
-  KVP_REQUIRE(out.freed_capacity >= freed && (freed == 0 || out.freed_pages != nullptr),
-              "%s: freed_pages capacity %lld < %lld freed pages", who, static_cast<long long>(out.freed_capacity), static_cast<long long>(freed));
+  KVP_REQUIRE(out.freed_capacity >= freed && (freed == 0 || out.freed_pages != nullptr), "%s: freed_pages capacity %lld < %lld freed pages",
+              who, static_cast<long long>(out.freed_capacity), static_cast<long long>(freed));
 
   // Move tokens (page list unchanged while moving: slot r of the sequence is
   // page indices[indptr[b] + r / ps], slot r % ps).

@@ -69,9 +69,9 @@ Status compact_contiguous_per_head(TensorView<T, 3> keys, TensorView<T, 3> value
   for (std::int64_t h = 0; h < H; ++h) {
     // One head at a time: a (1, capacity, head_dim) cache and the KeepSet seen from row row0 + h.
     const KeepSet one{keep.indptr + row0 + h, keep.indices, 1, keep.capacity};
-    KVP_RETURN_IF_ERROR(compact_contiguous<T>(keys.narrow(0, h, 1), values.empty() ? values : values.narrow(0, h, 1),
-                                              positions.empty() ? positions : positions.narrow(0, h, 1), head_lens[static_cast<std::size_t>(h)],
-                                              one, 0, new_lens.subspan(static_cast<std::size_t>(h), 1)));
+    KVP_RETURN_IF_ERROR(compact_contiguous<T>(
+        keys.narrow(0, h, 1), values.empty() ? values : values.narrow(0, h, 1), positions.empty() ? positions : positions.narrow(0, h, 1),
+        head_lens[static_cast<std::size_t>(h)], one, 0, new_lens.subspan(static_cast<std::size_t>(h), 1)));
   }
   return Status::ok();
 }
@@ -88,14 +88,15 @@ constexpr std::size_t compact_paged_per_head_workspace(std::int32_t num_pool_pag
 /// `out` as for `compact_paged` (it may alias the input table); freed pages are
 /// the whole tail pages of every row. ws: compact_paged_per_head_workspace(num_pages).
 template <class T>
-Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads, const KeepSet& keep, TensorView<std::int32_t, 2> positions,
-                              PagedCompactOutput& out, Workspace ws) noexcept {
+Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads, const KeepSet& keep,
+                              TensorView<std::int32_t, 2> positions, PagedCompactOutput& out, Workspace ws) noexcept {
   const char* who = "compact_paged_per_head";
   KVP_RETURN_IF_ERROR(cache.validate(who, cache.v_data != nullptr));
   KVP_REQUIRE(cache.device.is_host(), "%s: the page pool must be host memory", who);
-  KVP_REQUIRE(cache.num_kv_heads == 1 || (cache.k_strides.head == 0 && (cache.v_data == nullptr || cache.v_strides.head == 0)),
-              "%s: a page must hold one head (num_kv_heads == 1, or head strides 0); the view has %d kv heads with head strides %lld / %lld",
-              who, cache.num_kv_heads, static_cast<long long>(cache.k_strides.head), static_cast<long long>(cache.v_strides.head));
+  KVP_REQUIRE(
+      cache.num_kv_heads == 1 || (cache.k_strides.head == 0 && (cache.v_data == nullptr || cache.v_strides.head == 0)),
+      "%s: a page must hold one head (num_kv_heads == 1, or head strides 0); the view has %d kv heads with head strides %lld / %lld", who,
+      cache.num_kv_heads, static_cast<long long>(cache.k_strides.head), static_cast<long long>(cache.v_strides.head));
   const PageTable& t = cache.table;
   KVP_REQUIRE(kv_heads >= 1 && t.batch % kv_heads == 0, "%s: the page table has %d rows, not a multiple of kv_heads=%lld", who, t.batch,
               static_cast<long long>(kv_heads));
@@ -103,8 +104,8 @@ Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads
               static_cast<long long>(keep.num_rows), t.batch);
   KVP_RETURN_IF_ERROR(positions.check_basic(who, "positions"));
   KVP_REQUIRE(positions.empty() || (positions.extent(0) == cache.num_pages && positions.extent(1) == cache.page_size),
-              "%s: positions has shape (%lld, %lld), expected (num_pages=%d, page_size=%d)", who, static_cast<long long>(positions.extent(0)),
-              static_cast<long long>(positions.extent(1)), cache.num_pages, cache.page_size);
+              "%s: positions has shape (%lld, %lld), expected (num_pages=%d, page_size=%d)", who,
+              static_cast<long long>(positions.extent(0)), static_cast<long long>(positions.extent(1)), cache.num_pages, cache.page_size);
   for (std::int32_t r = 0; r < t.batch; ++r) {
     const std::int64_t len = t.seq_len(r, cache.page_size), b = r / kv_heads, h = r % kv_heads;
     KVP_REQUIRE(keep.indptr[r + 1] - keep.indptr[r] <= len, "%s: sequence %lld kv head %lld keeps %d tokens but holds only %lld", who,
@@ -119,7 +120,8 @@ Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads
   for (std::int32_t i = 0; i < t.indptr[t.batch]; ++i) {
     const std::int32_t p = t.indices[i];
     const std::uint64_t bit = std::uint64_t{1} << (p % 64);
-    KVP_REQUIRE((seen[p / 64] & bit) == 0, "%s: page %d appears twice in the page table (entry %d); per-head pages must be distinct", who, p, i);
+    KVP_REQUIRE((seen[p / 64] & bit) == 0, "%s: page %d appears twice in the page table (entry %d); per-head pages must be distinct", who,
+                p, i);
     seen[p / 64] |= bit;
   }
   // One head per page: the single-head view, compacted row by row by compact_paged

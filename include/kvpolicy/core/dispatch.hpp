@@ -12,10 +12,14 @@
 
 KVP_NAMESPACE_BEGIN
 
-template <class T> struct TypeTag { using type = T; };
+template <class T>
+struct TypeTag {
+  using type = T;
+};
 
 /// f(TypeTag<T>) -> Status, T in {float, half, bfloat16}.
-template <class F> Status dispatch_dtype(DType dt, const char* what, F&& f) {
+template <class F>
+Status dispatch_dtype(DType dt, const char* what, F&& f) {
   switch (dt) {
     case DType::kF32: return f(TypeTag<float>{});
     case DType::kF16: return f(TypeTag<half>{});
@@ -25,7 +29,8 @@ template <class F> Status dispatch_dtype(DType dt, const char* what, F&& f) {
 }
 
 /// f(std::integral_constant<int, V>) -> Status for the first V == v.
-template <int... Vs, class F> Status dispatch_int(int v, const char* what, F&& f) {
+template <int... Vs, class F>
+Status dispatch_int(int v, const char* what, F&& f) {
   Status s = Status::error(StatusCode::kUnsupported, "%s is %d; this entry point is compiled for a fixed set of values", what, v);
   (void)((v == Vs ? (s = f(std::integral_constant<int, Vs>{}), true) : false) || ...);
   return s;

@@ -26,11 +26,13 @@ struct KeepSet {
 
   Status check_output(const char* who, std::int64_t rows_needed, std::int64_t total_needed) const noexcept {
     if (indptr == nullptr) return KVP_INVALID("%s: keep set indptr is null", who);
-    if (num_rows != rows_needed) return KVP_INVALID("%s: keep set has %lld rows, expected %lld (sequences x kv heads)", who,
-                                                    static_cast<long long>(num_rows), static_cast<long long>(rows_needed));
+    if (num_rows != rows_needed)
+      return KVP_INVALID("%s: keep set has %lld rows, expected %lld (sequences x kv heads)", who, static_cast<long long>(num_rows),
+                         static_cast<long long>(rows_needed));
     if (total_needed > 0 && indices == nullptr) return KVP_INVALID("%s: keep set indices is null", who);
-    if (capacity < total_needed) return Status::error(StatusCode::kOutputTooSmall, "%s: keep set capacity is %lld, needs %lld", who,
-                                                      static_cast<long long>(capacity), static_cast<long long>(total_needed));
+    if (capacity < total_needed)
+      return Status::error(StatusCode::kOutputTooSmall, "%s: keep set capacity is %lld, needs %lld", who, static_cast<long long>(capacity),
+                           static_cast<long long>(total_needed));
     return Status::ok();
   }
 };

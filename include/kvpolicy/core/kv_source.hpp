@@ -19,10 +19,10 @@ enum class KVRole : std::uint8_t { kKeys, kValues };
 
 template <class T>
 struct KVSource {
-  TensorView<const T, 3> dense{};              ///< (kv_heads, kv_len, head_dim); used when `paged` is null
+  TensorView<const T, 3> dense{};               ///< (kv_heads, kv_len, head_dim); used when `paged` is null
   const PagedKVView<const T>* paged = nullptr;  ///< paged cache, sequence `seq`
   std::int32_t seq = 0;
-  KVRole role = KVRole::kKeys;                 ///< paged only: keys (k_data) or values (v_data)
+  KVRole role = KVRole::kKeys;  ///< paged only: keys (k_data) or values (v_data)
 
   static KVSource from(TensorView<const T, 3> v) noexcept { return KVSource{v, nullptr, 0, KVRole::kKeys}; }
   /// The keys of sequence `seq` of a paged cache.

@@ -89,9 +89,7 @@ struct PageMetaView {
     return v;
   }
 
-  operator PageMetaView<const T>() const noexcept
-    requires(!std::is_const_v<T>)
-  {
+  operator PageMetaView<const T>() const noexcept requires(!std::is_const_v<T>) {
     return PageMetaView<const T>{max_data, min_data, page_stride, head_stride, num_pages, num_kv_heads, head_dim, device};
   }
 
@@ -110,10 +108,12 @@ struct PageMetaView {
 };
 
 /// Sentinels of the empty metadata state (see PageMetaView).
-template <class T> constexpr std::remove_cv_t<T> page_meta_empty_max() noexcept {
+template <class T>
+constexpr std::remove_cv_t<T> page_meta_empty_max() noexcept {
   return from_float<std::remove_cv_t<T>>(-std::numeric_limits<float>::infinity());
 }
-template <class T> constexpr std::remove_cv_t<T> page_meta_empty_min() noexcept {
+template <class T>
+constexpr std::remove_cv_t<T> page_meta_empty_min() noexcept {
   return from_float<std::remove_cv_t<T>>(std::numeric_limits<float>::infinity());
 }
 

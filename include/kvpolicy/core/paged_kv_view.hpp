@@ -67,8 +67,8 @@ struct PageTable {
       KVP_REQUIRE(indptr[b + 1] >= indptr[b], "%s: page table indptr is not monotonic at %d (%d > %d)", who, b, indptr[b], indptr[b + 1]);
       const std::int32_t n = indptr[b + 1] - indptr[b];
       if (n > 0) {
-        KVP_REQUIRE(last_page_len[b] >= 1 && last_page_len[b] <= page_size,
-                    "%s: last_page_len[%d] is %d, must be in [1, page_size=%d]", who, b, last_page_len[b], page_size);
+        KVP_REQUIRE(last_page_len[b] >= 1 && last_page_len[b] <= page_size, "%s: last_page_len[%d] is %d, must be in [1, page_size=%d]",
+                    who, b, last_page_len[b], page_size);
       }
     }
     KVP_REQUIRE(indptr[batch] == 0 || indices != nullptr, "%s: page table indices is null with %d pages", who, indptr[batch]);
@@ -110,9 +110,7 @@ struct PagedKVView {
   std::int64_t seq_len(std::int32_t b) const noexcept { return table.seq_len(b, page_size); }
 
   /// Read-only form of the view.
-  operator PagedKVView<const T>() const noexcept
-    requires(!std::is_const_v<T>)
-  {
+  operator PagedKVView<const T>() const noexcept requires(!std::is_const_v<T>) {
     return PagedKVView<const T>{k_data, v_data, k_strides, v_strides, num_pages, num_kv_heads, page_size, head_dim, table, device};
   }
 

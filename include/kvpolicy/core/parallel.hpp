@@ -25,12 +25,13 @@ using ParallelForFn = void (*)(void* pool, std::int64_t n, ParallelBody body, vo
 struct ExecContext {
   ParallelForFn parallel_for_fn = nullptr;  ///< nullptr: sequential
   void* pool = nullptr;
-  int num_workers = 1;                      ///< upper bound on distinct worker ids
+  int num_workers = 1;  ///< upper bound on distinct worker ids
 
   int workers() const noexcept { return parallel_for_fn ? (num_workers < 1 ? 1 : num_workers) : 1; }
 
   /// Run f(i, worker) for every i in [0, n).
-  template <class F> void parallel_for(std::int64_t n, F&& f) const {
+  template <class F>
+  void parallel_for(std::int64_t n, F&& f) const {
     if (n <= 0) return;
     auto thunk = [](void* ctx, std::int64_t b, std::int64_t e, int w) {
       auto& fn = *static_cast<std::remove_reference_t<F>*>(ctx);

@@ -75,8 +75,8 @@ class [[nodiscard]] Status {
   } while (0)
 
 /// Return an invalid-argument Status (printf-style message) unless `cond` holds.
-#define KVP_REQUIRE(cond, ...)                   \
-  do {                                           \
+#define KVP_REQUIRE(cond, ...)                    \
+  do {                                            \
     if (!(cond)) return KVP_INVALID(__VA_ARGS__); \
   } while (0)
 

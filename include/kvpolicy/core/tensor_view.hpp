@@ -91,14 +91,10 @@ class TensorView {
 
   template <class... I>
     requires(sizeof...(I) == Rank && (std::is_integral_v<I> && ...))
-  constexpr T& operator()(I... idx) const noexcept {
-    return data_[offset(idx...)];
-  }
+  constexpr T& operator()(I... idx) const noexcept { return data_[offset(idx...)]; }
 
   /// Fix the leading index: a view of rank Rank-1.
-  constexpr TensorView<T, Rank - 1> operator[](std::int64_t i) const noexcept
-    requires(Rank > 1)
-  {
+  constexpr TensorView<T, Rank - 1> operator[](std::int64_t i) const noexcept requires(Rank > 1) {
     std::array<std::int64_t, Rank - 1> e{}, s{};
     for (int k = 1; k < Rank; ++k) {
       e[k - 1] = extents_[k];
@@ -108,11 +104,7 @@ class TensorView {
   }
 
   /// Pointer to row `i` of a rank-1 view's base (rank 1 only): `data() + i*stride(0)`.
-  constexpr T* ptr(std::int64_t i) const noexcept
-    requires(Rank == 1)
-  {
-    return data_ + i * strides_[0];
-  }
+  constexpr T* ptr(std::int64_t i) const noexcept requires(Rank == 1) { return data_ + i * strides_[0]; }
 
   /// Sub-range [begin, begin+len) along `axis`.
   constexpr TensorView narrow(int axis, std::int64_t begin, std::int64_t len) const noexcept {
@@ -126,9 +118,11 @@ class TensorView {
   /// non-negative extents. `who` / `name` go into the message.
   Status check_basic(const char* who, const char* name) const noexcept {
     for (int k = 0; k < Rank; ++k) {
-      if (extents_[k] < 0) return KVP_INVALID("%s: %s has negative extent %lld on axis %d", who, name, static_cast<long long>(extents_[k]), k);
+      if (extents_[k] < 0)
+        return KVP_INVALID("%s: %s has negative extent %lld on axis %d", who, name, static_cast<long long>(extents_[k]), k);
     }
-    if (data_ == nullptr && size() != 0) return KVP_INVALID("%s: %s has null data but %lld elements", who, name, static_cast<long long>(size()));
+    if (data_ == nullptr && size() != 0)
+      return KVP_INVALID("%s: %s has null data but %lld elements", who, name, static_cast<long long>(size()));
     return Status::ok();
   }
 

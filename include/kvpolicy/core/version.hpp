@@ -8,5 +8,9 @@
 
 /// All public symbols live in `kvpolicy::v0` (an inline namespace), so two
 /// incompatible releases linked into one process never share mangled names.
-#define KVP_NAMESPACE_BEGIN namespace kvpolicy { inline namespace v0 {
-#define KVP_NAMESPACE_END } }
+#define KVP_NAMESPACE_BEGIN \
+  namespace kvpolicy {      \
+  inline namespace v0 {
+#define KVP_NAMESPACE_END \
+  }                       \
+  }

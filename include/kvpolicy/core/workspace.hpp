@@ -25,7 +25,8 @@ struct Workspace {
 /// Size accumulator: `add<T>(n)` reserves an aligned block of n T's.
 struct WorkspacePlan {
   std::size_t bytes = 0;
-  template <class T> constexpr WorkspacePlan& add(std::size_t n) noexcept {
+  template <class T>
+  constexpr WorkspacePlan& add(std::size_t n) noexcept {
     bytes += align_up(n * sizeof(T));
     return *this;
   }
@@ -53,7 +54,8 @@ class WorkspaceCarver {
     }
   }
   /// nullptr when the workspace is exhausted (callers check `workspace_bytes` first).
-  template <class T> T* take(std::size_t n) noexcept {
+  template <class T>
+  T* take(std::size_t n) noexcept {
     const std::size_t need = align_up(n * sizeof(T));
     if (need == 0) return reinterpret_cast<T*>(base_ + used_);
     if (base_ == nullptr || used_ + need > bytes_) return nullptr;
@@ -100,8 +102,9 @@ struct WorkerSlices {
 inline Status check_workspace(const char* who, Workspace ws, std::size_t need) noexcept {
   if (need == 0) return Status::ok();
   if (ws.data == nullptr || ws.bytes < need) {
-    return Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace has %zu bytes, needs at least %zu (size it with requirements() on a context of the same backend)", who,
-                         ws.data == nullptr ? std::size_t{0} : ws.bytes, need);
+    return Status::error(StatusCode::kWorkspaceTooSmall,
+                         "%s: workspace has %zu bytes, needs at least %zu (size it with requirements() on a context of the same backend)",
+                         who, ws.data == nullptr ? std::size_t{0} : ws.bytes, need);
   }
   return Status::ok();
 }

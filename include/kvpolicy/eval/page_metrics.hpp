@@ -60,9 +60,15 @@ inline double attention_mass(float lse_subset, float lse_full) noexcept {
 inline std::int64_t sorted_intersection_size(const std::int32_t* a, std::int64_t na, const std::int32_t* b, std::int64_t nb) noexcept {
   std::int64_t i = 0, j = 0, c = 0;
   while (i < na && j < nb) {
-    if (a[i] < b[j]) ++i;
-    else if (b[j] < a[i]) ++j;
-    else { ++c; ++i; ++j; }
+    if (a[i] < b[j])
+      ++i;
+    else if (b[j] < a[i])
+      ++j;
+    else {
+      ++c;
+      ++i;
+      ++j;
+    }
   }
   return c;
 }
@@ -80,7 +86,8 @@ inline double quest_traffic_fraction(std::int64_t seq_len, std::int32_t page_siz
 /// Workspace of `attend_pages` for GQA group `group` (per worker: fp32
 /// queries, outputs and lse of the group, and the op's block scratch).
 template <class Backend = backend::Scalar>
-std::size_t attend_pages_workspace(std::int64_t group, std::int32_t page_size, std::int32_t head_dim, const ExecContext& ctx = {}) noexcept {
+std::size_t attend_pages_workspace(std::int64_t group, std::int32_t page_size, std::int32_t head_dim,
+                                   const ExecContext& ctx = {}) noexcept {
   WorkspacePlan plan;
   plan.add<float>(static_cast<std::size_t>(2 * group * head_dim)).add<float>(static_cast<std::size_t>(group));
   plan.add_bytes(Backend::paged_attention_workspace(group, page_size, head_dim));
@@ -99,9 +106,10 @@ std::size_t attend_pages_workspace(std::int64_t group, std::int32_t page_size, s
 /// Validates everything before writing; parallel over (sequence, kv head);
 /// K and V are read in place through the backend's `paged_decode_attention`.
 template <class Backend = backend::Scalar, class Tq, class T>
-  requires KVElement<Tq> && KVElement<T>
-Status attend_pages(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries, const PageTable& rows, float scale,
-                    TensorView<float, 3> out, TensorView<float, 2> lse, Workspace ws, const ExecContext& ctx = {}) noexcept {
+  requires KVElement<Tq> && KVElement<T> Status attend_pages(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries,
+                                                             const PageTable& rows, float scale, TensorView<float, 3> out,
+                                                             TensorView<float, 2> lse, Workspace ws, const ExecContext& ctx = {})
+noexcept {
   constexpr const char* who = "attend_pages";
   KVP_RETURN_IF_ERROR(kv.validate(who, /*need_values=*/true));
   KVP_REQUIRE(kv.device.is_host() && queries.device().is_host(), "%s: inputs live on a device; this entry point reads host memory", who);
@@ -193,115 +201,122 @@ struct PageQuality {
 /// other. per_head (optional): (batch, num_q_heads, 4) fp32 receiving
 /// recall, mass, error, attended fraction. Allocates its scratch.
 template <class Backend = backend::Scalar, class Tq, class T>
-  requires KVElement<Tq> && KVElement<T>
-Status page_quality(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries, const PageSelection& sel, std::int64_t oracle_tokens,
-                    float scale, PageQuality* mean, TensorView<float, 3> per_head = {}, const ExecContext& ctx = {}) {
-  constexpr const char* who = "page_quality";
-  KVP_REQUIRE(mean != nullptr, "%s: mean is null", who);
-  KVP_REQUIRE(oracle_tokens >= 1, "%s: oracle_tokens is %lld, must be >= 1", who, static_cast<long long>(oracle_tokens));
-  KVP_RETURN_IF_ERROR(kv.validate(who, /*need_values=*/true));
-  KVP_RETURN_IF_ERROR(queries.check_basic(who, "queries"));
-  KVP_RETURN_IF_ERROR(sel.validate(who, kv.num_pages, kv.page_size));
-  GqaMap gqa;
-  KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), kv.num_kv_heads, who, &gqa));
-  const std::int64_t batch = queries.extent(0), Hq = gqa.num_q_heads, Hkv = gqa.num_kv_heads, G = gqa.group_size(), d = kv.head_dim;
-  KVP_REQUIRE(kv.table.batch == batch, "%s: queries has %lld sequences, the page table has %d", who, static_cast<long long>(batch),
-              kv.table.batch);
-  KVP_REQUIRE(sel.num_rows == batch * Hq || sel.num_rows == batch * Hkv,
-              "%s: selection has %lld rows, expected batch*num_q_heads (%lld) or batch*num_kv_heads (%lld)", who,
-              static_cast<long long>(sel.num_rows), static_cast<long long>(batch * Hq), static_cast<long long>(batch * Hkv));
-  KVP_REQUIRE(per_head.data() == nullptr || (per_head.extent(0) == batch && per_head.extent(1) == Hq && per_head.extent(2) == 4),
-              "%s: per_head must have shape (batch, num_q_heads, 4)", who);
+  requires KVElement<Tq> && KVElement<T> Status page_quality(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries,
+                                                             const PageSelection& sel, std::int64_t oracle_tokens, float scale,
+                                                             PageQuality* mean, TensorView<float, 3> per_head = {},
+                                                             const ExecContext& ctx = {}) {
+    constexpr const char* who = "page_quality";
+    KVP_REQUIRE(mean != nullptr, "%s: mean is null", who);
+    KVP_REQUIRE(oracle_tokens >= 1, "%s: oracle_tokens is %lld, must be >= 1", who, static_cast<long long>(oracle_tokens));
+    KVP_RETURN_IF_ERROR(kv.validate(who, /*need_values=*/true));
+    KVP_RETURN_IF_ERROR(queries.check_basic(who, "queries"));
+    KVP_RETURN_IF_ERROR(sel.validate(who, kv.num_pages, kv.page_size));
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), kv.num_kv_heads, who, &gqa));
+    const std::int64_t batch = queries.extent(0), Hq = gqa.num_q_heads, Hkv = gqa.num_kv_heads, G = gqa.group_size(), d = kv.head_dim;
+    KVP_REQUIRE(kv.table.batch == batch, "%s: queries has %lld sequences, the page table has %d", who, static_cast<long long>(batch),
+                kv.table.batch);
+    KVP_REQUIRE(sel.num_rows == batch * Hq || sel.num_rows == batch * Hkv,
+                "%s: selection has %lld rows, expected batch*num_q_heads (%lld) or batch*num_kv_heads (%lld)", who,
+                static_cast<long long>(sel.num_rows), static_cast<long long>(batch * Hq), static_cast<long long>(batch * Hkv));
+    KVP_REQUIRE(per_head.data() == nullptr || (per_head.extent(0) == batch && per_head.extent(1) == Hq && per_head.extent(2) == 4),
+                "%s: per_head must have shape (batch, num_q_heads, 4)", who);
 
-  // Full and selected attention.
-  std::vector<float> o_full(static_cast<std::size_t>(batch * Hq * d)), o_sel(o_full.size());
-  std::vector<float> l_full(static_cast<std::size_t>(batch * Hq)), l_sel(l_full.size());
-  std::vector<std::byte> ws(attend_pages_workspace<Backend>(G, kv.page_size, kv.head_dim, ctx));
-  const Workspace w{ws.data(), ws.size()};
-  auto o3 = [&](std::vector<float>& v) { return TensorView<float, 3>::contiguous(v.data(), {batch, Hq, d}); };
-  auto l2 = [&](std::vector<float>& v) { return TensorView<float, 2>::contiguous(v.data(), {batch, Hq}); };
-  KVP_RETURN_IF_ERROR(dense_attention<Backend>(kv, queries, scale, o3(o_full), l2(l_full), w, ctx));
-  KVP_RETURN_IF_ERROR(attend_pages<Backend>(kv, queries, sel.as_table(), scale, o3(o_sel), l2(l_sel), w, ctx));
+    // Full and selected attention.
+    std::vector<float> o_full(static_cast<std::size_t>(batch * Hq * d)), o_sel(o_full.size());
+    std::vector<float> l_full(static_cast<std::size_t>(batch * Hq)), l_sel(l_full.size());
+    std::vector<std::byte> ws(attend_pages_workspace<Backend>(G, kv.page_size, kv.head_dim, ctx));
+    const Workspace w{ws.data(), ws.size()};
+    auto o3 = [&](std::vector<float>& v) { return TensorView<float, 3>::contiguous(v.data(), {batch, Hq, d}); };
+    auto l2 = [&](std::vector<float>& v) { return TensorView<float, 2>::contiguous(v.data(), {batch, Hq}); };
+    KVP_RETURN_IF_ERROR(dense_attention<Backend>(kv, queries, scale, o3(o_full), l2(l_full), w, ctx));
+    KVP_RETURN_IF_ERROR(attend_pages<Backend>(kv, queries, sel.as_table(), scale, o3(o_sel), l2(l_sel), w, ctx));
 
-  // Oracle pages from the full-attention probabilities, per (sequence, kv head) item.
-  std::int64_t max_len = 0;
-  for (std::int32_t b = 0; b < kv.table.batch; ++b) max_len = std::max(max_len, kv.seq_len(b));
-  const std::size_t max_t = static_cast<std::size_t>(std::max<std::int64_t>(max_len, 1));
-  struct Scratch {
-    std::vector<float> q, probs;
-    std::vector<std::int32_t> tok, opages, spages;
-    std::vector<std::byte> ws;
-  };
-  const WindowScoreShape max_shape{G, 1, d, static_cast<std::int64_t>(max_t), static_cast<std::int64_t>(max_t), static_cast<std::int64_t>(max_t) - 1,
-                                   scale, WindowReduce::kSum};
-  std::vector<Scratch> scratch(static_cast<std::size_t>(ctx.workers()));
-  for (auto& s : scratch) {
-    s.q.resize(static_cast<std::size_t>(G * d));
-    s.probs.resize(static_cast<std::size_t>(G) * max_t);
-    s.tok.resize(max_t);
-    s.opages.resize(max_t);
-    s.spages.resize(max_t);
-    s.ws.resize(std::max(Backend::window_scores_workspace(max_shape), Backend::topk_workspace(static_cast<std::int64_t>(max_t))));
-  }
-  std::vector<double> metrics(static_cast<std::size_t>(batch * Hq * 4), 0.0);
-  ctx.parallel_for(batch * Hkv, [&](std::int64_t item, int worker) {
-    const auto b = static_cast<std::int32_t>(item / Hkv);
-    const auto g = static_cast<std::int32_t>(item % Hkv);
-    const std::int64_t len = kv.seq_len(b);
-    if (len == 0) return;
-    Scratch& s = scratch[static_cast<std::size_t>(worker)];
-    for (std::int64_t j = 0; j < G; ++j)
-      for (std::int64_t i = 0; i < d; ++i) s.q[static_cast<std::size_t>(j * d + i)] = to_float(queries(b, g * G + j, i));
-    const WindowScoreShape shape{G, 1, d, len, len, len - 1, scale, WindowReduce::kSum};
-    const Workspace sw{s.ws.data(), s.ws.size()};
-    Backend::window_scores(shape, s.q.data(), Rows<T>::paged_keys(kv, b, g), s.probs.data(), sw);
-    const std::int32_t* seq_pages = kv.table.indices + kv.table.indptr[b];
-    const std::int64_t k = std::min(oracle_tokens, len);
-    for (std::int64_t j = 0; j < G; ++j) {
-      const std::int64_t h = g * G + j;
-      Backend::topk(s.probs.data() + j * len, len, k, s.tok.data(), sw);
-      std::int64_t no = 0;
-      for (std::int64_t i = 0; i < k; ++i) {  // tokens ascending -> logical pages ascending
-        const std::int32_t lp = s.tok[static_cast<std::size_t>(i)] / kv.page_size;
-        if (no == 0 || s.tok[static_cast<std::size_t>(no - 1)] != lp) s.tok[static_cast<std::size_t>(no++)] = lp;
+    // Oracle pages from the full-attention probabilities, per (sequence, kv head) item.
+    std::int64_t max_len = 0;
+    for (std::int32_t b = 0; b < kv.table.batch; ++b) max_len = std::max(max_len, kv.seq_len(b));
+    const std::size_t max_t = static_cast<std::size_t>(std::max<std::int64_t>(max_len, 1));
+    struct Scratch {
+      std::vector<float> q, probs;
+      std::vector<std::int32_t> tok, opages, spages;
+      std::vector<std::byte> ws;
+    };
+    const WindowScoreShape max_shape{G,
+                                     1,
+                                     d,
+                                     static_cast<std::int64_t>(max_t),
+                                     static_cast<std::int64_t>(max_t),
+                                     static_cast<std::int64_t>(max_t) - 1,
+                                     scale,
+                                     WindowReduce::kSum};
+    std::vector<Scratch> scratch(static_cast<std::size_t>(ctx.workers()));
+    for (auto& s : scratch) {
+      s.q.resize(static_cast<std::size_t>(G * d));
+      s.probs.resize(static_cast<std::size_t>(G) * max_t);
+      s.tok.resize(max_t);
+      s.opages.resize(max_t);
+      s.spages.resize(max_t);
+      s.ws.resize(std::max(Backend::window_scores_workspace(max_shape), Backend::topk_workspace(static_cast<std::int64_t>(max_t))));
+    }
+    std::vector<double> metrics(static_cast<std::size_t>(batch * Hq * 4), 0.0);
+    ctx.parallel_for(batch * Hkv, [&](std::int64_t item, int worker) {
+      const auto b = static_cast<std::int32_t>(item / Hkv);
+      const auto g = static_cast<std::int32_t>(item % Hkv);
+      const std::int64_t len = kv.seq_len(b);
+      if (len == 0) return;
+      Scratch& s = scratch[static_cast<std::size_t>(worker)];
+      for (std::int64_t j = 0; j < G; ++j)
+        for (std::int64_t i = 0; i < d; ++i) s.q[static_cast<std::size_t>(j * d + i)] = to_float(queries(b, g * G + j, i));
+      const WindowScoreShape shape{G, 1, d, len, len, len - 1, scale, WindowReduce::kSum};
+      const Workspace sw{s.ws.data(), s.ws.size()};
+      Backend::window_scores(shape, s.q.data(), Rows<T>::paged_keys(kv, b, g), s.probs.data(), sw);
+      const std::int32_t* seq_pages = kv.table.indices + kv.table.indptr[b];
+      const std::int64_t k = std::min(oracle_tokens, len);
+      for (std::int64_t j = 0; j < G; ++j) {
+        const std::int64_t h = g * G + j;
+        Backend::topk(s.probs.data() + j * len, len, k, s.tok.data(), sw);
+        std::int64_t no = 0;
+        for (std::int64_t i = 0; i < k; ++i) {  // tokens ascending -> logical pages ascending
+          const std::int32_t lp = s.tok[static_cast<std::size_t>(i)] / kv.page_size;
+          if (no == 0 || s.tok[static_cast<std::size_t>(no - 1)] != lp) s.tok[static_cast<std::size_t>(no++)] = lp;
+        }
+        for (std::int64_t i = 0; i < no; ++i) s.opages[static_cast<std::size_t>(i)] = seq_pages[s.tok[static_cast<std::size_t>(i)]];
+        std::sort(s.opages.begin(), s.opages.begin() + no);
+        const std::int64_t row = sel.num_rows == batch * Hq ? b * Hq + h : b * Hkv + g;
+        const std::int64_t ns = sel.row_size(row);
+        std::copy(sel.indices + sel.indptr[row], sel.indices + sel.indptr[row + 1], s.spages.begin());
+        std::sort(s.spages.begin(), s.spages.begin() + ns);
+        double* m = &metrics[static_cast<std::size_t>((b * Hq + h) * 4)];
+        m[0] = static_cast<double>(sorted_intersection_size(s.opages.data(), no, s.spages.data(), ns)) / static_cast<double>(no);
+        const std::size_t bh = static_cast<std::size_t>(b * Hq + h);
+        m[1] = attention_mass(l_sel[bh], l_full[bh]);
+        m[2] = relative_l2_error(o_sel.data() + bh * d, o_full.data() + bh * d, d);
+        m[3] = static_cast<double>(sel.row_tokens(row, kv.page_size)) / static_cast<double>(len);
       }
-      for (std::int64_t i = 0; i < no; ++i) s.opages[static_cast<std::size_t>(i)] = seq_pages[s.tok[static_cast<std::size_t>(i)]];
-      std::sort(s.opages.begin(), s.opages.begin() + no);
-      const std::int64_t row = sel.num_rows == batch * Hq ? b * Hq + h : b * Hkv + g;
-      const std::int64_t ns = sel.row_size(row);
-      std::copy(sel.indices + sel.indptr[row], sel.indices + sel.indptr[row + 1], s.spages.begin());
-      std::sort(s.spages.begin(), s.spages.begin() + ns);
-      double* m = &metrics[static_cast<std::size_t>((b * Hq + h) * 4)];
-      m[0] = static_cast<double>(sorted_intersection_size(s.opages.data(), no, s.spages.data(), ns)) / static_cast<double>(no);
-      const std::size_t bh = static_cast<std::size_t>(b * Hq + h);
-      m[1] = attention_mass(l_sel[bh], l_full[bh]);
-      m[2] = relative_l2_error(o_sel.data() + bh * d, o_full.data() + bh * d, d);
-      m[3] = static_cast<double>(sel.row_tokens(row, kv.page_size)) / static_cast<double>(len);
+    });
+    *mean = PageQuality{};
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (kv.seq_len(static_cast<std::int32_t>(b)) == 0) continue;
+      for (std::int64_t h = 0; h < Hq; ++h) {
+        const double* m = &metrics[static_cast<std::size_t>((b * Hq + h) * 4)];
+        mean->page_recall += m[0];
+        mean->mass_recall += m[1];
+        mean->output_rel_error += m[2];
+        mean->attended_fraction += m[3];
+        ++mean->heads;
+        if (per_head.data() != nullptr)
+          for (int i = 0; i < 4; ++i) per_head(b, h, i) = static_cast<float>(m[i]);
+      }
     }
-  });
-  *mean = PageQuality{};
-  for (std::int64_t b = 0; b < batch; ++b) {
-    if (kv.seq_len(static_cast<std::int32_t>(b)) == 0) continue;
-    for (std::int64_t h = 0; h < Hq; ++h) {
-      const double* m = &metrics[static_cast<std::size_t>((b * Hq + h) * 4)];
-      mean->page_recall += m[0];
-      mean->mass_recall += m[1];
-      mean->output_rel_error += m[2];
-      mean->attended_fraction += m[3];
-      ++mean->heads;
-      if (per_head.data() != nullptr)
-        for (int i = 0; i < 4; ++i) per_head(b, h, i) = static_cast<float>(m[i]);
+    if (mean->heads > 0) {
+      const double n = static_cast<double>(mean->heads);
+      mean->page_recall /= n;
+      mean->mass_recall /= n;
+      mean->output_rel_error /= n;
+      mean->attended_fraction /= n;
     }
+    return Status::ok();
   }
-  if (mean->heads > 0) {
-    const double n = static_cast<double>(mean->heads);
-    mean->page_recall /= n;
-    mean->mass_recall /= n;
-    mean->output_rel_error /= n;
-    mean->attended_fraction /= n;
-  }
-  return Status::ok();
-}
 
 // ---- bytes read ------------------------------------------------------------------
 

@@ -69,11 +69,11 @@ struct SafetensorsDType {
 /// The dtypes of the safetensors spec. `nullptr` for a string the spec does not define.
 inline const SafetensorsDType* find_safetensors_dtype(std::string_view s) noexcept {
   static constexpr SafetensorsDType kTable[] = {
-      {"F32", 4, true, DType::kF32},    {"F16", 2, true, DType::kF16},    {"BF16", 2, true, DType::kBF16},
-      {"I32", 4, true, DType::kI32},    {"I64", 8, true, DType::kI64},    {"U8", 1, true, DType::kU8},
-      {"F64", 8, false, DType::kF32},   {"I8", 1, false, DType::kF32},    {"I16", 2, false, DType::kF32},
-      {"U16", 2, false, DType::kF32},   {"U32", 4, false, DType::kF32},   {"U64", 8, false, DType::kF32},
-      {"BOOL", 1, false, DType::kF32},  {"F8_E4M3", 1, false, DType::kF32}, {"F8_E5M2", 1, false, DType::kF32},
+      {"F32", 4, true, DType::kF32},   {"F16", 2, true, DType::kF16},      {"BF16", 2, true, DType::kBF16},
+      {"I32", 4, true, DType::kI32},   {"I64", 8, true, DType::kI64},      {"U8", 1, true, DType::kU8},
+      {"F64", 8, false, DType::kF32},  {"I8", 1, false, DType::kF32},      {"I16", 2, false, DType::kF32},
+      {"U16", 2, false, DType::kF32},  {"U32", 4, false, DType::kF32},     {"U64", 8, false, DType::kF32},
+      {"BOOL", 1, false, DType::kF32}, {"F8_E4M3", 1, false, DType::kF32}, {"F8_E5M2", 1, false, DType::kF32},
   };
   for (const auto& d : kTable)
     if (s == d.name) return &d;
@@ -96,12 +96,12 @@ constexpr const char* safetensors_dtype_name(DType t) noexcept {
 /// One tensor of a safetensors file.
 struct SafetensorsEntry {
   std::string name;
-  std::string dtype_name;           ///< as written in the file ("F32", "BF16", ...)
+  std::string dtype_name;  ///< as written in the file ("F32", "BF16", ...)
   std::size_t element_size = 0;
-  bool supported = false;           ///< `dtype` is valid (kvpolicy has this element type)
+  bool supported = false;  ///< `dtype` is valid (kvpolicy has this element type)
   DType dtype = DType::kF32;
-  std::vector<std::int64_t> shape;  ///< may be empty (a scalar)
-  std::uint64_t begin = 0, end = 0; ///< byte range in the data section
+  std::vector<std::int64_t> shape;   ///< may be empty (a scalar)
+  std::uint64_t begin = 0, end = 0;  ///< byte range in the data section
 
   std::int64_t numel() const noexcept {
     std::int64_t n = 1;
@@ -202,15 +202,16 @@ class SafetensorsFile {
     const SafetensorsEntry* e = find(name);
     if (e == nullptr) return KVP_INVALID("safetensors: no tensor named '%.*s'", static_cast<int>(name.size()), name.data());
     if (!e->supported)
-      return Status::error(StatusCode::kUnsupported, "safetensors: tensor '%s' has dtype %s, which kvpolicy does not support (F32, F16, BF16, I32, I64, U8)",
+      return Status::error(StatusCode::kUnsupported,
+                           "safetensors: tensor '%s' has dtype %s, which kvpolicy does not support (F32, F16, BF16, I32, I64, U8)",
                            e->name.c_str(), e->dtype_name.c_str());
     if (e->shape.size() > static_cast<std::size_t>(AnyTensorView::kMaxRank))
-      return Status::error(StatusCode::kUnsupported, "safetensors: tensor '%s' has rank %zu, more than %d", e->name.c_str(), e->shape.size(),
-                           AnyTensorView::kMaxRank);
+      return Status::error(StatusCode::kUnsupported, "safetensors: tensor '%s' has rank %zu, more than %d", e->name.c_str(),
+                           e->shape.size(), AnyTensorView::kMaxRank);
     const auto addr = reinterpret_cast<std::uintptr_t>(data_ + e->begin);
     if (addr % e->element_size != 0)
-      return Status::error(StatusCode::kUnsupported, "safetensors: tensor '%s' (%s) starts at a byte address not aligned to %zu", e->name.c_str(),
-                           e->dtype_name.c_str(), e->element_size);
+      return Status::error(StatusCode::kUnsupported, "safetensors: tensor '%s' (%s) starts at a byte address not aligned to %zu",
+                           e->name.c_str(), e->dtype_name.c_str(), e->element_size);
     AnyTensorView v;
     v.data = const_cast<std::byte*>(data_ + e->begin);
     v.dtype = e->dtype;
@@ -236,24 +237,25 @@ class SafetensorsFile {
   }
 
  private:
-  static bool is_uint(const nlohmann::json& j) noexcept { return j.is_number_unsigned() || (j.is_number_integer() && j.get<std::int64_t>() >= 0); }
-
-  void alloc_storage(std::uint64_t n) {
-    storage_.reset(new std::max_align_t[static_cast<std::size_t>(n / sizeof(std::max_align_t)) + 1]);
+  static bool is_uint(const nlohmann::json& j) noexcept {
+    return j.is_number_unsigned() || (j.is_number_integer() && j.get<std::int64_t>() >= 0);
   }
+
+  void alloc_storage(std::uint64_t n) { storage_.reset(new std::max_align_t[static_cast<std::size_t>(n / sizeof(std::max_align_t)) + 1]); }
 
   /// The 8-byte header length of a buffer of `size` bytes, checked against the limits.
   static Status check_header_length(const std::byte* p, std::uint64_t size, std::uint64_t* n_out) noexcept {
     if (size < 8)
-      return KVP_INVALID("safetensors: file too short (%llu bytes); needs at least 8 for the header length", static_cast<unsigned long long>(size));
+      return KVP_INVALID("safetensors: file too short (%llu bytes); needs at least 8 for the header length",
+                         static_cast<unsigned long long>(size));
     std::uint64_t n = 0;
     std::memcpy(&n, p, 8);
     if (n > kMaxSafetensorsHeader)
       return KVP_INVALID("safetensors: header length %llu exceeds the %llu-byte limit (corrupt or not a safetensors file)",
                          static_cast<unsigned long long>(n), static_cast<unsigned long long>(kMaxSafetensorsHeader));
     if (n > size - 8)
-      return KVP_INVALID("safetensors: header length %llu runs past the end of the %llu-byte file (truncated?)", static_cast<unsigned long long>(n),
-                         static_cast<unsigned long long>(size));
+      return KVP_INVALID("safetensors: header length %llu runs past the end of the %llu-byte file (truncated?)",
+                         static_cast<unsigned long long>(n), static_cast<unsigned long long>(size));
     if (n < 2) return KVP_INVALID("safetensors: header length %llu is too small for a JSON object", static_cast<unsigned long long>(n));
     *n_out = n;
     return Status::ok();
@@ -328,7 +330,8 @@ class SafetensorsFile {
         const auto& x = (*sh)[i];
         if (!is_uint(x)) return KVP_INVALID("safetensors: tensor '%s' shape[%zu] is not a non-negative integer", nm, i);
         const std::uint64_t ext = x.get<std::uint64_t>();
-        if (ext >= kLimit) return KVP_INVALID("safetensors: tensor '%s' shape[%zu] = %llu is absurd", nm, i, static_cast<unsigned long long>(ext));
+        if (ext >= kLimit)
+          return KVP_INVALID("safetensors: tensor '%s' shape[%zu] = %llu is absurd", nm, i, static_cast<unsigned long long>(ext));
         if (ext != 0 && bytes > kLimit / ext) return KVP_INVALID("safetensors: tensor '%s' byte size overflows (shape too large)", nm);
         bytes *= ext;
         e.shape.push_back(static_cast<std::int64_t>(ext));
@@ -338,14 +341,14 @@ class SafetensorsFile {
       e.begin = (*off)[0].get<std::uint64_t>();
       e.end = (*off)[1].get<std::uint64_t>();
       if (e.begin > e.end)
-        return KVP_INVALID("safetensors: tensor '%s' data_offsets [%llu, %llu] end before they begin", nm, static_cast<unsigned long long>(e.begin),
-                           static_cast<unsigned long long>(e.end));
+        return KVP_INVALID("safetensors: tensor '%s' data_offsets [%llu, %llu] end before they begin", nm,
+                           static_cast<unsigned long long>(e.begin), static_cast<unsigned long long>(e.end));
       if (e.end > data_size_)
         return KVP_INVALID("safetensors: tensor '%s' data_offsets end %llu is past the %llu-byte data section (truncated file?)", nm,
                            static_cast<unsigned long long>(e.end), static_cast<unsigned long long>(data_size_));
       if (e.end - e.begin != bytes)
-        return KVP_INVALID("safetensors: tensor '%s' has %llu bytes but shape x %s needs %llu", nm, static_cast<unsigned long long>(e.end - e.begin),
-                           e.dtype_name.c_str(), static_cast<unsigned long long>(bytes));
+        return KVP_INVALID("safetensors: tensor '%s' has %llu bytes but shape x %s needs %llu", nm,
+                           static_cast<unsigned long long>(e.end - e.begin), e.dtype_name.c_str(), static_cast<unsigned long long>(bytes));
       entries_.push_back(std::move(e));
     }
     std::stable_sort(entries_.begin(), entries_.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
@@ -386,7 +389,9 @@ class SafetensorsWriter {
       if (e < 0) return KVP_INVALID("safetensors writer: tensor '%s' has a negative extent", name.c_str());
       n *= static_cast<std::uint64_t>(e);
     }
-    if (n != bytes) return KVP_INVALID("safetensors writer: tensor '%s' has %zu bytes, shape needs %llu", name.c_str(), bytes, static_cast<unsigned long long>(n));
+    if (n != bytes)
+      return KVP_INVALID("safetensors writer: tensor '%s' has %zu bytes, shape needs %llu", name.c_str(), bytes,
+                         static_cast<unsigned long long>(n));
     if (data == nullptr && bytes != 0) return KVP_INVALID("safetensors writer: tensor '%s' data is null", name.c_str());
     Pending p{std::move(name), dtype, std::move(shape), std::vector<std::byte>(bytes)};
     if (bytes) std::memcpy(p.data.data(), data, bytes);

@@ -61,18 +61,18 @@ struct TraceInfo {
   std::int32_t head_dim = 0;
   std::int64_t num_tokens = 0;
   std::int64_t num_decode = 0;
-  double rope_theta = 0.0;               ///< 0 when unknown
+  double rope_theta = 0.0;  ///< 0 when unknown
   double rope_attention_scaling = 1.0;
-  double attn_scale = 0.0;               ///< logit scale; 1/sqrt(head_dim) unless the metadata says otherwise
-  std::string model;                     ///< free-form, may be empty
+  double attn_scale = 0.0;  ///< logit scale; 1/sqrt(head_dim) unless the metadata says otherwise
+  std::string model;        ///< free-form, may be empty
 };
 
 /// Typed views of one layer. Optional tensors are empty views when absent.
 template <class T>
 struct TraceLayerView {
-  TensorView<const T, 3> q, k, v;                   // (Hq, T, d), (Hkv, T, d), (Hkv, T, d)
+  TensorView<const T, 3> q, k, v;                       // (Hq, T, d), (Hkv, T, d), (Hkv, T, d)
   TensorView<const T, 3> q_decode, k_decode, v_decode;  // (Hq, D, d), (Hkv, D, d), (Hkv, D, d)
-  TensorView<const T, 3> out, out_decode;           // (Hq, T, d), (Hq, D, d)
+  TensorView<const T, 3> out, out_decode;               // (Hq, T, d), (Hq, D, d)
 };
 
 /// A validated trace. Immutable after open; concurrent reads are safe.
@@ -118,8 +118,7 @@ class Trace {
   template <class T>
   Status layer(std::int32_t i, TraceLayerView<T>* out) const noexcept {
     KVP_REQUIRE(i >= 0 && i < info_.num_layers, "trace: layer %d out of range [0, num_layers=%d)", i, info_.num_layers);
-    if (dtype_v<T> != dtype_)
-      return KVP_INVALID("trace: layer tensors are %s, requested %s", dtype_name(dtype_), dtype_name(dtype_v<T>));
+    if (dtype_v<T> != dtype_) return KVP_INVALID("trace: layer tensors are %s, requested %s", dtype_name(dtype_), dtype_name(dtype_v<T>));
     TraceLayerView<T> v;
     KVP_RETURN_IF_ERROR(file_.view(name(i, "q"), &v.q));
     KVP_RETURN_IF_ERROR(file_.view(name(i, "k"), &v.k));
@@ -160,8 +159,8 @@ class Trace {
     const std::string& s = it->second;
     std::int64_t v = 0;
     auto r = std::from_chars(s.data(), s.data() + s.size(), v);
-    KVP_REQUIRE(r.ec == std::errc() && r.ptr == s.data() + s.size() && !s.empty(), "trace: metadata '%s' = '%.40s' is not a decimal integer",
-                key, s.c_str());
+    KVP_REQUIRE(r.ec == std::errc() && r.ptr == s.data() + s.size() && !s.empty(),
+                "trace: metadata '%s' = '%.40s' is not a decimal integer", key, s.c_str());
     KVP_REQUIRE(v >= lo && v <= hi, "trace: metadata '%s' = %lld out of range [%lld, %lld]", key, static_cast<long long>(v),
                 static_cast<long long>(lo), static_cast<long long>(hi));
     *out = v;
@@ -216,8 +215,8 @@ class Trace {
   Status read_i64(const std::string& nm, std::int64_t n, std::vector<std::int64_t>* out) {
     TensorView<const std::int64_t, 1> v;
     KVP_RETURN_IF_ERROR(file_.view(nm, &v));
-    KVP_REQUIRE(n < 0 || v.extent(0) == n, "trace: tensor '%s' has %lld entries, expected %lld", nm.c_str(), static_cast<long long>(v.extent(0)),
-                static_cast<long long>(n));
+    KVP_REQUIRE(n < 0 || v.extent(0) == n, "trace: tensor '%s' has %lld entries, expected %lld", nm.c_str(),
+                static_cast<long long>(v.extent(0)), static_cast<long long>(n));
     out->assign(v.data(), v.data() + v.extent(0));
     return Status::ok();
   }
@@ -258,9 +257,10 @@ class Trace {
       std::int64_t li = -1;
       const char* b = n.data() + 6;
       auto r = std::from_chars(b, n.data() + n.size(), li);
-      KVP_REQUIRE(r.ec == std::errc() && r.ptr < n.data() + n.size() && *r.ptr == '.', "trace: tensor name '%s' is not layer.<i>.<what>", n.c_str());
-      KVP_REQUIRE(li >= 0 && li < L, "trace: tensor '%s' names layer %lld, outside [0, num_layers=%lld)", n.c_str(), static_cast<long long>(li),
-                  static_cast<long long>(L));
+      KVP_REQUIRE(r.ec == std::errc() && r.ptr < n.data() + n.size() && *r.ptr == '.', "trace: tensor name '%s' is not layer.<i>.<what>",
+                  n.c_str());
+      KVP_REQUIRE(li >= 0 && li < L, "trace: tensor '%s' names layer %lld, outside [0, num_layers=%lld)", n.c_str(),
+                  static_cast<long long>(li), static_cast<long long>(L));
     }
     has_decode_kv_ = file_.find(name(0, "k_decode")) != nullptr;
     has_out_ = file_.find(name(0, "out")) != nullptr;
@@ -272,7 +272,8 @@ class Trace {
       if (D > 0) KVP_RETURN_IF_ERROR(expect(name(i, "q_decode"), {Hq, D, d}, "(num_q_heads, num_decode, head_dim)", true, DType::kF32));
       const bool kd = file_.find(name(i, "k_decode")) != nullptr, vd = file_.find(name(i, "v_decode")) != nullptr;
       KVP_REQUIRE(kd == vd, "trace: layer %d has %s without %s", i, kd ? "k_decode" : "v_decode", kd ? "v_decode" : "k_decode");
-      KVP_REQUIRE(kd == has_decode_kv_, "trace: layer %d %s k_decode/v_decode but layer 0 %s", i, kd ? "has" : "lacks", has_decode_kv_ ? "has" : "lacks");
+      KVP_REQUIRE(kd == has_decode_kv_, "trace: layer %d %s k_decode/v_decode but layer 0 %s", i, kd ? "has" : "lacks",
+                  has_decode_kv_ ? "has" : "lacks");
       if (kd) {
         KVP_RETURN_IF_ERROR(expect(name(i, "k_decode"), {Hkv, D, d}, "(num_kv_heads, num_decode, head_dim)", true, DType::kF32));
         KVP_RETURN_IF_ERROR(expect(name(i, "v_decode"), {Hkv, D, d}, "(num_kv_heads, num_decode, head_dim)", true, DType::kF32));
@@ -308,7 +309,8 @@ class Trace {
       KVP_REQUIRE(e->shape.size() == 1 && e->supported && e->dtype == DType::kI64, "trace: tensor 'needles' must be a 1-d I64 tensor");
       KVP_RETURN_IF_ERROR(read_i64("needles", -1, &needles_));
       for (auto p : needles_)
-        KVP_REQUIRE(p >= 0 && p < T, "trace: needle token %lld outside the prompt [0, %lld)", static_cast<long long>(p), static_cast<long long>(T));
+        KVP_REQUIRE(p >= 0 && p < T, "trace: needle token %lld outside the prompt [0, %lld)", static_cast<long long>(p),
+                    static_cast<long long>(T));
     }
     return Status::ok();
   }

@@ -75,7 +75,7 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
 /// Everything a host policy calls, for the key dtypes the library stores.
 template <class B>
 concept HostBackend = ScoreOps<B, float> && ScoreOps<B, half> && ScoreOps<B, bfloat16> && PageOps<B, float, float> &&
-                      PageOps<B, half, half> && PageOps<B, bfloat16, bfloat16> && ReduceOps<B, float> && ReduceOps<B, half>;
+    PageOps<B, half, half> && PageOps<B, bfloat16, bfloat16> && ReduceOps<B, float> && ReduceOps<B, half>;
 
 static_assert(HostBackend<backend::Scalar>, "the scalar reference must model the whole contract");
 

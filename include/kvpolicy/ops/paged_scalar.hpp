@@ -28,7 +28,7 @@ KVP_NAMESPACE_BEGIN
 /// PageMetaView for why a narrower type is not offered).
 template <class Tk, class Tm>
 concept PageMetaStorableFrom = KVElement<Tk> && KVElement<Tm> &&
-                               (std::is_same_v<std::remove_cv_t<Tm>, std::remove_cv_t<Tk>> || std::is_same_v<std::remove_cv_t<Tm>, float>);
+    (std::is_same_v<std::remove_cv_t<Tm>, std::remove_cv_t<Tk>> || std::is_same_v<std::remove_cv_t<Tm>, float>);
 
 namespace backend {
 
@@ -117,7 +117,8 @@ struct ScalarPageOps {
 
   /// Block length of `paged_decode_attention`: the page size for paged rows,
   /// 64 rows for a contiguous run.
-  template <class T> static std::int64_t attention_block(const Rows<T>& keys) noexcept {
+  template <class T>
+  static std::int64_t attention_block(const Rows<T>& keys) noexcept {
     return keys.pages != nullptr ? keys.page_size : 64;
   }
 

@@ -131,8 +131,7 @@ struct ScalarScoreOps {
   }
 
   /// out[j] = reduce_g in[g*ld + j] over g < group.
-  static void group_reduce(const float* in, std::int64_t group, std::int64_t n, std::int64_t ld, GroupReduce kind,
-                           float* out) noexcept {
+  static void group_reduce(const float* in, std::int64_t group, std::int64_t n, std::int64_t ld, GroupReduce kind, float* out) noexcept {
     for (std::int64_t j = 0; j < n; ++j) {
       float acc = in[j];
       for (std::int64_t g = 1; g < group; ++g) {
@@ -160,7 +159,8 @@ struct ScalarScoreOps {
     WorkspaceCarver carve(ws);
     std::uint64_t* keys = carve.take<std::uint64_t>(static_cast<std::size_t>(n));
     // (score key, index) packed so a plain integer comparison is the total order.
-    for (std::int64_t i = 0; i < n; ++i) keys[i] = (static_cast<std::uint64_t>(score_order_key(scores[i])) << 32) | static_cast<std::uint64_t>(i);
+    for (std::int64_t i = 0; i < n; ++i)
+      keys[i] = (static_cast<std::uint64_t>(score_order_key(scores[i])) << 32) | static_cast<std::uint64_t>(i);
     std::nth_element(keys, keys + (k - 1), keys + n, [](std::uint64_t a, std::uint64_t b) { return a > b; });
     for (std::int64_t i = 0; i < k; ++i) out[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
     std::sort(out, out + k);

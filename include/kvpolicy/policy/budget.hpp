@@ -49,7 +49,7 @@ constexpr std::int64_t kvpress_n_kept(std::int64_t kv_len, double compression_ra
 constexpr double round_half_even(double x) noexcept {
   if (!(x == x) || !(x < 4503599627370496.0 && x > -4503599627370496.0)) return x;  // NaN, inf, |x| >= 2^52: integral
   double f = static_cast<double>(static_cast<std::int64_t>(x));
-  if (f > x) f -= 1.0;                      // floor for negative non-integers
+  if (f > x) f -= 1.0;  // floor for negative non-integers
   const double frac = x - f;
   if (frac > 0.5) return f + 1.0;
   if (frac < 0.5) return f;
@@ -67,7 +67,8 @@ namespace detail {
 /// a * b rounded to T once, never fused with a following add (the references
 /// round the product; a contracted FMA would not). Used wherever a reference
 /// formula of the form `a*b + c` must be reproduced bit for bit.
-template <class T> inline T rounded_mul(T a, T b) noexcept {
+template <class T>
+inline T rounded_mul(T a, T b) noexcept {
   volatile T p = a * b;
   return p;
 }
@@ -80,7 +81,9 @@ struct Budget {
   bool allow_above_length = false;
   bool at_least_one = false;
 
-  static constexpr Budget tokens(std::int64_t n) noexcept { return Budget{BudgetKind::kTokens, static_cast<double>(n), true, false, false}; }
+  static constexpr Budget tokens(std::int64_t n) noexcept {
+    return Budget{BudgetKind::kTokens, static_cast<double>(n), true, false, false};
+  }
   static constexpr Budget keep_ratio(double f) noexcept { return Budget{BudgetKind::kKeepRatio, f, true, false, false}; }
   static constexpr Budget compression_ratio(double r) noexcept { return Budget{BudgetKind::kCompressionRatio, r, true, false, false}; }
 
@@ -111,9 +114,7 @@ struct Budget {
         KVP_REQUIRE(value >= 0 && value == std::floor(value) && value <= 9.0e15, "%s: token budget is %g, must be a non-negative integer",
                     who, value);
         break;
-      case BudgetKind::kKeepRatio:
-        KVP_REQUIRE(value >= 0.0 && value <= 1.0, "%s: keep_ratio is %g, must be in [0, 1]", who, value);
-        break;
+      case BudgetKind::kKeepRatio: KVP_REQUIRE(value >= 0.0 && value <= 1.0, "%s: keep_ratio is %g, must be in [0, 1]", who, value); break;
       case BudgetKind::kCompressionRatio:
         KVP_REQUIRE(value >= 0.0 && value < 1.0, "%s: compression_ratio is %g, must be in [0, 1)", who, value);
         break;

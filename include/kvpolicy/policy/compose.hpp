@@ -34,7 +34,8 @@ KVP_NAMESPACE_BEGIN
 
 namespace detail {
 /// counts[h] = n for every row of `scores`.
-inline Status fill_counts(const char* who, std::int64_t n, const TensorView<const float, 2>& scores, std::span<std::int64_t> counts) noexcept {
+inline Status fill_counts(const char* who, std::int64_t n, const TensorView<const float, 2>& scores,
+                          std::span<std::int64_t> counts) noexcept {
   KVP_REQUIRE(static_cast<std::int64_t>(counts.size()) == scores.extent(0), "%s: %zu counts for %lld rows", who, counts.size(),
               static_cast<long long>(scores.extent(0)));
   std::fill(counts.begin(), counts.end(), n);
@@ -53,7 +54,8 @@ struct UniformAllocation {
     return budget.resolve(who, kv_len, std::min(protected_tokens, kv_len), n);
   }
   template <class B>
-  Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
+  Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores,
+                  std::span<std::int64_t> counts) const noexcept {
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(count("uniform_allocation", kv_len, num_protected, &n));
     return detail::fill_counts("uniform_allocation", n, scores, counts);
@@ -78,7 +80,8 @@ struct LayerAllocation {
     return b.resolve(who, kv_len, std::min(protected_tokens, kv_len), n);
   }
   template <class B>
-  Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
+  Status allocate(const Context<B>&, std::int64_t kv_len, TensorView<const float, 2> scores,
+                  std::span<std::int64_t> counts) const noexcept {
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(count("layer_allocation", kv_len, num_protected, &n));
     return detail::fill_counts("layer_allocation", n, scores, counts);

@@ -57,8 +57,8 @@ concept Scorer = Policy<P> && requires(const P& p, const Context<B>& ctx, const 
 /// One-shot eviction over a batch of sequences: KeepSet row `b * num_kv_heads + h`
 /// (or per query head, as the policy states) of ascending kept token ids.
 template <class P, class In, class B = backend::Scalar>
-concept EvictionPolicy = Policy<P> && requires(const P& p, const Context<B>& ctx, std::span<const In> batch, KeepSet out,
-                                               const ProblemShape& s) {
+concept EvictionPolicy = Policy<P> &&
+    requires(const P& p, const Context<B>& ctx, std::span<const In> batch, KeepSet out, const ProblemShape& s) {
   { p.requirements(ctx, s) } -> std::same_as<Requirements>;
   { p.evict(ctx, batch, out) } -> std::same_as<Status>;
 };
@@ -67,8 +67,8 @@ concept EvictionPolicy = Policy<P> && requires(const P& p, const Context<B>& ctx
 /// folds one call's evidence (probabilities, column sums or queries) into the
 /// state, `evict` writes the KeepSet and re-packs the state to match.
 template <class P, class In, class B = backend::Scalar>
-concept OnlineEvictionPolicy = Policy<P> && requires(const P& p, const Context<B>& ctx, typename P::State& st, const In& obs,
-                                                     KeepSet out, const ProblemShape& s) {
+concept OnlineEvictionPolicy = Policy<P> &&
+    requires(const P& p, const Context<B>& ctx, typename P::State& st, const In& obs, KeepSet out, const ProblemShape& s) {
   typename P::State;
   { p.requirements(ctx, s) } -> std::same_as<Requirements>;
   { p.update(ctx, st, obs) } -> std::same_as<Status>;
@@ -80,9 +80,9 @@ concept OnlineEvictionPolicy = Policy<P> && requires(const P& p, const Context<B
 /// tokens arrive; `select` writes the PageSelection and neither allocates nor
 /// synchronises. `Tm` is the state's element type.
 template <class P, class Tq, class Tk, class Tm, class B = backend::Scalar>
-concept SelectionPolicy = Policy<P> && requires(const P& p, const Context<B>& ctx, typename P::template State<Tm> st,
-                                                typename P::Plan& plan, const DecodeInput<Tq>& in, const AppendInput<Tk>& app,
-                                                PageSelection out, const ProblemShape& s) {
+concept SelectionPolicy = Policy<P> &&
+    requires(const P& p, const Context<B>& ctx, typename P::template State<Tm> st, typename P::Plan& plan, const DecodeInput<Tq>& in,
+             const AppendInput<Tk>& app, PageSelection out, const ProblemShape& s) {
   typename P::Plan;
   { p.plan(ctx, in, s, plan) } -> std::same_as<Status>;
   { p.on_append(ctx, app, st) } -> std::same_as<Status>;
@@ -99,16 +99,16 @@ concept BudgetAllocator = requires(const P& p, const Context<B>& ctx, std::int64
 
 /// Folds what an eviction drops into what it keeps.
 template <class P, class In, class B = backend::Scalar>
-concept MergePolicy = Policy<P> && requires(const P& p, const Context<B>& ctx, const In& in, const KeepSet& keep, MergePlan out,
-                                            const ProblemShape& s) {
+concept MergePolicy = Policy<P> &&
+    requires(const P& p, const Context<B>& ctx, const In& in, const KeepSet& keep, MergePlan out, const ProblemShape& s) {
   { p.requirements(ctx, s) } -> std::same_as<Requirements>;
   { p.merge(ctx, in, keep, out) } -> std::same_as<Status>;
 };
 
 /// Stores K/V in fewer bits; `bytes_per_token` links a byte budget to a token budget.
 template <class P, class Tk, class B = backend::Scalar>
-concept QuantizationPolicy = Policy<P> && requires(const P& p, const Context<B>& ctx, TensorView<const Tk, 3> rows,
-                                                   typename P::State& st, QuantizedKV q, TensorView<Tk, 3> out, std::int64_t head_dim) {
+concept QuantizationPolicy = Policy<P> && requires(const P& p, const Context<B>& ctx, TensorView<const Tk, 3> rows, typename P::State& st,
+                                                   QuantizedKV q, TensorView<Tk, 3> out, std::int64_t head_dim) {
   typename P::State;
   { p.layout() } -> std::same_as<QuantLayout>;
   { p.bytes_per_token(head_dim) } -> std::convertible_to<double>;

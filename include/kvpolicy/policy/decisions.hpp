@@ -34,10 +34,10 @@ KVP_NAMESPACE_BEGIN
 /// `merged_values` (num_rows * max_kept rows of head_dim, one row per kept
 /// token touched, in `dst` order), null when the policy only emits the plan.
 struct MergePlan {
-  std::int32_t* indptr = nullptr;   // (num_rows + 1)
-  std::int32_t* dst = nullptr;      // (capacity)
-  std::int32_t* src = nullptr;      // (capacity)
-  float* weight = nullptr;          // (capacity)
+  std::int32_t* indptr = nullptr;  // (num_rows + 1)
+  std::int32_t* dst = nullptr;     // (capacity)
+  std::int32_t* src = nullptr;     // (capacity)
+  float* weight = nullptr;         // (capacity)
   std::int64_t num_rows = 0;
   std::int64_t capacity = 0;
   TensorView<float, 2> merged_keys{};    ///< optional (rows, head_dim)
@@ -60,8 +60,8 @@ struct MergePlan {
 
 /// Where a format keeps its per-group parameters.
 enum class QuantScaleLayout : std::uint8_t {
-  kInBlock,    ///< ggml blocks: scale (and min) stored at the head of each block, codes after
-  kSeparate,   ///< codes and scales in separate arrays (KIVI, fp8 with per-head scale)
+  kInBlock,   ///< ggml blocks: scale (and min) stored at the head of each block, codes after
+  kSeparate,  ///< codes and scales in separate arrays (KIVI, fp8 with per-head scale)
 };
 
 /// Along which axis a group of values shares one scale.
@@ -72,11 +72,11 @@ enum class QuantAxis : std::uint8_t {
 
 /// The byte layout of one quantized format, enough to size a cache.
 struct QuantLayout {
-  const char* name = "";          ///< e.g. "q8_0", "kivi2"
-  std::int32_t bits = 0;          ///< code bits per value
-  std::int32_t group = 0;         ///< values sharing one scale (block size)
-  std::int32_t block_bytes = 0;   ///< bytes per group including in-block scales (kInBlock), codes only otherwise
-  std::int32_t scale_bytes = 0;   ///< bytes of scale (+ zero) per group in the separate array (kSeparate)
+  const char* name = "";         ///< e.g. "q8_0", "kivi2"
+  std::int32_t bits = 0;         ///< code bits per value
+  std::int32_t group = 0;        ///< values sharing one scale (block size)
+  std::int32_t block_bytes = 0;  ///< bytes per group including in-block scales (kInBlock), codes only otherwise
+  std::int32_t scale_bytes = 0;  ///< bytes of scale (+ zero) per group in the separate array (kSeparate)
   QuantScaleLayout scales = QuantScaleLayout::kInBlock;
   QuantAxis axis = QuantAxis::kToken;
 
@@ -113,7 +113,7 @@ struct PrefetchRequest {
   std::int32_t* pages = nullptr;  // (capacity) physical page ids
   float* priority = nullptr;      // (capacity) optional, higher = sooner
   std::int64_t capacity = 0;
-  std::int64_t size = 0;          ///< written by the policy
+  std::int64_t size = 0;  ///< written by the policy
 
   Status check_output(const char* who, std::int64_t needed) const noexcept {
     KVP_REQUIRE(needed == 0 || pages != nullptr, "%s: prefetch request pages is null with %lld needed", who,

@@ -53,7 +53,8 @@ inline constexpr EnumName<Pooling> kPoolingNames[] = {{"none", Pooling::kNone}, 
 constexpr std::span<const EnumName<Pooling>> enum_names(Pooling) noexcept { return kPoolingNames; }
 inline constexpr EnumName<WindowReduce> kWindowReduceNames[] = {{"mean", WindowReduce::kMean}, {"sum", WindowReduce::kSum}};
 constexpr std::span<const EnumName<WindowReduce>> enum_names(WindowReduce) noexcept { return kWindowReduceNames; }
-inline constexpr EnumName<GroupReduce> kGroupReduceNames[] = {{"mean", GroupReduce::kMean}, {"max", GroupReduce::kMax}, {"sum", GroupReduce::kSum}};
+inline constexpr EnumName<GroupReduce> kGroupReduceNames[] = {
+    {"mean", GroupReduce::kMean}, {"max", GroupReduce::kMax}, {"sum", GroupReduce::kSum}};
 constexpr std::span<const EnumName<GroupReduce>> enum_names(GroupReduce) noexcept { return kGroupReduceNames; }
 
 /// A user-facing parameter of `P` of value type `T`.
@@ -68,8 +69,10 @@ struct ParamField {
 };
 
 namespace detail {
-template <class M> struct member_traits;
-template <class P, class T> struct member_traits<T P::*> {
+template <class M>
+struct member_traits;
+template <class P, class T>
+struct member_traits<T P::*> {
   using Params = P;
   using Value = T;
 };
@@ -91,7 +94,9 @@ constexpr auto budget_field(std::string_view doc = "budget: compression_ratio=r 
 
 /// Declares its fields (`P::fields()`).
 template <class P>
-concept DeclaresFields = requires { P::fields(); };
+concept DeclaresFields = requires {
+  P::fields();
+};
 
 /// One parameter as listed for users: its key, its value in spec syntax, its doc.
 struct ParamInfo {
@@ -157,9 +162,12 @@ template <class T>
 Status parse_value(const char* who, std::string_view key, std::string_view text, T* out) {
   const std::string t(text);
   if constexpr (std::is_same_v<T, bool>) {
-    if (t == "true" || t == "1") *out = true;
-    else if (t == "false" || t == "0") *out = false;
-    else return KVP_INVALID("%s: %s is '%s', expected true|false", who, std::string(key).c_str(), t.c_str());
+    if (t == "true" || t == "1")
+      *out = true;
+    else if (t == "false" || t == "0")
+      *out = false;
+    else
+      return KVP_INVALID("%s: %s is '%s', expected true|false", who, std::string(key).c_str(), t.c_str());
   } else if constexpr (std::is_enum_v<T>) {
     for (const auto& e : enum_names(T{}))
       if (e.name == text) {
@@ -239,10 +247,14 @@ Status set_param(const char* who, P& p, std::string_view key, std::string_view v
     if (found) return;
     if constexpr (std::is_same_v<T, Budget>) {
       BudgetKind kind;
-      if (key == "compression_ratio") kind = BudgetKind::kCompressionRatio;
-      else if (key == "tokens") kind = BudgetKind::kTokens;
-      else if (key == "keep_ratio") kind = BudgetKind::kKeepRatio;
-      else return;
+      if (key == "compression_ratio")
+        kind = BudgetKind::kCompressionRatio;
+      else if (key == "tokens")
+        kind = BudgetKind::kTokens;
+      else if (key == "keep_ratio")
+        kind = BudgetKind::kKeepRatio;
+      else
+        return;
       found = true;
       double v = 0.0;
       st = detail::parse_value(who, key, value, &v);

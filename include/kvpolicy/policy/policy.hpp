@@ -91,7 +91,8 @@ inline Status check_same_heads(const char* who, std::size_t b, const ProblemShap
   KVP_REQUIRE(s.num_q_heads == first->num_q_heads && s.num_kv_heads == first->num_kv_heads && s.head_dim == first->head_dim,
               "%s: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", who, b,
               static_cast<long long>(s.num_q_heads), static_cast<long long>(s.num_kv_heads), static_cast<long long>(s.head_dim),
-              static_cast<long long>(first->num_q_heads), static_cast<long long>(first->num_kv_heads), static_cast<long long>(first->head_dim));
+              static_cast<long long>(first->num_q_heads), static_cast<long long>(first->num_kv_heads),
+              static_cast<long long>(first->head_dim));
   first->max_kv_len = std::max(first->max_kv_len, s.max_kv_len);
   first->q_len = std::max(first->q_len, s.q_len);
   return Status::ok();
@@ -115,8 +116,8 @@ inline Status check_problem_shape(const char* who, const ProblemShape& s) noexce
 
 /// Requirements of a decision with `rows` rows per sequence of at most `kept`
 /// entries each (`kept` for the longest sequence: every budget is monotone in kv_len).
-inline Requirements uniform_requirements(Status status, std::size_t workspace, const ProblemShape& s, std::int64_t rows,
-                                         std::int64_t kept, std::int64_t query_window) noexcept {
+inline Requirements uniform_requirements(Status status, std::size_t workspace, const ProblemShape& s, std::int64_t rows, std::int64_t kept,
+                                         std::int64_t query_window) noexcept {
   Requirements r;
   r.status = status;
   if (!status.is_ok()) return r;

@@ -54,9 +54,9 @@ inline constexpr float kProtectedScore = std::numeric_limits<float>::infinity();
 template <class B>
 struct Context {
   using Backend = B;
-  Workspace workspace{};  ///< caller-owned scratch, at least `Requirements::workspace_bytes`
-  ExecContext exec{};     ///< the engine's parallel-for (default: the calling thread)
-  void* stream = nullptr; ///< device stream (cudaStream_t) for device backends; unused on the host
+  Workspace workspace{};   ///< caller-owned scratch, at least `Requirements::workspace_bytes`
+  ExecContext exec{};      ///< the engine's parallel-for (default: the calling thread)
+  void* stream = nullptr;  ///< device stream (cudaStream_t) for device backends; unused on the host
 
   /// The same context over another workspace.
   Context with_workspace(Workspace ws) const noexcept { return Context{ws, exec, stream}; }
@@ -102,11 +102,11 @@ struct Requirements {
 /// the policies that need it.
 template <class Tq, class Tk, class Tp = float>
 struct ScoreInput {
-  TensorView<const Tq, 3> queries{};         ///< (num_q_heads, q_len, head_dim) post-RoPE, the latest q_len positions
-  KVSource<Tk> keys{};                       ///< (num_kv_heads, kv_len, head_dim), dense or paged
-  KVSource<Tk> values{};                     ///< optional (num_kv_heads, kv_len, head_dim)
-  TensorView<const Tp, 3> attention{};       ///< optional (num_q_heads, q_len, kv_len): softmax probabilities
-  TensorView<const Tp, 2> column_sums{};     ///< optional (num_q_heads, kv_len): sum over the query rows of the probabilities
+  TensorView<const Tq, 3> queries{};      ///< (num_q_heads, q_len, head_dim) post-RoPE, the latest q_len positions
+  KVSource<Tk> keys{};                    ///< (num_kv_heads, kv_len, head_dim), dense or paged
+  KVSource<Tk> values{};                  ///< optional (num_kv_heads, kv_len, head_dim)
+  TensorView<const Tp, 3> attention{};    ///< optional (num_q_heads, q_len, kv_len): softmax probabilities
+  TensorView<const Tp, 2> column_sums{};  ///< optional (num_q_heads, kv_len): sum over the query rows of the probabilities
 
   /// Present when given at all: a view with extents but null data is present
   /// (and then rejected by the policy's check as "null data"), not absent.

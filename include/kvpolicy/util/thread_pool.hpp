@@ -44,9 +44,7 @@ class ThreadPool {
   }
 
  private:
-  static void run_fn(void* pool, std::int64_t n, ParallelBody body, void* ctx) {
-    static_cast<ThreadPool*>(pool)->run(n, body, ctx);
-  }
+  static void run_fn(void* pool, std::int64_t n, ParallelBody body, void* ctx) { static_cast<ThreadPool*>(pool)->run(n, body, ctx); }
 
   // Dynamic scheduling in chunks of one item; worker w only ever runs as w.
   void run(std::int64_t n, ParallelBody body, void* ctx) {

@@ -13,8 +13,8 @@ int main() {
   for (std::size_t i = 0; i < k.size(); ++i) k[i] = kvpolicy::to_half(static_cast<float>((i * 53) % 23) / 23.0f - 0.5f);
 
   kvpolicy::Evictor<kvpolicy::SnapKV> snapkv(kvpolicy::SnapKVParams::kvpress(0.5, w, 5));
-  const kvpolicy::KeepSet& keep = snapkv.evict(kvpolicy::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}),
-                                               kvpolicy::heads_major(k.data(), Hkv, T, d));
+  const kvpolicy::KeepSet& keep =
+      snapkv.evict(kvpolicy::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}), kvpolicy::heads_major(k.data(), Hkv, T, d));
 
   kvpolicy::AnyEvictionPolicy byname;
   const kvpolicy::Status s = kvpolicy::make_eviction_policy("streaming_llm:compression_ratio=0.5,sinks=4", &byname);

@@ -100,9 +100,9 @@ TEST_CASE("pyramid: KVCache-Factory schedule reproduces reference §4.1", "[budg
 
 TEST_CASE("pyramid: kvpress schedule reproduces reference §4.3 and its test grid", "[budget][pyramid][golden]") {
   PyramidRegime reg{};
-  REQUIRE(kvpress_totals(1024, 0.5, 64, 32, &reg) ==
-          std::vector<std::int64_t>{960, 931, 902, 873, 844, 815, 787, 758, 729, 700, 671, 642, 613, 584, 555, 526,
-                                    498, 469, 440, 411, 382, 353, 324, 295, 266, 237, 209, 180, 151, 122, 93,  64});
+  REQUIRE(kvpress_totals(1024, 0.5, 64, 32, &reg) == std::vector<std::int64_t>{960, 931, 902, 873, 844, 815, 787, 758, 729, 700, 671,
+                                                                               642, 613, 584, 555, 526, 498, 469, 440, 411, 382, 353,
+                                                                               324, 295, 266, 237, 209, 180, 151, 122, 93,  64});
   REQUIRE(reg == PyramidRegime::kPyramid);
   // Strong compression: min_num = 5.12 < w, uniform fallback round(102.4) = 102.
   REQUIRE(kvpress_totals(1024, 0.9, 64, 32, &reg) == std::vector<std::int64_t>(32, 102));
@@ -213,8 +213,8 @@ TEST_CASE("layer schedule: every kind resolves to a Budget usable by any policy"
 TEST_CASE("allocation: per-head budgets select each head's best tokens, CSR rows, protected first", "[budget][allocation]") {
   // scores (3 heads, 6 tokens); +inf = protected.
   const float inf = INFINITY;
-  std::vector<float> s = {0.1f, 0.5f, 0.3f, 0.2f, inf, inf,   //
-                          0.9f, 0.1f, 0.1f, 0.8f, inf, inf,   //
+  std::vector<float> s = {0.1f, 0.5f, 0.3f, 0.2f, inf, inf,  //
+                          0.9f, 0.1f, 0.1f, 0.8f, inf, inf,  //
                           0.0f, 0.0f, 0.7f, 0.0f, inf, inf};
   const auto view = TensorView<const float, 2>::contiguous(s.data(), {3, 6});
   const std::int32_t counts[3] = {3, 2, 5};
@@ -222,8 +222,9 @@ TEST_CASE("allocation: per-head budgets select each head's best tokens, CSR rows
     KeepSetBuffer keep(3, 10);
     std::vector<std::byte> ws(std::max(select_per_head_workspace<backend::Scalar>(6), select_per_head_workspace<backend::Cpu>(6)));
     const HeadAllocation alloc{counts, 3, 10, true};
-    const Status st = std::string(be) == "cpu" ? select_per_head<backend::Cpu>(view, alloc, keep.view(), Workspace{ws.data(), ws.size()})
-                                               : select_per_head<backend::Scalar>(view, alloc, keep.view(), Workspace{ws.data(), ws.size()});
+    const Status st = std::string(be) == "cpu"
+                          ? select_per_head<backend::Cpu>(view, alloc, keep.view(), Workspace{ws.data(), ws.size()})
+                          : select_per_head<backend::Scalar>(view, alloc, keep.view(), Workspace{ws.data(), ws.size()});
     REQUIRE(st.is_ok());
     REQUIRE(keep.indptr == std::vector<std::int32_t>{0, 3, 5, 10});
     REQUIRE(keep.row(0) == std::vector<std::int32_t>{1, 4, 5});
@@ -240,7 +241,8 @@ TEST_CASE("allocation: per-head budgets select each head's best tokens, CSR rows
   REQUIRE(keep.row(2) == std::vector<std::int32_t>{4, 5});
 }
 
-TEST_CASE("allocation: budgets that do not sum, or exceed the length, are rejected and nothing is written", "[budget][allocation][errors]") {
+TEST_CASE("allocation: budgets that do not sum, or exceed the length, are rejected and nothing is written",
+          "[budget][allocation][errors]") {
   std::vector<float> s(2 * 5, 0.5f);
   const auto view = TensorView<const float, 2>::contiguous(s.data(), {2, 5});
   std::vector<std::byte> ws(select_per_head_workspace<backend::Scalar>(5));

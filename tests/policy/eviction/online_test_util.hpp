@@ -24,7 +24,8 @@ inline std::vector<float> causal_probs(const std::vector<float>& q, std::int64_t
       double mx = -INFINITY;
       for (std::int64_t j = 0; j < vis; ++j) {
         double acc = 0;
-        for (std::int64_t c = 0; c < d; ++c) acc += static_cast<double>(q[(h * qlen + i) * d + c]) * keys[(h / G) * head_stride + j * d + c];
+        for (std::int64_t c = 0; c < d; ++c)
+          acc += static_cast<double>(q[(h * qlen + i) * d + c]) * keys[(h / G) * head_stride + j * d + c];
         logit[j] = acc * scale;
         mx = std::max(mx, logit[j]);
       }

@@ -96,8 +96,10 @@ std::vector<std::vector<std::int32_t>> reference_original(const std::vector<floa
   for (std::int64_t r = 0; r < rows; ++r) {
     std::vector<float> past;
     for (std::int64_t j = 0; j < T; ++j) {
-      if (S[r * T + j] == INFINITY) ++prot[r];
-      else past.push_back(S[r * T + j]);
+      if (S[r * T + j] == INFINITY)
+        ++prot[r];
+      else
+        past.push_back(S[r * T + j]);
     }
     if (normalize) {
       std::sort(past.begin(), past.end(), [](float a, float b) { return score_order_key(a) > score_order_key(b); });
@@ -130,8 +132,8 @@ std::vector<std::vector<std::int32_t>> reference_original(const std::vector<floa
 }
 
 /// Sort-based transcription of kvpress AdaKVPress.compress.
-std::vector<std::vector<std::int32_t>> reference_kvpress(const std::vector<float>& S, std::int64_t rows, std::int64_t T, std::int64_t n_kept,
-                                                         double alpha) {
+std::vector<std::vector<std::int32_t>> reference_kvpress(const std::vector<float>& S, std::int64_t rows, std::int64_t T,
+                                                         std::int64_t n_kept, double alpha) {
   const auto n_safe = static_cast<std::int64_t>(static_cast<double>(n_kept) * alpha);
   std::vector<char> safe(rows * T, 0);
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -175,9 +177,8 @@ TEST_CASE("adakv: golden vector of reference §11 (AdaKVPress(SnapKVPress(r=.5, 
 TEST_CASE("adakv: original allocation by hand — blended capacities, half-even rounding, fp32, ties", "[adakv][original]") {
   const float inf = INFINITY;
   // 2 heads, T = 10, window 2 (+inf), C = 6 -> B = 4, L = 8.
-  FixedCase c(2, 10, 2,
-              {0.9f, 0.8f, 0.7f, 0.6f, 0.5f, 0.05f, 0.04f, 0.03f, inf, inf,  //
-               0.1f, 0.2f, 0.01f, 0.02f, 0.03f, 0.04f, 0.06f, 0.07f, inf, inf});
+  FixedCase c(2, 10, 2, {0.9f, 0.8f, 0.7f,  0.6f,  0.5f,  0.05f, 0.04f, 0.03f, inf, inf,  //
+                         0.1f, 0.2f, 0.01f, 0.02f, 0.03f, 0.04f, 0.06f, 0.07f, inf, inf});
   // Global top 8 of the past: h0 x5, h1 x3. alpha = .5: floor 2, cap = round(4.5) = 4, round(3.5) = 4.
   auto keep = c.run(AdaKVParams::original_gqa(6, 0.5));
   REQUIRE(keep.row(0) == std::vector<std::int32_t>{0, 1, 2, 3, 8, 9});
@@ -205,7 +206,7 @@ TEST_CASE("adakv: original normalize re-weights heads by their top-B share", "[a
   // h0 concentrated (top-2 share .7), h1 flat (share .5). B = 2, K = 4, alpha = 0.
   FixedCase c(2, 6, 0, {0.5f, 0.2f, 0.2f, 0.1f, 0.0f, 0.0f, 0.25f, 0.25f, 0.25f, 0.25f, 0.0f, 0.0f});
   auto keep = c.run(AdaKVParams::original_gqa(2, 0.0, /*normalize=*/false));
-  REQUIRE(keep.row(0) == std::vector<std::int32_t>{0});        // 0.5, then h1's 0.25s (ties: highest index first)
+  REQUIRE(keep.row(0) == std::vector<std::int32_t>{0});  // 0.5, then h1's 0.25s (ties: highest index first)
   REQUIRE(keep.row(1) == std::vector<std::int32_t>{1, 2, 3});
   keep = c.run(AdaKVParams::original_gqa(2, 0.0, /*normalize=*/true));
   REQUIRE(keep.row(0) == std::vector<std::int32_t>{0, 1, 2});  // 0.35, 0.14, 0.14 beat 0.125
@@ -251,8 +252,10 @@ TEST_CASE("adakv: random cases equal the sort-based references (both variants, b
       const Requirements sreq = scorer.requirements(Context<backend::Scalar>{}, shape);
       REQUIRE(sreq.status.is_ok());
       std::vector<std::byte> sws(sreq.workspace_bytes);
-      REQUIRE(scorer.score(Context<backend::Scalar>{Workspace{sws.data(), sws.size()}}, in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T}))
-                  .is_ok());
+      REQUIRE(
+          scorer
+              .score(Context<backend::Scalar>{Workspace{sws.data(), sws.size()}}, in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T}))
+              .is_ok());
       for (double alpha : {0.0, 0.2, 0.5, 1.0}) {
         for (bool norm : {false, true}) {
           for (std::int64_t C : {w + 1, w + T / 4, w + T / 2, T}) {
@@ -280,7 +283,7 @@ TEST_CASE("adakv: the original per-query-head mode equals a kv-head run on repea
   std::vector<float> rep(Hq * T * d);
   for (int q = 0; q < Hq; ++q) std::copy_n(rc.keys.begin() + (q / G) * T * d, T * d, rep.begin() + q * T * d);
   const ScoreInput<float, float> repeated{TensorView<const float, 3>::contiguous(rc.queries.data(), {Hq, w, d}),
-                                            KVSource<float>::from(TensorView<const float, 3>::contiguous(rep.data(), {Hq, T, d}))};
+                                          KVSource<float>::from(TensorView<const float, 3>::contiguous(rep.data(), {Hq, T, d}))};
   const SnapKV scorer(adakv_scoring(w, 7));
   for (bool norm : {false, true}) {
     const AdaKV<SnapKV> per_query(AdaKVParams::original(96, 0.2, norm), scorer);
@@ -347,8 +350,8 @@ TEST_CASE("adakv: a batch of different lengths equals per-sequence calls", "[ada
   for (const auto& policy : {AdaKV<SnapKV>(AdaKVParams::kvpress(0.7, 0.2), SnapKV(SnapKVParams::kvpress(0.7, 8, 7))),
                              AdaKV<SnapKV>(AdaKVParams::original_gqa(100, 0.3), SnapKV(adakv_scoring(8, 7)))}) {
     ThreadPool pool(2);
-    const auto all = run_ragged<backend::Cpu>(policy, std::vector{a.input(), b.input(), c.input()}, 2, ProblemShape{8, 2, 64, 1000, 8},
-                                              pool.context());
+    const auto all =
+        run_ragged<backend::Cpu>(policy, std::vector{a.input(), b.input(), c.input()}, 2, ProblemShape{8, 2, 64, 1000, 8}, pool.context());
     std::int64_t row = 0;
     for (auto* rc : {&a, &b, &c}) {
       const auto one = run_ragged<backend::Scalar>(policy, std::vector{rc->input()}, 2, ProblemShape{8, 2, 64, rc->T, 8});
@@ -378,7 +381,8 @@ TEST_CASE("adakv: on top of Expected Attention", "[adakv][expected_attention]") 
   const Requirements ereq = ea.requirements(Context<backend::Scalar>{}, shape);
   REQUIRE(ereq.status.is_ok());
   std::vector<std::byte> ws(ereq.workspace_bytes);
-  REQUIRE(ea.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T})).is_ok());
+  REQUIRE(ea.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(S.data(), {Hkv, T}))
+              .is_ok());
   REQUIRE(rows_of(keep, 0, Hkv) == reference_kvpress(S, Hkv, T, kvpress_n_kept(T, 0.5), 0.2));
   // Per query head: runs the scorer on each group member's heads.
   const AdaKV<ExpectedAttention> per_q(AdaKVParams::original(100, 0.2), ea);
@@ -425,6 +429,7 @@ TEST_CASE("adakv: bad input gets a clear message and writes nothing", "[adakv][e
   expect_error(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), snap), in, "workspace has 100 bytes", 400, 100);
   KeepSetBuffer keep(2, 400);
   std::vector<std::byte> ws(100);
-  REQUIRE(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), snap).evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view()).code() ==
-          StatusCode::kWorkspaceTooSmall);
+  REQUIRE(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), snap)
+              .evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view())
+              .code() == StatusCode::kWorkspaceTooSmall);
 }

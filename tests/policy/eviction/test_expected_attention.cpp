@@ -64,9 +64,18 @@ struct EACase {
     last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(pages - 1) * ps)};
     for (std::int64_t t = 0; t < T; ++t)
       for (std::int64_t h = 0; h < Hkv; ++h)
-        for (std::int64_t c = 0; c < d; ++c) pool[indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c] = v[(h * T + t) * d + c];
-    paged = PagedKVView<const float>{pool.data(), pool.data(), st, st, pool_pages, static_cast<std::int32_t>(Hkv), ps,
-                                     static_cast<std::int32_t>(d), PageTable{indptr.data(), indices.data(), last.data(), 1}, kHost};
+        for (std::int64_t c = 0; c < d; ++c)
+          pool[indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c] = v[(h * T + t) * d + c];
+    paged = PagedKVView<const float>{pool.data(),
+                                     pool.data(),
+                                     st,
+                                     st,
+                                     pool_pages,
+                                     static_cast<std::int32_t>(Hkv),
+                                     ps,
+                                     static_cast<std::int32_t>(d),
+                                     PageTable{indptr.data(), indices.data(), last.data(), 1},
+                                     kHost};
     in.values = KVSource<float>::from_paged_values(paged, 0);
     return in;
   }
@@ -92,8 +101,16 @@ struct EACase {
           pv_v[off] = v[(h * T + t) * d + c];
           pv_k[off] = 3.0f * k[(h * T + t) * d + c];
         }
-    pv = PagedKVView<const float>{pv_k.data(), pv_v.data(), st, st, pool_pages, static_cast<std::int32_t>(Hkv), ps,
-                                  static_cast<std::int32_t>(d), PageTable{pv_indptr.data(), pv_indices.data(), pv_last.data(), 1}, kHost};
+    pv = PagedKVView<const float>{pv_k.data(),
+                                  pv_v.data(),
+                                  st,
+                                  st,
+                                  pool_pages,
+                                  static_cast<std::int32_t>(Hkv),
+                                  ps,
+                                  static_cast<std::int32_t>(d),
+                                  PageTable{pv_indptr.data(), pv_indices.data(), pv_last.data(), 1},
+                                  kHost};
     in.values = KVSource<float>::from_paged_values(pv, 0);
     return in;
   }
@@ -105,8 +122,9 @@ std::vector<double> reference_scores(const EACase& c, const ExpectedAttentionPar
   const std::int64_t d = c.d, h = d / 2, G = c.Hq / c.Hkv, n0 = p.n_sink, T = c.T;
   std::vector<double> R(d * d, 0.0), cb(d, 0.0), sb(d, 0.0);
   for (std::int64_t i = 0; i < d; ++i) {
-    const float inv = p.rope.inv_freq ? p.rope.inv_freq[i % h]
-                                      : 1.0f / std::pow(static_cast<float>(p.rope.base), static_cast<float>(2 * (i % h)) / static_cast<float>(d));
+    const float inv = p.rope.inv_freq
+                          ? p.rope.inv_freq[i % h]
+                          : 1.0f / std::pow(static_cast<float>(p.rope.base), static_cast<float>(2 * (i % h)) / static_cast<float>(d));
     for (std::int64_t pos = T; pos < T + p.n_future_positions; ++pos) {
       volatile float a = inv * static_cast<float>(pos);
       volatile float cs = static_cast<float>(std::cos(static_cast<double>(a))) * p.rope.attention_scaling;
@@ -119,8 +137,10 @@ std::vector<double> reference_scores(const EACase& c, const ExpectedAttentionPar
   }
   for (std::int64_t i = 0; i < d; ++i) {
     R[i * d + i] = cb[i];
-    if (i < h) R[i * d + i + h] = -sb[i + h];
-    else R[i * d + i - h] = sb[i - h];
+    if (i < h)
+      R[i * d + i + h] = -sb[i + h];
+    else
+      R[i * d + i - h] = sb[i - h];
   }
   std::vector<double> out(c.Hkv * T, 0.0);
   for (std::int64_t q = 0; q < c.Hq; ++q) {
@@ -177,7 +197,8 @@ std::vector<float> ea_scores(const ExpectedAttention& ea, const ExpectedAttentio
   INFO(req.status.message());
   REQUIRE(req.status.is_ok());
   std::vector<std::byte> ws(req.workspace_bytes);
-  const Status st = ea.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}, ctx}, in, TensorView<float, 2>::contiguous(s.data(), {Hkv, T}));
+  const Status st =
+      ea.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}, ctx}, in, TensorView<float, 2>::contiguous(s.data(), {Hkv, T}));
   INFO(st.message());
   REQUIRE(st.is_ok());
   return s;
@@ -210,11 +231,10 @@ TEST_CASE("expected attention: golden vector of reference §11 (n_future=4, n_si
                                                 {},
                                                 -1};
   const ExpectedAttention ea(ExpectedAttentionParams::kvpress(0.5, 4, 2));
-  const double expect[2][12] = {
-      {1.5267607596, 1.5267607596, 0.3256754954, 0.3214761585, 0.3434124955, 0.3562943172, 0.334817277, 0.2790828787, 0.2600226625,
-       0.3444271409, 0.5267607596, 0.3404162507},
-      {1.5267607596, 1.5267607596, 0.395012741, 0.3314230975, 0.3063121061, 0.2619584812, 0.2113299292, 0.187134118, 0.1875310504,
-       0.2633950249, 0.3543833242, 0.3002442649}};
+  const double expect[2][12] = {{1.5267607596, 1.5267607596, 0.3256754954, 0.3214761585, 0.3434124955, 0.3562943172, 0.334817277,
+                                 0.2790828787, 0.2600226625, 0.3444271409, 0.5267607596, 0.3404162507},
+                                {1.5267607596, 1.5267607596, 0.395012741, 0.3314230975, 0.3063121061, 0.2619584812, 0.2113299292,
+                                 0.187134118, 0.1875310504, 0.2633950249, 0.3543833242, 0.3002442649}};
   const auto s = ea_scores(ea, in, kHq, kHkv, kT, kD);
   for (int g = 0; g < 2; ++g) {
     REQUIRE(std::isinf(s[g * kT]));  // kvpress pads sinks with max + 1 = 1.5267607596; ours are +inf
@@ -275,8 +295,10 @@ TEST_CASE("expected attention: precomputed statistics, explicit inv_freq, attent
   stats_in.query_cov = TensorView<const float, 3>::contiguous(cov.data(), {8, 16, 16});
   const auto from_stats = ea_scores(ea, stats_in, 8, 2, 200, 16);
   for (std::size_t i = 0; i < base.size(); ++i) {
-    if (std::isinf(base[i])) REQUIRE(std::isinf(from_stats[i]));
-    else REQUIRE(from_stats[i] == Approx(base[i]).epsilon(1e-5));
+    if (std::isinf(base[i]))
+      REQUIRE(std::isinf(from_stats[i]));
+    else
+      REQUIRE(from_stats[i] == Approx(base[i]).epsilon(1e-5));
   }
   // The default frequencies passed explicitly give bit-identical scores.
   std::vector<float> inv(8);
@@ -331,8 +353,9 @@ TEST_CASE("expected attention: every backend equals the scalar reference (GQA 1/
   }
 }
 
-TEST_CASE("expected attention: paged values through KVSource::from_paged_values score as the dense values, and a keys-role source is rejected",
-          "[expected_attention][paged]") {
+TEST_CASE(
+    "expected attention: paged values through KVSource::from_paged_values score as the dense values, and a keys-role source is rejected",
+    "[expected_attention][paged]") {
   unsigned seed = 500;
   for (int G : {1, 4}) {
     for (int T : {37, 300}) {

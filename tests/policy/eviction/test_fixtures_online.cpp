@@ -24,7 +24,6 @@ namespace {
 // Scores: kvpress fp32 (or the fp64 originals) against our fp32 computation.
 constexpr double kRel = 2e-5, kAbs = 1e-7;
 
-
 template <class Policy>
 void check_one_shot(const kf::FixtureCase& c, const Policy& policy, const std::vector<float>& q, std::int64_t q_len) {
   INFO(c.id);
@@ -32,17 +31,19 @@ void check_one_shot(const kf::FixtureCase& c, const Policy& policy, const std::v
   const std::int64_t Hq = c.num_q_heads, H = c.num_kv_heads, T = c.seq_len, d = c.head_dim;
   const std::vector<float> k = c.keys();
   const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {Hq, q_len, d}),
-                                      KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {H, T, d}))};
+                                    KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {H, T, d}))};
   REQUIRE(policy.kept_count(T) == c.n_kept.value());
   std::vector<float> s(static_cast<std::size_t>(H * T));
   const Requirements req = policy.requirements(Context<backend::Scalar>{}, ProblemShape{Hq, H, d, T, q_len});
   REQUIRE(req.status.is_ok());
   std::vector<std::byte> ws(req.workspace_bytes);
-  REQUIRE(policy.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(s.data(), {H, T})).is_ok());
+  REQUIRE(policy.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(s.data(), {H, T}))
+              .is_ok());
   for (std::int64_t h = 0; h < H; ++h)
     for (std::size_t i = 0; i < c.scores.tokens[h].size(); ++i) {
       const auto t = c.scores.tokens[h][i];
-      if (c.scores.is_protected(t)) {  // kvpress's pad (max + 1): the library scores protected tokens +inf; the order is checked by the kept sets
+      if (c.scores.is_protected(
+              t)) {  // kvpress's pad (max + 1): the library scores protected tokens +inf; the order is checked by the kept sets
         REQUIRE(std::isinf(s[h * T + t]));
         REQUIRE(s[h * T + t] > 0.0f);
         continue;
@@ -88,8 +89,14 @@ struct Replay {
   std::vector<float> q_all, k_all, keys;
   std::vector<std::int32_t> pos;
   explicit Replay(const kf::FixtureCase& c)
-      : Hq(c.num_q_heads), H(c.num_kv_heads), d(c.head_dim), cap(c.seq_len), q_all(c.queries()), k_all(c.keys()),
-        keys(static_cast<std::size_t>(H * cap * d)), pos(static_cast<std::size_t>(H * cap)) {}
+      : Hq(c.num_q_heads),
+        H(c.num_kv_heads),
+        d(c.head_dim),
+        cap(c.seq_len),
+        q_all(c.queries()),
+        k_all(c.keys()),
+        keys(static_cast<std::size_t>(H * cap * d)),
+        pos(static_cast<std::size_t>(H * cap)) {}
   void append(std::int64_t p) {
     for (std::int64_t h = 0; h < H; ++h) {
       std::copy_n(k_all.begin() + (h * cap + p) * d, d, keys.begin() + (h * cap + len) * d);

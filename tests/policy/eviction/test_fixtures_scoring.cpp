@@ -85,7 +85,8 @@ std::vector<float> scores_of(const Scorer& s, const In& in, std::int64_t rows, s
   INFO(req.status.message());
   REQUIRE(req.status.is_ok());
   std::vector<std::byte> ws(req.workspace_bytes);
-  const Status st = s.score(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(out.data(), {rows, T}));
+  const Status st =
+      s.score(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(out.data(), {rows, T}));
   INFO(st.message());
   REQUIRE(st.is_ok());
   return out;
@@ -128,7 +129,8 @@ void compare_kept(const kf::FixtureCase& c, const std::vector<kf::TokenList>& re
         return out;
       };
       REQUIRE(untied(ours) == untied(ref[h]));
-      const auto n_tied = std::count_if(ours.begin(), ours.end(), [&](auto x) { return std::binary_search(tie->tied.begin(), tie->tied.end(), x); });
+      const auto n_tied =
+          std::count_if(ours.begin(), ours.end(), [&](auto x) { return std::binary_search(tie->tied.begin(), tie->tied.end(), x); });
       REQUIRE(n_tied == tie->n_tied_kept);
       ++st.tied_rows;
     }
@@ -148,8 +150,8 @@ Pooling pooling_of(const kf::FixtureCase& c) {
 
 /// SnapKV scoring of the originals (window sum, Factory kv_head mode or per query head on repeated keys).
 SnapKVParams original_scoring(const kf::FixtureCase& c) {
-  SnapKVParams p = SnapKVParams::original(c.param<int>("max_capacity_prompt"), c.param<int>("window_size"), c.param<int>("kernel_size"),
-                                          pooling_of(c));
+  SnapKVParams p =
+      SnapKVParams::original(c.param<int>("max_capacity_prompt"), c.param<int>("window_size"), c.param<int>("kernel_size"), pooling_of(c));
   p.group_reduce = group_reduce_of(c.params["gqa_agg"]);
   return p;
 }
@@ -201,7 +203,8 @@ TEST_CASE("fixtures: StreamingLLM (kvpress StreamingLLMPress)", "[fixtures][stre
   Stats st{"streamingllm_kvpress"};
   for (const auto& c : kf::load_fixtures("streamingllm_kvpress")) {
     CaseInputs in(c);
-    const StreamingLLM policy(StreamingLLMParams{c.param<int>("n_sink"), Budget::compression_ratio(c.param<double>("compression_ratio")).keep_at_least_one(), 0});
+    const StreamingLLM policy(
+        StreamingLLMParams{c.param<int>("n_sink"), Budget::compression_ratio(c.param<double>("compression_ratio")).keep_at_least_one(), 0});
     REQUIRE(policy.kept_count(in.T) == *c.n_kept);
     compare_kept(c, c.kept, c.kept_ties, run_evict<backend::Cpu>(policy, in.window(1)), 0, st);
     ++st.cases;
@@ -252,7 +255,8 @@ TEST_CASE("fixtures: Ada-KV original (FFY0/AdaKV, per query head and gqa_support
     // Layers below `skip` get the uniform budget B: alpha = 1 gives cap = int(B * 1) = B.
     const double alpha = c.param<int>("layer_idx") < c.param<int>("skip") ? 1.0 : c.param<double>("floor_alpha");
     const SnapKV snap(adakv_scoring(w, c.param<int>("kernel_size"), group_reduce_of(c.params["gqa_func"]), pooling_of(c)));
-    const AdaKVParams p = gqa ? AdaKVParams::original_gqa(C, alpha, c.param<bool>("normalize")) : AdaKVParams::original(C, alpha, c.param<bool>("normalize"));
+    const AdaKVParams p =
+        gqa ? AdaKVParams::original_gqa(C, alpha, c.param<bool>("normalize")) : AdaKVParams::original(C, alpha, c.param<bool>("normalize"));
     const AdaKV<SnapKV> ada(p, snap);
     const std::int64_t rows = ada.rows_per_sequence(in.Hq, in.Hkv);
     // Scores at the fixture's granularity (per query head: the scorer on repeated keys).
@@ -273,9 +277,9 @@ TEST_CASE("fixtures: PyramidKV (kvpress PyramidKVPress): budget grid and kept se
     const auto budgets = g.at("budgets").get<std::vector<std::int64_t>>();
     for (std::size_t l = 0; l < budgets.size(); ++l) {
       PyramidBudget pb;
-      REQUIRE(pyramid_budget_kvpress(g.at("T").get<std::int64_t>(), g.at("compression_ratio").get<double>(), g.at("window_size").get<std::int64_t>(),
-                                     g.at("beta").get<std::int64_t>(), g.at("num_hidden_layers").get<std::int64_t>(), static_cast<std::int64_t>(l),
-                                     true, &pb)
+      REQUIRE(pyramid_budget_kvpress(g.at("T").get<std::int64_t>(), g.at("compression_ratio").get<double>(),
+                                     g.at("window_size").get<std::int64_t>(), g.at("beta").get<std::int64_t>(),
+                                     g.at("num_hidden_layers").get<std::int64_t>(), static_cast<std::int64_t>(l), true, &pb)
                   .is_ok());
       INFO("T " << g.at("T") << " r " << g.at("compression_ratio") << " layer " << l);
       REQUIRE(pb.total == budgets[l]);
@@ -287,8 +291,8 @@ TEST_CASE("fixtures: PyramidKV (kvpress PyramidKVPress): budget grid and kept se
     const int w = c.param<int>("window_size");
     const ProblemShape shape{in.Hq, in.Hkv, in.d, in.T, w};
     for (const auto& layer : c.layers) {
-      PyramidKVParams p = PyramidKVParams::kvpress(c.param<double>("compression_ratio"), layer.layer_idx, c.param<int>("num_hidden_layers"), w,
-                                                   c.param<int>("kernel_size"), c.param<int>("beta"));
+      PyramidKVParams p = PyramidKVParams::kvpress(c.param<double>("compression_ratio"), layer.layer_idx, c.param<int>("num_hidden_layers"),
+                                                   w, c.param<int>("kernel_size"), c.param<int>("beta"));
       p.schedule.budget = p.schedule.budget.keep_at_least_one();
       const PyramidKV pyr(p);
       if (&layer == &c.layers.front()) compare_scores(c, c.scores, scores_of(pyr, in.window(w), in.Hkv, in.T, shape), in.T, st);
@@ -315,7 +319,9 @@ TEST_CASE("fixtures: PyramidKV (KVCache-Factory): schedule grid and kept sets pe
                   .is_ok());
       INFO("T " << g.at("T") << " C " << g.at("max_capacity_prompt") << " layer " << l);
       REQUIRE(pb.total == totals[l]);
-      REQUIRE(regime == (pb.regime == PyramidRegime::kNoCompression ? "none" : pb.regime == PyramidRegime::kUniform ? "uniform" : "pyramid"));
+      REQUIRE(regime == (pb.regime == PyramidRegime::kNoCompression ? "none"
+                         : pb.regime == PyramidRegime::kUniform     ? "uniform"
+                                                                    : "pyramid"));
       ++grid;
     }
   }
@@ -326,8 +332,8 @@ TEST_CASE("fixtures: PyramidKV (KVCache-Factory): schedule grid and kept sets pe
     const auto input = in.window(w, per_q);
     const std::int64_t rows = per_q ? in.Hq : in.Hkv;
     for (const auto& layer : c.layers) {
-      PyramidKVParams p = PyramidKVParams::original(c.param<int>("max_capacity_prompt"), layer.layer_idx, c.param<int>("num_hidden_layers"), w,
-                                                    c.param<int>("kernel_size"), pooling_of(c), c.param<int>("beta"));
+      PyramidKVParams p = PyramidKVParams::original(c.param<int>("max_capacity_prompt"), layer.layer_idx, c.param<int>("num_hidden_layers"),
+                                                    w, c.param<int>("kernel_size"), pooling_of(c), c.param<int>("beta"));
       p.scoring.group_reduce = group_reduce_of(c.params["gqa_agg"]);
       const PyramidKV pyr(p);
       if (&layer == &c.layers.front())

@@ -61,9 +61,8 @@ struct ReferenceH2O {
       const std::int64_t r = std::max<std::int64_t>(recent - num_coming, 0), heavy = hh + recent - num_coming - r;
       std::vector<std::int64_t> cand(static_cast<std::size_t>(n - r));
       std::iota(cand.begin(), cand.end(), 0);
-      std::sort(cand.begin(), cand.end(), [&](std::int64_t a, std::int64_t b) {
-        return score[g][a] > score[g][b] || (score[g][a] == score[g][b] && a > b);
-      });
+      std::sort(cand.begin(), cand.end(),
+                [&](std::int64_t a, std::int64_t b) { return score[g][a] > score[g][b] || (score[g][a] == score[g][b] && a > b); });
       std::vector<std::int64_t> keep(cand.begin(), cand.begin() + heavy);
       std::sort(keep.begin(), keep.end());
       for (std::int64_t j = n - r; j < n; ++j) keep.push_back(j);
@@ -84,7 +83,8 @@ struct LibraryCache {
   std::int64_t Hkv, cap, d, len = 0;
   std::vector<float> keys, state;
   std::vector<std::int32_t> pos;
-  LibraryCache(std::int64_t hkv, std::int64_t c, std::int64_t dd) : Hkv(hkv), cap(c), d(dd), keys(hkv * c * dd), state(hkv * c), pos(hkv * c) {}
+  LibraryCache(std::int64_t hkv, std::int64_t c, std::int64_t dd)
+      : Hkv(hkv), cap(c), d(dd), keys(hkv * c * dd), state(hkv * c), pos(hkv * c) {}
   H2OState h2o{};
   void init() { h2o = H2OState{TensorView<float, 2>::contiguous(state.data(), {Hkv, cap}), 0}; }
   void append(const std::vector<float>& k, std::int32_t p) {
@@ -156,7 +156,12 @@ void run_against_reference(std::int64_t Hq, std::int64_t Hkv, GroupReduce red, s
   params.group_reduce = red;
   const H2O policy(params);
   TokenStream ts(Hq, Hkv, d, seed);
-  ReferenceH2O ref{hh, recent, G, red == GroupReduce::kMean, std::vector<std::vector<float>>(Hkv), std::vector<std::vector<float>>(Hkv),
+  ReferenceH2O ref{hh,
+                   recent,
+                   G,
+                   red == GroupReduce::kMean,
+                   std::vector<std::vector<float>>(Hkv),
+                   std::vector<std::vector<float>>(Hkv),
                    std::vector<std::vector<std::int32_t>>(Hkv)};
   LibraryCache lib(Hkv, std::max(prompt, hh + recent) + 1, d);
   lib.init();
@@ -245,7 +250,7 @@ TEMPLATE_TEST_CASE("h2o: the library-computed update equals the update from engi
         }
       REQUIRE(policy.update(cx0, from_c, column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {Hq, n}))).is_ok());
       const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(queries.data(), {Hq, q, d}),
-                                          KVSource<float>::from(TensorView<const float, 3>(lib.keys.data(), {Hkv, n, d}, {cap * d, d, 1}))};
+                                        KVSource<float>::from(TensorView<const float, 3>(lib.keys.data(), {Hkv, n, d}, {cap * d, d, 1}))};
       auto ws = h2o_workspace<TestType>(policy, ProblemShape{Hq, Hkv, d, n, q});
       const Status s = policy.update(Context<TestType>{Workspace{ws.data(), ws.size()}}, from_q, in);
       INFO(s.message());
@@ -331,7 +336,7 @@ TEST_CASE("h2o: evict_for_space follows the original, and shrinks the heavy part
 TEST_CASE("h2o: one-slot eviction uses the library's total order (ties, signed zeros, infinities)", "[h2o][order]") {
   const float inf = std::numeric_limits<float>::infinity();
   const std::vector<std::vector<float>> rows = {
-      {3, 1, 2, 1, 5, 1, 9},           // ties: the earliest 1 goes
+      {3, 1, 2, 1, 5, 1, 9},             // ties: the earliest 1 goes
       {0.0f, -0.0f, 1, -0.0f, 2, 2, 2},  // -0 ranks below +0: the first -0 goes
       {inf, inf, inf, inf, inf, inf, inf},
       {-inf, 4, -inf, 4, 4, 4, 4},
@@ -381,14 +386,14 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
   const H2O policy(H2OParams::original(10, 10));
   std::vector<float> probs(Hq * 3 * 33, 0.01f);
   const Context<backend::Scalar> cx0{};  // the probabilities paths need no workspace
-#define expect_update_error(expr, needle)      \
-  do {                                         \
-    const Status s_ = (expr);                  \
-    INFO(#expr << " -> " << s_.message());     \
-    REQUIRE(!s_.is_ok());                      \
+#define expect_update_error(expr, needle)         \
+  do {                                            \
+    const Status s_ = (expr);                     \
+    INFO(#expr << " -> " << s_.message());        \
+    REQUIRE(!s_.is_ok());                         \
     REQUIRE_THAT(s_.message(), Contains(needle)); \
-    REQUIRE(state == state0);                  \
-    REQUIRE(st.length == 30);                  \
+    REQUIRE(state == state0);                     \
+    REQUIRE(st.length == 30);                     \
   } while (0)
   // state view of the wrong length: the call covers 33 keys with 1 query, but the state tracks 30 slots
   expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 1, 33}))),
@@ -406,19 +411,25 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
   expect_update_error(H2O(qh).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
                       "probabilities has 8 query heads, the per-query-head state has 2 rows");
   // probabilities with a wrong shape
-  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 0, 30}))), "has 0 query rows");
-  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>(probs.data(), {Hq, 3, 33}, {99, 33 * Hq, Hq}))), "kv stride 8, must be 1");
-  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>(nullptr, {Hq, 3, 33}, {99, 33, 1}))), "probabilities has null data");
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 0, 30}))),
+                      "has 0 query rows");
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>(probs.data(), {Hq, 3, 33}, {99, 33 * Hq, Hq}))),
+                      "kv stride 8, must be 1");
+  expect_update_error(policy.update(cx0, st, probs_input(TensorView<const float, 3>(nullptr, {Hq, 3, 33}, {99, 33, 1}))),
+                      "probabilities has null data");
   H2OState bad_len{TensorView<float, 2>::contiguous(state.data(), {Hkv, cap}), cap + 1};
   expect_update_error(policy.update(cx0, bad_len, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 1, 41}))),
                       "state length 41 out of range [0, capacity=40]");
   H2OState strided{TensorView<float, 2>(state.data(), {Hkv, cap}, {1, Hkv}), 30};
-  expect_update_error(policy.update(cx0, strided, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))), "slot stride 2, must be 1");
+  expect_update_error(policy.update(cx0, strided, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
+                      "slot stride 2, must be 1");
   H2OParams bad = H2OParams::original(10, 10);
   bad.group_reduce = GroupReduce::kMax;
-  expect_update_error(H2O(bad).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))), "kMax is not additive");
-  expect_update_error(H2O(H2OParams::original(-1, 10)).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
-                      "must be >= 0");
+  expect_update_error(H2O(bad).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
+                      "kMax is not additive");
+  expect_update_error(
+      H2O(H2OParams::original(-1, 10)).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
+      "must be >= 0");
   // update from queries and keys: queries / keys / state head counts
   RandomCase<float> rc(Hq, Hkv, 33, d, 3, 1);
   auto ws = h2o_workspace<backend::Cpu>(policy, ProblemShape{Hq, Hkv, d, 33, 3});

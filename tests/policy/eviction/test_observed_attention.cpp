@@ -28,7 +28,8 @@ std::vector<float> scores_of(const ObservedAttention& p, const ScoreInput<float,
   REQUIRE(req.status.is_ok());
   REQUIRE(req.query_window == T);  // the whole prompt
   std::vector<std::byte> ws(req.workspace_bytes);
-  const Status s = p.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(out.data(), {H, T}));
+  const Status s =
+      p.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(out.data(), {H, T}));
   INFO(s.message());
   REQUIRE(s.is_ok());
   return out;
@@ -45,7 +46,8 @@ ScoreInput<float, float> column_sums_input(TensorView<const float, 2> col, std::
 /// The full T x T causal attention in double, literally: column sums per
 /// query head, the group reduction, the kvpress normalisation, top-k by a full
 /// sort (ties -> later token) plus the window.
-std::vector<std::vector<std::int32_t>> reference_select(const RandomCase<float>& rc, const ObservedAttentionParams& p, std::int64_t n_keep) {
+std::vector<std::vector<std::int32_t>> reference_select(const RandomCase<float>& rc, const ObservedAttentionParams& p,
+                                                        std::int64_t n_keep) {
   const std::int64_t T = rc.T, G = rc.Hq / rc.Hkv;
   const auto A = causal_probs(rc.queries, rc.Hq, T, rc.d, rc.keys.data(), rc.Hkv, T * rc.d, T);
   std::vector<std::vector<std::int32_t>> rows;
@@ -80,12 +82,11 @@ TEST_CASE("observed_attention: golden vectors of reference §11 (kvpress Observe
   const int T = golden::kT, d = golden::kD;
   std::vector<float> q(qd.begin(), qd.end()), k(kd.begin(), kd.end());
   const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, T, d}),
-                                      KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
-  const double expect[2][12] = {
-      {0.3133542671, 0.1964031608, 0.1330593796, 0.1106263298, 0.1122726602, 0.1166411026, 0.1041945946, 0.0990454093, 0.0927701534,
-       0.0992288506, 0.0889577072, 0.071337068},
-      {0.2906092943, 0.1605619693, 0.1458722449, 0.1480351373, 0.1217043402, 0.107857301, 0.1165745607, 0.1115094058, 0.1033133463,
-       0.1067771476, 0.0824862177, 0.0712806368}};
+                                    KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
+  const double expect[2][12] = {{0.3133542671, 0.1964031608, 0.1330593796, 0.1106263298, 0.1122726602, 0.1166411026, 0.1041945946,
+                                 0.0990454093, 0.0927701534, 0.0992288506, 0.0889577072, 0.071337068},
+                                {0.2906092943, 0.1605619693, 0.1458722449, 0.1480351373, 0.1217043402, 0.107857301, 0.1165745607,
+                                 0.1115094058, 0.1033133463, 0.1067771476, 0.0824862177, 0.0712806368}};
   for (std::int32_t block : {64, 5, 1}) {  // the block size of the column-sum pass is not semantics
     ObservedAttentionParams params = ObservedAttentionParams::kvpress(0.5);
     params.query_block = block;
@@ -102,9 +103,10 @@ TEST_CASE("observed_attention: golden vectors of reference §11 (kvpress Observe
 
 TEST_CASE("observed_attention: kvpress and KVCache-Factory H2O equal a full T x T reference", "[observed][reference]") {
   RandomCase<float> rc(8, 2, 157, 32, 157, 5);
-  for (auto params : {ObservedAttentionParams::kvpress(0.5), ObservedAttentionParams::kvpress(0.8),
-                      ObservedAttentionParams::kvcache_factory_h2o(64, 8), ObservedAttentionParams::kvcache_factory_h2o(40, 8, GroupReduce::kSum),
-                      ObservedAttentionParams::kvcache_factory_h2o(30, 8, GroupReduce::kMax), ObservedAttentionParams::kvcache_factory_h2o(5, 8)}) {
+  for (auto params :
+       {ObservedAttentionParams::kvpress(0.5), ObservedAttentionParams::kvpress(0.8), ObservedAttentionParams::kvcache_factory_h2o(64, 8),
+        ObservedAttentionParams::kvcache_factory_h2o(40, 8, GroupReduce::kSum),
+        ObservedAttentionParams::kvcache_factory_h2o(30, 8, GroupReduce::kMax), ObservedAttentionParams::kvcache_factory_h2o(5, 8)}) {
     params.query_block = 16;
     const ObservedAttention policy(params);
     const std::int64_t n = policy.kept_count(rc.T);
@@ -127,8 +129,9 @@ TEST_CASE("observed_attention: kvpress and KVCache-Factory H2O equal a full T x 
     REQUIRE(req.status.is_ok());
     REQUIRE(req.query_window == 0);  // the engine's sums: no queries
     std::vector<std::byte> ws(req.workspace_bytes);
-    REQUIRE(policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()},
-                         column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {rc.Hq, rc.T}), 2), from_col.view())
+    REQUIRE(policy
+                .evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()},
+                       column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {rc.Hq, rc.T}), 2), from_col.view())
                 .is_ok());
     REQUIRE(from_col == keep);
   }
@@ -185,8 +188,9 @@ TEST_CASE("observed_attention: bad input gets a clear message and writes nothing
   const Requirements req = policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 0, 40, 0});
   REQUIRE(req.status.is_ok());
   std::vector<std::byte> ws(req.workspace_bytes);
-  REQUIRE_THAT(policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}},
-                            column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {8, 40}), 3), keep.view())
+  REQUIRE_THAT(policy
+                   .evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}},
+                          column_sums_input(TensorView<const float, 2>::contiguous(col.data(), {8, 40}), 3), keep.view())
                    .message(),
                Contains("queries has 8 heads, not a multiple of the 3 kv heads"));
   REQUIRE(keep.untouched());

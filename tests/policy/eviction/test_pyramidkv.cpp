@@ -19,11 +19,10 @@ STATIC_ASSERT_POLICY(PyramidKV);
 TEST_CASE("pyramidkv: §11 inputs with kvpress PyramidKVPress(r=.5, w=3, K=3), 4 layers", "[pyramidkv][golden]") {
   const GoldenSnap g(3);
   // T = 12: mcp = 9, min_num = 3 = w after re-anchoring, max_num = 9 -> budgets 9, 7, 5, 3.
-  const std::vector<std::vector<std::int32_t>> expect[4] = {
-      {{1, 2, 3, 4, 6, 7, 9, 10, 11}, {1, 3, 4, 5, 6, 7, 9, 10, 11}},
-      {{1, 2, 3, 4, 9, 10, 11}, {4, 5, 6, 7, 9, 10, 11}},
-      {{2, 3, 9, 10, 11}, {6, 7, 9, 10, 11}},
-      {{9, 10, 11}, {9, 10, 11}}};
+  const std::vector<std::vector<std::int32_t>> expect[4] = {{{1, 2, 3, 4, 6, 7, 9, 10, 11}, {1, 3, 4, 5, 6, 7, 9, 10, 11}},
+                                                            {{1, 2, 3, 4, 9, 10, 11}, {4, 5, 6, 7, 9, 10, 11}},
+                                                            {{2, 3, 9, 10, 11}, {6, 7, 9, 10, 11}},
+                                                            {{9, 10, 11}, {9, 10, 11}}};
   for (int l = 0; l < 4; ++l) {
     const PyramidKV policy(PyramidKVParams::kvpress(0.5, l, 4, 3, 3));
     REQUIRE(policy.kept_count(12) == 9 - 2 * l);
@@ -42,8 +41,8 @@ TEST_CASE("pyramidkv: kept counts follow the schedules of reference §4", "[pyra
   for (int l = 0; l < 32; ++l) {
     REQUIRE(PyramidKV(PyramidKVParams::kvpress(0.5, l, 32)).kept_count(1024) == kv[l]);
     REQUIRE(PyramidKV(PyramidKVParams::original(128, l, 32)).kept_count(4000) == fac[l]);
-    REQUIRE(PyramidKV(PyramidKVParams::original(128, l, 32)).kept_count(100) == 100);   // T < C
-    REQUIRE(PyramidKV(PyramidKVParams::original(128, l, 32)).kept_count(200) == 128);   // C <= T < 2(C-w): uniform
+    REQUIRE(PyramidKV(PyramidKVParams::original(128, l, 32)).kept_count(100) == 100);  // T < C
+    REQUIRE(PyramidKV(PyramidKVParams::original(128, l, 32)).kept_count(200) == 128);  // C <= T < 2(C-w): uniform
     REQUIRE(PyramidKV(PyramidKVParams::kvpress(0.9, l, 32)).kept_count(1024) == 102);  // fallback
   }
 }
@@ -110,8 +109,8 @@ TEST_CASE("pyramidkv: bad input gets a clear message and writes nothing", "[pyra
     KeepSetBuffer keep(2, 200);
     keep.fill_sentinel();
     // An invalid policy reports 0 bytes: the call validates its inputs before the workspace.
-    std::vector<std::byte> ws(ws_bytes == SIZE_MAX ? policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 64, 100, 8}).workspace_bytes
-                                                   : ws_bytes);
+    std::vector<std::byte> ws(
+        ws_bytes == SIZE_MAX ? policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 64, 100, 8}).workspace_bytes : ws_bytes);
     const Status s = policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, in, keep.view());
     INFO(s.message());
     REQUIRE(!s.is_ok());

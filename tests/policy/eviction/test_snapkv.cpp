@@ -24,7 +24,7 @@ TEST_CASE("snapkv: golden vectors of reference §11 (kvpress SnapKVPress r=0.5, 
     for (int i = 0; i < w; ++i)
       for (int c = 0; c < d; ++c) q[(h * w + i) * d + c] = static_cast<float>(qd[(h * T + T - w + i) * d + c]);
   ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, w, d}),
-                                KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
+                              KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
   const SnapKV policy(SnapKVParams::kvpress(0.5, w, 3));
   const double expect[2][9] = {
       {0.0601205206, 0.0919918344, 0.092666697, 0.0944700379, 0.0923056415, 0.0875673948, 0.08966102, 0.0882648537, 0.0589748768},

@@ -79,6 +79,7 @@ TEST_CASE("streaming_llm: batch select writes identical rows for every kv head -
   KeepSetBuffer small(2, 3);
   small.fill_sentinel();
   std::vector<ScoreInput<float, half>> batch{a.input()};
-  REQUIRE(p.evict(Context<backend::Scalar>{}, std::span<const ScoreInput<float, half>>(batch), small.view()).code() == StatusCode::kOutputTooSmall);
+  REQUIRE(p.evict(Context<backend::Scalar>{}, std::span<const ScoreInput<float, half>>(batch), small.view()).code() ==
+          StatusCode::kOutputTooSmall);
   REQUIRE(small.untouched());
 }

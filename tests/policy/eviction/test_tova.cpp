@@ -60,7 +60,8 @@ KeepSetBuffer from_attention(const TOVA& p, TensorView<const Tp, 3> probs, std::
 
 /// §8.1 TOVACache.reduce written out literally: mean over all query heads of
 /// the last query row, topk(cache_size) (full sort; ties -> later slot), sorted.
-std::vector<std::int64_t> reference_reduce(const std::vector<float>& A, std::int64_t Hq, std::int64_t q, std::int64_t n, std::int64_t cache_size) {
+std::vector<std::int64_t> reference_reduce(const std::vector<float>& A, std::int64_t Hq, std::int64_t q, std::int64_t n,
+                                           std::int64_t cache_size) {
   std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
   std::iota(idx.begin(), idx.end(), 0);
   if (n <= cache_size) return idx;
@@ -83,7 +84,7 @@ TEST_CASE("tova: golden vector of reference §11 (kvpress TOVAPress r=0.5)", "[t
   const int T = golden::kT, d = golden::kD;
   std::vector<float> q(qd.begin(), qd.end()), k(kd.begin(), kd.end());
   const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {golden::kHq, T, d}),
-                                      KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
+                                    KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {golden::kHkv, T, d}))};
   const TOVA policy(TOVAParams::kvpress(0.5));
   // the last token is protected: kvpress pads it with max + 1 (1.1057962784), the library scores it +inf (same order)
   const double expect[12] = {0.0904457321, 0.0709299595, 0.0787085502, 0.0838177183, 0.0739060762, 0.0741375382,
@@ -93,8 +94,9 @@ TEST_CASE("tova: golden vector of reference §11 (kvpress TOVAPress r=0.5)", "[t
   const Requirements req = policy.requirements(Context<backend::Scalar>{}, shape);
   REQUIRE(req.status.is_ok());
   std::vector<std::byte> ws(req.workspace_bytes);
-  REQUIRE(policy.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(scores.data(), {2, T}))
-              .is_ok());
+  REQUIRE(
+      policy.score(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, TensorView<float, 2>::contiguous(scores.data(), {2, T}))
+          .is_ok());
   for (int h = 0; h < 2; ++h) {
     for (int j = 0; j < T - 1; ++j) REQUIRE(scores[h * T + j] == Approx(expect[j]).epsilon(1e-6));
     REQUIRE(std::isinf(scores[h * T + T - 1]));
@@ -151,7 +153,7 @@ TEMPLATE_TEST_CASE("tova: online over 100 steps equals the literal TOVACache.red
     auto keep = from_attention<TestType>(policy, TensorView<const float, 3>::contiguous(A.data(), {Hq, q, n}), Hkv);
     // the same decision from the queries and keys (Backend::window_scores recomputes the last row)
     const ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(queries.data(), {Hq, q, d}),
-                                        KVSource<float>::from(TensorView<const float, 3>(keys.data(), {Hkv, n, d}, {cap * d, d, 1}))};
+                                      KVSource<float>::from(TensorView<const float, 3>(keys.data(), {Hkv, n, d}, {cap * d, d, 1}))};
     REQUIRE(run_evict<TestType>(policy, in, pool.context()) == keep);
     for (std::int64_t g = 0; g < Hkv; ++g) {
       const auto row = keep.row(g);
@@ -167,7 +169,8 @@ TEMPLATE_TEST_CASE("tova: online over 100 steps equals the literal TOVACache.red
                 .is_ok());
     len = lens[0];
     REQUIRE(len == std::min(n, cache_size));
-    for (std::int64_t g = 0; g < Hkv; ++g) REQUIRE(std::vector<std::int32_t>(pos.begin() + g * cap, pos.begin() + g * cap + len) == ref_pos[g]);
+    for (std::int64_t g = 0; g < Hkv; ++g)
+      REQUIRE(std::vector<std::int32_t>(pos.begin() + g * cap, pos.begin() + g * cap + len) == ref_pos[g]);
   }
   REQUIRE(evicted_newest > 0);  // the newest token is not protected (TOVA evicts it when it scores lowest)
 }
@@ -195,7 +198,8 @@ TEST_CASE("tova: one selection for every kv head, budgets, protect_last, fp16 ro
   // fp16 probability rows (Hq, n) equal their fp32 conversion
   std::vector<half> rows(8 * 50);
   std::vector<float> rows_f(8 * 50);
-  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = from_float<half>(0.001f * static_cast<float>((i * 37) % 97)), rows_f[i] = to_float(rows[i]);
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    rows[i] = from_float<half>(0.001f * static_cast<float>((i * 37) % 97)), rows_f[i] = to_float(rows[i]);
   const TOVA p(TOVAParams::original(20));
   KeepSetBuffer a(2, 40), b(2, 40);
   auto ws = attention_workspace<backend::Scalar>(p, 8, 2, 50);
@@ -232,15 +236,17 @@ TEST_CASE("tova: bad input gets a clear message and writes nothing", "[tova][err
     REQUIRE_THAT(s.message(), Contains(needle));
     REQUIRE(keep.untouched());
   };
-  expect_error(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 3, "queries has 8 heads, not a multiple of the 3 kv heads");
+  expect_error(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 3,
+               "queries has 8 heads, not a multiple of the 3 kv heads");
   expect_error(TensorView<const float, 3>::contiguous(probs.data(), {8, 0, 20}), 2, "has 0 query rows");
   expect_error(TensorView<const float, 3>(nullptr, {8, 3, 20}, {60, 20, 1}), 2, "probabilities has null data");
   expect_error(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 2, "workspace has 16 bytes", 16);
   const TOVA strict(TOVAParams{Budget::tokens(30), false, 0.0f});
   KeepSetBuffer keep(2, 60);
   keep.fill_sentinel();
-  REQUIRE_THAT(strict.evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}},
-                            attention_input(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 2), keep.view())
+  REQUIRE_THAT(strict
+                   .evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}},
+                          attention_input(TensorView<const float, 3>::contiguous(probs.data(), {8, 3, 20}), 2), keep.view())
                    .message(),
                Contains("token budget 30 is larger than the sequence length 20"));
   REQUIRE(keep.untouched());
@@ -252,7 +258,8 @@ TEST_CASE("tova: bad input gets a clear message and writes nothing", "[tova][err
   std::vector<std::byte> ws2(req2.workspace_bytes);
   const Context<backend::Scalar> cx2{Workspace{ws2.data(), ws2.size()}};
   REQUIRE_THAT(policy.evict(cx2, in, keep.view()).message(), Contains("queries head_dim 16 differs from keys head_dim 32"));
-  REQUIRE_THAT(TOVA(TOVAParams::kvpress(1.0)).evict(cx2, rc.input(), keep.view()).message(), Contains("compression_ratio is 1, must be in [0, 1)"));
+  REQUIRE_THAT(TOVA(TOVAParams::kvpress(1.0)).evict(cx2, rc.input(), keep.view()).message(),
+               Contains("compression_ratio is 1, must be in [0, 1)"));
   REQUIRE(keep.untouched());
 }
 

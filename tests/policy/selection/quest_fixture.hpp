@@ -33,9 +33,15 @@ struct PagedCache {
 
   PagedCache(std::int32_t pages, std::int32_t heads, std::int32_t psize, std::int32_t dim, PageLayout lay, std::int32_t batch,
              unsigned seed)
-      : num_pages(pages), kv_heads(heads), page_size(psize), head_dim(dim), layout(lay),
-        strides(PageStrides::contiguous(lay, heads, psize, dim)), seq_pages(static_cast<std::size_t>(batch)),
-        seq_len(static_cast<std::size_t>(batch), 0), rng(seed) {
+      : num_pages(pages),
+        kv_heads(heads),
+        page_size(psize),
+        head_dim(dim),
+        layout(lay),
+        strides(PageStrides::contiguous(lay, heads, psize, dim)),
+        seq_pages(static_cast<std::size_t>(batch)),
+        seq_len(static_cast<std::size_t>(batch), 0),
+        rng(seed) {
     const std::size_t n = static_cast<std::size_t>(pages) * heads * psize * dim;
     k.assign(n, from_float<T>(std::nanf("")));  // unwritten slots are NaN: reading one would show
     v.assign(n, from_float<T>(std::nanf("")));
@@ -59,8 +65,12 @@ struct PagedCache {
     }
   }
 
-  T* kp(std::int32_t page, std::int32_t h, std::int32_t slot) { return k.data() + page * strides.page + h * strides.head + slot * strides.slot; }
-  T* vp(std::int32_t page, std::int32_t h, std::int32_t slot) { return v.data() + page * strides.page + h * strides.head + slot * strides.slot; }
+  T* kp(std::int32_t page, std::int32_t h, std::int32_t slot) {
+    return k.data() + page * strides.page + h * strides.head + slot * strides.slot;
+  }
+  T* vp(std::int32_t page, std::int32_t h, std::int32_t slot) {
+    return v.data() + page * strides.page + h * strides.head + slot * strides.slot;
+  }
 
   /// Appends n tokens with random keys (`gen(rng)` per value) to sequence b.
   template <class Gen>
@@ -113,11 +123,17 @@ struct MetaBuffer {
 struct SelectionBuffer {
   std::vector<std::int32_t> indptr, indices, last, logical;
   SelectionBuffer(std::int64_t rows, std::int64_t capacity)
-      : indptr(static_cast<std::size_t>(rows + 1), -7), indices(static_cast<std::size_t>(capacity), -7),
-        last(static_cast<std::size_t>(rows), -7), logical(static_cast<std::size_t>(capacity), -7) {}
+      : indptr(static_cast<std::size_t>(rows + 1), -7),
+        indices(static_cast<std::size_t>(capacity), -7),
+        last(static_cast<std::size_t>(rows), -7),
+        logical(static_cast<std::size_t>(capacity), -7) {}
   PageSelection view(bool with_logical = true) {
-    return PageSelection{indptr.data(), indices.data(), last.data(), with_logical ? logical.data() : nullptr,
-                         static_cast<std::int64_t>(last.size()), static_cast<std::int64_t>(indices.size())};
+    return PageSelection{indptr.data(),
+                         indices.data(),
+                         last.data(),
+                         with_logical ? logical.data() : nullptr,
+                         static_cast<std::int64_t>(last.size()),
+                         static_cast<std::int64_t>(indices.size())};
   }
   std::vector<std::int32_t> row(std::int64_t r) const { return {indices.begin() + indptr[r], indices.begin() + indptr[r + 1]}; }
   std::vector<std::int32_t> row_logical(std::int64_t r) const { return {logical.begin() + indptr[r], logical.begin() + indptr[r + 1]}; }

@@ -36,7 +36,8 @@ void ref_attention(const PagedCache<T>& c, std::int32_t b, std::int32_t h, const
     den += p;
     const auto& sp = c.seq_pages[static_cast<std::size_t>(b)];
     const std::int64_t t = toks[j];
-    const T* v = c.v.data() + sp[static_cast<std::size_t>(t / c.page_size)] * c.strides.page + h * c.strides.head + (t % c.page_size) * c.strides.slot;
+    const T* v = c.v.data() + sp[static_cast<std::size_t>(t / c.page_size)] * c.strides.page + h * c.strides.head +
+                 (t % c.page_size) * c.strides.slot;
     for (std::int32_t i = 0; i < d; ++i) out[static_cast<std::size_t>(i)] += p * to_float(v[i]);
   }
   for (auto& x : out) x /= den;
@@ -69,14 +70,15 @@ void check_op(PageLayout layout, std::int32_t P, std::int32_t G, unsigned seed) 
     const Rows<T> keys{c.k.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
     const Rows<T> vals{c.v.data() + h * c.strides.head, c.strides.slot, sel_pages.data(), c.strides.page, P};
     std::vector<float> out(static_cast<std::size_t>(G * d)), lse(static_cast<std::size_t>(G));
-    backend::Scalar::paged_decode_attention(q.data(), G, d, keys, vals, static_cast<std::int64_t>(toks.size()), scale, out.data(), lse.data(),
-                                            Workspace{ws.data(), ws.size()});
+    backend::Scalar::paged_decode_attention(q.data(), G, d, keys, vals, static_cast<std::int64_t>(toks.size()), scale, out.data(),
+                                            lse.data(), Workspace{ws.data(), ws.size()});
     for (std::int32_t g = 0; g < G; ++g) {
       std::vector<double> ro;
       double rl = 0.0;
       ref_attention(c, 0, h, q.data() + g * d, toks, scale, ro, rl);
       REQUIRE(lse[static_cast<std::size_t>(g)] == Approx(rl).epsilon(1e-5).margin(1e-5));
-      for (std::int32_t i = 0; i < d; ++i) REQUIRE(out[static_cast<std::size_t>(g * d + i)] == Approx(ro[static_cast<std::size_t>(i)]).margin(2e-5));
+      for (std::int32_t i = 0; i < d; ++i)
+        REQUIRE(out[static_cast<std::size_t>(g * d + i)] == Approx(ro[static_cast<std::size_t>(i)]).margin(2e-5));
     }
   }
 }
@@ -120,7 +122,8 @@ struct Workload {
 
   Workload(std::int32_t P, std::int32_t Hkv, std::int32_t G, std::int32_t d, const std::vector<std::int64_t>& lens, unsigned seed)
       : cache(pages_for(lens, P), Hkv, P, d, PageLayout::kNHD, static_cast<std::int32_t>(lens.size()), seed),
-        meta(pages_for(lens, P), Hkv, d), Hq(Hkv * G) {
+        meta(pages_for(lens, P), Hkv, d),
+        Hq(Hkv * G) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
     q.resize(lens.size() * static_cast<std::size_t>(Hq * d));
@@ -153,7 +156,9 @@ struct Workload {
     for (auto l : lens) n += (l + P - 1) / P;
     return static_cast<std::int32_t>(n);
   }
-  TensorView<const float, 3> queries() const { return TensorView<const float, 3>::contiguous(q.data(), {cache.batch(), Hq, cache.head_dim}); }
+  TensorView<const float, 3> queries() const {
+    return TensorView<const float, 3>::contiguous(q.data(), {cache.batch(), Hq, cache.head_dim});
+  }
 
   /// Quest's selection of `layer` for this decode step: plan, then select into a buffer sized by the plan.
   SelectionBuffer select(const Quest& quest, std::int32_t layer) const {
@@ -178,8 +183,9 @@ PageQuality quality(const Workload& w, const Quest& quest, std::int64_t oracle_t
   SelectionBuffer sel = w.select(quest, 2);
   PageQuality pq;
   std::vector<float> ph(static_cast<std::size_t>(w.cache.batch() * w.Hq * 4));
-  const Status s = page_quality(w.cache.view(), w.queries(), sel.view(), oracle_tokens, 1.0f / std::sqrt(static_cast<float>(w.cache.head_dim)),
-                                &pq, TensorView<float, 3>::contiguous(ph.data(), {w.cache.batch(), w.Hq, 4}));
+  const Status s =
+      page_quality(w.cache.view(), w.queries(), sel.view(), oracle_tokens, 1.0f / std::sqrt(static_cast<float>(w.cache.head_dim)), &pq,
+                   TensorView<float, 3>::contiguous(ph.data(), {w.cache.batch(), w.Hq, 4}));
   INFO(s.message());
   REQUIRE(s.is_ok());
   if (keep) *keep = sel;
@@ -234,7 +240,8 @@ TEST_CASE("page_quality: all pages selected is perfect - metrics match brute-for
         // Oracle pages: pages of the top-96 tokens (double logits; ties are measure-zero here).
         std::vector<std::int32_t> order(static_cast<std::size_t>(len));
         std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](auto x, auto y) { return logit[static_cast<std::size_t>(x)] > logit[static_cast<std::size_t>(y)]; });
+        std::sort(order.begin(), order.end(),
+                  [&](auto x, auto y) { return logit[static_cast<std::size_t>(x)] > logit[static_cast<std::size_t>(y)]; });
         std::vector<std::int32_t> oracle;
         for (std::int64_t i = 0; i < std::min<std::int64_t>(96, len); ++i) oracle.push_back(order[static_cast<std::size_t>(i)] / 16);
         std::sort(oracle.begin(), oracle.end());
@@ -280,8 +287,8 @@ TEST_CASE("selection_bytes: union of the group's pages, metadata of scored pages
   REQUIRE(selection_bytes(table, 4, sel, 2, 1, 8, 2, 2, 3, &sb).is_ok());
   const double row = 2.0 * 8 * 2;  // K + V, 8 dims, fp16
   REQUIRE(sb.dense_kv == row * 39);
-  REQUIRE(sb.kv == row * (3 * 4 + 3));               // pages {1, 2, 5} full + the last page's 3 tokens
-  REQUIRE(sb.metadata == 2.0 * 8 * 2 * 9);           // 9 scored pages, max + min rows
+  REQUIRE(sb.kv == row * (3 * 4 + 3));      // pages {1, 2, 5} full + the last page's 3 tokens
+  REQUIRE(sb.metadata == 2.0 * 8 * 2 * 9);  // 9 scored pages, max + min rows
   REQUIRE(sb.fraction() == Approx((sb.kv + sb.metadata) / sb.dense_kv));
   REQUIRE(quest_traffic_fraction(65536, 16, 4096) == Approx(1.0 / 16 + 1.0 / 16));
   REQUIRE(quest_traffic_fraction(1000, 16, 4096) == 1.0);

@@ -91,7 +91,8 @@ void bounds_case(std::int64_t H, std::int64_t G, std::int64_t d, std::int64_t n,
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   const auto pool = static_cast<std::int32_t>(n + 5);
-  std::vector<Tm> data(static_cast<std::size_t>(PageMetaView<Tm>::contiguous_size(pool, static_cast<std::int32_t>(H), static_cast<std::int32_t>(d))));
+  std::vector<Tm> data(
+      static_cast<std::size_t>(PageMetaView<Tm>::contiguous_size(pool, static_cast<std::int32_t>(H), static_cast<std::int32_t>(d))));
   const auto mv = PageMetaView<Tm>::contiguous(data.data(), pool, static_cast<std::int32_t>(H), static_cast<std::int32_t>(d));
   for (std::int32_t p = 0; p < pool; ++p)
     for (std::int32_t g = 0; g < H; ++g)
@@ -179,8 +180,10 @@ TEST_CASE("cpu page_bounds follows the reference on non-finite metadata and quer
       CpuOps::page_bounds(q.data(), 1, d, PageMetaView<const float>(mv), nullptr, 2, got, 2, Workspace{ws.data(), ws.size()});
       for (int i = 0; i < 2; ++i) {
         INFO("variant " << variant << " page " << i << " ref " << ref[i] << " got " << got[i]);
-        if (std::isfinite(ref[i])) REQUIRE(got[i] == Approx(ref[i]).epsilon(1e-5));
-        else REQUIRE((std::isnan(ref[i]) ? std::isnan(got[i]) : got[i] == ref[i]));
+        if (std::isfinite(ref[i]))
+          REQUIRE(got[i] == Approx(ref[i]).epsilon(1e-5));
+        else
+          REQUIRE((std::isnan(ref[i]) ? std::isnan(got[i]) : got[i] == ref[i]));
       }
     });
   }
@@ -205,16 +208,20 @@ void attention_case(std::int64_t G, std::int64_t d, std::int32_t P, std::int64_t
   std::vector<float> q(static_cast<std::size_t>(G * d));
   for (auto& x : q) x = nd(rng);
   const std::int64_t block = backend::Scalar::attention_block(kr);
-  std::vector<std::byte> ws_ref(backend::Scalar::paged_attention_workspace(G, block, d)), ws(CpuOps::paged_attention_workspace(G, block, d));
+  std::vector<std::byte> ws_ref(backend::Scalar::paged_attention_workspace(G, block, d)),
+      ws(CpuOps::paged_attention_workspace(G, block, d));
   std::vector<float> o_ref(static_cast<std::size_t>(G * d)), o(o_ref.size()), l_ref(static_cast<std::size_t>(G)), l(l_ref.size());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  backend::Scalar::paged_decode_attention(q.data(), G, d, kr, vr, tokens, scale, o_ref.data(), l_ref.data(), Workspace{ws_ref.data(), ws_ref.size()});
+  backend::Scalar::paged_decode_attention(q.data(), G, d, kr, vr, tokens, scale, o_ref.data(), l_ref.data(),
+                                          Workspace{ws_ref.data(), ws_ref.size()});
   CpuOps::paged_decode_attention(q.data(), G, d, kr, vr, tokens, scale, o.data(), l.data(), Workspace{ws.data(), ws.size()});
   INFO("G " << G << " d " << d << " P " << P << " tokens " << tokens << " paged " << paged);
   for (std::size_t i = 0; i < o.size(); ++i) REQUIRE(o[i] == Approx(o_ref[i]).epsilon(1e-4).margin(1e-5));
   for (std::size_t i = 0; i < l.size(); ++i) {
-    if (tokens == 0) REQUIRE(l[i] == -INFINITY);
-    else REQUIRE(l[i] == Approx(l_ref[i]).epsilon(1e-5).margin(1e-5));
+    if (tokens == 0)
+      REQUIRE(l[i] == -INFINITY);
+    else
+      REQUIRE(l[i] == Approx(l_ref[i]).epsilon(1e-5).margin(1e-5));
   }
   // A workspace sized for the reference: the op falls back to it, same result bit for bit.
   CpuOps::paged_decode_attention(q.data(), G, d, kr, vr, tokens, scale, o.data(), l.data(), Workspace{ws_ref.data(), ws_ref.size()});

@@ -22,7 +22,8 @@ TEST_CASE("page_bounds: the bound is >= every key's dot product in the page (fp3
     const std::int32_t pages = 40, d = 32, G = 3;
     PagedCache<float> c(pages, 1, page_size, d, PageLayout::kNHD, 1, 5u + static_cast<unsigned>(page_size));
     // Mixed scales and signs, some exact zeros in the queries.
-    c.append(0, static_cast<std::int64_t>(pages) * page_size, [&](std::mt19937& r) { return nd(r) * (1.0f + static_cast<float>(r() % 4)); });
+    c.append(0, static_cast<std::int64_t>(pages) * page_size,
+             [&](std::mt19937& r) { return nd(r) * (1.0f + static_cast<float>(r() % 4)); });
     MetaBuffer<float> m(pages, 1, d);
     REQUIRE(Quest{}.on_append(Context<backend::Scalar>{}, AppendInput<float>{c.view(), nullptr}, m.view()).is_ok());
     for (int trial = 0; trial < 20; ++trial) {
@@ -65,7 +66,8 @@ struct Case {
   Case(PageLayout layout, std::int32_t page_size, std::int32_t Hkv, std::int32_t G, std::int32_t d, const std::vector<std::int64_t>& lens,
        unsigned seed)
       : cache(pool_pages(lens, page_size), Hkv, page_size, d, layout, static_cast<std::int32_t>(lens.size()), seed),
-        meta(pool_pages(lens, page_size), Hkv, d), Hq(Hkv * G) {
+        meta(pool_pages(lens, page_size), Hkv, d),
+        Hq(Hkv * G) {
     std::vector<std::int32_t> append;
     for (std::size_t b = 0; b < lens.size(); ++b) {
       cache.append_normal(static_cast<std::int32_t>(b), lens[b]);
@@ -82,9 +84,7 @@ struct Case {
     for (auto l : lens) n += (l + P - 1) / P;
     return static_cast<std::int32_t>(n);
   }
-  TensorView<const Tq, 3> queries() const {
-    return TensorView<const Tq, 3>::contiguous(q.data(), {cache.batch(), Hq, cache.head_dim});
-  }
+  TensorView<const Tq, 3> queries() const { return TensorView<const Tq, 3>::contiguous(q.data(), {cache.batch(), Hq, cache.head_dim}); }
   GqaMap gqa() const { return GqaMap{Hq, cache.kv_heads}; }
 };
 
@@ -129,7 +129,8 @@ std::vector<std::vector<std::int32_t>> brute_rows(const Case<Tk, Tm, Tq>& cs, co
         return r;
       };
       if (mode == QuestGqa::kPerQueryHead) {
-        for (std::int32_t j = 0; j < G; ++j) rows.push_back(finish(all ? std::vector<std::int32_t>{} : brute_topk(U[static_cast<std::size_t>(j)], B - 1)));
+        for (std::int32_t j = 0; j < G; ++j)
+          rows.push_back(finish(all ? std::vector<std::int32_t>{} : brute_topk(U[static_cast<std::size_t>(j)], B - 1)));
       } else if (mode == QuestGqa::kUnion) {
         std::vector<std::int32_t> u;
         if (!all)
@@ -409,7 +410,9 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
                  "queries has 2 sequences, the page table has batch 3");
   }
   SECTION("a step that does not match the plan") {
-    expect_error(select(quest, DecodeInput<float>{cs.queries(), c.table(), 4, 3}, cs.meta.cview(), out.view(), w), "does not match the plan");
-    expect_error(select(quest, DecodeInput<float>{cs.queries(), c.table(), 8, 2}, cs.meta.cview(), out.view(), w), "does not match the plan");
+    expect_error(select(quest, DecodeInput<float>{cs.queries(), c.table(), 4, 3}, cs.meta.cview(), out.view(), w),
+                 "does not match the plan");
+    expect_error(select(quest, DecodeInput<float>{cs.queries(), c.table(), 8, 2}, cs.meta.cview(), out.view(), w),
+                 "does not match the plan");
   }
 }

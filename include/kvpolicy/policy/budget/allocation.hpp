@@ -31,8 +31,8 @@ KVP_NAMESPACE_BEGIN
 struct HeadAllocation {
   const std::int32_t* counts = nullptr;  ///< (num_heads) tokens kept per head
   std::int64_t num_heads = 0;
-  std::int64_t total = -1;               ///< declared sum of `counts` (e.g. heads * B); -1: not checked
-  bool protected_inside = true;          ///< false: +inf-scored (protected) tokens are kept on top of counts[h]
+  std::int64_t total = -1;       ///< declared sum of `counts` (e.g. heads * B); -1: not checked
+  bool protected_inside = true;  ///< false: +inf-scored (protected) tokens are kept on top of counts[h]
 
   /// Sum, range and length checks, naming the offending head.
   Status validate(const char* who, std::int64_t kv_len) const noexcept {
@@ -55,8 +55,7 @@ namespace detail {
 
 /// indptr[first_row + r + 1] = indptr[first_row + r] + rows[r] for r < n (indptr[first_row] already set).
 inline void append_indptr(KeepSet& out, std::int64_t first_row, const std::int64_t* rows, std::int64_t n) noexcept {
-  for (std::int64_t r = 0; r < n; ++r)
-    out.indptr[first_row + r + 1] = static_cast<std::int32_t>(out.indptr[first_row + r] + rows[r]);
+  for (std::int64_t r = 0; r < n; ++r) out.indptr[first_row + r + 1] = static_cast<std::int32_t>(out.indptr[first_row + r] + rows[r]);
 }
 
 }  // namespace detail
@@ -79,7 +78,8 @@ Status select_per_head(TensorView<const float, 2> scores, const HeadAllocation& 
   KVP_REQUIRE(scores.device().is_host(), "%s: scores is a device tensor; this entry point reads host memory", who);
   const std::int64_t H = scores.extent(0), T = scores.extent(1);
   KVP_REQUIRE(T <= INT32_MAX, "%s: kv_len %lld exceeds the int32 token id range", who, static_cast<long long>(T));
-  KVP_REQUIRE(T <= 1 || scores.stride(1) == 1, "%s: scores has token stride %lld, must be 1", who, static_cast<long long>(scores.stride(1)));
+  KVP_REQUIRE(T <= 1 || scores.stride(1) == 1, "%s: scores has token stride %lld, must be 1", who,
+              static_cast<long long>(scores.stride(1)));
   KVP_REQUIRE(alloc.num_heads == H, "%s: allocation has %lld heads, scores has %lld", who, static_cast<long long>(alloc.num_heads),
               static_cast<long long>(H));
   KVP_RETURN_IF_ERROR(alloc.validate(who, T));

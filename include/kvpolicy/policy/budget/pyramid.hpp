@@ -87,8 +87,8 @@ constexpr std::int64_t integer_pyramid_past(std::int64_t kv_len, std::int64_t ba
 inline Status pyramid_budget_factory(std::int64_t kv_len, std::int64_t capacity, std::int64_t window, std::int64_t beta,
                                      std::int64_t num_layers, std::int64_t layer, PyramidBudget* out) noexcept {
   KVP_RETURN_IF_ERROR(detail::check_pyramid_common("pyramid_budget_factory", kv_len, window, beta, num_layers, layer));
-  KVP_REQUIRE(capacity > window, "pyramid_budget_factory: capacity %lld must be larger than the window %lld", static_cast<long long>(capacity),
-              static_cast<long long>(window));
+  KVP_REQUIRE(capacity > window, "pyramid_budget_factory: capacity %lld must be larger than the window %lld",
+              static_cast<long long>(capacity), static_cast<long long>(window));
   const std::int64_t base = capacity - window;
   if (kv_len < capacity) {
     *out = {kv_len, PyramidRegime::kNoCompression};
@@ -104,8 +104,8 @@ inline Status pyramid_budget_factory(std::int64_t kv_len, std::int64_t capacity,
 inline Status pyramid_budget_adakv(std::int64_t kv_len, std::int64_t capacity, std::int64_t window, std::int64_t beta,
                                    std::int64_t num_layers, std::int64_t layer, PyramidBudget* out) noexcept {
   KVP_RETURN_IF_ERROR(detail::check_pyramid_common("pyramid_budget_adakv", kv_len, window, beta, num_layers, layer));
-  KVP_REQUIRE(capacity > window, "pyramid_budget_adakv: capacity %lld must be larger than the window %lld", static_cast<long long>(capacity),
-              static_cast<long long>(window));
+  KVP_REQUIRE(capacity > window, "pyramid_budget_adakv: capacity %lld must be larger than the window %lld",
+              static_cast<long long>(capacity), static_cast<long long>(window));
   KVP_REQUIRE(window <= kv_len, "pyramid_budget_adakv: window %lld is larger than kv_len %lld", static_cast<long long>(window),
               static_cast<long long>(kv_len));
   const std::int64_t base = capacity - window;
@@ -143,7 +143,8 @@ inline Status pyramid_budget_kvpress(std::int64_t kv_len, double compression_rat
     return Status::ok();
   }
   const double steps = num_layers > 1 ? (max_num - min_num) / static_cast<double>(num_layers - 1) : 0.0;
-  *out = {static_cast<std::int64_t>(round_half_even(max_num - detail::rounded_mul(static_cast<double>(layer), steps))), PyramidRegime::kPyramid};
+  *out = {static_cast<std::int64_t>(round_half_even(max_num - detail::rounded_mul(static_cast<double>(layer), steps))),
+          PyramidRegime::kPyramid};
   return Status::ok();
 }
 

@@ -38,7 +38,7 @@ struct LayerSchedule {
   std::int32_t window = 0;                         ///< pyramid kinds: the observation window w (inside the budgets)
   std::int32_t beta = 20;                          ///< pyramid kinds: steepness (>= 1)
   std::int32_t num_layers = 1;
-  const Budget* per_layer_budgets = nullptr;       ///< kPerLayer: `num_layers` budgets, caller-owned
+  const Budget* per_layer_budgets = nullptr;  ///< kPerLayer: `num_layers` budgets, caller-owned
 
   static constexpr LayerSchedule uniform(Budget b, std::int32_t num_layers) noexcept {
     return LayerSchedule{ScheduleKind::kUniform, b, 0, 20, num_layers, nullptr};
@@ -97,8 +97,8 @@ struct LayerSchedule {
   /// for the pyramid kinds). `regime` (optional) reports the pyramid branch.
   Status layer_budget(std::int64_t layer, std::int64_t kv_len, Budget* out, PyramidRegime* regime = nullptr) const noexcept {
     KVP_RETURN_IF_ERROR(validate("layer_schedule"));
-    KVP_REQUIRE(layer >= 0 && layer < num_layers, "layer_schedule: layer %lld out of range [0, num_layers=%d)", static_cast<long long>(layer),
-                num_layers);
+    KVP_REQUIRE(layer >= 0 && layer < num_layers, "layer_schedule: layer %lld out of range [0, num_layers=%d)",
+                static_cast<long long>(layer), num_layers);
     KVP_REQUIRE(kv_len >= 0, "layer_schedule: kv_len is %lld, must be >= 0", static_cast<long long>(kv_len));
     PyramidBudget pb{};
     switch (kind) {

@@ -117,7 +117,8 @@ struct AdaKVParams {
 /// with GQA the group is reduced (`gqa_func` mean or max) before pooling.
 constexpr SnapKVParams adakv_scoring(std::int32_t window = 32, std::int32_t kernel = 7, GroupReduce gqa_func = GroupReduce::kMean,
                                      Pooling pooling = Pooling::kMax) noexcept {
-  return SnapKVParams{window, kernel, pooling, WindowReduce::kMean, gqa_func, ReduceOrder::kGroupThenPool, Budget::compression_ratio(0.0), 0.0f};
+  return SnapKVParams{window, kernel, pooling, WindowReduce::kMean, gqa_func, ReduceOrder::kGroupThenPool, Budget::compression_ratio(0.0),
+                      0.0f};
 }
 
 /// Query heads first, first+step, ... of a score input (per-query-head scoring).
@@ -135,8 +136,8 @@ ScoreInput<Tq, Tk> query_head_subset(const ScoreInput<Tq, Tk>& in, std::int64_t 
 /// written before every sequence was checked), and query-head subsets of an
 /// input (per-query-head allocation scores each group member separately).
 template <class S, class In, class B = backend::Scalar>
-concept HeadScorer = Scorer<S, In, B> && requires(const S& s, const In& in, std::span<const In> batch, ProblemShape* shape_out,
-                                                  std::int64_t n) {
+concept HeadScorer = Scorer<S, In, B> &&
+    requires(const S& s, const In& in, std::span<const In> batch, ProblemShape* shape_out, std::int64_t n) {
   { s.validate(batch, shape_out) } -> std::same_as<Status>;
   { query_head_subset(in, n, n) } -> std::same_as<In>;
   { in.keys.kv_len() } -> std::same_as<std::int64_t>;
@@ -204,16 +205,16 @@ class AdaKV {
 
   /// The scorer's scores (Ada-KV changes only the allocation).
   template <class Backend, class In>
-    requires HeadScorer<Scorer, In, Backend>
-  Status score(const Context<Backend>& cx, const In& in, ScoreMap out) const noexcept {
+    requires HeadScorer<Scorer, In, Backend> Status score(const Context<Backend>& cx, const In& in, ScoreMap out)
+  const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     return scorer_.score(cx, in, out);
   }
 
   /// Eviction decision for a batch; rows b * rows_per_sequence + h, ragged.
   template <class Backend, class In>
-    requires HeadScorer<Scorer, In, Backend>
-  Status evict(const Context<Backend>& cx, std::span<const In> batch, KeepSet out) const noexcept {
+    requires HeadScorer<Scorer, In, Backend> Status evict(const Context<Backend>& cx, std::span<const In> batch, KeepSet out)
+  const noexcept {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
     KVP_RETURN_IF_ERROR(validate_params());
@@ -246,10 +247,8 @@ class AdaKV {
   }
 
   template <class Backend, class In>
-    requires HeadScorer<Scorer, In, Backend>
-  Status evict(const Context<Backend>& cx, const In& in, KeepSet out) const noexcept {
-    return evict(cx, std::span<const In>(&in, 1), out);
-  }
+    requires HeadScorer<Scorer, In, Backend> Status evict(const Context<Backend>& cx, const In& in, KeepSet out)
+  const noexcept { return evict(cx, std::span<const In>(&in, 1), out); }
 
  private:
   struct Layout {
@@ -369,7 +368,8 @@ class AdaKV {
         for (std::int64_t j = 0; j < T; ++j)
           if (s[j] != INFINITY) all += s[j];
         const float den = static_cast<float>(all);
-        const float f = (den != 0.0f && std::isfinite(den) && std::isfinite(static_cast<float>(top))) ? static_cast<float>(top) / den : 1.0f;
+        const float f =
+            (den != 0.0f && std::isfinite(den) && std::isfinite(static_cast<float>(top))) ? static_cast<float>(top) / den : 1.0f;
         for (std::int64_t j = 0; j < T; ++j) buf.cand[r * T + j] = s[j] == INFINITY ? s[j] : s[j] * f;
       }
       ranked = buf.cand;

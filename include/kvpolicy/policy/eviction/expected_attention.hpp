@@ -93,7 +93,8 @@ struct ExpectedAttentionParams {
   /// kvpress `ExpectedAttentionPress(compression_ratio=r, n_future_positions, n_sink, use_covariance, use_vnorm, epsilon)`.
   static constexpr ExpectedAttentionParams kvpress(double r, std::int32_t n_future_positions = 512, std::int32_t n_sink = 4,
                                                    bool use_covariance = true, bool use_vnorm = true, float epsilon = 0.0f) noexcept {
-    return ExpectedAttentionParams{n_future_positions, n_sink, use_covariance, use_vnorm, epsilon, RopeParams{}, Budget::compression_ratio(r)};
+    return ExpectedAttentionParams{n_future_positions,          n_sink, use_covariance, use_vnorm, epsilon, RopeParams{},
+                                   Budget::compression_ratio(r)};
   }
 };
 
@@ -142,9 +143,9 @@ class ExpectedAttention {
   /// num_kv_heads); the query window is the whole prompt (q_len; 0 with statistics).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
-    return detail::budget_requirements(kName, validate_params(), shape, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
-                                       detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape.num_kv_heads,
-                                       shape.q_len);
+    return detail::budget_requirements(
+        kName, validate_params(), shape, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
+        detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape.num_kv_heads, shape.q_len);
   }
 
   /// Input checks of `score` / `evict` and the batch's shape (q_len = queries' rows, 0 with statistics).
@@ -158,11 +159,12 @@ class ExpectedAttention {
       if (b == 0) {
         *shape = s;
       } else {
-        KVP_REQUIRE(s.num_q_heads == shape->num_q_heads && s.num_kv_heads == shape->num_kv_heads && s.head_dim == shape->head_dim,
-                    "expected_attention: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)",
-                    b, static_cast<long long>(s.num_q_heads), static_cast<long long>(s.num_kv_heads), static_cast<long long>(s.head_dim),
-                    static_cast<long long>(shape->num_q_heads), static_cast<long long>(shape->num_kv_heads),
-                    static_cast<long long>(shape->head_dim));
+        KVP_REQUIRE(
+            s.num_q_heads == shape->num_q_heads && s.num_kv_heads == shape->num_kv_heads && s.head_dim == shape->head_dim,
+            "expected_attention: sequence %zu has (q heads, kv heads, head_dim) = (%lld, %lld, %lld), sequence 0 has (%lld, %lld, %lld)", b,
+            static_cast<long long>(s.num_q_heads), static_cast<long long>(s.num_kv_heads), static_cast<long long>(s.head_dim),
+            static_cast<long long>(shape->num_q_heads), static_cast<long long>(shape->num_kv_heads),
+            static_cast<long long>(shape->head_dim));
         shape->max_kv_len = std::max(shape->max_kv_len, s.max_kv_len);
         shape->q_len = std::max(shape->q_len, s.q_len);
       }
@@ -253,11 +255,12 @@ class ExpectedAttention {
     KVP_REQUIRE(in.values.kv_heads() == Hkv && in.values.kv_len() == T && in.values.head_dim() == d,
                 "expected_attention: values has shape (%lld, %lld, %lld), keys has (%lld, %lld, %lld)",
                 static_cast<long long>(in.values.kv_heads()), static_cast<long long>(in.values.kv_len()),
-                static_cast<long long>(in.values.head_dim()), static_cast<long long>(Hkv), static_cast<long long>(T), static_cast<long long>(d));
+                static_cast<long long>(in.values.head_dim()), static_cast<long long>(Hkv), static_cast<long long>(T),
+                static_cast<long long>(d));
     KVP_REQUIRE(d > 0 && d % 2 == 0, "expected_attention: head_dim is %lld, must be even and > 0 (RoPE pairs)", static_cast<long long>(d));
     KVP_REQUIRE(T <= INT32_MAX, "expected_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
-    KVP_REQUIRE(T > params_.n_sink, "expected_attention: kv_len %lld must be larger than n_sink %d (sequence %zu)", static_cast<long long>(T),
-                params_.n_sink, b);
+    KVP_REQUIRE(T > params_.n_sink, "expected_attention: kv_len %lld must be larger than n_sink %d (sequence %zu)",
+                static_cast<long long>(T), params_.n_sink, b);
     const bool stats = in.queries.empty();
     std::int64_t Hq = 0, q_len = 0;
     if (!stats) {
@@ -287,7 +290,8 @@ class ExpectedAttention {
     GqaMap gqa;
     KVP_RETURN_IF_ERROR(GqaMap::make(Hq, Hkv, kName, &gqa));
     KVP_REQUIRE(in.next_position >= -1 && in.next_position < (std::int64_t{1} << 24) - params_.n_future_positions,
-                "expected_attention: next_position %lld out of range [-1, 2^24 - n_future_positions)", static_cast<long long>(in.next_position));
+                "expected_attention: next_position %lld out of range [-1, 2^24 - n_future_positions)",
+                static_cast<long long>(in.next_position));
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.n_sink, T), &n));
     *s = ProblemShape{Hq, Hkv, d, T, q_len};
@@ -299,12 +303,12 @@ class ExpectedAttention {
     const auto d = static_cast<std::size_t>(std::max<std::int64_t>(s.head_dim, 2));
     const auto T = static_cast<std::size_t>(std::max<std::int64_t>(s.max_kv_len, 1));
     WorkspacePlan p;
-    p.add<float>(T);                   // head scores
-    p.add<float>(T);                   // logits of one query head
-    p.add<double>(d).add<double>(d);   // mean, rotated mean
-    p.add<double>(d * d);              // covariance accumulator
-    p.add<float>(d * d);               // block accumulator / rotated covariance
-    p.add<float>(5 * d);               // rbar cos, rbar sin, key, rotated mean, quadratic-form temp
+    p.add<float>(T);                  // head scores
+    p.add<float>(T);                  // logits of one query head
+    p.add<double>(d).add<double>(d);  // mean, rotated mean
+    p.add<double>(d * d);             // covariance accumulator
+    p.add<float>(d * d);              // block accumulator / rotated covariance
+    p.add<float>(5 * d);              // rbar cos, rbar sin, key, rotated mean, quadratic-form temp
     p.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(T)));
     return p.bytes;
   }
@@ -316,8 +320,9 @@ class ExpectedAttention {
     for (std::int64_t i = 0; i < h; ++i) {
       double sc = 0.0, ss = 0.0;
       if (params_.rope.fp64_angles) {
-        const double inv = params_.rope.inv_freq != nullptr ? static_cast<double>(params_.rope.inv_freq[i])
-                                                            : std::pow(params_.rope.base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+        const double inv = params_.rope.inv_freq != nullptr
+                               ? static_cast<double>(params_.rope.inv_freq[i])
+                               : std::pow(params_.rope.base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
         for (std::int64_t p = p0; p < p0 + n; ++p) {
           const double angle = inv * static_cast<double>(p);
           sc += static_cast<double>(detail::rounded_mul(static_cast<float>(std::cos(angle)), params_.rope.attention_scaling));
@@ -333,8 +338,10 @@ class ExpectedAttention {
         }
         for (std::int64_t p = p0; p < p0 + n; ++p) {
           const float angle = detail::rounded_mul(inv, static_cast<float>(p));
-          sc += static_cast<double>(detail::rounded_mul(static_cast<float>(std::cos(static_cast<double>(angle))), params_.rope.attention_scaling));
-          ss += static_cast<double>(detail::rounded_mul(static_cast<float>(std::sin(static_cast<double>(angle))), params_.rope.attention_scaling));
+          sc += static_cast<double>(
+              detail::rounded_mul(static_cast<float>(std::cos(static_cast<double>(angle))), params_.rope.attention_scaling));
+          ss += static_cast<double>(
+              detail::rounded_mul(static_cast<float>(std::sin(static_cast<double>(angle))), params_.rope.attention_scaling));
         }
       }
       cb[i] = cb[i + h] = static_cast<float>(sc / static_cast<double>(n));

@@ -59,7 +59,6 @@
 
 KVP_NAMESPACE_BEGIN
 
-
 enum class H2OGranularity : std::uint8_t {
   kKvHead,     ///< one state row per kv head (GQA-aware, the default)
   kQueryHead,  ///< one state row per query head, over a per-query-head cache (original)
@@ -70,8 +69,8 @@ inline constexpr EnumName<H2OGranularity> kH2OGranularityNames[] = {{"kv_head", 
 constexpr std::span<const EnumName<H2OGranularity>> enum_names(H2OGranularity) noexcept { return kH2OGranularityNames; }
 
 struct H2OParams {
-  std::int64_t hh_size = 4;        ///< heavy hitters kept per head
-  std::int64_t recent_size = 512;  ///< most recent slots always kept
+  std::int64_t hh_size = 4;                      ///< heavy hitters kept per head
+  std::int64_t recent_size = 512;                ///< most recent slots always kept
   GroupReduce group_reduce = GroupReduce::kSum;  ///< kKvHead: how a group's query heads combine (kSum / kMean)
   H2OGranularity granularity = H2OGranularity::kKvHead;
   float scale = 0.0f;  ///< logit scale when recomputing attention from queries; 0 means 1/sqrt(head_dim)
@@ -98,8 +97,8 @@ struct H2OParams {
 
 /// Caller-owned H2O state of one sequence (one layer).
 struct H2OState {
-  TensorView<float, 2> scores{};  ///< (state_heads, capacity): accumulated attention per cache slot, rows contiguous
-  std::int64_t length = 0;        ///< slots in use; equals the cache length after each update / evict
+  TensorView<float, 2> scores{};         ///< (state_heads, capacity): accumulated attention per cache slot, rows contiguous
+  std::int64_t length = 0;               ///< slots in use; equals the cache length after each update / evict
   void reset() noexcept { length = 0; }  ///< new sequence (the original's _clean_scores)
 };
 
@@ -233,11 +232,13 @@ class H2O {
         const std::int64_t bw = std::min(B, q - q0);
         Backend::widen_queries(step.queries, s * G, G, q0, bw, qf);
         float* out = q0 == 0 ? col : blk;
-        Backend::window_scores(WindowScoreShape{G, bw, d, n, n, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out, c.rest());
+        Backend::window_scores(WindowScoreShape{G, bw, d, n, n, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out,
+                               c.rest());
         if (q0 > 0)
           for (std::int64_t j = 0; j < G * n; ++j) col[j] += blk[j];
       }
-      Backend::accumulate_column_sums(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G, mean_groups());
+      Backend::accumulate_column_sums(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G,
+                                      mean_groups());
     });
     state.length = n;
     return Status::ok();
@@ -319,8 +320,8 @@ class H2O {
     KVP_REQUIRE(kv_len == st.length + fresh, "h2o: %s cover kv_len=%lld, expected state length %lld + %lld new = %lld", name,
                 static_cast<long long>(kv_len), static_cast<long long>(st.length), static_cast<long long>(fresh),
                 static_cast<long long>(st.length + fresh));
-    KVP_REQUIRE(kv_len <= st.scores.extent(1), "h2o: state capacity %lld is smaller than kv_len %lld", static_cast<long long>(st.scores.extent(1)),
-                static_cast<long long>(kv_len));
+    KVP_REQUIRE(kv_len <= st.scores.extent(1), "h2o: state capacity %lld is smaller than kv_len %lld",
+                static_cast<long long>(st.scores.extent(1)), static_cast<long long>(kv_len));
     KVP_REQUIRE(kv_len <= INT32_MAX, "h2o: kv_len %lld exceeds the int32 token id range", static_cast<long long>(kv_len));
     return Status::ok();
   }
@@ -344,7 +345,8 @@ class H2O {
                 static_cast<long long>(p.stride(2)));
     KVP_RETURN_IF_ERROR(check_step(st, n, fresh, name));
     const std::int64_t G = Hq / Hs, len_prev = st.length;
-    ctx.parallel_for(Hs, [&](std::int64_t s, int) { Backend::accumulate_column_sums(&st.scores(s, 0), len_prev, p, s * G, G, mean_groups()); });
+    ctx.parallel_for(Hs,
+                     [&](std::int64_t s, int) { Backend::accumulate_column_sums(&st.scores(s, 0), len_prev, p, s * G, G, mean_groups()); });
     st.length = n;
     return Status::ok();
   }

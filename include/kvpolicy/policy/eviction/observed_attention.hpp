@@ -45,8 +45,8 @@ KVP_NAMESPACE_BEGIN
 
 struct ObservedAttentionParams {
   Budget budget = Budget::compression_ratio(0.5);
-  std::int32_t window = 0;       ///< last w tokens always kept (inside the budget)
-  bool normalize = true;         ///< divide the column sums by T - j (kvpress); false: raw sums (KVCache-Factory)
+  std::int32_t window = 0;  ///< last w tokens always kept (inside the budget)
+  bool normalize = true;    ///< divide the column sums by T - j (kvpress); false: raw sums (KVCache-Factory)
   GroupReduce group_reduce = GroupReduce::kMean;
   std::int32_t query_block = 64;  ///< queries per window_scores call: memory / work granularity, not semantics
   float scale = 0.0f;             ///< logit scale; 0 means 1/sqrt(head_dim)
@@ -104,9 +104,10 @@ class ObservedAttention {
   /// = the whole prompt (q_len = max_kv_len; 0 when the engine passes column sums).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
-    return detail::budget_requirements(kName, validate_params(), shape, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
-                                       detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape.num_kv_heads,
-                                       shape.head_dim > 0 ? shape.max_kv_len : 0);
+    return detail::budget_requirements(
+        kName, validate_params(), shape, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
+        detail::WorkerSlices::bytes(per_worker_bytes<Backend>(shape), ctx.exec.workers()), shape.num_kv_heads,
+        shape.head_dim > 0 ? shape.max_kv_len : 0);
   }
 
   /// Scores of one sequence, out (num_kv_heads, kv_len); window tokens +inf.
@@ -211,7 +212,8 @@ class ObservedAttention {
     }
     KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys));
     const std::int64_t T = in.keys.kv_len();
-    KVP_REQUIRE(in.queries.extent(1) == T, "observed_attention: queries has %lld rows per head, expected one per prompt token (kv_len=%lld, sequence %zu)",
+    KVP_REQUIRE(in.queries.extent(1) == T,
+                "observed_attention: queries has %lld rows per head, expected one per prompt token (kv_len=%lld, sequence %zu)",
                 static_cast<long long>(in.queries.extent(1)), static_cast<long long>(T), b);
     KVP_REQUIRE(T <= INT32_MAX, "observed_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
     std::int64_t n = 0;

@@ -45,7 +45,7 @@ KVP_NAMESPACE_BEGIN
 struct PyramidKVParams {
   SnapKVParams scoring = SnapKVParams::kvpress(0.0, 64, 5);  ///< scoring only; its `budget` is ignored
   LayerSchedule schedule = LayerSchedule::pyramid_kvpress(0.5, 64, 32);
-  std::int32_t layer = 0;                                     ///< this layer's index in [0, schedule.num_layers)
+  std::int32_t layer = 0;  ///< this layer's index in [0, schedule.num_layers)
 
   /// The window is one parameter: the scorer's and the schedule's must agree.
   static constexpr auto fields() noexcept {

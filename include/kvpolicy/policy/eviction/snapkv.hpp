@@ -53,14 +53,14 @@ inline constexpr EnumName<ReduceOrder> kReduceOrderNames[] = {{"pool_then_group"
 constexpr std::span<const EnumName<ReduceOrder>> enum_names(ReduceOrder) noexcept { return kReduceOrderNames; }
 
 struct SnapKVParams {
-  std::int32_t window = 64;                       ///< w: observation window (last w prompt queries)
-  std::int32_t kernel = 5;                        ///< pooling kernel (odd)
+  std::int32_t window = 64;  ///< w: observation window (last w prompt queries)
+  std::int32_t kernel = 5;   ///< pooling kernel (odd)
   Pooling pooling = Pooling::kAvg;
   WindowReduce window_reduce = WindowReduce::kMean;
   GroupReduce group_reduce = GroupReduce::kMean;
   ReduceOrder order = ReduceOrder::kPoolThenGroup;
   Budget budget = Budget::compression_ratio(0.5);
-  float scale = 0.0f;                             ///< logit scale; 0 means 1/sqrt(head_dim)
+  float scale = 0.0f;  ///< logit scale; 0 means 1/sqrt(head_dim)
 
   static constexpr auto fields() noexcept {
     return std::tuple{param_field<&SnapKVParams::window>("window", "observation window: the last w prompt queries"),
@@ -75,15 +75,22 @@ struct SnapKVParams {
 
   /// kvpress `SnapKVPress(compression_ratio=r, window_size, kernel_size)`.
   static constexpr SnapKVParams kvpress(double r, std::int32_t window = 64, std::int32_t kernel = 5) noexcept {
-    return SnapKVParams{window, kernel, Pooling::kAvg, WindowReduce::kMean, GroupReduce::kMean, ReduceOrder::kPoolThenGroup,
-                        Budget::compression_ratio(r), 0.0f};
+    return SnapKVParams{
+        window, kernel, Pooling::kAvg, WindowReduce::kMean, GroupReduce::kMean, ReduceOrder::kPoolThenGroup, Budget::compression_ratio(r),
+        0.0f};
   }
   /// FasterDecoding/SnapKV `SnapKVCluster(window_size, max_capacity_prompt=C, kernel_size, pooling)`
   /// at kv-head granularity (group mean before pooling, as KVCache-Factory's kv_head mode).
   static constexpr SnapKVParams original(std::int64_t capacity, std::int32_t window = 32, std::int32_t kernel = 7,
                                          Pooling pooling = Pooling::kMax) noexcept {
-    return SnapKVParams{window, kernel, pooling, WindowReduce::kSum, GroupReduce::kMean, ReduceOrder::kGroupThenPool,
-                        Budget::tokens(capacity).clamp_to_length(), 0.0f};
+    return SnapKVParams{window,
+                        kernel,
+                        pooling,
+                        WindowReduce::kSum,
+                        GroupReduce::kMean,
+                        ReduceOrder::kGroupThenPool,
+                        Budget::tokens(capacity).clamp_to_length(),
+                        0.0f};
   }
 };
 
@@ -139,7 +146,8 @@ class SnapKV {
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == in.keys.kv_len(),
                 "snapkv: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)", static_cast<long long>(out.extent(0)),
-                static_cast<long long>(out.extent(1)), static_cast<long long>(shape.num_kv_heads), static_cast<long long>(in.keys.kv_len()));
+                static_cast<long long>(out.extent(1)), static_cast<long long>(shape.num_kv_heads),
+                static_cast<long long>(in.keys.kv_len()));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
     const auto slices = detail::WorkerSlices::carve(ws, per);
@@ -213,10 +221,10 @@ class SnapKV {
     const std::int64_t w = params_.window, T = std::max<std::int64_t>(s.max_kv_len, 1), L = std::max<std::int64_t>(T - w, 1);
     WindowScoreShape ws{G, w, s.head_dim, T, L, T - w, 1.0f, params_.window_reduce};
     WorkspacePlan plan;
-    plan.add<float>(static_cast<std::size_t>(L));                      // final scores
-    plan.add<float>(static_cast<std::size_t>(G * w * s.head_dim));     // fp32 queries
-    plan.add<float>(static_cast<std::size_t>(G * L));                  // raw window scores
-    plan.add<float>(static_cast<std::size_t>(G * L));                  // pooled / reduced
+    plan.add<float>(static_cast<std::size_t>(L));                   // final scores
+    plan.add<float>(static_cast<std::size_t>(G * w * s.head_dim));  // fp32 queries
+    plan.add<float>(static_cast<std::size_t>(G * L));               // raw window scores
+    plan.add<float>(static_cast<std::size_t>(G * L));               // pooled / reduced
     plan.add_bytes(std::max(Backend::window_scores_workspace(ws), Backend::topk_workspace(L)));
     return plan.bytes;
   }

@@ -45,11 +45,12 @@ KVP_NAMESPACE_BEGIN
 
 struct TOVAParams {
   Budget budget = Budget::tokens(512).clamp_to_length();  ///< the original's cache_size
-  bool protect_last = false;  ///< kvpress: the last token is always kept
-  float scale = 0.0f;         ///< logit scale when recomputing attention; 0 means 1/sqrt(head_dim)
+  bool protect_last = false;                              ///< kvpress: the last token is always kept
+  float scale = 0.0f;                                     ///< logit scale when recomputing attention; 0 means 1/sqrt(head_dim)
 
   static constexpr auto fields() noexcept {
-    return std::tuple{budget_field<&TOVAParams::budget>(), param_field<&TOVAParams::protect_last>("protect_last", "always keep the last token (kvpress)"),
+    return std::tuple{budget_field<&TOVAParams::budget>(),
+                      param_field<&TOVAParams::protect_last>("protect_last", "always keep the last token (kvpress)"),
                       param_field<&TOVAParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
   }
 
@@ -91,8 +92,9 @@ class TOVA {
   /// query window 1 (the newest query; 0 with probabilities).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
-    return detail::budget_requirements(kName, validate_params(), s, params_.budget, [this](std::int64_t n) { return protected_tokens(n); }, workspace_bytes<Backend>(s, ctx.exec),
-                                       s.num_kv_heads, s.head_dim > 0 ? 1 : 0);
+    return detail::budget_requirements(
+        kName, validate_params(), s, params_.budget, [this](std::int64_t n) { return protected_tokens(n); },
+        workspace_bytes<Backend>(s, ctx.exec), s.num_kv_heads, s.head_dim > 0 ? 1 : 0);
   }
 
   /// Scores of one sequence, out (num_kv_heads, kv_len): the head-averaged
@@ -239,8 +241,9 @@ class TOVA {
     if (in.has_attention()) {  // the engine's probabilities: mean of the last query row over the heads
       const auto& p = in.attention;
       const std::int64_t last = p.extent(1) - 1;
-      Backend::mean_rows(TensorView<const Tp, 2>(p.data() + last * p.stride(1), {p.extent(0), p.extent(2)}, {p.stride(0), p.stride(2)}, p.device()),
-                blk.mean);
+      Backend::mean_rows(
+          TensorView<const Tp, 2>(p.data() + last * p.stride(1), {p.extent(0), p.extent(2)}, {p.stride(0), p.stride(2)}, p.device()),
+          blk.mean);
       return;
     }
     const ProblemShape shape = shape_of(in);
@@ -277,7 +280,8 @@ class TOVA {
     } else {
       Backend::topk(blk.mean, n, k, dst, blk.topk);
     }
-    for (std::int64_t h = 1; h < H; ++h) std::memcpy(out.indices + out.indptr[row0 + h], dst, static_cast<std::size_t>(k) * sizeof(std::int32_t));
+    for (std::int64_t h = 1; h < H; ++h)
+      std::memcpy(out.indices + out.indptr[row0 + h], dst, static_cast<std::size_t>(k) * sizeof(std::int32_t));
   }
 
   Params params_{};

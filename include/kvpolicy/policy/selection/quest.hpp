@@ -60,8 +60,10 @@ enum class QuestGqa : std::uint8_t {
   kGroupSum,      ///< one row per kv head: top-(B-1) of sum_h U[h] over the group, plus the last page
 };
 
-inline constexpr EnumName<QuestGqa> kQuestGqaNames[] = {
-    {"per_query_head", QuestGqa::kPerQueryHead}, {"union", QuestGqa::kUnion}, {"group_max", QuestGqa::kGroupMax}, {"group_sum", QuestGqa::kGroupSum}};
+inline constexpr EnumName<QuestGqa> kQuestGqaNames[] = {{"per_query_head", QuestGqa::kPerQueryHead},
+                                                        {"union", QuestGqa::kUnion},
+                                                        {"group_max", QuestGqa::kGroupMax},
+                                                        {"group_sum", QuestGqa::kGroupSum}};
 constexpr std::span<const EnumName<QuestGqa>> enum_names(QuestGqa) noexcept { return kQuestGqaNames; }
 
 struct QuestParams {
@@ -164,15 +166,15 @@ class Quest {
     GqaMap gqa;
     if (r.status.is_ok()) r.status = GqaMap::make(shape.num_q_heads, shape.num_kv_heads, kName, &gqa);
     if (r.status.is_ok() && (shape.batch < 1 || shape.batch > INT32_MAX || shape.head_dim < 1 || shape.max_kv_len < 0))
-      r.status = KVP_INVALID("quest: shape (batch %lld, head_dim %lld, max_kv_len %lld) must have batch >= 1, head_dim >= 1, max_kv_len >= 0",
-                             static_cast<long long>(shape.batch), static_cast<long long>(shape.head_dim),
-                             static_cast<long long>(shape.max_kv_len));
+      r.status = KVP_INVALID(
+          "quest: shape (batch %lld, head_dim %lld, max_kv_len %lld) must have batch >= 1, head_dim >= 1, max_kv_len >= 0",
+          static_cast<long long>(shape.batch), static_cast<long long>(shape.head_dim), static_cast<long long>(shape.max_kv_len));
     if (!r.status.is_ok()) return r;
     const auto n = static_cast<std::int32_t>(std::min<std::int64_t>((shape.max_kv_len + page_size - 1) / page_size, INT32_MAX));
     const auto batch = static_cast<std::int32_t>(shape.batch);
-    r.workspace_bytes =
-        layout<Backend>(batch, shape.batch * std::max(n - 1, 0), n, page_size, gqa, static_cast<std::int32_t>(shape.head_dim), ctx.exec.workers())
-            .total();
+    r.workspace_bytes = layout<Backend>(batch, shape.batch * std::max(n - 1, 0), n, page_size, gqa,
+                                        static_cast<std::int32_t>(shape.head_dim), ctx.exec.workers())
+                            .total();
     const std::int64_t cap = std::max(row_capacity(0, n, page_size, gqa), row_capacity(params_.dense_layers, n, page_size, gqa));
     r.output = OutputSize{shape.batch * heads_per_seq(gqa), shape.batch * heads_per_seq(gqa) * cap};
     r.query_window = 1;
@@ -205,8 +207,8 @@ class Quest {
     p.requirements.workspace_bytes = layout<Backend>(in.table.batch, scored_pages(in.layer, in.table, in.page_size), max_pages(in.table),
                                                      in.page_size, gqa, static_cast<std::int32_t>(in.queries.extent(2)), ctx.exec.workers())
                                          .total();
-    p.requirements.output = OutputSize{static_cast<std::int64_t>(in.table.batch) * heads_per_seq(gqa),
-                                       output_capacity(in.layer, in.table, in.page_size, gqa)};
+    p.requirements.output =
+        OutputSize{static_cast<std::int64_t>(in.table.batch) * heads_per_seq(gqa), output_capacity(in.layer, in.table, in.page_size, gqa)};
     p.requirements.query_window = 1;
     out = p;
     return Status::ok();
@@ -222,8 +224,8 @@ class Quest {
   /// everything before writing. With a parallel context, a page must not be
   /// appended to by two sequences in one call. O(appended tokens * kv_heads * d).
   template <class Backend, class Tk, class Tm>
-    requires PageMetaStorableFrom<Tk, Tm>
-  Status on_append(const Context<Backend>& ctx, const AppendInput<Tk>& app, State<Tm> meta) const noexcept {
+    requires PageMetaStorableFrom<Tk, Tm> Status on_append(const Context<Backend>& ctx, const AppendInput<Tk>& app, State<Tm> meta)
+  const noexcept {
     const PagedKVView<const Tk>& keys = app.kv;
     KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
     if (app.append_len != nullptr) {
@@ -252,9 +254,9 @@ class Quest {
   /// n pages: O(n * Hq * d) for the bounds (reading 2 * d metadata values per
   /// page and kv head) plus the backend top-k. Thread-safe (const, no state).
   template <class Backend, class Tq, class Tm>
-    requires KVElement<Tq> && KVElement<Tm>
-  Status select(const Context<Backend>& cx, const Plan& plan, const DecodeInput<Tq>& in, State<Tm> meta,
-                PageSelection out) const noexcept {
+    requires KVElement<Tq> && KVElement<Tm> Status select(const Context<Backend>& cx, const Plan& plan, const DecodeInput<Tq>& in,
+                                                          State<Tm> meta, PageSelection out)
+  const noexcept {
     KVP_REQUIRE(plan.layer == in.layer && plan.page_size == in.page_size && plan.batch == in.table.batch,
                 "quest: the step (layer %d, page_size %d, batch %d) does not match the plan (layer %d, page_size %d, batch %d); re-plan",
                 in.layer, in.page_size, in.table.batch, plan.layer, plan.page_size, plan.batch);
@@ -280,8 +282,8 @@ class Quest {
     KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size));
     const std::int64_t H = heads_per_seq(gqa);
     KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
-    const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table), page_size, gqa, meta.head_dim,
-                                       ctx.workers());
+    const Layout lay =
+        layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table), page_size, gqa, meta.head_dim, ctx.workers());
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
 
     // Rows reserve row_capacity() entries at fixed offsets, so items write independently.
@@ -313,7 +315,8 @@ class Quest {
     }
     const PageMetaView<const Tm> cmeta = meta;
     ctx.parallel_for(items, [&](std::int64_t item, int worker) {
-      const auto b = static_cast<std::int32_t>(std::upper_bound(sc.chunk_start, sc.chunk_start + table.batch + 1, item) - sc.chunk_start - 1);
+      const auto b =
+          static_cast<std::int32_t>(std::upper_bound(sc.chunk_start, sc.chunk_start + table.batch + 1, item) - sc.chunk_start - 1);
       const std::int64_t m = table.num_pages(b) - 1, p0 = (item - sc.chunk_start[b]) * kItemPages;
       Backend::page_bounds(sc.q + b * Hq * d, gqa.group_size(), d, cmeta, table.indices + table.indptr[b] + p0,
                            std::min<std::int64_t>(kItemPages, m - p0), sc.scores + sc.score_start[b] + p0, m, sc.worker(worker));
@@ -327,7 +330,6 @@ class Quest {
     if (params_.gqa == QuestGqa::kUnion) compact_rows(out);
     return Status::ok();
   }
-
 
   /// Whether a sequence of n pages is scored (not dense, longer than the budget).
   constexpr bool scored(int layer, std::int32_t n, std::int32_t B) const noexcept { return !is_dense_layer(layer) && n > B; }
@@ -427,8 +429,8 @@ class Quest {
   /// One (sequence b, kv head g): the rows of its G query heads, or its own
   /// row, from the sequence's bounds `scores` ((Hq, n-1), when scored).
   template <class Backend>
-  void select_item(int layer, std::int32_t B, const GqaMap& gqa, const PageTable& table, std::int32_t b, std::int32_t g, const float* scores,
-                   PageSelection& out, WorkspaceCarver& c) const noexcept {
+  void select_item(int layer, std::int32_t B, const GqaMap& gqa, const PageTable& table, std::int32_t b, std::int32_t g,
+                   const float* scores, PageSelection& out, WorkspaceCarver& c) const noexcept {
     const std::int32_t n = table.num_pages(b), G = gqa.group_size();
     if (n == 0) return;
     const std::int32_t* pages = table.indices + table.indptr[b];

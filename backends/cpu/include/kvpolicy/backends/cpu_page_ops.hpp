@@ -96,14 +96,14 @@ void CpuPageOps::page_bounds<bfloat16>(const float*, std::int64_t, std::int64_t,
                                        std::int64_t, float*, std::int64_t, Workspace) noexcept;
 
 template <>
-void CpuPageOps::paged_decode_attention<float, float>(const float*, std::int64_t, std::int64_t, Rows<float>, Rows<float>,
-                                                      std::int64_t, float, float*, float*, Workspace) noexcept;
+void CpuPageOps::paged_decode_attention<float, float>(const float*, std::int64_t, std::int64_t, Rows<float>, Rows<float>, std::int64_t,
+                                                      float, float*, float*, Workspace) noexcept;
 template <>
-void CpuPageOps::paged_decode_attention<half, half>(const float*, std::int64_t, std::int64_t, Rows<half>, Rows<half>, std::int64_t,
-                                                    float, float*, float*, Workspace) noexcept;
+void CpuPageOps::paged_decode_attention<half, half>(const float*, std::int64_t, std::int64_t, Rows<half>, Rows<half>, std::int64_t, float,
+                                                    float*, float*, Workspace) noexcept;
 template <>
-void CpuPageOps::paged_decode_attention<bfloat16, bfloat16>(const float*, std::int64_t, std::int64_t, Rows<bfloat16>,
-                                                            Rows<bfloat16>, std::int64_t, float, float*, float*, Workspace) noexcept;
+void CpuPageOps::paged_decode_attention<bfloat16, bfloat16>(const float*, std::int64_t, std::int64_t, Rows<bfloat16>, Rows<bfloat16>,
+                                                            std::int64_t, float, float*, float*, Workspace) noexcept;
 
 }  // namespace backend
 KVP_NAMESPACE_END

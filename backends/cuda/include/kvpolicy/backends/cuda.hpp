@@ -79,12 +79,12 @@ struct Cuda {
   /// from `backend::Scalar` only by expf rounding (a few ulp).
   /// Complexity: 3 kernels; O(group*window*kv_len*head_dim) work, keys are
   /// read once per 64 query rows.
-  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device,
-                              float* out_device, Workspace ws_device, void* stream) noexcept;
-  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device,
-                              float* out_device, Workspace ws_device, void* stream) noexcept;
-  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device,
-                              float* out_device, Workspace ws_device, void* stream) noexcept;
+  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device, float* out_device,
+                              Workspace ws_device, void* stream) noexcept;
+  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device, float* out_device,
+                              Workspace ws_device, void* stream) noexcept;
+  static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device, float* out_device,
+                              Workspace ws_device, void* stream) noexcept;
 
   // ---- top-k ------------------------------------------------------------
 
@@ -97,8 +97,8 @@ struct Cuda {
   /// out_device[0..k) in ascending index order: identical to `Scalar::topk`.
   /// Preconditions (checked): 0 <= k <= n <= INT32_MAX; pointers non-null
   /// when k > 0. k == 0 enqueues nothing.
-  static Status topk(const float* scores_device, std::int64_t n, std::int64_t k, std::int32_t* out_device,
-                     Workspace ws_device, void* stream) noexcept;
+  static Status topk(const float* scores_device, std::int64_t n, std::int64_t k, std::int32_t* out_device, Workspace ws_device,
+                     void* stream) noexcept;
 
   /// Bytes of device workspace `topk_rows` needs: 0.
   static std::size_t topk_rows_workspace(std::int64_t rows, std::int64_t n) noexcept;
@@ -110,9 +110,8 @@ struct Cuda {
   /// ld >= n and out_ld >= k when rows > 1.
   /// Complexity: 5 passes over each row (4 radix-select histogram passes on
   /// the 32-bit order key, one ordered compaction), no sort.
-  static Status topk_rows(const float* scores_device, std::int64_t rows, std::int64_t n, std::int64_t ld,
-                          std::int64_t k, std::int32_t* out_device, std::int64_t out_ld, Workspace ws_device,
-                          void* stream) noexcept;
+  static Status topk_rows(const float* scores_device, std::int64_t rows, std::int64_t n, std::int64_t ld, std::int64_t k,
+                          std::int32_t* out_device, std::int64_t out_ld, Workspace ws_device, void* stream) noexcept;
 };
 
 }  // namespace backend
