@@ -47,13 +47,15 @@ struct ScalarReduceOps {
   }
 
   /// mean[j] = (1 / H) * sum_h rows(h, j), heads summed in ascending order in fp32.
+  /// (By value: a view read through a reference could alias `mean` and stop
+  /// the compiler from vectorising.)
   template <class Tp>
-  static void mean_rows(const TensorView<const Tp, 2>& rows, float* mean) noexcept {
-    const std::int64_t Hq = rows.extent(0), n = rows.extent(1);
-    const std::int64_t st = rows.stride(1);
-    for (std::int64_t j = 0; j < n; ++j) mean[j] = to_float(rows.data()[j * st]);
+  static void mean_rows(const TensorView<const Tp, 2> rows, float* mean) noexcept {
+    const std::int64_t Hq = rows.extent(0), n = rows.extent(1), st = rows.stride(1), s0 = rows.stride(0);
+    const Tp* const base = rows.data();
+    for (std::int64_t j = 0; j < n; ++j) mean[j] = to_float(base[j * st]);
     for (std::int64_t h = 1; h < Hq; ++h) {
-      const Tp* r = rows.data() + h * rows.stride(0);
+      const Tp* r = base + h * s0;
       for (std::int64_t j = 0; j < n; ++j) mean[j] += to_float(r[j * st]);
     }
     const float hf = static_cast<float>(Hq);

@@ -178,7 +178,7 @@ class TOVA {
     const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
     WorkspaceCarver c(ws);
     Blocks b;
-    b.rows = c.take<float>(static_cast<std::size_t>(s.num_q_heads * n));
+    b.rows = c.take<float>(static_cast<std::size_t>(s.head_dim > 0 ? s.num_q_heads * n : 0));  // recomputed rows only
     b.mean = c.take<float>(static_cast<std::size_t>(n));
     const std::size_t tk = Backend::topk_workspace(n);
     b.topk = Workspace{c.take<std::byte>(tk), tk};
@@ -200,7 +200,7 @@ class TOVA {
     const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
     const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
     const std::size_t per = s.head_dim > 0 ? per_worker<Backend>(G, s.head_dim, n) : 0;
-    return plan<Backend>(std::max<std::int64_t>(s.num_q_heads, 1), n, per, ctx.workers()).total();
+    return plan<Backend>(s.head_dim > 0 ? std::max<std::int64_t>(s.num_q_heads, 1) : 0, n, per, ctx.workers()).total();
   }
 
   template <class Tq, class Tk, class Tp>
