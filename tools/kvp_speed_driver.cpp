@@ -1,14 +1,22 @@
 // kvp_speed_driver: times one scoring policy's decision (`evict`, KeepSet
 // written) on synthetic fp16 keys, for tools/compare_kvpress_speed.py.
 //
-//   kvp_speed_driver --policy snapkv|adakv|pyramidkv [--backend cpu|scalar]
+//   kvp_speed_driver --policy snapkv|adakv|pyramidkv|SPEC [--backend cpu|scalar]
 //                    [--tokens 32768] [--q-heads 32] [--kv-heads 8] [--head-dim 128]
 //                    [--window 64] [--kernel 5] [--ratio 0.5] [--alpha 0.2]
 //                    [--layer 0] [--num-layers 32] [--threads 1] [--reps 15] [--warmup 2]
 //
-// The policies are configured as their kvpress counterparts (SnapKVPress,
-// AdaKVPress(SnapKVPress), PyramidKVPress): average pooling, window mean,
-// pool-then-group, n_kept = int(T (1 - r)). Queries are the last `window`
+// snapkv, adakv and pyramidkv are configured as their kvpress counterparts
+// (SnapKVPress, AdaKVPress(SnapKVPress), PyramidKVPress) from --window,
+// --kernel, --ratio, --alpha, --layer and --num-layers: average pooling, window
+// mean, pool-then-group, n_kept = int(T (1 - r)). Any other --policy is a
+// kvpolicy registry spec string (`snapkv:compression_ratio=0.5,window=32`,
+// `streaming_llm`, ...; kvpolicy::describe_registry() lists them), a one-shot
+// eviction policy configured by the spec alone, run type-erased
+// (kvpolicy::AnyEvictionPolicy, make_eviction_policy; its errors are printed as
+// the registry states them); it reads fp32 queries (the fp16 queries below,
+// widened), the last min(--window, its query window) of them, and refuses to
+// run when it needs more than --window. Queries are the last `window`
 // post-RoPE queries in fp16, keys (kv_heads, tokens, head_dim) fp16, both
 // N(0, 1) from a fixed seed, plus a few heavy keys. Workspace and output are
 // sized by the policy's `requirements` and allocated once, outside the timed
@@ -24,12 +32,14 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/registry.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
 
 using namespace kvpolicy;
@@ -75,11 +85,24 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-template <class Backend, class Policy>
-int run(const Options& o, const Policy& policy, const ScoreInput<half, half>& in) {
+/// A registry policy (type-erased) behind the typed calls of run(); queries fp32.
+template <class Backend>
+struct Erased {
+  AnyEvictionPolicy policy;
+  static constexpr BackendKind kind = std::is_same_v<Backend, backend::Cpu> ? BackendKind::kCpu : BackendKind::kScalar;
+  Requirements requirements(const Context<Backend>& cx, const ProblemShape& s) const noexcept {
+    return policy.requirements(kind, s, cx.exec);
+  }
+  Status evict(const Context<Backend>& cx, const ScoreInput<float, half>& in, KeepSet out) const noexcept {
+    return policy.evict(kind, in, out, cx.workspace, cx.exec);
+  }
+};
+
+template <class Backend, class Policy, class Tq>
+int run(const Options& o, const Policy& policy, const ScoreInput<Tq, half>& in) {
   ThreadPool pool(o.threads);
   const ExecContext ctx = pool.context();
-  const ProblemShape shape{o.q_heads, o.kv_heads, o.head_dim, o.tokens, o.window};
+  const ProblemShape shape{o.q_heads, o.kv_heads, o.head_dim, o.tokens, in.queries.extent(1)};
   const Requirements req = policy.requirements(Context<Backend>{{}, ctx}, shape);
   if (!req) {
     std::fprintf(stderr, "kvp_speed_driver: %s\n", req.status.message());
@@ -137,7 +160,30 @@ int dispatch_policy(const Options& o, const ScoreInput<half, half>& in) {
     const PyramidKV p(PyramidKVParams::kvpress(o.ratio, o.layer, o.num_layers, w, k));
     return run<Backend>(o, p, in);
   }
-  usage(("unknown policy " + o.policy).c_str());
+  // A registry spec string.
+  Erased<Backend> p;
+  if (const Status s = make_eviction_policy(o.policy, &p.policy); !s.is_ok()) {
+    std::fprintf(stderr, "kvp_speed_driver: %s\n", s.message());
+    return 2;
+  }
+  const Requirements r = p.requirements(Context<Backend>{}, ProblemShape{o.q_heads, o.kv_heads, o.head_dim, o.tokens, o.window});
+  if (!r) {
+    std::fprintf(stderr, "kvp_speed_driver: %s\n", r.status.message());
+    return 1;
+  }
+  if (r.query_window > o.window) {
+    std::fprintf(stderr, "kvp_speed_driver: %s reads the last %lld queries; pass --window %lld\n", o.policy.c_str(),
+                 static_cast<long long>(r.query_window), static_cast<long long>(r.query_window));
+    return 2;
+  }
+  const std::int64_t qw = r.query_window;
+  std::vector<float> qf(static_cast<std::size_t>(o.q_heads * qw * o.head_dim));
+  for (std::int64_t h = 0; h < o.q_heads; ++h)
+    for (std::int64_t t = 0; t < qw; ++t)
+      for (std::int64_t c = 0; c < o.head_dim; ++c)
+        qf[static_cast<std::size_t>((h * qw + t) * o.head_dim + c)] = to_float(in.queries(h, o.window - qw + t, c));
+  const ScoreInput<float, half> fin{TensorView<const float, 3>::contiguous(qf.data(), {o.q_heads, qw, o.head_dim}), in.keys};
+  return run<Backend>(o, p, fin);
 }
 
 }  // namespace

@@ -8,8 +8,11 @@
 //   s.prefill(tokenize("... the pass key is "));   // logits of the last prompt token
 //   std::vector<int32_t> out = s.greedy(5);          // decode 5 tokens
 //
-// Life of a request and the hook points (all optional std::function members of
-// `Hooks<Cache>`; policies.hpp builds them from kvpolicy policies):
+// Life of a request and the hook points: the library's lifecycle,
+// `kvpolicy::Hooks<Cache>` (kvpolicy/policy/lifecycle.hpp; all optional
+// std::function members; decisions go into kvpolicy::KeepBuffer /
+// kvpolicy::SelectionBuffer, applied only when a hook marked them active;
+// policies.hpp builds the hooks from kvpolicy policies):
 //
 //   prefill(prompt)                          computes every layer on the prompt (attention over the fresh
 //   |                                        Q/K/V, as prefill kernels do), then writes K/V to the cache:
@@ -20,7 +23,7 @@
 //   |-- on_compact(cache, layer)             then this fires (rebuild metadata of moved tokens)
 //   decode(token), per layer:
 //   |-- on_append(cache, layer, 1)           the token's K/V are in the cache
-//   |-- select(cache, layer, q, sel)         selection: fill `sel` (PageSelection over the paged pool,
+//   |-- before_attention(cache, layer, q, sel)  selection: fill `sel` (PageSelection over the paged pool,
 //   |                                        e.g. Quest) and this step attends to those pages only
 //   |-- after_attention(cache, layer, P, keep)  online eviction (H2O, TOVA): P = this step's attention
 //   |                                        weights (Hq, n) over the n cache slots (new token last);
@@ -38,64 +41,29 @@
 //
 // Thread-safety: a Model is immutable and may be shared; a Session is one
 // request and is used by one thread at a time.
+//
+// Build: prefill() is defined in engine.cpp, and Session is instantiated there
+// for the four caches the project uses ({Contiguous,Paged}KVCache<{float,half}>,
+// `extern template` below), all compiled once into kvp_engine_lib; a Session
+// over another cache type instantiates the member definitions below.
 #pragma once
 
 #include <chrono>
-#include <cmath>
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "kv_cache.hpp"
+#include "kvpolicy/policy/lifecycle.hpp"
 #include "model.hpp"
 
 namespace kvp_engine {
 
-/// Caller-side storage for a KeepSet a hook may fill: `reserve` sizes it and
-/// marks it active; the engine applies it only when active.
-struct KeepBuffer {
-  std::vector<std::int32_t> indptr, indices;
-  KeepSet set{};
-  bool active = false;
-
-  KeepSet& reserve(std::int64_t rows, std::int64_t capacity) {
-    indptr.assign(static_cast<std::size_t>(rows + 1), 0);
-    indices.assign(static_cast<std::size_t>(capacity), 0);
-    set = KeepSet{indptr.data(), indices.data(), rows, capacity};
-    active = true;
-    return set;
-  }
-};
-
-/// Caller-side storage for a PageSelection a selection hook may fill.
-struct SelectionBuffer {
-  std::vector<std::int32_t> indptr, indices, last_page_len, logical;
-  PageSelection sel{};
-  bool active = false;
-
-  PageSelection& reserve(std::int64_t rows, std::int64_t capacity) {
-    indptr.assign(static_cast<std::size_t>(rows + 1), 0);
-    indices.assign(static_cast<std::size_t>(capacity), 0);
-    last_page_len.assign(static_cast<std::size_t>(rows), 0);
-    logical.assign(static_cast<std::size_t>(capacity), 0);
-    sel = PageSelection{indptr.data(), indices.data(), last_page_len.data(), logical.data(), rows, capacity};
-    active = true;
-    return sel;
-  }
-};
-
-/// The policy hook points (see the header comment). Every member may be empty.
-template <class Cache>
-struct Hooks {
-  std::function<Status(Cache&, int layer, TensorView<const float, 3> queries, KeepBuffer& keep)> after_prefill;
-  std::function<Status(Cache&, int layer, std::int64_t appended)> on_append;
-  std::function<Status(Cache&, int layer)> on_compact;
-  std::function<Status(Cache&, int layer, TensorView<const float, 3> query, SelectionBuffer& sel)> select;
-  std::function<Status(Cache&, int layer, TensorView<const float, 2> probs, KeepBuffer& keep)> after_attention;
-};
+// The engine's hook points are the library's lifecycle (kvpolicy/policy/lifecycle.hpp).
+using kvpolicy::Hooks;
+using kvpolicy::KeepBuffer;
+using kvpolicy::SelectionBuffer;
 
 /// Everything the prompt leaves behind, independent of the cache layout, so one
 /// prefill can be written into several caches (prefix reuse; the evaluation
@@ -120,81 +88,7 @@ struct PrefillOptions {
 
 /// Runs kvp-tiny over a prompt (positions 0..T-1). Causal attention per head in
 /// blocks of 64 query rows with Eigen; cost O(T * params + T^2 * d * heads).
-inline PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const PrefillOptions& opt = {}) {
-  const ModelConfig& c = m.config();
-  const std::int64_t T = static_cast<std::int64_t>(tokens.size());
-  if (T == 0) throw std::runtime_error("prefill: empty prompt");
-  const int d = c.d_model, hd = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, G = c.group_size();
-  const int qd = Hq * hd, kvd = Hkv * hd;
-  PrefillState st;
-  st.length = T;
-  st.vocab = c.vocab_size;
-  st.window = std::min<std::int64_t>(opt.query_window, T);
-  std::vector<float> x(static_cast<std::size_t>(T * d)), xn(x.size()), q(static_cast<std::size_t>(T * qd)), attn(q.size()), mlp_scratch;
-  for (std::int64_t t = 0; t < T; ++t) {
-    if (tokens[static_cast<std::size_t>(t)] < 0 || tokens[static_cast<std::size_t>(t)] >= c.vocab_size)
-      throw std::runtime_error("prefill: token id out of range at " + std::to_string(t));
-    std::copy_n(m.embedding(tokens[static_cast<std::size_t>(t)]), d, x.data() + t * d);
-  }
-  std::vector<float> cos_t(static_cast<std::size_t>(T * hd)), sin_t(cos_t.size());
-  for (std::int64_t t = 0; t < T; ++t) rope_table(t, hd, c.rope_base, cos_t.data() + t * hd, sin_t.data() + t * hd);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  constexpr std::int64_t kBlock = 64;
-  RowMatrix s;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const Model::Layer& L = m.layer(l);
-    auto& k = st.k.emplace_back(static_cast<std::size_t>(T * kvd));
-    auto& v = st.v.emplace_back(static_cast<std::size_t>(T * kvd));
-    rms_norm(x.data(), L.attn_norm, T, d, c.norm_eps, xn.data());
-    linear(xn.data(), L.wq, T, d, qd, q.data());
-    linear(xn.data(), L.wk, T, d, kvd, k.data());
-    linear(xn.data(), L.wv, T, d, kvd, v.data());
-    for (std::int64_t t = 0; t < T; ++t) {
-      apply_rope(q.data() + t * qd, Hq, hd, cos_t.data() + t * hd, sin_t.data() + t * hd);
-      apply_rope(k.data() + t * kvd, Hkv, hd, cos_t.data() + t * hd, sin_t.data() + t * hd);
-    }
-    for (int h = 0; h < Hq; ++h) {
-      const int g = h / G;
-      const StridedConstMap Q(q.data() + h * hd, T, hd, Eigen::OuterStride<>(qd));
-      const StridedConstMap K(k.data() + g * hd, T, hd, Eigen::OuterStride<>(kvd));
-      const StridedConstMap V(v.data() + g * hd, T, hd, Eigen::OuterStride<>(kvd));
-      StridedMap O(attn.data() + h * hd, T, hd, Eigen::OuterStride<>(qd));
-      for (std::int64_t r0 = 0; r0 < T; r0 += kBlock) {
-        const std::int64_t nb = std::min(kBlock, T - r0), cols = r0 + nb;  // keys [0, cols) cover the block's causal range
-        s.noalias() = Q.middleRows(r0, nb) * K.topRows(cols).transpose();
-        for (std::int64_t i = 0; i < nb; ++i) {
-          const std::int64_t n = r0 + i + 1;  // query r0+i sees keys [0, n)
-          float mx = -INFINITY;
-          for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, s(i, j) *= scale);
-          float sum = 0.0f;
-          for (std::int64_t j = 0; j < n; ++j) sum += (s(i, j) = std::exp(s(i, j) - mx));
-          const float inv = 1.0f / sum;
-          for (std::int64_t j = 0; j < n; ++j) s(i, j) *= inv;
-          for (std::int64_t j = n; j < cols; ++j) s(i, j) = 0.0f;
-        }
-        O.middleRows(r0, nb).noalias() = s * V.topRows(cols);
-      }
-    }
-    // Keep the last `window` queries per head for the eviction hooks: (Hq, W, hd).
-    auto& qw = st.q_window.emplace_back(static_cast<std::size_t>(Hq * st.window * hd));
-    for (int h = 0; h < Hq; ++h)
-      for (std::int64_t i = 0; i < st.window; ++i)
-        std::copy_n(q.data() + (T - st.window + i) * qd + h * hd, hd, qw.data() + (h * st.window + i) * hd);
-    MatrixMap(x.data(), T, d).noalias() += ConstMatrixMap(attn.data(), T, qd) * ConstMatrixMap(L.wo, d, qd).transpose();
-    mlp_block(m, L, x.data(), T, mlp_scratch);
-  }
-  // Logits at the requested positions; the last prompt position always comes last (last_logits()).
-  st.positions = opt.logit_positions;
-  if (st.positions.empty() || st.positions.back() != T - 1) st.positions.push_back(T - 1);
-  std::vector<float> rows;
-  for (auto p : st.positions) {
-    if (p < 0 || p >= T) throw std::runtime_error("prefill: logit position out of range");
-    rows.insert(rows.end(), x.begin() + p * d, x.begin() + (p + 1) * d);
-  }
-  st.logits.resize(st.positions.size() * static_cast<std::size_t>(c.vocab_size));
-  final_logits(m, rows.data(), static_cast<std::int64_t>(st.positions.size()), st.logits.data());
-  return st;
-}
+PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const PrefillOptions& opt = {});
 
 /// Time spent in hooks (the policies' decisions and metadata work), and what they did.
 struct SessionStats {
@@ -224,111 +118,17 @@ class Session {
   }
 
   /// Prefill the prompt into this session's cache; returns the last prompt position's logits.
-  std::span<const float> prefill(std::span<const std::int32_t> prompt, const PrefillOptions& opt = {}) {
-    return load(kvp_engine::prefill(*model_, prompt, opt));
-  }
+  std::span<const float> prefill(std::span<const std::int32_t> prompt, const PrefillOptions& opt = {});
 
   /// Writes a computed prefill into the (empty) cache, fires on_append, runs
   /// after_prefill eviction layer by layer; returns the last prompt logits.
-  std::span<const float> load(const PrefillState& p) {
-    if (position_ != 0) throw std::runtime_error("session: load() needs a fresh session");
-    const ModelConfig& c = model_->config();
-    const std::int64_t kvd = static_cast<std::int64_t>(c.n_kv_heads) * c.head_dim;
-    for (int l = 0; l < c.n_layers; ++l) {
-      for (std::int64_t t = 0; t < p.length; ++t)
-        cache_.append(l, p.k[static_cast<std::size_t>(l)].data() + t * kvd, p.v[static_cast<std::size_t>(l)].data() + t * kvd,
-                      static_cast<std::int32_t>(t));
-      if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, p.length); });
-    }
-    if (hooks_.after_prefill) {
-      for (int l = 0; l < c.n_layers; ++l) {
-        const TensorView<const float, 3> q = TensorView<const float, 3>::contiguous(p.q_window[static_cast<std::size_t>(l)].data(),
-                                                                                     {c.n_heads, p.window, c.head_dim});
-        keep_.active = false;
-        timed([&] { return hooks_.after_prefill(cache_, l, q, keep_); });
-        if (keep_.active) apply_keep(l);
-      }
-    }
-    position_ = p.length;
-    logits_.assign(p.last_logits().begin(), p.last_logits().end());
-    return logits_;
-  }
+  std::span<const float> load(const PrefillState& p);
 
   /// Feeds one token at the next logical position; returns its logits.
-  std::span<const float> decode(std::int32_t token) {
-    const ModelConfig& c = model_->config();
-    if (token < 0 || token >= c.vocab_size) throw std::runtime_error("decode: token id out of range");
-    const int d = c.d_model, hd = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads;
-    x_.assign(model_->embedding(token), model_->embedding(token) + d);
-    xn_.resize(static_cast<std::size_t>(d));
-    q_.resize(static_cast<std::size_t>(Hq * hd));
-    k_.resize(static_cast<std::size_t>(Hkv * hd));
-    v_.resize(k_.size());
-    attn_.resize(q_.size());
-    cos_.resize(static_cast<std::size_t>(hd));
-    sin_.resize(cos_.size());
-    rope_table(position_, hd, c.rope_base, cos_.data(), sin_.data());
-    const auto pos = static_cast<std::int32_t>(position_);
-    for (int l = 0; l < c.n_layers; ++l) {
-      const Model::Layer& L = model_->layer(l);
-      rms_norm(x_.data(), L.attn_norm, 1, d, c.norm_eps, xn_.data());
-      linear(xn_.data(), L.wq, 1, d, Hq * hd, q_.data());
-      linear(xn_.data(), L.wk, 1, d, Hkv * hd, k_.data());
-      linear(xn_.data(), L.wv, 1, d, Hkv * hd, v_.data());
-      apply_rope(q_.data(), Hq, hd, cos_.data(), sin_.data());
-      apply_rope(k_.data(), Hkv, hd, cos_.data(), sin_.data());
-      cache_.append(l, k_.data(), v_.data(), pos);
-      if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, 1); });
-      const PageSelection* sel = nullptr;
-      if (hooks_.select) {
-        sel_.active = false;
-        timed([&] { return hooks_.select(cache_, l, TensorView<const float, 3>::contiguous(q_.data(), {1, Hq, hd}), sel_); });
-        if (sel_.active) {
-          sel = &sel_.sel;
-          ++stats_.selections;
-        }
-      }
-      if constexpr (Cache::kPaged) {
-        if (sel != nullptr) {
-          for (int h = 0; h < Hq; ++h) stats_.attended_tokens += sel->row_tokens(sel->num_rows == Hq ? h : h / c.group_size(), cache_.page_size());
-        } else {
-          stats_.attended_tokens += cache_.kept_tokens(l) * c.group_size();
-        }
-      } else {
-        stats_.attended_tokens += cache_.kept_tokens(l) * c.group_size();
-      }
-      ++stats_.decode_layer_steps;
-      float* probs = nullptr;
-      std::int64_t n = 0;
-      if (hooks_.after_attention) {
-        n = cache_.uniform_length(l);
-        probs_.assign(static_cast<std::size_t>(Hq * n), 0.0f);
-        probs = probs_.data();
-      }
-      cache_.attend(l, q_.data(), attn_.data(), probs, sel);
-      if (hooks_.after_attention) {
-        keep_.active = false;
-        timed([&] { return hooks_.after_attention(cache_, l, TensorView<const float, 2>::contiguous(probs_.data(), {Hq, n}), keep_); });
-        if (keep_.active) apply_keep(l);
-      }
-      MatrixMap(x_.data(), 1, d).noalias() += ConstMatrixMap(attn_.data(), 1, Hq * hd) * ConstMatrixMap(L.wo, d, Hq * hd).transpose();
-      mlp_block(*model_, L, x_.data(), 1, mlp_scratch_);
-    }
-    logits_.resize(static_cast<std::size_t>(c.vocab_size));
-    final_logits(*model_, x_.data(), 1, logits_.data());
-    ++position_;
-    return logits_;
-  }
+  std::span<const float> decode(std::int32_t token);
 
   /// Greedy continuation of `n` tokens from the current logits.
-  std::vector<std::int32_t> greedy(int n) {
-    std::vector<std::int32_t> out;
-    for (int i = 0; i < n; ++i) {
-      out.push_back(argmax(logits_));
-      if (i + 1 < n) decode(out.back());
-    }
-    return out;
-  }
+  std::vector<std::int32_t> greedy(int n);
 
   std::span<const float> logits() const noexcept { return logits_; }
   std::int64_t position() const noexcept { return position_; }
@@ -337,17 +137,8 @@ class Session {
 
  private:
   template <class F>
-  void timed(F&& f) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const Status s = f();
-    stats_.hook_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    kvpolicy::throw_if_error(s);
-  }
-  void apply_keep(int l) {
-    kvpolicy::throw_if_error(cache_.apply_keep(l, keep_.set));
-    ++stats_.evictions;
-    if (hooks_.on_compact) timed([&] { return hooks_.on_compact(cache_, l); });
-  }
+  void timed(F&& f);
+  void apply_keep(int l);
 
   const Model* model_;
   Cache cache_;
@@ -358,5 +149,135 @@ class Session {
   SelectionBuffer sel_;
   std::vector<float> logits_, x_, xn_, q_, k_, v_, attn_, cos_, sin_, probs_, mlp_scratch_;
 };
+
+// ---- Session's members (not inline: `extern template` below keeps them out of the users' TUs) ----
+
+template <class Cache>
+std::span<const float> Session<Cache>::prefill(std::span<const std::int32_t> prompt, const PrefillOptions& opt) {
+  return load(kvp_engine::prefill(*model_, prompt, opt));
+}
+
+template <class Cache>
+std::span<const float> Session<Cache>::load(const PrefillState& p) {
+  if (position_ != 0) throw std::runtime_error("session: load() needs a fresh session");
+  const ModelConfig& c = model_->config();
+  const std::int64_t kvd = static_cast<std::int64_t>(c.n_kv_heads) * c.head_dim;
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (std::int64_t t = 0; t < p.length; ++t)
+      cache_.append(l, p.k[static_cast<std::size_t>(l)].data() + t * kvd, p.v[static_cast<std::size_t>(l)].data() + t * kvd,
+                    static_cast<std::int32_t>(t));
+    if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, p.length); });
+  }
+  if (hooks_.after_prefill) {
+    for (int l = 0; l < c.n_layers; ++l) {
+      const TensorView<const float, 3> q = TensorView<const float, 3>::contiguous(p.q_window[static_cast<std::size_t>(l)].data(),
+                                                                                   {c.n_heads, p.window, c.head_dim});
+      keep_.active = false;
+      timed([&] { return hooks_.after_prefill(cache_, l, q, keep_); });
+      if (keep_.active) apply_keep(l);
+    }
+  }
+  position_ = p.length;
+  logits_.assign(p.last_logits().begin(), p.last_logits().end());
+  return logits_;
+}
+
+template <class Cache>
+std::span<const float> Session<Cache>::decode(std::int32_t token) {
+  const ModelConfig& c = model_->config();
+  if (token < 0 || token >= c.vocab_size) throw std::runtime_error("decode: token id out of range");
+  const int d = c.d_model, hd = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads;
+  x_.assign(model_->embedding(token), model_->embedding(token) + d);
+  xn_.resize(static_cast<std::size_t>(d));
+  q_.resize(static_cast<std::size_t>(Hq * hd));
+  k_.resize(static_cast<std::size_t>(Hkv * hd));
+  v_.resize(k_.size());
+  attn_.resize(q_.size());
+  cos_.resize(static_cast<std::size_t>(hd));
+  sin_.resize(cos_.size());
+  rope_table(position_, hd, c.rope_base, cos_.data(), sin_.data());
+  const auto pos = static_cast<std::int32_t>(position_);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const Model::Layer& L = model_->layer(l);
+    rms_norm(x_.data(), L.attn_norm, 1, d, c.norm_eps, xn_.data());
+    linear(xn_.data(), L.wq, 1, d, Hq * hd, q_.data());
+    linear(xn_.data(), L.wk, 1, d, Hkv * hd, k_.data());
+    linear(xn_.data(), L.wv, 1, d, Hkv * hd, v_.data());
+    apply_rope(q_.data(), Hq, hd, cos_.data(), sin_.data());
+    apply_rope(k_.data(), Hkv, hd, cos_.data(), sin_.data());
+    cache_.append(l, k_.data(), v_.data(), pos);
+    if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, 1); });
+    const PageSelection* sel = nullptr;
+    if (hooks_.before_attention) {
+      sel_.active = false;
+      timed([&] { return hooks_.before_attention(cache_, l, TensorView<const float, 3>::contiguous(q_.data(), {1, Hq, hd}), sel_); });
+      if (sel_.active) {
+        sel = &sel_.sel;
+        ++stats_.selections;
+      }
+    }
+    if constexpr (Cache::kPaged) {
+      if (sel != nullptr) {
+        for (int h = 0; h < Hq; ++h) stats_.attended_tokens += sel->row_tokens(sel->num_rows == Hq ? h : h / c.group_size(), cache_.page_size());
+      } else {
+        stats_.attended_tokens += cache_.kept_tokens(l) * c.group_size();
+      }
+    } else {
+      stats_.attended_tokens += cache_.kept_tokens(l) * c.group_size();
+    }
+    ++stats_.decode_layer_steps;
+    float* probs = nullptr;
+    std::int64_t n = 0;
+    if (hooks_.after_attention) {
+      n = cache_.uniform_length(l);
+      probs_.assign(static_cast<std::size_t>(Hq * n), 0.0f);
+      probs = probs_.data();
+    }
+    cache_.attend(l, q_.data(), attn_.data(), probs, sel);
+    if (hooks_.after_attention) {
+      keep_.active = false;
+      timed([&] { return hooks_.after_attention(cache_, l, TensorView<const float, 2>::contiguous(probs_.data(), {Hq, n}), keep_); });
+      if (keep_.active) apply_keep(l);
+    }
+    linear_add(attn_.data(), L.wo, 1, Hq * hd, d, x_.data());
+    mlp_block(*model_, L, x_.data(), 1, mlp_scratch_);
+  }
+  logits_.resize(static_cast<std::size_t>(c.vocab_size));
+  final_logits(*model_, x_.data(), 1, logits_.data());
+  ++position_;
+  return logits_;
+}
+
+template <class Cache>
+std::vector<std::int32_t> Session<Cache>::greedy(int n) {
+  std::vector<std::int32_t> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(argmax(logits_));
+    if (i + 1 < n) decode(out.back());
+  }
+  return out;
+}
+
+template <class Cache>
+template <class F>
+void Session<Cache>::timed(F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = f();
+  stats_.hook_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  kvpolicy::throw_if_error(s);
+}
+
+template <class Cache>
+void Session<Cache>::apply_keep(int l) {
+  kvpolicy::throw_if_error(cache_.apply_keep(l, keep_.set));
+  ++stats_.evictions;
+  if (hooks_.on_compact) timed([&] { return hooks_.on_compact(cache_, l); });
+}
+
+// Compiled once, in engine.cpp (kvp_engine_lib).
+extern template class Session<ContiguousKVCache<float>>;
+extern template class Session<PagedKVCache<float>>;
+extern template class Session<ContiguousKVCache<half>>;
+extern template class Session<PagedKVCache<half>>;
 
 }  // namespace kvp_engine

@@ -2,18 +2,27 @@
 // kvp_engine: run kvp-tiny with KV-cache policies.
 //
 //   kvp_engine --model models/kvp-tiny --prompt "... the pass key is " --tokens 8 [--cache paged] [--policy snapkv --budget 128]
-//       greedy continuation of one prompt (BOS is prepended; the text is bytes)
+//   kvp_engine --model models/kvp-tiny --prompt "... the pass key is " --policy snapkv:compression_ratio=0.5,window=32
+//       greedy continuation of one prompt (BOS is prepended; the text is bytes). --policy takes "full", the
+//       name of a policy of all_policies() (eval.hpp: streaming_llm, h2o, tova, observed_attention, snapkv,
+//       adakv, pyramidkv, expected_attention, quest) run at --budget tokens per kv head, or any kvpolicy
+//       registry spec string `name:key=value,...` (one-shot eviction after the prefill, configured by the
+//       spec alone; kvpolicy::describe_registry() lists the names and keys), whose errors are printed as
+//       the registry states them
 //   kvp_engine --model models/kvp-tiny --eval tests/data/engine/eval_set.json [--cache paged] [--budgets 64,128,256] [--limit N]
 //       end-to-end task accuracy, logit KL vs the full cache, decision time and bytes kept for every
 //       policy of all_policies() that runs on the chosen cache layout, at each budget (eval.hpp)
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <exception>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "engine/eval.hpp"
+#include "kvpolicy/registry.hpp"
 
 using namespace kvp_engine;
 
@@ -30,8 +39,11 @@ struct Args {
 
 [[noreturn]] void usage(const char* msg) {
   std::fprintf(stderr,
-               "error: %s\nusage: kvp_engine --model DIR (--prompt TEXT [--tokens N] [--policy full|snapkv|streaming_llm|quest --budget B]\n"
-               "                                | --eval FILE [--budgets B1,B2,..] [--limit N]) [--cache contiguous|paged]\n",
+               "error: %s\nusage: kvp_engine --model DIR (--prompt TEXT [--tokens N] [--policy full|NAME [--budget B]|SPEC]\n"
+               "                                | --eval FILE [--budgets B1,B2,..] [--limit N]) [--cache contiguous|paged]\n"
+               "  NAME: streaming_llm, h2o, tova, observed_attention, snapkv, adakv, pyramidkv, expected_attention, quest\n"
+               "  SPEC: a kvpolicy registry spec string name:key=value,... (one-shot eviction), e.g.\n"
+               "        snapkv:compression_ratio=0.5,window=32\n",
                msg);
   std::exit(2);
 }
@@ -68,21 +80,38 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+/// The hooks of --policy for one prompt of `prompt_len` tokens, and the prompt queries they need.
 template <class Cache>
-Hooks<Cache> hooks_for(const std::string& name, std::int64_t budget) {
-  if (name == "full") return {};
-  if (name == "snapkv") return eviction_hooks<Cache>(snapkv_with_budget(budget));
-  if (name == "streaming_llm") return eviction_hooks<Cache>(streaming_llm_with_budget(budget));
-  if constexpr (Cache::kPaged) {
-    if (name == "quest") return quest_hooks<typename Cache::element_type>(quest_with_budget(budget));
+kvpolicy::Hooks<Cache> hooks_for(const Args& a, const Model& m, std::int64_t prompt_len, PrefillOptions* po) {
+  if (a.policy == "full") return {};
+  if (a.policy.find(':') == std::string::npos) {  // a policy of the evaluation set, at --budget
+    const PolicyUnderTest p = find_policy(m.config(), a.policy);
+    po->query_window = p.query_window == PolicyUnderTest::kWholePrompt ? prompt_len : p.query_window;
+    if constexpr (Cache::kPaged) {
+      if (p.paged) return p.paged(prompt_len, a.budget);
+    } else {
+      if (p.contiguous) return p.contiguous(prompt_len, a.budget);
+    }
+    usage(("policy " + a.policy + " does not run on this cache layout").c_str());
   }
-  usage(("unknown policy for this cache: " + name).c_str());
+  // A registry spec string: one-shot eviction after the prefill, the spec's own budget.
+  kvpolicy::AnyEvictionPolicy policy;
+  kvpolicy::throw_if_error(kvpolicy::make_eviction_policy(a.policy, &policy));
+  const ModelConfig& c = m.config();
+  const kvpolicy::ProblemShape shape{c.n_heads, c.n_kv_heads, c.head_dim, prompt_len, prompt_len};
+  const kvpolicy::Requirements r = policy.requirements(kvpolicy::BackendKind::kCpu, shape);
+  kvpolicy::throw_if_error(r.status);
+  po->query_window = std::max<std::int64_t>(1, r.query_window);  // the queries the policy reads (prefill clamps to the prompt)
+  return eviction_hooks<Cache>(std::move(policy));
 }
 
 template <class Cache>
 int generate(const Model& m, const Args& a, Cache cache) {
-  Session<Cache> s(m, std::move(cache), hooks_for<Cache>(a.policy, a.budget));
-  s.prefill(tokenize(a.prompt, m.config().bos_id));
+  const std::vector<std::int32_t> prompt = tokenize(a.prompt, m.config().bos_id);
+  PrefillOptions po;
+  auto hooks = hooks_for<Cache>(a, m, static_cast<std::int64_t>(prompt.size()), &po);
+  Session<Cache> s(m, std::move(cache), std::move(hooks));
+  s.prefill(prompt, po);
   const auto out = s.greedy(a.tokens);
   std::printf("%s\n", detokenize(out).c_str());
   std::fprintf(stderr, "[%s, %lld prompt tokens, %lld evictions, %.3f ms in policy hooks]\n", a.policy.c_str(),

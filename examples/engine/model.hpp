@@ -6,26 +6,22 @@
 // tokenizer 0..255 + BOS 256, EOS 257, PAD 258). Matrices are torch Linear
 // weights, row-major (out_features, in_features), used through Eigen::Map;
 // everything is fp32. The KV cache and the policies live in engine.hpp.
+//
+// Compiled once: the matrix products (Eigen), the config parser and the loader
+// are defined in model.cpp (kvp_engine_lib); this header includes neither
+// Eigen nor nlohmann-json. The element-wise helpers (rms_norm, RoPE) stay inline.
 #pragma once
 
-#include <Eigen/Core>
 #include <cmath>
 #include <cstdint>
-#include <nlohmann/json.hpp>
+#include <map>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "weights.hpp"
 
 namespace kvp_engine {
-
-using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMatrixMap = Eigen::Map<const RowMatrix>;
-using MatrixMap = Eigen::Map<RowMatrix>;
-using StridedConstMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
-using StridedMap = Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>>;
 
 struct ModelConfig {
   int vocab_size = 259, d_model = 128, n_layers = 3, n_heads = 4, n_kv_heads = 2, head_dim = 32, ffn_hidden = 384;
@@ -37,29 +33,8 @@ struct ModelConfig {
 
   int group_size() const noexcept { return n_heads / n_kv_heads; }
 
-  static ModelConfig from_json(const std::string& text) {
-    const auto j = nlohmann::json::parse(text);
-    ModelConfig c;
-    c.vocab_size = j.at("vocab_size");
-    c.d_model = j.at("d_model");
-    c.n_layers = j.at("n_layers");
-    c.n_heads = j.at("n_heads");
-    c.n_kv_heads = j.at("n_kv_heads");
-    c.head_dim = j.at("head_dim");
-    c.ffn_hidden = j.at("ffn_hidden");
-    c.rope_base = j.at("rope_base");
-    c.norm_eps = j.at("norm_eps");
-    c.max_seq_len = j.at("max_seq_len");
-    c.tie_embeddings = j.at("tie_embeddings");
-    c.bos_id = j.at("bos_id");
-    c.eos_id = j.at("eos_id");
-    c.pad_id = j.at("pad_id");
-    if (j.value("rope_convention", "half_split") != "half_split") throw std::runtime_error("config: only the half_split RoPE convention is supported");
-    if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0)
-      throw std::runtime_error("config: n_heads " + std::to_string(c.n_heads) + " is not a multiple of n_kv_heads " + std::to_string(c.n_kv_heads));
-    if (c.head_dim % 2 != 0) throw std::runtime_error("config: head_dim must be even for RoPE");
-    return c;
-  }
+  /// Parses config.json; throws std::runtime_error on a missing key or an unsupported model.
+  static ModelConfig from_json(const std::string& text);
 };
 
 /// Byte tokenizer: BOS, then the UTF-8 bytes of the text.
@@ -85,25 +60,7 @@ class Model {
 
   /// Loads `<dir>/config.json` and `<dir>/model.safetensors`; throws on a
   /// missing tensor or a shape that disagrees with the config.
-  static Model load(const std::string& dir) {
-    Model m;
-    m.config_ = ModelConfig::from_json(read_text_file(dir + "/config.json"));
-    m.tensors_ = load_safetensors_f32(dir + "/model.safetensors");
-    const ModelConfig& c = m.config_;
-    const std::int64_t d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, f = c.ffn_hidden;
-    m.embed_ = m.get("embed_tokens.weight", {c.vocab_size, d});
-    m.norm_ = m.get("norm.weight", {d});
-    m.lm_head_ = c.tie_embeddings ? m.embed_ : m.get("lm_head.weight", {c.vocab_size, d});
-    for (int i = 0; i < c.n_layers; ++i) {
-      const std::string p = "layers." + std::to_string(i) + ".";
-      m.layers_.push_back(Layer{m.get(p + "attn_norm.weight", {d}), m.get(p + "mlp_norm.weight", {d}),
-                                m.get(p + "attn.q_proj.weight", {q, d}), m.get(p + "attn.k_proj.weight", {kv, d}),
-                                m.get(p + "attn.v_proj.weight", {kv, d}), m.get(p + "attn.o_proj.weight", {d, q}),
-                                m.get(p + "mlp.gate_proj.weight", {f, d}), m.get(p + "mlp.up_proj.weight", {f, d}),
-                                m.get(p + "mlp.down_proj.weight", {d, f})});
-    }
-    return m;
-  }
+  static Model load(const std::string& dir);
 
   const ModelConfig& config() const noexcept { return config_; }
   const Layer& layer(int i) const noexcept { return layers_[static_cast<std::size_t>(i)]; }
@@ -116,12 +73,7 @@ class Model {
   }
 
  private:
-  const float* get(const std::string& name, std::vector<std::int64_t> shape) const {
-    auto it = tensors_.find(name);
-    if (it == tensors_.end()) throw std::runtime_error("model: missing tensor '" + name + "'");
-    if (it->second.shape != shape) throw std::runtime_error("model: tensor '" + name + "' has an unexpected shape");
-    return it->second.data.data();
-  }
+  const float* get(const std::string& name, std::vector<std::int64_t> shape) const;
 
   ModelConfig config_;
   std::map<std::string, WeightTensor> tensors_;
@@ -143,9 +95,9 @@ inline void rms_norm(const float* x, const float* w, std::int64_t rows, int d, f
 }
 
 /// y (rows, out) = x (rows, in) * W^T, W (out, in) row-major.
-inline void linear(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) {
-  MatrixMap(y, rows, out).noalias() = ConstMatrixMap(x, rows, in) * ConstMatrixMap(w, out, in).transpose();
-}
+void linear(const float* x, const float* w, std::int64_t rows, int in, int out, float* y);
+/// y (rows, out) += x (rows, in) * W^T (the attention output projection onto the residual stream).
+void linear_add(const float* x, const float* w, std::int64_t rows, int in, int out, float* y);
 
 /// cos/sin of RoPE for one position, half-split layout: entries i and i + d/2
 /// share angle pos * base^(-2i/d). Computed in double, rounded to float (as
@@ -175,26 +127,9 @@ inline void apply_rope(float* x, int heads, int head_dim, const float* cos_t, co
 }
 
 /// In place: x (rows, d) += MLP(rms_norm(x)) with SwiGLU, using scratch of rows*(d + 2*ffn) floats.
-inline void mlp_block(const Model& m, const Model::Layer& L, float* x, std::int64_t rows, std::vector<float>& scratch) {
-  const ModelConfig& c = m.config();
-  const int d = c.d_model, f = c.ffn_hidden;
-  scratch.resize(static_cast<std::size_t>(rows * (d + 2 * f)));
-  float* xn = scratch.data();
-  float* g = xn + rows * d;
-  float* u = g + rows * f;
-  rms_norm(x, L.mlp_norm, rows, d, c.norm_eps, xn);
-  linear(xn, L.wg, rows, d, f, g);
-  linear(xn, L.wu, rows, d, f, u);
-  for (std::int64_t i = 0; i < rows * f; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  MatrixMap(x, rows, d).noalias() += ConstMatrixMap(g, rows, f) * ConstMatrixMap(L.wd, d, f).transpose();
-}
+void mlp_block(const Model& m, const Model::Layer& L, float* x, std::int64_t rows, std::vector<float>& scratch);
 
 /// logits (rows, vocab) = rms_norm(x) * lm_head^T.
-inline void final_logits(const Model& m, const float* x, std::int64_t rows, float* logits) {
-  const ModelConfig& c = m.config();
-  std::vector<float> xn(static_cast<std::size_t>(rows * c.d_model));
-  rms_norm(x, m.final_norm(), rows, c.d_model, c.norm_eps, xn.data());
-  linear(xn.data(), m.lm_head(), rows, c.d_model, c.vocab_size, logits);
-}
+void final_logits(const Model& m, const float* x, std::int64_t rows, float* logits);
 
 }  // namespace kvp_engine

@@ -1,15 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// Adapters from kvpolicy policies to the engine's hook points (engine.hpp).
+// Adapters from kvpolicy policies to the engine's hook points: the library's
+// lifecycle, `kvpolicy::Hooks<Cache>` (kvpolicy/policy/lifecycle.hpp; engine.hpp).
 //
 //  * eviction_hooks(policy): after prefill, per layer, any kvpolicy
 //    `EvictionPolicy` (SnapKV, StreamingLLM, ...) reads the cache in place
 //    (`KVSource`: dense view or paged view) and the last prompt queries, and
 //    writes a KeepSet the engine applies with compact_contiguous/compact_paged.
+//    Also for a registry policy built from a spec string (`kvpolicy::AnyEvictionPolicy`,
+//    kvpolicy/registry.hpp: make_eviction_policy("snapkv:window=32,tokens=128", &p)).
 //  * quest_hooks(quest): Quest page selection on the paged cache: page min/max
 //    metadata maintained on every append (and rebuilt after a compaction),
-//    and before each decode attention a `PageSelection` the cache attends to.
-//  * combine(a, b): both sets of hooks (e.g. SnapKV after prefill + Quest per step);
-//    each hook point calls a's then b's callback.
+//    and before each decode attention (Hooks::before_attention) a
+//    `PageSelection` the cache attends to.
+//  * kvpolicy::combine(a, b) (lifecycle.hpp): both sets of hooks (e.g. SnapKV
+//    after prefill + Quest per step); each hook point calls a's then b's callback.
 //
 //  * eviction_hooks_by_layer(make): as eviction_hooks with a policy per layer
 //    (PyramidKV's layer-dependent budgets).
@@ -30,11 +34,18 @@
 // steady-state decoding does not allocate for the policy. Every policy call
 // goes through its noexcept Status API; the engine turns a failed Status into
 // an exception naming the policy's complaint.
+//
+// Build: the factories are templates; the instantiations the project uses
+// (float caches; SnapKV, TOVA, H2O, Expected Attention, Quest, AnyEvictionPolicy)
+// are declared `extern template` at the end of this file and compiled once in
+// policies.cpp (kvp_engine_lib).
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "engine.hpp"
@@ -43,9 +54,11 @@
 #include "kvpolicy/core/page_selection.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/policy.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
+#include "kvpolicy/registry.hpp"
 
 namespace kvp_engine {
 
@@ -88,6 +101,33 @@ Hooks<Cache> eviction_hooks(Policy policy, kvpolicy::ExecContext ctx = {}, std::
     return policy.evict(policy_context<Backend>(ctx, ws.get()), in, keep.set);
   };
   return h;
+}
+
+/// A type-erased registry policy (kvpolicy::AnyEvictionPolicy) behind the
+/// `Context` interface eviction_hooks calls: the backend named by the context's type.
+struct ErasedEvictionPolicy {
+  kvpolicy::AnyEvictionPolicy policy;
+
+  template <class Backend>
+  static constexpr kvpolicy::BackendKind kind() noexcept {
+    static_assert(std::is_same_v<Backend, kvpolicy::backend::Cpu> || std::is_same_v<Backend, kvpolicy::backend::Scalar>,
+                  "AnyEvictionPolicy runs on the Cpu or the Scalar backend");
+    return std::is_same_v<Backend, kvpolicy::backend::Cpu> ? kvpolicy::BackendKind::kCpu : kvpolicy::BackendKind::kScalar;
+  }
+  template <class Backend>
+  kvpolicy::Requirements requirements(const kvpolicy::Context<Backend>& ctx, const kvpolicy::ProblemShape& shape) const noexcept {
+    return policy.requirements(kind<Backend>(), shape, ctx.exec);
+  }
+  template <class Backend, class Tk>
+  Status evict(const kvpolicy::Context<Backend>& ctx, const kvpolicy::ScoreInput<float, Tk>& in, KeepSet out) const noexcept {
+    return policy.evict(kind<Backend>(), in, out, ctx.workspace, ctx.exec);
+  }
+};
+
+/// After-prefill eviction with a registry policy (a spec string made into an AnyEvictionPolicy).
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> eviction_hooks(kvpolicy::AnyEvictionPolicy policy, kvpolicy::ExecContext ctx = {}, std::int64_t query_window = 0) {
+  return eviction_hooks<Cache, ErasedEvictionPolicy, Backend>(ErasedEvictionPolicy{std::move(policy)}, ctx, query_window);
 }
 
 /// As eviction_hooks, with the policy of each layer built by `make(layer)`.
@@ -269,7 +309,7 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
   h.on_compact = [quest, meta_of, ctx](Cache& c, int layer) -> Status {  // rebuild every page of the table
     return quest.on_append(policy_context<Backend>(ctx), kvpolicy::AppendInput<T>{c.const_view(layer), nullptr}, meta_of(c, layer));
   };
-  h.select = [quest, meta_of, st, ctx](Cache& c, int layer, TensorView<const float, 3> query, SelectionBuffer& sel) -> Status {
+  h.before_attention = [quest, meta_of, st, ctx](Cache& c, int layer, TensorView<const float, 3> query, SelectionBuffer& sel) -> Status {
     const CacheShape& s = c.shape();
     const auto& view = c.const_view(layer);
     const kvpolicy::DecodeInput<float> in{query, view.table, c.page_size(), layer};
@@ -284,25 +324,22 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
   return h;
 }
 
-/// Both hook sets; at each point a's callback runs first. Two callbacks that
-/// both fill the same KeepBuffer / SelectionBuffer conflict: the later wins.
-template <class Cache>
-Hooks<Cache> combine(Hooks<Cache> a, Hooks<Cache> b) {
-  auto chain = [](auto f, auto g) -> decltype(f) {
-    if (!f) return g;
-    if (!g) return f;
-    return [f, g](auto&&... args) -> Status {
-      KVP_RETURN_IF_ERROR(f(args...));
-      return g(args...);
-    };
-  };
-  Hooks<Cache> h;
-  h.after_prefill = chain(a.after_prefill, b.after_prefill);
-  h.on_append = chain(a.on_append, b.on_append);
-  h.on_compact = chain(a.on_compact, b.on_compact);
-  h.select = chain(a.select, b.select);
-  h.after_attention = chain(a.after_attention, b.after_attention);
-  return h;
-}
+// ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------
+
+// One list for both sides: `KVP_ENGINE_HOOKS_FOR(extern, C)` declares, `KVP_ENGINE_HOOKS_FOR(, C)` defines.
+#define KVP_ENGINE_HOOKS_FOR(EXTERN, C)                                                                                              \
+  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::SnapKV, kvpolicy::backend::Cpu>(kvpolicy::SnapKV, kvpolicy::ExecContext,      \
+                                                                                       std::int64_t);                                \
+  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::TOVA, kvpolicy::backend::Cpu>(kvpolicy::TOVA, kvpolicy::ExecContext,          \
+                                                                                     std::int64_t);                                  \
+  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::AnyEvictionPolicy, kvpolicy::ExecContext, std::int64_t); \
+  EXTERN template Hooks<C> h2o_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::H2O, kvpolicy::ExecContext);                               \
+  EXTERN template Hooks<C> tova_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::TOVA, kvpolicy::ExecContext);                             \
+  EXTERN template Hooks<C> expected_attention_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::ExpectedAttentionParams, double,            \
+                                                                               kvpolicy::ExecContext);
+
+KVP_ENGINE_HOOKS_FOR(extern, ContiguousKVCache<float>)
+KVP_ENGINE_HOOKS_FOR(extern, PagedKVCache<float>)
+extern template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(kvpolicy::Quest, kvpolicy::ExecContext);
 
 }  // namespace kvp_engine

@@ -33,7 +33,7 @@ double max_abs_diff(std::span<const float> a, const nlohmann::json& b) {
 /// Greedy decode through a session, recording the logits of every decode step.
 template <class Cache>
 std::vector<std::vector<float>> run_greedy(Cache cache, const std::vector<std::int32_t>& prompt, int n, std::vector<std::int32_t>* gen,
-                                           Hooks<Cache> hooks = {}) {
+                                           kvpolicy::Hooks<Cache> hooks = {}) {
   Session<Cache> s(model(), std::move(cache), std::move(hooks));
   auto lg = s.prefill(prompt);
   std::vector<std::vector<float>> steps{{lg.begin(), lg.end()}};
@@ -110,7 +110,7 @@ TEST_CASE("engine: runs are deterministic", "[engine]") {
   const auto& s = engine_test::eval_samples().at(engine_test::samples_of("multikey", 1).at(0));
   const auto shape = engine_test::shape_for(static_cast<std::int64_t>(s.prompt.size()) + 8);
   auto hooks = [] {
-    return combine(eviction_hooks<PagedKVCache<float>>(snapkv_with_budget(256)), quest_hooks<float>(quest_with_budget(128)));
+    return kvpolicy::combine(eviction_hooks<PagedKVCache<float>>(snapkv_with_budget(256)), quest_hooks<float>(quest_with_budget(128)));
   };
   std::vector<std::int32_t> g1, g2;
   const auto a = run_greedy(PagedKVCache<float>(shape, 16), s.prompt, 8, &g1, hooks());

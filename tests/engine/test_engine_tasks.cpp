@@ -33,8 +33,9 @@ void check_full_cache_accuracy(const std::string& task) {
     const auto shape = engine_test::shape_for(static_cast<std::int64_t>(s.prompt.size() + s.answer.size()));
     SessionStats st;
     double kept = 0.0;
-    const auto lc = detail::run_sample(model(), pre, s, ContiguousKVCache<float>(shape), Hooks<ContiguousKVCache<float>>{}, &st, &kept);
-    const auto lp = detail::run_sample(model(), pre, s, PagedKVCache<float>(shape, 16), Hooks<PagedKVCache<float>>{}, &st, &kept);
+    const auto lc =
+        detail::run_sample(model(), pre, s, ContiguousKVCache<float>(shape), kvpolicy::Hooks<ContiguousKVCache<float>>{}, &st, &kept);
+    const auto lp = detail::run_sample(model(), pre, s, PagedKVCache<float>(shape, 16), kvpolicy::Hooks<PagedKVCache<float>>{}, &st, &kept);
     auto ok = [&](const std::vector<std::vector<float>>& steps) {
       for (std::size_t k = 0; k < steps.size(); ++k)
         if (argmax(steps[k]) != s.answer[k]) return false;
@@ -118,7 +119,7 @@ void check_bad_and_good(const std::string& task, const PolicyUnderTest& good, st
 #endif
   const auto subset = needles_outside_window(task, budget, kWant);
   REQUIRE(subset.size() == kWant);
-  const std::vector<PolicyUnderTest> policies = {streaming_llm_policy(), good};
+  const std::vector<PolicyUnderTest> policies = {find_policy(model().config(), "streaming_llm"), good};
   const std::int64_t budgets[] = {budget};
   for (CacheKind kind : {CacheKind::kContiguous, CacheKind::kPaged}) {
     EvalOptions opt;
@@ -148,7 +149,7 @@ TEST_CASE("engine tasks: StreamingLLM loses a passkey outside sinks + recent, H2
 }
 
 TEST_CASE("engine tasks: StreamingLLM loses a multi-key needle outside sinks + recent, SnapKV keeps it", "[engine][tasks]") {
-  check_bad_and_good("multikey", snapkv_policy(), 256);
+  check_bad_and_good("multikey", find_policy(model().config(), "snapkv"), 256);
 }
 
 TEST_CASE("engine tasks: online H2O and TOVA hold the cache at the budget on every decode step", "[engine][tasks]") {

@@ -3,7 +3,8 @@
 // prompt reproduces the full cache exactly for every policy; StreamingLLM
 // without room for the needles misses them; results are deterministic and
 // independent of the thread count; the CSV has the documented columns; trace
-// files become layer cases with correctly un-rotated queries.
+// files become layer cases with correctly un-rotated queries; --list-policies
+// lists the registry and every entry.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -12,7 +13,9 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 
+#include "kvpolicy/registry.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
 #include "sweep.hpp"
 #include "synthetic_workload.hpp"
@@ -231,4 +234,52 @@ TEST_CASE("compare: trace files become layer cases with un-rotated queries for E
   const kvpolicy::Status s = load_trace_cases("no/such/file.safetensors", &none);
   CHECK_FALSE(s.is_ok());
   CHECK(none.empty());
+}
+
+TEST_CASE("compare: --list-policies prints the registry and every comparison entry") {
+  const std::string listing = list_policies();  // what kvpolicy-compare --list-policies prints
+  // A line that starts with `name` and a space (appended, not `"\n" + name`: GCC 12 -Wrestrict false positive).
+  auto line_starting = [&](std::string_view name) {
+    std::string l = "\n";
+    l.append(name);
+    l += ' ';
+    return listing.find(l) != std::string::npos;
+  };
+  CHECK(listing.find(kvpolicy::describe_registry()) != std::string::npos);
+  REQUIRE(!kvpolicy::registry().empty());
+  for (const auto& p : kvpolicy::registry()) {
+    INFO(p.name);
+    // A registry line starts with the policy's name, then its family.
+    CHECK(line_starting(p.name));
+    CHECK(listing.find(std::string(p.family)) != std::string::npos);
+  }
+  for (const auto& p : all_policies()) {
+    INFO(p.name);
+    CHECK(line_starting(p.name));
+    if (!p.spec.empty()) CHECK(listing.find(p.spec) != std::string::npos);
+    // Every entry names a registry policy (the oracle excepted), and every spec string builds.
+    if (p.family != "oracle")
+      CHECK(kvpolicy::registry().end() != std::find_if(kvpolicy::registry().begin(), kvpolicy::registry().end(),
+                                                       [&](const kvpolicy::PolicyInfo& i) { return i.name == p.registry; }));
+  }
+}
+
+TEST_CASE("compare: the spec strings fill in the case and the budget") {
+  LayerCase c = small_synthetic();
+  c.window = 16;
+  c.sinks = 4;
+  CHECK(adapt::spec_for("snapkv:window={window},kernel=5", c, BudgetSpec::tokens(64)) == "snapkv:window=16,kernel=5,tokens=64");
+  std::string clamped = "snapkv:window=16,tokens=";  // a token budget above the prompt: n = T
+  clamped += std::to_string(c.kv_len);
+  CHECK(adapt::spec_for("snapkv:window={window}", c, BudgetSpec::tokens(100000)) == clamped);
+  CHECK(adapt::spec_for("streaming_llm:sinks={sinks}", c, BudgetSpec::ratio(0.75)) == "streaming_llm:sinks=4,compression_ratio=0.75");
+  CHECK(adapt::spec_for("tova", c, BudgetSpec::ratio(0.1)) == "tova:compression_ratio=0.10000000000000001");
+  CHECK(adapt::spec_for("observed_attention:window={factory_window}", c, BudgetSpec::tokens(8)) == "observed_attention:window=8,tokens=8");
+  // A bad spec is the registry's error, reported by the entry.
+  const auto bad = from_registry("Bad", false, "snapkv:windw=3");
+  Timer t;
+  Decision d;
+  const kvpolicy::Status s = bad.run(c, Reference{}, BudgetSpec::tokens(8), {}, t, &d);
+  CHECK_FALSE(s.is_ok());
+  CHECK(std::string(s.message()).find("unknown parameter 'windw'") != std::string::npos);
 }

@@ -45,7 +45,9 @@ const char* kUsage =
     "  --csv FILE          write the CSV to FILE\n"
     "  --commit REV        source revision recorded in the CSV\n"
     "  --no-progress       no progress line on stderr\n"
-    "  --list-policies     print the policy names and exit\n";
+    "  --list-policies     print the kvpolicy registry (every policy's name, family, paper and parameters\n"
+    "                      with their defaults) and the comparison's policies with the spec string each\n"
+    "                      is built from, and exit\n";
 
 bool parse_list(const char* s, std::vector<double>* out) {
   out->clear();
@@ -155,8 +157,7 @@ int main(int argc, char** argv) {
     } else if (a == "--no-progress") {
       opt.progress = false;
     } else if (a == "--list-policies") {
-      for (const auto& p : all_policies()) std::printf("%-28s %-10s%s%s\n", p.name.c_str(), p.family.c_str(), p.query_aware ? " query-aware" : "",
-                                                       p.multi_layer ? " multi-layer" : "");
+      std::printf("%s", list_policies().c_str());
       return 0;
     } else if (a == "-h" || a == "--help") {
       std::printf("%s", kUsage);

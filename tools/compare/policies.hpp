@@ -27,11 +27,24 @@
 // The observation window is the case's (32 by default; traces: min(32, T/4)).
 // Decision time is measured around the policy call only (workspace, inputs and
 // outputs are prepared outside the timed region); K/V are fp32 for every policy.
+//
+// How each entry is built (all_policies): the one-shot eviction policies the
+// registry expresses are spec strings (kvpolicy/registry.hpp,
+// make_eviction_policy), with `{window}` (the case's observation window),
+// `{sinks}` (its sink count) and `{factory_window}` (min(8, T), KVCache-Factory's
+// window) filled in per case and the budget appended as `tokens=n` (n =
+// min(budget, T)) or `compression_ratio=r`. The others keep an adapter below:
+// H2O (online state), Ada-KV (its kvpress SnapKV scorer pools before the group
+// mean; the registry's "adakv" keys cannot state that order), PyramidKV (token
+// budgets use KVCache-Factory's schedule, the registry's is kvpress's),
+// ExpectedAttention (the trace's RoPE frequencies and pre-RoPE queries), Quest
+// (selection on pages) and Oracle.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
@@ -42,12 +55,10 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
-#include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
-#include "kvpolicy/policy/eviction/streaming_llm.hpp"
-#include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
+#include "kvpolicy/registry.hpp"
 #include "layer_case.hpp"
 
 namespace kvp_compare {
@@ -98,6 +109,8 @@ struct PolicySpec {
   bool query_aware = false;  ///< reads the prompt's last queries (kvpress's "query-aware" presses read the question)
   bool multi_layer = false;  ///< only meaningful on cases with several layers (layer schedules)
   std::function<kvpolicy::Status(const LayerCase&, const Reference&, const BudgetSpec&, const kvpolicy::ExecContext&, Timer&, Decision*)> run;
+  std::string registry;      ///< the kvpolicy registry policy it runs ("snapkv", ...; empty: none, the oracle)
+  std::string spec;          ///< the spec string it is built from (placeholders, no budget); empty: its own adapter
 };
 
 namespace adapt {
@@ -151,41 +164,50 @@ Status run_prefill_policy(const P& p, const LayerCase& c, std::int64_t q_len, co
   const KeepSet keep = kb.keep(r.output.rows, r.output.capacity);
   const Context<Backend> cx = context(ctx, &ws);
   KVP_RETURN_IF_ERROR(t.run([&] { return p.evict(cx, in, keep); }));
-  kb.to(out, Decision::Rows::kKvHead);
+  kb.to(out, r.output.rows == c.num_kv_heads ? Decision::Rows::kKvHead : Decision::Rows::kQueryHead);
   return Status::ok();
 }
 
-inline Status streaming_llm(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
-  const StreamingLLM p(StreamingLLMParams{c.sinks, Budget::tokens(b.tokens_for(c.kv_len)), 0});
-  return run_prefill_policy(p, c, c.window, ctx, t, out);
+/// A registry policy (type-erased) behind the typed calls of run_prefill_policy, on the CPU backend.
+struct ErasedPolicy {
+  AnyEvictionPolicy p;
+  Requirements requirements(const Context<Backend>& cx, const ProblemShape& s) const noexcept {
+    return p.requirements(BackendKind::kCpu, s, cx.exec);
+  }
+  Status evict(const Context<Backend>& cx, const ScoreInput<float, float>& in, KeepSet out) const noexcept {
+    return p.evict(BackendKind::kCpu, in, out, cx.workspace, cx.exec);
+  }
+};
+
+/// The spec string of an entry for case `c` and budget `b`: placeholders filled in, the budget appended.
+inline std::string spec_for(const std::string& spec, const LayerCase& c, const BudgetSpec& b) {
+  std::string s = spec;
+  auto fill = [&s](const std::string& key, std::int64_t v) {
+    for (std::size_t at; (at = s.find(key)) != std::string::npos;) s.replace(at, key.size(), std::to_string(v));
+  };
+  fill("{window}", c.window);
+  fill("{sinks}", c.sinks);
+  fill("{factory_window}", std::min<std::int64_t>(8, c.kv_len));
+  s += s.find(':') == std::string::npos ? ":" : ",";
+  if (b.kind == BudgetSpec::Kind::kTokens) {
+    s += "tokens=" + std::to_string(b.tokens_for(c.kv_len));
+  } else {
+    char r[32];
+    std::snprintf(r, sizeof r, "%.17g", b.value);  // round-trips the double exactly
+    s += std::string("compression_ratio=") + r;
+  }
+  return s;
 }
 
-inline Status snapkv(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
-  SnapKVParams sp = SnapKVParams::kvpress(0.0, c.window, 5);
-  sp.budget = Budget::tokens(b.tokens_for(c.kv_len));
-  return run_prefill_policy(SnapKV(sp), c, c.window, ctx, t, out);
-}
-
-inline Status snapkv_original(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
-  return run_prefill_policy(SnapKV(SnapKVParams::original(b.tokens_for(c.kv_len), c.window, 7, Pooling::kMax)), c, c.window, ctx, t, out);
-}
-
-inline Status observed_attention(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
-  ObservedAttentionParams p = ObservedAttentionParams::kvpress(0.0);
-  p.budget = Budget::tokens(b.tokens_for(c.kv_len));
-  return run_prefill_policy(ObservedAttention(p), c, c.kv_len, ctx, t, out);
-}
-
-inline Status observed_attention_factory(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t,
-                                         Decision* out) {
-  const std::int32_t w = static_cast<std::int32_t>(std::min<std::int64_t>(8, c.kv_len));
-  return run_prefill_policy(ObservedAttention(ObservedAttentionParams::kvcache_factory_h2o(b.tokens_for(c.kv_len), w)), c, c.kv_len, ctx, t, out);
-}
-
-inline Status tova(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
-  TOVAParams p = TOVAParams::kvpress(0.0);
-  p.budget = Budget::tokens(b.tokens_for(c.kv_len));
-  return run_prefill_policy(TOVA(p), c, c.window, ctx, t, out);
+/// A one-shot eviction policy of the registry from `spec` (see spec_for); it reads the last `window`
+/// prompt queries of the case, or all of them (`whole_prompt`).
+inline auto registry_policy(std::string spec, bool whole_prompt) {
+  return [spec = std::move(spec), whole_prompt](const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t,
+                                                Decision* out) -> Status {
+    ErasedPolicy p;
+    KVP_RETURN_IF_ERROR(make_eviction_policy(spec_for(spec, c, b), &p.p));
+    return run_prefill_policy(p, c, whole_prompt ? c.kv_len : c.window, ctx, t, out);
+  };
 }
 
 inline Status h2o(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
@@ -339,23 +361,55 @@ inline Status oracle(const LayerCase& c, const Reference& r, const BudgetSpec& b
 
 }  // namespace adapt
 
-/// Every policy of the comparison, in table order.
+/// One entry built by the registry from a spec string (placeholders: see adapt::spec_for).
+inline PolicySpec from_registry(std::string name, bool query_aware, std::string spec, bool whole_prompt = false) {
+  kvpolicy::PolicySpec parsed;
+  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
+  return {std::move(name), "eviction", query_aware, false, adapt::registry_policy(spec, whole_prompt), parsed.name, spec};
+}
+
+/// Every policy of the comparison, in table order: spec strings for the registry's one-shot eviction
+/// policies, the adapters above for the rest (see the header comment).
 inline std::vector<PolicySpec> all_policies() {
   return {
-      {"StreamingLLM", "eviction", false, false, adapt::streaming_llm},
-      {"SnapKV", "eviction", true, false, adapt::snapkv},
-      {"SnapKV(original)", "eviction", true, false, adapt::snapkv_original},
-      {"H2O", "eviction", false, false, adapt::h2o},
-      {"ObservedAttention", "eviction", false, false, adapt::observed_attention},
-      {"ObservedAttention(Factory)", "eviction", false, false, adapt::observed_attention_factory},
-      {"TOVA", "eviction", true, false, adapt::tova},
-      {"Ada-KV", "eviction", true, false, adapt::adakv},
-      {"Ada-KV(original-GQA)", "eviction", true, false, adapt::adakv_original},
-      {"PyramidKV", "eviction", true, true, adapt::pyramidkv},
-      {"ExpectedAttention", "eviction", false, false, adapt::expected_attention},
-      {"Quest", "selection", true, false, adapt::quest},
-      {"Oracle", "oracle", true, false, adapt::oracle},
+      from_registry("StreamingLLM", false, "streaming_llm:sinks={sinks}"),
+      from_registry("SnapKV", true, "snapkv:window={window},kernel=5"),
+      from_registry("SnapKV(original)", true, "snapkv:window={window},kernel=7,pooling=max,window_reduce=sum,order=group_then_pool"),
+      {"H2O", "eviction", false, false, adapt::h2o, "h2o", ""},
+      from_registry("ObservedAttention", false, "observed_attention", true),
+      from_registry("ObservedAttention(Factory)", false, "observed_attention:window={factory_window},normalize=false", true),
+      from_registry("TOVA", true, "tova"),
+      {"Ada-KV", "eviction", true, false, adapt::adakv, "adakv", ""},
+      from_registry("Ada-KV(original-GQA)", true, "adakv:variant=original,window={window}"),
+      {"PyramidKV", "eviction", true, true, adapt::pyramidkv, "pyramidkv", ""},
+      {"ExpectedAttention", "eviction", false, false, adapt::expected_attention, "expected_attention", ""},
+      {"Quest", "selection", true, false, adapt::quest, "quest", ""},
+      {"Oracle", "oracle", true, false, adapt::oracle, "", ""},
   };
+}
+
+/// The comparison's entry that runs the engine policy `registry_name` (kvp_engine's names are the
+/// registry's): the first entry on that registry policy, its kvpress-configured variant. Null: none.
+inline const PolicySpec* entry_for_registry_name(const std::vector<PolicySpec>& all, const std::string& registry_name) {
+  for (const auto& p : all)
+    if (p.registry == registry_name) return &p;
+  return nullptr;
+}
+
+/// What `kvpolicy-compare --list-policies` prints: the registry (kvpolicy::describe_registry(): every
+/// policy's name, family, paper and parameters with their defaults), then the comparison's entries
+/// (the names --policies takes) with the spec string or the registry policy each one runs.
+inline std::string list_policies() {
+  std::string s = "kvpolicy registry (spec strings: name:key=value,...):\n" + kvpolicy::describe_registry();
+  s += "\nkvpolicy-compare policies (--policies; {window}, {sinks}, {factory_window} are per case, the budget is appended):\n";
+  for (const auto& p : all_policies()) {
+    const std::string how = !p.spec.empty() ? p.spec : p.registry.empty() ? "(reference)" : "(own adapter over " + p.registry + ")";
+    char line[512];
+    std::snprintf(line, sizeof line, "%-28s %-10s%s%s  %s\n", p.name.c_str(), p.family.c_str(), p.query_aware ? " query-aware" : "",
+                  p.multi_layer ? " multi-layer" : "", how.c_str());
+    s += line;
+  }
+  return s;
 }
 
 }  // namespace kvp_compare

@@ -17,10 +17,17 @@
 // prompt T. Quest runs on the paged cache (pages of 16 tokens), the others on the
 // contiguous one (Ada-KV's ragged heads need it); both give bit-identical full-cache
 // logits (tests/engine). Everything is deterministic and single-threaded.
+// The engine's policies are named as the kvpolicy registry names them; each row
+// carries the name, family and query-awareness of the comparison's entry on the
+// same registry policy (policies.hpp, entry_for_registry_name).
+//
+// Build: the engine is kvp_engine_lib (examples/engine/), linked, not compiled here.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -35,16 +42,6 @@ struct TaskWorkloadOptions {
   int per_task = 40;  ///< first N samples of each task in the set (0: all)
   bool progress = true;
 };
-
-/// Engine policy name -> the comparison's display name (the trace-level rows use the same names).
-inline std::string display_name(const std::string& engine_name) {
-  static const std::map<std::string, std::string> names = {{"streaming_llm", "StreamingLLM"}, {"h2o", "H2O"},         {"tova", "TOVA"},
-                                                           {"snapkv", "SnapKV"},              {"adakv", "Ada-KV"},     {"pyramidkv", "PyramidKV"},
-                                                           {"quest", "Quest"},                {"observed_attention", "ObservedAttention"},
-                                                           {"expected_attention", "ExpectedAttention"}};
-  const auto it = names.find(engine_name);
-  return it == names.end() ? engine_name : it->second;
-}
 
 /// Runs the workload and appends its rows. `policies`: display names to run (empty: all the engine has).
 inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<BudgetSpec>& budgets, const std::vector<std::string>& policies,
@@ -61,11 +58,16 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
     if (v.empty()) tasks.push_back(s.task);
     if (o.per_task <= 0 || static_cast<int>(v.size()) < o.per_task) v.push_back(s);
   }
+  // The engine's policies under the comparison's names (p.name becomes the entry's name).
+  const std::vector<PolicySpec> entries = all_policies();
+  std::map<std::string, const PolicySpec*> entry_of;
   std::vector<kvp_engine::PolicyUnderTest> contiguous, paged;
   for (auto& p : kvp_engine::all_policies(cfg)) {
-    const std::string name = display_name(p.name);
-    if (!policies.empty() && std::find(policies.begin(), policies.end(), name) == policies.end()) continue;
-    p.name = name;
+    const PolicySpec* e = entry_for_registry_name(entries, p.name);
+    if (e == nullptr) throw std::runtime_error("engine policy '" + p.name + "' has no entry in tools/compare/policies.hpp");
+    if (!policies.empty() && std::find(policies.begin(), policies.end(), e->name) == policies.end()) continue;
+    p.name = e->name;
+    entry_of[e->name] = e;
     (p.contiguous ? contiguous : paged).push_back(std::move(p));
   }
   std::size_t done = 0, total = 0;
@@ -83,9 +85,9 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
     for (const auto& b : budgets)
       tokens.push_back(b.kind == BudgetSpec::Kind::kTokens ? static_cast<std::int64_t>(b.value) : b.tokens_for(T));
     const std::string wl = "tasks:" + task;
-    auto emit = [&](const kvp_engine::TaskEvalResult& r, const BudgetSpec* b, const char* family, bool query_aware) {
+    auto emit = [&](const kvp_engine::TaskEvalResult& r, const BudgetSpec* b, const std::string& family, bool query_aware) {
       const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
-      const bool selection = r.policy == "Quest";
+      const bool selection = family == "selection";
       const double kept = selection ? r.mean_attended_tokens : r.mean_kept_bytes * per_layer / (bytes_per_token_head * cfg.n_kv_heads);
       ResultRow base{wl, "kvp-tiny", "all", r.budget < 0 ? "Full" : r.policy, family, query_aware,
                      b ? b->kind_name() : "full", b ? b->value : static_cast<double>(T), kept, "", 0.0, r.count};
@@ -114,11 +116,10 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
       const auto res = kvp_engine::run_task_eval(model, samples, ps, tokens, eo);
       if (with_full) emit(res[0], nullptr, "baseline", false);
       std::size_t i = 1;
-      for (const auto& p : ps)
-        for (std::size_t bi = 0; bi < budgets.size(); ++bi, ++i) {
-          const bool query_aware = p.name != "StreamingLLM" && p.name != "H2O" && p.name != "ObservedAttention" && p.name != "ExpectedAttention";
-          emit(res[i], &budgets[bi], p.name == "Quest" ? "selection" : "eviction", query_aware);
-        }
+      for (const auto& p : ps) {
+        const PolicySpec& e = *entry_of.at(p.name);
+        for (std::size_t bi = 0; bi < budgets.size(); ++bi, ++i) emit(res[i], &budgets[bi], e.family, e.query_aware);
+      }
     };
     run(contiguous, kvp_engine::CacheKind::kContiguous, true);
     if (!paged.empty()) run(paged, kvp_engine::CacheKind::kPaged, false);

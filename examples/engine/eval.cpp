@@ -1,0 +1,240 @@
+// SPDX-License-Identifier: Apache-2.0
+// eval.hpp compiled once (kvp_engine_lib): the policy factories (their hooks
+// instantiated here) and the evaluation harness; the task-set reader
+// (task_set.hpp) is in model.cpp, with the other JSON readers.
+#include "eval.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/pyramidkv.hpp"
+#include "kvpolicy/registry.hpp"
+
+namespace kvp_engine {
+
+PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window) {
+  kvpolicy::PolicySpec parsed;
+  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
+  kvpolicy::AnyEvictionPolicy check;  // a bad spec fails here, not at the first request
+  kvpolicy::throw_if_error(kvpolicy::make_eviction_policy(spec, &check));
+  auto make = [spec](std::int64_t prompt_len, std::int64_t budget) {
+    const std::string s =
+        spec + (spec.find(':') == std::string::npos ? ":" : ",") + "tokens=" + std::to_string(std::min(budget, prompt_len));
+    kvpolicy::AnyEvictionPolicy p;
+    kvpolicy::throw_if_error(kvpolicy::make_eviction_policy(s, &p));
+    return p;
+  };
+  PolicyUnderTest p;
+  p.name = parsed.name;
+  p.query_window = query_window;
+  p.contiguous = [make](std::int64_t prompt_len, std::int64_t budget) {
+    return eviction_hooks<ContiguousKVCache<float>>(make(prompt_len, budget));
+  };
+  p.paged = [make](std::int64_t prompt_len, std::int64_t budget) { return eviction_hooks<PagedKVCache<float>>(make(prompt_len, budget)); };
+  return p;
+}
+
+PolicyUnderTest pyramidkv_policy(std::int32_t num_layers, std::int32_t window) {
+  return on_both_layouts("pyramidkv", 64, [=]<class Cache>(std::int64_t budget) {
+    return eviction_hooks_by_layer<Cache>([=](int layer) {
+      return kvpolicy::PyramidKV(kvpolicy::PyramidKVParams::original(budget, layer, num_layers, window, 7, kvpolicy::Pooling::kMax));
+    });
+  });
+}
+
+PolicyUnderTest adakv_policy(std::int32_t window, std::int32_t kernel) {
+  PolicyUnderTest p;
+  p.name = "adakv";
+  p.contiguous = [=](std::int64_t, std::int64_t budget) {
+    kvpolicy::AdaKVParams a = kvpolicy::AdaKVParams::kvpress(0.0, 0.2);
+    a.budget = kvpolicy::Budget::tokens(budget).clamp_to_length();
+    return eviction_hooks<ContiguousKVCache<float>>(
+        kvpolicy::AdaKV<kvpolicy::SnapKV>(a, kvpolicy::SnapKV(kvpolicy::SnapKVParams::kvpress(0.0, window, kernel))));
+  };
+  return p;
+}
+
+PolicyUnderTest h2o_policy() {
+  return on_both_layouts("h2o", PolicyUnderTest::kWholePrompt, []<class Cache>(std::int64_t budget) {
+    return h2o_hooks<Cache>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2)));
+  });
+}
+
+PolicyUnderTest expected_attention_policy(double rope_base) {
+  return on_both_layouts("expected_attention", PolicyUnderTest::kWholePrompt, [rope_base]<class Cache>(std::int64_t budget) {
+    kvpolicy::ExpectedAttentionParams q = kvpolicy::ExpectedAttentionParams::kvpress(0.0);
+    q.budget = kvpolicy::Budget::tokens(budget).clamp_to_length();
+    return expected_attention_hooks<Cache>(q, rope_base);
+  });
+}
+
+PolicyUnderTest tova_policy() {
+  return on_both_layouts("tova", 1, []<class Cache>(std::int64_t budget) {
+    return tova_hooks<Cache>(kvpolicy::TOVA(kvpolicy::TOVAParams::original(budget)));
+  });
+}
+
+PolicyUnderTest quest_policy(std::int32_t dense_layers) {
+  PolicyUnderTest p;
+  p.name = "quest";
+  p.paged = [=](std::int64_t, std::int64_t budget) { return quest_hooks<float>(quest_with_budget(budget, dense_layers)); };
+  return p;
+}
+
+std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
+  // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
+  // their own hooks (see the header comment).
+  return {registry_policy("streaming_llm:sinks=4"),
+          h2o_policy(),
+          tova_policy(),
+          registry_policy("observed_attention", PolicyUnderTest::kWholePrompt),
+          registry_policy("snapkv:window=32,kernel=5"),
+          adakv_policy(),
+          pyramidkv_policy(c.n_layers),
+          expected_attention_policy(c.rope_base),
+          quest_policy()};
+}
+
+PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {
+  std::string known;
+  for (auto& p : all_policies(c)) {
+    if (p.name == name) return std::move(p);
+    known += (known.empty() ? "" : ", ") + p.name;
+  }
+  throw std::runtime_error("no engine policy named '" + name + "'; known: " + known);
+}
+
+namespace detail {
+
+double kl_divergence(std::span<const float> p_logits, std::span<const float> q_logits) {
+  auto log_softmax = [](std::span<const float> x) {
+    double mx = -INFINITY;
+    for (float v : x) mx = std::max(mx, static_cast<double>(v));
+    double s = 0.0;
+    for (float v : x) s += std::exp(static_cast<double>(v) - mx);
+    std::vector<double> out(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) out[i] = static_cast<double>(x[i]) - mx - std::log(s);
+    return out;
+  };
+  const auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0.0;
+  for (std::size_t i = 0; i < lp.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return std::max(0.0, kl);
+}
+
+template std::vector<std::vector<float>> run_sample(const Model&, const PrefillState&, const TaskSample&, ContiguousKVCache<float>,
+                                                    Hooks<ContiguousKVCache<float>>, SessionStats*, double*);
+template std::vector<std::vector<float>> run_sample(const Model&, const PrefillState&, const TaskSample&, PagedKVCache<float>,
+                                                    Hooks<PagedKVCache<float>>, SessionStats*, double*);
+
+}  // namespace detail
+
+std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSample> samples, std::span<const PolicyUnderTest> policies,
+                                          std::span<const std::int64_t> budgets, const EvalOptions& opt) {
+  const ModelConfig& c = m.config();
+  std::int64_t max_len = 0;
+  for (const auto& s : samples) max_len = std::max<std::int64_t>(max_len, static_cast<std::int64_t>(s.prompt.size() + s.answer.size()));
+  const CacheShape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, max_len};
+
+  std::vector<TaskEvalResult> results;
+  auto add_result = [&](std::string name, std::int64_t budget) -> TaskEvalResult& {
+    TaskEvalResult r;
+    r.policy = std::move(name);
+    r.budget = budget;
+    r.cache = opt.cache;
+    results.push_back(std::move(r));
+    return results.back();
+  };
+  add_result("full", -1);
+  for (const auto& p : policies) {
+    const bool runs = opt.cache == CacheKind::kContiguous ? static_cast<bool>(p.contiguous) : static_cast<bool>(p.paged);
+    if (!runs) continue;
+    for (auto b : budgets) add_result(p.name, b);
+  }
+  std::vector<std::int64_t> kl_steps(results.size(), 0);
+
+  // Prompt queries to keep: the largest window any policy asks for.
+  std::int64_t window = 1;
+  for (const auto& p : policies) window = p.query_window == PolicyUnderTest::kWholePrompt ? max_len : std::max(window, p.query_window);
+
+  for (std::size_t si = 0; si < samples.size(); ++si) {
+    const TaskSample& s = samples[si];
+    if (s.answer.empty()) throw std::runtime_error("run_task_eval: sample with an empty answer");
+    PrefillOptions po;
+    po.query_window = window;
+    const PrefillState pre = prefill(m, s.prompt, po);
+    // Scores one run of this sample into result `ri`; `ref` is the full-cache run (null for the reference itself).
+    auto score = [&](std::size_t ri, const std::vector<std::vector<float>>& steps, const std::vector<std::vector<float>>* ref,
+                     const SessionStats& st, double kept_bytes) {
+      TaskEvalResult& r = results[ri];
+      bool ok = true, same = true;
+      for (std::size_t i = 0; i < steps.size(); ++i) {
+        ok = ok && argmax(steps[i]) == s.answer[i];
+        if (ref != nullptr) {
+          const double kl = detail::kl_divergence((*ref)[i], steps[i]);
+          r.mean_kl += kl;
+          r.max_kl = std::max(r.max_kl, kl);
+          same = same && steps[i] == (*ref)[i];
+        }
+      }
+      kl_steps[ri] += static_cast<std::int64_t>(steps.size());
+      auto it = std::find_if(r.per_task.begin(), r.per_task.end(), [&](const TaskScore& t) { return t.task == s.task; });
+      if (it == r.per_task.end()) it = r.per_task.insert(r.per_task.end(), TaskScore{s.task, 0, 0});
+      it->correct += ok;
+      ++it->count;
+      r.correct += ok;
+      ++r.count;
+      r.identical_to_full += same ? 1 : 0;
+      r.decision_seconds += st.hook_seconds;
+      r.mean_kept_bytes += kept_bytes;
+      r.mean_full_bytes += static_cast<double>(pre.length) * c.n_layers * static_cast<double>(m.kv_bytes_per_token(sizeof(float)));
+      r.mean_attended_tokens +=
+          st.decode_layer_steps ? static_cast<double>(st.attended_tokens) / static_cast<double>(st.decode_layer_steps * c.n_heads) : 0.0;
+      r.sample_correct.push_back(ok ? 1 : 0);
+    };
+    // One teacher-forced run on a fresh cache of the configured layout.
+    auto run = [&](const PolicyUnderTest* p, std::int64_t budget, SessionStats* st, double* kept) {
+      if (opt.cache == CacheKind::kContiguous) {
+        using C = ContiguousKVCache<float>;
+        return detail::run_sample<C>(m, pre, s, C(shape), p ? p->contiguous(pre.length, budget) : Hooks<C>{}, st, kept);
+      }
+      using P = PagedKVCache<float>;
+      return detail::run_sample<P>(m, pre, s, P(shape, opt.page_size), p ? p->paged(pre.length, budget) : Hooks<P>{}, st, kept);
+    };
+    SessionStats st;
+    double kept = 0.0;
+    const auto full = run(nullptr, -1, &st, &kept);
+    score(0, full, nullptr, st, kept);
+    std::size_t ri = 1;
+    for (const auto& p : policies) {
+      const bool runs = opt.cache == CacheKind::kContiguous ? static_cast<bool>(p.contiguous) : static_cast<bool>(p.paged);
+      if (!runs) continue;
+      for (auto b : budgets) {
+        st = SessionStats{};
+        const auto steps = run(&p, b, &st, &kept);
+        score(ri++, steps, &full, st, kept);
+      }
+    }
+    if (opt.progress) opt.progress(si + 1, samples.size());
+  }
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    auto& r = results[i];
+    const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
+    r.accuracy = static_cast<double>(r.correct) / n;
+    r.mean_kl = kl_steps[i] ? r.mean_kl / static_cast<double>(kl_steps[i]) : 0.0;
+    r.mean_kept_bytes /= n;
+    r.mean_full_bytes /= n;
+    r.mean_attended_tokens /= n;
+  }
+  return results;
+}
+
+TaskEvalResult run_task_eval(const Model& m, std::span<const TaskSample> samples, const PolicyUnderTest& policy, std::int64_t budget,
+                             const EvalOptions& opt) {
+  const std::int64_t b[] = {budget};
+  return run_task_eval(m, samples, std::span<const PolicyUnderTest>(&policy, 1), b, opt).at(1);
+}
+
+}  // namespace kvp_engine

@@ -1,0 +1,146 @@
+// SPDX-License-Identifier: Apache-2.0
+// model.hpp and weights.hpp: the safetensors and config readers, the loader and
+// the fp32 matrix products (Eigen), compiled once into kvp_engine_lib; also
+// the task-set reader (task_set.hpp), so that nlohmann-json is compiled in one
+// translation unit of the library.
+#include "model.hpp"
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "kvpolicy/io/safetensors.hpp"
+#include "linalg.hpp"
+#include "task_set.hpp"
+#include "weights.hpp"
+
+namespace kvp_engine {
+
+// ---- weights.hpp ----------------------------------------------------------------
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot open '" + path + "'");
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+std::map<std::string, WeightTensor> load_safetensors_f32(const std::string& path) {
+  kvpolicy::io::SafetensorsFile file;
+  const kvpolicy::Status st = kvpolicy::io::SafetensorsFile::open(path, &file);
+  if (!st) throw std::runtime_error("'" + path + "': " + st.message());
+  std::map<std::string, WeightTensor> out;
+  for (const auto& e : file.tensors()) {
+    if (e.dtype_name != "F32")
+      throw std::runtime_error("safetensors '" + path + "': tensor '" + e.name + "' has dtype " + e.dtype_name + ", expected F32");
+    WeightTensor t;
+    t.shape = e.shape;
+    t.data.resize(static_cast<std::size_t>(e.numel()));
+    if (!t.data.empty()) std::memcpy(t.data.data(), file.bytes(e), t.data.size() * sizeof(float));
+    out.emplace(e.name, std::move(t));
+  }
+  return out;
+}
+
+// ---- model.hpp ------------------------------------------------------------------
+
+ModelConfig ModelConfig::from_json(const std::string& text) {
+  const auto j = nlohmann::json::parse(text);
+  ModelConfig c;
+  c.vocab_size = j.at("vocab_size");
+  c.d_model = j.at("d_model");
+  c.n_layers = j.at("n_layers");
+  c.n_heads = j.at("n_heads");
+  c.n_kv_heads = j.at("n_kv_heads");
+  c.head_dim = j.at("head_dim");
+  c.ffn_hidden = j.at("ffn_hidden");
+  c.rope_base = j.at("rope_base");
+  c.norm_eps = j.at("norm_eps");
+  c.max_seq_len = j.at("max_seq_len");
+  c.tie_embeddings = j.at("tie_embeddings");
+  c.bos_id = j.at("bos_id");
+  c.eos_id = j.at("eos_id");
+  c.pad_id = j.at("pad_id");
+  if (j.value("rope_convention", "half_split") != "half_split")
+    throw std::runtime_error("config: only the half_split RoPE convention is supported");
+  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0)
+    throw std::runtime_error("config: n_heads " + std::to_string(c.n_heads) + " is not a multiple of n_kv_heads " +
+                             std::to_string(c.n_kv_heads));
+  if (c.head_dim % 2 != 0) throw std::runtime_error("config: head_dim must be even for RoPE");
+  return c;
+}
+
+Model Model::load(const std::string& dir) {
+  Model m;
+  m.config_ = ModelConfig::from_json(read_text_file(dir + "/config.json"));
+  m.tensors_ = load_safetensors_f32(dir + "/model.safetensors");
+  const ModelConfig& c = m.config_;
+  const std::int64_t d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, f = c.ffn_hidden;
+  m.embed_ = m.get("embed_tokens.weight", {c.vocab_size, d});
+  m.norm_ = m.get("norm.weight", {d});
+  m.lm_head_ = c.tie_embeddings ? m.embed_ : m.get("lm_head.weight", {c.vocab_size, d});
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    m.layers_.push_back(Layer{
+        m.get(p + "attn_norm.weight", {d}), m.get(p + "mlp_norm.weight", {d}), m.get(p + "attn.q_proj.weight", {q, d}),
+        m.get(p + "attn.k_proj.weight", {kv, d}), m.get(p + "attn.v_proj.weight", {kv, d}), m.get(p + "attn.o_proj.weight", {d, q}),
+        m.get(p + "mlp.gate_proj.weight", {f, d}), m.get(p + "mlp.up_proj.weight", {f, d}), m.get(p + "mlp.down_proj.weight", {d, f})});
+  }
+  return m;
+}
+
+const float* Model::get(const std::string& name, std::vector<std::int64_t> shape) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) throw std::runtime_error("model: missing tensor '" + name + "'");
+  if (it->second.shape != shape) throw std::runtime_error("model: tensor '" + name + "' has an unexpected shape");
+  return it->second.data.data();
+}
+
+void linear(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) {
+  MatrixMap(y, rows, out).noalias() = ConstMatrixMap(x, rows, in) * ConstMatrixMap(w, out, in).transpose();
+}
+
+void linear_add(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) {
+  MatrixMap(y, rows, out).noalias() += ConstMatrixMap(x, rows, in) * ConstMatrixMap(w, out, in).transpose();
+}
+
+void mlp_block(const Model& m, const Model::Layer& L, float* x, std::int64_t rows, std::vector<float>& scratch) {
+  const ModelConfig& c = m.config();
+  const int d = c.d_model, f = c.ffn_hidden;
+  scratch.resize(static_cast<std::size_t>(rows * (d + 2 * f)));
+  float* xn = scratch.data();
+  float* g = xn + rows * d;
+  float* u = g + rows * f;
+  rms_norm(x, L.mlp_norm, rows, d, c.norm_eps, xn);
+  linear(xn, L.wg, rows, d, f, g);
+  linear(xn, L.wu, rows, d, f, u);
+  for (std::int64_t i = 0; i < rows * f; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  MatrixMap(x, rows, d).noalias() += ConstMatrixMap(g, rows, f) * ConstMatrixMap(L.wd, d, f).transpose();
+}
+
+void final_logits(const Model& m, const float* x, std::int64_t rows, float* logits) {
+  const ModelConfig& c = m.config();
+  std::vector<float> xn(static_cast<std::size_t>(rows * c.d_model));
+  rms_norm(x, m.final_norm(), rows, c.d_model, c.norm_eps, xn.data());
+  linear(xn.data(), m.lm_head(), rows, c.d_model, c.vocab_size, logits);
+}
+
+// ---- task_set.hpp ---------------------------------------------------------------
+
+std::vector<TaskSample> load_task_set(const std::string& path, int bos_id) {
+  const auto j = nlohmann::json::parse(read_text_file(path));
+  std::vector<TaskSample> out;
+  for (const auto& s : j.at("samples")) {
+    TaskSample t;
+    t.task = s.at("task");
+    t.prompt = tokenize(s.at("prompt").get<std::string>(), bos_id);
+    const std::string a = s.at("answer");
+    for (unsigned char ch : a) t.answer.push_back(ch);
+    for (const auto& p : s.at("needle_pos")) t.needle_pos.push_back(p.get<std::int64_t>());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace kvp_engine

@@ -1,0 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0
+// policies.hpp compiled once (kvp_engine_lib): the hook factories the project
+// uses, on the float caches (the list is the header's extern declarations).
+#include "policies.hpp"
+
+namespace kvp_engine {
+
+KVP_ENGINE_HOOKS_FOR(, ContiguousKVCache<float>)
+KVP_ENGINE_HOOKS_FOR(, PagedKVCache<float>)
+template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(kvpolicy::Quest, kvpolicy::ExecContext);
+
+}  // namespace kvp_engine
