@@ -39,7 +39,8 @@ int main() {
   ThreadPool pool(2);
   const ExecContext ctx = pool.context();
   // One size query: workspace, KeepSet rows / capacity (and the query window the engine must keep).
-  const Requirements req = snapkv.requirements(Context<backend::Cpu>{{}, ctx}, ProblemShape{n_q_heads, n_kv_heads, head_dim, kv_len, window});
+  const Requirements req =
+      snapkv.requirements(Context<backend::Cpu>{{}, ctx}, ProblemShape{n_q_heads, n_kv_heads, head_dim, kv_len, window});
   if (!req) {
     std::fprintf(stderr, "snapkv: %s\n", req.status.message());
     return 1;

@@ -39,7 +39,7 @@ constexpr std::int32_t kLayers = 4, kHq = 16, kHkv = 4, kG = kHq / kHkv, kDim = 
 struct Engine {
   std::int32_t num_pages;
   PageStrides strides = PageStrides::contiguous(PageLayout::kNHD, kHkv, kPage, kDim);
-  std::vector<std::vector<half>> k, v, meta;  // per layer
+  std::vector<std::vector<half>> k, v, meta;     // per layer
   std::vector<std::vector<std::int32_t>> pages;  // per sequence
   std::vector<std::int64_t> len;
   std::vector<std::int32_t> free, indptr, indices, last;
@@ -95,8 +95,8 @@ struct Engine {
           free.pop_back();
         }
         const std::int64_t off = pages[b].back() * strides.page + (t % kPage) * strides.slot;
-        const int topic_id = (t / 64) % 8;        // runs of 64 tokens share a topic
-        const bool on_topic = u(rng) < 0.15f;     // a few keys in each run carry it strongly
+        const int topic_id = (t / 64) % 8;     // runs of 64 tokens share a topic
+        const bool on_topic = u(rng) < 0.15f;  // a few keys in each run carry it strongly
         for (int l = 0; l < kLayers; ++l)
           for (int g = 0; g < kHkv; ++g)
             for (int c = 0; c < kDim; ++c) {
@@ -165,8 +165,7 @@ Selection select(Engine& eng, int l, TensorView<const float, 3> qv, const Quest&
 }
 
 /// Adds the selection's quality (vs full attention) and bytes (vs dense) to t.
-void evaluate(Engine& eng, int l, TensorView<const float, 3> qv, const Quest& quest, const Selection& s, const ExecContext& ctx,
-              Tally& t) {
+void evaluate(Engine& eng, int l, TensorView<const float, 3> qv, const Quest& quest, const Selection& s, const ExecContext& ctx, Tally& t) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
   PageQuality at64, at_budget;
   throw_if_error(page_quality<Backend>(eng.view(l), qv, s.view, 64, scale, &at64, {}, ctx));
@@ -187,9 +186,12 @@ int main(int argc, char** argv) {
   int steps = 8, budget = 1024, threads = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--steps") steps = std::atoi(argv[i + 1]);
-    else if (a == "--budget") budget = std::atoi(argv[i + 1]);
-    else if (a == "--threads") threads = std::atoi(argv[i + 1]);
+    if (a == "--steps")
+      steps = std::atoi(argv[i + 1]);
+    else if (a == "--budget")
+      budget = std::atoi(argv[i + 1]);
+    else if (a == "--threads")
+      threads = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: %s [--steps N] [--budget TOKENS] [--threads T]\n", argv[0]);
       return 2;
@@ -206,8 +208,8 @@ int main(int argc, char** argv) {
     for (int b = 0; b < 2; ++b) n[b] = std::max(0, std::min(1000, prompt[b] - done));
     eng.append(n, ctx);
   }
-  std::printf("Quest decode: %d layers (first %d dense), %d q / %d kv heads, head_dim %d, page %d, fp16, backend %s, %d threads\n",
-              kLayers, Quest().params().dense_layers, kHq, kHkv, kDim, kPage, Backend::isa_name(), threads);
+  std::printf("Quest decode: %d layers (first %d dense), %d q / %d kv heads, head_dim %d, page %d, fp16, backend %s, %d threads\n", kLayers,
+              Quest().params().dense_layers, kHq, kHkv, kDim, kPage, Backend::isa_name(), threads);
   std::printf("prompt lengths %d and %d tokens; token budget %d (page budget %d, last page included)\n\n", prompt[0], prompt[1], budget,
               Quest(QuestParams{.token_budget = budget}).page_budget(kPage));
   std::printf("%5s %10s %10s %12s %12s %12s %12s\n", "step", "rel.err", "mass", "bytes/dense", "select ms", "sparse ms", "dense ms");
@@ -257,14 +259,16 @@ int main(int argc, char** argv) {
                 t_sparse * 1e3, t_dense * 1e3);
   }
 
-  std::printf("\nLayers >= 2, mean over every other step, heads and layers. recall@64 / recall@budget: share of the pages\n"
-              "holding a head's 64 / `budget` heaviest keys that its selection kept; bytes: metadata + selected K/V over dense K/V\n"
-              "(the kernel loads each page once per kv head, so per-query-head rows of a group add up as their union).\n\n");
+  std::printf(
+      "\nLayers >= 2, mean over every other step, heads and layers. recall@64 / recall@budget: share of the pages\n"
+      "holding a head's 64 / `budget` heaviest keys that its selection kept; bytes: metadata + selected K/V over dense K/V\n"
+      "(the kernel loads each page once per kv head, so per-query-head rows of a group add up as their union).\n\n");
   std::printf("%-26s %10s %12s %10s %12s %12s\n", "per query head", "recall@64", "recall@budg", "mass", "output err", "bytes/dense");
   for (std::size_t i = 0; i < budgets.size(); ++i) {
     const double mean_len = 0.5 * static_cast<double>(eng.len[0] + eng.len[1]);
     const std::string label = "budget " + std::to_string(budgets[i]) + " (model " +
-                              std::to_string(quest_traffic_fraction(static_cast<std::int64_t>(mean_len), kPage, budgets[i])).substr(0, 5) + ")";
+                              std::to_string(quest_traffic_fraction(static_cast<std::int64_t>(mean_len), kPage, budgets[i])).substr(0, 5) +
+                              ")";
     by_budget[i].print(label.c_str());
   }
   std::printf("\n%-26s %10s %12s %10s %12s %12s\n", ("budget " + std::to_string(budget)).c_str(), "recall@64", "recall@budg", "mass",

@@ -64,22 +64,38 @@ Options parse(int argc, char** argv) {
     const std::string a = argv[i];
     if (i + 1 >= argc) usage(("missing value after " + a).c_str());
     const char* v = argv[++i];
-    if (a == "--policy") o.policy = v;
-    else if (a == "--backend") o.backend = v;
-    else if (a == "--tokens") o.tokens = std::atoll(v);
-    else if (a == "--q-heads") o.q_heads = std::atoll(v);
-    else if (a == "--kv-heads") o.kv_heads = std::atoll(v);
-    else if (a == "--head-dim") o.head_dim = std::atoll(v);
-    else if (a == "--window") o.window = std::atoll(v);
-    else if (a == "--kernel") o.kernel = std::atoll(v);
-    else if (a == "--ratio") o.ratio = std::atof(v);
-    else if (a == "--alpha") o.alpha = std::atof(v);
-    else if (a == "--layer") o.layer = std::atoi(v);
-    else if (a == "--num-layers") o.num_layers = std::atoi(v);
-    else if (a == "--threads") o.threads = std::atoi(v);
-    else if (a == "--reps") o.reps = std::atoi(v);
-    else if (a == "--warmup") o.warmup = std::atoi(v);
-    else usage(("unknown option " + a).c_str());
+    if (a == "--policy")
+      o.policy = v;
+    else if (a == "--backend")
+      o.backend = v;
+    else if (a == "--tokens")
+      o.tokens = std::atoll(v);
+    else if (a == "--q-heads")
+      o.q_heads = std::atoll(v);
+    else if (a == "--kv-heads")
+      o.kv_heads = std::atoll(v);
+    else if (a == "--head-dim")
+      o.head_dim = std::atoll(v);
+    else if (a == "--window")
+      o.window = std::atoll(v);
+    else if (a == "--kernel")
+      o.kernel = std::atoll(v);
+    else if (a == "--ratio")
+      o.ratio = std::atof(v);
+    else if (a == "--alpha")
+      o.alpha = std::atof(v);
+    else if (a == "--layer")
+      o.layer = std::atoi(v);
+    else if (a == "--num-layers")
+      o.num_layers = std::atoi(v);
+    else if (a == "--threads")
+      o.threads = std::atoi(v);
+    else if (a == "--reps")
+      o.reps = std::atoi(v);
+    else if (a == "--warmup")
+      o.warmup = std::atoi(v);
+    else
+      usage(("unknown option " + a).c_str());
   }
   if (o.reps < 1 || o.threads < 1) usage("--reps and --threads must be >= 1");
   return o;
@@ -190,7 +206,8 @@ int dispatch_policy(const Options& o, const ScoreInput<half, half>& in) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  std::vector<half> q(static_cast<std::size_t>(o.q_heads * o.window * o.head_dim)), keys(static_cast<std::size_t>(o.kv_heads * o.tokens * o.head_dim));
+  std::vector<half> q(static_cast<std::size_t>(o.q_heads * o.window * o.head_dim)),
+      keys(static_cast<std::size_t>(o.kv_heads * o.tokens * o.head_dim));
   std::mt19937 rng(1234);
   std::normal_distribution<float> nd;
   std::vector<float> qf(q.size());
@@ -205,8 +222,9 @@ int main(int argc, char** argv) {
         x = to_half(to_float(x) + qf[static_cast<std::size_t>(c)]);
       }
   }
-  const ScoreInput<half, half> in{TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
-                                    KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {o.kv_heads, o.tokens, o.head_dim}))};
+  const ScoreInput<half, half> in{
+      TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
+      KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {o.kv_heads, o.tokens, o.head_dim}))};
   if (o.backend == "cpu") return dispatch_policy<backend::Cpu>(o, in);
   if (o.backend == "scalar") return dispatch_policy<backend::Scalar>(o, in);
   usage(("unknown backend " + o.backend).c_str());

@@ -70,11 +70,11 @@ using kvpolicy::SelectionBuffer;
 /// harness compares policies on one shared prefill this way).
 struct PrefillState {
   std::int64_t length = 0;
-  std::vector<std::vector<float>> k, v;  ///< per layer (length, kv_heads, head_dim), keys post-RoPE
+  std::vector<std::vector<float>> k, v;      ///< per layer (length, kv_heads, head_dim), keys post-RoPE
   std::vector<std::vector<float>> q_window;  ///< per layer (num_q_heads, window, head_dim): last post-RoPE queries
   std::int64_t window = 0;
-  std::vector<float> logits;             ///< (positions.size(), vocab) for the requested positions
-  std::vector<std::int64_t> positions;   ///< prompt indices whose logits were computed; the last is T-1
+  std::vector<float> logits;            ///< (positions.size(), vocab) for the requested positions
+  std::vector<std::int64_t> positions;  ///< prompt indices whose logits were computed; the last is T-1
   std::span<const float> last_logits() const noexcept {
     return {logits.data() + logits.size() - static_cast<std::size_t>(vocab), static_cast<std::size_t>(vocab)};
   }
@@ -82,7 +82,7 @@ struct PrefillState {
 };
 
 struct PrefillOptions {
-  std::int64_t query_window = 64;          ///< queries kept per layer for after_prefill hooks (clamped to the prompt)
+  std::int64_t query_window = 64;             ///< queries kept per layer for after_prefill hooks (clamped to the prompt)
   std::vector<std::int64_t> logit_positions;  ///< prompt indices whose logits are wanted; the last is always added
 };
 
@@ -93,9 +93,9 @@ PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const
 /// Time spent in hooks (the policies' decisions and metadata work), and what they did.
 struct SessionStats {
   double hook_seconds = 0.0;
-  std::int64_t evictions = 0;   ///< keep sets applied
-  std::int64_t selections = 0;  ///< decode attentions restricted by a selection
-  std::int64_t attended_tokens = 0;  ///< (query head, cached token) pairs read by decode attention
+  std::int64_t evictions = 0;           ///< keep sets applied
+  std::int64_t selections = 0;          ///< decode attentions restricted by a selection
+  std::int64_t attended_tokens = 0;     ///< (query head, cached token) pairs read by decode attention
   std::int64_t decode_layer_steps = 0;  ///< decode steps x layers
 };
 
@@ -170,8 +170,8 @@ std::span<const float> Session<Cache>::load(const PrefillState& p) {
   }
   if (hooks_.after_prefill) {
     for (int l = 0; l < c.n_layers; ++l) {
-      const TensorView<const float, 3> q = TensorView<const float, 3>::contiguous(p.q_window[static_cast<std::size_t>(l)].data(),
-                                                                                   {c.n_heads, p.window, c.head_dim});
+      const TensorView<const float, 3> q =
+          TensorView<const float, 3>::contiguous(p.q_window[static_cast<std::size_t>(l)].data(), {c.n_heads, p.window, c.head_dim});
       keep_.active = false;
       timed([&] { return hooks_.after_prefill(cache_, l, q, keep_); });
       if (keep_.active) apply_keep(l);
@@ -218,7 +218,8 @@ std::span<const float> Session<Cache>::decode(std::int32_t token) {
     }
     if constexpr (Cache::kPaged) {
       if (sel != nullptr) {
-        for (int h = 0; h < Hq; ++h) stats_.attended_tokens += sel->row_tokens(sel->num_rows == Hq ? h : h / c.group_size(), cache_.page_size());
+        for (int h = 0; h < Hq; ++h)
+          stats_.attended_tokens += sel->row_tokens(sel->num_rows == Hq ? h : h / c.group_size(), cache_.page_size());
       } else {
         stats_.attended_tokens += cache_.kept_tokens(l) * c.group_size();
       }

@@ -156,17 +156,17 @@ struct TaskScore {
 };
 
 struct TaskEvalResult {
-  std::string policy;                 ///< "full" for the full-cache reference
-  std::int64_t budget = -1;           ///< -1 for the full cache
+  std::string policy;        ///< "full" for the full-cache reference
+  std::int64_t budget = -1;  ///< -1 for the full cache
   CacheKind cache = CacheKind::kContiguous;
-  std::vector<TaskScore> per_task;    ///< tasks in order of first appearance
+  std::vector<TaskScore> per_task;  ///< tasks in order of first appearance
   std::int64_t correct = 0, count = 0;
   double accuracy = 0.0;
   double mean_kl = 0.0, max_kl = 0.0;  ///< KL(full || policy) per answer step, nats
   std::int64_t identical_to_full = 0;  ///< samples with bit-identical logits at every answer step
   double decision_seconds = 0.0;
   double mean_kept_bytes = 0.0, mean_full_bytes = 0.0;
-  double mean_attended_tokens = 0.0;   ///< cached tokens read per (decode step, layer, query head)
+  double mean_attended_tokens = 0.0;         ///< cached tokens read per (decode step, layer, query head)
   std::vector<std::uint8_t> sample_correct;  ///< per sample, in input order
 };
 

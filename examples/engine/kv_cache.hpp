@@ -120,12 +120,8 @@ class ContiguousKVCache {
     return len[0];
   }
   /// The keys of layer l as policies read them (requires equal head lengths).
-  KVSource<T> key_source(int l) {
-    return KVSource<T>::from(TensorView<const T, 3>(keys(l).narrow(1, 0, uniform_length(l))));
-  }
-  KVSource<T> value_source(int l) {
-    return KVSource<T>::from(TensorView<const T, 3>(values(l).narrow(1, 0, uniform_length(l))));
-  }
+  KVSource<T> key_source(int l) { return KVSource<T>::from(TensorView<const T, 3>(keys(l).narrow(1, 0, uniform_length(l)))); }
+  KVSource<T> value_source(int l) { return KVSource<T>::from(TensorView<const T, 3>(values(l).narrow(1, 0, uniform_length(l)))); }
   std::int64_t kept_tokens(int l) const noexcept {
     std::int64_t n = 0;
     for (auto x : layers_[static_cast<std::size_t>(l)].len) n += x;
@@ -164,8 +160,8 @@ class ContiguousKVCache {
       const T* kb = &L.k[static_cast<std::size_t>(g * shape_.capacity * d)];
       const T* vb = &L.v[static_cast<std::size_t>(g * shape_.capacity * d)];
       detail::attend_rows(
-          q + h * d, d, n, scale, [&](std::int64_t j) { return kb + j * d; }, [&](std::int64_t j) { return vb + j * d; },
-          scratch_.data(), out + h * d);
+          q + h * d, d, n, scale, [&](std::int64_t j) { return kb + j * d; }, [&](std::int64_t j) { return vb + j * d; }, scratch_.data(),
+          out + h * d);
       if (probs != nullptr) std::copy(scratch_.begin(), scratch_.end(), probs + h * n);
     }
   }
@@ -212,7 +208,8 @@ class PagedKVCache {
 
   PagedKVCache() = default;
   /// A pool of ceil(capacity / page_size) pages per layer.
-  PagedKVCache(const CacheShape& s, std::int32_t page_size) : shape_(s), page_size_(page_size), layers_(static_cast<std::size_t>(s.n_layers)) {
+  PagedKVCache(const CacheShape& s, std::int32_t page_size)
+      : shape_(s), page_size_(page_size), layers_(static_cast<std::size_t>(s.n_layers)) {
     if (page_size <= 0) throw std::runtime_error("paged cache: page_size must be > 0");
     num_pages_ = static_cast<std::int32_t>((s.capacity + page_size - 1) / page_size);
     const std::size_t page_elems = static_cast<std::size_t>(page_size) * static_cast<std::size_t>(s.num_kv_heads * s.head_dim);
@@ -314,7 +311,9 @@ class PagedKVCache {
       }
       const std::int64_t n = n_pages == 0 ? 0 : (n_pages - 1) * page_size_ + last_len;
       scratch_.resize(static_cast<std::size_t>(n));
-      auto at = [&](std::int64_t j, const T* base) { return base + pages[j / page_size_] * page_stride() + g * d + (j % page_size_) * slot_stride(); };
+      auto at = [&](std::int64_t j, const T* base) {
+        return base + pages[j / page_size_] * page_stride() + g * d + (j % page_size_) * slot_stride();
+      };
       detail::attend_rows(
           q + h * d, d, n, scale, [&](std::int64_t j) { return at(j, L.k.data()); }, [&](std::int64_t j) { return at(j, L.v.data()); },
           scratch_.data(), out + h * d);
@@ -325,7 +324,8 @@ class PagedKVCache {
         } else {
           if (logical == nullptr) throw std::runtime_error("paged cache: probabilities under a selection need PageSelection::logical");
           std::fill(p, p + n_all, 0.0f);
-          for (std::int64_t j = 0; j < n; ++j) p[logical[j / page_size_] * page_size_ + j % page_size_] = scratch_[static_cast<std::size_t>(j)];
+          for (std::int64_t j = 0; j < n; ++j)
+            p[logical[j / page_size_] * page_size_ + j % page_size_] = scratch_[static_cast<std::size_t>(j)];
         }
       }
     }
@@ -335,8 +335,13 @@ class PagedKVCache {
   Status apply_keep(int l, const KeepSet& keep) {
     auto& L = layer(l);
     std::vector<std::int32_t> freed(L.indices.size());
-    kvpolicy::PagedCompactOutput out{L.indptr.data(), L.indices.data(), L.last_page_len.data(), static_cast<std::int64_t>(L.indices.size()),
-                                     freed.data(), static_cast<std::int64_t>(freed.size()), 0};
+    kvpolicy::PagedCompactOutput out{L.indptr.data(),
+                                     L.indices.data(),
+                                     L.last_page_len.data(),
+                                     static_cast<std::int64_t>(L.indices.size()),
+                                     freed.data(),
+                                     static_cast<std::int64_t>(freed.size()),
+                                     0};
     KVP_RETURN_IF_ERROR(kvpolicy::compact_paged<T>(L.view, keep, positions(l), out));
     L.indices.resize(static_cast<std::size_t>(L.indptr[1]));
     for (std::int64_t i = out.num_freed - 1; i >= 0; --i) L.free.push_back(freed[static_cast<std::size_t>(i)]);
@@ -346,12 +351,12 @@ class PagedKVCache {
 
  private:
   struct Layer {
-    std::vector<T> k, v;                  // (num_pages, page_size, kv_heads, head_dim)
-    std::vector<std::int32_t> pos;        // (num_pages, kv_heads, page_size)
-    std::vector<std::int32_t> indptr;     // (2)
-    std::vector<std::int32_t> indices;    // pages of the sequence, logical order
+    std::vector<T> k, v;                      // (num_pages, page_size, kv_heads, head_dim)
+    std::vector<std::int32_t> pos;            // (num_pages, kv_heads, page_size)
+    std::vector<std::int32_t> indptr;         // (2)
+    std::vector<std::int32_t> indices;        // pages of the sequence, logical order
     std::vector<std::int32_t> last_page_len;  // (1)
-    std::vector<std::int32_t> free;       // free pages, next to hand out at the back
+    std::vector<std::int32_t> free;           // free pages, next to hand out at the back
     PagedKVView<T> view{};
     PagedKVView<const T> cview{};
   };
@@ -363,8 +368,10 @@ class PagedKVCache {
   void refresh(int l) {
     auto& L = layer(l);
     const auto strides = kvpolicy::PageStrides::contiguous(kvpolicy::PageLayout::kNHD, shape_.num_kv_heads, page_size_, shape_.head_dim);
-    L.view = PagedKVView<T>{L.k.data(), L.v.data(), strides, strides, num_pages_, shape_.num_kv_heads, page_size_, shape_.head_dim,
-                            kvpolicy::PageTable{L.indptr.data(), L.indices.data(), L.last_page_len.data(), 1}, {}};
+    L.view = PagedKVView<T>{L.k.data(), L.v.data(),      strides,
+                            strides,    num_pages_,      shape_.num_kv_heads,
+                            page_size_, shape_.head_dim, kvpolicy::PageTable{L.indptr.data(), L.indices.data(), L.last_page_len.data(), 1},
+                            {}};
     L.cview = L.view;
   }
 

@@ -56,18 +56,28 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(("missing value for " + k).c_str());
       return argv[++i];
     };
-    if (k == "--model") a.model = val();
-    else if (k == "--prompt") a.prompt = val();
-    else if (k == "--eval") a.eval = val();
-    else if (k == "--policy") a.policy = val();
-    else if (k == "--tokens") a.tokens = std::stoi(val());
-    else if (k == "--budget") a.budget = std::stoll(val());
-    else if (k == "--limit") a.limit = std::stoll(val());
+    if (k == "--model")
+      a.model = val();
+    else if (k == "--prompt")
+      a.prompt = val();
+    else if (k == "--eval")
+      a.eval = val();
+    else if (k == "--policy")
+      a.policy = val();
+    else if (k == "--tokens")
+      a.tokens = std::stoi(val());
+    else if (k == "--budget")
+      a.budget = std::stoll(val());
+    else if (k == "--limit")
+      a.limit = std::stoll(val());
     else if (k == "--cache") {
       const std::string v = val();
-      if (v == "paged") a.cache = CacheKind::kPaged;
-      else if (v == "contiguous") a.cache = CacheKind::kContiguous;
-      else usage("--cache must be contiguous or paged");
+      if (v == "paged")
+        a.cache = CacheKind::kPaged;
+      else if (v == "contiguous")
+        a.cache = CacheKind::kContiguous;
+      else
+        usage("--cache must be contiguous or paged");
     } else if (k == "--budgets") {
       a.budgets.clear();
       std::stringstream ss(val());
@@ -115,7 +125,8 @@ int generate(const Model& m, const Args& a, Cache cache) {
   const auto out = s.greedy(a.tokens);
   std::printf("%s\n", detokenize(out).c_str());
   std::fprintf(stderr, "[%s, %lld prompt tokens, %lld evictions, %.3f ms in policy hooks]\n", a.policy.c_str(),
-               static_cast<long long>(s.position() - a.tokens + 1), static_cast<long long>(s.stats().evictions), 1e3 * s.stats().hook_seconds);
+               static_cast<long long>(s.position() - a.tokens + 1), static_cast<long long>(s.stats().evictions),
+               1e3 * s.stats().hook_seconds);
   return 0;
 }
 

@@ -82,7 +82,8 @@ Hooks<Cache> eviction_hooks(Policy policy, kvpolicy::ExecContext ctx = {}, std::
   using T = typename Cache::element_type;
   Hooks<Cache> h;
   auto ws = std::make_shared<std::vector<std::byte>>();
-  h.after_prefill = [policy, ctx, ws, query_window](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+  h.after_prefill = [policy, ctx, ws, query_window](Cache& cache, int layer, TensorView<const float, 3> queries,
+                                                    KeepBuffer& keep) -> Status {
     const KVSource<T> keys = cache.key_source(layer);
     const std::int64_t W = queries.extent(1);
     kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), W};
@@ -223,8 +224,9 @@ Hooks<Cache> expected_attention_hooks(kvpolicy::ExpectedAttentionParams params, 
   h.after_prefill = [params, rope_base, ctx, S](Cache& c, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
     const KVSource<T> keys = c.key_source(layer);
     const std::int64_t Hq = queries.extent(0), W = queries.extent(1), d = queries.extent(2), T0 = keys.kv_len() - W;
-    if (T0 < 0) return KVP_INVALID("engine expected_attention: %lld queries for %lld cached tokens", static_cast<long long>(W),
-                                   static_cast<long long>(keys.kv_len()));
+    if (T0 < 0)
+      return KVP_INVALID("engine expected_attention: %lld queries for %lld cached tokens", static_cast<long long>(W),
+                         static_cast<long long>(keys.kv_len()));
     const int hd = static_cast<int>(d), half = hd / 2;
     S->q_pre.resize(static_cast<std::size_t>(Hq * W * d));
     S->cos_t.resize(static_cast<std::size_t>(d));
@@ -314,9 +316,9 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
     const auto& view = c.const_view(layer);
     const kvpolicy::DecodeInput<float> in{query, view.table, c.page_size(), layer};
     kvpolicy::Quest::Plan plan;
-    KVP_RETURN_IF_ERROR(quest.plan(policy_context<Backend>(ctx), in,
-                                   kvpolicy::ProblemShape{.num_q_heads = s.num_q_heads, .num_kv_heads = s.num_kv_heads, .head_dim = s.head_dim},
-                                   plan));
+    KVP_RETURN_IF_ERROR(
+        quest.plan(policy_context<Backend>(ctx), in,
+                   kvpolicy::ProblemShape{.num_q_heads = s.num_q_heads, .num_kv_heads = s.num_kv_heads, .head_dim = s.head_dim}, plan));
     grow_workspace(st->ws, plan.requirements);
     sel.reserve(plan.requirements.output.rows, plan.requirements.output.capacity);
     return quest.select(policy_context<Backend>(ctx, &st->ws), plan, in, kvpolicy::PageMetaView<const T>(meta_of(c, layer)), sel.sel);
@@ -327,15 +329,14 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
 // ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------
 
 // One list for both sides: `KVP_ENGINE_HOOKS_FOR(extern, C)` declares, `KVP_ENGINE_HOOKS_FOR(, C)` defines.
-#define KVP_ENGINE_HOOKS_FOR(EXTERN, C)                                                                                              \
-  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::SnapKV, kvpolicy::backend::Cpu>(kvpolicy::SnapKV, kvpolicy::ExecContext,      \
-                                                                                       std::int64_t);                                \
-  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::TOVA, kvpolicy::backend::Cpu>(kvpolicy::TOVA, kvpolicy::ExecContext,          \
-                                                                                     std::int64_t);                                  \
-  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::AnyEvictionPolicy, kvpolicy::ExecContext, std::int64_t); \
-  EXTERN template Hooks<C> h2o_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::H2O, kvpolicy::ExecContext);                               \
-  EXTERN template Hooks<C> tova_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::TOVA, kvpolicy::ExecContext);                             \
-  EXTERN template Hooks<C> expected_attention_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::ExpectedAttentionParams, double,            \
+#define KVP_ENGINE_HOOKS_FOR(EXTERN, C)                                                                                                    \
+  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::SnapKV, kvpolicy::backend::Cpu>(kvpolicy::SnapKV, kvpolicy::ExecContext,            \
+                                                                                       std::int64_t);                                      \
+  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::TOVA, kvpolicy::backend::Cpu>(kvpolicy::TOVA, kvpolicy::ExecContext, std::int64_t); \
+  EXTERN template Hooks<C> eviction_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::AnyEvictionPolicy, kvpolicy::ExecContext, std::int64_t);    \
+  EXTERN template Hooks<C> h2o_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::H2O, kvpolicy::ExecContext);                                     \
+  EXTERN template Hooks<C> tova_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::TOVA, kvpolicy::ExecContext);                                   \
+  EXTERN template Hooks<C> expected_attention_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::ExpectedAttentionParams, double,                  \
                                                                                kvpolicy::ExecContext);
 
 KVP_ENGINE_HOOKS_FOR(extern, ContiguousKVCache<float>)

@@ -125,7 +125,8 @@ TEST_CASE("engine: eviction keeps logical positions and decoding continues at th
   const auto shape = engine_test::shape_for(T + 4);
   const std::int64_t budget = 100;
 
-  Session<ContiguousKVCache<float>> c(model(), ContiguousKVCache<float>(shape), eviction_hooks<ContiguousKVCache<float>>(snapkv_with_budget(budget)));
+  Session<ContiguousKVCache<float>> c(model(), ContiguousKVCache<float>(shape),
+                                      eviction_hooks<ContiguousKVCache<float>>(snapkv_with_budget(budget)));
   Session<PagedKVCache<float>> p(model(), PagedKVCache<float>(shape, 16), eviction_hooks<PagedKVCache<float>>(snapkv_with_budget(budget)));
   const PrefillState st = prefill(model(), s.prompt);
   c.load(st);

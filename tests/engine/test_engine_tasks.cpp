@@ -79,7 +79,8 @@ TEST_CASE("engine tasks: a budget >= the prompt reproduces the full cache exactl
     opt.cache = kind;
     const auto results = run_task_eval(model(), subset, policies, budgets, opt);
     std::size_t runs = 0;
-    for (const auto& p : policies) runs += (kind == CacheKind::kPaged ? static_cast<bool>(p.paged) : static_cast<bool>(p.contiguous)) ? 1 : 0;
+    for (const auto& p : policies)
+      runs += (kind == CacheKind::kPaged ? static_cast<bool>(p.paged) : static_cast<bool>(p.contiguous)) ? 1 : 0;
     REQUIRE(runs >= 6);
     REQUIRE(results.size() == 1 + 2 * runs);
     for (const auto& r : results) {
@@ -126,7 +127,8 @@ void check_bad_and_good(const std::string& task, const PolicyUnderTest& good, st
     opt.cache = kind;
     const auto r = run_task_eval(model(), subset, policies, budgets, opt);
     REQUIRE(r.size() == 3);
-    INFO(task << " @" << budget << ": full " << r[0].accuracy << ", streaming_llm " << r[1].accuracy << ", " << good.name << " " << r[2].accuracy);
+    INFO(task << " @" << budget << ": full " << r[0].accuracy << ", streaming_llm " << r[1].accuracy << ", " << good.name << " "
+              << r[2].accuracy);
     CHECK(r[0].accuracy == 1.0);
     CHECK(r[1].policy == "streaming_llm");
     CHECK(r[1].correct == 0);

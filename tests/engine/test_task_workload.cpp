@@ -24,7 +24,8 @@ std::vector<ResultRow> run(int per_task, const std::vector<BudgetSpec>& budgets,
 double value(const std::vector<ResultRow>& rows, const std::string& wl, const std::string& policy, const std::string& kind, double budget,
              const std::string& metric) {
   for (const auto& r : rows)
-    if (r.workload == wl && r.policy == policy && r.metric == metric && (kind == "full" ? r.budget_kind == "full" : r.budget_kind == kind && r.budget_value == budget))
+    if (r.workload == wl && r.policy == policy && r.metric == metric &&
+        (kind == "full" ? r.budget_kind == "full" : r.budget_kind == kind && r.budget_value == budget))
       return r.value;
   FAIL("no row " << wl << " " << policy << " " << kind << " " << budget << " " << metric);
   return 0.0;

@@ -90,7 +90,9 @@ TEST_CASE("compare: StreamingLLM without room for the needles fails the needle m
   for (auto n : c.needles) REQUIRE((n >= 4 && n < c.kv_len - 28));
   const Reference ref = make_reference(c, ctx);
   const auto policies = all_policies();
-  auto find = [&](const std::string& name) { return *std::find_if(policies.begin(), policies.end(), [&](auto& p) { return p.name == name; }); };
+  auto find = [&](const std::string& name) {
+    return *std::find_if(policies.begin(), policies.end(), [&](auto& p) { return p.name == name; });
+  };
   Decision dec;
   const Metrics streaming = run_one(find("StreamingLLM"), c, ref, BudgetSpec::tokens(32), ctx, &dec);
   CHECK(streaming.needle_hit == 0.0);

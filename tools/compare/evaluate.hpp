@@ -74,12 +74,12 @@ struct Decision {
 
 /// Full-cache quantities of the evaluation queries of one case.
 struct Reference {
-  std::vector<double> logit;     ///< (Hq, F, T) scaled logits of the prompt tokens
-  std::vector<double> row_max;   ///< (Hq, F) max logit over prompt and evaluation keys
-  std::vector<double> eval_num;  ///< (Hq, F, d) sum_{s<=f} exp(l'_s - max) v'_s
-  std::vector<double> eval_den;  ///< (Hq, F)
-  std::vector<double> full_out;  ///< (Hq, F, d)
-  std::vector<double> full_den;  ///< (Hq, F)
+  std::vector<double> logit;       ///< (Hq, F, T) scaled logits of the prompt tokens
+  std::vector<double> row_max;     ///< (Hq, F) max logit over prompt and evaluation keys
+  std::vector<double> eval_num;    ///< (Hq, F, d) sum_{s<=f} exp(l'_s - max) v'_s
+  std::vector<double> eval_den;    ///< (Hq, F)
+  std::vector<double> full_out;    ///< (Hq, F, d)
+  std::vector<double> full_den;    ///< (Hq, F)
   std::vector<std::int32_t> rank;  ///< (Hq, F, T) rank of each prompt token by weight (0 = heaviest)
 };
 

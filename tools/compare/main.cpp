@@ -59,8 +59,10 @@ bool parse_list(const char* s, std::vector<double>* out) {
     if (end == p || errno) return false;
     out->push_back(v);
     p = end;
-    if (*p == ',') ++p;
-    else if (*p) return false;
+    if (*p == ',')
+      ++p;
+    else if (*p)
+      return false;
   }
   return true;
 }
@@ -215,12 +217,14 @@ int main(int argc, char** argv) {
   std::printf("kvpolicy-compare: %zu policies, %zu budgets, %d threads, CPU ISA %s\n", sweep.policies().size(), opt.budgets.size(), threads,
               kvpolicy::backend::Cpu::isa_name());
   if (synthetic > 0)
-    std::printf("  synthetic: %d instances of %d q heads / %d kv heads, head_dim %d, %d prompt tokens (fp16 keys), window %d,\n"
-                "             %d decode queries per head, %d needles\n",
-                synthetic, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.kv_len, shape.window, shape.num_future, shape.needles);
+    std::printf(
+        "  synthetic: %d instances of %d q heads / %d kv heads, head_dim %d, %d prompt tokens (fp16 keys), window %d,\n"
+        "             %d decode queries per head, %d needles\n",
+        synthetic, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.kv_len, shape.window, shape.num_future, shape.needles);
   for (const auto& t : traces) std::printf("  trace: %s\n", t.c_str());
   if (task_samples > 0)
-    std::printf("  tasks: %d samples per task from %s, model %s (engine loop, one thread)\n", task_samples, task_set.c_str(), model_dir.c_str());
+    std::printf("  tasks: %d samples per task from %s, model %s (engine loop, one thread)\n", task_samples, task_set.c_str(),
+                model_dir.c_str());
   std::fflush(stdout);
 
   for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));

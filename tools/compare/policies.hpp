@@ -108,9 +108,10 @@ struct PolicySpec {
   std::string family;        ///< "eviction", "selection", "oracle"
   bool query_aware = false;  ///< reads the prompt's last queries (kvpress's "query-aware" presses read the question)
   bool multi_layer = false;  ///< only meaningful on cases with several layers (layer schedules)
-  std::function<kvpolicy::Status(const LayerCase&, const Reference&, const BudgetSpec&, const kvpolicy::ExecContext&, Timer&, Decision*)> run;
-  std::string registry;      ///< the kvpolicy registry policy it runs ("snapkv", ...; empty: none, the oracle)
-  std::string spec;          ///< the spec string it is built from (placeholders, no budget); empty: its own adapter
+  std::function<kvpolicy::Status(const LayerCase&, const Reference&, const BudgetSpec&, const kvpolicy::ExecContext&, Timer&, Decision*)>
+      run;
+  std::string registry;  ///< the kvpolicy registry policy it runs ("snapkv", ...; empty: none, the oracle)
+  std::string spec;      ///< the spec string it is built from (placeholders, no budget); empty: its own adapter
 };
 
 namespace adapt {
@@ -156,7 +157,8 @@ struct KeepBuffers {
 /// Any policy with the uniform `evict(ScoreInput)` interface.
 template <class P>
 Status run_prefill_policy(const P& p, const LayerCase& c, std::int64_t q_len, const ExecContext& ctx, Timer& t, Decision* out) {
-  const ScoreInput<float, float> in{q_len == c.kv_len ? view3(c.q, c.num_q_heads, c.kv_len, c.head_dim) : window_queries(c, q_len), keys(c)};
+  const ScoreInput<float, float> in{q_len == c.kv_len ? view3(c.q, c.num_q_heads, c.kv_len, c.head_dim) : window_queries(c, q_len),
+                                    keys(c)};
   const Requirements r = requirements(p, c, q_len, ctx);
   KVP_RETURN_IF_ERROR(r.status);
   std::vector<std::byte> ws(r.workspace_bytes);
@@ -269,7 +271,8 @@ inline Status pyramidkv(const LayerCase& c, const Reference&, const BudgetSpec& 
   return run_prefill_policy(PyramidKV(p), c, p.scoring.window, ctx, t, out);
 }
 
-inline Status expected_attention(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t, Decision* out) {
+inline Status expected_attention(const LayerCase& c, const Reference&, const BudgetSpec& b, const ExecContext& ctx, Timer& t,
+                                 Decision* out) {
   ExpectedAttentionParams p = ExpectedAttentionParams::kvpress(0.0);
   p.budget = Budget::tokens(b.tokens_for(c.kv_len));
   if (c.inv_freq.size() != static_cast<std::size_t>(c.head_dim / 2))
@@ -310,8 +313,10 @@ inline Status quest(const LayerCase& c, const Reference&, const BudgetSpec& b, c
   std::vector<std::int32_t> indptr{0, P}, pages(static_cast<std::size_t>(P)), last{static_cast<std::int32_t>((T - 1) % kPage + 1)};
   for (std::int32_t i = 0; i < P; ++i) pages[static_cast<std::size_t>(i)] = i;
   const PageTable table{indptr.data(), pages.data(), last.data(), 1};
-  const PagedKVView<const float> view{kp.data(), vp.data(), st, st, P, static_cast<std::int32_t>(Hkv), kPage, static_cast<std::int32_t>(d), table, kHost};
-  std::vector<float> meta(static_cast<std::size_t>(PageMetaView<float>::contiguous_size(P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d))));
+  const PagedKVView<const float> view{kp.data(), vp.data(), st, st, P, static_cast<std::int32_t>(Hkv), kPage, static_cast<std::int32_t>(d),
+                                      table,     kHost};
+  std::vector<float> meta(
+      static_cast<std::size_t>(PageMetaView<float>::contiguous_size(P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d))));
   const auto mv = PageMetaView<float>::contiguous(meta.data(), P, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d));
   KVP_RETURN_IF_ERROR(Quest{}.on_append(context(ctx), AppendInput<float>{view, nullptr}, mv));  // every page of the table
 

@@ -106,17 +106,24 @@ inline void print_table(FILE* out, const std::vector<ResultRow>& rows) {
     std::fprintf(out, "\n");
     for (const auto& l : lines) {
       char b[32];
-      if (l.kind == "tokens") std::snprintf(b, sizeof b, "%.0f", l.budget);
-      else if (l.kind == "ratio_removed") std::snprintf(b, sizeof b, "r=%.3g", l.budget);
-      else std::snprintf(b, sizeof b, "full");
+      if (l.kind == "tokens")
+        std::snprintf(b, sizeof b, "%.0f", l.budget);
+      else if (l.kind == "ratio_removed")
+        std::snprintf(b, sizeof b, "r=%.3g", l.budget);
+      else
+        std::snprintf(b, sizeof b, "full");
       std::fprintf(out, "%-27s %9s %7.0f", l.policy.c_str(), b, l.kept);
       for (int c = 0; c < 8; ++c) {
         if (!present[c]) continue;
         auto it = l.m.find(cols[c]);
-        if (it == l.m.end() || std::isnan(it->second)) std::fprintf(out, " %9s", "-");
-        else if (c == 5) std::fprintf(out, " %9.1f", it->second / 1024.0);
-        else if (c == 4) std::fprintf(out, " %9.3f", it->second);
-        else std::fprintf(out, " %9.4f", it->second);
+        if (it == l.m.end() || std::isnan(it->second))
+          std::fprintf(out, " %9s", "-");
+        else if (c == 5)
+          std::fprintf(out, " %9.1f", it->second / 1024.0);
+        else if (c == 4)
+          std::fprintf(out, " %9.3f", it->second);
+        else
+          std::fprintf(out, " %9.4f", it->second);
       }
       std::fprintf(out, "\n");
     }

@@ -43,7 +43,8 @@ class Sweep {
  public:
   Sweep(SweepOptions opt, const kvpolicy::ExecContext& ctx) : opt_(std::move(opt)), ctx_(ctx) {
     for (auto& p : all_policies())
-      if (opt_.policies.empty() || std::find(opt_.policies.begin(), opt_.policies.end(), p.name) != opt_.policies.end()) policies_.push_back(p);
+      if (opt_.policies.empty() || std::find(opt_.policies.begin(), opt_.policies.end(), p.name) != opt_.policies.end())
+        policies_.push_back(p);
 #if defined(__unix__) || defined(__APPLE__)
     tty_ = opt_.progress && isatty(2);
 #endif
@@ -205,12 +206,16 @@ class Sweep {
     if (!tty_) return;
     const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     char eta[32] = "";
-    if (done_ > 0 && total_ > done_) std::snprintf(eta, sizeof eta, ", ~%.0f s left", el / static_cast<double>(done_) * static_cast<double>(total_ - done_));
+    if (done_ > 0 && total_ > done_)
+      std::snprintf(eta, sizeof eta, ", ~%.0f s left", el / static_cast<double>(done_) * static_cast<double>(total_ - done_));
     char bud[32];
-    if (b.kind == BudgetSpec::Kind::kTokens) std::snprintf(bud, sizeof bud, "%.0f tokens", b.value);
-    else std::snprintf(bud, sizeof bud, "ratio %.3g", b.value);
-    std::fprintf(stderr, "\r\033[K[%3.0f%%] %s layer %d #%d: %s @ %s (%.0f s%s)", total_ ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 0.0,
-                 c.workload.c_str(), c.layer, c.instance, policy.c_str(), bud, el, eta);
+    if (b.kind == BudgetSpec::Kind::kTokens)
+      std::snprintf(bud, sizeof bud, "%.0f tokens", b.value);
+    else
+      std::snprintf(bud, sizeof bud, "ratio %.3g", b.value);
+    std::fprintf(stderr, "\r\033[K[%3.0f%%] %s layer %d #%d: %s @ %s (%.0f s%s)",
+                 total_ ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 0.0, c.workload.c_str(), c.layer, c.instance,
+                 policy.c_str(), bud, el, eta);
     std::fflush(stderr);
   }
   void clear_progress() {

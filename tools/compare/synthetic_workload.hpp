@@ -31,23 +31,23 @@ namespace kvp_compare {
 
 struct WorkloadShape {
   int num_q_heads = 32, num_kv_heads = 8, head_dim = 128;
-  int kv_len = 2560;     ///< prompt tokens in the cache (not a power of two: ratio budgets fall between the token budgets)
-  int window = 32;       ///< observation window (last prompt queries)
-  int num_future = 16;   ///< decode queries used to evaluate a decision
-  int needles = 8;       ///< planted per kv head
+  int kv_len = 2560;    ///< prompt tokens in the cache (not a power of two: ratio budgets fall between the token budgets)
+  int window = 32;      ///< observation window (last prompt queries)
+  int num_future = 16;  ///< decode queries used to evaluate a decision
+  int needles = 8;      ///< planted per kv head
   int sinks = 4;
 };
 
 struct Workload {
   WorkloadShape s;
-  std::vector<float> window_q;            // (Hq, window, d)
-  std::vector<float> prompt_q;            // (Hq, T, d): body queries, then the window queries
-  std::vector<kvpolicy::half> keys;       // (Hkv, T, d)
-  std::vector<float> keys_f, values;      // (Hkv, T, d) fp32 copies (values only exist in fp32 here)
-  std::vector<float> future_q;            // (Hq, num_future, d)
-  std::vector<std::int32_t> needle_pos;   // (Hkv, needles)
+  std::vector<float> window_q;                 // (Hq, window, d)
+  std::vector<float> prompt_q;                 // (Hq, T, d): body queries, then the window queries
+  std::vector<kvpolicy::half> keys;            // (Hkv, T, d)
+  std::vector<float> keys_f, values;           // (Hkv, T, d) fp32 copies (values only exist in fp32 here)
+  std::vector<float> future_q;                 // (Hq, num_future, d)
+  std::vector<std::int32_t> needle_pos;        // (Hkv, needles)
   std::vector<std::int32_t> needle_of_future;  // (Hq, num_future): needle index looked for, or -1
-  std::vector<float> mean_q;              // (Hkv, d): each kv head's mean query (sink) direction
+  std::vector<float> mean_q;                   // (Hkv, d): each kv head's mean query (sink) direction
 };
 
 inline Workload make_workload(const WorkloadShape& s, unsigned seed) {
@@ -91,8 +91,7 @@ inline Workload make_workload(const WorkloadShape& s, unsigned seed) {
   for (int t = s.sinks; t < T - s.window; ++t)
     if (std::uniform_real_distribution<float>(0, 1)(rng) < 0.02f) heavy.push_back(t);
   std::vector<int> needle_tokens;
-  for (int n = 0; n < s.needles; ++n)
-    needle_tokens.push_back(std::uniform_int_distribution<int>(T / 16, T - 2 * s.window)(rng));
+  for (int n = 0; n < s.needles; ++n) needle_tokens.push_back(std::uniform_int_distribution<int>(T / 16, T - 2 * s.window)(rng));
 
   for (int h = 0; h < Hkv; ++h) {
     std::vector<float> mean_q, bias;

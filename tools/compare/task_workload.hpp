@@ -44,8 +44,8 @@ struct TaskWorkloadOptions {
 };
 
 /// Runs the workload and appends its rows. `policies`: display names to run (empty: all the engine has).
-inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<BudgetSpec>& budgets, const std::vector<std::string>& policies,
-                              std::vector<ResultRow>* rows) {
+inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<BudgetSpec>& budgets,
+                              const std::vector<std::string>& policies, std::vector<ResultRow>* rows) {
   const kvp_engine::Model model = kvp_engine::Model::load(o.model_dir);
   const auto& cfg = model.config();
   const auto all = kvp_engine::load_task_set(o.task_set, cfg.bos_id);
@@ -89,8 +89,18 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
       const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
       const bool selection = family == "selection";
       const double kept = selection ? r.mean_attended_tokens : r.mean_kept_bytes * per_layer / (bytes_per_token_head * cfg.n_kv_heads);
-      ResultRow base{wl, "kvp-tiny", "all", r.budget < 0 ? "Full" : r.policy, family, query_aware,
-                     b ? b->kind_name() : "full", b ? b->value : static_cast<double>(T), kept, "", 0.0, r.count};
+      ResultRow base{wl,
+                     "kvp-tiny",
+                     "all",
+                     r.budget < 0 ? "Full" : r.policy,
+                     family,
+                     query_aware,
+                     b ? b->kind_name() : "full",
+                     b ? b->value : static_cast<double>(T),
+                     kept,
+                     "",
+                     0.0,
+                     r.count};
       auto add = [&](const char* metric, double v) {
         ResultRow row = base;
         row.metric = metric;
