@@ -3,7 +3,7 @@
 // `seq * num_kv_heads + head`, each row the kept token ids in ascending order
 // (CSR: `indptr[r] .. indptr[r+1]` into `indices`). Rows have equal length
 // for uniform budgets and differ for per-head allocation (Ada-KV). Memory is
-// caller-owned; size it with the policy's `max_kept()`.
+// caller-owned; size it from the policy's `requirements()` (output rows, capacity).
 #pragma once
 
 #include <cstdint>

@@ -17,7 +17,7 @@ KVP_NAMESPACE_BEGIN
 enum class StatusCode : int {
   kOk = 0,
   kInvalidArgument,    ///< shape, stride, dtype, null pointer, value out of range
-  kWorkspaceTooSmall,  ///< caller-provided workspace below `workspace_bytes()`
+  kWorkspaceTooSmall,  ///< caller-provided workspace below what `requirements()` reported
   kOutputTooSmall,     ///< caller-provided output buffer too small
   kUnsupported,        ///< valid input this build or backend does not handle
   kDeviceError,        ///< error reported by a device runtime (CUDA)

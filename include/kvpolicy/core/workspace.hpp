@@ -34,7 +34,7 @@ struct WorkspacePlan {
     bytes += align_up(n);
     return *this;
   }
-  /// What to report from `workspace_bytes()`: the blocks plus slack for an
+  /// What a size query reports: the blocks plus slack for an
   /// unaligned base pointer (zero when nothing is needed).
   constexpr std::size_t total() const noexcept { return bytes == 0 ? 0 : bytes + kWorkspaceAlign; }
 };
@@ -53,7 +53,7 @@ class WorkspaceCarver {
       bytes_ = 0;
     }
   }
-  /// nullptr when the workspace is exhausted (callers check `workspace_bytes` first).
+  /// nullptr when the workspace is exhausted (callers check the reported size first).
   template <class T>
   T* take(std::size_t n) noexcept {
     const std::size_t need = align_up(n * sizeof(T));

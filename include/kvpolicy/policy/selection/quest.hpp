@@ -347,7 +347,7 @@ class Quest {
     return n;
   }
 
-  /// Workspace geometry; `total()` is what `workspace_bytes` reports and
+  /// Workspace geometry; `total()` is what `plan` / `requirements` report and
   /// `carve` takes the blocks in the same order.
   struct Layout {
     std::size_t q = 0, scores = 0, offsets = 0, per_worker = 0;
