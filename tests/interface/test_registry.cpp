@@ -46,8 +46,15 @@ TEST_CASE("registry: parameters set from specs, errors name the key and the vali
   REQUIRE_THAT(make_policy("tova:window=3", &q).message(), Contains("names 'tova', expected 'snapkv'"));
   H2O h;
   REQUIRE(make_policy("h2o:hh_size=32,recent_size=96,granularity=query_head", &h).is_ok());
-  REQUIRE(h.params().hh_size == 32);
+  REQUIRE(h.params().heavy.kind == BudgetKind::kTokens);
+  REQUIRE(h.params().heavy.value == 32);
+  REQUIRE(h.params().recent.value == 96);
   REQUIRE(h.params().granularity == H2OGranularity::kQueryHead);
+  REQUIRE(make_policy("h2o:heavy_ratio=0.1,recent_ratio=0.2", &h).is_ok());
+  REQUIRE(h.params().heavy.kind == BudgetKind::kKeepRatio);
+  REQUIRE(h.cache_size(1000) == 300);
+  REQUIRE_THAT(make_policy("h2o:compression_ratio=0.5", &h).message(),
+               Contains("unknown parameter 'compression_ratio'") && Contains("valid: hh_size, heavy_ratio, recent_size, recent_ratio"));
   Quest qu;
   REQUIRE(make_policy("quest:token_budget=256,gqa=group_max", &qu).is_ok());
   REQUIRE(qu.params().gqa == QuestGqa::kGroupMax);

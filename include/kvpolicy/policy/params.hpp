@@ -18,12 +18,16 @@
 // `Budget` is set through one of three keys, `compression_ratio=r` (kvpress's
 // fraction removed), `tokens=n` or `keep_ratio=f`, which change the budget's
 // kind and value and keep its flags (protected inside / clamped to the length /
-// at least one) as the preset set them.
+// at least one) as the preset set them. A policy with several budgets names
+// their keys itself (`budget_field<&H2OParams::heavy>({"hh_size", "heavy_ratio"})`:
+// hh_size=n is a token count, heavy_ratio=f a keep ratio); a kind without a key
+// is not settable from a spec string.
 //
 // A field is a getter/setter pair, so a field may also write several members
 // that must agree (PyramidKV's window lives in its scorer and its schedule).
 #pragma once
 
+#include <array>
 #include <charconv>
 #include <cstdint>
 #include <cstdlib>
@@ -66,6 +70,18 @@ struct ParamField {
   std::string_view doc;
   T (*get)(const P&);
   void (*set)(P&, const T&);
+  /// Budget fields only: the spec key of each `BudgetKind` (tokens, keep_ratio,
+  /// compression_ratio); an empty key is not accepted.
+  std::array<std::string_view, 3> budget_keys = std::is_same_v<T, Budget>
+                                                    ? std::array<std::string_view, 3>{"tokens", "keep_ratio", "compression_ratio"}
+                                                    : std::array<std::string_view, 3>{};
+};
+
+/// Spec keys of a `Budget` field, in `BudgetKind` order (empty: kind not settable).
+struct BudgetKeys {
+  std::string_view tokens = "tokens";
+  std::string_view keep_ratio = "keep_ratio";
+  std::string_view compression_ratio = "compression_ratio";
 };
 
 namespace detail {
@@ -89,7 +105,18 @@ constexpr auto param_field(std::string_view name, std::string_view doc) noexcept
 /// The budget field backed by member `M` (keys compression_ratio / tokens / keep_ratio).
 template <auto M>
 constexpr auto budget_field(std::string_view doc = "budget: compression_ratio=r | tokens=n | keep_ratio=f") noexcept {
-  return param_field<M>("budget", doc);
+  auto f = param_field<M>("budget", doc);
+  f.budget_keys = {"tokens", "keep_ratio", "compression_ratio"};
+  return f;
+}
+
+/// A budget field named `name` whose kinds are set through `keys` (a policy
+/// with more than one budget, or with its reference's key names).
+template <auto M>
+constexpr auto budget_field(std::string_view name, BudgetKeys keys, std::string_view doc) noexcept {
+  auto f = param_field<M>(name, doc);
+  f.budget_keys = {keys.tokens, keys.keep_ratio, keys.compression_ratio};
+  return f;
 }
 
 /// Declares its fields (`P::fields()`).
@@ -119,14 +146,10 @@ inline std::string format_double(double v) {
   return buf;
 }
 
-inline const char* budget_key(BudgetKind k) noexcept {
-  switch (k) {
-    case BudgetKind::kTokens: return "tokens";
-    case BudgetKind::kKeepRatio: return "keep_ratio";
-    case BudgetKind::kCompressionRatio: return "compression_ratio";
-  }
-  return "compression_ratio";
+constexpr std::size_t budget_kind_index(BudgetKind k) noexcept {
+  return k == BudgetKind::kTokens ? 0 : k == BudgetKind::kKeepRatio ? 1 : 2;
 }
+constexpr BudgetKind kBudgetKinds[3] = {BudgetKind::kTokens, BudgetKind::kKeepRatio, BudgetKind::kCompressionRatio};
 
 template <class T>
 std::string format_value(const T& v) {
@@ -203,13 +226,14 @@ constexpr void for_each_field(F&& f) {
   std::apply([&](const auto&... field) { (f(field), ...); }, P::fields());
 }
 
-/// The keys a spec string accepts for `P`, in declaration order ("budget" expands to its three keys).
+/// The keys a spec string accepts for `P`, in declaration order (a budget expands to its kinds' keys).
 template <DeclaresFields P>
 std::vector<std::string> param_keys() {
   std::vector<std::string> keys;
   for_each_field<P>([&](const auto& f) {
     if constexpr (std::is_same_v<typename std::decay_t<decltype(f)>::Value, Budget>) {
-      keys.insert(keys.end(), {"compression_ratio", "tokens", "keep_ratio"});
+      for (std::size_t k : {2u, 0u, 1u})
+        if (!f.budget_keys[k].empty()) keys.emplace_back(f.budget_keys[k]);
     } else {
       keys.emplace_back(f.name);
     }
@@ -225,7 +249,8 @@ std::vector<ParamInfo> describe_params(const P& p) {
     using T = typename std::decay_t<decltype(f)>::Value;
     const T v = f.get(p);
     if constexpr (std::is_same_v<T, Budget>) {
-      out.push_back({detail::budget_key(v.kind), detail::format_value(v), std::string(f.doc)});
+      const std::string_view key = f.budget_keys[detail::budget_kind_index(v.kind)];
+      out.push_back({key.empty() ? std::string(f.name) : std::string(key), detail::format_value(v), std::string(f.doc)});
     } else if constexpr (std::is_enum_v<T>) {
       out.push_back({std::string(f.name), detail::format_value(v), std::string(f.doc) + " (" + detail::enum_choices<T>() + ")"});
     } else {
@@ -235,8 +260,8 @@ std::vector<ParamInfo> describe_params(const P& p) {
   return out;
 }
 
-/// Sets the field of `p` named `key` (a budget through compression_ratio /
-/// tokens / keep_ratio) from `value`; unknown keys name the valid ones.
+/// Sets the field of `p` named `key` (a budget through the key of one of its
+/// kinds) from `value`; unknown keys name the valid ones.
 /// `p` is unchanged on error.
 template <DeclaresFields P>
 Status set_param(const char* who, P& p, std::string_view key, std::string_view value) {
@@ -246,15 +271,10 @@ Status set_param(const char* who, P& p, std::string_view key, std::string_view v
     using T = typename std::decay_t<decltype(f)>::Value;
     if (found) return;
     if constexpr (std::is_same_v<T, Budget>) {
-      BudgetKind kind;
-      if (key == "compression_ratio")
-        kind = BudgetKind::kCompressionRatio;
-      else if (key == "tokens")
-        kind = BudgetKind::kTokens;
-      else if (key == "keep_ratio")
-        kind = BudgetKind::kKeepRatio;
-      else
-        return;
+      std::size_t k = 0;
+      while (k < 3 && (f.budget_keys[k].empty() || key != f.budget_keys[k])) ++k;
+      if (k == 3) return;
+      const BudgetKind kind = detail::kBudgetKinds[k];
       found = true;
       double v = 0.0;
       st = detail::parse_value(who, key, value, &v);

@@ -429,7 +429,7 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
                       "kMax is not additive");
   expect_update_error(
       H2O(H2OParams::original(-1, 10)).update(cx0, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {Hq, 3, 33}))),
-      "must be >= 0");
+      "token budget is -1, must be a non-negative integer");
   // update from queries and keys: queries / keys / state head counts
   RandomCase<float> rc(Hq, Hkv, 33, d, 3, 1);
   auto ws = h2o_workspace<backend::Cpu>(policy, ProblemShape{Hq, Hkv, d, 33, 3});
@@ -486,17 +486,61 @@ TEST_CASE("h2o: bad input gets a clear message and modifies nothing", "[h2o][err
 }
 
 TEST_CASE("h2o: reset starts a new sequence - ratios of the prompt length", "[h2o]") {
-  const auto p = H2OParams::from_prompt_ratios(0.1, 0.1, 1005);
-  REQUIRE(p.hh_size == 100);
-  REQUIRE(p.recent_size == 100);
+  // §6.2: hh = int(heavy_ratio * prompt_len), recent = int(recent_ratio * prompt_len).
+  const H2O ratios(H2OParams::from_prompt_ratios(0.1, 0.1));
+  REQUIRE(ratios.heavy_size(1005) == 100);
+  REQUIRE(ratios.recent_size(1005) == 100);
+  REQUIRE(ratios.cache_size(1005) == 200);
+  REQUIRE(ratios.kept_count(1005) == 200);
+  REQUIRE(ratios.kept_count(300, 0, 1005) == 200);  // decode: still the prompt's budget
   std::vector<float> s(2 * 8, 5.0f);
-  H2OState st{TensorView<float, 2>::contiguous(s.data(), {2, 8}), 6};
+  H2OState st{TensorView<float, 2>::contiguous(s.data(), {2, 8}), 6, 6};
   st.reset();
   REQUIRE(st.length == 0);
+  REQUIRE(st.prompt_len == 0);
   std::vector<float> probs(4 * 3 * 3, 0.25f);
   REQUIRE(H2O(H2OParams::original(2, 2))
               .update(Context<backend::Scalar>{}, st, probs_input(TensorView<const float, 3>::contiguous(probs.data(), {4, 3, 3})))
               .is_ok());
   REQUIRE(st.length == 3);
+  REQUIRE(st.prompt_len == 3);
   REQUIRE(s[0] == 1.5f);  // 2 heads x 3 rows x 0.25, no stale score
+}
+
+TEST_CASE("h2o: ratio budgets resolve once against the prompt and hold through decode", "[h2o]") {
+  // Prompt of 20 tokens, ratios 0.25 / 0.25: the cache holds 5 heavy + 5 recent for the whole sequence.
+  const H2O policy(H2OParams::from_prompt_ratios(0.25, 0.25));
+  const std::int64_t H = 1, cap = 24;
+  std::vector<float> state(H * cap, 0.0f);
+  H2OState st{TensorView<float, 2>::contiguous(state.data(), {H, cap}), 0};
+  std::vector<float> col(H * 20, 0.0f);
+  for (int j = 0; j < 20; ++j) col[j] = static_cast<float>((j * 7) % 11);  // the prompt's column sums
+  const Context<backend::Scalar> cx{};
+  const auto sums = [](const std::vector<float>& v, std::int64_t n) {
+    ScoreInput<float, float> in;
+    in.column_sums = TensorView<const float, 2>::contiguous(v.data(), {1, n});
+    return in;
+  };
+  REQUIRE(policy.update(cx, st, sums(col, 20)).is_ok());
+  REQUIRE(st.prompt_len == 20);
+  KeepSetBuffer keep(H, 10);
+  auto ws = h2o_workspace<backend::Scalar>(policy, ProblemShape{H, H, 0, 20, 0});
+  REQUIRE(policy.evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, st, keep.view()).is_ok());
+  REQUIRE(st.length == 10);
+  // Heavy part: the 5 best of slots [0, 15), equal scores to the later slot: 10 (j=3, 14), 9 (j=6), 8 (j=9), 7 (j=12 over j=1).
+  REQUIRE(keep.row(0) == std::vector<std::int32_t>{3, 6, 9, 12, 14, 15, 16, 17, 18, 19});
+  // A decode step: 11 slots, the budget stays 10 (int(0.25 * 20) * 2), not int(0.25 * 11) * 2.
+  std::vector<float> step(H * 11, 1.0f);
+  REQUIRE(policy.update(cx, st, probs_input(TensorView<const float, 3>::contiguous(step.data(), {H, 1, 11}))).is_ok());  // 10 + 1 new
+  REQUIRE(st.prompt_len == 20);
+  KeepSetBuffer keep2(H, 10);
+  REQUIRE(policy.evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, st, keep2.view()).is_ok());
+  REQUIRE(st.length == 10);
+  // NaN ratio: a clear error, nothing written (defect #16.10).
+  const H2O nan_ratio(H2OParams::from_prompt_ratios(std::numeric_limits<double>::quiet_NaN(), 0.1));
+  REQUIRE_THAT(nan_ratio.validate_params().message(), Contains("h2o: heavy") && Contains("not finite"));
+  REQUIRE(nan_ratio.kept_count(100) == -1);
+  // hh_size + recent_size beyond int32 (it used to overflow int64 and validate): rejected.
+  REQUIRE_THAT(H2O(H2OParams::original(INT64_C(4) << 40, INT64_C(4) << 40)).validate_params().message(),
+               Contains("exceeds the int32 token id range"));
 }

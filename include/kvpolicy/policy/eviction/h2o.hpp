@@ -15,6 +15,10 @@
 //      slots (ascending) go to a KeepSet row for `apply/`, and the state row is
 //      re-packed the same way, so scores stay aligned with the compacted K/V.
 // `evict_for_space(num_coming)` makes room before a multi-token input.
+// Budgets (`Budget`): hh and recent are token counts (`hh_size`, `recent_size`)
+// or keep ratios of the prompt (`heavy_ratio`, `recent_ratio`, §6.2:
+// int(ratio * prompt_len)); the prompt is the first update into an empty state
+// (`H2OState::prompt_len`), so a ratio budget is fixed for the whole sequence.
 // Probabilities come from the engine (`update` with ScoreInput::attention,
 // (Hq, q, n) rows, or ScoreInput::column_sums, (Hq, n)) or are recomputed from
 // the step's queries and the cached keys (ScoreInput::queries + keys,
@@ -69,15 +73,17 @@ inline constexpr EnumName<H2OGranularity> kH2OGranularityNames[] = {{"kv_head", 
 constexpr std::span<const EnumName<H2OGranularity>> enum_names(H2OGranularity) noexcept { return kH2OGranularityNames; }
 
 struct H2OParams {
-  std::int64_t hh_size = 4;                      ///< heavy hitters kept per head
-  std::int64_t recent_size = 512;                ///< most recent slots always kept
+  Budget heavy = Budget::tokens(4);              ///< heavy hitters kept per head (hh_size), or a ratio of the prompt
+  Budget recent = Budget::tokens(512);           ///< most recent slots always kept (recent_size), or a ratio of the prompt
   GroupReduce group_reduce = GroupReduce::kSum;  ///< kKvHead: how a group's query heads combine (kSum / kMean)
   H2OGranularity granularity = H2OGranularity::kKvHead;
   float scale = 0.0f;  ///< logit scale when recomputing attention from queries; 0 means 1/sqrt(head_dim)
 
   static constexpr auto fields() noexcept {
-    return std::tuple{param_field<&H2OParams::hh_size>("hh_size", "heavy hitters kept per head"),
-                      param_field<&H2OParams::recent_size>("recent_size", "most recent slots always kept"),
+    return std::tuple{budget_field<&H2OParams::heavy>("heavy", {"hh_size", "heavy_ratio", ""},
+                                                      "heavy hitters per head: hh_size=n | heavy_ratio=f of the prompt"),
+                      budget_field<&H2OParams::recent>("recent", {"recent_size", "recent_ratio", ""},
+                                                       "recent slots: recent_size=n | recent_ratio=f of the prompt"),
                       param_field<&H2OParams::group_reduce>("group_reduce", "how a GQA group's query heads combine"),
                       param_field<&H2OParams::granularity>("granularity", "state rows per kv head or per query head"),
                       param_field<&H2OParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
@@ -86,20 +92,21 @@ struct H2OParams {
   /// `H2OKVCache_LayerWise(hh_size, recent_size)` (class defaults 4 / 512;
   /// run_summarization.py uses 1024 / 1024).
   static constexpr H2OParams original(std::int64_t hh_size, std::int64_t recent_size) noexcept {
-    return H2OParams{hh_size, recent_size, GroupReduce::kSum, H2OGranularity::kKvHead, 0.0f};
+    return H2OParams{Budget::tokens(hh_size), Budget::tokens(recent_size), GroupReduce::kSum, H2OGranularity::kKvHead, 0.0f};
   }
-  /// Budgets as ratios of the prompt length (§6.2): int(ratio * prompt_len).
-  static constexpr H2OParams from_prompt_ratios(double heavy_ratio, double recent_ratio, std::int64_t prompt_len) noexcept {
-    return original(static_cast<std::int64_t>(heavy_ratio * static_cast<double>(prompt_len)),
-                    static_cast<std::int64_t>(recent_ratio * static_cast<double>(prompt_len)));
+  /// Budgets as ratios of the prompt length (§6.2, `heavy_ratio` / `recent_ratio`):
+  /// int(ratio * prompt_len) each, the prompt being the first call into an empty state.
+  static constexpr H2OParams from_prompt_ratios(double heavy_ratio, double recent_ratio) noexcept {
+    return H2OParams{Budget::keep_ratio(heavy_ratio), Budget::keep_ratio(recent_ratio), GroupReduce::kSum, H2OGranularity::kKvHead, 0.0f};
   }
 };
 
 /// Caller-owned H2O state of one sequence (one layer).
 struct H2OState {
-  TensorView<float, 2> scores{};         ///< (state_heads, capacity): accumulated attention per cache slot, rows contiguous
-  std::int64_t length = 0;               ///< slots in use; equals the cache length after each update / evict
-  void reset() noexcept { length = 0; }  ///< new sequence (the original's _clean_scores)
+  TensorView<float, 2> scores{};                      ///< (state_heads, capacity): accumulated attention per cache slot, rows contiguous
+  std::int64_t length = 0;                            ///< slots in use; equals the cache length after each update / evict
+  std::int64_t prompt_len = 0;                        ///< slots of the first update into the empty state (ratio budgets resolve against it)
+  void reset() noexcept { length = prompt_len = 0; }  ///< new sequence (the original's _clean_scores)
 };
 
 class H2O {
@@ -111,21 +118,34 @@ class H2O {
   constexpr H2O() noexcept = default;
   explicit constexpr H2O(const Params& p) noexcept : params_(p) {}
   constexpr const Params& params() const noexcept { return params_; }
-  constexpr std::int64_t cache_size() const noexcept { return params_.hh_size + params_.recent_size; }
+  /// Heavy-hitter and recent slots for a prompt of `prompt_len` tokens (token
+  /// budgets ignore it; ratios are int(ratio * prompt_len)).
+  constexpr std::int64_t heavy_size(std::int64_t prompt_len) const noexcept { return params_.heavy.total(prompt_len, 0); }
+  constexpr std::int64_t recent_size(std::int64_t prompt_len) const noexcept { return params_.recent.total(prompt_len, 0); }
+  /// hh + recent: the cache size an evict trims to.
+  constexpr std::int64_t cache_size(std::int64_t prompt_len = 0) const noexcept { return heavy_size(prompt_len) + recent_size(prompt_len); }
 
   Status validate_params() const noexcept {
-    KVP_REQUIRE(params_.hh_size >= 0 && params_.recent_size >= 0, "h2o: hh_size %lld and recent_size %lld must be >= 0",
-                static_cast<long long>(params_.hh_size), static_cast<long long>(params_.recent_size));
-    KVP_REQUIRE(cache_size() <= INT32_MAX, "h2o: hh_size + recent_size exceeds the int32 token id range");
+    KVP_RETURN_IF_ERROR(params_.heavy.validate("h2o: heavy (hh_size / heavy_ratio)"));
+    KVP_RETURN_IF_ERROR(params_.recent.validate("h2o: recent (recent_size / recent_ratio)"));
+    KVP_REQUIRE(params_.heavy.kind != BudgetKind::kCompressionRatio && params_.recent.kind != BudgetKind::kCompressionRatio,
+                "h2o: heavy / recent budgets are token counts or keep ratios of the prompt, not compression ratios");
+    // Token budgets are <= 9e15 each (Budget::validate), so the sum cannot overflow int64;
+    // ratio budgets are at most the prompt, itself within the int32 id range.
+    const auto tokens = [](const Budget& b) { return b.kind == BudgetKind::kTokens ? static_cast<std::int64_t>(b.value) : 0; };
+    KVP_REQUIRE(tokens(params_.heavy) + tokens(params_.recent) <= INT32_MAX,
+                "h2o: hh_size + recent_size = %lld exceeds the int32 token id range",
+                static_cast<long long>(tokens(params_.heavy) + tokens(params_.recent)));
     KVP_REQUIRE(params_.group_reduce != GroupReduce::kMax, "h2o: group_reduce kMax is not additive; use kSum or kMean");
     KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "h2o: scale is %g, must be finite and >= 0",
                 static_cast<double>(params_.scale));
     return Status::ok();
   }
 
-  /// Slots kept by an evict of a cache of n slots (-1 if invalid).
-  std::int64_t kept_count(std::int64_t n, std::int64_t num_coming = 0) const noexcept {
-    const std::int64_t target = cache_size() - num_coming;
+  /// Slots kept by an evict of a cache of n slots (-1 if invalid); ratio
+  /// budgets resolve against `prompt_len` (< 0: n).
+  std::int64_t kept_count(std::int64_t n, std::int64_t num_coming = 0, std::int64_t prompt_len = -1) const noexcept {
+    const std::int64_t target = cache_size(prompt_len < 0 ? n : prompt_len) - num_coming;
     if (!validate_params().is_ok() || n < 0 || num_coming < 0 || target < 0) return -1;
     return std::min(n, target);
   }
@@ -149,7 +169,7 @@ class H2O {
     const std::int64_t Hs = state_rows(shape);
     const std::size_t upd = shape.head_dim > 0 ? detail::WorkerSlices::bytes(update_per_worker<Backend>(shape), ctx.exec.workers()) : 0;
     const std::size_t ev = evict_workspace_bytes<Backend>(Hs, shape.max_kv_len, ctx.exec);
-    return detail::uniform_requirements(st, std::max(upd, ev), shape, Hs, std::min(shape.max_kv_len, cache_size()),
+    return detail::uniform_requirements(st, std::max(upd, ev), shape, Hs, std::min(shape.max_kv_len, cache_size(shape.max_kv_len)),
                                         shape.head_dim > 0 ? shape.q_len : 0);
   }
 
@@ -240,6 +260,7 @@ class H2O {
       Backend::accumulate_column_sums(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G,
                                       mean_groups());
     });
+    if (len_prev == 0) state.prompt_len = n;
     state.length = n;
     return Status::ok();
   }
@@ -254,9 +275,10 @@ class H2O {
   Status evict_impl(H2OState& state, std::int64_t num_coming, KeepSet out, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(state));
-    KVP_REQUIRE(num_coming >= 0 && num_coming <= cache_size(), "h2o: num_coming %lld out of range [0, hh_size + recent_size = %lld]",
-                static_cast<long long>(num_coming), static_cast<long long>(cache_size()));
-    const std::int64_t Hs = state.scores.extent(0), n = state.length, keep = kept_count(n, num_coming);
+    const std::int64_t prompt = state.prompt_len > 0 ? state.prompt_len : state.length, cache = cache_size(prompt);
+    KVP_REQUIRE(num_coming >= 0 && num_coming <= cache, "h2o: num_coming %lld out of range [0, hh_size + recent_size = %lld]",
+                static_cast<long long>(num_coming), static_cast<long long>(cache));
+    const std::int64_t Hs = state.scores.extent(0), n = state.length, keep = kept_count(n, num_coming, prompt);
     KVP_RETURN_IF_ERROR(out.check_output(kName, Hs, Hs * keep));
     KVP_REQUIRE(Hs * keep <= INT32_MAX, "h2o: %lld kept slots overflow the int32 keep-set indices", static_cast<long long>(Hs * keep));
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, evict_workspace_bytes<Backend>(Hs, n, ctx)));
@@ -264,7 +286,7 @@ class H2O {
     std::int64_t* nan_at = carve.take<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(Hs, 1)));
     std::int64_t* victim = nan_at + Hs;
     const auto slices = detail::WorkerSlices::carve(carve.rest(), Backend::topk_workspace(std::max<std::int64_t>(n, 1)));
-    const std::int64_t recent = std::max<std::int64_t>(params_.recent_size - num_coming, 0);
+    const std::int64_t recent = std::max<std::int64_t>(recent_size(prompt) - num_coming, 0);
     const std::int64_t heavy = keep - std::min(recent, keep), cand = n - recent;
     const bool single = n - keep == 1;
 
@@ -347,6 +369,7 @@ class H2O {
     const std::int64_t G = Hq / Hs, len_prev = st.length;
     ctx.parallel_for(Hs,
                      [&](std::int64_t s, int) { Backend::accumulate_column_sums(&st.scores(s, 0), len_prev, p, s * G, G, mean_groups()); });
+    if (len_prev == 0) st.prompt_len = n;
     st.length = n;
     return Status::ok();
   }
