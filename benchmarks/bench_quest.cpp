@@ -296,7 +296,7 @@ void BM_ScoresReadPass(benchmark::State& state) {
 template <class Backend>
 void BM_Select(benchmark::State& state) {
   Step& s = step();
-  const Quest quest(QuestParams{.token_budget = static_cast<std::int32_t>(state.range(0))});
+  const Quest quest(QuestParams{.budget = Budget::tokens(static_cast<std::int32_t>(state.range(0)))});
   const DecodeInput<float> in = s.decode_input();
   const Quest::Plan plan = s.plan<Backend>(quest, in);  // host work per batch composition, outside the timed loop
   const std::int64_t rows = plan.requirements.output.rows;
@@ -324,7 +324,7 @@ struct Selection {
 template <class Backend>
 Selection make_selection(std::int32_t token_budget, QuestGqa mode) {
   Step& s = step();
-  const Quest quest(QuestParams{.token_budget = token_budget, .gqa = mode});
+  const Quest quest(QuestParams{.budget = Budget::tokens(token_budget), .gqa = mode});
   const DecodeInput<float> in = s.decode_input();
   const Quest::Plan plan = s.plan<Backend>(quest, in);
   Selection out;

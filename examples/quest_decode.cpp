@@ -169,7 +169,8 @@ void evaluate(Engine& eng, int l, TensorView<const float, 3> qv, const Quest& qu
   const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
   PageQuality at64, at_budget;
   throw_if_error(page_quality<Backend>(eng.view(l), qv, s.view, 64, scale, &at64, {}, ctx));
-  throw_if_error(page_quality<Backend>(eng.view(l), qv, s.view, quest.params().token_budget, scale, &at_budget, {}, ctx));
+  throw_if_error(page_quality<Backend>(eng.view(l), qv, s.view, static_cast<std::int32_t>(quest.params().budget.total(0, 0)), scale,
+                                       &at_budget, {}, ctx));
   StepBytes sb;
   throw_if_error(selection_bytes(eng.table(), kPage, s.view, kHq, kHkv, kDim, sizeof(half), sizeof(half), quest.page_budget(kPage), &sb));
   t.recall64 += at64.page_recall;
@@ -211,7 +212,7 @@ int main(int argc, char** argv) {
   std::printf("Quest decode: %d layers (first %d dense), %d q / %d kv heads, head_dim %d, page %d, fp16, backend %s, %d threads\n", kLayers,
               Quest().params().dense_layers, kHq, kHkv, kDim, kPage, Backend::isa_name(), threads);
   std::printf("prompt lengths %d and %d tokens; token budget %d (page budget %d, last page included)\n\n", prompt[0], prompt[1], budget,
-              Quest(QuestParams{.token_budget = budget}).page_budget(kPage));
+              Quest(QuestParams{.budget = Budget::tokens(budget)}).page_budget(kPage));
   std::printf("%5s %10s %10s %12s %12s %12s %12s\n", "step", "rel.err", "mass", "bytes/dense", "select ms", "sparse ms", "dense ms");
 
   const std::vector<int> budgets{64, 256, 1024, 4096};
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
     for (int l = 0; l < kLayers; ++l) {
       const std::vector<float> q = eng.queries(l);
       const auto qv = TensorView<const float, 3>::contiguous(q.data(), {eng.batch(), kHq, kDim});
-      const Quest quest(QuestParams{.token_budget = budget});
+      const Quest quest(QuestParams{.budget = Budget::tokens(budget)});
       const Selection sel = select(eng, l, qv, quest, ctx);
       t_sel += sel.seconds;
       if (quest.is_dense_layer(l)) continue;  // layers 0, 1 attend to every page: nothing to measure
@@ -246,11 +247,11 @@ int main(int argc, char** argv) {
       // The tables at the end: every budget (reference GQA mode) and every GQA mode (this budget).
       if (step % 2 == 0) {
         for (std::size_t i = 0; i < budgets.size(); ++i) {
-          const Quest qb(QuestParams{.token_budget = budgets[i]});
+          const Quest qb(QuestParams{.budget = Budget::tokens(budgets[i])});
           evaluate(eng, l, qv, qb, select(eng, l, qv, qb, ctx), ctx, by_budget[i]);
         }
         for (std::size_t i = 0; i < modes.size(); ++i) {
-          const Quest qm(QuestParams{.token_budget = budget, .gqa = modes[i].first});
+          const Quest qm(QuestParams{.budget = Budget::tokens(budget), .gqa = modes[i].first});
           evaluate(eng, l, qv, qm, select(eng, l, qv, qm, ctx), ctx, by_mode[i]);
         }
       }

@@ -27,8 +27,8 @@
 //    mean number of cached tokens read per (decode step, layer, query head)
 //    (what a selection policy such as Quest saves).
 // Budget: tokens per kv head per layer, passed to the policy factory, which
-// maps it onto the policy's own vocabulary (kvpolicy Budget::tokens, Quest's
-// token_budget; for a registry spec string the key `tokens=min(budget, T)`,
+// maps it onto the policy's own vocabulary (kvpolicy Budget::tokens, for Quest
+// too; for a registry spec string the key `tokens=min(budget, T)`,
 // T the prompt length: spec budgets cannot be above the length). A budget >=
 // the prompt length keeps everything.
 //
@@ -111,7 +111,7 @@ inline kvpolicy::SnapKV snapkv_with_budget(std::int64_t budget, std::int32_t win
 /// layer would read more than the budget the other policies get.
 inline kvpolicy::Quest quest_with_budget(std::int64_t budget, std::int32_t dense_layers = 0) {
   kvpolicy::QuestParams q;
-  q.token_budget = static_cast<std::int32_t>(std::min<std::int64_t>(budget, 1 << 30));
+  q.budget = kvpolicy::Budget::tokens(std::min<std::int64_t>(budget, 1 << 30));
   q.dense_layers = dense_layers;
   return kvpolicy::Quest(q);
 }

@@ -322,7 +322,7 @@ inline Status quest(const LayerCase& c, const Reference&, const BudgetSpec& b, c
 
   QuestParams qp;
   const std::int64_t n = b.tokens_for(T);
-  qp.token_budget = static_cast<std::int32_t>(std::min<std::int64_t>(n, INT32_MAX));
+  qp.budget = Budget::tokens(std::min<std::int64_t>(n, INT32_MAX));
   if (n >= T) qp.page_budget = P;  // a budget covering the prompt reads every page (floor(T/16) may miss the partial last one)
   qp.dense_layers = 0;
   qp.gqa = QuestGqa::kPerQueryHead;

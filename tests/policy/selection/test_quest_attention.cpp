@@ -199,7 +199,7 @@ TEST_CASE("page_quality: all pages selected is perfect - metrics match brute-for
   Workload w(16, 2, 4, 32, {1000, 37, 600}, 3);
   const float scale = 1.0f / std::sqrt(32.0f);
   SECTION("dense selection") {
-    const PageQuality pq = quality(w, Quest(QuestParams{.token_budget = 1 << 20}), 64);
+    const PageQuality pq = quality(w, Quest(QuestParams{.budget = Budget::tokens(1 << 20)}), 64);
     REQUIRE(pq.heads == 3 * 8);
     REQUIRE(pq.page_recall == 1.0);
     REQUIRE(pq.mass_recall == Approx(1.0).epsilon(1e-6));
@@ -209,7 +209,7 @@ TEST_CASE("page_quality: all pages selected is perfect - metrics match brute-for
   SECTION("sparse selection, per head, against double-precision brute force") {
     SelectionBuffer sel(1, 1);
     std::vector<float> ph;
-    const Quest quest(QuestParams{.token_budget = 128});
+    const Quest quest(QuestParams{.budget = Budget::tokens(128)});
     const PageQuality pq = quality(w, quest, 96, &sel, &ph);
     REQUIRE(pq.page_recall > 0.0);
     REQUIRE(pq.page_recall <= 1.0);
@@ -261,7 +261,7 @@ TEST_CASE("quality improves with the token budget (64 / 256 / 1024 / 4096)", "[q
   for (std::int32_t budget : {64, 256, 1024, 4096}) {
     for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupMax, QuestGqa::kGroupSum}) {
       // Oracle: the pages of the 64 heaviest keys (the needles).
-      const PageQuality pq = quality(w, Quest(QuestParams{.token_budget = budget, .gqa = mode}), 64);
+      const PageQuality pq = quality(w, Quest(QuestParams{.budget = Budget::tokens(budget), .gqa = mode}), 64);
       INFO("budget " << budget << " mode " << static_cast<int>(mode) << " recall " << pq.page_recall << " mass " << pq.mass_recall
                      << " err " << pq.output_rel_error);
       REQUIRE(pq.mass_recall > 0.0);
@@ -300,7 +300,7 @@ TEST_CASE("selection_attention == dense_attention when every page is selected - 
   Workload w(8, 2, 2, 16, {100, 3, 64}, 8);
   const std::int32_t Hq = w.Hq, d = 16;
   const auto& c = w.cache;
-  const Quest all(QuestParams{.token_budget = 1 << 20});
+  const Quest all(QuestParams{.budget = Budget::tokens(1 << 20)});
   SelectionBuffer sel = w.select(all, 2);
   REQUIRE(sel.last.size() == static_cast<std::size_t>(3 * Hq));
   ThreadPool pool(2);

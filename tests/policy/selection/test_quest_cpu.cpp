@@ -275,7 +275,7 @@ void select_case(PageLayout layout, std::int32_t P, std::int32_t Hkv, std::int32
   const auto qv = TensorView<const float, 3>::contiguous(q.data(), {static_cast<std::int64_t>(lens.size()), Hq, d});
   const GqaMap gqa{Hq, Hkv};
   for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupMax, QuestGqa::kGroupSum}) {
-    const Quest quest(QuestParams{.token_budget = 16 * P, .gqa = mode});
+    const Quest quest(QuestParams{.budget = Budget::tokens(16 * P), .gqa = mode});
     const std::int64_t rows = c.batch() * quest.heads_per_seq(gqa), cap = quest.output_capacity(2, c.table(), P, gqa);
     const DecodeInput<float> in{qv, c.table(), P, 2};
     const ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d};

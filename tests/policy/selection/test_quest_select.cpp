@@ -95,12 +95,13 @@ template <class Tk, class Tm, class Tq>
 std::vector<std::vector<std::int32_t>> brute_rows(const Case<Tk, Tm, Tq>& cs, const Quest& quest, int layer) {
   const auto& c = cs.cache;
   const std::int32_t P = c.page_size, d = c.head_dim, Hkv = c.kv_heads, G = cs.Hq / Hkv;
-  const std::int32_t B = quest.page_budget(P);
   const QuestGqa mode = quest.params().gqa;
+  const PageTable table = c.table();
   std::vector<std::vector<std::int32_t>> rows;
   std::vector<float> mx, mn;
   for (std::int32_t b = 0; b < c.batch(); ++b) {
     const auto n = static_cast<std::int32_t>(c.seq_pages[static_cast<std::size_t>(b)].size());
+    const std::int32_t B = quest.page_budget(table, b, P);  // per sequence for ratio budgets
     for (std::int32_t g = 0; g < Hkv; ++g) {
       std::vector<std::vector<std::int32_t>> per_head(static_cast<std::size_t>(G));
       std::vector<std::vector<float>> U(static_cast<std::size_t>(G), std::vector<float>(static_cast<std::size_t>(std::max(n - 1, 0))));
@@ -213,11 +214,17 @@ void run_matrix_case(PageLayout layout, std::int32_t page_size, std::int32_t Hkv
   Case<Tk, Tm, Tq> cs(layout, page_size, Hkv, G, 16, lens, seed);
   for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupMax, QuestGqa::kGroupSum}) {
     for (std::int32_t pb : {1, 4, 9}) {
-      const Quest quest(QuestParams{.token_budget = pb * P, .dense_layers = 2, .gqa = mode});
+      const Quest quest(QuestParams{.budget = Budget::tokens(pb * P), .dense_layers = 2, .gqa = mode});
       for (int layer : {1, 2}) {
         INFO("mode " << static_cast<int>(mode) << " page_budget " << pb << " layer " << layer);
         check_against_brute(cs, quest, layer, select_pages<backend::Scalar>(cs, quest, layer));
       }
+    }
+    // Ratio budgets: a page budget per sequence, from its own length.
+    for (const Budget budget : {Budget::keep_ratio(0.3), Budget::compression_ratio(0.75)}) {
+      const Quest quest(QuestParams{.budget = budget, .dense_layers = 2, .gqa = mode});
+      INFO("mode " << static_cast<int>(mode) << " ratio budget " << budget.value);
+      check_against_brute(cs, quest, 2, select_pages<backend::Scalar>(cs, quest, 2));
     }
   }
 }
@@ -259,14 +266,23 @@ TEST_CASE("select: budget rule, dense layers, explicit page budget", "[quest][se
   REQUIRE(q512.page_budget(1000) == 0);
   REQUIRE(q512.is_dense_layer(1));
   REQUIRE(!q512.is_dense_layer(2));
-  REQUIRE(Quest(QuestParams{.token_budget = 100, .page_budget = 3}).page_budget(16) == 3);
-  REQUIRE(Quest(QuestParams{.token_budget = 100}).page_budget(16) == 6);  // floor(100 / 16)
+  REQUIRE(Quest(QuestParams{.budget = Budget::tokens(100), .page_budget = 3}).page_budget(16) == 3);
+  REQUIRE(Quest(QuestParams{.budget = Budget::tokens(100)}).page_budget(16) == 6);  // floor(100 / 16)
+  // Ratios: max(1, floor(floor(f * T) / page_size)) pages for a sequence of T tokens.
+  const Quest ratio(QuestParams{.budget = Budget::keep_ratio(0.25)});
+  REQUIRE(ratio.page_budget(16, 1000) == 15);  // floor(250 / 16)
+  REQUIRE(ratio.page_budget(16, 40) == 1);     // 10 tokens round to 0 pages: the last page still counts
+  REQUIRE(ratio.page_budget(16, 0) == 1);
+  REQUIRE(Quest(QuestParams{.budget = Budget::compression_ratio(0.5)}).page_budget(16, 1000) == 31);  // int(1000 * 0.5) / 16
+  REQUIRE(Quest(QuestParams{.budget = Budget::keep_ratio(0.25), .page_budget = 3}).page_budget(16, 1000) == 3);
+  REQUIRE_THAT(Quest(QuestParams{.budget = Budget::keep_ratio(1.5)}).validate_params().message(),
+               Contains("quest: budget") && Contains("keep_ratio is 1.5, must be in [0, 1]"));
   const GqaMap gqa{8, 2};
-  REQUIRE(q512.row_capacity(2, 100, 16, gqa) == 32);
-  REQUIRE(q512.row_capacity(0, 100, 16, gqa) == 100);
-  REQUIRE(q512.row_capacity(2, 20, 16, gqa) == 20);
-  REQUIRE(Quest(QuestParams{.gqa = QuestGqa::kUnion}).row_capacity(2, 100, 16, gqa) == 100);
-  REQUIRE(Quest(QuestParams{.gqa = QuestGqa::kUnion}).row_capacity(2, 1000, 16, gqa) == 4 * 31 + 1);
+  REQUIRE(q512.row_capacity(2, 100, 32, gqa) == 32);
+  REQUIRE(q512.row_capacity(0, 100, 32, gqa) == 100);
+  REQUIRE(q512.row_capacity(2, 20, 32, gqa) == 20);
+  REQUIRE(Quest(QuestParams{.gqa = QuestGqa::kUnion}).row_capacity(2, 100, 32, gqa) == 100);
+  REQUIRE(Quest(QuestParams{.gqa = QuestGqa::kUnion}).row_capacity(2, 1000, 32, gqa) == 4 * 31 + 1);
 }
 
 TEST_CASE("select: equal bounds pick the most recent pages", "[quest][select]") {
@@ -292,7 +308,7 @@ TEST_CASE("select: equal bounds pick the most recent pages", "[quest][select]") 
 TEST_CASE("select: results do not depend on the number of workers", "[quest][select]") {
   Case<half, half, float> cs(PageLayout::kHND, 16, 4, 4, 32, {700, 5, 1600, 0, 333}, 77);
   for (QuestGqa mode : {QuestGqa::kPerQueryHead, QuestGqa::kUnion, QuestGqa::kGroupSum}) {
-    const Quest quest(QuestParams{.token_budget = 128, .gqa = mode});
+    const Quest quest(QuestParams{.budget = Budget::tokens(128), .gqa = mode});
     const SelectionBuffer one = select_pages<backend::Scalar>(cs, quest, 5);
     ThreadPool pool(3);
     const SelectionBuffer many = select_pages<backend::Scalar>(cs, quest, 5, pool.context());
@@ -333,7 +349,7 @@ TEST_CASE("PageSelection::validate enforces FlashInfer's CSR conventions", "[que
 
 TEST_CASE("select rejects bad input with a message naming the argument, writing nothing", "[quest][select][errors]") {
   Case<half, half, float> cs(PageLayout::kNHD, 4, 2, 2, 8, {10, 30, 7}, 5);
-  const Quest quest(QuestParams{.token_budget = 8});
+  const Quest quest(QuestParams{.budget = Budget::tokens(8)});
   const GqaMap gqa = cs.gqa();
   auto& c = cs.cache;
   SelectionBuffer out(3 * 4, 64);
@@ -380,13 +396,15 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
     expect_error(select(quest, step, heads.cview(), out.view(), w), "not a multiple of the 3 kv heads");
   }
   SECTION("budget 0") {
-    expect_error(run(Quest(QuestParams{.token_budget = 3}), out.view(), w), "page budget is 0 (token_budget=3 / page_size=4");
-    expect_error(run(Quest(QuestParams{.token_budget = -4}), out.view(), w), "must be >= 0");
+    expect_error(run(Quest(QuestParams{.budget = Budget::tokens(3)}), out.view(), w), "page budget is 0 (token_budget=3 / page_size=4");
+    expect_error(run(Quest(QuestParams{.budget = Budget::tokens(-4)}), out.view(), w),
+                 "token budget is -4, must be a non-negative integer");
     // plan() rejects the same parameters with the same message.
     Quest::Plan p0;
-    expect_error(Quest(QuestParams{.token_budget = 3}).plan(Context<backend::Scalar>{}, step, shape, p0),
+    expect_error(Quest(QuestParams{.budget = Budget::tokens(3)}).plan(Context<backend::Scalar>{}, step, shape, p0),
                  "page budget is 0 (token_budget=3 / page_size=4");
-    expect_error(Quest(QuestParams{.token_budget = -4}).plan(Context<backend::Scalar>{}, step, shape, p0), "must be >= 0");
+    expect_error(Quest(QuestParams{.budget = Budget::tokens(-4)}).plan(Context<backend::Scalar>{}, step, shape, p0),
+                 "token budget is -4, must be a non-negative integer");
   }
   SECTION("outputs and workspace too small") {
     auto v = out.view();

@@ -14,10 +14,15 @@
 //   attend:     exact attention over the selected pages only (nothing is evicted).
 //
 // Choices (reference/algorithms-other.md §1), each documented where it is made:
-//  * Budget. `page_budget = token_budget / page_size` (floor, the kernel path's
-//    `token_budget // page_size`), or `page_budget` set directly; it counts the
-//    last page. A budget that rounds to 0 pages is an error, not a silent 1.
-//    The HF evaluation path's floor of 3 pages is not applied.
+//  * Budget (`Budget`). A token budget (`token_budget=n`, the reference's):
+//    `page_budget = n / page_size` (floor, the kernel path's
+//    `token_budget // page_size`), the same for every sequence; a budget that
+//    rounds to 0 pages is an error, not a silent 1. A ratio (`keep_ratio=f`,
+//    `compression_ratio=r`, the library's extension for budget sweeps at equal
+//    ratios): each sequence of T tokens gets max(1, Budget::total(T) / page_size)
+//    pages, so short sequences still attend their last page. `page_budget > 0`
+//    overrides both. B counts the last page. The HF evaluation path's floor of
+//    3 pages is not applied.
 //  * Last page. Always attended, never scored (it may be partial; Quest's
 //    kernel appends `last_page_idx` after top-k).
 //  * Dense layers. Layers `< dense_layers` (Quest: 2) attend to every page.
@@ -67,13 +72,14 @@ inline constexpr EnumName<QuestGqa> kQuestGqaNames[] = {{"per_query_head", Quest
 constexpr std::span<const EnumName<QuestGqa>> enum_names(QuestGqa) noexcept { return kQuestGqaNames; }
 
 struct QuestParams {
-  std::int32_t token_budget = 512;  ///< tokens attended per head, last page included (Quest default 512)
-  std::int32_t page_budget = 0;     ///< > 0: pages per head directly, overriding token_budget
-  std::int32_t dense_layers = 2;    ///< layers [0, dense_layers) attend to every page (Quest: 2)
+  Budget budget = Budget::tokens(512);  ///< tokens attended per head, last page included (Quest default 512)
+  std::int32_t page_budget = 0;         ///< > 0: pages per head directly, overriding `budget`
+  std::int32_t dense_layers = 2;        ///< layers [0, dense_layers) attend to every page (Quest: 2)
   QuestGqa gqa = QuestGqa::kPerQueryHead;
 
   static constexpr auto fields() noexcept {
-    return std::tuple{param_field<&QuestParams::token_budget>("token_budget", "tokens attended per head, last page included"),
+    return std::tuple{budget_field<&QuestParams::budget>("budget", {"token_budget", "keep_ratio", "compression_ratio"},
+                                                         "tokens attended per head, last page included (or a ratio of the sequence)"),
                       param_field<&QuestParams::page_budget>("page_budget", "> 0: pages per head, overriding token_budget"),
                       param_field<&QuestParams::dense_layers>("dense_layers", "layers attending to every page"),
                       param_field<&QuestParams::gqa>("gqa", "how the selection meets grouped-query attention")};
@@ -89,10 +95,20 @@ class Quest {
   explicit constexpr Quest(const Params& p) noexcept : params_(p) {}
   constexpr const Params& params() const noexcept { return params_; }
 
-  /// Pages attended per head for `page_size`-token pages (last page included).
-  constexpr std::int32_t page_budget(std::int32_t page_size) const noexcept {
+  /// Pages attended per head of a sequence of `seq_tokens` tokens in
+  /// `page_size`-token pages (last page included). A token budget does not
+  /// depend on the sequence (`seq_tokens` may be omitted); a ratio does.
+  constexpr std::int32_t page_budget(std::int32_t page_size, std::int64_t seq_tokens = 0) const noexcept {
     if (params_.page_budget > 0) return params_.page_budget;
-    return page_size > 0 ? params_.token_budget / page_size : 0;
+    if (page_size <= 0) return 0;
+    const std::int64_t tokens = params_.budget.total(std::max<std::int64_t>(seq_tokens, 0), 0);
+    const std::int64_t pages = std::min<std::int64_t>(tokens / page_size, INT32_MAX);
+    if (params_.budget.kind == BudgetKind::kTokens) return static_cast<std::int32_t>(pages);
+    return static_cast<std::int32_t>(std::max<std::int64_t>(pages, 1));
+  }
+  /// The page budget of sequence b of `table`.
+  std::int32_t page_budget(const PageTable& table, std::int32_t b, std::int32_t page_size) const noexcept {
+    return page_budget(page_size, table.seq_len(b, page_size));
   }
   constexpr bool is_dense_layer(int layer) const noexcept { return layer < params_.dense_layers; }
   /// Rows per sequence of the selection: query heads (kPerQueryHead) or kv heads.
@@ -102,9 +118,10 @@ class Quest {
 
   /// The checks that do not depend on the page size.
   Status validate_params() const noexcept {
-    KVP_REQUIRE(params_.token_budget >= 0 && params_.page_budget >= 0, "quest: token_budget %d / page_budget %d must be >= 0",
-                params_.token_budget, params_.page_budget);
-    KVP_REQUIRE(params_.token_budget > 0 || params_.page_budget > 0, "quest: token_budget and page_budget are both 0");
+    KVP_RETURN_IF_ERROR(params_.budget.validate("quest: budget (token_budget / keep_ratio / compression_ratio)"));
+    KVP_REQUIRE(params_.page_budget >= 0, "quest: page_budget is %d, must be >= 0", params_.page_budget);
+    KVP_REQUIRE(params_.budget.kind != BudgetKind::kTokens || params_.budget.value > 0 || params_.page_budget > 0,
+                "quest: token_budget and page_budget are both 0");
     KVP_REQUIRE(params_.dense_layers >= 0, "quest: dense_layers is %d, must be >= 0", params_.dense_layers);
     return Status::ok();
   }
@@ -112,19 +129,18 @@ class Quest {
   /// All checks for `page_size`-token pages.
   Status validate_params(std::int32_t page_size) const noexcept {
     KVP_REQUIRE(page_size > 0, "quest: page_size is %d, must be > 0", page_size);
-    KVP_REQUIRE(params_.token_budget >= 0 && params_.page_budget >= 0, "quest: token_budget %d / page_budget %d must be >= 0",
-                params_.token_budget, params_.page_budget);
+    KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(page_budget(page_size) >= 1,
-                "quest: page budget is 0 (token_budget=%d / page_size=%d rounds down to 0 pages); must be >= 1 (the last page)",
-                params_.token_budget, page_size);
+                "quest: page budget is 0 (token_budget=%lld / page_size=%d rounds down to 0 pages); must be >= 1 (the last page)",
+                static_cast<long long>(params_.budget.value), page_size);
     KVP_REQUIRE(params_.dense_layers >= 0, "quest: dense_layers is %d, must be >= 0", params_.dense_layers);
     return Status::ok();
   }
 
-  /// Entries a row reserves for a sequence of `n` pages: exact for every mode
-  /// but kUnion, whose rows are compacted to their actual size afterwards.
-  std::int64_t row_capacity(int layer, std::int32_t n, std::int32_t page_size, const GqaMap& gqa) const noexcept {
-    const std::int64_t B = page_budget(page_size);
+  /// Entries a row reserves for a sequence of `n` pages and page budget `B`:
+  /// exact for every mode but kUnion, whose rows are compacted to their actual
+  /// size afterwards.
+  std::int64_t row_capacity(int layer, std::int32_t n, std::int64_t B, const GqaMap& gqa) const noexcept {
     if (n <= 0) return 0;
     if (is_dense_layer(layer) || n <= B) return n;
     if (params_.gqa == QuestGqa::kUnion) return std::min<std::int64_t>(n, gqa.group_size() * (B - 1) + 1);
@@ -134,7 +150,8 @@ class Quest {
   /// `PageSelection::capacity` that `select` needs for this table.
   std::int64_t output_capacity(int layer, const PageTable& table, std::int32_t page_size, const GqaMap& gqa) const noexcept {
     std::int64_t total = 0;
-    for (std::int32_t b = 0; b < table.batch; ++b) total += row_capacity(layer, table.num_pages(b), page_size, gqa) * heads_per_seq(gqa);
+    for (std::int32_t b = 0; b < table.batch; ++b)
+      total += row_capacity(layer, table.num_pages(b), page_budget(table, b, page_size), gqa) * heads_per_seq(gqa);
     return total;
   }
 
@@ -172,10 +189,11 @@ class Quest {
     if (!r.status.is_ok()) return r;
     const auto n = static_cast<std::int32_t>(std::min<std::int64_t>((shape.max_kv_len + page_size - 1) / page_size, INT32_MAX));
     const auto batch = static_cast<std::int32_t>(shape.batch);
-    r.workspace_bytes = layout<Backend>(batch, shape.batch * std::max(n - 1, 0), n, page_size, gqa,
-                                        static_cast<std::int32_t>(shape.head_dim), ctx.exec.workers())
-                            .total();
-    const std::int64_t cap = std::max(row_capacity(0, n, page_size, gqa), row_capacity(params_.dense_layers, n, page_size, gqa));
+    const std::int32_t B = page_budget(page_size, shape.max_kv_len);  // B grows with the sequence: the longest is the worst case
+    r.workspace_bytes =
+        layout<Backend>(batch, shape.batch * std::max(n - 1, 0), n, B, gqa, static_cast<std::int32_t>(shape.head_dim), ctx.exec.workers())
+            .total();
+    const std::int64_t cap = std::max(row_capacity(0, n, B, gqa), row_capacity(params_.dense_layers, n, B, gqa));
     r.output = OutputSize{shape.batch * heads_per_seq(gqa), shape.batch * heads_per_seq(gqa) * cap};
     r.query_window = 1;
     return r;
@@ -204,9 +222,10 @@ class Quest {
     p.page_size = in.page_size;
     p.batch = in.table.batch;
     p.gqa = gqa;
-    p.requirements.workspace_bytes = layout<Backend>(in.table.batch, scored_pages(in.layer, in.table, in.page_size), max_pages(in.table),
-                                                     in.page_size, gqa, static_cast<std::int32_t>(in.queries.extent(2)), ctx.exec.workers())
-                                         .total();
+    p.requirements.workspace_bytes =
+        layout<Backend>(in.table.batch, scored_pages(in.layer, in.table, in.page_size), max_pages(in.table),
+                        max_page_budget(in.table, in.page_size), gqa, static_cast<std::int32_t>(in.queries.extent(2)), ctx.exec.workers())
+            .total();
     p.requirements.output =
         OutputSize{static_cast<std::int64_t>(in.table.batch) * heads_per_seq(gqa), output_capacity(in.layer, in.table, in.page_size, gqa)};
     p.requirements.query_window = 1;
@@ -282,15 +301,15 @@ class Quest {
     KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size));
     const std::int64_t H = heads_per_seq(gqa);
     KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
-    const Layout lay =
-        layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table), page_size, gqa, meta.head_dim, ctx.workers());
+    const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table),
+                                       max_page_budget(table, page_size), gqa, meta.head_dim, ctx.workers());
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
 
     // Rows reserve row_capacity() entries at fixed offsets, so items write independently.
     std::int64_t pos = 0;
     out.indptr[0] = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) {
-      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_size, gqa);
+      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_budget(table, b, page_size), gqa);
       for (std::int64_t h = 0; h < H; ++h) {
         pos += cap;
         out.indptr[b * H + h + 1] = static_cast<std::int32_t>(pos);
@@ -298,13 +317,13 @@ class Quest {
       }
     }
     Scratch sc = carve(lay, ws);
-    const std::int32_t B = page_budget(page_size), d = meta.head_dim;
+    const std::int32_t d = meta.head_dim;
     const std::int64_t Hq = gqa.num_q_heads;
     // Score offsets of the scored sequences, fp32 queries, bounds-phase items.
     std::int64_t score_pos = 0, items = 0;
     sc.chunk_start[0] = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) {
-      const std::int64_t m = scored(layer, table.num_pages(b), B) ? table.num_pages(b) - 1 : 0;
+      const std::int64_t m = scored(layer, table.num_pages(b), page_budget(table, b, page_size)) ? table.num_pages(b) - 1 : 0;
       sc.score_start[b] = score_pos;
       score_pos += m * Hq;
       items += (m + kItemPages - 1) / kItemPages;
@@ -325,7 +344,7 @@ class Quest {
       const auto b = static_cast<std::int32_t>(item / gqa.num_kv_heads);
       const auto g = static_cast<std::int32_t>(item % gqa.num_kv_heads);
       WorkspaceCarver c(sc.worker(worker));
-      select_item<Backend>(layer, B, gqa, table, b, g, sc.scores + sc.score_start[b], out, c);
+      select_item<Backend>(layer, page_budget(table, b, page_size), gqa, table, b, g, sc.scores + sc.score_start[b], out, c);
     });
     if (params_.gqa == QuestGqa::kUnion) compact_rows(out);
     return Status::ok();
@@ -336,10 +355,16 @@ class Quest {
   /// Pages scored in `table` at `layer` (layer < 0: at a sparse layer).
   std::int64_t scored_pages(int layer, const PageTable& table, std::int32_t page_size) const noexcept {
     std::int64_t total = 0;
-    const std::int32_t B = page_budget(page_size);
-    for (std::int32_t b = 0; b < table.batch; ++b)
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int32_t B = page_budget(table, b, page_size);
       if (layer < 0 ? table.num_pages(b) > B : scored(layer, table.num_pages(b), B)) total += table.num_pages(b) - 1;
+    }
     return total;
+  }
+  std::int32_t max_page_budget(const PageTable& table, std::int32_t page_size) const noexcept {
+    std::int32_t B = 1;
+    for (std::int32_t b = 0; b < table.batch; ++b) B = std::max(B, page_budget(table, b, page_size));
+    return B;
   }
   static std::int32_t max_pages(const PageTable& table) noexcept {
     std::int32_t n = 0;
@@ -370,12 +395,12 @@ class Quest {
   };
 
   template <class Backend>
-  Layout layout(std::int32_t batch, std::int64_t total_pages, std::int32_t max_pages, std::int32_t page_size, const GqaMap& gqa,
+  Layout layout(std::int32_t batch, std::int64_t total_pages, std::int32_t max_pages, std::int32_t max_budget, const GqaMap& gqa,
                 std::int32_t head_dim, int workers) const noexcept {
     const auto n = static_cast<std::size_t>(std::max(max_pages, 1));
     const auto G = static_cast<std::size_t>(std::max(gqa.group_size(), 1));
     WorkspacePlan topk;
-    topk.add<float>(n).add<std::int32_t>(G * static_cast<std::size_t>(std::max(page_budget(page_size), 1)));
+    topk.add<float>(n).add<std::int32_t>(G * static_cast<std::size_t>(std::max(max_budget, 1)));
     topk.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(n)));
     Layout l;
     const bool any = total_pages > 0;
