@@ -16,9 +16,10 @@
 // Allocators in this header (each models `BudgetAllocator`):
 //   UniformAllocation  every row keeps Budget::resolve(kv_len, protected) tokens
 //   LayerAllocation    a LayerSchedule's budget for one layer (PyramidKV, per-layer budgets)
-// Ada-KV's allocations (original with its fp32 rounding, kvpress with its
-// safeguard) depend on the ranks of all heads' scores and live in
-// `AdaKV<Scorer>` (adakv.hpp), which composes any scorer the same way.
+//   AdaKVAllocation    Ada-KV's ragged per-row counts from the ranks of all
+//                      heads' scores (budget/adakv_allocation.hpp); `AdaKV<Scorer>`
+//                      (adakv.hpp) composes it with any scorer the same way,
+//                      writing ragged rows.
 #pragma once
 
 #include <algorithm>

@@ -202,6 +202,71 @@ TEST_CASE("adakv: original allocation by hand — blended capacities, half-even 
   REQUIRE(keep.row(1) == std::vector<std::int32_t>{0});
 }
 
+TEST_CASE("adakv: past scores that overflow to +inf stay ordinary tokens (no KeepSet overflow, #16.1)", "[adakv][original][errors]") {
+  const float inf = INFINITY;
+  // 2 heads, T = 10, window 2 (+inf by rule), C = 6 -> B = 4. Head 0 has 5 past tokens at +inf (an overflowing scorer).
+  FixedCase c(2, 10, 2, {inf,  inf,  inf,   inf,   inf,   0.05f, 0.04f, 0.03f, inf, inf,  //
+                         0.1f, 0.2f, 0.01f, 0.02f, 0.03f, 0.04f, 0.06f, 0.07f, inf, inf});
+  const AdaKV<FixedScorer> policy(AdaKVParams::original_gqa(6, 0.2), c.scorer);
+  const auto keep = c.run(AdaKVParams::original_gqa(6, 0.2));
+  REQUIRE(keep.indptr.back() <= policy.max_total_kept(10, 2));
+  require_valid_rows(keep, 2, 10);
+  // Top 12 = the nine +inf, then 0.2, 0.1, 0.07 of head 1 -> c = {5, 3}: caps round(4.0) = 4, round(2.4) = 2. Head 0 keeps its
+  // best 6 of seven +inf tokens (the most recent); the old count-the-infs rule gave it 7 + cap and overflowed the KeepSet.
+  REQUIRE(keep.row(0) == std::vector<std::int32_t>{1, 2, 3, 4, 8, 9});
+  REQUIRE(keep.row(1) == std::vector<std::int32_t>{0, 1, 8, 9});
+  // More +inf than the selection holds (C = 3, B = 1: top 6 are all head 1's): c[0] would be -2, so the counts are uniform.
+  std::vector<float> flood(20, inf);
+  for (int j = 0; j < 8; ++j) flood[j] = 0.5f;
+  FixedCase fc(2, 10, 2, flood);
+  const auto uni = fc.run(AdaKVParams::original_gqa(3, 0.2));
+  REQUIRE(uni.indptr == std::vector<std::int32_t>{0, 3, 6});
+  REQUIRE(uni.row(0) == std::vector<std::int32_t>{7, 8, 9});
+  REQUIRE(uni.row(1) == std::vector<std::int32_t>{7, 8, 9});
+}
+
+TEST_CASE("adakv: the allocation is a BudgetAllocator usable on its own (counts == AdaKV's row sizes)", "[adakv][allocation]") {
+  std::mt19937 rng(77);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  const std::int64_t H = 4, T = 57, P = 5;
+  std::vector<float> S(H * T);
+  for (auto& x : S) x = std::round(u(rng) * 20.0f) / 20.0f;  // many ties
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t j = T - P; j < T; ++j) S[h * T + j] = INFINITY;
+  FixedCase c(H, T, P, S);
+  for (const AdaKVParams& p : {AdaKVParams::original_gqa(20, 0.2), AdaKVParams::original_gqa(20, 0.5, true), AdaKVParams::kvpress(0.6, 0.2),
+                               AdaKVParams::kvpress(0.3, 0.0)}) {
+    const AdaKVAllocation alloc{p.variant, p.alpha, p.normalize, p.budget, P};
+    std::vector<std::byte> ws(alloc.workspace_bytes(Context<backend::Scalar>{}, H, T));
+    std::vector<std::int64_t> counts(H);
+    REQUIRE(alloc
+                .allocate(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, T,
+                          TensorView<const float, 2>::contiguous(S.data(), {H, T}), counts)
+                .is_ok());
+    const auto keep = c.run(p);
+    std::int64_t total = 0;
+    for (std::int64_t h = 0; h < H; ++h) {
+      REQUIRE(static_cast<std::int64_t>(keep.row(h).size()) == counts[h]);
+      total += counts[h];
+    }
+    REQUIRE(total <= alloc.max_total(T, H));
+    if (p.variant == AdaKVVariant::kKvpress) REQUIRE(total == H * kvpress_n_kept(T, p.budget.value));
+    // Workspace too small / wrong count span: errors, nothing written.
+    std::vector<std::int64_t> untouched(H, -7);
+    REQUIRE_THAT(alloc
+                     .allocate(Context<backend::Scalar>{Workspace{ws.data(), 16}}, T,
+                               TensorView<const float, 2>::contiguous(S.data(), {H, T}), untouched)
+                     .message(),
+                 Contains("workspace has 16 bytes"));
+    REQUIRE(untouched == std::vector<std::int64_t>(H, -7));
+    REQUIRE_THAT(alloc
+                     .allocate(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, T,
+                               TensorView<const float, 2>::contiguous(S.data(), {H, T}), std::span<std::int64_t>(untouched.data(), 2))
+                     .message(),
+                 Contains("2 counts for 4 rows"));
+  }
+}
+
 TEST_CASE("adakv: original normalize re-weights heads by their top-B share", "[adakv][original]") {
   // h0 concentrated (top-2 share .7), h1 flat (share .5). B = 2, K = 4, alpha = 0.
   FixedCase c(2, 6, 0, {0.5f, 0.2f, 0.2f, 0.1f, 0.0f, 0.0f, 0.25f, 0.25f, 0.25f, 0.25f, 0.0f, 0.0f});

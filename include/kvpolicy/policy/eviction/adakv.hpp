@@ -28,10 +28,17 @@
 //    the layer keeps exactly Hkv * n_kept tokens: the safeguarded ones plus the
 //    globally best of the rest, across heads. Rows per kv head.
 //
+// Structure: `AdaKV<Scorer>` = the scorer's (rows, T) map, then the
+// `AdaKVAllocation` (budget/adakv_allocation.hpp, a `BudgetAllocator`: the
+// per-row counts of either variant), then each row's best `count` tokens
+// (`ops::topk_rows`). The allocation is usable on its own, over any score map.
+//
 // Choices where references differ or are silent (each pinned by a test):
-//  * Protected tokens are the +inf scores (kvpress pads with max+1, the
-//    originals append the window). They always win: kvpress's safeguard and
-//    global competition see them first, exactly as with max+1.
+//  * Protected tokens score +inf (kvpress pads with max+1, the originals
+//    append the window). They always win: kvpress's safeguard and global
+//    competition see them first, exactly as with max+1. The original's
+//    allocation counts them by the scorer's rule (protected_tokens(T)), so a
+//    past token whose score overflows to +inf stays an ordinary token.
 //  * Ties (unspecified in every reference): inside a head, higher score then
 //    higher token index; across heads (the global top H*B and the kvpress
 //    prune), higher score then higher flat index head*T + token, i.e. the
@@ -60,24 +67,18 @@
 #include <span>
 
 #include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/budget/adakv_allocation.hpp"
 #include "kvpolicy/policy/budget/allocation.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
 KVP_NAMESPACE_BEGIN
 
-enum class AdaKVVariant : std::uint8_t {
-  kOriginal,  ///< FFY0/AdaKV: blended capacities (1-alpha)*count + int(alpha*B), window appended
-  kKvpress,   ///< kvpress AdaKVPress: per-head safeguard, exact global bottom-k prune
-};
-
 enum class HeadGranularity : std::uint8_t {
   kKvHead,     ///< one row per (sequence, kv head)
   kQueryHead,  ///< one row per (sequence, query head): the original's per-query-head cache
 };
 
-inline constexpr EnumName<AdaKVVariant> kAdaKVVariantNames[] = {{"original", AdaKVVariant::kOriginal}, {"kvpress", AdaKVVariant::kKvpress}};
-constexpr std::span<const EnumName<AdaKVVariant>> enum_names(AdaKVVariant) noexcept { return kAdaKVVariantNames; }
 inline constexpr EnumName<HeadGranularity> kHeadGranularityNames[] = {{"kv_head", HeadGranularity::kKvHead},
                                                                       {"query_head", HeadGranularity::kQueryHead}};
 constexpr std::span<const EnumName<HeadGranularity>> enum_names(HeadGranularity) noexcept { return kHeadGranularityNames; }
@@ -153,10 +154,12 @@ class AdaKV {
   constexpr const Params& params() const noexcept { return params_; }
   constexpr const Scorer& scorer() const noexcept { return scorer_; }
 
-  Status validate_params() const noexcept {
-    KVP_REQUIRE(params_.alpha >= 0.0 && params_.alpha <= 1.0, "adakv: alpha is %g, must be in [0, 1]", params_.alpha);
-    return params_.budget.validate(kName);
+  /// The allocation for sequences of `kv_len` tokens (the scorer's protected tokens by rule).
+  AdaKVAllocation allocation(std::int64_t kv_len) const noexcept {
+    return AdaKVAllocation{params_.variant, params_.alpha, params_.normalize, params_.budget, scorer_.protected_tokens(kv_len)};
   }
+
+  Status validate_params() const noexcept { return allocation(0).validate(kName); }
 
   /// Average tokens kept per row (protected included), -1 if the budget is invalid for kv_len.
   std::int64_t kept_count(std::int64_t kv_len) const noexcept {
@@ -169,10 +172,7 @@ class AdaKV {
   /// (rows * kept_count) for kvpress; the original's rounding may add up to one
   /// token per row. Size KeepSet capacity with the sum over the batch.
   std::int64_t max_total_kept(std::int64_t kv_len, std::int64_t rows) const noexcept {
-    const std::int64_t n = kept_count(kv_len);
-    if (n < 0) return -1;
-    if (params_.variant == AdaKVVariant::kKvpress || n >= kv_len) return rows * n;
-    return std::min(rows * kv_len, rows * (n + 1));
+    return kept_count(kv_len) < 0 ? -1 : allocation(kv_len).max_total(kv_len, rows);
   }
 
   /// KeepSet rows per sequence for `num_q_heads` query and `num_kv_heads` kv heads.
@@ -197,7 +197,7 @@ class AdaKV {
     r.status = st;
     if (!st.is_ok()) return r;
     const std::int64_t rows = rows_per_sequence(shape.num_q_heads, shape.num_kv_heads);
-    r.workspace_bytes = layout<Backend>(shape, ctx.exec).plan.total();
+    r.workspace_bytes = layout<Backend>(shape, ctx).total();
     r.output = OutputSize{shape.batch * rows, shape.batch * max_total_kept(shape.max_kv_len, rows)};
     r.query_window = sr.query_window;
     return r;
@@ -211,12 +211,11 @@ class AdaKV {
     return scorer_.score(cx, in, out);
   }
 
-  /// Eviction decision for a batch; rows b * rows_per_sequence + h, ragged.
+  /// Eviction decision for a batch; rows b * rows_per_sequence + h, ragged:
+  /// per sequence, the scorer's map, the allocation's counts, each row's best.
   template <class Backend, class In>
     requires HeadScorer<Scorer, In, Backend> Status evict(const Context<Backend>& cx, std::span<const In> batch, KeepSet out)
   const noexcept {
-    const Workspace ws = cx.workspace;
-    const ExecContext& ctx = cx.exec;
     KVP_RETURN_IF_ERROR(validate_params());
     ProblemShape shape;
     KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape));
@@ -235,13 +234,12 @@ class AdaKV {
     }
     KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(batch.size()) * rows, total));
     KVP_REQUIRE(total <= INT32_MAX, "adakv: %lld kept tokens overflow the int32 keep-set indices", static_cast<long long>(total));
-    const Layout l = layout<Backend>(shape, ctx);
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, l.plan.total()));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, layout<Backend>(shape, cx).total()));
 
-    Buffers buf = carve(ws, l);
+    Buffers buf = carve(cx, shape);
     out.indptr[0] = 0;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      KVP_RETURN_IF_ERROR(select_one<Backend>(batch[b], shape, rows, static_cast<std::int64_t>(b) * rows, out, buf, ctx));
+      KVP_RETURN_IF_ERROR(select_one<Backend>(cx, batch[b], shape, rows, static_cast<std::int64_t>(b) * rows, out, buf));
     }
     return Status::ok();
   }
@@ -251,56 +249,41 @@ class AdaKV {
   const noexcept { return evict(cx, std::span<const In>(&in, 1), out); }
 
  private:
-  struct Layout {
-    WorkspacePlan plan;
-    std::size_t rows = 0, rows_t = 0, per_row_topk = 0, global_topk = 0, scorer = 0;
-  };
   struct Buffers {
     float* scores = nullptr;        // (rows, T): the scorer's output
-    float* cand = nullptr;          // rows*T: candidates of the layer-wide selection
-    std::int32_t* map = nullptr;    // rows*T: flat index of each candidate
-    std::int32_t* sel = nullptr;    // rows*T: selected candidate positions
-    std::int32_t* safe = nullptr;   // rows*T: kvpress safeguard, n_safe per row
     std::int64_t* count = nullptr;  // rows: tokens kept per row
-    std::int64_t* prot = nullptr;   // rows: protected (+inf) tokens per row
-    Workspace global_ws{}, scorer_ws{};
-    Workspace rows_ws{};  // per-row top-k: ops::topk_rows, or per-worker slices
-    detail::WorkerSlices slices{};
+    Workspace alloc{}, scorer{}, rows{};
+  };
+  struct Sizes {
+    std::size_t rows = 0, rows_t = 0, alloc = 0, scorer = 0, topk = 0;
   };
 
   template <class Backend>
-  Layout layout(const ProblemShape& s, const ExecContext& ctx) const noexcept {
-    Layout l;
+  Sizes sizes(const ProblemShape& s, const Context<Backend>& ctx) const noexcept {
     const std::int64_t rows = std::max<std::int64_t>(1, rows_per_sequence(s.num_q_heads, s.num_kv_heads));
     const std::int64_t T = std::max<std::int64_t>(1, s.max_kv_len);
-    l.rows = static_cast<std::size_t>(rows);
-    l.rows_t = static_cast<std::size_t>(rows * T);
-    l.per_row_topk = Backend::topk_workspace(T);
-    l.global_topk = Backend::topk_workspace(rows * T);
-    l.scorer = scorer_.requirements(Context<Backend>{{}, ctx}, s).workspace_bytes;
-    const std::size_t rt = l.rows_t, nr = l.rows, extra = detail::WorkerSlices::bytes(l.per_row_topk, ctx.workers());
-    WorkspacePlan plan;  // same order as `carve`
-    plan.add<float>(rt).add<float>(rt).add<std::int32_t>(rt).add<std::int32_t>(rt).add<std::int32_t>(rt);
-    plan.add<std::int64_t>(nr).add<std::int64_t>(nr);
-    plan.add_bytes(l.global_topk).add_bytes(l.scorer).add_bytes(extra);
-    l.plan = plan;
-    return l;
+    return Sizes{static_cast<std::size_t>(rows), static_cast<std::size_t>(rows * T), allocation(T).workspace_bytes(ctx, rows, T),
+                 scorer_.requirements(Context<Backend>{{}, ctx.exec}, s).workspace_bytes, ops::topk_rows_workspace<Backend>(T, ctx.exec)};
   }
-
-  static Buffers carve(Workspace ws, const Layout& l) noexcept {
-    WorkspaceCarver c(ws);
+  template <class Backend>
+  WorkspacePlan layout(const ProblemShape& s, const Context<Backend>& ctx) const noexcept {
+    const Sizes z = sizes(s, ctx);
+    WorkspacePlan plan;  // same order as `carve`
+    plan.add<float>(z.rows_t);
+    plan.add<std::int64_t>(z.rows);
+    plan.add_bytes(z.alloc).add_bytes(z.scorer).add_bytes(z.topk);
+    return plan;
+  }
+  template <class Backend>
+  Buffers carve(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
+    const Sizes z = sizes(s, ctx);
+    WorkspaceCarver c(ctx.workspace);
     Buffers b;
-    b.scores = c.take<float>(l.rows_t);
-    b.cand = c.take<float>(l.rows_t);
-    b.map = c.take<std::int32_t>(l.rows_t);
-    b.sel = c.take<std::int32_t>(l.rows_t);
-    b.safe = c.take<std::int32_t>(l.rows_t);
-    b.count = c.take<std::int64_t>(l.rows);
-    b.prot = c.take<std::int64_t>(l.rows);
-    b.global_ws = Workspace{c.take<std::byte>(l.global_topk), l.global_topk};
-    b.scorer_ws = Workspace{c.take<std::byte>(l.scorer), l.scorer};
-    b.rows_ws = c.rest();
-    b.slices = detail::WorkerSlices::carve(b.rows_ws, l.per_row_topk);
+    b.scores = c.take<float>(z.rows_t);
+    b.count = c.take<std::int64_t>(z.rows);
+    b.alloc = Workspace{c.take<std::byte>(z.alloc), z.alloc};
+    b.scorer = Workspace{c.take<std::byte>(z.scorer), z.scorer};
+    b.rows = c.rest();
     return b;
   }
 
@@ -316,129 +299,36 @@ class AdaKV {
   /// Per-row scores (rows, T) into buf.scores: the scorer once (kv heads) or
   /// once per group member on the query-head subsets (query heads).
   template <class Backend, class In>
-  Status score_rows(const In& in, const ProblemShape& shape, std::int64_t T, Buffers& buf, const ExecContext& ctx) const noexcept {
+  Status score_rows(const Context<Backend>& cx, const In& in, const ProblemShape& shape, std::int64_t T, Buffers& buf) const noexcept {
+    const Context<Backend> scx = cx.with_workspace(buf.scorer);
     if (params_.heads == HeadGranularity::kKvHead) {
-      return scorer_.score(Context<Backend>{buf.scorer_ws, ctx}, in, TensorView<float, 2>::contiguous(buf.scores, {shape.num_kv_heads, T}));
+      return scorer_.score(scx, in, TensorView<float, 2>::contiguous(buf.scores, {shape.num_kv_heads, T}));
     }
     const std::int64_t G = shape.num_q_heads / shape.num_kv_heads;
     for (std::int64_t g = 0; g < G; ++g) {
       // Rows h*G + g of the (Hq, T) buffer: a (Hkv, T) view with row stride G*T.
       const TensorView<float, 2> rows_g(buf.scores + g * T, {shape.num_kv_heads, T}, {G * T, 1});
-      KVP_RETURN_IF_ERROR(scorer_.score(Context<Backend>{buf.scorer_ws, ctx}, query_head_subset(in, g, G), rows_g));
+      KVP_RETURN_IF_ERROR(scorer_.score(scx, query_head_subset(in, g, G), rows_g));
     }
     return Status::ok();
   }
 
   template <class Backend, class In>
-  Status select_one(const In& in, const ProblemShape& shape, std::int64_t rows, std::int64_t row0, KeepSet& out, Buffers& buf,
-                    const ExecContext& ctx) const noexcept {
-    const std::int64_t T = in.keys.kv_len(), P = scorer_.protected_tokens(T);
-    const std::int64_t n_total = params_.budget.total(T, P);  // unclamped, protected included
-    if (n_total >= T && (params_.variant == AdaKVVariant::kKvpress || n_total > T)) {
+  Status select_one(const Context<Backend>& cx, const In& in, const ProblemShape& shape, std::int64_t rows, std::int64_t row0, KeepSet& out,
+                    Buffers& buf) const noexcept {
+    const std::int64_t T = in.keys.kv_len();
+    const AdaKVAllocation alloc = allocation(T);
+    const std::int64_t n_total = alloc.per_row(T);  // unclamped, protected included
+    if (n_total > T || (n_total == T && params_.variant == AdaKVVariant::kKvpress)) {
       keep_all(T, rows, row0, out);  // kvpress r == 0 / the original's B > L: nothing to evict, no scoring
       return Status::ok();
     }
-    KVP_RETURN_IF_ERROR(score_rows<Backend>(in, shape, T, buf, ctx));
-    for (std::int64_t r = 0; r < rows; ++r) buf.prot[r] = Backend::count_protected(buf.scores + r * T, T);
-    if (params_.variant == AdaKVVariant::kOriginal) {
-      allocate_original<Backend>(T, rows, n_total - P, buf);
-      detail::append_indptr(out, row0, buf.count, rows);
-      ops::topk_rows<Backend>(buf.scores, T, rows, T, out, row0, buf.rows_ws, ctx);
-    } else {
-      select_kvpress<Backend>(T, rows, std::min(n_total, T), row0, out, buf, ctx);
-    }
-    return Status::ok();
-  }
-
-  /// The original allocation: buf.count[r] = cap[r] + protected, B past tokens per row on average.
-  template <class Backend>
-  void allocate_original(std::int64_t T, std::int64_t rows, std::int64_t B, Buffers& buf) const noexcept {
-    const float* S = buf.scores;
-    const float* ranked = S;
-    std::int64_t protected_total = 0;
-    for (std::int64_t r = 0; r < rows; ++r) protected_total += buf.prot[r];
-    if (params_.normalize) {
-      // Row r scaled by sum(top-B past scores) / sum(all past scores), in fp32 like the reference.
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const float* s = S + r * T;
-        Backend::topk(s, T, std::min<std::int64_t>(T, B + buf.prot[r]), buf.sel, buf.global_ws);
-        double top = 0.0, all = 0.0;
-        for (std::int64_t i = 0; i < std::min<std::int64_t>(T, B + buf.prot[r]); ++i)
-          if (s[buf.sel[i]] != INFINITY) top += s[buf.sel[i]];
-        for (std::int64_t j = 0; j < T; ++j)
-          if (s[j] != INFINITY) all += s[j];
-        const float den = static_cast<float>(all);
-        const float f =
-            (den != 0.0f && std::isfinite(den) && std::isfinite(static_cast<float>(top))) ? static_cast<float>(top) / den : 1.0f;
-        for (std::int64_t j = 0; j < T; ++j) buf.cand[r * T + j] = s[j] == INFINITY ? s[j] : s[j] * f;
-      }
-      ranked = buf.cand;
-    }
-    // Layer-wide top (rows*B + protected): protected tokens first, then each head's share of the best B*rows.
-    const std::int64_t k = std::min(rows * T, rows * B + protected_total);
-    Backend::topk(ranked, rows * T, k, buf.sel, buf.global_ws);
-    for (std::int64_t r = 0; r < rows; ++r) buf.count[r] = -buf.prot[r];
-    for (std::int64_t i = 0; i < k; ++i) ++buf.count[buf.sel[i] / T];
-    const auto floor_cap = static_cast<std::int64_t>(static_cast<double>(B) * params_.alpha);
-    const float keep_f = static_cast<float>(1.0 - params_.alpha);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const float v = detail::rounded_mul(static_cast<float>(buf.count[r]), keep_f) + static_cast<float>(floor_cap);
-      const auto cap = static_cast<std::int64_t>(round_half_even(static_cast<double>(v)));
-      buf.count[r] = std::clamp<std::int64_t>(cap, 0, T - buf.prot[r]) + buf.prot[r];
-    }
-  }
-
-  /// kvpress AdaKVPress: safeguard per row, then the layer-wide best of the rest; writes rows and indptr.
-  template <class Backend>
-  void select_kvpress(std::int64_t T, std::int64_t rows, std::int64_t n_kept, std::int64_t row0, KeepSet& out, Buffers& buf,
-                      const ExecContext& ctx) const noexcept {
-    auto n_safe = static_cast<std::int64_t>(static_cast<double>(n_kept) * params_.alpha);
-    if (params_.budget.at_least_one && params_.alpha > 0.0) n_safe = n_kept > 0 ? std::max<std::int64_t>(1, n_safe) : 0;
-    n_safe = std::min(n_safe, n_kept);
-    // 1. Safeguard: each row's own best n_safe tokens (ascending).
-    ctx.parallel_for(rows, [&](std::int64_t r, int worker) {
-      Backend::topk(buf.scores + r * T, T, n_safe, buf.safe + r * n_safe, buf.slices.slice(worker));
-    });
-    // 2. Candidates: everything not safeguarded, in flat order (so ties go to the higher flat index).
-    std::int64_t m = 0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int32_t* sf = buf.safe + r * n_safe;
-      std::int64_t q = 0;
-      for (std::int64_t j = 0; j < T; ++j) {
-        if (q < n_safe && sf[q] == j) {
-          ++q;
-          continue;
-        }
-        buf.cand[m] = buf.scores[r * T + j];
-        buf.map[m++] = static_cast<std::int32_t>(r * T + j);
-      }
-    }
-    // 3. The layer keeps rows*n_kept tokens: the safeguarded ones plus the best rows*(n_kept - n_safe) candidates.
-    const std::int64_t extra = rows * (n_kept - n_safe);
-    Backend::topk(buf.cand, m, extra, buf.sel, buf.global_ws);
-    for (std::int64_t r = 0; r < rows; ++r) buf.count[r] = n_safe;
-    for (std::int64_t i = 0; i < extra; ++i) {
-      buf.sel[i] = buf.map[buf.sel[i]];  // ascending flat indices
-      ++buf.count[buf.sel[i] / T];
-    }
+    KVP_RETURN_IF_ERROR(score_rows(cx, in, shape, T, buf));
+    KVP_RETURN_IF_ERROR(alloc.allocate(cx.with_workspace(buf.alloc), T, TensorView<const float, 2>::contiguous(buf.scores, {rows, T}),
+                                       std::span<std::int64_t>(buf.count, static_cast<std::size_t>(rows))));
     detail::append_indptr(out, row0, buf.count, rows);
-    // 4. Row r = merge(safeguard, its global picks), both ascending.
-    std::int64_t g = 0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      std::int32_t* dst = out.indices + out.indptr[row0 + r];
-      const std::int32_t* sf = buf.safe + r * n_safe;
-      const std::int64_t g_end = g + (buf.count[r] - n_safe);
-      std::int64_t a = 0;
-      while (a < n_safe || g < g_end) {
-        const std::int64_t tok_g = g < g_end ? buf.sel[g] - r * T : INT64_MAX;
-        if (a < n_safe && sf[a] < tok_g) {
-          *dst++ = sf[a++];
-        } else {
-          *dst++ = static_cast<std::int32_t>(tok_g);
-          ++g;
-        }
-      }
-    }
+    ops::topk_rows<Backend>(buf.scores, T, rows, T, out, row0, buf.rows, cx.exec);
+    return Status::ok();
   }
 
   Params params_{};
