@@ -5,6 +5,7 @@ kvp_add_test(test_cpu
   ${CMAKE_CURRENT_LIST_DIR}/test_window_scores.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_topk.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_pool1d.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_reduce.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_isa.cpp)
 
 # The environment override is read at first use, so it needs its own process.

@@ -201,11 +201,16 @@ struct ScalarReduceOps {
 
   /// Lowest slot of the minimum of x[0..n) under score_order_key (the slot a
   /// top-(n-1) drops); returns -1 and sets *at, or returns 0 when x holds NaN.
+  /// An empty row (n <= 0) has no victim: -1 and *at = -1.
   /// One pass of block minima over 32 independent lanes (enough accumulators for
   /// the compiler to vectorise and hide the min latency), then a search inside
   /// the first block that holds the minimum.
   static std::int64_t argmin_or_nan(const float* x, std::int64_t n, std::int64_t* at) noexcept {
     constexpr std::int64_t kB = 1024, kL = 32;
+    if (n <= 0) {
+      *at = -1;
+      return -1;
+    }
     float best = std::numeric_limits<float>::infinity();
     std::int64_t best_block = 0;
     int bad_any = 0;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // `backend::Cpu`: the CPU SIMD backend (kvpolicy::cpu). Policies instantiated
-// with it call the vectorised ops of `CpuScoreOps` and `CpuPageOps` and fall
+// with it call the vectorised ops of `CpuScoreOps`, `CpuPageOps` and
+// `CpuReduceOps` and fall
 // back to the scalar reference, by inheritance, for every op they do not
 // specialise.
 //
@@ -12,6 +13,7 @@
 
 #include "kvpolicy/backends/cpu_isa.hpp"
 #include "kvpolicy/backends/cpu_page_ops.hpp"
+#include "kvpolicy/backends/cpu_reduce_ops.hpp"
 #include "kvpolicy/backends/cpu_score_ops.hpp"
 #include "kvpolicy/ops/contract.hpp"
 #include "kvpolicy/ops/scalar.hpp"
@@ -20,7 +22,7 @@ KVP_NAMESPACE_BEGIN
 namespace backend {
 
 // Score ops, page ops and row reductions, one base per op family (each falls back to its scalar family).
-struct Cpu : CpuScoreOps, CpuPageOps, ScalarReduceOps {
+struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps {
   /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
 

@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: Apache-2.0
+// Entry points of `backend::CpuReduceOps` (baseline flags): ISA dispatch to
+// the kernels of reduce_ops_<isa>.cpp.
+#include "kvpolicy/backends/cpu_reduce_ops.hpp"
+
+#include "reduce_kernels.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace backend {
+
+bool CpuReduceOps::has_nan(const float* x, std::int64_t n) noexcept { return n > 0 && cpu_detail::reduce_kernels().has_nan(x, n); }
+
+std::int64_t CpuReduceOps::argmin_or_nan(const float* x, std::int64_t n, std::int64_t* at) noexcept {
+  if (n <= 0) return ScalarReduceOps::argmin_or_nan(x, n, at);
+  return cpu_detail::reduce_kernels().argmin_or_nan(x, n, at);
+}
+
+void CpuReduceOps::mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept {
+  if (n <= 0) return;
+  cpu_detail::reduce_kernels().mean_rows_f32(rows, H, ld, n, mean);
+}
+
+}  // namespace backend
+KVP_NAMESPACE_END

@@ -1,0 +1,28 @@
+// SPDX-License-Identifier: Apache-2.0
+// Kernel table of the row reductions (internal): what each per-ISA unit
+// (reduce_ops_<isa>.cpp) provides to the entry points in cpu_reduce_ops.cpp.
+// Every kernel returns exactly what its `backend::ScalarReduceOps` reference
+// returns (comparisons and element-wise fp32 in the reference's order only).
+#pragma once
+
+#include <cstdint>
+
+#include "isa_dispatch.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail {
+
+struct ReduceKernels {
+  /// `ScalarReduceOps::argmin_or_nan`: -1 and *at = the lowest slot of the
+  /// minimum under score_order_key, or 0 (at untouched) when x holds NaN. n >= 1.
+  std::int64_t (*argmin_or_nan)(const float* x, std::int64_t n, std::int64_t* at) noexcept;
+  /// Whether x[0..n) holds a NaN.
+  bool (*has_nan)(const float* x, std::int64_t n) noexcept;
+  /// mean[j] = (sum over h ascending of rows[h * ld + j]) / H, fp32, rows contiguous along j.
+  void (*mean_rows_f32)(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept;
+};
+
+KVP_CPU_DECLARE_KERNELS(ReduceKernels, reduce_kernels)
+
+}  // namespace cpu_detail
+KVP_NAMESPACE_END

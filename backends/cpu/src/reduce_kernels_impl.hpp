@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: Apache-2.0
+// Row-reduction kernels, written once and compiled per ISA (internal; included
+// only by reduce_ops_<isa>.cpp). Contracts in reduce_kernels.hpp. Only
+// functions of this level's namespace, xsimd on `Arch` and libc are called
+// here (isa_dispatch.hpp's rule for per-ISA units).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "isa_arch.hpp"
+#include "reduce_kernels.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail::KVP_CPU_ISA_NS {
+
+using RF = xsimd::batch<float, Arch>;
+inline constexpr std::int64_t kRL = static_cast<std::int64_t>(RF::size);
+
+inline float hmin_lanes(RF v) noexcept {
+  alignas(64) float t[kRL];
+  v.store_aligned(t);
+  float m = t[0];
+  for (std::int64_t l = 1; l < kRL; ++l) m = t[l] < m ? t[l] : m;
+  return m;
+}
+
+inline bool has_nan(const float* x, std::int64_t n) noexcept {
+  auto ok = RF(0.0f) == RF(0.0f);  // all true; a lane turns false at a NaN (== is ordered on every level)
+  std::int64_t j = 0;
+  for (; j + 4 * kRL <= n; j += 4 * kRL) {
+    const RF a = RF::load_unaligned(x + j), b = RF::load_unaligned(x + j + kRL);
+    const RF c = RF::load_unaligned(x + j + 2 * kRL), d = RF::load_unaligned(x + j + 3 * kRL);
+    ok = ok & (a == a) & (b == b) & (c == c) & (d == d);
+  }
+  for (; j + kRL <= n; j += kRL) {
+    const RF a = RF::load_unaligned(x + j);
+    ok = ok & (a == a);
+  }
+  bool any = !xsimd::all(ok);
+  for (; j < n; ++j) any = any || x[j] != x[j];
+  return any;
+}
+
+/// First j in [j0, n) with x[j] == v (ordered compare), or n.
+inline std::int64_t find_equal(const float* x, std::int64_t j0, std::int64_t n, float v) noexcept {
+  const RF vv(v);
+  std::int64_t j = j0;
+  for (; j + kRL <= n; j += kRL) {
+    if (xsimd::any(RF::load_unaligned(x + j) == vv)) break;
+  }
+  for (; j < n; ++j)
+    if (x[j] == v) return j;
+  return n;
+}
+
+inline std::int64_t argmin_or_nan(const float* x, std::int64_t n, std::int64_t* at) noexcept {
+  constexpr std::int64_t kB = 1024;
+  const float inf = __builtin_inff();
+  float best = inf;
+  std::int64_t best_block = 0;
+  auto ok = RF(0.0f) == RF(0.0f);
+  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
+    const std::int64_t nb = n - b0 < kB ? n - b0 : kB;
+    const float* p = x + b0;
+    RF m0(inf), m1(inf), m2(inf), m3(inf);
+    std::int64_t j = 0;
+    for (; j + 4 * kRL <= nb; j += 4 * kRL) {
+      const RF a = RF::load_unaligned(p + j), b = RF::load_unaligned(p + j + kRL);
+      const RF c = RF::load_unaligned(p + j + 2 * kRL), d = RF::load_unaligned(p + j + 3 * kRL);
+      m0 = xsimd::select(a < m0, a, m0);
+      m1 = xsimd::select(b < m1, b, m1);
+      m2 = xsimd::select(c < m2, c, m2);
+      m3 = xsimd::select(d < m3, d, m3);
+      ok = ok & (a == a) & (b == b) & (c == c) & (d == d);
+    }
+    for (; j + kRL <= nb; j += kRL) {
+      const RF a = RF::load_unaligned(p + j);
+      m0 = xsimd::select(a < m0, a, m0);
+      ok = ok & (a == a);
+    }
+    m0 = xsimd::select(m1 < m0, m1, m0);
+    m2 = xsimd::select(m3 < m2, m3, m2);
+    m0 = xsimd::select(m2 < m0, m2, m0);
+    float bm = hmin_lanes(m0);
+    for (; j < nb; ++j) {
+      const float v = p[j];
+      bm = v < bm ? v : bm;
+      if (v != v) return 0;
+    }
+    if (bm < best) best = bm, best_block = b0;
+  }
+  if (!xsimd::all(ok)) return 0;
+  if (best == 0.0f) {  // -0 ranks below +0: the first -0 if any, else the first +0
+    for (std::int64_t j = 0; j < n; ++j) {
+      std::uint32_t u;
+      std::memcpy(&u, x + j, sizeof u);
+      if (u == 0x80000000u) {
+        *at = j;
+        return -1;
+      }
+    }
+    *at = find_equal(x, 0, n, 0.0f);
+    return -1;
+  }
+  *at = find_equal(x, best_block, n, best);  // best occurs in its block (all-+inf rows: block 0)
+  return -1;
+}
+
+inline void mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept {
+  constexpr std::int64_t kB = 2048;  // a block of the mean stays in L1 while the heads stream through
+  const RF hf(static_cast<float>(H));
+  for (std::int64_t j0 = 0; j0 < n; j0 += kB) {
+    const std::int64_t nb = n - j0 < kB ? n - j0 : kB;
+    float* m = mean + j0;
+    const float* r0 = rows + j0;
+    std::int64_t j = 0;
+    for (; j + kRL <= nb; j += kRL) RF::load_unaligned(r0 + j).store_unaligned(m + j);
+    for (; j < nb; ++j) m[j] = r0[j];
+    for (std::int64_t h = 1; h < H; ++h) {
+      const float* r = rows + h * ld + j0;
+      j = 0;
+      for (; j + kRL <= nb; j += kRL) (RF::load_unaligned(m + j) + RF::load_unaligned(r + j)).store_unaligned(m + j);
+      for (; j < nb; ++j) m[j] += r[j];
+    }
+    j = 0;
+    for (; j + kRL <= nb; j += kRL) (RF::load_unaligned(m + j) / hf).store_unaligned(m + j);
+    const float hs = static_cast<float>(H);
+    for (; j < nb; ++j) m[j] /= hs;
+  }
+}
+
+}  // namespace cpu_detail::KVP_CPU_ISA_NS
+KVP_NAMESPACE_END

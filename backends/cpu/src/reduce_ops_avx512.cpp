@@ -1,0 +1,10 @@
+// SPDX-License-Identifier: Apache-2.0
+// Row-reduction kernels for the avx512 level (flags and KVP_CPU_TU_ISA come from CMake).
+#include "reduce_kernels_impl.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail {
+KVP_CPU_DEFINE_KERNELS(ReduceKernels, reduce_kernels, &KVP_CPU_ISA_NS::argmin_or_nan, &KVP_CPU_ISA_NS::has_nan,
+                       &KVP_CPU_ISA_NS::mean_rows_f32)
+}  // namespace cpu_detail
+KVP_NAMESPACE_END

@@ -1,0 +1,119 @@
+// CpuReduceOps against the scalar reference on every ISA level: the one-victim
+// argmin (total order: NaN -> 0, -0 below +0, lowest slot of the minimum), the
+// NaN scan and the fp32 head mean, bit for bit, on adversarial rows (ties,
+// signed zeros, infinities, NaN at every block boundary, unaligned starts).
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include "cpu/cpu_test_util.hpp"
+
+using namespace kvp_cpu_test;
+
+namespace {
+
+std::vector<std::int64_t> lengths() {
+  std::vector<std::int64_t> v;
+  for (std::int64_t n = 1; n <= 70; ++n) v.push_back(n);
+  for (std::int64_t n : {127, 128, 129, 1023, 1024, 1025, 2047, 2048, 2049, 4099}) v.push_back(n);
+  return v;
+}
+
+/// Row r of kind `kind`: random values with many ties, optionally with signed zeros or infinities.
+std::vector<float> make_row(std::int64_t n, int kind, std::mt19937& rng) {
+  std::uniform_int_distribution<int> small(0, 7);
+  std::vector<float> x(static_cast<std::size_t>(n + 1));  // +1: an unaligned start at x.data() + 1
+  for (auto& v : x) v = static_cast<float>(small(rng)) * 0.25f + 1.0f;
+  const float inf = std::numeric_limits<float>::infinity();
+  switch (kind) {
+    case 1:  // signed zeros as the minimum, -0 somewhere or nowhere
+      for (auto& v : x)
+        if (small(rng) == 0) v = (small(rng) & 1) ? -0.0f : 0.0f;
+      break;
+    case 2:  // all +inf
+      std::fill(x.begin(), x.end(), inf);
+      break;
+    case 3:  // one unique minimum late
+      x[static_cast<std::size_t>(n * 3 / 4)] = -inf;
+      break;
+    case 4:  // only +0 zeros
+      for (auto& v : x)
+        if (small(rng) == 0) v = 0.0f;
+      break;
+    default: break;
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("CpuReduceOps: argmin_or_nan / has_nan == the scalar reference on every level", "[cpu][reduce]") {
+  IsaGuard guard;
+  std::mt19937 rng(5);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t n : lengths()) {
+      for (int kind = 0; kind < 5; ++kind) {
+        for (int off = 0; off < 2; ++off) {
+          INFO("isa " << Cpu::isa_name() << " n " << n << " kind " << kind << " offset " << off);
+          auto row = make_row(n, kind, rng);
+          const float* x = row.data() + off;
+          std::int64_t at_ref = -5, at_cpu = -5;
+          REQUIRE(Cpu::argmin_or_nan(x, n, &at_cpu) == Scalar::argmin_or_nan(x, n, &at_ref));
+          REQUIRE(at_cpu == at_ref);
+          REQUIRE(at_ref >= 0);
+          REQUIRE(!Cpu::has_nan(x, n));
+          // NaN at the first, a block-boundary and the last slot: both report it, neither sets *at.
+          for (std::int64_t p : {std::int64_t{0}, std::min<std::int64_t>(n - 1, 1023), std::min<std::int64_t>(n - 1, 1024), n - 1}) {
+            auto bad = row;
+            bad[static_cast<std::size_t>(off + p)] = nan;
+            std::int64_t a = -7;
+            REQUIRE(Cpu::argmin_or_nan(bad.data() + off, n, &a) == 0);
+            REQUIRE(a == -7);
+            REQUIRE(Cpu::has_nan(bad.data() + off, n));
+            REQUIRE(Scalar::has_nan(bad.data() + off, n));
+          }
+        }
+      }
+    }
+    std::int64_t at = 3;
+    REQUIRE(Cpu::argmin_or_nan(nullptr, 0, &at) == -1);
+    REQUIRE(at == -1);
+    REQUIRE(!Cpu::has_nan(nullptr, 0));
+  }
+}
+
+TEST_CASE("CpuReduceOps: mean_rows == the scalar reference bit for bit (fp32 contiguous, strided, fp16)", "[cpu][reduce]") {
+  IsaGuard guard;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t H : {1, 3, 8, 32}) {
+      for (std::int64_t n : {1, 15, 16, 17, 2047, 2048, 2049, 5000}) {
+        INFO("isa " << Cpu::isa_name() << " H " << H << " n " << n);
+        std::vector<float> p(static_cast<std::size_t>(H * (n + 3)));
+        for (auto& v : p) v = nd(rng) * 1e-3f;
+        const TensorView<const float, 2> rows(p.data() + 1, {H, n}, {n + 3, 1});
+        std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+        Cpu::mean_rows(rows, a.data());
+        Scalar::mean_rows(rows, b.data());
+        REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+        // Strided along j and fp16: the reference path, still equal.
+        if (n > 1) {
+          const TensorView<const float, 2> strided(p.data(), {H, n / 2}, {n + 3, 2});
+          Cpu::mean_rows(strided, a.data());
+          Scalar::mean_rows(strided, b.data());
+          REQUIRE(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(n / 2) * sizeof(float)) == 0);
+        }
+      }
+    }
+    std::vector<half> h(64);
+    for (std::size_t i = 0; i < h.size(); ++i) h[i] = half(static_cast<float>(i) * 0.5f);
+    std::vector<float> a(16), b(16);
+    Cpu::mean_rows(TensorView<const half, 2>::contiguous(h.data(), {4, 16}), a.data());
+    Scalar::mean_rows(TensorView<const half, 2>::contiguous(h.data(), {4, 16}), b.data());
+    REQUIRE(a == b);
+  }
+}
