@@ -1,6 +1,7 @@
 kvp_add_test(test_core
   ${CMAKE_CURRENT_LIST_DIR}/test_dtype.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_views.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_views.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_checked.cpp)
 
 # Compile-fail tests: const-correctness of views (the build itself must fail).
 foreach(case 1 2)
