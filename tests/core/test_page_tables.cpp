@@ -34,7 +34,7 @@ TEST_CASE("PageSelection::validate: null last_page_len / indices and negative co
   REQUIRE(PageSelection{zero.data(), nullptr, nullptr, nullptr, 0, 0}.validate("t", 8, 4).is_ok());
 }
 
-TEST_CASE("PageTable::validate: a negative pool size says it must be >= 0, not 'out of range [0, -3)'", "[checked][paged]") {
+TEST_CASE("PageTable::validate: a negative pool size says it must be >= 0 (not a range ending at -3)", "[checked][paged]") {
   std::vector<std::int32_t> indptr{0, 2}, indices{0, 1}, last{2};
   const PageTable t{indptr.data(), indices.data(), last.data(), 1};
   const Status s = t.validate("t", -3, 4);
