@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -342,7 +343,8 @@ class PagedKVCache {
                                      freed.data(),
                                      static_cast<std::int64_t>(freed.size()),
                                      0};
-    KVP_RETURN_IF_ERROR(kvpolicy::compact_paged<T>(L.view, keep, positions(l), out));
+    std::vector<std::byte> ws(kvpolicy::compact_paged_workspace(L.view.num_pages));
+    KVP_RETURN_IF_ERROR(kvpolicy::compact_paged<T>(L.view, keep, positions(l), out, kvpolicy::Workspace{ws.data(), ws.size()}));
     L.indices.resize(static_cast<std::size_t>(L.indptr[1]));
     for (std::int64_t i = out.num_freed - 1; i >= 0; --i) L.free.push_back(freed[static_cast<std::size_t>(i)]);
     refresh(l);

@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <cstddef>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -100,7 +102,7 @@ TEST_CASE("compact_contiguous: bad keep sets are rejected and nothing is modifie
   check(unsorted, 10, "not strictly ascending");
   check(ok, 11, "kv_len 11 out of range [0, capacity=10]");
   KeepSetBuffer one_row(1, 1);
-  check(one_row, 10, "keep set rows [0, 2) out of range [0, 1)");
+  check(one_row, 10, "keep set rows [row0=0, row0+2) out of range [0, num_rows=1)");
 }
 
 TEST_CASE("compact_paged: pages freed as the budget implies, tokens and positions moved", "[apply][paged]") {
@@ -128,6 +130,7 @@ TEST_CASE("compact_paged: pages freed as the budget implies, tokens and position
     const PagedKVView<half> before = cache;
     std::vector<std::int32_t> out_indptr(4), out_indices(6), out_last(3), freed(6);
     PagedCompactOutput out{out_indptr.data(), out_indices.data(), out_last.data(), 6, freed.data(), 6, 0};
+    std::vector<std::byte> ws(compact_paged_workspace(pool_pages));
     // reference copy of the kept tokens
     std::vector<std::vector<std::uint16_t>> expect_k;
     for (std::int32_t b = 0; b < 3; ++b)
@@ -137,7 +140,8 @@ TEST_CASE("compact_paged: pages freed as the budget implies, tokens and position
           for (int c = 0; c < d; ++c) row.push_back(before.key(b, h, t)[c].bits);
           expect_k.push_back(row);
         }
-    REQUIRE(compact_paged<half>(cache, keep.view(), TensorView<std::int32_t, 3>::contiguous(positions.data(), {pool_pages, H, ps}), out)
+    REQUIRE(compact_paged<half>(cache, keep.view(), TensorView<std::int32_t, 3>::contiguous(positions.data(), {pool_pages, H, ps}), out,
+                                Workspace{ws.data(), ws.size()})
                 .is_ok());
     REQUIRE(out_indptr == std::vector<std::int32_t>{0, 2, 3, 4});
     REQUIRE(out_indices == std::vector<std::int32_t>{7, 2, 0, 11, 0, 0});
@@ -175,15 +179,177 @@ TEST_CASE("compact_paged: unequal per-head counts and small outputs are rejected
   keep.indices = {1, 5, 0, 1, 2};
   std::vector<std::int32_t> oi(2, -1), oidx(2, -1), ol(1, -1), fr(2, -1);
   PagedCompactOutput out{oi.data(), oidx.data(), ol.data(), 2, fr.data(), 2, 0};
-  REQUIRE_THAT(compact_paged<float>(cache, keep.view(), {}, out).message(), Contains("shared page list needs equal counts"));
+  std::vector<std::byte> ws(compact_paged_workspace(4));
+  const Workspace w{ws.data(), ws.size()};
+  REQUIRE_THAT(compact_paged<float>(cache, keep.view(), {}, out, w).message(), Contains("shared page list needs equal counts"));
   keep.indptr = {0, 2, 4};
   keep.indices = {1, 5, 0, 5};
   out.freed_capacity = 0;
-  REQUIRE_THAT(compact_paged<float>(cache, keep.view(), {}, out).message(), Contains("freed_pages capacity 0 < 1"));
+  REQUIRE_THAT(compact_paged<float>(cache, keep.view(), {}, out, w).message(), Contains("freed_pages capacity 0 < 1"));
   out.freed_capacity = 2;
   keep.indices = {1, 6, 0, 6};
-  REQUIRE_THAT(compact_paged<float>(cache, keep.view(), {}, out).message(), Contains("out of range [0, 6)"));
+  REQUIRE_THAT(compact_paged<float>(cache, keep.view(), {}, out, w).message(), Contains("out of range [0, 6)"));
   REQUIRE(k == k0);
   REQUIRE(oi == std::vector<std::int32_t>(2, -1));
   REQUIRE(indices == std::vector<std::int32_t>{3, 1});
+}
+
+TEST_CASE("compact_contiguous: null keep-set indices and row0 near INT64_MAX are rejected untouched", "[apply][errors]") {
+  const std::int64_t H = 2, cap = 8, d = 2;
+  std::vector<float> k(H * cap * d), v(H * cap * d);
+  std::iota(k.begin(), k.end(), 0.0f);
+  std::iota(v.begin(), v.end(), 50.0f);
+  const auto k0 = k, v0 = v;
+  auto kv = TensorView<float, 3>::contiguous(k.data(), {H, cap, d}), vv = TensorView<float, 3>::contiguous(v.data(), {H, cap, d});
+  std::vector<std::int64_t> lens(H, -1);
+  std::vector<std::int32_t> indptr{0, 2, 4};
+  auto check = [&](const KeepSet& keep, std::int64_t row0, const char* needle) {
+    const Status s = compact_contiguous<float>(kv, vv, {}, cap, keep, row0, lens);
+    INFO(s.message());
+    REQUIRE(s.code() == StatusCode::kInvalidArgument);
+    REQUIRE_THAT(s.message(), Contains(needle));
+    REQUIRE(k == k0);
+    REQUIRE(v == v0);
+    REQUIRE(lens == std::vector<std::int64_t>(H, -1));
+  };
+  check(KeepSet{indptr.data(), nullptr, 2, 4}, 0, "keep set indices is null but row 0 lists 2 tokens");
+  check(KeepSet{nullptr, nullptr, 2, 4}, 0, "keep set indptr is null");
+  std::vector<std::int32_t> ids{0, 1, 0, 1};
+  const KeepSet keep{indptr.data(), ids.data(), 2, 4};
+  const std::int64_t max = std::numeric_limits<std::int64_t>::max();
+  for (const std::int64_t row0 : {max, max - 1, std::int64_t{-1}, std::numeric_limits<std::int64_t>::min()}) {
+    INFO("row0 = " << row0);
+    check(keep, row0, "out of range [0, num_rows=2)");
+  }
+  // A null indices pointer is fine when no row lists a token.
+  std::vector<std::int32_t> empty_ptr{0, 0, 0};
+  REQUIRE(compact_contiguous<float>(kv, vv, {}, cap, KeepSet{empty_ptr.data(), nullptr, 2, 0}, 0, lens).is_ok());
+  REQUIRE(lens == std::vector<std::int64_t>{0, 0});
+}
+
+namespace {
+
+/// A two-sequence paged cache (H = 2, page_size 4) and a compact_paged call whose rejections must leave everything as it was.
+struct PagedErrorCase {
+  static constexpr std::int32_t H = 2, ps = 4, d = 2, pool = 8;
+  PageStrides st = PageStrides::contiguous(PageLayout::kNHD, H, ps, d);
+  std::vector<float> k = std::vector<float>(pool * st.page), v = k;
+  // seq 0: 6 tokens on pages {5, 1}; seq 1: 7 tokens on pages {2, 6}
+  std::vector<std::int32_t> indptr{0, 2, 4}, indices{5, 1, 2, 6}, last{2, 3};
+  std::vector<std::int32_t> positions = std::vector<std::int32_t>(pool * H * ps, 0);
+  KeepSetBuffer keep{4, 4};
+  std::vector<std::int32_t> oi = std::vector<std::int32_t>(3, -1), oidx = std::vector<std::int32_t>(4, -1),
+                            ol = std::vector<std::int32_t>(2, -1), fr = std::vector<std::int32_t>(4, -1);
+  PagedCompactOutput out{oi.data(), oidx.data(), ol.data(), 4, fr.data(), 4, 0};
+  std::vector<std::byte> ws = std::vector<std::byte>(compact_paged_workspace(pool));
+
+  PagedErrorCase() {
+    std::iota(k.begin(), k.end(), 0.0f);
+    std::iota(v.begin(), v.end(), 1000.0f);
+    std::iota(positions.begin(), positions.end(), 0);
+    keep.indptr = {0, 1, 2, 3, 4};
+    keep.indices = {5, 5, 6, 6};  // one token per head: every sequence moves a token and frees a page
+  }
+  PagedKVView<float> cache() {
+    return PagedKVView<float>{k.data(), v.data(), st, st, pool, H, ps, d, PageTable{indptr.data(), indices.data(), last.data(), 2}, kHost};
+  }
+  void expect_rejected(PagedKVView<float> c, const char* needle) {
+    const auto k0 = k, v0 = v;
+    const auto pos0 = positions, ptr0 = indptr, idx0 = indices, last0 = last;
+    const Status s = compact_paged<float>(c, keep.view(), TensorView<std::int32_t, 3>::contiguous(positions.data(), {pool, H, ps}), out,
+                                          Workspace{ws.data(), ws.size()});
+    INFO(s.message());
+    REQUIRE(s.code() == StatusCode::kInvalidArgument);
+    REQUIRE_THAT(s.message(), Contains(needle));
+    REQUIRE(k == k0);
+    REQUIRE(v == v0);
+    REQUIRE(positions == pos0);
+    REQUIRE((indptr == ptr0 && indices == idx0 && last == last0));
+    REQUIRE(oi == std::vector<std::int32_t>(3, -1));
+    REQUIRE(oidx == std::vector<std::int32_t>(4, -1));
+    REQUIRE(ol == std::vector<std::int32_t>(2, -1));
+    REQUIRE(fr == std::vector<std::int32_t>(4, -1));
+    REQUIRE(out.num_freed == 0);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("compact_paged: page ids repeated in a sequence or shared between sequences are rejected, nothing written",
+          "[apply][paged][errors]") {
+  {
+    PagedErrorCase c;
+    c.indices = {5, 5, 2, 6};  // sequence 0 lists page 5 twice: it would be "freed" while the new table keeps it
+    c.expect_rejected(c.cache(), "page 5 appears twice in the page table (entry 0 of sequence 0 and entry 1 of sequence 0)");
+  }
+  {
+    PagedErrorCase c;
+    c.indices = {5, 1, 1, 6};  // page 1 shared: sequence 1's moves would overwrite sequence 0's tokens
+    c.expect_rejected(c.cache(), "page 1 appears twice in the page table (entry 1 of sequence 0 and entry 0 of sequence 1)");
+  }
+  {
+    PagedErrorCase c;  // the bitmap workspace is required
+    c.ws.resize(8);
+    const Status s = compact_paged<float>(c.cache(), c.keep.view(), {}, c.out, Workspace{c.ws.data(), c.ws.size()});
+    REQUIRE(s.code() == StatusCode::kWorkspaceTooSmall);
+  }
+  {
+    PagedErrorCase c;  // and the distinct table compacts
+    REQUIRE(compact_paged<float>(c.cache(), c.keep.view(), {}, c.out, Workspace{c.ws.data(), c.ws.size()}).is_ok());
+    REQUIRE(c.out.num_freed == 2);
+    REQUIRE(c.oidx[0] == 5);
+    REQUIRE(c.oidx[1] == 2);
+  }
+}
+
+TEST_CASE("compact_paged: the caller's page table and keep set are validated before use, nothing written", "[apply][paged][errors]") {
+  {
+    PagedErrorCase c;
+    auto v = c.cache();
+    v.table.indptr = nullptr;
+    c.expect_rejected(v, "page table indptr is null");
+  }
+  {
+    PagedErrorCase c;
+    c.indptr = {0, 3, 2};
+    c.expect_rejected(c.cache(), "page table indptr is not monotonic at 1 (3 > 2)");
+  }
+  {
+    PagedErrorCase c;
+    c.indptr = {1, 2, 4};
+    c.expect_rejected(c.cache(), "page table indptr[0] is 1, must be 0");
+  }
+  for (const std::int32_t bad : {0, 5, -1}) {
+    PagedErrorCase c;
+    c.last[1] = bad;
+    c.expect_rejected(c.cache(), "last_page_len[1] is");
+  }
+  for (const std::int32_t bad : {8, -1}) {
+    PagedErrorCase c;
+    c.indices[3] = bad;
+    c.expect_rejected(c.cache(), "out of range [0, 8)");
+  }
+  {
+    PagedErrorCase c;
+    auto v = c.cache();
+    v.table.last_page_len = nullptr;
+    c.expect_rejected(v, "page table last_page_len is null");
+  }
+  {
+    PagedErrorCase c;
+    auto v = c.cache();
+    v.num_pages = -3;
+    c.expect_rejected(v, "num_pages is -3, must be >= 0");
+  }
+  {
+    PagedErrorCase c;  // keep set with null indices
+    auto v = c.cache();
+    const KeepSet null_ids{c.keep.indptr.data(), nullptr, 4, 4};
+    const Status s = compact_paged<float>(v, null_ids, {}, c.out, Workspace{c.ws.data(), c.ws.size()});
+    REQUIRE_THAT(s.message(), Contains("keep set indices is null but row 0 lists 1 tokens"));
+    REQUIRE(c.oi == std::vector<std::int32_t>(3, -1));
+    const KeepSet null_ptr{nullptr, c.keep.indices.data(), 4, 4};
+    REQUIRE_THAT(compact_paged<float>(v, null_ptr, {}, c.out, Workspace{c.ws.data(), c.ws.size()}).message(),
+                 Contains("keep set indptr is null"));
+  }
 }

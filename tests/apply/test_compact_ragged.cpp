@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -253,4 +254,39 @@ TEST_CASE("ragged paged: bad layouts and budgets are rejected with nothing modif
   // and the valid call succeeds
   REQUIRE(compact_paged_per_head<half>(pool.view(), 2, ok_keep.view(), {}, out, Workspace{ws.data(), ws.size()}).is_ok());
   REQUIRE(out.num_freed == 2);
+}
+
+TEST_CASE("ragged: null keep-set indices and row0 near INT64_MAX are rejected with nothing modified", "[apply][ragged][errors]") {
+  const std::int64_t H = 2, cap = 6, d = 2;
+  std::vector<float> k(H * cap * d);
+  std::iota(k.begin(), k.end(), 0.0f);
+  const auto k0 = k;
+  auto kv = TensorView<float, 3>::contiguous(k.data(), {H, cap, d});
+  std::vector<std::int64_t> lens{6, 4}, out(H, -1);
+  std::vector<std::int32_t> indptr{0, 1, 2}, ids{0, 3};
+  auto check = [&](const KeepSet& keep, std::int64_t row0, const char* needle) {
+    const Status s = compact_contiguous_per_head<float>(kv, {}, {}, lens, keep, row0, out);
+    INFO(s.message());
+    REQUIRE_THAT(s.message(), Contains(needle));
+    REQUIRE(k == k0);
+    REQUIRE(out == std::vector<std::int64_t>(H, -1));
+  };
+  check(KeepSet{indptr.data(), nullptr, 2, 2}, 0, "keep set indices is null but row 0 lists 1 tokens");
+  check(KeepSet{indptr.data(), ids.data(), 2, 2}, std::numeric_limits<std::int64_t>::max(), "out of range [0, num_rows=2)");
+
+  PerHeadPool pool(4, 2, 8);
+  pool.build({5, 3}, 3);
+  const std::vector<half> pk0 = pool.k;
+  std::vector<std::int32_t> oi(3, -1), oidx(8, -1), ol(2, -1), fr(8, -1);
+  PagedCompactOutput pout{oi.data(), oidx.data(), ol.data(), 8, fr.data(), 8, 0};
+  std::vector<std::byte> ws(compact_paged_per_head_workspace(8));
+  const Status s =
+      compact_paged_per_head<half>(pool.view(), 1, KeepSet{indptr.data(), nullptr, 2, 2}, {}, pout, Workspace{ws.data(), ws.size()});
+  INFO(s.message());
+  REQUIRE_THAT(s.message(), Contains("keep set indices is null but row 0 lists 1 tokens"));
+  REQUIRE(std::memcmp(pool.k.data(), pk0.data(), pk0.size() * sizeof(half)) == 0);
+  REQUIRE(oi == std::vector<std::int32_t>(3, -1));
+  REQUIRE_THAT(
+      compact_paged_per_head<half>(pool.view(), 1, KeepSet{nullptr, ids.data(), 2, 2}, {}, pout, Workspace{ws.data(), ws.size()}).message(),
+      Contains("keep set indptr is null"));
 }

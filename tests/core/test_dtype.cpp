@@ -44,6 +44,8 @@ TEST_CASE("half: every bit pattern survives half -> float -> half", "[dtype]") {
   }
 }
 
+// Compilers without an x86 _Float16 (clang 14, used by tools/tsan.sh) skip the comparison.
+#if defined(__FLT16_MANT_DIG__)
 TEST_CASE("half: float -> half matches the compiler's _Float16 (round to nearest even)", "[dtype]") {
   std::mt19937 rng(1234);
   std::uniform_int_distribution<std::uint32_t> bits;
@@ -74,6 +76,7 @@ TEST_CASE("half: float -> half matches the compiler's _Float16 (round to nearest
     check(f);
   }
 }
+#endif
 
 TEST_CASE("bfloat16: float -> bfloat16 rounds to nearest even, NaN stays NaN", "[dtype]") {
   std::mt19937 rng(99);

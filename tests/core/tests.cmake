@@ -1,6 +1,8 @@
 kvp_add_test(test_core
   ${CMAKE_CURRENT_LIST_DIR}/test_dtype.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_views.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_views.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_checked.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_page_tables.cpp)
 
 # Compile-fail tests: const-correctness of views (the build itself must fail).
 foreach(case 1 2)

@@ -318,3 +318,23 @@ TEST_CASE("safetensors fuzz: random garbage buffers") {
   }
   SUCCEED();
 }
+
+TEST_CASE("safetensors: an empty tensor whose strides overflow int64 is rejected at parse time") {
+  // 0 elements and 0 bytes, but the row-major stride of axis 0 would be 2^61 * 2^61 * 4 = 2^124 (INT64_MIN once wrapped).
+  const std::string e =
+      open_error(raw(R"({"x":{"dtype":"F32","shape":[0,2305843009213693952,2305843009213693952,4],"data_offsets":[0,0]}})", 0));
+  INFO(e);
+  CHECK_THAT(e, Catch::Contains("tensor 'x'") && Catch::Contains("strides overflow int64"));
+  // Element count alone overflowing (every extent non-zero) is rejected too.
+  CHECK_THAT(open_error(raw(R"({"y":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", 0)),
+             Catch::Contains("tensor 'y'"));
+  // Empty tensors of sane extents still parse and view.
+  SafetensorsFile f;
+  REQUIRE(SafetensorsFile::from_bytes(raw(R"({"z":{"dtype":"F32","shape":[0,1024,4],"data_offsets":[0,0]}})", 0), &f).is_ok());
+  TensorView<const float, 3> v;
+  const Status s = f.view("z", &v);
+  INFO(s.message());
+  REQUIRE(s.is_ok());
+  CHECK(v.stride(0) == 4096);
+  CHECK(v.size() == 0);
+}

@@ -82,3 +82,32 @@ TEST_CASE("window_scores: matches a double-precision softmax with causal offset"
     }
   }
 }
+
+TEST_CASE("paged_decode_attention: NaN propagates to out and lse, empty and all -inf attend nothing", "[ops][nan]") {
+  const std::int64_t d = 4, n = 6;
+  std::vector<float> k(static_cast<std::size_t>(n * d)), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = 0.1f * static_cast<float>(i % 7), v[i] = static_cast<float>(i % 5);
+  const Rows<float> keys{k.data(), d, nullptr, 0, 0}, vals{v.data(), d, nullptr, 0, 0};
+  std::vector<std::byte> ws(Scalar::paged_attention_workspace(2, Scalar::attention_block(keys), d));
+  const Workspace w{ws.data(), ws.size()};
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> q{1, 0, 0, 0, kNaN, 1, 1, 1}, out(8), lse(2);
+  Scalar::paged_decode_attention(q.data(), 2, d, keys, vals, n, 1.0f, out.data(), lse.data(), w);
+  REQUIRE(std::isfinite(lse[0]));
+  for (int c = 0; c < 4; ++c) REQUIRE(std::isfinite(out[c]));
+  REQUIRE(std::isnan(lse[1]));
+  for (int c = 4; c < 8; ++c) REQUIRE(std::isnan(out[c]));
+  // A NaN key in a later block than a finite max still reaches the result (blocks of 1 row via pages).
+  std::vector<std::int32_t> pages{0, 1, 2, 3, 4, 5};
+  k[static_cast<std::size_t>(4 * d + 2)] = kNaN;
+  const Rows<float> pk{k.data(), 0, pages.data(), d, 1}, pv{v.data(), 0, pages.data(), d, 1};
+  std::vector<std::byte> ws1(Scalar::paged_attention_workspace(1, 1, d));
+  std::vector<float> q1{1, 1, 1, 1}, o1(4), l1(1);
+  Scalar::paged_decode_attention(q1.data(), 1, d, pk, pv, n, 1.0f, o1.data(), l1.data(), Workspace{ws1.data(), ws1.size()});
+  REQUIRE(std::isnan(l1[0]));
+  for (float x : o1) REQUIRE(std::isnan(x));
+  // No tokens: 0 and -inf, as documented.
+  Scalar::paged_decode_attention(q1.data(), 1, d, pk, pv, 0, 1.0f, o1.data(), l1.data(), Workspace{ws1.data(), ws1.size()});
+  REQUIRE(l1[0] == -std::numeric_limits<float>::infinity());
+  for (float x : o1) REQUIRE(x == 0.0f);
+}

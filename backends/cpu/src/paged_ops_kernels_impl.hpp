@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "isa_arch.hpp"
@@ -502,10 +503,19 @@ void attention(const float* q, std::int64_t G, std::int64_t d, Rows<T> keys, Row
       }
     }
     for (std::int64_t g = 0; g < G; ++g) {
+      if (s.run_sum[g] != s.run_sum[g]) continue;  // already NaN (see below)
       float* lg = s.logits + g * block;
       logits_row(q + g * d, d, s.krows, bn, scale, s.zero_row, lg);
       float bmax = -kInf;
-      for (std::int64_t t = 0; t < bn; ++t) bmax = lg[t] > bmax ? lg[t] : bmax;
+      bool nan = false;
+      for (std::int64_t t = 0; t < bn; ++t) {
+        nan = nan || lg[t] != lg[t];
+        bmax = lg[t] > bmax ? lg[t] : bmax;
+      }
+      if (nan) {  // the max skips NaN: a NaN sum carries it to out and lse, as in the reference
+        s.run_sum[g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       const float new_max = bmax > s.run_max[g] ? bmax : s.run_max[g];
       if (new_max == -kInf) continue;  // every logit so far is -inf
       float* o = out + g * d;

@@ -19,18 +19,33 @@
 #include <cstring>
 #include <span>
 
+#include "kvpolicy/core/checked.hpp"
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
+#include "kvpolicy/core/workspace.hpp"
 
 KVP_NAMESPACE_BEGIN
 
 namespace detail {
 
+/// Rows [row0, row0 + count) exist in `keep` (and its indptr is not null); overflow-safe for any row0.
+inline Status check_keep_rows(const char* who, const KeepSet& keep, std::int64_t row0, std::int64_t count) noexcept {
+  KVP_REQUIRE(keep.indptr != nullptr, "%s: keep set indptr is null", who);
+  std::int64_t end = 0;
+  KVP_REQUIRE(row0 >= 0 && count >= 0 && checked_add(row0, count, &end) && end <= keep.num_rows,
+              "%s: keep set rows [row0=%lld, row0+%lld) out of range [0, num_rows=%lld)", who, static_cast<long long>(row0),
+              static_cast<long long>(count), static_cast<long long>(keep.num_rows));
+  return Status::ok();
+}
+
+/// Row `row` (which exists) is a strictly ascending list of token ids in [0, len) inside the keep set's capacity.
 inline Status check_keep_row(const char* who, const KeepSet& keep, std::int64_t row, std::int64_t len) noexcept {
   const std::int32_t b = keep.indptr[row], e = keep.indptr[row + 1];
   KVP_REQUIRE(b >= 0 && e >= b && e <= keep.capacity, "%s: keep set indptr[%lld..%lld] = [%d, %d) is not a valid range of %lld entries",
               who, static_cast<long long>(row), static_cast<long long>(row + 1), b, e, static_cast<long long>(keep.capacity));
+  KVP_REQUIRE(e == b || keep.indices != nullptr, "%s: keep set indices is null but row %lld lists %d tokens", who,
+              static_cast<long long>(row), e - b);
   std::int64_t prev = -1;
   for (std::int32_t i = b; i < e; ++i) {
     const std::int64_t t = keep.indices[i];
@@ -53,7 +68,45 @@ void move_row(T* dst, const T* src, std::int64_t dim, std::int64_t dim_stride) n
   }
 }
 
+/// Every page id of `t` (already validated against a pool of `num_pool_pages`)
+/// appears once in the whole table: a page listed twice in one sequence, or
+/// by two sequences, would be reported freed while still in use, or have one
+/// sequence's tokens overwritten by another's. `ws` holds a bitmap of the pool
+/// (compact_paged_workspace).
+inline Status check_distinct_pages(const char* who, const PageTable& t, std::int32_t num_pool_pages, Workspace ws) noexcept {
+  const auto words = static_cast<std::size_t>((static_cast<std::int64_t>(num_pool_pages) + 63) / 64);
+  KVP_RETURN_IF_ERROR(check_workspace(who, ws, WorkspacePlan{}.add<std::uint64_t>(words).total()));
+  if (t.batch == 0 || t.indptr[t.batch] == 0) return Status::ok();
+  WorkspaceCarver c(ws);
+  std::uint64_t* seen = c.take<std::uint64_t>(words);
+  std::memset(seen, 0, words * sizeof(std::uint64_t));
+  std::int32_t b = 0;
+  for (std::int32_t i = 0; i < t.indptr[t.batch]; ++i) {
+    while (i >= t.indptr[b + 1]) ++b;
+    const std::int32_t p = t.indices[i];
+    const std::uint64_t bit = std::uint64_t{1} << (p % 64);
+    if ((seen[p / 64] & bit) != 0) {
+      std::int32_t first = 0;
+      while (t.indices[first] != p) ++first;
+      std::int32_t fb = 0;
+      while (first >= t.indptr[fb + 1]) ++fb;
+      return KVP_INVALID(
+          "%s: page %d appears twice in the page table (entry %d of sequence %d and entry %d of sequence %d); page ids "
+          "must be distinct within and across sequences",
+          who, p, first - t.indptr[fb], fb, i - t.indptr[b], b);
+    }
+    seen[p / 64] |= bit;
+  }
+  return Status::ok();
+}
+
 }  // namespace detail
+
+/// Workspace of `compact_paged` (and `compact_paged_per_head`): a bitmap of
+/// the pool's pages, to check that no page id is listed twice.
+constexpr std::size_t compact_paged_workspace(std::int32_t num_pool_pages) noexcept {
+  return WorkspacePlan{}.add<std::uint64_t>(static_cast<std::size_t>(num_pool_pages < 0 ? 0 : (num_pool_pages + 63) / 64)).total();
+}
 
 /// Compact one sequence of a contiguous cache in place.
 ///
@@ -82,8 +135,7 @@ Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, Tensor
               static_cast<long long>(positions.extent(1)), static_cast<long long>(H), static_cast<long long>(kv_len));
   KVP_REQUIRE(static_cast<std::int64_t>(new_lens.size()) >= H, "%s: new_lens has %zu entries, needs kv_heads=%lld", who, new_lens.size(),
               static_cast<long long>(H));
-  KVP_REQUIRE(keep.indptr != nullptr && row0 >= 0 && row0 + H <= keep.num_rows, "%s: keep set rows [%lld, %lld) out of range [0, %lld)",
-              who, static_cast<long long>(row0), static_cast<long long>(row0 + H), static_cast<long long>(keep.num_rows));
+  KVP_RETURN_IF_ERROR(detail::check_keep_rows(who, keep, row0, H));
   for (std::int64_t h = 0; h < H; ++h) KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, row0 + h, kv_len));
 
   for (std::int64_t h = 0; h < H; ++h) {
@@ -116,17 +168,21 @@ struct PagedCompactOutput {
 /// number of tokens (per-head page tables are needed for ragged budgets).
 /// positions: (num_pages, kv_heads, page_size) logical positions indexed like
 /// the pool, moved alongside the tokens; may be empty.
+/// The page table is validated (indptr, last_page_len, ids in range) and its
+/// page ids must be distinct within and across sequences (a shared page
+/// cannot be compacted in place); ws: compact_paged_workspace(num_pages).
 template <class T>
-Status compact_paged(const PagedKVView<T>& cache, const KeepSet& keep, TensorView<std::int32_t, 3> positions,
-                     PagedCompactOutput& out) noexcept {
+Status compact_paged(const PagedKVView<T>& cache, const KeepSet& keep, TensorView<std::int32_t, 3> positions, PagedCompactOutput& out,
+                     Workspace ws) noexcept {
   const char* who = "compact_paged";
   KVP_RETURN_IF_ERROR(cache.validate(who, cache.v_data != nullptr));
   KVP_REQUIRE(cache.device.is_host(), "%s: the page pool must be host memory", who);
   const PageTable& t = cache.table;
   const std::int64_t H = cache.num_kv_heads, ps = cache.page_size;
-  KVP_REQUIRE(keep.indptr != nullptr && keep.num_rows == static_cast<std::int64_t>(t.batch) * H,
-              "%s: keep set has %lld rows, expected batch x kv_heads = %lld", who, static_cast<long long>(keep.num_rows),
-              static_cast<long long>(t.batch) * H);
+  KVP_REQUIRE(keep.indptr != nullptr, "%s: keep set indptr is null", who);
+  KVP_REQUIRE(keep.num_rows == static_cast<std::int64_t>(t.batch) * H, "%s: keep set has %lld rows, expected batch x kv_heads = %lld", who,
+              static_cast<long long>(keep.num_rows), static_cast<long long>(t.batch) * H);
+  KVP_RETURN_IF_ERROR(detail::check_distinct_pages(who, t, cache.num_pages, ws));
   KVP_RETURN_IF_ERROR(positions.check_basic(who, "positions"));
   KVP_REQUIRE(positions.empty() || (positions.extent(0) == cache.num_pages && positions.extent(1) == H && positions.extent(2) == ps),
               "%s: positions has shape (%lld, %lld, %lld), expected (num_pages=%d, kv_heads=%lld, page_size=%lld)", who,

@@ -48,8 +48,7 @@ Status compact_contiguous_per_head(TensorView<T, 3> keys, TensorView<T, 3> value
               head_lens.size(), static_cast<long long>(H));
   KVP_REQUIRE(static_cast<std::int64_t>(new_lens.size()) >= H, "%s: new_lens has %zu entries, needs kv_heads=%lld", who, new_lens.size(),
               static_cast<long long>(H));
-  KVP_REQUIRE(keep.indptr != nullptr && row0 >= 0 && row0 + H <= keep.num_rows, "%s: keep set rows [%lld, %lld) out of range [0, %lld)",
-              who, static_cast<long long>(row0), static_cast<long long>(row0 + H), static_cast<long long>(keep.num_rows));
+  KVP_RETURN_IF_ERROR(detail::check_keep_rows(who, keep, row0, H));
   for (std::int64_t h = 0; h < H; ++h) {
     const std::int64_t len = head_lens[static_cast<std::size_t>(h)];
     KVP_REQUIRE(len >= 0 && len <= cap, "%s: head_lens[%lld] = %lld out of range [0, capacity=%lld]", who, static_cast<long long>(h),
@@ -61,9 +60,9 @@ Status compact_contiguous_per_head(TensorView<T, 3> keys, TensorView<T, 3> value
     KVP_REQUIRE(positions.empty() || (positions.extent(0) == H && positions.extent(1) >= len),
                 "%s: positions has shape (%lld, %lld), expected (%lld, >= %lld)", who, static_cast<long long>(positions.extent(0)),
                 static_cast<long long>(positions.extent(1)), static_cast<long long>(H), static_cast<long long>(len));
-    const std::int32_t b = keep.indptr[row0 + h], e = keep.indptr[row0 + h + 1];
-    KVP_REQUIRE(e - b <= len, "%s: kv head %lld keeps %d tokens but holds only %lld", who, static_cast<long long>(h), e - b,
-                static_cast<long long>(len));
+    const std::int64_t kept = static_cast<std::int64_t>(keep.indptr[row0 + h + 1]) - keep.indptr[row0 + h];
+    KVP_REQUIRE(kept <= len, "%s: kv head %lld keeps %lld tokens but holds only %lld", who, static_cast<long long>(h),
+                static_cast<long long>(kept), static_cast<long long>(len));
     KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, row0 + h, len));
   }
   for (std::int64_t h = 0; h < H; ++h) {
@@ -76,9 +75,9 @@ Status compact_contiguous_per_head(TensorView<T, 3> keys, TensorView<T, 3> value
   return Status::ok();
 }
 
-/// Workspace of `compact_paged_per_head` (a bitmap of the pool's pages).
+/// Workspace of `compact_paged_per_head` (a bitmap of the pool's pages, as for `compact_paged`).
 constexpr std::size_t compact_paged_per_head_workspace(std::int32_t num_pool_pages) noexcept {
-  return WorkspacePlan{}.add<std::uint64_t>(static_cast<std::size_t>(num_pool_pages < 0 ? 0 : (num_pool_pages + 63) / 64)).total();
+  return compact_paged_workspace(num_pool_pages);
 }
 
 /// Compact a paged cache with one page-table row per (sequence, kv head):
@@ -100,7 +99,8 @@ Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads
   const PageTable& t = cache.table;
   KVP_REQUIRE(kv_heads >= 1 && t.batch % kv_heads == 0, "%s: the page table has %d rows, not a multiple of kv_heads=%lld", who, t.batch,
               static_cast<long long>(kv_heads));
-  KVP_REQUIRE(keep.indptr != nullptr && keep.num_rows == t.batch, "%s: keep set has %lld rows, expected one per page-table row (%d)", who,
+  KVP_REQUIRE(keep.indptr != nullptr, "%s: keep set indptr is null", who);
+  KVP_REQUIRE(keep.num_rows == t.batch, "%s: keep set has %lld rows, expected one per page-table row (%d)", who,
               static_cast<long long>(keep.num_rows), t.batch);
   KVP_RETURN_IF_ERROR(positions.check_basic(who, "positions"));
   KVP_REQUIRE(positions.empty() || (positions.extent(0) == cache.num_pages && positions.extent(1) == cache.page_size),
@@ -108,29 +108,20 @@ Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads
               static_cast<long long>(positions.extent(0)), static_cast<long long>(positions.extent(1)), cache.num_pages, cache.page_size);
   for (std::int32_t r = 0; r < t.batch; ++r) {
     const std::int64_t len = t.seq_len(r, cache.page_size), b = r / kv_heads, h = r % kv_heads;
-    KVP_REQUIRE(keep.indptr[r + 1] - keep.indptr[r] <= len, "%s: sequence %lld kv head %lld keeps %d tokens but holds only %lld", who,
-                static_cast<long long>(b), static_cast<long long>(h), keep.indptr[r + 1] - keep.indptr[r], static_cast<long long>(len));
+    const std::int64_t kept = static_cast<std::int64_t>(keep.indptr[r + 1]) - keep.indptr[r];
+    KVP_REQUIRE(kept <= len, "%s: sequence %lld kv head %lld keeps %lld tokens but holds only %lld", who, static_cast<long long>(b),
+                static_cast<long long>(h), static_cast<long long>(kept), static_cast<long long>(len));
     KVP_RETURN_IF_ERROR(detail::check_keep_row(who, keep, r, len));
   }
   // A page shared by two rows would be overwritten by the other row's moves.
-  KVP_RETURN_IF_ERROR(check_workspace(who, ws, compact_paged_per_head_workspace(cache.num_pages)));
-  WorkspaceCarver c(ws);
-  std::uint64_t* seen = c.take<std::uint64_t>(static_cast<std::size_t>((cache.num_pages + 63) / 64));
-  std::memset(seen, 0, static_cast<std::size_t>((cache.num_pages + 63) / 64) * sizeof(std::uint64_t));
-  for (std::int32_t i = 0; i < t.indptr[t.batch]; ++i) {
-    const std::int32_t p = t.indices[i];
-    const std::uint64_t bit = std::uint64_t{1} << (p % 64);
-    KVP_REQUIRE((seen[p / 64] & bit) == 0, "%s: page %d appears twice in the page table (entry %d); per-head pages must be distinct", who,
-                p, i);
-    seen[p / 64] |= bit;
-  }
+  KVP_RETURN_IF_ERROR(detail::check_distinct_pages(who, t, cache.num_pages, ws));
   // One head per page: the single-head view, compacted row by row by compact_paged
-  // (which repeats the remaining output-capacity checks before writing).
+  // (which repeats the remaining checks, the distinct pages included, before writing).
   PagedKVView<T> one = cache;
   one.num_kv_heads = 1;
   const TensorView<std::int32_t, 3> pos3(positions.data(), {positions.extent(0), 1, positions.extent(1)},
                                          {positions.stride(0), 0, positions.stride(1)}, positions.device());
-  return compact_paged<T>(one, keep, positions.empty() ? TensorView<std::int32_t, 3>{} : pos3, out);
+  return compact_paged<T>(one, keep, positions.empty() ? TensorView<std::int32_t, 3>{} : pos3, out, ws);
 }
 
 KVP_NAMESPACE_END

@@ -37,7 +37,9 @@ struct AnyTensorView {
     return a;
   }
 
-  /// Typed view, or an error naming `name` when dtype / rank / const-ness differ.
+  /// Typed view, or an error naming `name` when dtype / rank / const-ness
+  /// differ, an extent is negative, the element count overflows int64, or the
+  /// data is null with a non-zero element count (`out` is untouched on error).
   template <class T, int Rank>
   Status as(TensorView<T, Rank>* out, const char* name) const noexcept {
     if (dtype != dtype_v<T>) return KVP_INVALID("%s has dtype %s, expected %s", name, dtype_name(dtype), dtype_name(dtype_v<T>));
@@ -48,8 +50,10 @@ struct AnyTensorView {
       e[i] = extents[i];
       s[i] = strides[i];
     }
-    *out = TensorView<T, Rank>(static_cast<T*>(data), e, s, device);
-    return out->check_basic("AnyTensorView::as", name);
+    const TensorView<T, Rank> v(static_cast<T*>(data), e, s, device);
+    KVP_RETURN_IF_ERROR(v.check_basic("AnyTensorView::as", name));
+    *out = v;
+    return Status::ok();
   }
 };
 

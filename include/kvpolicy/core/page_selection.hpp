@@ -173,8 +173,15 @@ struct PageSelection {
   /// Checks a written selection against FlashInfer's page-table conventions
   /// for a pool of `num_pool_pages` pages of `page_size` tokens (see above).
   Status validate(const char* who, std::int32_t num_pool_pages, std::int32_t page_size) const noexcept {
+    KVP_REQUIRE(num_pool_pages >= 0, "%s: num_pages is %d, must be >= 0", who, num_pool_pages);
+    KVP_REQUIRE(page_size >= 1, "%s: page_size is %d, must be >= 1", who, page_size);
     KVP_REQUIRE(num_rows >= 0, "%s: page selection has %lld rows, must be >= 0", who, static_cast<long long>(num_rows));
+    KVP_REQUIRE(num_rows <= 0x7fffffff, "%s: page selection has %lld rows; int32 CSR allows at most 2^31-1", who,
+                static_cast<long long>(num_rows));
+    KVP_REQUIRE(capacity >= 0, "%s: page selection capacity is %lld, must be >= 0", who, static_cast<long long>(capacity));
     KVP_REQUIRE(indptr != nullptr, "%s: page selection indptr is null", who);
+    KVP_REQUIRE(num_rows == 0 || last_page_len != nullptr, "%s: page selection last_page_len is null with %lld rows", who,
+                static_cast<long long>(num_rows));
     KVP_REQUIRE(indptr[0] == 0, "%s: page selection indptr[0] is %d, must be 0", who, indptr[0]);
     for (std::int64_t r = 0; r < num_rows; ++r) {
       KVP_REQUIRE(indptr[r + 1] >= indptr[r], "%s: page selection indptr is not monotonic at row %lld (%d > %d)", who,
@@ -190,6 +197,7 @@ struct PageSelection {
     }
     KVP_REQUIRE(indptr[num_rows] <= capacity, "%s: page selection indptr[%lld] is %d, beyond its capacity %lld", who,
                 static_cast<long long>(num_rows), indptr[num_rows], static_cast<long long>(capacity));
+    KVP_REQUIRE(indptr[num_rows] == 0 || indices != nullptr, "%s: page selection indices is null with %d entries", who, indptr[num_rows]);
     for (std::int32_t i = 0; i < indptr[num_rows]; ++i) {
       KVP_REQUIRE(indices[i] >= 0 && indices[i] < num_pool_pages, "%s: page selection indices[%d] is %d, out of range [0, %d)", who, i,
                   indices[i], num_pool_pages);

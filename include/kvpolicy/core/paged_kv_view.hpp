@@ -56,8 +56,14 @@ struct PageTable {
     return indices[indptr[b] + static_cast<std::int32_t>(t / page_size)];
   }
 
-  /// Validates the CSR structure against a pool of `num_pages` pages.
+  /// Validates the CSR structure against a pool of `num_pool_pages` pages of
+  /// `page_size` tokens: indptr starts at 0 and never decreases, a non-empty
+  /// sequence's last_page_len is in [1, page_size], every id is in
+  /// [0, num_pool_pages). Page ids are not required to be distinct here (a
+  /// read-only consumer may share pages); writers check that themselves.
   Status validate(const char* who, std::int32_t num_pool_pages, std::int32_t page_size) const noexcept {
+    KVP_REQUIRE(num_pool_pages >= 0, "%s: num_pages is %d, must be >= 0", who, num_pool_pages);
+    KVP_REQUIRE(page_size >= 1, "%s: page_size is %d, must be >= 1", who, page_size);
     KVP_REQUIRE(batch >= 0, "%s: page table batch is %d, must be >= 0", who, batch);
     if (batch == 0) return Status::ok();
     KVP_REQUIRE(indptr != nullptr, "%s: page table indptr is null", who);

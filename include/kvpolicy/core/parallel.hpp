@@ -19,7 +19,10 @@ using ParallelBody = void (*)(void* ctx, std::int64_t begin, std::int64_t end, i
 
 /// An engine's parallel-for: must call `body` over a partition of [0, n)
 /// with worker ids in [0, num_workers), each worker id used by at most one
-/// thread at a time, and return after all calls finished.
+/// thread at a time, and return after all calls finished. The library calls
+/// it from whatever thread calls the library, so an `ExecContext` shared by
+/// several threads needs a pool that is safe for concurrent callers (the
+/// bundled `ThreadPool`, util/thread_pool.hpp, serialises their jobs).
 using ParallelForFn = void (*)(void* pool, std::int64_t n, ParallelBody body, void* body_ctx);
 
 struct ExecContext {

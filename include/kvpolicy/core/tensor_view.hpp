@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvpolicy/core/checked.hpp"
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/status.hpp"
 
@@ -114,15 +115,18 @@ class TensorView {
     return v;
   }
 
-  /// Validation used at every public entry point: non-null data when non-empty,
-  /// non-negative extents. `who` / `name` go into the message.
+  /// Validation used at every public entry point: non-negative extents whose
+  /// product (the element count) fits int64, non-null data when non-empty.
+  /// `who` / `name` go into the message.
   Status check_basic(const char* who, const char* name) const noexcept {
     for (int k = 0; k < Rank; ++k) {
       if (extents_[k] < 0)
         return KVP_INVALID("%s: %s has negative extent %lld on axis %d", who, name, static_cast<long long>(extents_[k]), k);
     }
-    if (data_ == nullptr && size() != 0)
-      return KVP_INVALID("%s: %s has null data but %lld elements", who, name, static_cast<long long>(size()));
+    std::int64_t n = 0;
+    if (!checked_extent_product(extents_.data(), Rank, &n))
+      return KVP_INVALID("%s: %s has extents whose product (the element count) overflows int64", who, name);
+    if (data_ == nullptr && n != 0) return KVP_INVALID("%s: %s has null data but %lld elements", who, name, static_cast<long long>(n));
     return Status::ok();
   }
 

@@ -3,19 +3,27 @@
 // (`requirements()` of the policies, `*_workspace()` of the ops); the caller
 // allocates once and passes a `Workspace` on every call.
 // `WorkspacePlan` computes sizes with exactly the same carving rules that
-// `WorkspaceCarver` uses at run time, so the two can never disagree.
+// `WorkspaceCarver` uses at run time, and both offer `take<T>(n)`, so one
+// layout function written against either (see `WorkspacePlan::take`) is the
+// single definition behind a size report and its carve.
+// Sizes saturate at SIZE_MAX instead of wrapping (core/checked.hpp): an absurd
+// shape yields a workspace no caller can provide, and the size check fails.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kvpolicy/core/checked.hpp"
 #include "kvpolicy/core/status.hpp"
 
 KVP_NAMESPACE_BEGIN
 
 inline constexpr std::size_t kWorkspaceAlign = 64;
 
-constexpr std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) noexcept { return (n + a - 1) / a * a; }
+/// n rounded up to a multiple of a; SIZE_MAX when that does not fit.
+constexpr std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) noexcept {
+  return n > SIZE_MAX - (a - 1) ? SIZE_MAX : (n + a - 1) / a * a;
+}
 
 struct Workspace {
   void* data = nullptr;
@@ -27,16 +35,21 @@ struct WorkspacePlan {
   std::size_t bytes = 0;
   template <class T>
   constexpr WorkspacePlan& add(std::size_t n) noexcept {
-    bytes += align_up(n * sizeof(T));
+    bytes = saturating_add(bytes, align_up(saturating_mul(n, sizeof(T))));
     return *this;
   }
-  constexpr WorkspacePlan& add_bytes(std::size_t n) noexcept {
-    bytes += align_up(n);
-    return *this;
+  constexpr WorkspacePlan& add_bytes(std::size_t n) noexcept { return add<std::byte>(n); }
+  /// `WorkspaceCarver::take`'s signature on the plan: reserves the block and
+  /// returns nullptr, so a layout written once as a sequence of `take` calls
+  /// (templated on the allocator) both sizes and carves.
+  template <class T>
+  constexpr T* take(std::size_t n) noexcept {
+    add<T>(n);
+    return nullptr;
   }
   /// What a size query reports: the blocks plus slack for an
   /// unaligned base pointer (zero when nothing is needed).
-  constexpr std::size_t total() const noexcept { return bytes == 0 ? 0 : bytes + kWorkspaceAlign; }
+  constexpr std::size_t total() const noexcept { return bytes == 0 ? 0 : saturating_add(bytes, kWorkspaceAlign); }
 };
 
 /// Bump allocator over a Workspace (64-byte aligned blocks, in order).
@@ -56,9 +69,9 @@ class WorkspaceCarver {
   /// nullptr when the workspace is exhausted (callers check the reported size first).
   template <class T>
   T* take(std::size_t n) noexcept {
-    const std::size_t need = align_up(n * sizeof(T));
+    const std::size_t need = align_up(saturating_mul(n, sizeof(T)));
     if (need == 0) return reinterpret_cast<T*>(base_ + used_);
-    if (base_ == nullptr || used_ + need > bytes_) return nullptr;
+    if (base_ == nullptr || need > bytes_ - used_) return nullptr;
     T* p = reinterpret_cast<T*>(base_ + used_);
     used_ += need;
     return p;
@@ -82,7 +95,8 @@ struct WorkerSlices {
   Workspace slice(int w) const noexcept { return Workspace{base + static_cast<std::size_t>(w) * per_worker, per_worker}; }
 
   static std::size_t bytes(std::size_t per_worker, int workers) noexcept {
-    return per_worker == 0 ? 0 : align_up(per_worker) * static_cast<std::size_t>(workers) + kWorkspaceAlign;
+    if (per_worker == 0) return 0;
+    return saturating_add(saturating_mul(align_up(per_worker), static_cast<std::size_t>(workers < 1 ? 1 : workers)), kWorkspaceAlign);
   }
   static WorkerSlices carve(Workspace ws, std::size_t per_worker) noexcept {
     WorkspaceCarver c(ws);

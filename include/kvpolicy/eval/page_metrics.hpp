@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kvpolicy/core/gqa.hpp"
@@ -83,15 +84,45 @@ inline double quest_traffic_fraction(std::int64_t seq_len, std::int32_t page_siz
 
 // ---- attention over pages ----------------------------------------------------
 
+namespace detail {
+
+/// Per-worker scratch of `attend_pages`, in carving order: fp32 queries,
+/// outputs and lse of one GQA group, then the op's block scratch. `layout`
+/// is the one definition behind the size report (`Alloc` = WorkspacePlan)
+/// and the carve (`Alloc` = WorkspaceCarver), so the two cannot disagree.
+struct AttendPagesScratch {
+  float* q = nullptr;  // (group, head_dim)
+  float* o = nullptr;  // (group, head_dim)
+  float* l = nullptr;  // (group)
+  Workspace op{};      // Backend::paged_attention_workspace(group, page_size, head_dim)
+
+  template <class Backend, class Alloc>
+  static AttendPagesScratch layout(Alloc& a, std::int64_t group, std::int32_t page_size, std::int64_t head_dim) noexcept {
+    AttendPagesScratch s;
+    s.q = a.template take<float>(static_cast<std::size_t>(group * head_dim));
+    s.o = a.template take<float>(static_cast<std::size_t>(group * head_dim));
+    s.l = a.template take<float>(static_cast<std::size_t>(group));
+    const std::size_t op_bytes = Backend::paged_attention_workspace(group, page_size, head_dim);
+    s.op = Workspace{a.template take<std::byte>(op_bytes), op_bytes};
+    return s;
+  }
+  /// Bytes of one worker's slice.
+  template <class Backend>
+  static std::size_t per_worker(std::int64_t group, std::int32_t page_size, std::int64_t head_dim) noexcept {
+    WorkspacePlan plan;
+    layout<Backend>(plan, group, page_size, head_dim);
+    return plan.bytes;
+  }
+};
+
+}  // namespace detail
+
 /// Workspace of `attend_pages` for GQA group `group` (per worker: fp32
 /// queries, outputs and lse of the group, and the op's block scratch).
 template <class Backend = backend::Scalar>
 std::size_t attend_pages_workspace(std::int64_t group, std::int32_t page_size, std::int32_t head_dim,
                                    const ExecContext& ctx = {}) noexcept {
-  WorkspacePlan plan;
-  plan.add<float>(static_cast<std::size_t>(2 * group * head_dim)).add<float>(static_cast<std::size_t>(group));
-  plan.add_bytes(Backend::paged_attention_workspace(group, page_size, head_dim));
-  return plan.bytes * static_cast<std::size_t>(ctx.workers()) + kWorkspaceAlign;
+  return detail::WorkerSlices::bytes(detail::AttendPagesScratch::per_worker<Backend>(group, page_size, head_dim), ctx.workers());
 }
 
 /// Decode attention of `queries` (batch, num_q_heads, head_dim) over the rows
@@ -134,18 +165,16 @@ noexcept {
   const std::int64_t G = gqa.group_size();
   const std::size_t need = attend_pages_workspace<Backend>(G, kv.page_size, kv.head_dim, ctx);
   KVP_RETURN_IF_ERROR(check_workspace(who, ws, need));
-  const std::size_t per = (need - kWorkspaceAlign) / static_cast<std::size_t>(ctx.workers());
-  std::byte* base = WorkspaceCarver(ws).take<std::byte>(0);
+  const detail::WorkerSlices slices =
+      detail::WorkerSlices::carve(ws, detail::AttendPagesScratch::per_worker<Backend>(G, kv.page_size, kv.head_dim));
   const std::int64_t R = rows.batch / batch;
   const bool row_per_q_head = R == Hq && G > 1;
   ctx.parallel_for(batch * Hkv, [&](std::int64_t item, int worker) {
     const std::int64_t b = item / Hkv, g = item % Hkv;
-    WorkspaceCarver c(Workspace{base + static_cast<std::size_t>(worker) * per, per});
-    float* q = c.take<float>(static_cast<std::size_t>(G * d));
-    float* o = c.take<float>(static_cast<std::size_t>(G * d));
-    float* l = c.take<float>(static_cast<std::size_t>(G));
-    const std::size_t op_bytes = Backend::paged_attention_workspace(G, kv.page_size, d);
-    const Workspace op_ws{c.take<std::byte>(op_bytes), op_bytes};
+    WorkspaceCarver c(slices.slice(worker));
+    const auto scratch = detail::AttendPagesScratch::layout<Backend>(c, G, kv.page_size, d);
+    float *q = scratch.q, *o = scratch.o, *l = scratch.l;
+    const Workspace op_ws = scratch.op;
     for (std::int64_t j = 0; j < G; ++j)
       for (std::int64_t i = 0; i < d; ++i) q[j * d + i] = to_float(queries(b, g * G + j, i));
     // Heads sharing a row go through the op together, so the row is read once.
@@ -178,6 +207,7 @@ Status dense_attention(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries
 template <class Backend = backend::Scalar, class Tq, class T>
 Status selection_attention(const PagedKVView<const T>& kv, TensorView<Tq, 3> queries, const PageSelection& sel, float scale,
                            TensorView<float, 3> out, TensorView<float, 2> lse, Workspace ws, const ExecContext& ctx = {}) noexcept {
+  KVP_RETURN_IF_ERROR(kv.validate("selection_attention", /*need_values=*/true));
   KVP_RETURN_IF_ERROR(sel.validate("selection_attention", kv.num_pages, kv.page_size));
   return attend_pages<Backend>(kv, queries, sel.as_table(), scale, out, lse, ws, ctx);
 }
@@ -340,6 +370,10 @@ inline Status selection_bytes(const PageTable& table, std::int32_t page_size, co
   KVP_REQUIRE(out != nullptr, "%s: out is null", who);
   GqaMap gqa;
   KVP_RETURN_IF_ERROR(GqaMap::make(num_q_heads, num_kv_heads, who, &gqa));
+  KVP_REQUIRE(head_dim >= 1, "%s: head_dim is %d, must be >= 1", who, head_dim);
+  // No pool here: page ids are only compared, so any non-negative int32 id is accepted.
+  KVP_RETURN_IF_ERROR(table.validate(who, std::numeric_limits<std::int32_t>::max(), page_size));
+  KVP_RETURN_IF_ERROR(sel.validate(who, std::numeric_limits<std::int32_t>::max(), page_size));
   const std::int64_t batch = table.batch, G = gqa.group_size();
   KVP_REQUIRE(sel.num_rows == batch * num_q_heads || sel.num_rows == batch * num_kv_heads,
               "%s: selection has %lld rows, expected batch*num_q_heads or batch*num_kv_heads", who, static_cast<long long>(sel.num_rows));

@@ -15,7 +15,9 @@
 //   * file shorter than 8 bytes, header length > 100 MB or past the end of file;
 //   * header not valid JSON, not an object, duplicate names;
 //   * an entry that is not an object, lacks dtype/shape/data_offsets, has a
-//     negative or non-integer extent, a dtype outside the safetensors spec;
+//     negative or non-integer extent, a dtype outside the safetensors spec,
+//     or a shape whose row-major strides (or element count) overflow int64,
+//     even when another extent is 0 and the tensor holds no bytes;
 //   * data_offsets with begin > end, end past the data section, a byte size
 //     different from prod(shape) * dtype size, or overlapping another tensor;
 //   * "__metadata__" not an object of strings.
@@ -46,6 +48,7 @@
 #include <vector>
 
 #include "kvpolicy/core/any_tensor_view.hpp"
+#include "kvpolicy/core/checked.hpp"
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
@@ -103,10 +106,10 @@ struct SafetensorsEntry {
   std::vector<std::int64_t> shape;   ///< may be empty (a scalar)
   std::uint64_t begin = 0, end = 0;  ///< byte range in the data section
 
+  /// prod(shape); the reader guarantees it fits int64.
   std::int64_t numel() const noexcept {
-    std::int64_t n = 1;
-    for (auto e : shape) n *= e;
-    return n;
+    std::int64_t n = 0;
+    return checked_extent_product(shape.data(), static_cast<int>(shape.size()), &n) ? n : -1;
   }
 };
 
@@ -216,12 +219,9 @@ class SafetensorsFile {
     v.data = const_cast<std::byte*>(data_ + e->begin);
     v.dtype = e->dtype;
     v.rank = static_cast<std::int32_t>(e->shape.size());
-    std::int64_t stride = 1;
-    for (int i = v.rank - 1; i >= 0; --i) {
-      v.extents[i] = e->shape[static_cast<std::size_t>(i)];
-      v.strides[i] = stride;
-      stride *= v.extents[i];
-    }
+    for (int i = 0; i < v.rank; ++i) v.extents[i] = e->shape[static_cast<std::size_t>(i)];
+    if (!checked_row_major_strides(v.extents, v.rank, v.strides))  // checked at parse time; kept as a guard
+      return KVP_INVALID("safetensors: tensor '%s' has a shape whose strides overflow int64", e->name.c_str());
     v.read_only = true;
     *out = v;
     return Status::ok();
@@ -336,6 +336,10 @@ class SafetensorsFile {
         bytes *= ext;
         e.shape.push_back(static_cast<std::int64_t>(ext));
       }
+      // The byte size above is 0 as soon as one extent is; the strides of a view still multiply the others.
+      std::vector<std::int64_t> strides(e.shape.size());
+      if (!checked_row_major_strides(e.shape.data(), static_cast<int>(e.shape.size()), strides.data()))
+        return KVP_INVALID("safetensors: tensor '%s' shape is too large: its row-major strides overflow int64", nm);
       if (!is_uint((*off)[0]) || !is_uint((*off)[1]))
         return KVP_INVALID("safetensors: tensor '%s' data_offsets are not non-negative integers", nm);
       e.begin = (*off)[0].get<std::uint64_t>();

@@ -45,6 +45,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvpolicy/core/checked.hpp"
 #include "kvpolicy/io/safetensors.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -197,6 +198,10 @@ class Trace {
       KVP_REQUIRE(e->dtype == want, "trace: tensor '%s' has dtype %s, expected %s", nm.c_str(), e->dtype_name.c_str(),
                   safetensors_dtype_name(want));
     }
+    // The expected shape comes from metadata: its element count must fit before it is compared with anything.
+    std::int64_t count = 0;
+    KVP_REQUIRE(checked_extent_product(shape.begin(), static_cast<int>(shape.size()), &count),
+                "trace: tensor '%s' expected shape %s overflows int64 (metadata dimensions too large)", nm.c_str(), dims);
     bool same = e->shape.size() == shape.size();
     for (std::size_t k = 0; same && k < shape.size(); ++k) same = e->shape[k] == shape.begin()[k];
     if (!same) {

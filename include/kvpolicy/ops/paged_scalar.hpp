@@ -140,7 +140,11 @@ struct ScalarPageOps {
   ///
   /// Online softmax in fp32, one block (a page) at a time: rescale the running
   /// sums by exp(m_old - m_new) when the block raises the running max. With
-  /// num_tokens == 0 the output is 0 and lse is -inf. `lse` may be null; it
+  /// num_tokens == 0, or every logit -inf, the output is 0 and lse is -inf
+  /// (nothing attended). NaN propagates: a NaN logit (NaN in the query or a
+  /// key, or inf * 0) makes that head's output and lse NaN, and a NaN value
+  /// row makes its output NaN; a NaN is never mistaken for "nothing
+  /// attended". `lse` may be null; it
   /// is what lets a caller merge partial attentions or compute the attention
   /// mass of a selection, exp(lse_sel - lse_full).
   /// Workspace: `paged_attention_workspace(group, attention_block(keys), head_dim)`.
@@ -148,6 +152,7 @@ struct ScalarPageOps {
   static void paged_decode_attention(const float* q, std::int64_t group, std::int64_t head_dim, Rows<Tk> keys, Rows<Tv> values,
                                      std::int64_t num_tokens, float scale, float* out, float* lse, Workspace ws) noexcept {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
     const std::int64_t block = attention_block(keys);
     WorkspaceCarver carve(ws);
     float* s = carve.take<float>(static_cast<std::size_t>(group * block));
@@ -167,15 +172,22 @@ struct ScalarPageOps {
       for (std::int64_t j0 = 0; j0 < num_tokens; j0 += block) {
         const std::int64_t bn = num_tokens - j0 < block ? num_tokens - j0 : block;
         for (std::int64_t g = 0; g < gn; ++g) {
+          if (run_sum[g] != run_sum[g]) continue;  // already NaN: the result is NaN whatever follows
           const float* qg = q + (g0 + g) * head_dim;
           float* sg = s + g * block;
           float bmax = kNegInf;
+          bool nan = false;
           for (std::int64_t t = 0; t < bn; ++t) {
             const Tk* k = keys.row(j0 + t);
             float acc = 0.0f;
             for (std::int64_t c = 0; c < head_dim; ++c) acc += qg[c] * to_float(k[c]);
             sg[t] = acc * scale;
+            nan = nan || sg[t] != sg[t];
             bmax = sg[t] > bmax ? sg[t] : bmax;
+          }
+          if (nan) {  // the max comparisons skip NaN; record it so it reaches out and lse
+            run_sum[g] = kNaN;
+            continue;
           }
           const float new_max = bmax > run_max[g] ? bmax : run_max[g];
           if (new_max == kNegInf) continue;  // every logit so far is -inf: nothing to add
@@ -196,7 +208,7 @@ struct ScalarPageOps {
       }
       for (std::int64_t g = 0; g < gn; ++g) {
         float* o = out + (g0 + g) * head_dim;
-        const bool none = run_sum[g] == 0.0f;  // no tokens, or all logits -inf (NaN propagates)
+        const bool none = run_sum[g] == 0.0f;  // no tokens, or all logits -inf (a NaN sum is not 0: NaN propagates)
         const float inv = none ? 0.0f : 1.0f / run_sum[g];
         for (std::int64_t c = 0; c < head_dim; ++c) o[c] *= inv;
         if (lse != nullptr) lse[g0 + g] = none ? kNegInf : run_max[g] + std::log(run_sum[g]);

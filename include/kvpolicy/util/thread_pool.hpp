@@ -1,12 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
 // A small std::thread pool for examples and benchmarks, exposed to the
 // library through `ExecContext`. Engines usually plug in their own pool.
+//
+// Thread-safety: one pool may be shared by any number of calling threads.
+// A parallel_for job owns the pool's workers from start to finish, so jobs
+// submitted concurrently run one after the other (each caller blocks until
+// its own job is done; none loses or repeats an item). A body that calls
+// parallel_for on the pool that is running it (nesting) gets its items run
+// inline on the calling thread, under the calling thread's worker id, instead
+// of deadlocking. Destroying the pool while a call is in flight is a bug. An
+// exception thrown by the body on the calling thread is rethrown once the
+// workers are done; one thrown on a worker thread terminates the program.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -47,7 +58,16 @@ class ThreadPool {
   static void run_fn(void* pool, std::int64_t n, ParallelBody body, void* ctx) { static_cast<ThreadPool*>(pool)->run(n, body, ctx); }
 
   // Dynamic scheduling in chunks of one item; worker w only ever runs as w.
+  // `submit_mu_` makes a job exclusive: the job fields below, `next_` and
+  // `pending_` describe one job at a time, and worker id 0 (the caller) is
+  // used by one thread at a time.
   void run(std::int64_t n, ParallelBody body, void* ctx) {
+    if (tl_running_ == this) {  // nested call from inside one of this pool's jobs
+      body(ctx, 0, n, tl_worker_);
+      return;
+    }
+    std::lock_guard<std::mutex> job(submit_mu_);
+    const ActiveScope scope(this, 0);
     {
       std::lock_guard<std::mutex> lk(mu_);
       n_ = n;
@@ -58,9 +78,18 @@ class ThreadPool {
       ++generation_;
     }
     cv_.notify_all();
-    drain(0);
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [this] { return pending_ == 0; });
+    std::exception_ptr error;
+    try {
+      drain(0);
+    } catch (...) {  // stop handing out items, but let the workers finish theirs before `ctx` goes away
+      error = std::current_exception();
+      next_.store(n);
+    }
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [this] { return pending_ == 0; });
+    }
+    if (error) std::rethrow_exception(error);
   }
 
   void drain(int w) {
@@ -72,6 +101,7 @@ class ThreadPool {
   }
 
   void loop(int w) {
+    const ActiveScope scope(this, w);
     std::uint64_t seen = 0;
     for (;;) {
       {
@@ -88,8 +118,27 @@ class ThreadPool {
     }
   }
 
+  // The pool whose job the current thread is running (and under which worker id).
+  static inline thread_local const ThreadPool* tl_running_ = nullptr;
+  static inline thread_local int tl_worker_ = 0;
+  struct ActiveScope {
+    const ThreadPool* prev_pool;
+    int prev_worker;
+    ActiveScope(const ThreadPool* p, int w) noexcept : prev_pool(tl_running_), prev_worker(tl_worker_) {
+      tl_running_ = p;
+      tl_worker_ = w;
+    }
+    ~ActiveScope() {
+      tl_running_ = prev_pool;
+      tl_worker_ = prev_worker;
+    }
+    ActiveScope(const ActiveScope&) = delete;
+    ActiveScope& operator=(const ActiveScope&) = delete;
+  };
+
   int threads_;
   std::vector<std::thread> workers_;
+  std::mutex submit_mu_;  // held by the caller for a whole job
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::uint64_t generation_ = 0;
