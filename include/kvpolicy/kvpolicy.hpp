@@ -50,7 +50,9 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
+#include "kvpolicy/quant/ggml.hpp"
 
 #include "kvpolicy/apply/compact.hpp"
 #include "kvpolicy/apply/compact_ragged.hpp"

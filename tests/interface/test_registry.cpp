@@ -109,14 +109,19 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   std::vector<std::string> names;
   for (const auto& p : reg) names.emplace_back(p.name);
   REQUIRE(names == std::vector<std::string>{"streaming_llm", "snapkv", "observed_attention", "tova", "pyramidkv", "adakv",
-                                            "expected_attention", "h2o", "quest"});
+                                            "expected_attention", "h2o", "quest", "ggml"});
   for (const auto& p : reg) {
     INFO(p.name);
     REQUIRE(!p.family.empty());
-    REQUIRE_THAT(std::string(p.paper), Contains("arXiv"));
+    REQUIRE_THAT(std::string(p.paper), Contains("arXiv") || Contains("github.com"));
     REQUIRE(!p.params.empty());
   }
   const std::string text = describe_registry();
   REQUIRE_THAT(text, Contains("snapkv") && Contains("window=64") && Contains("compression_ratio=0.5") && Contains("kernel=5"));
   REQUIRE_THAT(text, Contains("quest") && Contains("selection") && Contains("token_budget=512"));
+  REQUIRE_THAT(text, Contains("ggml") && Contains("quantization") && Contains("type=q8_0"));
+  GgmlQuant g;
+  REQUIRE(make_policy("ggml:type=iq4_nl", &g).is_ok());
+  REQUIRE(g.params().type == GgmlType::kIQ4_NL);
+  REQUIRE_THAT(make_policy("ggml:type=q3_k", &g).message(), Contains("expected one of q8_0|q4_0|q4_1|q5_0|q5_1|iq4_nl"));
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -149,6 +150,9 @@ const std::vector<Entry>& entries() {
         typed<H2O>("eviction (online)", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle, arXiv 2306.14048 (state: H2OState)", H2OParams{}));
     t.push_back(
         typed<Quest>("selection", "Tang et al. 2024, Quest: Query-Aware Sparsity, arXiv 2406.10774 (state: page metadata)", QuestParams{}));
+    t.push_back(typed<GgmlQuant>("quantization",
+                                 "llama.cpp KV cache types, github.com/ggml-org/llama.cpp ggml-common.h (bit-exact with gguf-py 0.19)",
+                                 GgmlQuantParams{}));
     return t;
   }();
   return table;

@@ -72,10 +72,18 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
   B::mean_rows(rows, out);
 };
 
+/// Row quantization into the ggml block formats and back (quant/ggml.hpp).
+template <class B, class T = float>
+concept QuantOps = requires(GgmlType t, const T* x, T* y, std::int64_t n, std::uint8_t* bytes, const std::uint8_t* cbytes) {
+  B::ggml_quantize_row(t, x, n, bytes);
+  B::ggml_dequantize_row(t, cbytes, n, y);
+};
+
 /// Everything a host policy calls, for the key dtypes the library stores.
 template <class B>
 concept HostBackend = ScoreOps<B, float> && ScoreOps<B, half> && ScoreOps<B, bfloat16> && PageOps<B, float, float> &&
-    PageOps<B, half, half> && PageOps<B, bfloat16, bfloat16> && ReduceOps<B, float> && ReduceOps<B, half>;
+    PageOps<B, half, half> && PageOps<B, bfloat16, bfloat16> && ReduceOps<B, float> && ReduceOps<B, half> && QuantOps<B, float> &&
+    QuantOps<B, half> && QuantOps<B, bfloat16>;
 
 static_assert(HostBackend<backend::Scalar>, "the scalar reference must model the whole contract");
 

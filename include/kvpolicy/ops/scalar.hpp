@@ -23,6 +23,7 @@
 #include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/paged_scalar.hpp"
+#include "kvpolicy/ops/quant_scalar.hpp"
 #include "kvpolicy/ops/reduce_scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 
@@ -177,7 +178,7 @@ struct ScalarScoreOps {
 };
 
 /// The scalar reference backend: the union of every op family.
-struct Scalar : ScalarScoreOps, ScalarPageOps, ScalarReduceOps {};
+struct Scalar : ScalarScoreOps, ScalarPageOps, ScalarReduceOps, ScalarQuantOps {};
 
 }  // namespace backend
 

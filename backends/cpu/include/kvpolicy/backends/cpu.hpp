@@ -22,7 +22,7 @@ KVP_NAMESPACE_BEGIN
 namespace backend {
 
 // Score ops, page ops and row reductions, one base per op family (each falls back to its scalar family).
-struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps {
+struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps, ScalarQuantOps {
   /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
 

@@ -1,0 +1,148 @@
+// SPDX-License-Identifier: Apache-2.0
+// `GgmlQuant`: a K or V cache stored in one of llama.cpp's block formats
+// (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; quant/ggml.hpp gives the byte
+// layouts and the reference rules), as a `QuantizationPolicy`.
+//
+//   quantize:   rows (kv_heads, T, head_dim) of fp32 / fp16 / bf16 ->
+//               q.codes (kv_heads, >= T, head_dim / 32 * block_bytes): token t of
+//               head h is the row q.codes(h, t, :), its head_dim / 32 blocks in
+//               channel order; llama.cpp's layout of one head's row.
+//   dequantize: q.codes tokens [0, q.tokens) -> out (kv_heads, q.tokens, head_dim).
+//
+// Stateless (`State` is empty): every block carries its own scale, so tokens
+// are quantized as they are appended (a decode step quantizes one row per kv
+// head; no residual window) and any token can be evicted or moved by
+// compacting `codes` rows like any other cache row.
+// Memory: bytes_per_token(d) = d / 32 * block_bytes per kv head (q8_0 at
+// d = 128: 136 bytes, 8.5 bits per value; q4_0: 72 bytes, 4.5 bits).
+//
+// Validation, before anything is written: head_dim a multiple of 32 (a
+// block never straddles two heads), codes shaped and contiguous along the
+// row bytes, every input value finite (the error names head, token, channel).
+// Thread-safety: const; heads are split over `ctx.exec`.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+
+#include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/concepts.hpp"
+#include "kvpolicy/policy/params.hpp"
+#include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/quant/ggml.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+inline constexpr EnumName<GgmlType> kGgmlTypeNames[] = {{"q8_0", GgmlType::kQ8_0}, {"q4_0", GgmlType::kQ4_0},
+                                                        {"q4_1", GgmlType::kQ4_1}, {"q5_0", GgmlType::kQ5_0},
+                                                        {"q5_1", GgmlType::kQ5_1}, {"iq4_nl", GgmlType::kIQ4_NL}};
+constexpr std::span<const EnumName<GgmlType>> enum_names(GgmlType) noexcept { return kGgmlTypeNames; }
+
+struct GgmlQuantParams {
+  GgmlType type = GgmlType::kQ8_0;
+
+  static constexpr auto fields() noexcept { return std::tuple{param_field<&GgmlQuantParams::type>("type", "ggml block format")}; }
+};
+
+class GgmlQuant {
+ public:
+  using Params = GgmlQuantParams;
+  struct State {};  ///< none: every block is self-contained
+  static constexpr const char* kName = "ggml";
+
+  constexpr GgmlQuant() noexcept = default;
+  explicit constexpr GgmlQuant(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+
+  Status validate_params() const noexcept {
+    KVP_REQUIRE(ggml_type_valid(params_.type), "ggml: type %d is not a ggml block format", static_cast<int>(params_.type));
+    return Status::ok();
+  }
+
+  QuantLayout layout() const noexcept {
+    return QuantLayout{ggml_name(params_.type),    ggml_bits(params_.type), kGgmlBlock, ggml_block_bytes(params_.type), 0,
+                       QuantScaleLayout::kInBlock, QuantAxis::kToken};
+  }
+  /// Bytes one token costs per kv head (scales included).
+  double bytes_per_token(std::int64_t head_dim) const noexcept { return layout().bytes_per_token(head_dim); }
+  /// Bytes of one (token, kv head) row of codes.
+  constexpr std::int64_t row_bytes(std::int64_t head_dim) const noexcept { return head_dim / kGgmlBlock * ggml_block_bytes(params_.type); }
+
+  /// No workspace; the output is `shape.num_kv_heads` x `max_kv_len` rows of row_bytes(head_dim).
+  template <class Backend>
+  Requirements requirements(const Context<Backend>&, const ProblemShape& shape) const noexcept {
+    Requirements r;
+    r.status = validate_params();
+    if (r.status.is_ok()) r.status = check_head_dim(shape.head_dim);
+    if (r.status.is_ok()) r.output = OutputSize{shape.num_kv_heads, shape.num_kv_heads * shape.max_kv_len};
+    return r;
+  }
+
+  template <class Backend, class Tk>
+  Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State&, QuantizedKV q) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(rows.check_basic(kName, "rows"));
+    KVP_REQUIRE(rows.device().is_host(), "ggml: rows is a device tensor; this entry point reads host memory");
+    const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    KVP_RETURN_IF_ERROR(check_head_dim(d));
+    KVP_REQUIRE(rows.stride(2) == 1 || d <= 1, "ggml: rows has channel stride %lld, must be 1", static_cast<long long>(rows.stride(2)));
+    KVP_RETURN_IF_ERROR(check_codes(q, H, T, d, "codes"));
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t) {
+        const Tk* x = &rows(h, t, 0);
+        for (std::int64_t c = 0; c < d; ++c)
+          KVP_REQUIRE(std::isfinite(to_float(x[c])), "ggml: rows head %lld token %lld channel %lld is not finite (%g); nothing was written",
+                      static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(to_float(x[c])));
+      }
+    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+      for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));
+    });
+    return Status::ok();
+  }
+
+  template <class Backend, class Tk>
+  Status dequantize(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
+    KVP_REQUIRE(out.device().is_host(), "ggml: out is a device tensor; this entry point writes host memory");
+    const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
+    KVP_RETURN_IF_ERROR(check_head_dim(d));
+    KVP_REQUIRE(out.stride(2) == 1 || d <= 1, "ggml: out has channel stride %lld, must be 1", static_cast<long long>(out.stride(2)));
+    KVP_REQUIRE(q.tokens == T, "ggml: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
+                static_cast<long long>(q.tokens));
+    KVP_REQUIRE(q.layout.name != nullptr && std::string_view(q.layout.name) == ggml_name(params_.type) &&
+                    q.layout.block_bytes == ggml_block_bytes(params_.type),
+                "ggml: the quantized region's layout is '%s', the policy's is '%s'", q.layout.name ? q.layout.name : "(null)",
+                ggml_name(params_.type));
+    KVP_RETURN_IF_ERROR(check_codes(q, H, T, d, "codes"));
+    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+      for (std::int64_t t = 0; t < T; ++t) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, &out(h, t, 0));
+    });
+    return Status::ok();
+  }
+
+ private:
+  Status check_head_dim(std::int64_t d) const noexcept {
+    KVP_REQUIRE(d >= kGgmlBlock && d % kGgmlBlock == 0, "ggml: head_dim %lld is not a multiple of the %s block (32 values)",
+                static_cast<long long>(d), ggml_name(params_.type));
+    return Status::ok();
+  }
+  template <class Codes>
+  Status check_codes(const Codes& q, std::int64_t H, std::int64_t T, std::int64_t d, const char* name) const noexcept {
+    const auto& c = q.codes;
+    KVP_RETURN_IF_ERROR(c.check_basic(kName, name));
+    KVP_REQUIRE(c.extent(0) == H && c.extent(1) >= T && c.extent(2) == row_bytes(d),
+                "ggml: %s is (%lld, %lld, %lld), expected (%lld kv heads, >= %lld tokens, %lld bytes per %s row)", name,
+                static_cast<long long>(c.extent(0)), static_cast<long long>(c.extent(1)), static_cast<long long>(c.extent(2)),
+                static_cast<long long>(H), static_cast<long long>(T), static_cast<long long>(row_bytes(d)), ggml_name(params_.type));
+    KVP_REQUIRE(c.stride(2) == 1, "ggml: %s has byte stride %lld, must be 1", name, static_cast<long long>(c.stride(2)));
+    return Status::ok();
+  }
+
+  Params params_{};
+};
+
+static_assert(QuantizationPolicy<GgmlQuant, float> && QuantizationPolicy<GgmlQuant, half> && QuantizationPolicy<GgmlQuant, bfloat16>);
+
+KVP_NAMESPACE_END
