@@ -50,8 +50,10 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
+#include "kvpolicy/quant/fp8.hpp"
 #include "kvpolicy/quant/ggml.hpp"
 
 #include "kvpolicy/apply/compact.hpp"

@@ -109,7 +109,7 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   std::vector<std::string> names;
   for (const auto& p : reg) names.emplace_back(p.name);
   REQUIRE(names == std::vector<std::string>{"streaming_llm", "snapkv", "observed_attention", "tova", "pyramidkv", "adakv",
-                                            "expected_attention", "h2o", "quest", "ggml"});
+                                            "expected_attention", "h2o", "quest", "ggml", "fp8"});
   for (const auto& p : reg) {
     INFO(p.name);
     REQUIRE(!p.family.empty());

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
@@ -153,6 +154,10 @@ const std::vector<Entry>& entries() {
     t.push_back(typed<GgmlQuant>("quantization",
                                  "llama.cpp KV cache types, github.com/ggml-org/llama.cpp ggml-common.h (bit-exact with gguf-py 0.19)",
                                  GgmlQuantParams{}));
+    t.push_back(typed<Fp8Quant>(
+        "quantization",
+        "OCP FP8 e4m3 / e5m2 KV caches with vLLM's scale layouts, github.com/vllm-project/vllm (saturating, as CUDA SATFINITE)",
+        Fp8QuantParams{}));
     return t;
   }();
   return table;
