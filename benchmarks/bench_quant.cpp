@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// Quantization family: quantize and dequantize throughput per format on one
+// layer's cache streamed from memory (8 kv heads x 16384 tokens x 128, fp16
+// in / out: 32 MiB of fp16 plus the codes, well above the last-level cache),
+// through the policies on backend::Cpu, one thread.
+//
+//   quantize/<format>    GgmlQuant / Fp8Quant::quantize: fp16 rows -> codes
+//   dequantize/<format>  ::dequantize: codes -> fp16 rows
+//
+// Each run reports GB/s and pct_peak_bw over the bytes a pass cannot avoid
+// (fp16 rows read or written once, codes written or read once) against the
+// in-process single-core read bandwidth probe (peak.hpp). Goal (issue #11):
+// >= 80 % of it. Times are CPU time, medians of 5 repetitions.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "bench_util.hpp"
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+
+using namespace kvpolicy;
+
+namespace {
+
+constexpr std::int64_t kH = 8, kT = 16384, kD = 128;
+
+struct Cache {
+  std::vector<half> rows = kvp_bench::normal_values<half>(static_cast<std::size_t>(kH * kT * kD), 5);
+  std::vector<half> out = std::vector<half>(rows.size());
+};
+Cache& cache() {
+  static Cache c;
+  return c;
+}
+
+template <class P>
+void run(benchmark::State& st, const P& policy, bool quantize) {
+  Cache& c = cache();
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(kH * kT * policy.row_bytes(kD)));
+  QuantizedKV q;
+  q.layout = policy.layout();
+  q.codes = TensorView<std::uint8_t, 3>::contiguous(codes.data(), {kH, kT, policy.row_bytes(kD)});
+  q.tokens = kT;
+  typename P::State state;
+  const Context<backend::Cpu> cx{};
+  const auto in = TensorView<const half, 3>::contiguous(c.rows.data(), {kH, kT, kD});
+  const auto out = TensorView<half, 3>::contiguous(c.out.data(), {kH, kT, kD});
+  if (!policy.quantize(cx, in, state, q).is_ok()) st.SkipWithError("quantize failed");
+  for (auto _ : st) {
+    const Status s = quantize ? policy.quantize(cx, in, state, q) : policy.dequantize(cx, q, out);
+    if (!s.is_ok()) st.SkipWithError(s.message());
+    benchmark::DoNotOptimize(codes.data());
+    benchmark::ClobberMemory();
+  }
+  kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size()));
+}
+
+void register_all() {
+  for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
+    for (bool quantize : {true, false}) {
+      const GgmlQuant p(GgmlQuantParams{t});
+      benchmark::RegisterBenchmark((std::string(quantize ? "quantize/" : "dequantize/") + ggml_name(t)).c_str(),
+                                   [p, quantize](benchmark::State& st) { run(st, p, quantize); })
+          ->Unit(benchmark::kMillisecond)
+          ->Repetitions(5)
+          ->ReportAggregatesOnly();
+    }
+  }
+  for (Fp8Scale s : {Fp8Scale::kPerTensor, Fp8Scale::kPerTokenHead}) {
+    for (bool quantize : {true, false}) {
+      const Fp8Quant p(Fp8QuantParams{Fp8Format::kE4M3, s, 1.0f});
+      benchmark::RegisterBenchmark((std::string(quantize ? "quantize/" : "dequantize/") + "fp8_e4m3_" +
+                                    (s == Fp8Scale::kPerTensor ? "per_tensor" : "per_token_head"))
+                                       .c_str(),
+                                   [p, quantize](benchmark::State& st) { run(st, p, quantize); })
+          ->Unit(benchmark::kMillisecond)
+          ->Repetitions(5)
+          ->ReportAggregatesOnly();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  kvp_bench::add_peak_context();
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,11 @@
+# Quantization family: quantize / dequantize per format, streaming one layer from memory.
+find_package(benchmark QUIET)
+if(TARGET benchmark::benchmark)
+  add_executable(bench_quant ${CMAKE_CURRENT_LIST_DIR}/bench_quant.cpp)
+  target_link_libraries(bench_quant PRIVATE kvpolicy::kvpolicy benchmark::benchmark)
+  target_include_directories(bench_quant PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_compile_features(bench_quant PRIVATE cxx_std_20)
+  kvp_set_warnings(bench_quant)
+else()
+  message(STATUS "kvpolicy: Google Benchmark not found, bench_quant not built")
+endif()
