@@ -77,6 +77,7 @@ template <class B, class T = float>
 concept QuantOps = requires(GgmlType t, const T* x, T* y, std::int64_t n, std::uint8_t* bytes, const std::uint8_t* cbytes) {
   B::ggml_quantize_row(t, x, n, bytes);
   B::ggml_dequantize_row(t, cbytes, n, y);
+  { B::first_nonfinite(x, n) } -> std::same_as<std::int64_t>;
 };
 
 /// Everything a host policy calls, for the key dtypes the library stores.

@@ -24,6 +24,15 @@ struct ScalarQuantOps {
       ggml_quantize_block(t, blk, out + b * bb);
     }
   }
+  /// First index of a NaN or infinity in x[0..n), or -1.
+  template <class T>
+  static std::int64_t first_nonfinite(const T* x, std::int64_t n) noexcept {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const float v = to_float(x[j]);
+      if (v - v != 0.0f) return j;  // NaN or infinity
+    }
+    return -1;
+  }
   /// Blocks back to n values of type T (fp16 / bf16 outputs round to nearest even).
   template <class T>
   static void ggml_dequantize_row(GgmlType t, const std::uint8_t* in, std::int64_t n, T* y) noexcept {

@@ -91,9 +91,10 @@ class GgmlQuant {
     for (std::int64_t h = 0; h < H; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
         const Tk* x = &rows(h, t, 0);
-        for (std::int64_t c = 0; c < d; ++c)
-          KVP_REQUIRE(std::isfinite(to_float(x[c])), "ggml: rows head %lld token %lld channel %lld is not finite (%g); nothing was written",
-                      static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(to_float(x[c])));
+        const std::int64_t c = Backend::first_nonfinite(x, d);
+        KVP_REQUIRE(c < 0, "ggml: rows head %lld token %lld channel %lld is not finite (%g); nothing was written",
+                    static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c),
+                    c < 0 ? 0.0 : static_cast<double>(to_float(x[c])));
       }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
       for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));

@@ -13,6 +13,7 @@
 
 #include "kvpolicy/backends/cpu_isa.hpp"
 #include "kvpolicy/backends/cpu_page_ops.hpp"
+#include "kvpolicy/backends/cpu_quant_ops.hpp"
 #include "kvpolicy/backends/cpu_reduce_ops.hpp"
 #include "kvpolicy/backends/cpu_score_ops.hpp"
 #include "kvpolicy/ops/contract.hpp"
@@ -22,7 +23,7 @@ KVP_NAMESPACE_BEGIN
 namespace backend {
 
 // Score ops, page ops and row reductions, one base per op family (each falls back to its scalar family).
-struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps, ScalarQuantOps {
+struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps, CpuQuantOps {
   /// Name of the instruction set in use ("sse2", "avx2", "avx512").
   static const char* isa_name() noexcept;
 

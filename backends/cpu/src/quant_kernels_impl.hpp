@@ -1,0 +1,178 @@
+// SPDX-License-Identifier: Apache-2.0
+// Quantization kernels, compiled per ISA (internal; included only by
+// quant_ops_<isa>.cpp, which CMake builds with -ffp-contract=off so that no
+// product is fused into an add: the references round every product). The
+// block algorithms are quant/ggml_blocks.inl, included into this level's
+// namespace; rows are converted block by block through 32-float buffers, with
+// F16C conversions on the AVX2 / AVX-512 levels (exact widening, nearest-even
+// narrowing, as `half`'s).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "isa_arch.hpp"
+#include "quant_kernels.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail::KVP_CPU_ISA_NS {
+
+#if KVP_CPU_TU_ISA >= 1
+inline void widen8(const std::uint16_t* h, float* f) noexcept {
+  _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+}
+inline void narrow8(const float* f, std::uint16_t* h) noexcept {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h), _mm256_cvtps_ph(_mm256_loadu_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline float half_to_float(std::uint16_t h) noexcept { return _cvtsh_ss(h); }
+inline std::uint16_t float_to_half(float f) noexcept {
+  return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+// SSE2 has no F16C: the exact bit-level conversions (same results as `half`'s).
+inline float half_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t man = h & 0x3ffu, out;
+  if (exp == 0x1f) {
+    out = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    out = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    out = sign;
+  } else {
+    std::uint32_t e = 113;
+    while ((man & 0x400u) == 0) man <<= 1, --e;
+    out = sign | (e << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &out, sizeof f);
+  return f;
+}
+inline std::uint16_t float_to_half(float f) noexcept {
+  std::uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  const std::uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // NaN, quiet
+  if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);                         // overflow -> inf
+  if (ax < 0x38800000u) {                                                                           // subnormal or zero
+    if (ax < 0x33000000u) return static_cast<std::uint16_t>(sign);
+    const std::uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    std::uint32_t r = m >> shift;
+    const std::uint32_t rem = m & ((1u << shift) - 1), half_ulp = 1u << (shift - 1);
+    if (rem > half_ulp || (rem == half_ulp && (r & 1u))) ++r;
+    return static_cast<std::uint16_t>(sign | r);
+  }
+  std::uint32_t r = ((ax - 0x38000000u) >> 13);
+  const std::uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return static_cast<std::uint16_t>(sign | r);
+}
+#endif
+
+inline float mul(float a, float b) noexcept { return a * b; }  // this unit is compiled with -ffp-contract=off
+inline void put_half(std::uint8_t* p, float v) noexcept {
+  const std::uint16_t b = float_to_half(v);
+  p[0] = static_cast<std::uint8_t>(b & 0xff);
+  p[1] = static_cast<std::uint8_t>(b >> 8);
+}
+inline float get_half(const std::uint8_t* p) noexcept { return half_to_float(static_cast<std::uint16_t>(p[0] | (p[1] << 8))); }
+
+#include "kvpolicy/quant/ggml_blocks.inl"
+
+inline void quantize_block(GgmlType t, const float* x, std::uint8_t* out) noexcept {
+  switch (t) {
+    case GgmlType::kQ8_0: quantize_q8_0(x, out); break;
+    case GgmlType::kQ4_0: quantize_q4_0(x, out); break;
+    case GgmlType::kQ4_1: quantize_q4_1(x, out); break;
+    case GgmlType::kQ5_0: quantize_q5_0(x, out); break;
+    case GgmlType::kQ5_1: quantize_q5_1(x, out); break;
+    case GgmlType::kIQ4_NL: quantize_iq4_nl(x, out); break;
+  }
+}
+inline void dequantize_block(GgmlType t, const std::uint8_t* in, float* y) noexcept {
+  switch (t) {
+    case GgmlType::kQ8_0: dequantize_q8_0(in, y); break;
+    case GgmlType::kQ4_0: dequantize_q4_0(in, y); break;
+    case GgmlType::kQ4_1: dequantize_q4_1(in, y); break;
+    case GgmlType::kQ5_0: dequantize_q5_0(in, y); break;
+    case GgmlType::kQ5_1: dequantize_q5_1(in, y); break;
+    case GgmlType::kIQ4_NL: dequantize_iq4_nl(in, y); break;
+  }
+}
+
+inline void widen_block(const half* x, float* f) noexcept {
+#if KVP_CPU_TU_ISA >= 1
+  for (int i = 0; i < kGgmlBlock; i += 8) widen8(reinterpret_cast<const std::uint16_t*>(x) + i, f + i);
+#else
+  for (int i = 0; i < kGgmlBlock; ++i) f[i] = half_to_float(x[i].bits);
+#endif
+}
+inline void narrow_block(const float* f, half* y) noexcept {
+#if KVP_CPU_TU_ISA >= 1
+  for (int i = 0; i < kGgmlBlock; i += 8) narrow8(f + i, reinterpret_cast<std::uint16_t*>(y) + i);
+#else
+  for (int i = 0; i < kGgmlBlock; ++i) y[i].bits = float_to_half(f[i]);
+#endif
+}
+
+inline void quantize_f32(GgmlType t, const float* x, std::int64_t n, std::uint8_t* out) noexcept {
+  const std::int32_t bb = ggml_block_bytes(t);
+  for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) quantize_block(t, x + b * kGgmlBlock, out + b * bb);
+}
+inline void quantize_f16(GgmlType t, const half* x, std::int64_t n, std::uint8_t* out) noexcept {
+  const std::int32_t bb = ggml_block_bytes(t);
+  alignas(64) float f[kGgmlBlock];
+  for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) {
+    widen_block(x + b * kGgmlBlock, f);
+    quantize_block(t, f, out + b * bb);
+  }
+}
+inline void dequantize_f32(GgmlType t, const std::uint8_t* in, std::int64_t n, float* y) noexcept {
+  const std::int32_t bb = ggml_block_bytes(t);
+  for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) dequantize_block(t, in + b * bb, y + b * kGgmlBlock);
+}
+inline void dequantize_f16(GgmlType t, const std::uint8_t* in, std::int64_t n, half* y) noexcept {
+  const std::int32_t bb = ggml_block_bytes(t);
+  alignas(64) float f[kGgmlBlock];
+  for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) {
+    dequantize_block(t, in + b * bb, f);
+    narrow_block(f, y + b * kGgmlBlock);
+  }
+}
+
+inline std::int64_t first_nonfinite_f32(const float* x, std::int64_t n) noexcept {
+  constexpr std::int64_t kB = 256;
+  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
+    const std::int64_t nb = n - b0 < kB ? n - b0 : kB;
+    int bad = 0;
+    for (std::int64_t j = 0; j < nb; ++j) {
+      std::uint32_t u;
+      std::memcpy(&u, x + b0 + j, sizeof u);
+      bad |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    if (bad)
+      for (std::int64_t j = 0; j < nb; ++j) {
+        std::uint32_t u;
+        std::memcpy(&u, x + b0 + j, sizeof u);
+        if ((u & 0x7f800000u) == 0x7f800000u) return b0 + j;
+      }
+  }
+  return -1;
+}
+inline std::int64_t first_nonfinite_f16(const half* x, std::int64_t n) noexcept {
+  constexpr std::int64_t kB = 256;
+  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
+    const std::int64_t nb = n - b0 < kB ? n - b0 : kB;
+    int bad = 0;
+    for (std::int64_t j = 0; j < nb; ++j) bad |= (x[b0 + j].bits & 0x7c00u) == 0x7c00u;
+    if (bad)
+      for (std::int64_t j = 0; j < nb; ++j)
+        if ((x[b0 + j].bits & 0x7c00u) == 0x7c00u) return b0 + j;
+  }
+  return -1;
+}
+
+}  // namespace cpu_detail::KVP_CPU_ISA_NS
+KVP_NAMESPACE_END
