@@ -83,6 +83,55 @@ PolicyUnderTest quest_policy(std::int32_t dense_layers) {
   return p;
 }
 
+namespace {
+/// The quantization policy of a spec ("ggml:..." or "fp8:..."), with its bytes per token at head_dim d.
+template <class F>
+auto with_quant_policy(const std::string& spec, F&& f) {
+  kvpolicy::PolicySpec parsed;
+  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
+  if (parsed.name == "ggml") {
+    kvpolicy::GgmlQuant q;
+    kvpolicy::throw_if_error(kvpolicy::make_policy(spec, &q));
+    return f(q);
+  }
+  if (parsed.name == "fp8") {
+    kvpolicy::Fp8Quant q;
+    kvpolicy::throw_if_error(kvpolicy::make_policy(spec, &q));
+    return f(q);
+  }
+  throw std::runtime_error("quantization spec '" + spec + "' names '" + parsed.name + "'; expected ggml or fp8");
+}
+}  // namespace
+
+PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_dim) {
+  return with_quant_policy(spec, [&](auto q) {
+    PolicyUnderTest p;
+    p.name = spec;
+    p.query_window = 1;
+    p.kv_bytes_scale = q.bytes_per_token(head_dim) / (4.0 * head_dim);
+    p.lossy = true;
+    p.contiguous = [q](std::int64_t, std::int64_t) { return quantize_hooks<ContiguousKVCache<float>>(q); };
+    return p;
+  });
+}
+
+PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim) {
+  return with_quant_policy(quant_spec, [&](auto q) {
+    PolicyUnderTest p;
+    p.name = "snapkv+" + quant_spec;
+    p.query_window = 32;
+    const double scale = q.bytes_per_token(head_dim) / (4.0 * head_dim);
+    p.kv_bytes_scale = scale;
+    p.lossy = true;
+    p.contiguous = [q, scale](std::int64_t, std::int64_t budget) {
+      const auto tokens = static_cast<std::int64_t>(static_cast<double>(budget) / scale);
+      using C = ContiguousKVCache<float>;
+      return kvpolicy::combine(quantize_hooks<C>(q), eviction_hooks<C>(snapkv_with_budget(tokens)));
+    };
+    return p;
+  });
+}
+
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
   // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
   // their own hooks (see the header comment).
@@ -94,7 +143,12 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           adakv_policy(),
           pyramidkv_policy(c.n_layers),
           expected_attention_policy(c.rope_base),
-          quest_policy()};
+          quest_policy(),
+          quantization_policy("ggml:type=q8_0", c.head_dim),
+          quantization_policy("ggml:type=q4_0", c.head_dim),
+          quantization_policy("fp8:format=e4m3", c.head_dim),
+          snapkv_quantized_policy("ggml:type=q4_0", c.head_dim),
+          snapkv_quantized_policy("ggml:type=q8_0", c.head_dim)};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {
@@ -151,7 +205,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
   for (const auto& p : policies) {
     const bool runs = opt.cache == CacheKind::kContiguous ? static_cast<bool>(p.contiguous) : static_cast<bool>(p.paged);
     if (!runs) continue;
-    for (auto b : budgets) add_result(p.name, b);
+    for (auto b : budgets) add_result(p.name, b).kv_bytes_scale = p.kv_bytes_scale;
   }
   std::vector<std::int64_t> kl_steps(results.size(), 0);
 
@@ -214,7 +268,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
       for (auto b : budgets) {
         st = SessionStats{};
         const auto steps = run(&p, b, &st, &kept);
-        score(ri++, steps, &full, st, kept);
+        score(ri++, steps, &full, st, kept * p.kv_bytes_scale);
       }
     }
     if (opt.progress) opt.progress(si + 1, samples.size());

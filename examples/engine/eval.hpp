@@ -72,6 +72,11 @@ struct PolicyUnderTest {
   std::int64_t query_window = 64;  ///< prompt queries its after_prefill hook needs (kWholePrompt: all of them)
   std::function<Hooks<ContiguousKVCache<float>>(std::int64_t prompt_len, std::int64_t budget)> contiguous;
   std::function<Hooks<PagedKVCache<float>>(std::int64_t prompt_len, std::int64_t budget)> paged;
+  /// Bytes this policy's cache holds per byte of the engine's fp32 cache (quantized formats: bytes per token
+  /// over 4 * head_dim); scales the reported kv bytes.
+  double kv_bytes_scale = 1.0;
+  /// Stores the cache in fewer bits: differs from the full cache even when nothing is evicted.
+  bool lossy = false;
 };
 
 /// A policy that runs on both cache layouts: `hooks` is a template lambda
@@ -136,6 +141,15 @@ PolicyUnderTest tova_policy();
 /// Quest runs on the paged cache only (it selects pages).
 PolicyUnderTest quest_policy(std::int32_t dense_layers = 0);
 
+/// Quantization alone (contiguous cache; every token kept, the budget ignored): `spec` is "ggml:type=q4_0",
+/// "fp8:format=e4m3" (dynamic per-(token, head) scales) or any spec of those two registry policies; the
+/// policy's name is the spec.
+PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_dim);
+/// Eviction then quantization on one byte budget: SnapKV (window 32, kernel 5) keeps budget * 4 * head_dim /
+/// bytes_per_token tokens, so the quantized cache holds as many bytes as an fp32 cache of `budget` tokens;
+/// every kept token is stored in `quant_spec`'s format. Name "snapkv+<quant_spec>".
+PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim);
+
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
 /// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c);
@@ -166,7 +180,8 @@ struct TaskEvalResult {
   std::int64_t identical_to_full = 0;  ///< samples with bit-identical logits at every answer step
   double decision_seconds = 0.0;
   double mean_kept_bytes = 0.0, mean_full_bytes = 0.0;
-  double mean_attended_tokens = 0.0;         ///< cached tokens read per (decode step, layer, query head)
+  double kv_bytes_scale = 1.0;        ///< the policy's PolicyUnderTest::kv_bytes_scale (kept tokens = bytes / scale / fp32 bytes per token)
+  double mean_attended_tokens = 0.0;  ///< cached tokens read per (decode step, layer, query head)
   std::vector<std::uint8_t> sample_correct;  ///< per sample, in input order
 };
 

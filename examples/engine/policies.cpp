@@ -8,5 +8,9 @@ namespace kvp_engine {
 KVP_ENGINE_HOOKS_FOR(, ContiguousKVCache<float>)
 KVP_ENGINE_HOOKS_FOR(, PagedKVCache<float>)
 template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(kvpolicy::Quest, kvpolicy::ExecContext);
+template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::GgmlQuant, kvpolicy::backend::Cpu>(
+    kvpolicy::GgmlQuant, kvpolicy::ExecContext);
+template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
+    kvpolicy::Fp8Quant, kvpolicy::ExecContext);
 
 }  // namespace kvp_engine

@@ -57,6 +57,8 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
 
@@ -326,6 +328,34 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
   return h;
 }
 
+/// Quantization of a contiguous cache with any kvpolicy `QuantizationPolicy` whose formats are per token
+/// (ggml blocks, fp8 with per-tensor or per-(token, head) scales): every token entering a layer (the prompt's
+/// at on_append, then each decode token) is stored in the policy's format — its K and V rows quantized, then
+/// dequantized back into the engine's fp32 rows, which the engine attends over. Numerically this is the
+/// attention over the quantized cache (each row is decoded exactly as a fused kernel would); the engine's
+/// memory accounting comes from `PolicyUnderTest::kv_bytes_scale`. Composes with eviction through `combine`
+/// (on_append runs before after_prefill, so an eviction scores the quantized keys).
+template <class Cache, class QPolicy, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
+  Hooks<Cache> h;
+  auto buf = std::make_shared<std::vector<std::uint8_t>>();
+  h.on_append = [policy, ctx, buf](Cache& cache, int layer, std::int64_t appended) -> Status {
+    const std::int64_t len = cache.uniform_length(layer);
+    for (kvpolicy::TensorView<float, 3> all : {cache.keys(layer), cache.values(layer)}) {
+      const auto rows = all.narrow(1, len - appended, appended);
+      const std::int64_t H = rows.extent(0), d = rows.extent(2), rb = policy.row_bytes(d);
+      buf->resize(static_cast<std::size_t>(H * appended * rb));
+      kvpolicy::QuantizedKV q{
+          policy.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(buf->data(), {H, appended, rb}), {}, appended};
+      typename QPolicy::State st{};
+      KVP_RETURN_IF_ERROR(policy.quantize(policy_context<Backend>(ctx), kvpolicy::TensorView<const float, 3>(rows), st, q));
+      KVP_RETURN_IF_ERROR(policy.dequantize(policy_context<Backend>(ctx), q, rows));
+    }
+    return Status::ok();
+  };
+  return h;
+}
+
 // ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------
 
 // One list for both sides: `KVP_ENGINE_HOOKS_FOR(extern, C)` declares, `KVP_ENGINE_HOOKS_FOR(, C)` defines.
@@ -342,5 +372,9 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
 KVP_ENGINE_HOOKS_FOR(extern, ContiguousKVCache<float>)
 KVP_ENGINE_HOOKS_FOR(extern, PagedKVCache<float>)
 extern template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(kvpolicy::Quest, kvpolicy::ExecContext);
+extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::GgmlQuant, kvpolicy::backend::Cpu>(
+    kvpolicy::GgmlQuant, kvpolicy::ExecContext);
+extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
+    kvpolicy::Fp8Quant, kvpolicy::ExecContext);
 
 }  // namespace kvp_engine

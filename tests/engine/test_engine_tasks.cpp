@@ -85,6 +85,13 @@ TEST_CASE("engine tasks: a budget >= the prompt reproduces the full cache exactl
     REQUIRE(results.size() == 1 + 2 * runs);
     for (const auto& r : results) {
       INFO(r.policy << " budget " << r.budget << (kind == CacheKind::kPaged ? " paged" : " contiguous"));
+      const bool lossy =
+          std::any_of(policies.begin(), policies.end(), [&](const PolicyUnderTest& p) { return p.name == r.policy && p.lossy; });
+      if (lossy) {  // quantization: close to the full cache, never identical in bytes
+        CHECK(r.max_kl < 0.05);
+        CHECK(r.mean_kept_bytes < results[0].mean_kept_bytes * 0.4);
+        continue;
+      }
       CHECK(r.identical_to_full == r.count);
       CHECK(r.correct == results[0].correct);
       CHECK(r.max_kl == 0.0);

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "engine_fixture.hpp"
@@ -51,13 +52,25 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
   }
   CHECK(workloads == std::set<std::string>{"tasks:passkey", "tasks:multikey", "tasks:copy"});
   CHECK(policies == std::set<std::string>{"Full", "StreamingLLM", "H2O", "TOVA", "ObservedAttention", "SnapKV", "Ada-KV", "PyramidKV",
-                                          "ExpectedAttention", "Quest"});
+                                          "ExpectedAttention", "Quest", "q8_0", "q4_0", "fp8_e4m3", "SnapKV+q4_0", "SnapKV+q8_0"});
+  // Bytes of each quantized format per byte of kvp-tiny's fp32 cache (head_dim 32): q8_0 34 / 128, q4_0 18 / 128,
+  // fp8 with an inline per-(token, head) scale (32 + 16) / 128.
+  const std::map<std::string, double> scale = {
+      {"q8_0", 34.0 / 128}, {"q4_0", 18.0 / 128}, {"fp8_e4m3", 48.0 / 128}, {"SnapKV+q4_0", 18.0 / 128}, {"SnapKV+q8_0", 34.0 / 128}};
   for (const auto& wl : workloads) {
     const double full_acc = value(rows, wl, "Full", "full", 0, "accuracy");
     const double full_bytes = value(rows, wl, "Full", "full", 0, "kv_bytes");
     for (const auto& p : policies) {
       if (p == "Full") continue;
       INFO(wl << " " << p);
+      if (scale.count(p)) {  // quantized: the whole prompt at the format's bytes, close to the full cache
+        CHECK(value(rows, wl, p, "tokens", 4096, "kv_bytes") == Approx(full_bytes * scale.at(p)));
+        CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") > 0.0);
+        CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") < 0.05);
+        const bool evicts = p.rfind("SnapKV+", 0) == 0;
+        CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") <= (evicts ? full_bytes / 8 : full_bytes * scale.at(p) * 1.0001));
+        continue;
+      }
       CHECK(value(rows, wl, p, "tokens", 4096, "accuracy") == full_acc);
       CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") == 0.0);
       if (p != "Quest") {  // eviction: fewer bytes at 64 tokens; Quest keeps the cache and reads less

@@ -12,6 +12,8 @@ Everything is drawn from the CSV alone (rows with layer == "all"). Per workload 
   W_time.png        decision time per layer vs budget (log y)
   W_tradeoff.png    attention-mass recall vs K/V bytes kept per layer
   W_tasks.png       end-to-end accuracy and logit KL vs budget, when the CSV has them
+  W_memory.png      end-to-end accuracy vs K/V bytes per layer: eviction, quantization and
+                    both on one axis ("at this much memory, evict or quantize?")
 and table.md, the same pivot the console table shows. Needs matplotlib
 (Debian python3-matplotlib); only the standard library otherwise.
 """
@@ -116,6 +118,10 @@ def plots(piv, out_dir):
             return dict(color="0.4", linestyle=":", marker="^")
         if family.get(p) == "selection":
             return dict(color=color[p], linestyle="-.", marker="s")
+        if family.get(p) == "quantization":
+            return dict(color=color[p], linestyle="none", marker="D", markersize=7)
+        if family.get(p) == "evict+quantize":
+            return dict(color=color[p], linestyle="--", marker="v")
         return dict(color=color[p], linestyle="-", marker="o")
 
     written = []
@@ -159,6 +165,33 @@ def plots(piv, out_dir):
         grid(cells, QUALITY, "ratio_removed", f"{wl}: quality vs compression ratio", f"{s}_vs_ratio.png",
              "compression ratio (fraction removed)", False)
         grid(cells, TASKS, "tokens", f"{wl}: end-to-end", f"{s}_tasks.png", "budget (tokens per kv head, log2)", True)
+
+        # accuracy vs bytes (task workloads)
+        acc = defaultdict(set)
+        for (pol, k, b), v in cells.items():
+            if k == "tokens" and "kv_bytes" in v and "accuracy" in v and family.get(pol) != "selection":
+                acc[pol].add((v["kv_bytes"] / 1024.0, v["accuracy"]))
+        if acc:
+            fig, ax = plt.subplots(figsize=(7.5, 4.8))
+            for p, xy in acc.items():
+                xy = sorted(xy)
+                kw = dict(markersize=4)
+                kw.update(style(p))
+                ax.plot([x for x, _ in xy], [y for _, y in xy], label=p, **kw)
+            fb, fa = full_value(cells, "kv_bytes"), full_value(cells, "accuracy")
+            if fb is not None and fa is not None:
+                ax.plot([fb / 1024.0], [fa], "k*", markersize=10, label="full cache")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("K/V bytes held per layer (KiB, log2)")
+            ax.set_ylabel("task accuracy (higher is better)")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+            ax.set_title(f"{wl}: accuracy vs memory (evict, quantize, or both)")
+            fig.tight_layout()
+            path = os.path.join(out_dir, f"{s}_memory.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
 
         # recall vs bytes
         pts = defaultdict(list)

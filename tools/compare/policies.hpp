@@ -105,11 +105,11 @@ struct Timer {
 
 struct PolicySpec {
   std::string name;
-  std::string family;        ///< "eviction", "selection", "oracle"
+  std::string family;        ///< "eviction", "selection", "oracle", "quantization", "evict+quantize"
   bool query_aware = false;  ///< reads the prompt's last queries (kvpress's "query-aware" presses read the question)
   bool multi_layer = false;  ///< only meaningful on cases with several layers (layer schedules)
   std::function<kvpolicy::Status(const LayerCase&, const Reference&, const BudgetSpec&, const kvpolicy::ExecContext&, Timer&, Decision*)>
-      run;
+      run;               ///< the per-layer adapter of the synthetic and trace workloads; empty: engine (tasks) workloads only
   std::string registry;  ///< the kvpolicy registry policy it runs ("snapkv", ...; empty: none, the oracle)
   std::string spec;      ///< the spec string it is built from (placeholders, no budget); empty: its own adapter
 };
@@ -390,6 +390,13 @@ inline std::vector<PolicySpec> all_policies() {
       {"ExpectedAttention", "eviction", false, false, adapt::expected_attention, "expected_attention", ""},
       {"Quest", "selection", true, false, adapt::quest, "quest", ""},
       {"Oracle", "oracle", true, false, adapt::oracle, "", ""},
+      // Quantization (engine workloads only: the cache stored in the format, every token kept) and
+      // eviction + quantization on one byte budget (SnapKV to budget * 4d / bytes_per_token tokens, quantized).
+      {"q8_0", "quantization", false, false, {}, "ggml:type=q8_0", ""},
+      {"q4_0", "quantization", false, false, {}, "ggml:type=q4_0", ""},
+      {"fp8_e4m3", "quantization", false, false, {}, "fp8:format=e4m3", ""},
+      {"SnapKV+q4_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q4_0", ""},
+      {"SnapKV+q8_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q8_0", ""},
   };
 }
 
@@ -408,7 +415,10 @@ inline std::string list_policies() {
   std::string s = "kvpolicy registry (spec strings: name:key=value,...):\n" + kvpolicy::describe_registry();
   s += "\nkvpolicy-compare policies (--policies; {window}, {sinks}, {factory_window} are per case, the budget is appended):\n";
   for (const auto& p : all_policies()) {
-    const std::string how = !p.spec.empty() ? p.spec : p.registry.empty() ? "(reference)" : "(own adapter over " + p.registry + ")";
+    const std::string how = !p.spec.empty()      ? p.spec
+                            : p.registry.empty() ? "(reference)"
+                            : !p.run             ? "(engine tasks only: " + p.registry + ")"
+                                                 : "(own adapter over " + p.registry + ")";
     char line[512];
     std::snprintf(line, sizeof line, "%-28s %-10s%s%s  %s\n", p.name.c_str(), p.family.c_str(), p.query_aware ? " query-aware" : "",
                   p.multi_layer ? " multi-layer" : "", how.c_str());

@@ -43,7 +43,7 @@ class Sweep {
  public:
   Sweep(SweepOptions opt, const kvpolicy::ExecContext& ctx) : opt_(std::move(opt)), ctx_(ctx) {
     for (auto& p : all_policies())
-      if (opt_.policies.empty() || std::find(opt_.policies.begin(), opt_.policies.end(), p.name) != opt_.policies.end())
+      if (p.run && (opt_.policies.empty() || std::find(opt_.policies.begin(), opt_.policies.end(), p.name) != opt_.policies.end()))
         policies_.push_back(p);
 #if defined(__unix__) || defined(__APPLE__)
     tty_ = opt_.progress && isatty(2);
