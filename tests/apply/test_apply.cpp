@@ -353,3 +353,22 @@ TEST_CASE("compact_paged: the caller's page table and keep set are validated bef
                  Contains("keep set indptr is null"));
   }
 }
+
+TEST_CASE("compact_contiguous with head_dim 0 and null data moves positions only", "[apply]") {
+  // Found by tests/fuzz/fuzz_compact: the row move formed a reference to element 0 of a null
+  // (head_dim 0) view, undefined behaviour that UBSan reports.
+  std::vector<std::int32_t> pos{10, 11, 12, 13, 20, 21, 22, 23};
+  const TensorView<float, 3> keys(nullptr, {2, 4, 0}, {0, 0, 1});
+  KeepSetBuffer keep(2, 3);
+  keep.indptr = {0, 2, 3};
+  keep.indices = {1, 3, 2};
+  std::vector<std::int64_t> lens(2, -1);
+  const Status s = compact_contiguous<float>(keys, {}, TensorView<std::int32_t, 2>::contiguous(pos.data(), {2, 4}), 4, keep.view(), 0,
+                                             std::span<std::int64_t>(lens));
+  INFO(s.message());
+  REQUIRE(s.is_ok());
+  REQUIRE(lens == std::vector<std::int64_t>{2, 1});
+  REQUIRE(pos[0] == 11);
+  REQUIRE(pos[1] == 13);
+  REQUIRE(pos[4] == 22);
+}

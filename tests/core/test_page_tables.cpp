@@ -43,3 +43,14 @@ TEST_CASE("PageTable::validate: a negative pool size says it must be >= 0 (not a
   REQUIRE_THAT(s.message(), !Contains("out of range"));
   REQUIRE_THAT(t.validate("t", 4, -1).message(), Contains("page_size is -1, must be >= 1"));
 }
+
+TEST_CASE("PageTable::seq_len of a table not yet validated is defined: a decreasing indptr gives length 0", "[checked][paged]") {
+  // Found by tests/fuzz/fuzz_evict: policies read lengths before validating the table; with
+  // indptr[1] = INT32_MIN the page count minus one overflowed int32 (and wrapped to a huge length).
+  const std::vector<std::int32_t> indptr{0, INT32_MIN, INT32_MAX}, last{1, 2};
+  const PageTable t{indptr.data(), nullptr, last.data(), 2};
+  REQUIRE(t.seq_len(0, 16) == 0);
+  const std::vector<std::int32_t> ok{0, 3}, last3{5};
+  REQUIRE(PageTable{ok.data(), nullptr, last3.data(), 1}.seq_len(0, 16) == 2 * 16 + 5);
+  REQUIRE_THAT(t.validate("t", 4, 16).message(), Contains("t: page table indptr is not monotonic at 0"));
+}

@@ -142,7 +142,8 @@ Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, Tensor
     const auto ids = keep.row(row0 + h);
     for (std::size_t r = 0; r < ids.size(); ++r) {
       const std::int64_t src = ids[r], dst = static_cast<std::int64_t>(r);
-      detail::move_row(&keys(h, dst, 0), &keys(h, src, 0), keys.extent(2), keys.stride(2));
+      // head_dim 0: no row to move, and the data may be null (no element to address).
+      if (keys.extent(2) > 0) detail::move_row(&keys(h, dst, 0), &keys(h, src, 0), keys.extent(2), keys.stride(2));
       if (!values.empty()) detail::move_row(&values(h, dst, 0), &values(h, src, 0), values.extent(2), values.stride(2));
       if (!positions.empty()) positions(h, dst) = positions(h, src);
     }

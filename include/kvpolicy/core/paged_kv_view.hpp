@@ -47,9 +47,11 @@ struct PageTable {
   std::int32_t batch = 0;
 
   std::int32_t num_pages(std::int32_t b) const noexcept { return indptr[b + 1] - indptr[b]; }
+  /// Defined (no overflow) for any indptr values, so a policy may read lengths
+  /// before `validate`: a sequence whose indptr decreases has length 0.
   std::int64_t seq_len(std::int32_t b, std::int32_t page_size) const noexcept {
-    const std::int32_t n = num_pages(b);
-    return n == 0 ? 0 : static_cast<std::int64_t>(n - 1) * page_size + last_page_len[b];
+    const std::int64_t n = static_cast<std::int64_t>(indptr[b + 1]) - indptr[b];
+    return n <= 0 ? 0 : (n - 1) * page_size + last_page_len[b];
   }
   /// Page id and in-page slot of token t of sequence b.
   std::int32_t page_of(std::int32_t b, std::int64_t t, std::int32_t page_size) const noexcept {

@@ -83,3 +83,45 @@ TEST_CASE("streaming_llm: batch select writes identical rows for every kv head -
           StatusCode::kOutputTooSmall);
   REQUIRE(small.untouched());
 }
+
+TEST_CASE("streaming_llm: a paged source's page table is validated before use - nothing written", "[streaming][paged]") {
+  // Two sequences, page size 4, a pool of 4 pages; the shape alone decides, so the pool is never read.
+  std::vector<half> pool(4 * 4 * 2 * 8, half(0.f));
+  std::vector<std::int32_t> indptr{0, 2, 3}, indices{0, 1, 2}, last{3, 4};
+  const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, 2, 4, 8);
+  const auto view = [&] {
+    return PagedKVView<const half>{pool.data(), nullptr, st, st, 4, 2, 4, 8, PageTable{indptr.data(), indices.data(), last.data(), 2},
+                                   kHost};
+  };
+  const StreamingLLM p(StreamingLLMParams{1, Budget::tokens(3), 0});
+  const auto evict = [&](const PagedKVView<const half>& kv, KeepSetBuffer& keep) {
+    const std::vector<ScoreInput<float, half>> batch{{{}, KVSource<half>::from_paged(kv, 0)}, {{}, KVSource<half>::from_paged(kv, 1)}};
+    return p.evict(Context<backend::Scalar>{}, std::span<const ScoreInput<float, half>>(batch), keep.view());
+  };
+  {
+    KeepSetBuffer keep(4, 12);
+    REQUIRE(evict(view(), keep).is_ok());  // the valid table: seq 0 has 7 tokens, seq 1 has 4
+    REQUIRE(keep.row(0) == std::vector<std::int32_t>{0, 5, 6});
+    REQUIRE(keep.row(2) == std::vector<std::int32_t>{0, 2, 3});
+  }
+  const auto expect_rejected = [&](const PagedKVView<const half>& kv, const char* what) {
+    KeepSetBuffer keep(4, 64);
+    keep.fill_sentinel();
+    const Status s = evict(kv, keep);
+    INFO(s.message());
+    REQUIRE(s.code() == StatusCode::kInvalidArgument);
+    REQUIRE_THAT(s.message(), Contains("streaming_llm") && Contains(what));
+    REQUIRE(keep.untouched());
+  };
+  PagedKVView<const half> kv = view();
+  kv.table.indptr = nullptr;  // used to crash
+  expect_rejected(kv, "indptr is null");
+  indptr = {0, 3, 2};  // non-monotonic: used to return ok with a negative page count
+  expect_rejected(view(), "not monotonic");
+  indptr = {0, 2, 3};
+  last = {3, 9};  // last_page_len > page_size: used to return ids past the sequence's tokens
+  expect_rejected(view(), "last_page_len[1] is 9");
+  last = {3, 4};
+  indices = {0, 1, 7};  // a page outside the pool
+  expect_rejected(view(), "indices[2] is 7");
+}

@@ -434,3 +434,108 @@ TEST_CASE("select rejects bad input with a message naming the argument, writing 
                  "does not match the plan");
   }
 }
+
+TEST_CASE("select and plan reject a page listed twice in one sequence, writing nothing", "[quest][select][errors]") {
+  Case<half, half, float> cs(PageLayout::kNHD, 4, 2, 2, 8, {10, 30, 7}, 5);
+  const Quest quest(QuestParams{.budget = Budget::tokens(8)});
+  auto& c = cs.cache;
+  const ProblemShape shape{.num_q_heads = cs.Hq, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim};
+  Quest::Plan plan;
+  REQUIRE(quest.plan(Context<backend::Scalar>{}, DecodeInput<float>{cs.queries(), c.table(), 4, 2}, shape, plan).is_ok());
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  SelectionBuffer out(3 * 4, 64);
+  const auto select = [&] {
+    return quest.select(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, plan, DecodeInput<float>{cs.queries(), c.table(), 4, 2},
+                        cs.meta.cview(), out.view());
+  };
+  // Sequences may share a page (a read-only consumer): sequence 0's first page is also sequence 2's.
+  const std::vector<std::int32_t> valid = c.indices;
+  c.indices[static_cast<std::size_t>(c.indptr[2])] = c.indices[0];
+  REQUIRE(select().is_ok());
+  // Sequence 1 (8 pages, scored) lists its page 1 again as page 5: it used to be selected twice.
+  c.indices = valid;
+  const std::int32_t s1 = c.indptr[1];
+  c.indices[static_cast<std::size_t>(s1 + 5)] = c.indices[static_cast<std::size_t>(s1 + 1)];
+  std::fill(out.indptr.begin(), out.indptr.end(), -7);
+  std::fill(out.indices.begin(), out.indices.end(), -7);
+  std::fill(out.last.begin(), out.last.end(), -7);
+  std::fill(out.logical.begin(), out.logical.end(), -7);
+  const Status s = select();
+  INFO(s.message());
+  REQUIRE(s.code() == StatusCode::kInvalidArgument);
+  REQUIRE_THAT(s.message(), Contains("quest: page table sequence 1 lists page") && Contains("twice (entries 1 and 5)"));
+  REQUIRE(out.untouched());
+  Quest::Plan p2;
+  const Status sp = quest.plan(Context<backend::Scalar>{}, DecodeInput<float>{cs.queries(), c.table(), 4, 2}, shape, p2);
+  REQUIRE_THAT(sp.message(), Contains("twice (entries 1 and 5)"));
+  // The last page repeated: never scored, still rejected.
+  c.indices = valid;
+  c.indices[static_cast<std::size_t>(c.indptr[1] - 1)] = c.indices[0];
+  REQUIRE_THAT(select().message(), Contains("sequence 0 lists page") && Contains("(entries 0 and 2)"));
+  REQUIRE(out.untouched());
+}
+
+TEST_CASE("the repeated-page check spans pools larger than its 65536-id window", "[quest][select][errors]") {
+  // One sequence of 2 kv heads x G=2, head_dim 8, pages of 4 tokens in a pool of 70000 pages; the
+  // metadata values are arbitrary (the selection is not checked, only that it runs or is rejected).
+  const std::int32_t pool = 70000;
+  MetaBuffer<half> meta(pool, 2, 8);
+  std::vector<float> q(4 * 8, 1.0f);
+  const auto queries = TensorView<const float, 3>::contiguous(q.data(), {1, 4, 8});
+  std::vector<std::int32_t> indptr{0, 5}, last{4};
+  const Quest quest(QuestParams{.budget = Budget::tokens(8)});
+  const ProblemShape shape{.num_q_heads = 4, .num_kv_heads = 2, .head_dim = 8};
+  const auto run = [&](std::vector<std::int32_t> indices) {
+    const DecodeInput<float> in{queries, PageTable{indptr.data(), indices.data(), last.data(), 1}, 4, 2};
+    Quest::Plan plan;
+    const Status sp = quest.plan(Context<backend::Scalar>{}, in, shape, plan);
+    if (!sp.is_ok()) return sp;
+    std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+    SelectionBuffer out(4, plan.requirements.output.capacity);
+    const Status s = quest.select(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, plan, in, meta.cview(), out.view());
+    if (!s.is_ok()) REQUIRE(out.untouched());
+    return s;
+  };
+  // Ids 65536 apart (1 and 65537) must not collide across windows; 69999 and 5 are far apart.
+  REQUIRE(run({1, 65537, 69999, 5, 65536}).is_ok());
+  REQUIRE_THAT(run({1, 65537, 69999, 5, 69999}).message(), Contains("lists page 69999 twice (entries 2 and 4)"));
+  REQUIRE_THAT(run({65537, 3, 69999, 65537, 0}).message(), Contains("lists page 65537 twice (entries 0 and 3)"));
+  REQUIRE_THAT(run({0, 3, 69999, 3, 65536}).message(), Contains("lists page 3 twice (entries 1 and 3)"));
+}
+
+TEST_CASE("select rejects page metadata with zero strides or empty extents, writing nothing", "[quest][select][errors]") {
+  Case<half, half, float> cs(PageLayout::kNHD, 4, 2, 2, 8, {10, 30, 7}, 5);
+  const Quest quest(QuestParams{.budget = Budget::tokens(8)});
+  auto& c = cs.cache;
+  const DecodeInput<float> step{cs.queries(), c.table(), 4, 2};
+  const ProblemShape shape{.num_q_heads = cs.Hq, .num_kv_heads = c.kv_heads, .head_dim = c.head_dim};
+  Quest::Plan plan;
+  REQUIRE(quest.plan(Context<backend::Scalar>{}, step, shape, plan).is_ok());
+  std::vector<std::byte> ws(plan.requirements.workspace_bytes);
+  SelectionBuffer out(3 * 4, 64);
+  const auto select = [&](PageMetaView<const half> m) {
+    return quest.select(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, plan, step, m, out.view());
+  };
+  const auto expect_error = [&](PageMetaView<const half> m, const char* text) {
+    const Status s = select(m);
+    INFO(s.message());
+    REQUIRE(s.code() == StatusCode::kInvalidArgument);
+    REQUIRE_THAT(s.message(), Contains(text));
+    REQUIRE(out.untouched());
+  };
+  PageMetaView<const half> m = cs.meta.cview();
+  m.page_stride = 0;  // every page would read page 0's bounds
+  expect_error(m, "quest: metadata page_stride is 0");
+  m = cs.meta.cview();
+  m.head_stride = 0;
+  expect_error(m, "quest: metadata head_stride is 0 with 2 kv heads");
+  m = cs.meta.cview();
+  m.head_dim = 0;
+  expect_error(m, "quest: metadata head_dim is 0");
+  m = cs.meta.cview();
+  m.num_kv_heads = 0;
+  expect_error(m, "quest: metadata num_kv_heads is 0");
+  m = cs.meta.cview();
+  m.num_pages = -1;
+  expect_error(m, "quest: metadata num_pages is -1");
+}

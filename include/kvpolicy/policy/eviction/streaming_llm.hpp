@@ -106,14 +106,22 @@ class StreamingLLM {
   }
 
   /// Eviction decision for a batch: rows `b * num_kv_heads + h`; only the
-  /// keys' shape (kv heads, kv_len) is read.
+  /// keys' shape (kv heads, kv_len) is read. A paged source's view is
+  /// validated (`PagedKVView::validate`, keys only: CSR page table, ids in the
+  /// pool) once per distinct view before its lengths are read; on error
+  /// nothing is written.
   template <class Backend, class Tq, class Tk, class Tp>
   Status evict(const Context<Backend>&, std::span<const ScoreInput<Tq, Tk, Tp>> batch, KeepSet out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "streaming_llm: batch is empty");
     const std::int64_t H = batch[0].keys.kv_heads();
+    const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       KVP_RETURN_IF_ERROR(batch[b].keys.validate(kName, "keys"));
+      if (const PagedKVView<const Tk>* paged = batch[b].keys.paged; paged != nullptr && paged != last_paged) {
+        KVP_RETURN_IF_ERROR(paged->validate(kName, /*need_values=*/false));
+        last_paged = paged;
+      }
       KVP_REQUIRE(batch[b].keys.kv_heads() == H, "streaming_llm: sequence %zu has %lld kv heads, sequence 0 has %lld", b,
                   static_cast<long long>(batch[b].keys.kv_heads()), static_cast<long long>(H));
       const std::int64_t T = batch[b].keys.kv_len();

@@ -38,6 +38,12 @@
 //  * Output. `PageSelection` rows in ascending logical page order with the last
 //    page last, so a row is a FlashInfer `kv_indptr/kv_indices/last_page_len`
 //    request as-is.
+//  * Repeated pages. A sequence must not list a page id twice (its selection
+//    would list it twice); `plan` and `select` reject it. Sequences may share
+//    pages. The check needs no workspace: an 8 KiB bitmap on the stack covers
+//    65536 consecutive ids, and a sequence of n pages takes one pass over its
+//    ids per 65536-id window that holds some of them, i.e. O(n * w) with
+//    w <= min(n, ceil(id span / 65536)): O(n) for pools of up to 65536 pages.
 #pragma once
 
 #include <algorithm>
@@ -200,7 +206,9 @@ class Quest {
   }
 
   /// Plans a decode step of `in.layer` over `in.table` (queries (batch,
-  /// num_q_heads, head_dim), `shape.num_kv_heads` kv heads).
+  /// num_q_heads, head_dim), `shape.num_kv_heads` kv heads). Validates the
+  /// table's CSR structure, ids >= 0 and no page id repeated within a
+  /// sequence (see "Repeated pages" above for the cost).
   template <class Backend, class Tq>
   Status plan(const Context<Backend>& ctx, const DecodeInput<Tq>& in, const ProblemShape& shape, Plan& out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params(in.page_size));
@@ -212,11 +220,9 @@ class Quest {
                 static_cast<long long>(in.queries.extent(0)), in.table.batch);
     KVP_REQUIRE(in.queries.extent(2) >= 1 && in.queries.extent(2) <= INT32_MAX, "quest: queries head_dim is %lld, must be >= 1",
                 static_cast<long long>(in.queries.extent(2)));
-    KVP_REQUIRE(in.table.batch == 0 || (in.table.indptr != nullptr && in.table.last_page_len != nullptr),
-                "quest: page table indptr / last_page_len is null");
-    for (std::int32_t b = 0; b < in.table.batch; ++b)
-      KVP_REQUIRE(in.table.indptr[b + 1] >= in.table.indptr[b], "quest: page table indptr is not monotonic at %d (%d > %d)", b,
-                  in.table.indptr[b], in.table.indptr[b + 1]);
+    // The pool size is not known here: ids are checked against it by `select`, here only for >= 0.
+    KVP_RETURN_IF_ERROR(in.table.validate(kName, INT32_MAX, in.page_size));
+    KVP_RETURN_IF_ERROR(check_no_repeated_page(in.table));
     Plan p;
     p.layer = in.layer;
     p.page_size = in.page_size;
@@ -265,8 +271,9 @@ class Quest {
   /// meta:       the layer's page metadata, kept current by `on_append`.
   /// out:        rows `b * heads_per_seq + head`, capacity >= `plan.requirements.output.capacity`.
   ///
-  /// Every input is validated before anything is written; on error `out` is
-  /// untouched. Two parallel phases through `ctx.exec`: the bounds, over
+  /// Every input is validated before anything is written (the table against
+  /// the metadata's pool, no page id repeated within a sequence); on error
+  /// `out` is untouched. Two parallel phases through `ctx.exec`: the bounds, over
   /// (sequence, run of 256 pages) items with every kv head of a page at
   /// once; then top-k and the CSR rows over (sequence, kv head) items. The
   /// result does not depend on the number of workers. Cost per sequence of
@@ -283,7 +290,49 @@ class Quest {
   }
 
  private:
-  static constexpr std::int64_t kItemPages = 256;  ///< pages per bounds-phase work item
+  static constexpr std::int64_t kItemPages = 256;     ///< pages per bounds-phase work item
+  static constexpr std::int64_t kIdWindow = 1 << 16;  ///< page ids per pass of the repeated-page check
+
+  /// No sequence of `table` (CSR structure already validated) lists a page id
+  /// twice. Ids in [base, base + kIdWindow) are marked in a stack bitmap; ids
+  /// beyond the window set the next window's base (the smallest of them), so
+  /// only windows holding ids are visited. Each pass clears the words it set.
+  static Status check_no_repeated_page(const PageTable& table) noexcept {
+    std::uint64_t seen[kIdWindow / 64] = {};
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int32_t n = table.num_pages(b);
+      if (n < 2) continue;
+      const std::int32_t* pages = table.indices + table.indptr[b];
+      std::int64_t base = *std::min_element(pages, pages + n);
+      while (true) {
+        std::int64_t next = INT64_MAX;
+        for (std::int32_t i = 0; i < n; ++i) {
+          const std::int64_t off = static_cast<std::int64_t>(pages[i]) - base;
+          if (off < 0) continue;  // an earlier window's
+          if (off >= kIdWindow) {
+            next = std::min<std::int64_t>(next, pages[i]);
+            continue;
+          }
+          const std::uint64_t bit = std::uint64_t{1} << (off % 64);
+          if ((seen[off / 64] & bit) != 0) {
+            const auto first = static_cast<std::int32_t>(std::find(pages, pages + i, pages[i]) - pages);
+            return KVP_INVALID(
+                "quest: page table sequence %d lists page %d twice (entries %d and %d); a sequence's page ids must be distinct "
+                "(sequences may share pages)",
+                b, pages[i], first, i);
+          }
+          seen[off / 64] |= bit;
+        }
+        for (std::int32_t i = 0; i < n; ++i) {
+          const std::int64_t off = static_cast<std::int64_t>(pages[i]) - base;
+          if (off >= 0 && off < kIdWindow) seen[off / 64] = 0;
+        }
+        if (next == INT64_MAX) break;
+        base = next;
+      }
+    }
+    return Status::ok();
+  }
 
   template <class Backend, class Tq, class Tm>
   Status select_impl(int layer, TensorView<const Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
@@ -291,7 +340,7 @@ class Quest {
     KVP_RETURN_IF_ERROR(validate_params(page_size));
     KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
     KVP_REQUIRE(queries.device().is_host(), "quest: queries is a device tensor; this entry point reads host memory");
-    KVP_RETURN_IF_ERROR(meta.validate(kName, meta.num_pages, meta.num_kv_heads, meta.head_dim));
+    KVP_RETURN_IF_ERROR(meta.check_basic(kName));
     GqaMap gqa;
     KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));
     KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
@@ -299,6 +348,7 @@ class Quest {
     KVP_REQUIRE(queries.extent(0) == table.batch, "quest: queries has %lld sequences, the page table has batch %d",
                 static_cast<long long>(queries.extent(0)), table.batch);
     KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size));
+    KVP_RETURN_IF_ERROR(check_no_repeated_page(table));
     const std::int64_t H = heads_per_seq(gqa);
     KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
     const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table),
