@@ -195,3 +195,38 @@ TEST_CASE("observed_attention: bad input gets a clear message and writes nothing
                Contains("queries has 8 heads, not a multiple of the 3 kv heads"));
   REQUIRE(keep.untouched());
 }
+
+TEST_CASE("observed_attention: column sums over a paged source validate its page table first - nothing written",
+          "[observed_attention][paged]") {
+  // Keys of one sequence of 7 tokens in 4-token pages (only the table is read on this path); column sums (Hq = 4, 7).
+  std::vector<float> pool(4 * 4 * 2 * 8, 0.0f), col(4 * 7, 0.25f);
+  std::vector<std::int32_t> indptr{0, 2}, indices{0, 1}, last{3};
+  const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, 2, 4, 8);
+  const auto view = [&] {
+    return PagedKVView<const float>{pool.data(), nullptr, st, st, 4, 2, 4, 8, PageTable{indptr.data(), indices.data(), last.data(), 1},
+                                    kHost};
+  };
+  const ObservedAttention p(ObservedAttentionParams::kvpress(0.5));
+  const Requirements r = p.requirements(Context<backend::Scalar>{}, ProblemShape{4, 2, 0, 7, 0});
+  REQUIRE(r.status.is_ok());
+  std::vector<std::byte> ws(r.workspace_bytes);
+  const auto evict = [&](const PagedKVView<const float>& kv, KeepSetBuffer& keep) {
+    ScoreInput<float, float> in;
+    in.keys = KVSource<float>::from_paged(kv, 0);
+    in.column_sums = TensorView<const float, 2>::contiguous(col.data(), {4, 7});
+    return p.evict(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, in, keep.view());
+  };
+  {
+    KeepSetBuffer keep(2, 8);
+    const Status ok = evict(view(), keep);
+    INFO(ok.message());
+    REQUIRE(ok.is_ok());
+  }
+  PagedKVView<const float> kv = view();
+  kv.table.indptr = nullptr;  // used to be read (kv_len) before any check
+  KeepSetBuffer keep(2, 8);
+  keep.fill_sentinel();
+  const Status s = evict(kv, keep);
+  REQUIRE_THAT(s.message(), Contains("observed_attention") && Contains("indptr is null"));
+  REQUIRE(keep.untouched());
+}

@@ -284,3 +284,16 @@ TEST_CASE("tova: the one-victim path follows the total order (NaN lowest, first 
   REQUIRE(run(TOVA(TOVAParams{Budget::tokens(1), true, 0.0f})) == std::vector<std::int32_t>{8});
   REQUIRE(run(TOVA(TOVAParams{Budget::tokens(0), true, 0.0f})).empty());
 }
+
+TEST_CASE("tova: a decision keeping nothing accepts an empty keep set with null indices", "[tova][errors]") {
+  RandomCase<float> rc(8, 4, 50, 16, 5, 3);
+  const TOVA policy(TOVAParams::kvpress(0.99));  // int(50 * 0.01) = 0 tokens
+  REQUIRE(policy.kept_count(50) == 0);
+  const Requirements r = policy.requirements(Context<backend::Cpu>{}, ProblemShape{8, 4, 16, 50, 5});
+  REQUIRE(r.status.is_ok());
+  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<std::int32_t> indptr(5, -1);
+  // Used to memcpy from / to null with a zero size (undefined behaviour, reported by UBSan).
+  REQUIRE(policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, rc.input(), KeepSet{indptr.data(), nullptr, 4, 0}).is_ok());
+  REQUIRE(indptr == std::vector<std::int32_t>{0, 0, 0, 0, 0});
+}

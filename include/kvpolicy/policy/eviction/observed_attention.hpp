@@ -201,6 +201,9 @@ class ObservedAttention {
       const auto& col = in.column_sums;
       KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
       KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
+      KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+      if (in.keys.paged != nullptr)  // lengths come from the page table: validate it before reading them
+        KVP_RETURN_IF_ERROR(in.keys.paged->table.validate(kName, in.keys.paged->num_pages, in.keys.paged->page_size));
       GqaMap gqa;
       KVP_RETURN_IF_ERROR(GqaMap::make(col.extent(0), in.keys.kv_heads(), kName, &gqa));
       const std::int64_t T = col.extent(1);

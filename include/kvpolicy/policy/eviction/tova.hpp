@@ -280,8 +280,9 @@ class TOVA {
     } else {
       Backend::topk(blk.mean, n, k, dst, blk.topk);
     }
-    for (std::int64_t h = 1; h < H; ++h)
-      std::memcpy(out.indices + out.indptr[row0 + h], dst, static_cast<std::size_t>(k) * sizeof(std::int32_t));
+    if (k > 0)  // k == 0: indices may be null (an empty KeepSet)
+      for (std::int64_t h = 1; h < H; ++h)
+        std::memcpy(out.indices + out.indptr[row0 + h], dst, static_cast<std::size_t>(k) * sizeof(std::int32_t));
   }
 
   Params params_{};
