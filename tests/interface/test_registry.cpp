@@ -125,3 +125,23 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   REQUIRE(g.params().type == GgmlType::kIQ4_NL);
   REQUIRE_THAT(make_policy("ggml:type=q3_k", &g).message(), Contains("expected one of q8_0|q4_0|q4_1|q5_0|q5_1|iq4_nl"));
 }
+
+TEST_CASE("registry: a size query that fails reports no sizes, so the README's allocation idiom is safe", "[registry][requirements]") {
+  // Issue #16.11: a failing size query used to return 2^64 - 64 workspace bytes, and `std::vector ws(bytes)`
+  // threw before the call could report the bad parameter. Now every failing requirements() carries zeros.
+  const ProblemShape bad_gqa{3, 2, 32, 400, 16};  // 3 query heads over 2 kv heads
+  for (const char* spec : {"snapkv", "streaming_llm", "tova", "observed_attention", "pyramidkv:layer=1,num_layers=4", "adakv",
+                           "expected_attention", "snapkv:tokens=100000"}) {
+    INFO(spec);
+    AnyEvictionPolicy p;
+    REQUIRE(make_eviction_policy(spec, &p).is_ok());
+    const ProblemShape shape = std::string(spec).find("tokens=") != std::string::npos ? ProblemShape{8, 2, 32, 400, 16} : bad_gqa;
+    const Requirements r = p.requirements(BackendKind::kCpu, shape);
+    REQUIRE(!r.status.is_ok());
+    REQUIRE(r.workspace_bytes == 0);
+    REQUIRE(r.output.rows == 0);
+    REQUIRE(r.output.capacity == 0);
+    std::vector<std::byte> ws(r.workspace_bytes);  // the idiom: never throws
+    REQUIRE(ws.empty());
+  }
+}

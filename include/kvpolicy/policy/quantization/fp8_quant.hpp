@@ -53,12 +53,15 @@ struct Fp8QuantParams {
   }
 };
 
+/// Caller-owned scales of the kPerHead layout (unused by the others).
+struct Fp8QuantState {
+  std::span<const float> head_scales{};  ///< kPerHead: one scale per kv head
+};
+
 class Fp8Quant {
  public:
   using Params = Fp8QuantParams;
-  struct State {
-    std::span<const float> head_scales{};  ///< kPerHead: one scale per kv head
-  };
+  using State = Fp8QuantState;
   static constexpr const char* kName = "fp8";
   static constexpr std::int64_t kTrailer = 16;  ///< kPerTokenHead: inline scale bytes per row
 
