@@ -110,7 +110,7 @@ TEST_CASE("CpuReduceOps: mean_rows == the scalar reference bit for bit (fp32 con
       }
     }
     std::vector<half> h(64);
-    for (std::size_t i = 0; i < h.size(); ++i) h[i] = half(static_cast<float>(i) * 0.5f);
+    for (std::size_t i = 0; i < h.size(); ++i) h[i] = from_float<half>(static_cast<float>(i) * 0.5f);
     std::vector<float> a(16), b(16);
     Cpu::mean_rows(TensorView<const half, 2>::contiguous(h.data(), {4, 16}), a.data());
     Scalar::mean_rows(TensorView<const half, 2>::contiguous(h.data(), {4, 16}), b.data());

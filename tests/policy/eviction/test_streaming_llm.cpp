@@ -86,7 +86,7 @@ TEST_CASE("streaming_llm: batch select writes identical rows for every kv head -
 
 TEST_CASE("streaming_llm: a paged source's page table is validated before use - nothing written", "[streaming][paged]") {
   // Two sequences, page size 4, a pool of 4 pages; the shape alone decides, so the pool is never read.
-  std::vector<half> pool(4 * 4 * 2 * 8, half(0.f));
+  std::vector<half> pool(4 * 4 * 2 * 8, from_float<half>(0.0f));
   std::vector<std::int32_t> indptr{0, 2, 3}, indices{0, 1, 2}, last{3, 4};
   const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, 2, 4, 8);
   const auto view = [&] {
