@@ -19,10 +19,13 @@ TEST_CASE("ThreadPool: concurrent callers on one pool run every item of every jo
     const ExecContext ctx = pool.context();
     constexpr int kCallers = 4, kJobs = 200;
     constexpr std::int64_t kItems = 97;
-    // hits[caller][job * kItems + i]; busy[w]: threads inside the body as worker w (must never exceed 1).
+    // hits[caller][job * kItems + i]; busy[caller][w]: threads inside that caller's body as worker w (never above 1).
+    // Worker ids are exclusive within one call, which is what a call's workspace slices need; two callers may both
+    // run as worker 0 at once (a one-item call runs inline on its own thread), each with its own workspace.
     std::vector<std::vector<std::atomic<int>>> hits(kCallers);
     for (auto& h : hits) h = std::vector<std::atomic<int>>(static_cast<std::size_t>(kJobs * kItems));
-    std::vector<std::atomic<int>> busy(static_cast<std::size_t>(ctx.workers()));
+    std::vector<std::vector<std::atomic<int>>> busy(kCallers);
+    for (auto& b : busy) b = std::vector<std::atomic<int>>(static_cast<std::size_t>(ctx.workers()));
     std::atomic<bool> bad_worker{false}, overlap{false};
     std::vector<std::thread> callers;
     for (int c = 0; c < kCallers; ++c) {
@@ -34,9 +37,10 @@ TEST_CASE("ThreadPool: concurrent callers on one pool run every item of every jo
               bad_worker = true;
               return;
             }
-            if (busy[static_cast<std::size_t>(w)].fetch_add(1) != 0) overlap = true;
+            auto& b = busy[static_cast<std::size_t>(c)][static_cast<std::size_t>(w)];
+            if (b.fetch_add(1) != 0) overlap = true;
             hits[static_cast<std::size_t>(c)][static_cast<std::size_t>(j * kItems + i)].fetch_add(1);
-            busy[static_cast<std::size_t>(w)].fetch_sub(1);
+            b.fetch_sub(1);
           });
         }
       });

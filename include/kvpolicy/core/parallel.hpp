@@ -19,7 +19,9 @@ using ParallelBody = void (*)(void* ctx, std::int64_t begin, std::int64_t end, i
 
 /// An engine's parallel-for: must call `body` over a partition of [0, n)
 /// with worker ids in [0, num_workers), each worker id used by at most one
-/// thread at a time, and return after all calls finished. The library calls
+/// thread at a time within the call (worker ids index the call's workspace
+/// slices; concurrent calls have workspaces of their own), and return after
+/// all calls finished. The library calls
 /// it from whatever thread calls the library, so an `ExecContext` shared by
 /// several threads needs a pool that is safe for concurrent callers (the
 /// bundled `ThreadPool`, util/thread_pool.hpp, serialises their jobs).

@@ -11,6 +11,10 @@
 // of deadlocking. Destroying the pool while a call is in flight is a bug. An
 // exception thrown by the body on the calling thread is rethrown once the
 // workers are done; one thrown on a worker thread terminates the program.
+// A one-item call (ExecContext::parallel_for with n == 1) runs inline on its
+// caller's thread as worker 0 without taking the pool, so worker ids are
+// exclusive within a call, not across concurrent calls (each call's
+// workspace is its own).
 #pragma once
 
 #include <algorithm>
