@@ -119,7 +119,7 @@ def plots(piv, out_dir):
         if family.get(p) == "selection":
             return dict(color=color[p], linestyle="-.", marker="s")
         if family.get(p) == "quantization":
-            return dict(color=color[p], linestyle="none", marker="D", markersize=7)
+            return dict(color=color[p], linestyle=":", marker="D")
         if family.get(p) == "evict+quantize":
             return dict(color=color[p], linestyle="--", marker="v")
         return dict(color=color[p], linestyle="-", marker="o")
@@ -159,6 +159,35 @@ def plots(piv, out_dir):
         plt.close(fig)
         written.append(path)
 
+    def vs_bytes(cells, metric, keep, xlabel, ylabel, title, fname, size):
+        """One line per policy of `metric` against the K/V bytes per layer (token budgets), the full cache as a star."""
+        pts = defaultdict(set)
+        for (pol, k, _), v in cells.items():
+            if k == "tokens" and "kv_bytes" in v and metric in v and keep(pol):
+                pts[pol].add((v["kv_bytes"] / 1024.0, v[metric]))
+        if not pts:
+            return
+        fig, ax = plt.subplots(figsize=size)
+        for p, xy in pts.items():
+            xy = sorted(xy)
+            kw = dict(markersize=4)
+            kw.update(style(p))
+            ax.plot([x for x, _ in xy], [y for _, y in xy], label=p, **kw)
+        fb, fm = full_value(cells, "kv_bytes"), full_value(cells, metric)
+        if fb is not None and fm is not None:
+            ax.plot([fb / 1024.0], [fm], "k*", markersize=10, label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title(title)
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     for wl, cells in piv.items():
         s = slug(wl)
         grid(cells, QUALITY, "tokens", f"{wl}: quality vs budget", f"{s}_vs_tokens.png", "budget (tokens per kv head, log2)", True)
@@ -166,57 +195,12 @@ def plots(piv, out_dir):
              "compression ratio (fraction removed)", False)
         grid(cells, TASKS, "tokens", f"{wl}: end-to-end", f"{s}_tasks.png", "budget (tokens per kv head, log2)", True)
 
-        # accuracy vs bytes (task workloads)
-        acc = defaultdict(set)
-        for (pol, k, b), v in cells.items():
-            if k == "tokens" and "kv_bytes" in v and "accuracy" in v and family.get(pol) != "selection":
-                acc[pol].add((v["kv_bytes"] / 1024.0, v["accuracy"]))
-        if acc:
-            fig, ax = plt.subplots(figsize=(7.5, 4.8))
-            for p, xy in acc.items():
-                xy = sorted(xy)
-                kw = dict(markersize=4)
-                kw.update(style(p))
-                ax.plot([x for x, _ in xy], [y for _, y in xy], label=p, **kw)
-            fb, fa = full_value(cells, "kv_bytes"), full_value(cells, "accuracy")
-            if fb is not None and fa is not None:
-                ax.plot([fb / 1024.0], [fa], "k*", markersize=10, label="full cache")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("K/V bytes held per layer (KiB, log2)")
-            ax.set_ylabel("task accuracy (higher is better)")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7, ncol=2)
-            ax.set_title(f"{wl}: accuracy vs memory (evict, quantize, or both)")
-            fig.tight_layout()
-            path = os.path.join(out_dir, f"{s}_memory.png")
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
-
-        # recall vs bytes
-        pts = defaultdict(list)
-        for (pol, k, b), v in cells.items():
-            if k == "tokens" and "kv_bytes" in v and "mass_recall" in v:
-                pts[pol].append((v["kv_bytes"] / 1024.0, v["mass_recall"]))
-        if pts:
-            fig, ax = plt.subplots(figsize=(7, 4.6))
-            for p, xy in pts.items():
-                xy.sort()
-                ax.plot([x for x, _ in xy], [y for _, y in xy], label=p, markersize=4, **style(p))
-            fb, fm = full_value(cells, "kv_bytes"), full_value(cells, "mass_recall")
-            if fb is not None and fm is not None:
-                ax.plot([fb / 1024.0], [fm], "k*", markersize=10, label="full cache")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("K/V bytes kept or read per layer (KiB, log2)")
-            ax.set_ylabel("attention-mass recall")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7, ncol=2)
-            ax.set_title(f"{wl}: recall vs memory")
-            fig.tight_layout()
-            path = os.path.join(out_dir, f"{s}_tradeoff.png")
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
+        # accuracy vs bytes (task workloads; selection reads, it does not hold less) and recall vs bytes
+        vs_bytes(cells, "accuracy", lambda pol: family.get(pol) != "selection", "K/V bytes held per layer (KiB, log2)",
+                 "task accuracy (higher is better)", f"{wl}: accuracy vs memory (evict, quantize, or both)", f"{s}_memory.png",
+                 (7.5, 4.8))
+        vs_bytes(cells, "mass_recall", lambda pol: True, "K/V bytes kept or read per layer (KiB, log2)", "attention-mass recall",
+                 f"{wl}: recall vs memory", f"{s}_tradeoff.png", (7, 4.6))
     # decision time (log-log: the policies span five orders of magnitude)
     for wl, cells in piv.items():
         ser = series(cells, "tokens", "time_ms")
