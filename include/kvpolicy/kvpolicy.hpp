@@ -5,7 +5,7 @@
 //
 // brings the core views and status, the ops contract and its scalar
 // reference, every policy of every family that exists (eviction: StreamingLLM,
-// SnapKV, H2O, ObservedAttention, TOVA, Ada-KV, PyramidKV, Expected Attention;
+// SnapKV, H2O, ObservedAttention, TOVA, Ada-KV, PyramidKV, Expected Attention, LAQ;
 // selection: Quest), the budget vocabulary, the apply/ helpers that compact a
 // cache, the engine lifecycle hooks, the run-time registry, the owning
 // convenience layer (easy.hpp) and the thread pool; plus `backend::Cpu` when
@@ -40,11 +40,13 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/decisions.hpp"
 #include "kvpolicy/policy/lifecycle.hpp"
+#include "kvpolicy/policy/lookahead.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
 
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
@@ -68,6 +70,7 @@
 
 // Every policy models its family concepts on the CPU backend too.
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::SnapKV, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::EvictionPolicy<kvpolicy::LAQ, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::StreamingLLM, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::ObservedAttention, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::EvictionPolicy<kvpolicy::TOVA, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);

@@ -107,6 +107,11 @@ struct ScoreInput {
   KVSource<Tk> values{};                  ///< optional (num_kv_heads, kv_len, head_dim)
   TensorView<const Tp, 3> attention{};    ///< optional (num_q_heads, q_len, kv_len): softmax probabilities
   TensorView<const Tp, 2> column_sums{};  ///< optional (num_q_heads, kv_len): sum over the query rows of the probabilities
+  /// Of the q_len query rows, the last `lookahead` are queries of future
+  /// positions kv_len, kv_len + 1, ... (LAQ's pseudo tokens, a draft model's or
+  /// a predictor's; policy/lookahead.hpp): query-window scorers reduce over
+  /// them together with the prompt window. 0: every row is a prompt query.
+  std::int64_t lookahead = 0;
 
   /// Present when given at all: a view with extents but null data is present
   /// (and then rejected by the policy's check as "null data"), not absent.

@@ -39,6 +39,11 @@
 //  * Precomputed statistics (kvpress `ExpectedAttentionStatsPress`): pass
 //    `query_mean` (+ `query_cov`) instead of `queries`; they are pre-RoPE, and
 //    the averaged rotation is applied as above.
+//  * Lookahead queries (`ScoreInput::lookahead`, policy/lookahead.hpp): the
+//    last `lookahead` rows (pre-RoPE pseudo or predicted queries) are further
+//    samples of the query distribution: mean and covariance run over every
+//    row after the sinks, prompt and lookahead alike. The future positions the
+//    statistics are rotated to stay those after kv_len.
 //  * kv_len <= n_sink is rejected (kvpress asserts); so is q_len <= n_sink
 //    (no query left for the statistics; torch would produce NaN). Ties in the
 //    selection go to the higher token index; if the budget is below n_sink the
@@ -272,9 +277,14 @@ class ExpectedAttention {
                   static_cast<long long>(in.queries.extent(2)), static_cast<long long>(d));
       KVP_REQUIRE(q_len > params_.n_sink, "expected_attention: queries has %lld rows, must be more than n_sink %d (sequence %zu)",
                   static_cast<long long>(q_len), params_.n_sink, b);
+      KVP_REQUIRE(in.lookahead >= 0 && in.lookahead <= q_len - params_.n_sink,
+                  "expected_attention: lookahead is %lld, must be in [0, query rows %lld - n_sink %d] (sequence %zu)",
+                  static_cast<long long>(in.lookahead), static_cast<long long>(q_len), params_.n_sink, b);
     } else {
       KVP_RETURN_IF_ERROR(in.query_mean.check_basic(kName, "query_mean"));
       KVP_REQUIRE(!in.query_mean.empty(), "expected_attention: neither queries nor query_mean given");
+      KVP_REQUIRE(in.lookahead == 0, "expected_attention: lookahead is %lld with precomputed statistics (query_mean); fold them in",
+                  static_cast<long long>(in.lookahead));
       Hq = in.query_mean.extent(0);
       KVP_REQUIRE(in.query_mean.extent(1) == d, "expected_attention: query_mean has head_dim %lld, keys %lld",
                   static_cast<long long>(in.query_mean.extent(1)), static_cast<long long>(d));

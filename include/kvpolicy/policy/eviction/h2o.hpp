@@ -225,6 +225,8 @@ class H2O {
   Status update_from_queries(H2OState& state, const ScoreInput<Tq, Tk, Tp>& step, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(state));
+    KVP_REQUIRE(step.lookahead == 0, "h2o: lookahead is %lld; H2O accumulates the attention of real queries only",
+                static_cast<long long>(step.lookahead));
     KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, step.queries, step.keys));
     const std::int64_t Hq = step.queries.extent(0), Hkv = step.keys.kv_heads(), Hs = state.scores.extent(0);
     const std::int64_t q = step.queries.extent(1), n = step.keys.kv_len(), d = step.keys.head_dim();

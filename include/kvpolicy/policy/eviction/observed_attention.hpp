@@ -197,6 +197,9 @@ class ObservedAttention {
   template <class Tq, class Tk, class Tp>
   Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
+    KVP_REQUIRE(in.lookahead == 0,
+                "observed_attention: lookahead is %lld; it sums the prompt's own attention and takes no lookahead queries",
+                static_cast<long long>(in.lookahead));
     if (in.has_column_sums()) {
       const auto& col = in.column_sums;
       KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));

@@ -31,6 +31,17 @@
 //    scores rank last (see `score_order_key`). Kept ids are ascending.
 //  * Non-finite inputs. NaN/Inf in queries or keys yield NaN scores for the
 //    affected rows; those tokens are evicted first. Indices stay valid.
+//
+// Lookahead queries (LAQ, and any predicted or pseudo query source): a
+// `ScoreInput` with `lookahead = n` carries `window + n` query rows per head,
+// the w prompt queries followed by n queries of the future positions
+// T, T+1, ...; the scores then reduce over all w + n rows (kMean divides by
+// w + n) while only the last w keys stay protected. With lookahead queries
+// the window may be 0 (LAQ: only pseudo queries). Where those rows sit for the
+// causal mask is `lookahead_mask` (lookahead.hpp): kCorrected (default) puts
+// the prompt rows at T-w.. and lets every lookahead row see all T keys;
+// kReference reproduces the LAQ repository's mask, which places all w + n rows
+// at the last w + n prompt positions.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +51,7 @@
 
 #include "kvpolicy/core/gqa.hpp"
 #include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/lookahead.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -53,14 +65,15 @@ inline constexpr EnumName<ReduceOrder> kReduceOrderNames[] = {{"pool_then_group"
 constexpr std::span<const EnumName<ReduceOrder>> enum_names(ReduceOrder) noexcept { return kReduceOrderNames; }
 
 struct SnapKVParams {
-  std::int32_t window = 64;  ///< w: observation window (last w prompt queries)
+  std::int32_t window = 64;  ///< w: observation window (last w prompt queries); 0 only with lookahead queries
   std::int32_t kernel = 5;   ///< pooling kernel (odd)
   Pooling pooling = Pooling::kAvg;
   WindowReduce window_reduce = WindowReduce::kMean;
   GroupReduce group_reduce = GroupReduce::kMean;
   ReduceOrder order = ReduceOrder::kPoolThenGroup;
   Budget budget = Budget::compression_ratio(0.5);
-  float scale = 0.0f;  ///< logit scale; 0 means 1/sqrt(head_dim)
+  float scale = 0.0f;                                        ///< logit scale; 0 means 1/sqrt(head_dim)
+  LookaheadMask lookahead_mask = LookaheadMask::kCorrected;  ///< causal positions of lookahead query rows (ScoreInput::lookahead)
 
   static constexpr auto fields() noexcept {
     return std::tuple{param_field<&SnapKVParams::window>("window", "observation window: the last w prompt queries"),
@@ -70,7 +83,8 @@ struct SnapKVParams {
                       param_field<&SnapKVParams::group_reduce>("group_reduce", "reduction over a GQA group"),
                       param_field<&SnapKVParams::order>("order", "pool and group-reduce order"),
                       budget_field<&SnapKVParams::budget>(),
-                      param_field<&SnapKVParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)")};
+                      param_field<&SnapKVParams::scale>("scale", "logit scale, 0 = 1/sqrt(head_dim)"),
+                      param_field<&SnapKVParams::lookahead_mask>("lookahead_mask", "causal mask of lookahead query rows")};
   }
 
   /// kvpress `SnapKVPress(compression_ratio=r, window_size, kernel_size)`.
@@ -105,7 +119,7 @@ class SnapKV {
 
   /// Parameter checks independent of the inputs.
   Status validate_params() const noexcept {
-    KVP_REQUIRE(params_.window >= 1, "snapkv: window is %d, must be >= 1", params_.window);
+    KVP_REQUIRE(params_.window >= 0, "snapkv: window is %d, must be >= 0 (0 only with lookahead queries)", params_.window);
     KVP_REQUIRE(params_.kernel >= 1 && params_.kernel % 2 == 1, "snapkv: pooling kernel is %d, must be odd and >= 1", params_.kernel);
     KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "snapkv: scale is %g, must be finite and >= 0",
                 static_cast<double>(params_.scale));
@@ -142,7 +156,7 @@ class SnapKV {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(validate_batch(std::span<const ScoreInput<Tq, Tk>>(&in, 1), &shape));
+    KVP_RETURN_IF_ERROR(validate_batch(std::span<const ScoreInput<Tq, Tk>>(&in, 1), &shape, /*scoring=*/true));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == in.keys.kv_len(),
                 "snapkv: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)", static_cast<long long>(out.extent(0)),
@@ -206,7 +220,7 @@ class SnapKV {
   /// reject a bad batch before writing any output.
   template <class Tq, class Tk>
   Status validate(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
-    return validate_batch(batch, shape);
+    return validate_batch(batch, shape, /*scoring=*/true);
   }
 
  private:
@@ -219,32 +233,42 @@ class SnapKV {
   std::size_t per_worker_bytes(const ProblemShape& s) const noexcept {
     const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
     const std::int64_t w = params_.window, T = std::max<std::int64_t>(s.max_kv_len, 1), L = std::max<std::int64_t>(T - w, 1);
-    WindowScoreShape ws{G, w, s.head_dim, T, L, T - w, 1.0f, params_.window_reduce};
+    const std::int64_t rows = std::max<std::int64_t>({s.q_len, w, 1});  // window + lookahead query rows
+    WindowScoreShape ws{G, rows, s.head_dim, T, L, T - w, 1.0f, params_.window_reduce};
     WorkspacePlan plan;
-    plan.add<float>(static_cast<std::size_t>(L));                   // final scores
-    plan.add<float>(static_cast<std::size_t>(G * w * s.head_dim));  // fp32 queries
-    plan.add<float>(static_cast<std::size_t>(G * L));               // raw window scores
-    plan.add<float>(static_cast<std::size_t>(G * L));               // pooled / reduced
+    plan.add<float>(static_cast<std::size_t>(L));                      // final scores
+    plan.add<float>(static_cast<std::size_t>(G * rows * s.head_dim));  // fp32 queries
+    plan.add<float>(static_cast<std::size_t>(G * L));                  // raw window scores
+    plan.add<float>(static_cast<std::size_t>(G * L));                  // pooled / reduced
     plan.add_bytes(std::max(Backend::window_scores_workspace(ws), Backend::topk_workspace(L)));
     return plan.bytes;
   }
 
   template <class Tq, class Tk>
-  Status validate_batch(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
+  Status validate_batch(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape, bool scoring = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "snapkv: batch is empty");
     const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const auto& in = batch[b];
       KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys, &last_paged));
-      KVP_REQUIRE(in.queries.extent(1) == params_.window, "snapkv: queries has %lld rows per head, expected window=%d",
-                  static_cast<long long>(in.queries.extent(1)), params_.window);
+      KVP_REQUIRE(in.lookahead >= 0, "snapkv: lookahead is %lld, must be >= 0 (sequence %zu)", static_cast<long long>(in.lookahead), b);
+      KVP_REQUIRE(in.queries.extent(1) == params_.window + in.lookahead,
+                  "snapkv: queries has %lld rows per head, expected window=%d + lookahead=%lld (sequence %zu)",
+                  static_cast<long long>(in.queries.extent(1)), params_.window, static_cast<long long>(in.lookahead), b);
+      KVP_REQUIRE(in.queries.extent(1) >= 1, "snapkv: no query rows (window 0 needs lookahead queries; sequence %zu)", b);
       const std::int64_t T = in.keys.kv_len();
+
       KVP_REQUIRE(T <= INT32_MAX, "snapkv: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
       KVP_REQUIRE(params_.window <= T, "snapkv: window %d is larger than kv_len %lld (sequence %zu)", params_.window,
                   static_cast<long long>(T), b);
       std::int64_t n = 0;
       KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, params_.window, &n));
+      // The reference lookahead mask puts every row on a prompt position; a prompt kept whole is never scored.
+      KVP_REQUIRE(params_.lookahead_mask == LookaheadMask::kCorrected || in.queries.extent(1) <= T || (n >= T && !scoring),
+                  "snapkv: the reference lookahead mask places %lld query rows on the last prompt positions, kv_len is %lld "
+                  "(sequence %zu)",
+                  static_cast<long long>(in.queries.extent(1)), static_cast<long long>(T), b);
       KVP_RETURN_IF_ERROR(detail::check_same_heads(
           kName, b, ProblemShape{in.queries.extent(0), in.keys.kv_heads(), in.keys.head_dim(), T, in.queries.extent(1)}, shape));
     }
@@ -255,13 +279,13 @@ class SnapKV {
   template <class Backend, class Tq, class Tk>
   void score_head(const ScoreInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t h, float* s, WorkspaceCarver& c) const noexcept {
     const std::int64_t G = shape.num_q_heads / shape.num_kv_heads, w = params_.window, d = shape.head_dim;
-    const std::int64_t T = in.keys.kv_len(), L = T - w;
-    float* q = c.take<float>(static_cast<std::size_t>(G * w * d));
+    const std::int64_t T = in.keys.kv_len(), L = T - w, rows = in.queries.extent(1);
+    float* q = c.take<float>(static_cast<std::size_t>(G * rows * d));
     float* raw = c.take<float>(static_cast<std::size_t>(G * L));
     float* tmp = c.take<float>(static_cast<std::size_t>(G * L));
-    Backend::widen_queries(in.queries, h * G, G, 0, w, q);
+    Backend::widen_queries(in.queries, h * G, G, 0, rows, q);
     const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
-    const WindowScoreShape ss{G, w, d, T, L, T - w, scale, params_.window_reduce};
+    const WindowScoreShape ss{G, rows, d, T, L, lookahead_query_pos0(params_.lookahead_mask, T, w, rows), scale, params_.window_reduce};
     Backend::window_scores(ss, q, in.keys.rows(h), raw, c.rest());
     if (params_.order == ReduceOrder::kPoolThenGroup) {
       for (std::int64_t g = 0; g < G; ++g) Backend::pool1d(raw + g * L, L, params_.kernel, params_.pooling, tmp + g * L);

@@ -212,6 +212,8 @@ class TOVA {
   template <class Tq, class Tk, class Tp>
   Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
+    KVP_REQUIRE(in.lookahead == 0, "tova: lookahead is %lld; TOVA scores with the current query only, it takes no lookahead queries",
+                static_cast<long long>(in.lookahead));
     if (in.has_attention()) {
       const auto& p = in.attention;
       KVP_RETURN_IF_ERROR(p.check_basic(kName, "probabilities"));
