@@ -132,6 +132,31 @@ PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int3
   });
 }
 
+PolicyUnderTest laq_policy(std::int32_t window, kvpolicy::LookaheadMask mask) {
+  auto req = std::make_shared<LaqRequest>();
+  PolicyUnderTest p;
+  p.name = std::string(window == 0 ? "laq" : "laq++") + (mask == kvpolicy::LookaheadMask::kCorrected ? "_corrected" : "");
+  kvpolicy::LAQParams base = window == 0 ? kvpolicy::LAQParams::laq(0) : kvpolicy::LAQParams::laq_plus_plus(0);
+  base.window = window;
+  base.mask = mask;
+  p.query_window = base.stage1_window;
+  p.on_prefill = [req](const Model& m, const PrefillState& pre) { req->bind(m, pre); };
+  auto make = [base](std::int64_t budget) {
+    kvpolicy::LAQParams lp = base;
+    lp.budget = kvpolicy::Budget::tokens(budget).clamp_to_length();
+    return kvpolicy::LAQ(lp);
+  };
+  p.contiguous = [req, make](std::int64_t, std::int64_t budget) { return laq_hooks<ContiguousKVCache<float>>(make(budget), req); };
+  p.paged = [req, make](std::int64_t, std::int64_t budget) { return laq_hooks<PagedKVCache<float>>(make(budget), req); };
+  return p;
+}
+
+PolicyUnderTest snapkv_original_policy() {
+  return eviction_policy("snapkv_original", [](std::int64_t budget) {
+    return kvpolicy::SnapKV(kvpolicy::SnapKVParams::original(budget, 32, 7, kvpolicy::Pooling::kMax));
+  });
+}
+
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
   // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
   // their own hooks (see the header comment).
@@ -144,6 +169,10 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           pyramidkv_policy(c.n_layers),
           expected_attention_policy(c.rope_base),
           quest_policy(),
+          snapkv_original_policy(),
+          laq_policy(0),
+          laq_policy(8),
+          laq_policy(8, kvpolicy::LookaheadMask::kCorrected),
           quantization_policy("ggml:type=q8_0", c.head_dim),
           quantization_policy("ggml:type=q4_0", c.head_dim),
           quantization_policy("fp8:format=e4m3", c.head_dim),
@@ -219,6 +248,8 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
     PrefillOptions po;
     po.query_window = window;
     const PrefillState pre = prefill(m, s.prompt, po);
+    for (const auto& p : policies)
+      if (p.on_prefill) p.on_prefill(m, pre);
     // Scores one run of this sample into result `ri`; `ref` is the full-cache run (null for the reference itself).
     auto score = [&](std::size_t ri, const std::vector<std::vector<float>>& steps, const std::vector<std::vector<float>>* ref,
                      const SessionStats& st, double kept_bytes) {

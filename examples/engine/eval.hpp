@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "laq.hpp"
 #include "policies.hpp"
 #include "task_set.hpp"
 
@@ -77,6 +78,10 @@ struct PolicyUnderTest {
   double kv_bytes_scale = 1.0;
   /// Stores the cache in fewer bits: differs from the full cache even when nothing is evicted.
   bool lossy = false;
+  /// For policies that run the model themselves before deciding (LAQ decodes pseudo tokens on a cheap
+  /// cache): called with the model and each request's prefill before that request's hooks run; the hooks
+  /// read them through state they share with this callback. Empty for every other policy.
+  std::function<void(const Model&, const PrefillState&)> on_prefill;
 };
 
 /// A policy that runs on both cache layouts: `hooks` is a template lambda
@@ -137,6 +142,15 @@ PolicyUnderTest expected_attention_policy(double rope_base);
 
 /// Online TOVA with a cache of `budget` tokens.
 PolicyUnderTest tova_policy();
+
+/// LAQ (window 0) or LAQ++ (window 8 prompt queries) with capacity = the budget per kv head, the reference
+/// repository's defaults otherwise (stage-1 SnapKV window 32, max pool 7, window sum; 8 pseudo tokens, EOS the
+/// model's) and the reference's (default) or the corrected observation mask (laq.hpp). Names "laq", "laq++",
+/// with "_corrected" for the corrected mask. Both cache layouts.
+PolicyUnderTest laq_policy(std::int32_t window, kvpolicy::LookaheadMask mask = kvpolicy::LookaheadMask::kReference);
+/// SnapKV as LAQ's stage 1 and the LAQ paper's SnapKV baseline run it (FasterDecoding/SnapKV form: window 32,
+/// max pool 7, window sum, group mean first, capacity = the budget with the window inside): "snapkv_original".
+PolicyUnderTest snapkv_original_policy();
 
 /// Quest runs on the paged cache only (it selects pages).
 PolicyUnderTest quest_policy(std::int32_t dense_layers = 0);

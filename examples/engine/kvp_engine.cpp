@@ -5,7 +5,8 @@
 //   kvp_engine --model models/kvp-tiny --prompt "... the pass key is " --policy snapkv:compression_ratio=0.5,window=32
 //       greedy continuation of one prompt (BOS is prepended; the text is bytes). --policy takes "full", the
 //       name of a policy of all_policies() (eval.hpp: streaming_llm, h2o, tova, observed_attention, snapkv,
-//       adakv, pyramidkv, expected_attention, quest) run at --budget tokens per kv head, or any kvpolicy
+//       adakv, pyramidkv, expected_attention, quest, snapkv_original, laq, laq++, laq++_corrected, ...) run
+//       at --budget tokens per kv head, or any kvpolicy
 //       registry spec string `name:key=value,...` (one-shot eviction after the prefill, configured by the
 //       spec alone; kvpolicy::describe_registry() lists the names and keys), whose errors are printed as
 //       the registry states them
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <map>
 #include <exception>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,7 +43,8 @@ struct Args {
   std::fprintf(stderr,
                "error: %s\nusage: kvp_engine --model DIR (--prompt TEXT [--tokens N] [--policy full|NAME [--budget B]|SPEC]\n"
                "                                | --eval FILE [--budgets B1,B2,..] [--limit N]) [--cache contiguous|paged]\n"
-               "  NAME: streaming_llm, h2o, tova, observed_attention, snapkv, adakv, pyramidkv, expected_attention, quest\n"
+               "  NAME: streaming_llm, h2o, tova, observed_attention, snapkv, adakv, pyramidkv, expected_attention, quest,\n"
+               "        snapkv_original, laq, laq++, laq++_corrected\n"
                "  SPEC: a kvpolicy registry spec string name:key=value,... (one-shot eviction), e.g.\n"
                "        snapkv:compression_ratio=0.5,window=32\n",
                msg);
@@ -91,12 +94,15 @@ Args parse(int argc, char** argv) {
 }
 
 /// The hooks of --policy for one prompt of `prompt_len` tokens, and the prompt queries they need.
+/// `on_prefill` receives the policy's request-level callback (LAQ), if it has one.
 template <class Cache>
-kvpolicy::Hooks<Cache> hooks_for(const Args& a, const Model& m, std::int64_t prompt_len, PrefillOptions* po) {
+kvpolicy::Hooks<Cache> hooks_for(const Args& a, const Model& m, std::int64_t prompt_len, PrefillOptions* po,
+                                 std::function<void(const Model&, const PrefillState&)>* on_prefill) {
   if (a.policy == "full") return {};
   if (a.policy.find(':') == std::string::npos) {  // a policy of the evaluation set, at --budget
     const PolicyUnderTest p = find_policy(m.config(), a.policy);
     po->query_window = p.query_window == PolicyUnderTest::kWholePrompt ? prompt_len : p.query_window;
+    *on_prefill = p.on_prefill;
     if constexpr (Cache::kPaged) {
       if (p.paged) return p.paged(prompt_len, a.budget);
     } else {
@@ -119,9 +125,12 @@ template <class Cache>
 int generate(const Model& m, const Args& a, Cache cache) {
   const std::vector<std::int32_t> prompt = tokenize(a.prompt, m.config().bos_id);
   PrefillOptions po;
-  auto hooks = hooks_for<Cache>(a, m, static_cast<std::int64_t>(prompt.size()), &po);
+  std::function<void(const Model&, const PrefillState&)> on_prefill;
+  auto hooks = hooks_for<Cache>(a, m, static_cast<std::int64_t>(prompt.size()), &po, &on_prefill);
   Session<Cache> s(m, std::move(cache), std::move(hooks));
-  s.prefill(prompt, po);
+  const PrefillState pre = prefill(m, prompt, po);
+  if (on_prefill) on_prefill(m, pre);
+  s.load(pre);
   const auto out = s.greedy(a.tokens);
   std::printf("%s\n", detokenize(out).c_str());
   std::fprintf(stderr, "[%s, %lld prompt tokens, %lld evictions, %.3f ms in policy hooks]\n", a.policy.c_str(),

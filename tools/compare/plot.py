@@ -12,6 +12,7 @@ Everything is drawn from the CSV alone (rows with layer == "all"). Per workload 
   W_time.png        decision time per layer vs budget (log y)
   W_tradeoff.png    attention-mass recall vs K/V bytes kept per layer
   W_tasks.png       end-to-end accuracy and logit KL vs budget, when the CSV has them
+  W_laq.png         the same for LAQ, LAQ++ and the SnapKV variants only (lookahead queries vs SnapKV)
   W_memory.png      end-to-end accuracy vs K/V bytes per layer: eviction, quantization and
                     both on one axis ("at this much memory, evict or quantize?")
 and table.md, the same pivot the console table shows. Needs matplotlib
@@ -194,6 +195,10 @@ def plots(piv, out_dir):
         grid(cells, QUALITY, "ratio_removed", f"{wl}: quality vs compression ratio", f"{s}_vs_ratio.png",
              "compression ratio (fraction removed)", False)
         grid(cells, TASKS, "tokens", f"{wl}: end-to-end", f"{s}_tasks.png", "budget (tokens per kv head, log2)", True)
+        # lookahead queries: LAQ / LAQ++ against the SnapKV variants alone
+        laq = {key: v for key, v in cells.items() if key[1] == "full" or (key[0].startswith(("LAQ", "SnapKV")) and "+" not in key[0])}
+        if any(key[0].startswith("LAQ") for key in laq):
+            grid(laq, TASKS, "tokens", f"{wl}: lookahead queries (LAQ) vs SnapKV", f"{s}_laq.png", "budget (tokens per kv head, log2)", True)
 
         # accuracy vs bytes (task workloads; selection reads, it does not hold less) and recall vs bytes
         vs_bytes(cells, "accuracy", lambda pol: family.get(pol) != "selection", "K/V bytes held per layer (KiB, log2)",

@@ -389,6 +389,12 @@ inline std::vector<PolicySpec> all_policies() {
       {"PyramidKV", "eviction", true, true, adapt::pyramidkv, "pyramidkv", ""},
       {"ExpectedAttention", "eviction", false, false, adapt::expected_attention, "expected_attention", ""},
       {"Quest", "selection", true, false, adapt::quest, "quest", ""},
+      // Lookahead queries (engine workloads only: LAQ decodes pseudo tokens with the model), against SnapKV as
+      // LAQ's stage 1 and the LAQ paper's baseline run it (window 32, max pool 7, window sum, capacity C).
+      {"SnapKV(LAQ-baseline)", "eviction", true, false, {}, "snapkv_original", ""},
+      {"LAQ", "eviction", true, false, {}, "laq", ""},
+      {"LAQ++", "eviction", true, false, {}, "laq++", ""},
+      {"LAQ++(corrected-mask)", "eviction", true, false, {}, "laq++_corrected", ""},
       {"Oracle", "oracle", true, false, adapt::oracle, "", ""},
       // Quantization (engine workloads only: the cache stored in the format, every token kept) and
       // eviction + quantization on one byte budget (SnapKV to budget * 4d / bytes_per_token tokens, quantized).
