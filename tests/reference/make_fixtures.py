@@ -1123,6 +1123,76 @@ def build_snapkv_original():
     return conv, cases, {}
 
 
+LAQ_CASES = [  # Hq, Hkv, d, prompt T, pseudo tokens n, W2, capacity C, mask, granularity
+    (4, 4, 32, 300, 8, 0, 64, "reference", "query_head"), (4, 4, 32, 300, 8, 8, 64, "reference", "query_head"),
+    (4, 4, 32, 300, 3, 8, 64, "reference", "query_head"), (4, 4, 32, 300, 8, 8, 64, "corrected", "query_head"),
+    (4, 4, 32, 300, 8, 0, 96, "corrected", "query_head"), (8, 2, 32, 400, 8, 8, 96, "reference", "kv_head"),
+    (8, 2, 32, 400, 8, 8, 96, "reference", "query_head"), (4, 4, 32, 50, 8, 8, 64, "reference", "query_head"),
+    (4, 2, 64, 1000, 8, 8, 128, "reference", "kv_head"), (4, 2, 64, 1000, 5, 0, 128, "corrected", "kv_head"),
+]
+
+
+def laq_stage2_scores(inp, T, W2, n, K, mask, granularity):
+    """LAQ stage 2 (Lookahead_Q-Cache `SnapKVCluster.update_kv_LAQ`) in float64: the W2 + n observation rows are
+    query rows T-W2 .. T+n-1 of the generated inputs (W2 prompt queries, then n pseudo queries), the keys the first
+    T rows. Per query head (the reference repeats K/V with repeat_kv); 'kv_head' reduces the group's sums with the
+    mean before pooling. Returns the pooled scores of the T - W2 past tokens, [H, T - W2]."""
+    A = W2 + n
+    q = t64(inp.q[:, T - W2:T + n])
+    k = t64(inp.k[:, :T]).repeat_interleave(inp.G, dim=0)
+    logits = q @ k.transpose(1, 2) / math.sqrt(inp.d)
+    if mask == "reference":
+        # as coded: a lower-triangular block of finfo.min added to the last A key columns
+        m = torch.full((A, A), torch.finfo(logits.dtype).min, dtype=logits.dtype)
+        c = torch.arange(A)
+        m.masked_fill_(c < (c + 1).view(A, 1), 0)
+        logits[:, :, T - A:] += m
+    else:
+        # corrected: prompt row i sits at T-W2+i, pseudo rows see every prompt key
+        i = torch.arange(A)[:, None]
+        j = torch.arange(T)[None, :]
+        logits = logits.masked_fill((i < W2) & (j > T - W2 + i), float("-inf"))
+    attn = torch.softmax(logits, dim=-1)
+    s = attn[:, :, :T - W2].sum(1) if W2 > 0 else attn.sum(1)
+    if granularity == "kv_head":
+        s = group_reduce64(s, inp.G, "mean")
+    return pool64(s, K, "max").numpy()
+
+
+def build_laq_original():
+    cases = []
+    for n_case, (hq, hkv, d, T, n, W2, C, mask, gran) in enumerate(LAQ_CASES):
+        def build(seed):
+            inp = Inputs(seed, hq, hkv, T + n, d)  # rows T..T+n-1 of the queries are the pseudo queries
+            P = laq_stage2_scores(inp, T, W2, n, 7, mask, gran)
+            compressed = T >= C  # the reference returns early only for T < C
+            if compressed:
+                kept, ties, gap = select_past_plus_window(P, T, W2, C - W2, f"laq {n_case}")
+            else:
+                kept, ties, gap = [np.arange(T)] * P.shape[0], [None] * P.shape[0], math.inf
+            params = {"prompt_len": T, "lookahead": n, "window": W2, "max_capacity_prompt": C, "kernel_size": 7,
+                      "pooling": "max", "mask": mask, "granularity": gran}
+            c = case_header(f"laq_original/{n_case:02d}", inp, params)
+            c["compressed"] = compressed
+            c["n_kept"] = C if compressed else T
+            c["scores"] = score_block(seed, P, None, protected=[T - W2, T])
+            c["kept"] = [encode_set(k, T) for k in kept]
+            c["kept_ties"] = [encode_ties(t, T) for t in ties]
+            c["checks"] = {"min_rel_gap": gap}
+            return c
+        cases.append(with_seed_retry(9500 + 10 * n_case, build)[0])
+    conv = conventions(dict(ORIG_CONVENTIONS, policy=(
+        "LAQ stage 2 (noforit/Lookahead_Q-Cache, SnapKVCluster.update_kv_LAQ, run_LAQ.sh defaults: max pool 7). "
+        "Inputs are generated for seq_len = prompt_len + lookahead tokens: key rows [0, prompt_len) are the prompt "
+        "keys, query rows [prompt_len - window, prompt_len) the W2 prompt queries and [prompt_len, seq_len) the "
+        "pseudo queries. mask 'reference': the as-coded lower-triangular block on the last W2+n keys; 'corrected': "
+        "prompt query T-W2+i sees keys <= T-W2+i, pseudo queries see all T. softmax over the T prompt keys, SUM over "
+        "the W2+n rows, past tokens t < T-W2 (all when W2 = 0), max pool 7 (padding never wins). granularity "
+        "'query_head': per query head (keys repeated, as the reference); 'kv_head': the group's sums averaged before "
+        "pooling. If T < C nothing is evicted; else top C-W2 past tokens plus the last W2 (n_kept = C).")))
+    return conv, cases, {}
+
+
 def factory_grid():
     rows = []
     for T, C, w, beta, NL in [(4000, 128, 8, 20, 32), (300, 80, 16, 20, 4), (300, 120, 8, 20, 4),
@@ -1307,6 +1377,7 @@ POLICIES = {
     "adakv_original": build_adakv_original,
     "h2o_original": build_h2o_original,
     "tova_original": build_tova_original,
+    "laq_original": build_laq_original,
 }
 
 

@@ -3,7 +3,8 @@
 // formulas): SnapKV (kvpress and original/KVCache-Factory), StreamingLLM,
 // Ada-KV (kvpress over SnapKV and Expected Attention; original, both
 // granularities), PyramidKV (kvpress and Factory, schedules and kept sets),
-// Expected Attention.
+// Expected Attention, LAQ stage 2 (the reference repository's update_kv_LAQ,
+// both masks).
 //
 // Scores: |ours - ref| <= 1e-5 * |ref| + 1e-9 at every sampled position (the
 // absolute floor 1e-9 only matters for scores below 1e-4, i.e. attention mass
@@ -28,6 +29,7 @@
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
+#include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
@@ -355,6 +357,35 @@ TEST_CASE("fixtures: Expected Attention (kvpress ExpectedAttentionPress)", "[fix
     compare_scores(c, c.scores, scores_of(ea, in.prompt(), in.Hkv, in.T, shape), in.T, st);
     REQUIRE(ea.kept_count(in.T) == *c.n_kept);
     compare_kept(c, c.kept, c.kept_ties, run_ragged<backend::Cpu>(ea, std::vector{in.prompt()}, in.Hkv, shape), 0, st);
+    ++st.cases;
+  }
+}
+
+TEST_CASE("fixtures: LAQ stage 2 (Lookahead_Q-Cache update_kv_LAQ, reference and corrected masks)", "[fixtures][laq]") {
+  Stats st{"laq_original"};
+  for (const auto& c : kf::load_fixtures("laq_original")) {
+    INFO("case " << c.id);
+    const std::int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, Ttot = c.seq_len, d = c.head_dim;
+    const int T = c.param<int>("prompt_len"), n = c.param<int>("lookahead"), W2 = c.param<int>("window");
+    const bool per_q = c.param<std::string>("granularity") == "query_head";
+    const std::vector<float> q = c.queries(), k = c.keys();
+    // Per query head: the keys repeated to every query head (the reference's repeat_kv).
+    const std::int64_t G = Hq / Hkv, rows = per_q ? Hq : Hkv;
+    std::vector<float> kk(rows * T * d);
+    for (std::int64_t h = 0; h < rows; ++h) std::copy_n(k.begin() + (per_q ? h / G : h) * Ttot * d, T * d, kk.begin() + h * T * d);
+    ScoreInput<float, float> in{TensorView<const float, 3>(q.data() + (T - W2) * d, {Hq, W2 + n, d}, {Ttot * d, d, 1}),
+                                KVSource<float>::from(TensorView<const float, 3>::contiguous(kk.data(), {rows, T, d}))};
+    in.lookahead = n;
+    LAQParams p = LAQParams::laq(c.param<int>("max_capacity_prompt"));
+    p.window = W2;
+    p.lookahead = 8;
+    p.mask = c.param<std::string>("mask") == "reference" ? LookaheadMask::kReference : LookaheadMask::kCorrected;
+    const LAQ laq(p);
+    REQUIRE(laq.kept_count(T) == *c.n_kept);
+    if (c.raw.at("compressed").get<bool>())
+      compare_scores(c, c.scores, scores_of(laq, in, rows, T, ProblemShape{Hq, rows, d, T, W2 + n}), T, st);
+    compare_kept(c, c.kept, c.kept_ties, run_evict<backend::Cpu>(laq, in), 0, st);
+    compare_kept(c, c.kept, c.kept_ties, run_evict<backend::Scalar>(laq, in), 0, st);
     ++st.cases;
   }
 }
