@@ -26,6 +26,7 @@ constexpr bool all_policies_model_their_concepts() {
   using InH = ScoreInput<float, half>;
   using InB = ScoreInput<bfloat16, bfloat16>;
   static_assert(Scorer<SnapKV, InF, B> && EvictionPolicy<SnapKV, InH, B> && EvictionPolicy<SnapKV, InB, B>);
+  static_assert(Scorer<LAQ, InF, B> && EvictionPolicy<LAQ, InH, B> && EvictionPolicy<LAQ, InB, B>);
   static_assert(EvictionPolicy<StreamingLLM, InF, B> && EvictionPolicy<StreamingLLM, InH, B>);
   static_assert(Scorer<ObservedAttention, InF, B> && EvictionPolicy<ObservedAttention, InH, B> &&
                 EvictionPolicy<ObservedAttention, ScoreInput<float, float, half>, B>);
