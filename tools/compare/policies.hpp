@@ -112,6 +112,7 @@ struct PolicySpec {
       run;               ///< the per-layer adapter of the synthetic and trace workloads; empty: engine (tasks) workloads only
   std::string registry;  ///< the kvpolicy registry policy it runs ("snapkv", ...; empty: none, the oracle)
   std::string spec;      ///< the spec string it is built from (placeholders, no budget); empty: its own adapter
+  std::string engine;    ///< the engine policy it runs on the task workloads when that is not `registry` (LAQ)
 };
 
 namespace adapt {
@@ -391,10 +392,11 @@ inline std::vector<PolicySpec> all_policies() {
       {"Quest", "selection", true, false, adapt::quest, "quest", ""},
       // Lookahead queries (engine workloads only: LAQ decodes pseudo tokens with the model), against SnapKV as
       // LAQ's stage 1 and the LAQ paper's baseline run it (window 32, max pool 7, window sum, capacity C).
-      {"SnapKV(LAQ-baseline)", "eviction", true, false, {}, "snapkv_original", ""},
-      {"LAQ", "eviction", true, false, {}, "laq", ""},
-      {"LAQ++", "eviction", true, false, {}, "laq++", ""},
-      {"LAQ++(corrected-mask)", "eviction", true, false, {}, "laq++_corrected", ""},
+      // Both stages of LAQ are SnapKV (registry "snapkv"); the engine policies are kvp_engine's names.
+      {"SnapKV(LAQ-baseline)", "eviction", true, false, {}, "snapkv", "", "snapkv_original"},
+      {"LAQ", "eviction", true, false, {}, "snapkv", "", "laq"},
+      {"LAQ++", "eviction", true, false, {}, "snapkv", "", "laq++"},
+      {"LAQ++(corrected-mask)", "eviction", true, false, {}, "snapkv", "", "laq++_corrected"},
       {"Oracle", "oracle", true, false, adapt::oracle, "", ""},
       // Quantization (engine workloads only: the cache stored in the format, every token kept) and
       // eviction + quantization on one byte budget (SnapKV to budget * 4d / bytes_per_token tokens, quantized).
@@ -410,7 +412,7 @@ inline std::vector<PolicySpec> all_policies() {
 /// registry's): the first entry on that registry policy, its kvpress-configured variant. Null: none.
 inline const PolicySpec* entry_for_registry_name(const std::vector<PolicySpec>& all, const std::string& registry_name) {
   for (const auto& p : all)
-    if (p.registry == registry_name) return &p;
+    if ((p.engine.empty() ? p.registry : p.engine) == registry_name) return &p;
   return nullptr;
 }
 
@@ -423,7 +425,7 @@ inline std::string list_policies() {
   for (const auto& p : all_policies()) {
     const std::string how = !p.spec.empty()      ? p.spec
                             : p.registry.empty() ? "(reference)"
-                            : !p.run             ? "(engine tasks only: " + p.registry + ")"
+                            : !p.run             ? "(engine tasks only: " + (p.engine.empty() ? p.registry : p.engine) + ")"
                                                  : "(own adapter over " + p.registry + ")";
     char line[512];
     std::snprintf(line, sizeof line, "%-28s %-10s%s%s  %s\n", p.name.c_str(), p.family.c_str(), p.query_aware ? " query-aware" : "",
