@@ -14,6 +14,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include "kvpolicy/io/gguf.hpp"
+
 namespace kvp_engine {
 namespace {
 
@@ -34,7 +36,8 @@ CharClass classify(std::uint32_t cp) noexcept {
     return CharClass::kOther;
   }
   const auto* end = std::end(kCodePointRanges);
-  const auto* it = std::upper_bound(std::begin(kCodePointRanges), end, cp, [](std::uint32_t c, const CodePointRange& r) { return c < r.lo; });
+  const auto* it =
+      std::upper_bound(std::begin(kCodePointRanges), end, cp, [](std::uint32_t c, const CodePointRange& r) { return c < r.lo; });
   if (it == std::begin(kCodePointRanges)) return CharClass::kOther;
   --it;
   return cp <= it->hi ? it->cls : CharClass::kOther;
@@ -50,9 +53,12 @@ std::size_t utf8_next(std::string_view s, std::size_t i, std::uint32_t* cp) noex
   }
   std::size_t len = 0;
   std::uint32_t c = 0, min = 0;
-  if ((b0 & 0xE0) == 0xC0) len = 2, c = b0 & 0x1F, min = 0x80;
-  else if ((b0 & 0xF0) == 0xE0) len = 3, c = b0 & 0x0F, min = 0x800;
-  else if ((b0 & 0xF8) == 0xF0) len = 4, c = b0 & 0x07, min = 0x10000;
+  if ((b0 & 0xE0) == 0xC0)
+    len = 2, c = b0 & 0x1F, min = 0x80;
+  else if ((b0 & 0xF0) == 0xE0)
+    len = 3, c = b0 & 0x0F, min = 0x800;
+  else if ((b0 & 0xF8) == 0xF0)
+    len = 4, c = b0 & 0x07, min = 0x10000;
   if (len == 0 || i + len > s.size()) {
     *cp = 0xFFFFFFFFu;
     return 1;
@@ -159,11 +165,11 @@ struct BpeTokenizer::Impl {
   std::vector<TokenType> types;
   std::unordered_map<std::string, std::int32_t, StringHash, std::equal_to<>> index;
   std::unordered_map<std::uint64_t, Merge> merges;
-  std::array<std::string, 256> byte_chars;               // UTF-8 of the character standing for each byte
-  std::array<std::int32_t, 256> byte_token{};            // id of that character's token, or -1
-  std::array<std::int32_t, 256> fallback_token{};        // id of "<0xXX>", or -1
+  std::array<std::string, 256> byte_chars;                  // UTF-8 of the character standing for each byte
+  std::array<std::int32_t, 256> byte_token{};               // id of that character's token, or -1
+  std::array<std::int32_t, 256> fallback_token{};           // id of "<0xXX>", or -1
   std::array<std::int16_t, kMaxMappedCodePoint> byte_of{};  // inverse of byte_chars, -1 where none
-  std::array<std::vector<Special>, 256> specials;        // by first byte, longest first
+  std::array<std::vector<Special>, 256> specials;           // by first byte, longest first
   PreTokenizer pre = PreTokenizer::kGpt2;
   SpecialTokens special;
   std::string chat_template;
@@ -204,8 +210,7 @@ void gpt2_split(std::string_view s, const std::function<void(std::string_view)>&
   while (i < n) {
     std::size_t end = i + 1;
     const std::uint32_t c = cps[i];
-    if (c == '\'' && i + 1 < n &&
-        (cps[i + 1] == 's' || cps[i + 1] == 't' || cps[i + 1] == 'm' || cps[i + 1] == 'd')) {
+    if (c == '\'' && i + 1 < n && (cps[i + 1] == 's' || cps[i + 1] == 't' || cps[i + 1] == 'm' || cps[i + 1] == 'd')) {
       end = i + 2;
     } else if (c == '\'' && i + 2 < n &&
                ((cps[i + 1] == 'r' && cps[i + 2] == 'e') || (cps[i + 1] == 'v' && cps[i + 2] == 'e') ||
@@ -347,12 +352,16 @@ BpeTokenizer BpeTokenizer::from_vocab(std::vector<std::string> tokens, const std
     fail("from_vocab: token_types has " + std::to_string(token_types.size()) + " entries for " + std::to_string(tokens.size()) +
          " tokens (must be empty or one per token)");
 
-  if (pre == "gpt2" || pre == "smollm") t.pre = PreTokenizer::kGpt2;
-  else if (pre == "smollm-digits") t.pre = PreTokenizer::kGpt2Digits;
-  else fail("from_vocab: pre-tokenizer " + quoted(pre) + " is not supported (known: 'gpt2', 'smollm', 'smollm-digits')");
+  if (pre == "gpt2" || pre == "smollm")
+    t.pre = PreTokenizer::kGpt2;
+  else if (pre == "smollm-digits")
+    t.pre = PreTokenizer::kGpt2Digits;
+  else
+    fail("from_vocab: pre-tokenizer " + quoted(pre) + " is not supported (known: 'gpt2', 'smollm', 'smollm-digits')");
 
   auto check_special = [&](const char* name, std::int32_t id) {
-    if (id < -1 || id >= n) fail(std::string("from_vocab: special.") + name + " = " + std::to_string(id) + " is outside [-1, " + std::to_string(n) + ")");
+    if (id < -1 || id >= n)
+      fail(std::string("from_vocab: special.") + name + " = " + std::to_string(id) + " is outside [-1, " + std::to_string(n) + ")");
   };
   check_special("bos", special.bos);
   check_special("eos", special.eos);
@@ -370,7 +379,8 @@ BpeTokenizer BpeTokenizer::from_vocab(std::vector<std::string> tokens, const std
   for (std::int32_t i = 0; i < n; ++i) {
     if (tokens[i].empty()) fail("from_vocab: token " + std::to_string(i) + " is empty");
     const auto [it, inserted] = t.index.emplace(tokens[i], i);
-    if (!inserted) fail("from_vocab: token " + quoted(tokens[i]) + " at id " + std::to_string(i) + " repeats id " + std::to_string(it->second));
+    if (!inserted)
+      fail("from_vocab: token " + quoted(tokens[i]) + " at id " + std::to_string(i) + " repeats id " + std::to_string(it->second));
   }
 
   t.merges.reserve(merges.size());
@@ -407,10 +417,51 @@ BpeTokenizer BpeTokenizer::from_vocab(std::vector<std::string> tokens, const std
       t.specials[static_cast<unsigned char>(tokens[i][0])].push_back({tokens[i], i});
   }
   for (auto& bucket : t.specials)
-    std::stable_sort(bucket.begin(), bucket.end(), [](const Impl::Special& a, const Impl::Special& b) { return a.text.size() > b.text.size(); });
+    std::stable_sort(bucket.begin(), bucket.end(),
+                     [](const Impl::Special& a, const Impl::Special& b) { return a.text.size() > b.text.size(); });
   t.tokens = std::move(tokens);
   t.chat_template = std::move(chat_template);
   return BpeTokenizer(std::move(impl));
+}
+
+BpeTokenizer BpeTokenizer::from_gguf(const kvpolicy::io::GgufFile& file) {
+  auto check = [](const kvpolicy::Status& s) {
+    if (!s) fail(std::string("from_gguf: ") + s.message());
+  };
+  std::string model;
+  check(file.get_string("tokenizer.ggml.model", &model));
+  if (model != "gpt2") fail("from_gguf: tokenizer.ggml.model is " + quoted(model) + "; only 'gpt2' (byte-level BPE) is supported");
+  std::vector<std::string> tokens, merges;
+  check(file.get_strings("tokenizer.ggml.tokens", &tokens));
+  check(file.get_strings("tokenizer.ggml.merges", &merges));
+  std::vector<std::int32_t> types;
+  if (file.find("tokenizer.ggml.token_type") != nullptr) {
+    std::vector<std::int64_t> raw;
+    check(file.get_ints("tokenizer.ggml.token_type", &raw));
+    types.reserve(raw.size());
+    for (std::size_t i = 0; i < raw.size(); ++i) {
+      if (raw[i] < 0 || raw[i] > 6)
+        fail("from_gguf: tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(raw[i]) + " is outside 0..6");
+      types.push_back(static_cast<std::int32_t>(raw[i]));
+    }
+  }
+  std::string pre = "gpt2";
+  if (file.find("tokenizer.ggml.pre") != nullptr) check(file.get_string("tokenizer.ggml.pre", &pre));
+  auto id_of = [&](const char* key) -> std::int32_t {
+    if (file.find(key) == nullptr) return -1;
+    std::uint64_t v = 0;
+    check(file.get_uint(key, &v));
+    if (v >= tokens.size())
+      fail(std::string("from_gguf: ") + key + " = " + std::to_string(v) + " is outside [0, " + std::to_string(tokens.size()) + ")");
+    return static_cast<std::int32_t>(v);
+  };
+  SpecialTokens special{.bos = id_of("tokenizer.ggml.bos_token_id"),
+                        .eos = id_of("tokenizer.ggml.eos_token_id"),
+                        .unk = id_of("tokenizer.ggml.unknown_token_id"),
+                        .pad = id_of("tokenizer.ggml.padding_token_id")};
+  std::string tmpl;
+  if (file.find("tokenizer.chat_template") != nullptr) check(file.get_string("tokenizer.chat_template", &tmpl));
+  return from_vocab(std::move(tokens), merges, std::move(types), std::move(pre), special, std::move(tmpl));
 }
 
 std::vector<std::int32_t> BpeTokenizer::encode(std::string_view text, bool parse_special) const {
@@ -445,6 +496,12 @@ std::vector<std::int32_t> BpeTokenizer::encode(std::string_view text, bool parse
   return out;
 }
 
+std::vector<std::string_view> BpeTokenizer::split(std::string_view text) const {
+  std::vector<std::string_view> out;
+  impl_->pre_tokenize(text, [&](std::string_view piece) { out.push_back(piece); });
+  return out;
+}
+
 std::string BpeTokenizer::decode(std::span<const std::int32_t> ids) const {
   const Impl& t = *impl_;
   std::string out, mapped;
@@ -452,8 +509,10 @@ std::string BpeTokenizer::decode(std::span<const std::int32_t> ids) const {
     for (std::size_t i = 0; i < mapped.size();) {
       std::uint32_t cp;
       const std::size_t len = utf8_next(mapped, i, &cp);
-      if (cp < kMaxMappedCodePoint && t.byte_of[cp] >= 0) out += static_cast<char>(t.byte_of[cp]);
-      else out.append(mapped, i, len);  // not a byte-level character: kept as it is
+      if (cp < kMaxMappedCodePoint && t.byte_of[cp] >= 0)
+        out += static_cast<char>(t.byte_of[cp]);
+      else
+        out.append(mapped, i, len);  // not a byte-level character: kept as it is
       i += len;
     }
     mapped.clear();

@@ -35,6 +35,14 @@
 #include <string_view>
 #include <vector>
 
+#include "kvpolicy/core/version.hpp"
+
+KVP_NAMESPACE_BEGIN
+namespace io {
+class GgufFile;
+}
+KVP_NAMESPACE_END
+
 namespace kvp_engine {
 
 /// Token types of GGUF's `tokenizer.ggml.token_type` (llama.cpp's enum).
@@ -69,11 +77,12 @@ enum class PreTokenizer {
 };
 
 /// SmolLM2-Instruct's chat template, byte for byte as its GGUF's `tokenizer.chat_template` holds it:
-/// ChatML, with a default system prompt inserted when the first message is not a system message.
+/// ChatML, with a default system prompt inserted when the first message is not a system message. (The
+/// Jinja string literals hold real newline characters, written \n here.)
 inline constexpr std::string_view kSmolLM2ChatTemplate =
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a "
-    "helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
-    "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' "
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a "
+    "helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
+    "'\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' "
     "}}{% endif %}";
 
 class BpeTokenizer {
@@ -98,6 +107,14 @@ class BpeTokenizer {
                                  std::vector<std::int32_t> token_types, std::string pre, SpecialTokens special,
                                  std::string chat_template = {});
 
+  /// From a GGUF file's metadata (kvpolicy/io/gguf.hpp): `tokenizer.ggml.model` must be "gpt2";
+  /// `tokenizer.ggml.tokens` and `tokenizer.ggml.merges` are required; `tokenizer.ggml.token_type`,
+  /// `tokenizer.ggml.pre` (default "gpt2"), `tokenizer.ggml.{bos,eos,unknown,padding}_token_id` (default -1)
+  /// and `tokenizer.chat_template` are optional. Throws std::runtime_error naming the key for a missing or
+  /// mistyped entry, then as from_vocab. For SmolLM2-135M-Instruct: 49,152 tokens, 48,900 merges, pre
+  /// "smollm", bos 1 (<|im_start|>), eos 2 (<|im_end|>), unk 0 (<|endoftext|>), pad 2.
+  static BpeTokenizer from_gguf(const kvpolicy::io::GgufFile& file);
+
   BpeTokenizer(BpeTokenizer&&) noexcept;
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
   ~BpeTokenizer();
@@ -108,6 +125,9 @@ class BpeTokenizer {
   /// byte-fallback tokens and the model has no unknown token.
   /// Complexity: O(n log n) per pre-token piece of n bytes; repeated pieces of one call are cached.
   std::vector<std::int32_t> encode(std::string_view text, bool parse_special = true) const;
+
+  /// The pre-tokenizer's pieces of `text` (step 2 alone: no special-token split), views into `text`.
+  std::vector<std::string_view> split(std::string_view text) const;
 
   /// The bytes the ids stand for (see the file comment); may end inside a UTF-8 sequence when the ids
   /// do. Throws std::runtime_error naming the position of an id outside [0, vocab_size()).

@@ -13,6 +13,10 @@ if(TARGET kvp_engine_lib)
   target_include_directories(test_engine PRIVATE ${CMAKE_CURRENT_LIST_DIR} ${PROJECT_SOURCE_DIR}/tools/compare)
   target_link_libraries(test_engine PRIVATE kvp_engine_lib nlohmann_json::nlohmann_json)
   target_compile_definitions(test_engine PRIVATE KVP_ENGINE_DEFAULT_MODEL_DIR="${PROJECT_SOURCE_DIR}/models/kvp-tiny")
+  # The byte-level BPE tokenizer (SmolLM2's vocabulary from KVP_SMOLLM2_GGUF; skips without it) and
+  # hand-made vocabularies.
+  kvp_add_test(test_tokenizer ${CMAKE_CURRENT_LIST_DIR}/test_bpe_tokenizer.cpp)
+  target_link_libraries(test_tokenizer PRIVATE kvp_engine_lib nlohmann_json::nlohmann_json)
 else()
   message(STATUS "kvpolicy: engine tests skipped (need the CPU backend, Eigen 3.4 and nlohmann-json)")
 endif()
