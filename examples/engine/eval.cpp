@@ -218,7 +218,8 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
                                           std::span<const std::int64_t> budgets, const EvalOptions& opt) {
   const ModelConfig& c = m.config();
   std::int64_t max_len = 0;
-  for (const auto& s : samples) max_len = std::max<std::int64_t>(max_len, static_cast<std::int64_t>(s.prompt.size() + s.answer.size()));
+  for (const auto& s : samples)
+    max_len = std::max<std::int64_t>(max_len, static_cast<std::int64_t>(s.prompt.size() + s.question.size() + s.answer.size()));
   const CacheShape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, max_len};
 
   std::vector<TaskEvalResult> results;

@@ -214,6 +214,7 @@ std::vector<std::vector<float>> run_sample(const Model& m, const PrefillState& p
   std::int64_t kept = 0;
   for (int l = 0; l < m.config().n_layers; ++l) kept += sess.cache().kept_tokens(l);
   *kept_bytes = static_cast<double>(kept) * 2.0 * m.config().head_dim * sizeof(typename Cache::element_type);
+  for (const std::int32_t q : s.question) logits = sess.decode(q);  // question-agnostic: asked after the compression
   steps.emplace_back(logits.begin(), logits.end());
   for (std::size_t i = 0; i + 1 < s.answer.size(); ++i) {
     logits = sess.decode(s.answer[i]);

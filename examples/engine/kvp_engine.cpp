@@ -13,6 +13,7 @@
 //   kvp_engine --model models/kvp-tiny --eval tests/data/engine/eval_set.json [--cache paged] [--budgets 64,128,256] [--limit N]
 //       end-to-end task accuracy, logit KL vs the full cache, decision time and bytes kept for every
 //       policy of all_policies() that runs on the chosen cache layout, at each budget (eval.hpp)
+#include <chrono>
 #include <cstdio>
 #include <algorithm>
 #include <cstdlib>
@@ -121,21 +122,40 @@ kvpolicy::Hooks<Cache> hooks_for(const Args& a, const Model& m, std::int64_t pro
   return eviction_hooks<Cache>(std::move(policy));
 }
 
+/// The prompt's tokens: BOS when the model adds one (kvp-tiny; SmolLM2 does not), then the text's.
+std::vector<std::int32_t> prompt_tokens(const Model& m, const std::string& text) {
+  std::vector<std::int32_t> ids;
+  if (m.config().add_bos) ids.push_back(m.config().bos_id);
+  const std::vector<std::int32_t> t = m.encode(text);
+  ids.insert(ids.end(), t.begin(), t.end());
+  return ids;
+}
+
 template <class Cache>
 int generate(const Model& m, const Args& a, Cache cache) {
-  const std::vector<std::int32_t> prompt = tokenize(a.prompt, m.config().bos_id);
+  const std::vector<std::int32_t> prompt = prompt_tokens(m, a.prompt);
   PrefillOptions po;
   std::function<void(const Model&, const PrefillState&)> on_prefill;
   auto hooks = hooks_for<Cache>(a, m, static_cast<std::int64_t>(prompt.size()), &po, &on_prefill);
   Session<Cache> s(m, std::move(cache), std::move(hooks));
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
   const PrefillState pre = prefill(m, prompt, po);
+  const auto t1 = clock::now();
   if (on_prefill) on_prefill(m, pre);
   s.load(pre);
+  const auto t2 = clock::now();
   const auto out = s.greedy(a.tokens);
-  std::printf("%s\n", detokenize(out).c_str());
-  std::fprintf(stderr, "[%s, %lld prompt tokens, %lld evictions, %.3f ms in policy hooks]\n", a.policy.c_str(),
-               static_cast<long long>(s.position() - a.tokens + 1), static_cast<long long>(s.stats().evictions),
-               1e3 * s.stats().hook_seconds);
+  const auto t3 = clock::now();
+  std::printf("%s\n", m.decode(out).c_str());
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count(), decode_s = std::chrono::duration<double>(t3 - t2).count();
+  const double total_s = std::chrono::duration<double>(t3 - t0).count();
+  std::fprintf(stderr,
+               "[%s, %lld prompt tokens, %lld evictions; prefill %.1f tokens/s, decode %.1f tokens/s; %.3f ms in policy hooks = %.2f %% of "
+               "the request]\n",
+               a.policy.c_str(), static_cast<long long>(prompt.size()), static_cast<long long>(s.stats().evictions),
+               static_cast<double>(prompt.size()) / prefill_s, a.tokens > 1 ? (a.tokens - 1) / decode_s : 0.0, 1e3 * s.stats().hook_seconds,
+               100.0 * s.stats().hook_seconds / total_s);
   return 0;
 }
 
@@ -146,7 +166,10 @@ int main(int argc, char** argv) try {
   const Model m = Model::load(a.model);
   const ModelConfig& c = m.config();
   if (!a.prompt.empty()) {
-    const std::int64_t cap = static_cast<std::int64_t>(a.prompt.size()) + 1 + a.tokens;
+    const std::int64_t cap = static_cast<std::int64_t>(prompt_tokens(m, a.prompt).size()) + a.tokens;
+    if (cap > c.max_seq_len)
+      usage(("the prompt and --tokens need " + std::to_string(cap) + " positions, the model's context is " + std::to_string(c.max_seq_len))
+                .c_str());
     const CacheShape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, cap};
     return a.cache == CacheKind::kPaged ? generate(m, a, PagedKVCache<float>(shape, 16)) : generate(m, a, ContiguousKVCache<float>(shape));
   }

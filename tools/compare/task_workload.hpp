@@ -38,26 +38,60 @@
 namespace kvp_compare {
 
 struct TaskWorkloadOptions {
-  std::string model_dir, task_set;
-  int per_task = 40;  ///< first N samples of each task in the set (0: all)
+  std::string model_dir, task_set;  ///< kvp-tiny's directory, or a llama-architecture .gguf file (text task sets)
+  int per_task = 40;                ///< first N samples of each task in the set (0: all)
   bool progress = true;
+  /// Text task sets (a GGUF model): the setups to run (workload "tasks-aware:..." / "tasks-agnostic:...") and
+  /// the prompt lengths to keep (the sample's "length"; empty: all).
+  std::vector<kvp_engine::QuestionSetup> setups = {kvp_engine::QuestionSetup::kAware, kvp_engine::QuestionSetup::kAgnostic};
+  std::vector<std::int64_t> lengths;
 };
+
+namespace detail {
+
+/// The groups of samples one workload each: kvp-tiny's task set by task ("tasks:<task>"), a text task set by
+/// setup and task cell ("tasks-aware:passkey:prose:512"), the first `per_task` samples of each.
+inline std::vector<std::pair<std::string, std::vector<kvp_engine::TaskSample>>> task_groups(const TaskWorkloadOptions& o,
+                                                                                            const kvp_engine::Model& model) {
+  std::vector<std::pair<std::string, std::vector<kvp_engine::TaskSample>>> groups;
+  auto add = [&](const std::string& prefix, std::vector<kvp_engine::TaskSample> all) {
+    std::map<std::string, std::size_t> at;
+    for (auto& s : all) {
+      if (!o.lengths.empty()) {
+        const auto colon = s.task.rfind(':');
+        const std::int64_t len = colon == std::string::npos ? -1 : std::atoll(s.task.c_str() + colon + 1);
+        if (std::find(o.lengths.begin(), o.lengths.end(), len) == o.lengths.end()) continue;
+      }
+      const std::string name = prefix + s.task;
+      auto it = at.find(name);
+      if (it == at.end()) {
+        it = at.emplace(name, groups.size()).first;
+        groups.push_back({name, {}});
+      }
+      auto& v = groups[it->second].second;
+      if (o.per_task <= 0 || static_cast<int>(v.size()) < o.per_task) v.push_back(std::move(s));
+    }
+  };
+  if (model.bpe() == nullptr) {
+    add("tasks:", kvp_engine::load_task_set(o.task_set, model.config().bos_id));
+  } else {
+    const kvp_engine::TextEncoder enc = [&model](const std::string& t) { return model.encode(t); };
+    for (auto setup : o.setups)
+      add(setup == kvp_engine::QuestionSetup::kAware ? "tasks-aware:" : "tasks-agnostic:",
+          kvp_engine::load_text_task_set(o.task_set, enc, setup, model.config().add_bos ? model.config().bos_id : -1));
+  }
+  return groups;
+}
+
+}  // namespace detail
 
 /// Runs the workload and appends its rows. `policies`: display names to run (empty: all the engine has).
 inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<BudgetSpec>& budgets,
                               const std::vector<std::string>& policies, std::vector<ResultRow>* rows) {
   const kvp_engine::Model model = kvp_engine::Model::load(o.model_dir);
   const auto& cfg = model.config();
-  const auto all = kvp_engine::load_task_set(o.task_set, cfg.bos_id);
-
-  // Tasks in order of appearance, the first per_task samples of each.
-  std::vector<std::string> tasks;
-  std::map<std::string, std::vector<kvp_engine::TaskSample>> by_task;
-  for (const auto& s : all) {
-    auto& v = by_task[s.task];
-    if (v.empty()) tasks.push_back(s.task);
-    if (o.per_task <= 0 || static_cast<int>(v.size()) < o.per_task) v.push_back(s);
-  }
+  // Workloads in order of appearance, the first per_task samples of each.
+  const auto groups = detail::task_groups(o, model);
   // The engine's policies under the comparison's names (p.name becomes the entry's name).
   const std::vector<PolicySpec> entries = all_policies();
   std::map<std::string, const PolicySpec*> entry_of;
@@ -71,12 +105,12 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
     (p.contiguous ? contiguous : paged).push_back(std::move(p));
   }
   std::size_t done = 0, total = 0;
-  for (const auto& t : tasks) total += by_task[t].size() * (paged.empty() ? 1 : 2);
+  for (const auto& g : groups) total += g.second.size() * (paged.empty() ? 1 : 2);
   const double per_layer = 1.0 / static_cast<double>(cfg.n_layers);
   const double bytes_per_token_head = 2.0 * cfg.head_dim * sizeof(float);
 
-  for (const auto& task : tasks) {
-    const auto& samples = by_task[task];
+  for (const auto& [wl, samples] : groups) {
+    const std::string& task = wl;
     std::int64_t T = 0;
     for (const auto& s : samples) T = std::max<std::int64_t>(T, static_cast<std::int64_t>(s.prompt.size()));
     std::vector<std::int64_t> tokens;
@@ -84,7 +118,6 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
     // act on the growing cache); ratios against the prompt.
     for (const auto& b : budgets)
       tokens.push_back(b.kind == BudgetSpec::Kind::kTokens ? static_cast<std::int64_t>(b.value) : b.tokens_for(T));
-    const std::string wl = "tasks:" + task;
     auto emit = [&](const kvp_engine::TaskEvalResult& r, const BudgetSpec* b, const std::string& family, bool query_aware) {
       const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
       const bool selection = family == "selection";
@@ -92,7 +125,7 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
       const double kept =
           selection ? r.mean_attended_tokens : r.mean_kept_bytes * per_layer / (bytes_per_token_head * cfg.n_kv_heads * r.kv_bytes_scale);
       ResultRow base{wl,
-                     "kvp-tiny",
+                     model.name(),
                      "all",
                      r.budget < 0 ? "Full" : r.policy,
                      family,
