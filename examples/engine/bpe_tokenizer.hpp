@@ -25,6 +25,11 @@
 // (transformers' decode deletes the space before '.', ',', "n't", ... by default; this does not), so
 // decode(encode(s)) == s for every valid UTF-8 string whose characters all have tokens.
 //
+// Against transformers 5.2's tokenizer for SmolLM2's GGUF (tools/model/README.md has the details): ids
+// equal on all 1,065 fixture strings with pre type "smollm"; no BOS is ever added (transformers' plain
+// encode prepends <|im_start|>); the five fill-in-the-middle tokens transformers adds past the vocabulary
+// (ids 49152..49156) are plain text here; decode does no space clean-up.
+//
 // Thread-safety: immutable after construction; encode/decode may run concurrently.
 #pragma once
 

@@ -93,7 +93,10 @@ std::string escaped(const std::string& s) {
 
 std::string ids_text(const std::vector<std::int32_t>& v) {
   std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ',';
+    s += std::to_string(v[i]);
+  }
   return s + "]";
 }
 
