@@ -436,6 +436,10 @@ TEST_CASE("bpe tokenizer: the GPT-2 pre-tokenizer pieces", "[engine][tokenizer]"
   REQUIRE(pieces(t, "\xC2\xBD\xE2\x85\xA2") == V{"\xC2\xBD\xE2\x85\xA2"});  // '½' (No) 'Ⅲ' (Nl) are \p{N}
   REQUIRE(pieces(t, "a\xFF\xFE b") == V{"a", "\xFF\xFE", " b"});            // invalid UTF-8: "other" bytes
   REQUIRE(pieces(t, "").empty());
+  // Classes follow the reference's Unicode 16.0: U+31350 (CJK Ext H, 15.0) is a letter, U+11DB0 (17.0) is not.
+  REQUIRE(std::string(BpeTokenizer::unicode_version()) == "16.0");
+  REQUIRE(pieces(t, "\xF0\xB1\x8D\x90's") == V{"\xF0\xB1\x8D\x90", "'s"});
+  REQUIRE(pieces(t, "\xF0\x91\xB6\xB0's") == V{"\xF0\x91\xB6\xB0'", "s"});
   // llama.cpp's "smollm": every \p{N} character alone, the regex between them.
   const BpeTokenizer d = tiny(byte_vocab({}), {}, {}, {}, "smollm-digits");
   REQUIRE(pieces(d, "a  123 x4") == V{"a", "  ", "1", "2", "3", " x", "4"});
