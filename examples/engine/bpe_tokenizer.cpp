@@ -294,14 +294,14 @@ void BpeTokenizer::Impl::encode_piece(std::string_view piece, std::vector<std::i
     }
     next[n - 1] = -1;
     struct Cand {
-      std::int32_t rank, left, right, left_id, right_id;
+      std::int32_t rank, left, right, left_id, right_id, merged;
       bool operator>(const Cand& o) const noexcept { return rank != o.rank ? rank > o.rank : left > o.left; }
     };
     std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> heap;
     auto push = [&](std::int32_t l, std::int32_t r) {
       if (l < 0 || r < 0) return;
       const auto it = merges.find(pair_key(sym[l], sym[r]));
-      if (it != merges.end()) heap.push({it->second.rank, l, r, sym[l], sym[r]});
+      if (it != merges.end()) heap.push({it->second.rank, l, r, sym[l], sym[r], it->second.id});
     };
     for (std::size_t i = 0; i + 1 < n; ++i) push(static_cast<std::int32_t>(i), static_cast<std::int32_t>(i + 1));
     std::vector<bool> dead(n, false);
@@ -309,7 +309,7 @@ void BpeTokenizer::Impl::encode_piece(std::string_view piece, std::vector<std::i
       const Cand c = heap.top();
       heap.pop();
       if (dead[c.left] || dead[c.right] || next[c.left] != c.right || sym[c.left] != c.left_id || sym[c.right] != c.right_id) continue;
-      sym[c.left] = merges.at(pair_key(c.left_id, c.right_id)).id;
+      sym[c.left] = c.merged;
       dead[c.right] = true;
       next[c.left] = next[c.right];
       if (next[c.right] >= 0) prev[next[c.right]] = c.left;

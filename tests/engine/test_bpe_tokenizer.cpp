@@ -16,12 +16,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "engine/bpe_tokenizer.hpp"
-#include "engine/weights.hpp"
 #include "kvpolicy/io/gguf.hpp"
 
 using namespace kvp_engine;
@@ -71,7 +73,12 @@ const BpeTokenizer& smollm2_digits() {
 }
 
 const nlohmann::json& fixture() {
-  static const nlohmann::json j = nlohmann::json::parse(read_text_file(std::string(KVP_TEST_DATA_DIR) + "/engine/smollm2_tokenizer.json"));
+  static const nlohmann::json j = [] {
+    const std::string path = std::string(KVP_TEST_DATA_DIR) + "/engine/smollm2_tokenizer.json";
+    std::ifstream f(path, std::ios::binary);
+    if (!f) throw std::runtime_error("cannot open '" + path + "'");
+    return nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()));
+  }();
   return j;
 }
 
@@ -93,7 +100,10 @@ std::string escaped(const std::string& s) {
 
 std::string ids_text(const std::vector<std::int32_t>& v) {
   std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ',';
+    s += std::to_string(v[i]);
+  }
   return s + "]";
 }
 
@@ -181,6 +191,52 @@ TEST_CASE("smollm2 tokenizer: decode inverts encode on every fixture string", "[
   }
   CHECK(without_tokens >= 8);  // the fixture's CONTROL strings with those bytes, and random mixes of them
   CHECK(round_trips + without_tokens == fixture().at("strings").size());
+}
+
+TEST_CASE("smollm2 tokenizer: random text and random bytes decode back", "[engine][tokenizer]") {
+  if (smollm2_path() == nullptr) {
+    WARN(kSkip);
+    return;
+  }
+  const BpeTokenizer& t = smollm2();
+  std::mt19937 rng(20261201);
+  // Code points from assorted blocks (ASCII, Latin, Greek, Cyrillic, Arabic, Devanagari, CJK, Hangul,
+  // symbols, emoji, private use), and raw bytes (invalid UTF-8 included).
+  const std::vector<std::pair<std::uint32_t, std::uint32_t>> blocks = {
+      {0x20, 0x7E},     {0x09, 0x0D},     {0xA0, 0x24F},    {0x370, 0x3FF},   {0x400, 0x4FF},   {0x600, 0x6FF},   {0x900, 0x97F},
+      {0x2000, 0x206F}, {0x2460, 0x24FF}, {0x3000, 0x30FF}, {0x4E00, 0x9FFF}, {0xAC00, 0xD7A3}, {0xE000, 0xE0FF}, {0x1F300, 0x1F9FF}};
+  auto utf8 = [](std::string& out, std::uint32_t cp) {
+    if (cp < 0x80)
+      out += static_cast<char>(cp);
+    else if (cp < 0x800)
+      out += static_cast<char>(0xC0 | (cp >> 6)), out += static_cast<char>(0x80 | (cp & 0x3F));
+    else if (cp < 0x10000)
+      out += static_cast<char>(0xE0 | (cp >> 12)), out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F)),
+          out += static_cast<char>(0x80 | (cp & 0x3F));
+    else
+      out += static_cast<char>(0xF0 | (cp >> 18)), out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F)),
+          out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F)), out += static_cast<char>(0x80 | (cp & 0x3F));
+  };
+  std::size_t checked = 0;
+  for (int k = 0; k < 400; ++k) {
+    std::string s;
+    const int len = static_cast<int>(rng() % 60);
+    for (int i = 0; i < len; ++i) {
+      if (k % 4 == 3) {
+        s += static_cast<char>(rng() % 256);
+      } else {
+        const auto& [lo, hi] = blocks[rng() % blocks.size()];
+        utf8(s, lo + rng() % (hi - lo + 1));
+      }
+    }
+    const auto ids = t.encode(s);
+    for (auto id : ids) REQUIRE((id >= 0 && id < t.vocab_size()));
+    if (!all_bytes_have_tokens(t, s)) continue;
+    INFO("'" << escaped(s) << "'");
+    REQUIRE(t.decode(ids) == s);
+    ++checked;
+  }
+  CHECK(checked > 300);
 }
 
 TEST_CASE("smollm2 tokenizer: the smollm-digits pre-tokenizer reproduces the digit-split ids", "[engine][tokenizer]") {
@@ -320,6 +376,50 @@ TEST_CASE("bpe tokenizer: merges apply lowest rank first and leftmost among equa
   REQUIRE(s.decode(s.encode(" a a")) == " a a");
 }
 
+TEST_CASE("bpe tokenizer: merges equal a naive lowest-rank-leftmost reference on random vocabularies", "[engine][tokenizer]") {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 50; ++trial) {
+    // Tokens over the alphabet {a, b, c}: random merges of existing tokens, in rank order.
+    std::vector<std::string> extra, merges;
+    std::vector<std::string> known = {"a", "b", "c"};
+    std::map<std::string, bool> have = {{"a", true}, {"b", true}, {"c", true}};
+    while (merges.size() < 12) {
+      const std::string l = known[rng() % known.size()], r = known[rng() % known.size()];
+      if (l.size() + r.size() > 6 || std::find(merges.begin(), merges.end(), l + " " + r) != merges.end()) continue;
+      merges.push_back(l + " " + r);
+      if (!have[l + r]) {
+        have[l + r] = true;
+        known.push_back(l + r);
+        extra.push_back(l + r);
+      }
+    }
+    const BpeTokenizer t = tiny(byte_vocab(extra), merges);
+    for (int k = 0; k < 40; ++k) {
+      std::string word;
+      const int len = 1 + static_cast<int>(rng() % 16);
+      for (int i = 0; i < len; ++i) word += static_cast<char>('a' + rng() % 3);
+      // Reference: repeatedly merge the lowest-rank adjacent pair, the leftmost among equal ranks.
+      std::vector<std::string> sym;
+      for (char c : word) sym.emplace_back(1, c);
+      for (;;) {
+        std::size_t best = sym.size(), best_rank = merges.size();
+        for (std::size_t i = 0; i + 1 < sym.size(); ++i) {
+          const auto it = std::find(merges.begin(), merges.end(), sym[i] + " " + sym[i + 1]);
+          const auto rank = static_cast<std::size_t>(it - merges.begin());
+          if (rank < best_rank) best_rank = rank, best = i;
+        }
+        if (best == sym.size()) break;
+        sym[best] += sym[best + 1];
+        sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+      }
+      std::vector<std::int32_t> want;
+      for (const auto& x : sym) want.push_back(t.id(x));
+      INFO("trial " << trial << " word " << word);
+      REQUIRE(t.encode(word) == want);
+    }
+  }
+}
+
 TEST_CASE("bpe tokenizer: the GPT-2 pre-tokenizer pieces", "[engine][tokenizer]") {
   const BpeTokenizer t = tiny(byte_vocab({}), {});
   using V = std::vector<std::string>;
@@ -336,6 +436,10 @@ TEST_CASE("bpe tokenizer: the GPT-2 pre-tokenizer pieces", "[engine][tokenizer]"
   REQUIRE(pieces(t, "\xC2\xBD\xE2\x85\xA2") == V{"\xC2\xBD\xE2\x85\xA2"});  // '½' (No) 'Ⅲ' (Nl) are \p{N}
   REQUIRE(pieces(t, "a\xFF\xFE b") == V{"a", "\xFF\xFE", " b"});            // invalid UTF-8: "other" bytes
   REQUIRE(pieces(t, "").empty());
+  // Classes follow the reference's Unicode 16.0: U+31350 (CJK Ext H, 15.0) is a letter, U+11DB0 (17.0) is not.
+  REQUIRE(std::string(BpeTokenizer::unicode_version()) == "16.0");
+  REQUIRE(pieces(t, "\xF0\xB1\x8D\x90's") == V{"\xF0\xB1\x8D\x90", "'s"});
+  REQUIRE(pieces(t, "\xF0\x91\xB6\xB0's") == V{"\xF0\x91\xB6\xB0'", "s"});
   // llama.cpp's "smollm": every \p{N} character alone, the regex between them.
   const BpeTokenizer d = tiny(byte_vocab({}), {}, {}, {}, "smollm-digits");
   REQUIRE(pieces(d, "a  123 x4") == V{"a", "  ", "1", "2", "3", " x", "4"});

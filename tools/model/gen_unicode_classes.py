@@ -1,14 +1,22 @@
 """Generate examples/engine/unicode_classes.inc: the character classes the BPE pre-tokenizer's regex uses.
 
-    python3 tools/model/gen_unicode_classes.py [--out examples/engine/unicode_classes.inc]
+    /work/.venv-kvpress/bin/python tools/model/gen_unicode_classes.py [--source tokenizers|unicodedata] [--out PATH]
 
-Classes (what the GPT-2 pre-tokenizer regex means by them, as Oniguruma evaluates it in the tokenizers library):
-  letter      \\p{L}: General_Category Lu, Ll, Lt, Lm, Lo;
-  number      \\p{N}: General_Category Nd, Nl, No;
+Classes (what the GPT-2 pre-tokenizer regex means by them):
+  letter      \\p{L} (General_Category Lu, Ll, Lt, Lm, Lo);
+  number      \\p{N} (General_Category Nd, Nl, No);
   whitespace  \\s: the Unicode White_Space property (U+0009..U+000D, U+0020, U+0085, U+00A0, U+1680,
               U+2000..U+200A, U+2028, U+2029, U+202F, U+205F, U+3000; PropList.txt, unchanged since Unicode 6.3).
-Categories come from Python's `unicodedata` (the Unicode version it reports is written into the file); the table is
-committed so the build needs neither Python nor ICU. Rerun with a newer Python to move to a newer Unicode version.
+
+Sources:
+  tokenizers   (default) the classes the reference itself applies: every code point is probed through the
+               tokenizers library's ByteLevel pre-tokenizer (the Oniguruma regex transformers uses): c is a letter
+               iff "a"+c stays one piece, a number iff "1"+c does, whitespace iff "\\t"+c does, other iff "!"+c
+               does; exactly one probe must hold for every code point (checked). tokenizers 0.22's Oniguruma
+               follows Unicode 16.0 (U+1E5D0, new in 16.0, is a letter; the 17.0 letters are not);
+  unicodedata  Python's `unicodedata` categories and the White_Space list above (Python 3.11: Unicode 14.0; it
+               differs from the tokenizers source on 9,272 letters and 120 numbers assigned in Unicode 15.0-16.0).
+The table is committed, so the build needs neither Python nor ICU.
 """
 
 from __future__ import annotations
@@ -21,42 +29,80 @@ import unicodedata
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WHITE_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
                (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
+OTHER, LETTER, NUMBER, SPACE = 0, 1, 2, 3
+
+
+def classes_unicodedata() -> list[int]:
+    ws = set()
+    for lo, hi in WHITE_SPACE:
+        ws.update(range(lo, hi + 1))
+    out = []
+    for cp in range(0x110000):
+        cat = unicodedata.category(chr(cp))
+        out.append(SPACE if cp in ws else LETTER if cat[0] == "L" else NUMBER if cat[0] == "N" else OTHER)
+    return out
+
+
+def classes_tokenizers() -> list[int]:
+    from tokenizers import pre_tokenizers
+    bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+    def one(s: str) -> bool:
+        return len(bl.pre_tokenize_str(s)) == 1
+
+    out = []
+    for cp in range(0x110000):
+        if 0xD800 <= cp <= 0xDFFF:  # surrogates never occur in valid UTF-8
+            out.append(OTHER)
+            continue
+        c = chr(cp)
+        probes = [one("!" + c), one("a" + c), one("1" + c), one("\t" + c)]
+        if sum(probes) != 1:
+            raise SystemExit(f"gen_unicode_classes: U+{cp:04X} answers {probes} to the other/letter/number/space probes")
+        out.append(probes.index(True))
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source", choices=["tokenizers", "unicodedata"], default="tokenizers")
     ap.add_argument("--out", default=os.path.join(ROOT, "examples", "engine", "unicode_classes.inc"))
     args = ap.parse_args()
-    ws = set()
-    for lo, hi in WHITE_SPACE:
-        ws.update(range(lo, hi + 1))
+    if args.source == "tokenizers":
+        import tokenizers
+        cls = classes_tokenizers()
+        source = f"the tokenizers {tokenizers.__version__} ByteLevel pre-tokenizer (Oniguruma), probed per code point"
+        # U+1E5D0 (Ol Onal, Unicode 16.0) and U+11DB0 (Tolong Siki, Unicode 17.0) are letters.
+        version = "16.0" if cls[0x1E5D0] == LETTER and cls[0x11DB0] == OTHER else "unknown (not 16.0)"
+    else:
+        cls = classes_unicodedata()
+        source = f"Python {sys.version.split()[0]}'s unicodedata"
+        version = unicodedata.unidata_version
     ranges = []  # [lo, hi, cls]
-    for cp in range(0x110000):
-        if cp in ws:
-            cls = 3
-        else:
-            cat = unicodedata.category(chr(cp))
-            cls = 1 if cat[0] == "L" else 2 if cat[0] == "N" else 0
-        if cls == 0:
+    for cp, c in enumerate(cls):
+        if c == OTHER:
             continue
-        if ranges and ranges[-1][1] == cp - 1 and ranges[-1][2] == cls:
+        if ranges and ranges[-1][1] == cp - 1 and ranges[-1][2] == c:
             ranges[-1][1] = cp
         else:
-            ranges.append([cp, cp, cls])
-    names = {1: "kLetter", 2: "kNumber", 3: "kWhitespace"}
+            ranges.append([cp, cp, c])
+    names = {LETTER: "kLetter", NUMBER: "kNumber", SPACE: "kWhitespace"}
+    counts = {n: sum(1 for c in cls if c == k) for k, n in names.items()}
     with open(args.out, "w", encoding="ascii") as f:
         f.write("// SPDX-License-Identifier: Apache-2.0\n")
-        f.write(f"// Generated by tools/model/gen_unicode_classes.py from Python {sys.version.split()[0]}'s unicodedata\n")
-        f.write(f"// (Unicode {unicodedata.unidata_version}); do not edit. Sorted, disjoint, inclusive code point ranges of\n")
-        f.write("// \\p{L} (kLetter), \\p{N} (kNumber) and White_Space (kWhitespace); every other code point is kOther.\n")
-        f.write(f"// {len(ranges)} ranges.\n")
+        f.write("// Generated by tools/model/gen_unicode_classes.py; do not edit.\n")
+        f.write(f"// Source: {source} (Unicode {version}).\n")
+        f.write("// Sorted, disjoint, inclusive code point ranges of \\p{L} (kLetter), \\p{N} (kNumber) and White_Space\n")
+        f.write("// (kWhitespace); every other code point is kOther.\n")
+        f.write(f"// {len(ranges)} ranges; {counts['kLetter']} letters, {counts['kNumber']} numbers, "
+                f"{counts['kWhitespace']} whitespace.\n")
         f.write("// Included by bpe_tokenizer.cpp where CharClass and CodePointRange are declared.\n")
-        f.write(f'constexpr char kUnicodeVersion[] = "{unicodedata.unidata_version}";\n')
+        f.write(f'constexpr char kUnicodeVersion[] = "{version}";\n')
         f.write("constexpr CodePointRange kCodePointRanges[] = {\n")
-        for lo, hi, cls in ranges:
-            f.write(f"    {{0x{lo:X}, 0x{hi:X}, CharClass::{names[cls]}}},\n")
+        for lo, hi, c in ranges:
+            f.write(f"    {{0x{lo:X}, 0x{hi:X}, CharClass::{names[c]}}},\n")
         f.write("};\n")
-    print(f"wrote {args.out}: {len(ranges)} ranges (Unicode {unicodedata.unidata_version})")
+    print(f"wrote {args.out}: {len(ranges)} ranges ({source}, Unicode {version}), {counts}")
     return 0
 
 

@@ -117,6 +117,17 @@ UNICODE = [
     "\U0001D400\U0001D401 \U00010348 \U0001F9EC \U0001FAE0",
 ]
 
+# Characters assigned after Unicode 14.0 (tokenizers' Oniguruma knows 16.0, not 17.0): Cyrillic TJE (16.0), CJK
+# Ext H (15.0), Kaktovik numerals (15.0, No), Garay digits (16.0, Nd), Ol Onal (16.0); Tolong Siki (17.0) is not a
+# letter to the reference. Next to a contraction their class decides the pieces ("X's" is "X", "'s" for a letter
+# X but "X'", "s" for an unassigned one), so a Unicode 14.0 table gets these ids wrong.
+NEWER_UNICODE = [
+    "a\u1C89\u1C8Ab \U00031350\U00031351x \U0001D2C0\U0001D2C1 x\U00010D40\U00010D41y a\U0001E5D0b a\U00011DB0b",
+    "x\U00010D40 \U00010D41\U00010D42 \U0001D2C07",
+    "\U00031350's \u1C89\u1C8A're \U00010D40'd \U0001D2C0'll \U0001E5D0'm \U00011DB0's",
+    "\u1C89's \u1C8A've \U0001E5D1't x\U00010D40'",
+]
+
 WHITESPACE = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\u2009", "\u2028", "\u0085",
               "\x0b", "\x0c", "\x1c", "\x1f", " \t ", "\n\t\n"]
 
@@ -170,7 +181,7 @@ def rand_unicode_chars(rng: random.Random, n: int) -> str:
 
 def generate(rng: random.Random) -> list[str]:
     s: list[str] = [""]
-    s += PROSE + CONTRACTIONS + CODE + UNICODE + WHITESPACE + CONTROL + SPECIAL
+    s += PROSE + CONTRACTIONS + CODE + UNICODE + NEWER_UNICODE + WHITESPACE + CONTROL + SPECIAL
     # Special tokens inside text, adjacent to words and whitespace, partial and doubled.
     s += ["<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "a<|im_end|>b", " <|im_end|> ",
           "<|im_start|><|im_end|>", "<|im_start", "im_start|>", "<|im_start |>", "<|IM_START|>", "<<|im_end|>>",
