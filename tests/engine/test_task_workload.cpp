@@ -17,7 +17,11 @@ namespace {
 
 std::vector<ResultRow> run(int per_task, const std::vector<BudgetSpec>& budgets, const std::vector<std::string>& policies = {}) {
   std::vector<ResultRow> rows;
-  TaskWorkloadOptions o{engine_test::model_dir(), engine_test::fixture_dir() + "/eval_set.json", per_task, false};
+  TaskWorkloadOptions o;
+  o.model_dir = engine_test::model_dir();
+  o.task_set = engine_test::fixture_dir() + "/eval_set.json";
+  o.per_task = per_task;
+  o.progress = false;
   run_task_workload(o, budgets, policies, &rows);
   return rows;
 }

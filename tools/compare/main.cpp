@@ -42,7 +42,8 @@ const char* kUsage =
     "  --real-samples N    samples per (task, haystack, length) cell (default 1; 0 for none)\n"
     "  --real-lengths LIST prompt lengths to run (default 512; the set has 512,1024,2048)\n"
     "  --real-ratios LIST  kvpress compression ratios for the real model (default 0.25,0.5,0.75)\n"
-    "  --real-full         the whole real-model table: 6 samples per cell, every length\n"
+    "  --real-fillers LIST haystacks to run (default prose; the set has repeat,prose)\n"
+    "  --real-full         the whole real-model table: 6 samples per cell, every length and haystack\n"
     "  --budgets LIST      token budgets per kv head (default 64,128,256,512,1024; '' for none)\n"
     "  --ratios LIST       kvpress compression ratios (fraction removed; default 0.5,0.75,0.875; '' for none)\n"
     "  --policies LIST     policies to run (default all; see --list-policies)\n"
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
   std::string real_model = env_real != nullptr ? env_real : "";
   int real_samples = 1;
   std::vector<double> real_lengths{512}, real_ratios{0.25, 0.5, 0.75};
+  std::vector<std::string> real_fillers{"prose"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -156,9 +158,12 @@ int main(int argc, char** argv) {
       if (!parse_list(v, &real_ratios)) bad(v);
       for (double r : real_ratios)
         if (!(r > 0 && r < 1)) bad(v);
+    } else if (a == "--real-fillers") {
+      real_fillers = split(next());
     } else if (a == "--real-full") {
       real_samples = 6;
       real_lengths = {512, 1024, 2048};
+      real_fillers.clear();
     } else if (a == "--budgets") {
       const char* v = next();
       if (!parse_list(v, &budgets)) bad(v);
@@ -271,10 +276,19 @@ int main(int argc, char** argv) {
 #ifdef KVP_COMPARE_WITH_ENGINE
   if (task_samples > 0) {
     try {
-      run_task_workload({model_dir, task_set, task_samples, opt.progress && isatty(2)}, opt.budgets, opt.policies, &rows);
+      TaskWorkloadOptions to;
+      to.model_dir = model_dir;
+      to.task_set = task_set;
+      to.per_task = task_samples;
+      to.progress = opt.progress && isatty(2);
+      run_task_workload(to, opt.budgets, opt.policies, &rows);
       if (real) {
-        TaskWorkloadOptions ro{real_model, real_tasks, real_samples, opt.progress && isatty(2)};
+        TaskWorkloadOptions ro = to;
+        ro.model_dir = real_model;
+        ro.task_set = real_tasks;
+        ro.per_task = real_samples;
         for (double l : real_lengths) ro.lengths.push_back(static_cast<std::int64_t>(l));
+        ro.fillers = real_fillers;
         std::vector<BudgetSpec> rb;
         for (double r : real_ratios) rb.push_back(BudgetSpec::ratio(r));
         run_task_workload(ro, rb, opt.policies, &rows);

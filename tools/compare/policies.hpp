@@ -371,7 +371,7 @@ inline Status oracle(const LayerCase& c, const Reference& r, const BudgetSpec& b
 inline PolicySpec from_registry(std::string name, bool query_aware, std::string spec, bool whole_prompt = false) {
   kvpolicy::PolicySpec parsed;
   kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
-  return {std::move(name), "eviction", query_aware, false, adapt::registry_policy(spec, whole_prompt), parsed.name, spec};
+  return {std::move(name), "eviction", query_aware, false, adapt::registry_policy(spec, whole_prompt), parsed.name, spec, ""};
 }
 
 /// Every policy of the comparison, in table order: spec strings for the registry's one-shot eviction
@@ -381,15 +381,15 @@ inline std::vector<PolicySpec> all_policies() {
       from_registry("StreamingLLM", false, "streaming_llm:sinks={sinks}"),
       from_registry("SnapKV", true, "snapkv:window={window},kernel=5"),
       from_registry("SnapKV(original)", true, "snapkv:window={window},kernel=7,pooling=max,window_reduce=sum,order=group_then_pool"),
-      {"H2O", "eviction", false, false, adapt::h2o, "h2o", ""},
+      {"H2O", "eviction", false, false, adapt::h2o, "h2o", "", ""},
       from_registry("ObservedAttention", false, "observed_attention", true),
       from_registry("ObservedAttention(Factory)", false, "observed_attention:window={factory_window},normalize=false", true),
       from_registry("TOVA", true, "tova"),
-      {"Ada-KV", "eviction", true, false, adapt::adakv, "adakv", ""},
+      {"Ada-KV", "eviction", true, false, adapt::adakv, "adakv", "", ""},
       from_registry("Ada-KV(original-GQA)", true, "adakv:variant=original,window={window}"),
-      {"PyramidKV", "eviction", true, true, adapt::pyramidkv, "pyramidkv", ""},
-      {"ExpectedAttention", "eviction", false, false, adapt::expected_attention, "expected_attention", ""},
-      {"Quest", "selection", true, false, adapt::quest, "quest", ""},
+      {"PyramidKV", "eviction", true, true, adapt::pyramidkv, "pyramidkv", "", ""},
+      {"ExpectedAttention", "eviction", false, false, adapt::expected_attention, "expected_attention", "", ""},
+      {"Quest", "selection", true, false, adapt::quest, "quest", "", ""},
       // Lookahead queries (engine workloads only: LAQ decodes pseudo tokens with the model), against SnapKV as
       // LAQ's stage 1 and the LAQ paper's baseline run it (window 32, max pool 7, window sum, capacity C).
       // Both stages of LAQ are SnapKV (registry "snapkv"); the engine policies are kvp_engine's names.
@@ -397,14 +397,14 @@ inline std::vector<PolicySpec> all_policies() {
       {"LAQ", "eviction", true, false, {}, "snapkv", "", "laq"},
       {"LAQ++", "eviction", true, false, {}, "snapkv", "", "laq++"},
       {"LAQ++(corrected-mask)", "eviction", true, false, {}, "snapkv", "", "laq++_corrected"},
-      {"Oracle", "oracle", true, false, adapt::oracle, "", ""},
+      {"Oracle", "oracle", true, false, adapt::oracle, "", "", ""},
       // Quantization (engine workloads only: the cache stored in the format, every token kept) and
       // eviction + quantization on one byte budget (SnapKV to budget * 4d / bytes_per_token tokens, quantized).
-      {"q8_0", "quantization", false, false, {}, "ggml:type=q8_0", ""},
-      {"q4_0", "quantization", false, false, {}, "ggml:type=q4_0", ""},
-      {"fp8_e4m3", "quantization", false, false, {}, "fp8:format=e4m3", ""},
-      {"SnapKV+q4_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q4_0", ""},
-      {"SnapKV+q8_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q8_0", ""},
+      {"q8_0", "quantization", false, false, {}, "ggml:type=q8_0", "", ""},
+      {"q4_0", "quantization", false, false, {}, "ggml:type=q4_0", "", ""},
+      {"fp8_e4m3", "quantization", false, false, {}, "fp8:format=e4m3", "", ""},
+      {"SnapKV+q4_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q4_0", "", ""},
+      {"SnapKV+q8_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q8_0", "", ""},
   };
 }
 

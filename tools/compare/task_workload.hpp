@@ -45,6 +45,7 @@ struct TaskWorkloadOptions {
   /// the prompt lengths to keep (the sample's "length"; empty: all).
   std::vector<kvp_engine::QuestionSetup> setups = {kvp_engine::QuestionSetup::kAware, kvp_engine::QuestionSetup::kAgnostic};
   std::vector<std::int64_t> lengths;
+  std::vector<std::string> fillers;  ///< haystacks to keep (the sample's "filler"; empty: all)
 };
 
 namespace detail {
@@ -57,6 +58,9 @@ inline std::vector<std::pair<std::string, std::vector<kvp_engine::TaskSample>>> 
   auto add = [&](const std::string& prefix, std::vector<kvp_engine::TaskSample> all) {
     std::map<std::string, std::size_t> at;
     for (auto& s : all) {
+      if (!o.fillers.empty() && std::none_of(o.fillers.begin(), o.fillers.end(),
+                                             [&](const std::string& f) { return s.task.find(":" + f + ":") != std::string::npos; }))
+        continue;
       if (!o.lengths.empty()) {
         const auto colon = s.task.rfind(':');
         const std::int64_t len = colon == std::string::npos ? -1 : std::atoll(s.task.c_str() + colon + 1);

@@ -364,67 +364,67 @@ class GgufFile {
     };
     switch (t) {
       case GgufValueType::kU8: {
-        std::uint8_t x;
+        std::uint8_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->u = x;
         break;
       }
       case GgufValueType::kI8: {
-        std::int8_t x;
+        std::int8_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->i = x;
         break;
       }
       case GgufValueType::kU16: {
-        std::uint16_t x;
+        std::uint16_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->u = x;
         break;
       }
       case GgufValueType::kI16: {
-        std::int16_t x;
+        std::int16_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->i = x;
         break;
       }
       case GgufValueType::kU32: {
-        std::uint32_t x;
+        std::uint32_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->u = x;
         break;
       }
       case GgufValueType::kI32: {
-        std::int32_t x;
+        std::int32_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->i = x;
         break;
       }
       case GgufValueType::kU64: {
-        std::uint64_t x;
+        std::uint64_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->u = x;
         break;
       }
       case GgufValueType::kI64: {
-        std::int64_t x;
+        std::int64_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->i = x;
         break;
       }
       case GgufValueType::kF32: {
-        float x;
+        float x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->f = x;
         break;
       }
       case GgufValueType::kF64: {
-        double x;
+        double x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         v->f = x;
         break;
       }
       case GgufValueType::kBool: {
-        std::uint8_t x;
+        std::uint8_t x{};
         KVP_RETURN_IF_ERROR(need(c.read(&x)));
         KVP_REQUIRE(x <= 1, "gguf: metadata '%s' is a bool of value %u, must be 0 or 1", key.c_str(), x);
         v->i = x;
