@@ -108,7 +108,9 @@ struct QuantizedKV {
 
 // ---- prefetch -------------------------------------------------------------
 
-/// Pages to bring on-device before the next step, most urgent first.
+/// Pages to bring on-device before the next step, most urgent first. A
+/// policy's `predict` takes it by reference: it fills `pages[0, size)` (and
+/// `priority` when not null) and sets `size`.
 struct PrefetchRequest {
   std::int32_t* pages = nullptr;  // (capacity) physical page ids
   float* priority = nullptr;      // (capacity) optional, higher = sooner

@@ -10,10 +10,10 @@
 // One `PrefetchHistory` serves one layer of one batch; it holds two step
 // stamps per pool page:
 //
-//   predicted_at[p]  the observation a prediction last named page p for
+//   predicted_at[p]  the serial number of the last prediction that named page p
 //   used_at[p]       the last observation that read page p
 //
-// and the observation counter `step`. `predict` targets observation `step`
+// the observation counter `step` and the prediction counter `serial`. `predict` targets observation `step`
 // (the next `observe`): a next-layer predictor (InfiniGen) predicts layer
 // l + 1 of the current step before that layer runs; a next-step predictor
 // (Quest lookahead, SpeCache, ShadowKV) predicts after the current step's
@@ -21,8 +21,9 @@
 // distinct page p of `actual` (every row, every sequence):
 //
 //   needed      += 1
-//   def 1       (only when a prediction targets this observation)
-//               predicted_at[p] == step ? hits : misses
+//   def 1       (only when a prediction targets this observation; the
+//               latest one counts when several did)
+//               named by it ? hits : misses
 //   def 2       (only when step >= 1)  reuse_total += 1; used_at[p] == step-1 ? reused
 //   def 3       neither reused nor predicted -> late
 //   wasted      += predicted pages - hits; transferred += predicted pages the
@@ -52,10 +53,11 @@ KVP_NAMESPACE_BEGIN
 
 /// Caller-owned hit-rate history of one layer (see the header comment).
 struct PrefetchHistory {
-  std::int64_t* predicted_at = nullptr;  // (num_pages) observation index, -1: never
+  std::int64_t* predicted_at = nullptr;  // (num_pages) prediction serial, -1: never
   std::int64_t* used_at = nullptr;       // (num_pages) observation index, -1: never
   std::int32_t num_pages = 0;            ///< pages of the pool
   std::int64_t step = 0;                 ///< observations made so far
+  std::int64_t serial = 0;               ///< predictions made so far
   std::int64_t predicted_for = -1;       ///< observation the current prediction targets (-1: none)
   std::int64_t predicted_count = 0;      ///< distinct pages of that prediction
   std::int64_t predicted_new = 0;        ///< of those, pages the previous observation had not read
@@ -76,6 +78,7 @@ struct PrefetchHistory {
     if (predicted_at != nullptr) std::fill(predicted_at, predicted_at + std::max(num_pages, 0), std::int64_t{-1});
     if (used_at != nullptr) std::fill(used_at, used_at + std::max(num_pages, 0), std::int64_t{-1});
     step = 0;
+    serial = 0;
     predicted_for = -1;
     predicted_count = 0;
     predicted_new = 0;
@@ -123,7 +126,7 @@ inline Status observe(const char* who, PrefetchHistory& h, const PageSelection& 
     const std::int32_t p = actual.indices[i];
     if (h.used_at[p] == s) continue;  // another row (head, sequence) already read it
     const bool prev = s >= 1 && h.used_at[p] == s - 1;
-    const bool pred = has_prediction && h.predicted_at[p] == s;
+    const bool pred = has_prediction && h.predicted_at[p] == h.serial;
     ++d.needed;
     if (has_prediction) ++(pred ? d.hits : d.misses);
     if (s >= 1) {
@@ -156,7 +159,8 @@ inline std::int64_t table_entries(const PageTable& table) noexcept { return tabl
 /// priority first, equal priorities -> the later table entry first (the more
 /// recent page of a sequence, then the later sequence), the library's
 /// `score_order_key` order. A page shared by several entries is listed once,
-/// at its most urgent entry. Marks the history (target = `h.step`). `keys`:
+/// at its most urgent entry. Marks the history (target = `h.step`; a later
+/// prediction for the same target replaces this one). `keys`:
 /// workspace of `table_entries(table)` uint64. Inputs were validated and
 /// `out` checked for `table_entries(table)` pages by the caller.
 inline void write_request(PrefetchHistory& h, const PageTable& table, const float* prio, std::uint64_t* keys, PrefetchRequest& out) noexcept {
@@ -165,19 +169,20 @@ inline void write_request(PrefetchHistory& h, const PageTable& table, const floa
   for (std::int64_t i = 0; i < n; ++i)
     if (!std::isnan(prio[i])) keys[m++] = (static_cast<std::uint64_t>(score_order_key(prio[i])) << 32) | static_cast<std::uint64_t>(i);
   std::sort(keys, keys + m, [](std::uint64_t a, std::uint64_t b) { return a > b; });
-  const std::int64_t target = h.step;
+  const std::int64_t target = h.step, serial = h.serial + 1;
   std::int64_t size = 0, fresh = 0;
   for (std::int64_t j = 0; j < m; ++j) {
     const auto i = static_cast<std::int64_t>(keys[j] & 0xffffffffu);
     const std::int32_t p = table.indices[i];
-    if (h.predicted_at[p] == target) continue;
-    h.predicted_at[p] = target;
+    if (h.predicted_at[p] == serial) continue;
+    h.predicted_at[p] = serial;
     if (!(target >= 1 && h.used_at[p] == target - 1)) ++fresh;
     out.pages[size] = p;
     if (out.priority != nullptr) out.priority[size] = prio[i];
     ++size;
   }
   out.size = size;
+  h.serial = serial;
   h.predicted_for = target;
   h.predicted_count = size;
   h.predicted_new = fresh;

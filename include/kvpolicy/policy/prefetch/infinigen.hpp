@@ -266,7 +266,7 @@ class InfiniGen {
   /// Hq, d) is the adapter's speculative post-RoPE query of that layer. Every
   /// input is validated before `out` or the history is written.
   template <class Backend, class Tq>
-  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest out) const noexcept {
+  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
@@ -331,7 +331,7 @@ class InfiniGen {
     requires InfiniGenModelAdapter<Adapter> Status predict_from_input(const Context<Backend>& ctx, State& st, const Adapter& adapter,
                                                                       TensorView<const float, 2> x, const std::int64_t* positions,
                                                                       const PageTable& table, std::int32_t target_layer,
-                                                                      TensorView<float, 3> q, PrefetchRequest out)
+                                                                      TensorView<float, 3> q, PrefetchRequest& out)
   const noexcept {
     KVP_REQUIRE(positions != nullptr || table.batch == 0, "infinigen: positions is null");
     KVP_REQUIRE(x.extent(0) == table.batch && q.extent(0) == table.batch,

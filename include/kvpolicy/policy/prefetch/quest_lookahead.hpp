@@ -113,7 +113,7 @@ class QuestLookahead {
   /// workspace, `out` for every page of the table) before writing `out` or the
   /// history.
   template <class Backend, class Tq>
-  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest out) const noexcept {
+  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(st.meta.check_basic(kName));
     KVP_REQUIRE(st.meta.num_pages == st.history.num_pages, "quest_lookahead: metadata has %d pages, the history %d", st.meta.num_pages,

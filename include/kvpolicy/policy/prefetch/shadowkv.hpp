@@ -209,7 +209,7 @@ class ShadowKV {
   /// Predicts the pages the next observation of `next.layer` reads from the
   /// queries `next.queries` (batch, Hq, d) post-RoPE (the current step's).
   template <class Backend, class Tq>
-  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest out) const noexcept {
+  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
     KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,

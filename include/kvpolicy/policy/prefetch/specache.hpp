@@ -192,7 +192,7 @@ class SpeCache {
   /// Predicts the pages the next observation of `next.layer` reads from the
   /// speculative token's queries `next.queries` (batch, Hq, d) post-RoPE.
   template <class Backend, class Tq>
-  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest out) const noexcept {
+  Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
