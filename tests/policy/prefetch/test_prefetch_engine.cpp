@@ -1,0 +1,129 @@
+// The prefetch loop inside the engine (examples/engine/prefetch.hpp) on the
+// committed kvp-tiny model: the four policies through the lifecycle hooks,
+// against Quest's selection and the exact top pages, then replayed through
+// the offload simulator.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "engine/engine_fixture.hpp"
+#include "engine/prefetch.hpp"
+
+using namespace kvp_engine;
+
+namespace {
+
+constexpr int kSteps = 6;
+
+const PrefillState& prompt_prefill() {
+  static const PrefillState p = [] {
+    const auto& s = engine_test::eval_samples()[engine_test::samples_of("passkey", 1).at(0)];
+    PrefillOptions o;
+    o.query_window = static_cast<std::int64_t>(s.prompt.size());  // InfiniGen's prepare reads every prompt query
+    return prefill(engine_test::model(), s.prompt, o);
+  }();
+  return p;
+}
+
+PrefetchLoopOptions options(PrefetchKind k, ActualSelection a) {
+  PrefetchLoopOptions o;
+  o.kind = k;
+  o.actual = a;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("prefetch engine: the four policies run in the decode loop with consistent counters", "[prefetch][engine]") {
+  const Model& m = engine_test::model();
+  const PrefillState& p = prompt_prefill();
+  const int L = m.config().n_layers;
+  for (ActualSelection a : {ActualSelection::kQuest, ActualSelection::kExactTopK}) {
+    std::vector<PrefetchTrace> traces;
+    for (PrefetchKind k : kAllPrefetchKinds) {
+      INFO(prefetch_kind_name(k) << " vs " << actual_selection_name(a));
+      PrefetchTrace t = run_prefetch_loop(m, p, options(k, a), kSteps);
+      REQUIRE(t.events.size() == static_cast<std::size_t>(kSteps * L));
+      CHECK(t.generated.size() == static_cast<std::size_t>(kSteps + 1));
+      CHECK(t.predict_calls > 0);
+      std::int64_t needed = 0;
+      for (const auto& e : t.events) {
+        CHECK(!e.needed.empty());
+        CHECK(std::set<std::int32_t>(e.needed.begin(), e.needed.end()).size() == e.needed.size());
+        for (auto pg : e.needed) CHECK((pg >= 0 && pg < t.pool_pages));
+        CHECK(e.needed.size() <= static_cast<std::size_t>(m.config().n_heads * 8));  // rows x page budget
+        needed += static_cast<std::int64_t>(e.needed.size());
+        if (k == PrefetchKind::kInfiniGen) CHECK(e.next_layer == (e.layer > 0 && !e.request.empty()));
+        if (k == PrefetchKind::kInfiniGen && e.layer == 0) CHECK(e.request.empty());  // nothing before layer 0
+      }
+      const kvpolicy::PrefetchCounters c = t.total();
+      CHECK(c.steps == kSteps * L);
+      CHECK(c.needed == needed);
+      CHECK(c.hits + c.misses <= c.needed);
+      CHECK(c.late <= c.needed);
+      CHECK(c.predicted_steps > 0);
+      CHECK(c.hits > 0);  // every policy predicts something the step then reads
+      CHECK(c.reuse_total == needed - static_cast<std::int64_t>([&] {
+              std::size_t first = 0;
+              for (const auto& e : t.events) first += e.step == 0 ? e.needed.size() : 0;
+              return first;
+            }()));
+      traces.push_back(std::move(t));
+    }
+    // The prefetchers only observe: every policy saw the same selections and decoded the same tokens.
+    for (std::size_t i = 1; i < traces.size(); ++i) {
+      CHECK(traces[i].generated == traces[0].generated);
+      for (std::size_t e = 0; e < traces[0].events.size(); ++e) CHECK(traces[i].events[e].needed == traces[0].events[e].needed);
+    }
+    // InfiniGen's layers 0 and 1 are loaded whole (reference default): layer 1 predicts every page.
+    // (predicted before the step's token entered layer 1: the pages of T + step tokens).
+    for (const auto& e : traces[1].events)
+      if (e.layer == 1) CHECK(e.request.size() == static_cast<std::size_t>((p.length + e.step + 15) / 16));
+  }
+}
+
+TEST_CASE("prefetch engine: a selection of every page decodes exactly like the plain engine", "[prefetch][engine]") {
+  const Model& m = engine_test::model();
+  const PrefillState& p = prompt_prefill();
+  PrefetchLoopOptions o = options(PrefetchKind::kQuestLookahead, ActualSelection::kExactTopK);
+  o.page_budget = 1 << 20;  // every page
+  const PrefetchTrace t = run_prefetch_loop(m, p, o, kSteps);
+  const CacheShape shape{m.config().n_layers, m.config().n_heads, m.config().n_kv_heads, m.config().head_dim, p.length + kSteps + 1};
+  Session<PagedKVCache<float>> plain(m, PagedKVCache<float>(shape, 16));
+  plain.load(p);
+  CHECK(plain.greedy(kSteps + 1) == t.generated);
+  // Every page every step: after the first step everything read was read before, except new pages.
+  const auto c = t.total();
+  CHECK(c.buffer_hit_rate() > 0.9);
+}
+
+TEST_CASE("prefetch engine: the trace replays through the offload simulator", "[prefetch][engine]") {
+  const Model& m = engine_test::model();
+  const PrefillState& p = prompt_prefill();
+  const PrefetchTrace t = run_prefetch_loop(m, p, options(PrefetchKind::kShadowKV, ActualSelection::kQuest), kSteps);
+  std::size_t most = 0;
+  for (const auto& e : t.events) most = std::max(most, e.needed.size());
+  kvpolicy::OffloadSimParams sp{.bandwidth_gb_s = 16.0, .latency_us = 5.0, .device_pages = static_cast<std::int64_t>(most) + 8};
+  kvpolicy::OffloadTotals pre, miss, all;
+  REQUIRE(simulate_trace(t, sp, kvpolicy::OffloadMode::kPrefetch, 20.0, &pre).is_ok());
+  REQUIRE(simulate_trace(t, sp, kvpolicy::OffloadMode::kFetchOnMiss, 20.0, &miss).is_ok());
+  REQUIRE(simulate_trace(t, sp, kvpolicy::OffloadMode::kAllResident, 20.0, &all).is_ok());
+  CHECK(pre.sum.needed == t.total().needed);
+  CHECK(miss.sum.needed == pre.sum.needed);
+  CHECK(all.sum.stall_us == 0.0);
+  CHECK(all.sum.bytes == 0.0);
+  CHECK(miss.prediction_recall() == 0.0);
+  CHECK(pre.prediction_recall() > 0.0);
+  CHECK(miss.sum.stall_us > 0.0);
+  CHECK(pre.sum.bytes == t.page_bytes * static_cast<double>(pre.sum.prefetched + pre.sum.demand));
+  CHECK(miss.sum.bytes == t.page_bytes * static_cast<double>(miss.sum.demand));
+  // A device budget below a step's pages is rejected, and so is a non-positive layer time.
+  sp.device_pages = static_cast<std::int64_t>(most) - 1;
+  CHECK_FALSE(simulate_trace(t, sp, kvpolicy::OffloadMode::kPrefetch, 20.0, &pre).is_ok());
+  sp.device_pages = 100;
+  CHECK_FALSE(simulate_trace(t, sp, kvpolicy::OffloadMode::kPrefetch, 0.0, &pre).is_ok());
+  sp.bandwidth_gb_s = 0;
+  CHECK_FALSE(simulate_trace(t, sp, kvpolicy::OffloadMode::kPrefetch, 20.0, &pre).is_ok());
+}
