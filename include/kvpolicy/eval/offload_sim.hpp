@@ -34,8 +34,8 @@
 // hits / read pages; late-miss rate = (late + demand) / read pages.
 //
 // Deterministic (no randomness; every tie broken by page id). Parameters
-// are validated by `make` (non-positive bandwidth, negative latency, page
-// bytes or device pages <= 0 are errors naming the parameter); `step`
+// are validated by `make`: bandwidth, latency, page bytes and device pages
+// must be positive (and finite), else an error names the parameter; `step`
 // rejects a layer out of range, page ids outside the pool, repeated read
 // pages, a negative or non-finite overlap, and a step that reads more pages
 // than the buffer holds ("device budget too small"), each before changing
@@ -65,7 +65,7 @@ struct OffloadSimParams {
   Status validate() const noexcept {
     KVP_REQUIRE(std::isfinite(bandwidth_gb_s) && bandwidth_gb_s > 0.0, "offload_sim: bandwidth_gb_s is %g, must be finite and > 0",
                 bandwidth_gb_s);
-    KVP_REQUIRE(std::isfinite(latency_us) && latency_us >= 0.0, "offload_sim: latency_us is %g, must be finite and >= 0", latency_us);
+    KVP_REQUIRE(std::isfinite(latency_us) && latency_us > 0.0, "offload_sim: latency_us is %g, must be finite and > 0", latency_us);
     KVP_REQUIRE(std::isfinite(page_bytes) && page_bytes > 0.0, "offload_sim: page_bytes is %g, must be finite and > 0", page_bytes);
     KVP_REQUIRE(device_pages > 0, "offload_sim: device_pages is %lld, must be > 0", static_cast<long long>(device_pages));
     return Status::ok();

@@ -135,6 +135,8 @@ TEST_CASE("offload_sim: non-positive parameters and bad steps are rejected, noth
   p = params();
   p.latency_us = -1;
   CHECK(contains(OffloadSim::make(p, OffloadMode::kPrefetch, 1, 10, &s), "latency_us"));
+  p.latency_us = 0;
+  CHECK(contains(OffloadSim::make(p, OffloadMode::kPrefetch, 1, 10, &s), "latency_us is 0"));
   p.latency_us = std::nan("");
   CHECK_FALSE(OffloadSim::make(p, OffloadMode::kPrefetch, 1, 10, &s).is_ok());
   CHECK(contains(OffloadSim::make(params(), OffloadMode::kPrefetch, 0, 10, &s), "num_layers"));
