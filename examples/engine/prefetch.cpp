@@ -153,7 +153,8 @@ struct LoopState {
       } else {
         for (std::int32_t p = 0; p < n - 1; ++p) {
           float best = -INFINITY;
-          for (std::int64_t t = static_cast<std::int64_t>(p) * P; t < std::min<std::int64_t>(len, (p + 1) * static_cast<std::int64_t>(P)); ++t) {
+          for (std::int64_t t = static_cast<std::int64_t>(p) * P; t < std::min<std::int64_t>(len, (p + 1) * static_cast<std::int64_t>(P));
+               ++t) {
             const float* k = view.key(0, h / G, t);
             float d = 0.0f;
             for (int i = 0; i < s.head_dim; ++i) d += q(0, h, i) * k[i];
@@ -185,7 +186,8 @@ struct LoopState {
     const std::int64_t n = view.seq_len(0);
     if (n == 0) return Status::ok();
     if (layer == 0) {
-      if (spec_token < 0 || spec_token >= cf.vocab_size) return KVP_INVALID("engine specache: the speculative row was not seeded (PrefetchLoop::seed)");
+      if (spec_token < 0 || spec_token >= cf.vocab_size)
+        return KVP_INVALID("engine specache: the speculative row was not seeded (PrefetchLoop::seed)");
       xs.assign(model->embedding(spec_token), model->embedding(spec_token) + d);
     }
     // The speculative token sits one position after the newest real token.
@@ -236,7 +238,8 @@ struct LoopState {
         mx = std::max(mx, dot * scale);
       }
       double sum = 0.0;
-      for (std::int64_t t = 0; t <= n; ++t) sum += (scores[static_cast<std::size_t>(t)] = std::exp(scores[static_cast<std::size_t>(t)] - mx));
+      for (std::int64_t t = 0; t <= n; ++t)
+        sum += (scores[static_cast<std::size_t>(t)] = std::exp(scores[static_cast<std::size_t>(t)] - mx));
       float* o = sattn.data() + h * hd;
       std::fill(o, o + hd, 0.0f);
       for (std::int64_t t = 0; t <= n; ++t) {
@@ -262,7 +265,8 @@ void PrefetchLoop::seed(std::int32_t first_token) { static_cast<LoopState*>(stat
 
 PrefetchLoop make_prefetch_loop(const Model& model, const PrefetchLoopOptions& opt, std::int64_t capacity) {
   const ModelConfig& cf = model.config();
-  if (opt.page_size < 1 || opt.page_budget < 1 || capacity < 1) throw std::runtime_error("prefetch loop: page_size, page_budget and capacity must be >= 1");
+  if (opt.page_size < 1 || opt.page_budget < 1 || capacity < 1)
+    throw std::runtime_error("prefetch loop: page_size, page_budget and capacity must be >= 1");
   auto S = std::make_shared<LoopState>();
   S->model = &model;
   S->opt = opt;
@@ -398,7 +402,9 @@ PrefetchLoop make_prefetch_loop(const Model& model, const PrefetchLoopOptions& o
     return Status::ok();
   };
   if (opt.kind == PrefetchKind::kSpeCache) {
-    h.after_attention = [S](Cache& c, int layer, TensorView<const float, 2>, KeepBuffer&) -> Status { return S->speculative_row(c, layer); };
+    h.after_attention = [S](Cache& c, int layer, TensorView<const float, 2>, KeepBuffer&) -> Status {
+      return S->speculative_row(c, layer);
+    };
   }
   return loop;
 }

@@ -93,7 +93,7 @@ struct PrefetchEvent {
 struct PrefetchTrace {
   std::string policy, actual;
   std::int32_t num_layers = 0, pool_pages = 0;
-  double page_bytes = 0.0;            ///< one page of one layer: every kv head's K and V
+  double page_bytes = 0.0;  ///< one page of one layer: every kv head's K and V
   std::int64_t decode_steps = 0;
   std::vector<PrefetchEvent> events;  ///< in loop order
   std::vector<kvpolicy::PrefetchCounters> per_layer;

@@ -256,9 +256,10 @@ int main(int argc, char** argv) {
     std::printf("  tasks: %d samples per task from %s, model %s (engine loop, one thread)\n", task_samples, task_set.c_str(),
                 model_dir.c_str());
   if (prefetch_samples > 0)
-    std::printf("  prefetch: %d prompts x %d decode steps on kvp-tiny (engine loop); simulated link %g GB/s, %g us per copy batch,\n"
-                "            %g us compute per layer\n",
-                prefetch_samples, prefetch_steps, prefetch_bw, prefetch_latency, prefetch_layer);
+    std::printf(
+        "  prefetch: %d prompts x %d decode steps on kvp-tiny (engine loop); simulated link %g GB/s, %g us per copy batch,\n"
+        "            %g us compute per layer\n",
+        prefetch_samples, prefetch_steps, prefetch_bw, prefetch_latency, prefetch_layer);
   std::fflush(stdout);
 
   for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));
@@ -277,8 +278,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> prefetch_notes;
   if (prefetch_samples > 0) {
     try {
-      PrefetchWorkloadOptions po{model_dir, task_set, prefetch_samples, prefetch_steps, {}, prefetch_bw, prefetch_latency, prefetch_layer,
-                                 opt.progress && isatty(2)};
+      PrefetchWorkloadOptions po{model_dir,   task_set,         prefetch_samples, prefetch_steps,           {},
+                                 prefetch_bw, prefetch_latency, prefetch_layer,   opt.progress && isatty(2)};
       for (double p : prefetch_pages) po.device_pages.push_back(static_cast<std::int64_t>(p));
       prefetch_notes = run_prefetch_workload(po, &rows);
     } catch (const std::exception& e) {

@@ -54,9 +54,9 @@
 KVP_NAMESPACE_BEGIN
 
 struct OffloadSimParams {
-  double bandwidth_gb_s = 25.0;  ///< host -> device link, 1e9 bytes per second (PCIe 4.0 x16, effective)
-  double latency_us = 10.0;      ///< fixed cost of one copy batch (per layer step: one prefetch batch, one demand batch)
-  double page_bytes = 0.0;       ///< bytes of one page (every kv head's K and V)
+  double bandwidth_gb_s = 25.0;   ///< host -> device link, 1e9 bytes per second (PCIe 4.0 x16, effective)
+  double latency_us = 10.0;       ///< fixed cost of one copy batch (per layer step: one prefetch batch, one demand batch)
+  double page_bytes = 0.0;        ///< bytes of one page (every kv head's K and V)
   std::int64_t device_pages = 0;  ///< device buffer per layer, in pages
 
   /// Microseconds to copy one page.
@@ -84,16 +84,16 @@ constexpr const char* offload_mode_name(OffloadMode m) noexcept {
 
 /// What one layer step did (pages unless stated).
 struct OffloadStepReport {
-  std::int64_t needed = 0;          ///< distinct pages attention read
+  std::int64_t needed = 0;            ///< distinct pages attention read
   std::int64_t requested_needed = 0;  ///< of those, named by the request
-  std::int64_t resident_hits = 0;   ///< resident before the step
-  std::int64_t arrived_hits = 0;    ///< prefetched in time
-  std::int64_t late = 0;            ///< prefetched, arrived after attention started
-  std::int64_t demand = 0;          ///< fetched on demand
-  std::int64_t prefetched = 0;      ///< copied by the prefetch batch
-  std::int64_t wasted = 0;          ///< prefetched and not read this step
-  double bytes = 0.0;               ///< host -> device bytes
-  double stall_us = 0.0;            ///< time attention waited
+  std::int64_t resident_hits = 0;     ///< resident before the step
+  std::int64_t arrived_hits = 0;      ///< prefetched in time
+  std::int64_t late = 0;              ///< prefetched, arrived after attention started
+  std::int64_t demand = 0;            ///< fetched on demand
+  std::int64_t prefetched = 0;        ///< copied by the prefetch batch
+  std::int64_t wasted = 0;            ///< prefetched and not read this step
+  double bytes = 0.0;                 ///< host -> device bytes
+  double stall_us = 0.0;              ///< time attention waited
 };
 
 /// Sums over steps.
@@ -177,8 +177,8 @@ class OffloadSim {
       need_mark_[static_cast<std::size_t>(p)] = serial;
     }
     for (std::size_t i = 0; i < request.size(); ++i)
-      KVP_REQUIRE(request[i] >= 0 && request[i] < pool_pages_, "offload_sim: request[%zu] is page %d, out of the pool [0, %d)", i, request[i],
-                  pool_pages_);
+      KVP_REQUIRE(request[i] >= 0 && request[i] < pool_pages_, "offload_sim: request[%zu] is page %d, out of the pool [0, %d)", i,
+                  request[i], pool_pages_);
     const auto C = params_.device_pages;
     KVP_REQUIRE(mode_ == OffloadMode::kAllResident || static_cast<std::int64_t>(needed.size()) <= C,
                 "offload_sim: the step reads %zu pages, more than the device budget of %lld pages; raise device_pages", needed.size(),
@@ -223,7 +223,8 @@ class OffloadSim {
       for (std::size_t i = static_cast<std::size_t>(std::min<std::int64_t>(keep, static_cast<std::int64_t>(order_.size())));
            i < order_.size(); ++i)
         stamp_[index(layer, order_[i])] = -1;  // evicted
-      for (std::size_t i = 0; i < list_.size(); ++i) arrival_[static_cast<std::size_t>(list_[i])] = params_.latency_us + (static_cast<double>(i) + 1.0) * page_us;
+      for (std::size_t i = 0; i < list_.size(); ++i)
+        arrival_[static_cast<std::size_t>(list_[i])] = params_.latency_us + (static_cast<double>(i) + 1.0) * page_us;
       r.prefetched = static_cast<std::int64_t>(list_.size());
       prefetch_end = list_.empty() ? 0.0 : params_.latency_us + static_cast<double>(list_.size()) * page_us;
       // Requested residents count as used now (they stay), copied pages arrive now.

@@ -149,16 +149,16 @@ struct PrefetchRequest {
 /// page bytes. `hits`, `misses`, `wasted`, `recall()` and `precision()` keep
 /// their earlier meaning.
 struct PrefetchCounters {
-  std::int64_t hits = 0;         ///< read pages that were predicted (steps with a prediction)
-  std::int64_t misses = 0;       ///< read pages that were not predicted (steps with a prediction)
-  std::int64_t wasted = 0;       ///< predicted pages the step did not read
-  std::int64_t predicted = 0;    ///< predicted pages (distinct per step)
-  std::int64_t needed = 0;       ///< read pages (distinct per step), every step
-  std::int64_t reused = 0;       ///< read pages the previous step of the layer also read
-  std::int64_t reuse_total = 0;  ///< read pages of steps that have a previous step
-  std::int64_t late = 0;         ///< read pages neither reused nor predicted (demand fetches)
-  std::int64_t transferred = 0;  ///< pages moved host -> device (prefetched and not resident, plus late)
-  std::int64_t steps = 0;        ///< observations (layer steps)
+  std::int64_t hits = 0;             ///< read pages that were predicted (steps with a prediction)
+  std::int64_t misses = 0;           ///< read pages that were not predicted (steps with a prediction)
+  std::int64_t wasted = 0;           ///< predicted pages the step did not read
+  std::int64_t predicted = 0;        ///< predicted pages (distinct per step)
+  std::int64_t needed = 0;           ///< read pages (distinct per step), every step
+  std::int64_t reused = 0;           ///< read pages the previous step of the layer also read
+  std::int64_t reuse_total = 0;      ///< read pages of steps that have a previous step
+  std::int64_t late = 0;             ///< read pages neither reused nor predicted (demand fetches)
+  std::int64_t transferred = 0;      ///< pages moved host -> device (prefetched and not resident, plus late)
+  std::int64_t steps = 0;            ///< observations (layer steps)
   std::int64_t predicted_steps = 0;  ///< observations that had a prediction
 
   double recall() const noexcept { return hits + misses == 0 ? 1.0 : static_cast<double>(hits) / static_cast<double>(hits + misses); }

@@ -85,7 +85,11 @@ struct Selection {
       indptr.push_back(static_cast<std::int32_t>(indices.size()));
       last.push_back(r.empty() ? 0 : 1);
     }
-    sel = PageSelection{indptr.data(), indices.data(), last.data(), nullptr, static_cast<std::int64_t>(rows.size()),
+    sel = PageSelection{indptr.data(),
+                        indices.data(),
+                        last.data(),
+                        nullptr,
+                        static_cast<std::int64_t>(rows.size()),
                         static_cast<std::int64_t>(indices.size())};
   }
 };

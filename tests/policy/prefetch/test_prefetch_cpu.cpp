@@ -45,7 +45,8 @@ std::vector<float> queries(bool integers, unsigned seed) {
 }
 
 template <class B, class P, class St>
-std::pair<std::vector<std::int32_t>, std::vector<float>> run(const P& pol, St& st, Pool& pool, const std::vector<float>& q, std::size_t ws) {
+std::pair<std::vector<std::int32_t>, std::vector<float>> run(const P& pol, St& st, Pool& pool, const std::vector<float>& q,
+                                                             std::size_t ws) {
   Scratch s;
   const auto ctx = s.context<B>(ws);
   Request r(static_cast<std::int64_t>(pool.indices.size()));
@@ -63,8 +64,8 @@ TEST_CASE("prefetch cpu: Quest lookahead matches the scalar reference", "[prefet
   QuestMeta qm(pool);
   const QuestLookahead<float> pol(QuestLookaheadParams{.page_budget = 4, .dense_layers = 0});
   const auto q = queries(true, 1);
-  const std::size_t ws = std::max(pol.requirements(Context<Scalar>{}, kShape, 4).workspace_bytes,
-                                  pol.requirements(Context<Cpu>{}, kShape, 4).workspace_bytes);
+  const std::size_t ws =
+      std::max(pol.requirements(Context<Scalar>{}, kShape, 4).workspace_bytes, pol.requirements(Context<Cpu>{}, kShape, 4).workspace_bytes);
   HistoryBuf hs;
   QuestLookaheadState<float> ss{qm.meta, hs.make(24)};
   const auto ref = run<Scalar>(pol, ss, pool, q, ws);
@@ -91,7 +92,8 @@ TEST_CASE("prefetch cpu: InfiniGen, SpeCache and ShadowKV match the scalar refer
   const SpeCache sc(SpeCacheParams{.topk = 6});
   const ShadowKV sk(ShadowKVParams{.chunk_size = 2, .chunk_budget = 3, .outlier_chunks = 1, .local_chunks = 1});
   auto ws_of = [&](const auto& pol) {
-    return std::max(pol.requirements(Context<Scalar>{}, kShape, 4).workspace_bytes, pol.requirements(Context<Cpu>{}, kShape, 4).workspace_bytes);
+    return std::max(pol.requirements(Context<Scalar>{}, kShape, 4).workspace_bytes,
+                    pol.requirements(Context<Cpu>{}, kShape, 4).workspace_bytes);
   };
   auto ig_state = [&](InfiniGenBuf& b, auto ctx) { REQUIRE(ig.prepare(ctx, pq, pool.cview(), b.st).is_ok()); };
   auto sc_state = [&](SpeCacheBuf& b, auto ctx) { REQUIRE(sc.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, b.st).is_ok()); };

@@ -66,10 +66,10 @@ TEST_CASE("prefetch engine: the four policies run in the decode loop with consis
       CHECK(c.predicted_steps > 0);
       CHECK(c.hits > 0);  // every policy predicts something the step then reads
       CHECK(c.reuse_total == needed - static_cast<std::int64_t>([&] {
-              std::size_t first = 0;
-              for (const auto& e : t.events) first += e.step == 0 ? e.needed.size() : 0;
-              return first;
-            }()));
+                               std::size_t first = 0;
+                               for (const auto& e : t.events) first += e.step == 0 ? e.needed.size() : 0;
+                               return first;
+                             }()));
       traces.push_back(std::move(t));
     }
     // The prefetchers only observe: every policy saw the same selections and decoded the same tokens.

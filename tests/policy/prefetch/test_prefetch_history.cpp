@@ -25,7 +25,7 @@ TEST_CASE("prefetch history: hand-computed counters over two steps", "[prefetch]
   REQUIRE(prefetch_detail::observe("t", h, s0.sel, c).is_ok());
   CHECK(c.needed == 3);
   CHECK(c.hits == 0);
-  CHECK(c.misses == 0);  // def 1 skips a step without a prediction
+  CHECK(c.misses == 0);       // def 1 skips a step without a prediction
   CHECK(c.reuse_total == 0);  // def 2 skips the first step
   CHECK(c.late == 3);         // def 3 counts it
   CHECK(c.transferred == 3);

@@ -59,7 +59,7 @@ TEST_CASE("quest_lookahead: top pages by the bound of the current query, then re
   PrefetchCounters c;
   Selection actual(PageRows{{3, 1}});
   REQUIRE(pol.observe(ctx, st, actual.sel, c).is_ok());
-  CHECK(c.hits == 1);  // page 1
+  CHECK(c.hits == 1);    // page 1
   CHECK(c.misses == 1);  // page 3
   CHECK(c.wasted == 2);
   Request r2(4);
@@ -98,9 +98,8 @@ TEST_CASE("quest_lookahead: per query head rows are unioned with the fraction of
   HistoryBuf hb;
   QuestLookaheadState<float> st{qm.meta, hb.make(4)};
   Scratch ws;
-  const auto ctx =
-      ws.context<Scalar>(pol.requirements(Context<Scalar>{}, {.num_q_heads = 2, .num_kv_heads = 1, .head_dim = 2, .max_kv_len = 8}, 2)
-                             .workspace_bytes);
+  const auto ctx = ws.context<Scalar>(
+      pol.requirements(Context<Scalar>{}, {.num_q_heads = 2, .num_kv_heads = 1, .head_dim = 2, .max_kv_len = 8}, 2).workspace_bytes);
   // Head 0 looks along channel 0 (top page logical 1), head 1 along channel 1 (logical 0).
   Queries q({1, 0, 0, 1}, 1, 2, 2);
   Request r(4);
@@ -120,9 +119,8 @@ TEST_CASE("quest_lookahead: bad input is rejected and nothing is written", "[pre
   HistoryBuf hb;
   QuestLookaheadState<float> st{qm.meta, hb.make(4)};
   Scratch ws;
-  const auto ctx =
-      ws.context<Scalar>(pol.requirements(Context<Scalar>{}, {.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 2, .max_kv_len = 8}, 2)
-                             .workspace_bytes);
+  const auto ctx = ws.context<Scalar>(
+      pol.requirements(Context<Scalar>{}, {.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 2, .max_kv_len = 8}, 2).workspace_bytes);
   Queries q({1, 0}, 1, 1, 2);
   Request small(2);  // the table has 4 entries
   Status s = pol.predict(ctx, st, DecodeInput<float>{q.view, pool.table(), 2, 3}, small.req);
@@ -263,7 +261,7 @@ TEST_CASE("infinigen: skewing concentrates a rotated query direction in channel 
       pol.requirements(Context<Scalar>{}, {.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 4, .max_kv_len = 4}, 4).workspace_bytes);
   std::vector<float> prompt = {1, 1, 0, 0, 2, 2, 0, 0, -1, -1, 0, 0};  // every query along (1, 1, 0, 0)
   REQUIRE(pol.prepare(ctx, TensorView<const float, 3>::contiguous(prompt.data(), {1, 3, 4}), pool.cview(), buf.st).is_ok());
-  CHECK(buf.ints[0] == 0);                                            // the top eigenvector's channel
+  CHECK(buf.ints[0] == 0);                                              // the top eigenvector's channel
   CHECK(buf.floats[0 * 4 + 0] == Approx(std::sqrt(0.5)).margin(1e-6));  // A[0][0]
   CHECK(buf.floats[1 * 4 + 0] == Approx(std::sqrt(0.5)).margin(1e-6));  // A[1][0]
   CHECK(buf.st.key_row(0, 0, 0)[0] == Approx(std::sqrt(2.0)).margin(1e-6));
@@ -272,7 +270,8 @@ TEST_CASE("infinigen: skewing concentrates a rotated query direction in channel 
 namespace {
 struct FixedQueryAdapter {
   std::vector<float> q;
-  Status speculative_query(std::int32_t layer, const std::int64_t* positions, TensorView<const float, 2> x, TensorView<float, 3> out) const {
+  Status speculative_query(std::int32_t layer, const std::int64_t* positions, TensorView<const float, 2> x,
+                           TensorView<float, 3> out) const {
     if (layer < 0 || positions == nullptr) return KVP_INVALID("adapter: bad call");
     for (std::int64_t i = 0; i < out.extent(2); ++i) out(0, 0, i) = q[static_cast<std::size_t>(i)] * x(0, 0);
     return Status::ok();
@@ -467,14 +466,15 @@ TEST_CASE("shadowkv: appends complete chunks, bad geometry is rejected", "[prefe
       pol.requirements(Context<Scalar>{}, {.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 2, .max_kv_len = 8}, 4).workspace_bytes);
   REQUIRE(pol.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, buf.st).is_ok());
   CHECK(buf.st.landmarks[buf.st.slot(0, 0, 0) * 2] == 0.0f);  // not complete: untouched
-  pool.last = {2};                                             // token 5 appended: chunk 2 complete
+  pool.last = {2};                                            // token 5 appended: chunk 2 complete
   const std::int32_t one = 1;
   REQUIRE(pol.on_append(ctx, AppendInput<float>{pool.cview(), &one}, buf.st).is_ok());
   CHECK(buf.st.landmarks[buf.st.slot(0, 0, 0) * 2] == Approx((pool.key(0, 0, 4)[0] + pool.key(0, 0, 5)[0]) / 2));
   ShadowKVState st;
   std::vector<float> f(100);
   std::vector<std::int64_t> h(4);
-  CHECK(contains(ShadowKV(ShadowKVParams{.chunk_size = 3}).make_state(f.data(), h.data(), 2, 4, 1, 2, &st), "not a multiple of chunk_size"));
+  CHECK(
+      contains(ShadowKV(ShadowKVParams{.chunk_size = 3}).make_state(f.data(), h.data(), 2, 4, 1, 2, &st), "not a multiple of chunk_size"));
   CHECK_FALSE(ShadowKV(ShadowKVParams{.chunk_size = 0}).validate_params().is_ok());
   Queries q({1, 0}, 1, 1, 2);
   Request r(2);

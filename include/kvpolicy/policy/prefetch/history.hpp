@@ -163,7 +163,8 @@ inline std::int64_t table_entries(const PageTable& table) noexcept { return tabl
 /// prediction for the same target replaces this one). `keys`:
 /// workspace of `table_entries(table)` uint64. Inputs were validated and
 /// `out` checked for `table_entries(table)` pages by the caller.
-inline void write_request(PrefetchHistory& h, const PageTable& table, const float* prio, std::uint64_t* keys, PrefetchRequest& out) noexcept {
+inline void write_request(PrefetchHistory& h, const PageTable& table, const float* prio, std::uint64_t* keys,
+                          PrefetchRequest& out) noexcept {
   const std::int64_t n = table_entries(table);
   std::int64_t m = 0;
   for (std::int64_t i = 0; i < n; ++i)
@@ -215,8 +216,8 @@ Status check_predict(const char* who, const PrefetchHistory& h, const TensorView
   KVP_REQUIRE(queries.device().is_host(), "%s: queries is a device tensor; this entry point reads host memory", who);
   KVP_REQUIRE(queries.extent(0) == table.batch, "%s: queries has %lld sequences, the page table has batch %d", who,
               static_cast<long long>(queries.extent(0)), table.batch);
-  KVP_REQUIRE(queries.extent(2) == head_dim, "%s: queries head_dim is %lld, the state has %d", who, static_cast<long long>(queries.extent(2)),
-              head_dim);
+  KVP_REQUIRE(queries.extent(2) == head_dim, "%s: queries head_dim is %lld, the state has %d", who,
+              static_cast<long long>(queries.extent(2)), head_dim);
   KVP_REQUIRE(num_kv_heads > 0 && queries.extent(1) > 0 && queries.extent(1) % num_kv_heads == 0,
               "%s: queries has %lld heads, not a positive multiple of the %d kv heads", who, static_cast<long long>(queries.extent(1)),
               num_kv_heads);

@@ -65,11 +65,11 @@
 KVP_NAMESPACE_BEGIN
 
 struct InfiniGenParams {
-  float alpha = 5.0f;           ///< logit-space threshold below the max (Llama accuracy default 5; OPT speed 4)
-  float partial_ratio = 0.2f;   ///< r = floor(ratio * head_dim) partial channels (reference 0.2)
+  float alpha = 5.0f;             ///< logit-space threshold below the max (Llama accuracy default 5; OPT speed 4)
+  float partial_ratio = 0.2f;     ///< r = floor(ratio * head_dim) partial channels (reference 0.2)
   std::int32_t max_num_kv = 400;  ///< cap on the tokens speculated per head (reference OPT script 400)
   std::int32_t dense_layers = 2;  ///< layers loaded whole (reference 2)
-  bool skew = true;             ///< skew the channels (A from the prompt queries) or use A = I
+  bool skew = true;               ///< skew the channels (A from the prompt queries) or use A = I
 
   static constexpr auto fields() noexcept {
     return std::tuple{param_field<&InfiniGenParams::alpha>("alpha", "logit threshold below the max"),
@@ -135,9 +135,9 @@ class InfiniGen {
   };
   StateSize state_size(std::int32_t num_pages, std::int32_t page_size, std::int32_t num_kv_heads, std::int32_t head_dim) const noexcept {
     const std::int64_t r = partial_dim(head_dim);
-    return StateSize{static_cast<std::int64_t>(num_kv_heads) * head_dim * head_dim +
-                         static_cast<std::int64_t>(num_pages) * page_size * num_kv_heads * r,
-                     static_cast<std::int64_t>(num_kv_heads) * r, PrefetchHistory::buffer_size(num_pages)};
+    return StateSize{
+        static_cast<std::int64_t>(num_kv_heads) * head_dim * head_dim + static_cast<std::int64_t>(num_pages) * page_size * num_kv_heads * r,
+        static_cast<std::int64_t>(num_kv_heads) * r, PrefetchHistory::buffer_size(num_pages)};
   }
   /// A state over caller buffers of `state_size` elements (not yet prepared).
   Status make_state(float* floats, std::int32_t* ints, std::int64_t* history, std::int32_t num_pages, std::int32_t page_size,
@@ -177,8 +177,9 @@ class InfiniGen {
                              static_cast<long long>(shape.head_dim), static_cast<long long>(shape.max_kv_len), page_size);
     if (!r.status.is_ok()) return r;
     const std::int64_t entries = shape.batch * ((shape.max_kv_len + page_size - 1) / page_size);
-    r.workspace_bytes = std::max(prepare_layout<Backend>(shape.head_dim).total(),
-                                 predict_layout<Backend>(shape.max_kv_len, entries, shape.batch * shape.num_q_heads, shape.head_dim).total());
+    r.workspace_bytes =
+        std::max(prepare_layout<Backend>(shape.head_dim).total(),
+                 predict_layout<Backend>(shape.max_kv_len, entries, shape.batch * shape.num_q_heads, shape.head_dim).total());
     r.output = OutputSize{1, entries};
     r.query_window = 1;
     return r;
@@ -188,7 +189,8 @@ class InfiniGen {
   /// of every token `keys.table` holds. `queries` (Hq, W, d) post-RoPE prompt
   /// queries (W >= 1; several sequences may be concatenated along W).
   template <class Backend, class Tq, class Tk>
-  Status prepare(const Context<Backend>& ctx, TensorView<const Tq, 3> queries, const PagedKVView<const Tk>& keys, State& st) const noexcept {
+  Status prepare(const Context<Backend>& ctx, TensorView<const Tq, 3> queries, const PagedKVView<const Tk>& keys,
+                 State& st) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     KVP_RETURN_IF_ERROR(check_keys(keys, st));
@@ -270,8 +272,8 @@ class InfiniGen {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
-                                                       st.head_dim, out, &G));
+    KVP_RETURN_IF_ERROR(
+        prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
     KVP_REQUIRE(next.page_size == st.page_size, "infinigen: page_size is %d, the state has %d", next.page_size, st.page_size);
     KVP_REQUIRE(next.layer >= 0, "infinigen: layer is %d, must be >= 0", next.layer);
     const bool dense = next.layer < params_.dense_layers;
@@ -434,8 +436,7 @@ class InfiniGen {
     KVP_REQUIRE(keys.num_pages == st.num_pages && keys.page_size == st.page_size && keys.num_kv_heads == st.num_kv_heads &&
                     keys.head_dim == st.head_dim,
                 "infinigen: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)",
-                keys.num_pages, keys.page_size, keys.num_kv_heads, keys.head_dim, st.num_pages, st.page_size, st.num_kv_heads,
-                st.head_dim);
+                keys.num_pages, keys.page_size, keys.num_kv_heads, keys.head_dim, st.num_pages, st.page_size, st.num_kv_heads, st.head_dim);
     return Status::ok();
   }
 

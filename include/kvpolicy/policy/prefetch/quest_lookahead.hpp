@@ -130,8 +130,12 @@ class QuestLookahead {
     KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, lay.total()));
     WorkspaceCarver c(ctx.workspace);
     std::byte* qws = c.take<std::byte>(lay.quest_bytes);
-    PageSelection sel{c.take<std::int32_t>(lay.rows + 1), c.take<std::int32_t>(lay.cap), c.take<std::int32_t>(lay.rows),
-                      c.take<std::int32_t>(lay.cap),     lay.rows,                         lay.cap};
+    PageSelection sel{c.take<std::int32_t>(lay.rows + 1),
+                      c.take<std::int32_t>(lay.cap),
+                      c.take<std::int32_t>(lay.rows),
+                      c.take<std::int32_t>(lay.cap),
+                      lay.rows,
+                      lay.cap};
     float* prio = c.take<float>(lay.entries);
     std::uint64_t* keys = c.take<std::uint64_t>(lay.entries);
     KVP_RETURN_IF_ERROR(q.select(ctx.with_workspace(Workspace{qws, lay.quest_bytes}), plan, next, st.meta, sel));

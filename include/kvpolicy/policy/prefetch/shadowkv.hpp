@@ -120,8 +120,8 @@ class ShadowKV {
     KVP_REQUIRE(num_pages >= 0 && page_size >= 1 && num_kv_heads >= 1 && head_dim >= 1,
                 "shadowkv: state (num_pages %d, page_size %d, kv heads %d, head_dim %d) must be >= 0, >= 1, >= 1, >= 1", num_pages,
                 page_size, num_kv_heads, head_dim);
-    KVP_REQUIRE(page_size % params_.chunk_size == 0, "shadowkv: page_size %d is not a multiple of chunk_size %d (a chunk must sit in one page)",
-                page_size, params_.chunk_size);
+    KVP_REQUIRE(page_size % params_.chunk_size == 0,
+                "shadowkv: page_size %d is not a multiple of chunk_size %d (a chunk must sit in one page)", page_size, params_.chunk_size);
     KVP_REQUIRE((floats != nullptr && history != nullptr) || num_pages == 0, "shadowkv: state buffers are null");
     State s;
     s.num_pages = num_pages;
@@ -163,9 +163,8 @@ class ShadowKV {
     KVP_REQUIRE(keys.device.is_host(), "shadowkv: keys are on a device; this entry point reads host memory");
     KVP_REQUIRE(keys.num_pages == st.num_pages && keys.page_size == st.page_size && keys.num_kv_heads == st.num_kv_heads &&
                     keys.head_dim == st.head_dim,
-                "shadowkv: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)",
-                keys.num_pages, keys.page_size, keys.num_kv_heads, keys.head_dim, st.num_pages, st.page_size, st.num_kv_heads,
-                st.head_dim);
+                "shadowkv: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)", keys.num_pages,
+                keys.page_size, keys.num_kv_heads, keys.head_dim, st.num_pages, st.page_size, st.num_kv_heads, st.head_dim);
     if (app.append_len != nullptr)
       for (std::int32_t b = 0; b < keys.table.batch; ++b)
         KVP_REQUIRE(app.append_len[b] >= 0 && app.append_len[b] <= keys.seq_len(b),
@@ -212,8 +211,8 @@ class ShadowKV {
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
-                                                       st.head_dim, out, &G));
+    KVP_RETURN_IF_ERROR(
+        prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
     KVP_REQUIRE(next.page_size == st.page_size, "shadowkv: page_size is %d, the state has %d", next.page_size, st.page_size);
     KVP_REQUIRE(next.layer >= 0, "shadowkv: layer is %d, must be >= 0", next.layer);
     const PageTable& table = next.table;
@@ -239,7 +238,9 @@ class ShadowKV {
       prefetch_detail::predict_all(table, prio);
     } else {
       const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-      auto entry_of_chunk = [&](std::int32_t b, std::int64_t chunk) { return prefetch_detail::entry_of(table, b, chunk * C, st.page_size); };
+      auto entry_of_chunk = [&](std::int32_t b, std::int64_t chunk) {
+        return prefetch_detail::entry_of(table, b, chunk * C, st.page_size);
+      };
       auto slot_of = [&](std::int32_t b, std::int64_t chunk, std::int32_t g) {
         const std::int64_t t0 = chunk * C;
         return st.slot(table.page_of(b, t0, st.page_size), static_cast<std::int32_t>((t0 % st.page_size) / C), g);
@@ -248,7 +249,8 @@ class ShadowKV {
         const std::int64_t n = table.seq_len(b, st.page_size), m = n / C;
         if (n == 0) continue;
         const std::int64_t cand = m - std::min<std::int64_t>(params_.local_chunks, m);  // chunks [0, cand) are scored
-        for (std::int64_t t = cand * C; t < n; t += C) prefetch_detail::raise(prio, prefetch_detail::entry_of(table, b, t, st.page_size), kInf);
+        for (std::int64_t t = cand * C; t < n; t += C)
+          prefetch_detail::raise(prio, prefetch_detail::entry_of(table, b, t, st.page_size), kInf);
         prefetch_detail::raise(prio, prefetch_detail::entry_of(table, b, n - 1, st.page_size), kInf);  // the partial chunk
         if (cand == 0) continue;
         for (std::int32_t g = 0; g < st.num_kv_heads; ++g) {

@@ -154,9 +154,8 @@ class SpeCache {
     KVP_REQUIRE(keys.device.is_host(), "specache: keys are on a device; this entry point reads host memory");
     KVP_REQUIRE(keys.num_pages == st.num_pages && keys.page_size == st.page_size && keys.num_kv_heads == st.num_kv_heads &&
                     keys.head_dim == st.head_dim,
-                "specache: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)",
-                keys.num_pages, keys.page_size, keys.num_kv_heads, keys.head_dim, st.num_pages, st.page_size, st.num_kv_heads,
-                st.head_dim);
+                "specache: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)", keys.num_pages,
+                keys.page_size, keys.num_kv_heads, keys.head_dim, st.num_pages, st.page_size, st.num_kv_heads, st.head_dim);
     KVP_REQUIRE(keys.k_strides.dim == 1, "specache: keys channel stride must be 1");
     for (std::int32_t b = 0; b < keys.table.batch; ++b) {
       const std::int64_t len = keys.seq_len(b);
@@ -196,8 +195,8 @@ class SpeCache {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
-                                                       st.head_dim, out, &G));
+    KVP_RETURN_IF_ERROR(
+        prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
     KVP_REQUIRE(next.page_size == st.page_size, "specache: page_size is %d, the state has %d", next.page_size, st.page_size);
     KVP_REQUIRE(next.layer >= 0, "specache: layer is %d, must be >= 0", next.layer);
     const PageTable& table = next.table;
@@ -225,8 +224,8 @@ class SpeCache {
         if (n == 0) continue;
         for (std::int32_t g = 0; g < st.num_kv_heads; ++g) {
           for (std::int64_t t = 0; t < n; ++t) {
-            Backend::ggml_dequantize_row(params_.type, st.row(table.page_of(b, t, st.page_size), static_cast<std::int32_t>(t % st.page_size), g),
-                                         d, krow);
+            Backend::ggml_dequantize_row(
+                params_.type, st.row(table.page_of(b, t, st.page_size), static_cast<std::int32_t>(t % st.page_size), g), d, krow);
             for (std::int32_t j = 0; j < G; ++j) {
               float s = 0.0f;
               for (std::int64_t i = 0; i < d; ++i) s += to_float(next.queries(b, g * G + j, i)) * krow[i];
@@ -260,9 +259,10 @@ class SpeCache {
     return Status::ok();
   }
   Status check_state(const State& st) const noexcept {
-    KVP_REQUIRE(st.page_size >= 1 && st.num_kv_heads >= 1 && st.row_bytes == row_bytes(st.head_dim),
-                "specache: state (page_size %d, kv heads %d, row bytes %lld) does not match the policy's format %s; build it with make_state",
-                st.page_size, st.num_kv_heads, static_cast<long long>(st.row_bytes), ggml_name(params_.type));
+    KVP_REQUIRE(
+        st.page_size >= 1 && st.num_kv_heads >= 1 && st.row_bytes == row_bytes(st.head_dim),
+        "specache: state (page_size %d, kv heads %d, row bytes %lld) does not match the policy's format %s; build it with make_state",
+        st.page_size, st.num_kv_heads, static_cast<long long>(st.row_bytes), ggml_name(params_.type));
     KVP_REQUIRE(st.codes != nullptr || st.num_pages == 0, "specache: state codes is null");
     KVP_REQUIRE(st.history.num_pages == st.num_pages, "specache: history has %d pages, the state %d", st.history.num_pages, st.num_pages);
     return st.history.check(kName);
