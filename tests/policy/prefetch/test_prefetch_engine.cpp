@@ -10,6 +10,7 @@
 
 #include "engine/engine_fixture.hpp"
 #include "engine/prefetch.hpp"
+#include "prefetch_workload.hpp"
 
 using namespace kvp_engine;
 
@@ -126,4 +127,35 @@ TEST_CASE("prefetch engine: the trace replays through the offload simulator", "[
   CHECK_FALSE(simulate_trace(t, sp, kvpolicy::OffloadMode::kPrefetch, 0.0, &pre).is_ok());
   sp.bandwidth_gb_s = 0;
   CHECK_FALSE(simulate_trace(t, sp, kvpolicy::OffloadMode::kPrefetch, 20.0, &pre).is_ok());
+}
+
+TEST_CASE("prefetch engine: the comparison's prefetch workload writes its rows", "[prefetch][engine]") {
+  kvp_compare::PrefetchWorkloadOptions o;
+  o.model_dir = engine_test::model_dir();
+  o.task_set = engine_test::fixture_dir() + "/eval_set.json";
+  o.samples = 1;
+  o.steps = 3;
+  o.device_pages = {1, 200};
+  o.progress = false;
+  std::vector<kvp_compare::ResultRow> rows;
+  const auto notes = kvp_compare::run_prefetch_workload(o, &rows);
+  REQUIRE(notes.size() == 2);  // 1 page is below a step's pages, for both real selections
+  CHECK(notes[0].find("device budget 1 pages") != std::string::npos);
+  std::set<std::string> workloads, policies;
+  for (const auto& r : rows) {
+    workloads.insert(r.workload);
+    policies.insert(r.policy);
+    CHECK(r.budget_kind == "device_pages");
+    CHECK(r.budget_value == 200.0);
+    CHECK(std::isfinite(r.value));
+    if (r.metric.find("recall") != std::string::npos || r.metric.find("hit") != std::string::npos ||
+        r.metric.find("late") != std::string::npos)
+      CHECK((r.value >= 0.0 && r.value <= 1.0));
+    if (r.policy == "all_resident" && (r.metric == "stall_us_per_step" || r.metric == "bytes_per_step")) CHECK(r.value == 0.0);
+    CHECK(r.family == (r.policy == "fetch_on_miss" || r.policy == "all_resident" ? "baseline" : "prefetch"));
+  }
+  CHECK(workloads == std::set<std::string>{"prefetch:quest", "prefetch:exact_topk"});
+  CHECK(policies == std::set<std::string>{"QuestLookahead", "InfiniGen", "SpeCache", "ShadowKV", "fetch_on_miss", "all_resident"});
+  // 4 policies x 9 metrics + 2 baselines x 5, per workload.
+  CHECK(rows.size() == 2 * (4 * 9 + 2 * 5));
 }
