@@ -5,8 +5,8 @@
 //
 //   quest_lookahead  Quest bounds over the page metadata (2 * d floats per page and kv head)
 //                    + top-k + the request sort; page_budget 64
-//   infinigen        speculative logits over the partial keys (r = 25 of 128 channels;
-//                    two passes: the threshold count, then top-k), max_num_kv 400
+//   infinigen        speculative logits over the partial keys (r = 25 of 128 channels, read once
+//                    per kv head for its 4 query heads), threshold count, top-k; max_num_kv 400
 //   specache         dequantize the q4_0 key copy (18 bytes per 32 values) and score G = 4
 //                    query heads per kv head, softmax, GQA mean, top-64
 //   shadowkv         scores over chunk landmarks (chunks of 8 tokens), top-256 chunks
@@ -104,8 +104,8 @@ void bench_infinigen(benchmark::State& st) {
            .is_ok())
     st.SkipWithError("prepare");
   const double r = pol.partial_dim(kD);
-  // Two passes over the partial keys per query head (count, then top-k) + q A[:, S] per head and pass.
-  run(st, pol, s, 2.0 * kHq * kT * r * sizeof(float), 2.0 * (2.0 * kHq * kT * r + 2.0 * kHq * r * kD));
+  // The partial keys read once per kv head; r-dim logits for every query head + q A[:, S] per head.
+  run(st, pol, s, static_cast<double>(kHkv) * kT * r * sizeof(float), 2.0 * kHq * kT * r + 2.0 * kHq * r * kD);
 }
 
 void bench_specache(benchmark::State& st) {

@@ -84,13 +84,13 @@ struct InfiniGenParams {
 struct InfiniGenState {
   float* skew = nullptr;             // (num_kv_heads, head_dim, head_dim): A_g[i][c]
   std::int32_t* channels = nullptr;  // (num_kv_heads, partial_dim) ascending skewed channel ids
-  float* partial_keys = nullptr;     // (num_pages, page_size, num_kv_heads, partial_dim)
+  float* partial_keys = nullptr;     // (num_pages, num_kv_heads, page_size, partial_dim): a page's slots contiguous per kv head
   std::int32_t num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0, partial_dim = 0;
   bool prepared = false;
   PrefetchHistory history{};
 
   float* key_row(std::int32_t page, std::int32_t slot, std::int32_t g) const noexcept {
-    return partial_keys + ((static_cast<std::int64_t>(page) * page_size + slot) * num_kv_heads + g) * partial_dim;
+    return partial_keys + ((static_cast<std::int64_t>(page) * num_kv_heads + g) * page_size + slot) * partial_dim;
   }
 };
 
@@ -285,41 +285,43 @@ class InfiniGen {
     const auto L = predict_layout<Backend>(T, entries, table.batch * Hq, st.head_dim);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, L.total()));
     WorkspaceCarver c(ctx.workspace);
-    float* scores = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-    std::int32_t* idx = c.take<std::int32_t>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+    const auto t1 = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    float* scores = c.take<float>(static_cast<std::size_t>(table.batch * Hq) * t1);  // (batch * Hq, T)
+    std::int32_t* idx = c.take<std::int32_t>(t1);
     const Workspace topk_ws{c.take<std::byte>(Backend::topk_workspace(T)), Backend::topk_workspace(T)};
-    float* qt = c.take<float>(static_cast<std::size_t>(st.head_dim));
+    float* qt = c.take<float>(static_cast<std::size_t>(G) * static_cast<std::size_t>(st.partial_dim));
     float* prio = c.take<float>(static_cast<std::size_t>(entries));
     std::uint64_t* keys = c.take<std::uint64_t>(static_cast<std::size_t>(entries));
-    std::int64_t* counts = c.take<std::int64_t>(static_cast<std::size_t>(table.batch * Hq));
 
     std::fill(prio, prio + entries, prefetch_detail::kNotPredicted);
     if (dense) {
       prefetch_detail::predict_all(table, prio);
     } else {
-      std::int64_t total = 0, rows = 0;
+      // One pass over the partial keys per (sequence, kv head) for the group's G heads; then counts, k, top-k.
       for (std::int32_t b = 0; b < table.batch; ++b)
+        for (std::int32_t g = 0; g < st.num_kv_heads; ++g)
+          score_group(st, next, b, g, G, qt, scores + (b * Hq + g * G) * static_cast<std::int64_t>(t1), t1);
+      std::int64_t total = 0, rows = 0;
+      for (std::int32_t b = 0; b < table.batch; ++b) {
+        const std::int64_t n = table.seq_len(b, st.page_size);
+        if (n == 0) continue;
         for (std::int64_t h = 0; h < Hq; ++h) {
-          const std::int64_t n = score_row(st, next, b, h, G, qt, scores);
-          std::int64_t cnt = 0;
-          if (n > 0) {
-            float mx = -std::numeric_limits<float>::infinity();
-            for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, scores[t]);
-            for (std::int64_t t = 0; t < n; ++t) cnt += scores[t] > mx - params_.alpha ? 1 : 0;
-            total += cnt;
-            ++rows;
-          }
-          counts[b * Hq + h] = cnt;
+          const float* row = scores + (b * Hq + h) * static_cast<std::int64_t>(t1);
+          float mx = -std::numeric_limits<float>::infinity();
+          for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, row[t]);
+          for (std::int64_t t = 0; t < n; ++t) total += row[t] > mx - params_.alpha ? 1 : 0;
+          ++rows;
         }
+      }
       const std::int64_t k = rows == 0 ? 0 : std::min<std::int64_t>(total / rows, params_.max_num_kv);
       for (std::int32_t b = 0; b < table.batch; ++b)
         for (std::int64_t h = 0; h < Hq; ++h) {
-          const std::int64_t n = score_row(st, next, b, h, G, qt, scores);
-          const std::int64_t kk = std::min(k, n);
+          const std::int64_t n = table.seq_len(b, st.page_size), kk = std::min(k, n);
           if (kk <= 0) continue;
-          Backend::topk(scores, n, kk, idx, topk_ws);
+          const float* row = scores + (b * Hq + h) * static_cast<std::int64_t>(t1);
+          Backend::topk(row, n, kk, idx, topk_ws);
           for (std::int64_t i = 0; i < kk; ++i)
-            prefetch_detail::raise(prio, prefetch_detail::entry_of(table, b, idx[i], st.page_size), scores[idx[i]]);
+            prefetch_detail::raise(prio, prefetch_detail::entry_of(table, b, idx[i], st.page_size), row[idx[i]]);
         }
     }
     prefetch_detail::write_request(st.history, table, prio, keys, out);
@@ -413,11 +415,10 @@ class InfiniGen {
   static Layout predict_layout(std::int64_t T, std::int64_t entries, std::int64_t rows, std::int64_t d) noexcept {
     Layout l;
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
-    l.plan.add<float>(t).add<std::int32_t>(t);
+    l.plan.add<float>(static_cast<std::size_t>(rows) * t).add<std::int32_t>(t);
     l.plan.add_bytes(Backend::topk_workspace(T));
-    l.plan.add<float>(static_cast<std::size_t>(d));
+    l.plan.add<float>(static_cast<std::size_t>(d) * static_cast<std::size_t>(rows));  // G * r <= rows * d
     l.plan.add<float>(static_cast<std::size_t>(entries)).add<std::uint64_t>(static_cast<std::size_t>(entries));
-    l.plan.add<std::int64_t>(static_cast<std::size_t>(rows));
     return l;
   }
 
@@ -464,27 +465,39 @@ class InfiniGen {
     }
   }
 
-  /// Speculative logits of query head h of sequence b over its tokens; returns the length.
+  /// Speculative logits of the G query heads of kv head g of sequence b
+  /// over its tokens into out rows (G, ld), page by page (a page's partial
+  /// keys of one kv head are contiguous).
   template <class Tq>
-  static std::int64_t score_row(const State& st, const DecodeInput<Tq>& next, std::int32_t b, std::int64_t h, std::int32_t G, float* qt,
-                                float* scores) noexcept {
-    const std::int64_t n = next.table.seq_len(b, st.page_size), d = st.head_dim;
-    const auto g = static_cast<std::int32_t>(h / G);
+  static void score_group(const State& st, const DecodeInput<Tq>& next, std::int32_t b, std::int32_t g, std::int32_t G, float* qt,
+                          float* out, std::size_t ld) noexcept {
+    const std::int64_t n = next.table.seq_len(b, st.page_size), d = st.head_dim, r = st.partial_dim;
+    if (n == 0) return;
     const float* A = st.skew + g * d * d;
-    const std::int32_t* ch = st.channels + static_cast<std::int64_t>(g) * st.partial_dim;
-    for (std::int32_t j = 0; j < st.partial_dim; ++j) {
-      float v = 0.0f;
-      for (std::int64_t i = 0; i < d; ++i) v += to_float(next.queries(b, h, i)) * A[i * d + ch[j]];
-      qt[j] = v;
-    }
+    const std::int32_t* ch = st.channels + static_cast<std::int64_t>(g) * r;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    for (std::int64_t t = 0; t < n; ++t) {
-      const float* k = st.key_row(next.table.page_of(b, t, st.page_size), static_cast<std::int32_t>(t % st.page_size), g);
-      float s = 0.0f;
-      for (std::int32_t j = 0; j < st.partial_dim; ++j) s += qt[j] * k[j];
-      scores[t] = s * scale;
+    for (std::int32_t j = 0; j < G; ++j)
+      for (std::int64_t c = 0; c < r; ++c) {
+        float v = 0.0f;
+        for (std::int64_t i = 0; i < d; ++i) v += to_float(next.queries(b, g * G + j, i)) * A[i * d + ch[c]];
+        qt[j * r + c] = v * scale;  // the 1/sqrt(d) folded into the query
+      }
+    const std::int32_t pages = next.table.num_pages(b);
+    for (std::int32_t p = 0; p < pages; ++p) {
+      const std::int64_t t0 = static_cast<std::int64_t>(p) * st.page_size;
+      const std::int64_t slots = std::min<std::int64_t>(st.page_size, n - t0);
+      const float* kp = st.key_row(next.table.indices[next.table.indptr[b] + p], 0, g);
+      for (std::int32_t j = 0; j < G; ++j) {
+        const float* q = qt + j * r;
+        float* o = out + static_cast<std::size_t>(j) * ld + static_cast<std::size_t>(t0);
+        for (std::int64_t sl = 0; sl < slots; ++sl) {
+          const float* k = kp + sl * r;
+          float s = 0.0f;
+          for (std::int64_t c = 0; c < r; ++c) s += q[c] * k[c];
+          o[sl] = s;
+        }
+      }
     }
-    return n;
   }
 
   Params params_{};

@@ -147,7 +147,8 @@ class ShadowKV {
                              static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.max_kv_len), page_size);
     if (!r.status.is_ok()) return r;
     const std::int64_t entries = shape.batch * ((shape.max_kv_len + page_size - 1) / page_size);
-    r.workspace_bytes = layout<Backend>(shape.max_kv_len / params_.chunk_size, entries, shape.num_q_heads / shape.num_kv_heads).total();
+    r.workspace_bytes =
+        layout<Backend>(shape.max_kv_len / params_.chunk_size, entries, shape.num_q_heads / shape.num_kv_heads, shape.head_dim).total();
     r.output = OutputSize{1, entries};
     r.query_window = 1;
     return r;
@@ -220,7 +221,7 @@ class ShadowKV {
     std::int64_t M = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) M = std::max(M, table.seq_len(b, st.page_size) / C);
     const std::int64_t entries = prefetch_detail::table_entries(table), d = st.head_dim;
-    const auto L = layout<Backend>(M, entries, G);
+    const auto L = layout<Backend>(M, entries, G, d);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, L.total()));
     WorkspaceCarver c(ctx.workspace);
     const auto m1 = static_cast<std::size_t>(std::max<std::int64_t>(M, 1));
@@ -228,6 +229,7 @@ class ShadowKV {
     float* score = c.take<float>(m1);
     std::int32_t* idx = c.take<std::int32_t>(m1);
     std::uint8_t* is_outlier = c.take<std::uint8_t>(m1);
+    float* qf = c.take<float>(static_cast<std::size_t>(G * d));
     const Workspace topk_ws{c.take<std::byte>(Backend::topk_workspace(M)), Backend::topk_workspace(M)};
     float* prio = c.take<float>(static_cast<std::size_t>(entries));
     std::uint64_t* keys = c.take<std::uint64_t>(static_cast<std::size_t>(entries));
@@ -266,20 +268,21 @@ class ShadowKV {
           }
           const std::int64_t k = std::min<std::int64_t>(params_.chunk_budget, cand - no);
           if (k <= 0) continue;
+          for (std::int32_t j = 0; j < G; ++j)  // the group's queries, fp32, scaled
+            for (std::int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(next.queries(b, g * G + j, i)) * scale;
+          for (std::int64_t ch = 0; ch < cand; ++ch) {  // each landmark read once for the group
+            const float* Lm = st.landmarks + slot_of(b, ch, g) * d;
+            for (std::int32_t j = 0; j < G; ++j) {
+              const float* q = qf + j * d;
+              float s = 0.0f;
+              for (std::int64_t i = 0; i < d; ++i) s += q[i] * Lm[i];
+              logits[j * cand + ch] = is_outlier[ch] ? -kInf : s;
+            }
+          }
           for (std::int32_t j = 0; j < G; ++j) {
             float* lg = logits + j * cand;
             float mx = -kInf;
-            for (std::int64_t ch = 0; ch < cand; ++ch) {
-              if (is_outlier[ch]) {
-                lg[ch] = -kInf;
-                continue;
-              }
-              const float* Lm = st.landmarks + slot_of(b, ch, g) * d;
-              float s = 0.0f;
-              for (std::int64_t i = 0; i < d; ++i) s += to_float(next.queries(b, g * G + j, i)) * Lm[i];
-              lg[ch] = s * scale;
-              mx = std::max(mx, lg[ch]);
-            }
+            for (std::int64_t ch = 0; ch < cand; ++ch) mx = std::max(mx, lg[ch]);
             double sum = 0.0;
             for (std::int64_t ch = 0; ch < cand; ++ch) sum += (lg[ch] = is_outlier[ch] ? 0.0f : std::exp(lg[ch] - mx));
             const float inv = static_cast<float>(1.0 / sum);
@@ -316,10 +319,11 @@ class ShadowKV {
     return st.history.check(kName);
   }
   template <class Backend>
-  static WorkspacePlan layout(std::int64_t M, std::int64_t entries, std::int64_t G) noexcept {
+  static WorkspacePlan layout(std::int64_t M, std::int64_t entries, std::int64_t G, std::int64_t d) noexcept {
     const auto m = static_cast<std::size_t>(std::max<std::int64_t>(M, 1));
     WorkspacePlan p;
     p.add<float>(static_cast<std::size_t>(G) * m).add<float>(m).add<std::int32_t>(m).add<std::uint8_t>(m);
+    p.add<float>(static_cast<std::size_t>(G * d));
     p.add_bytes(Backend::topk_workspace(M));
     p.add<float>(static_cast<std::size_t>(entries)).add<std::uint64_t>(static_cast<std::size_t>(entries));
     return p;

@@ -68,7 +68,8 @@ struct SpeCacheParams {
 };
 
 /// Caller-owned state of one layer: the low-bit key copy indexed by physical
-/// page and slot, `(num_pages, page_size, num_kv_heads, row_bytes)`, and the history.
+/// page and slot, `(num_pages, num_kv_heads, page_size, row_bytes)` (a page's
+/// rows of one kv head contiguous), and the history.
 struct SpeCacheState {
   std::uint8_t* codes = nullptr;
   std::int32_t num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0;
@@ -76,7 +77,7 @@ struct SpeCacheState {
   PrefetchHistory history{};
 
   std::uint8_t* row(std::int32_t page, std::int32_t slot, std::int32_t g) const noexcept {
-    return codes + ((static_cast<std::int64_t>(page) * page_size + slot) * num_kv_heads + g) * row_bytes;
+    return codes + ((static_cast<std::int64_t>(page) * num_kv_heads + g) * page_size + slot) * row_bytes;
   }
 };
 
@@ -209,6 +210,7 @@ class SpeCache {
     float* probs = c.take<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(T, 1)));
     float* mean = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
     float* krow = c.take<float>(static_cast<std::size_t>(d));
+    float* qf = c.take<float>(static_cast<std::size_t>(G * d));
     std::int32_t* idx = c.take<std::int32_t>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
     const Workspace topk_ws{c.take<std::byte>(Backend::topk_workspace(T)), Backend::topk_workspace(T)};
     float* prio = c.take<float>(static_cast<std::size_t>(entries));
@@ -223,13 +225,20 @@ class SpeCache {
         const std::int64_t n = table.seq_len(b, st.page_size);
         if (n == 0) continue;
         for (std::int32_t g = 0; g < st.num_kv_heads; ++g) {
-          for (std::int64_t t = 0; t < n; ++t) {
-            Backend::ggml_dequantize_row(
-                params_.type, st.row(table.page_of(b, t, st.page_size), static_cast<std::int32_t>(t % st.page_size), g), d, krow);
-            for (std::int32_t j = 0; j < G; ++j) {
-              float s = 0.0f;
-              for (std::int64_t i = 0; i < d; ++i) s += to_float(next.queries(b, g * G + j, i)) * krow[i];
-              probs[j * n + t] = s * scale;
+          for (std::int32_t j = 0; j < G; ++j)  // the group's queries, fp32, scaled
+            for (std::int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(next.queries(b, g * G + j, i)) * scale;
+          for (std::int32_t p = 0; p < table.num_pages(b); ++p) {  // a page's rows of one kv head are contiguous
+            const std::int64_t t0 = static_cast<std::int64_t>(p) * st.page_size;
+            const std::int64_t slots = std::min<std::int64_t>(st.page_size, n - t0);
+            const std::uint8_t* rows = st.row(table.indices[table.indptr[b] + p], 0, g);
+            for (std::int64_t sl = 0; sl < slots; ++sl) {
+              Backend::ggml_dequantize_row(params_.type, rows + sl * st.row_bytes, d, krow);
+              for (std::int32_t j = 0; j < G; ++j) {
+                const float* q = qf + j * d;
+                float s = 0.0f;
+                for (std::int64_t i = 0; i < d; ++i) s += q[i] * krow[i];
+                probs[j * n + t0 + sl] = s;
+              }
             }
           }
           for (std::int32_t j = 0; j < G; ++j) softmax(probs + j * n, n);
@@ -271,7 +280,8 @@ class SpeCache {
   static WorkspacePlan layout(std::int64_t T, std::int64_t entries, std::int64_t G, std::int64_t d) noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
     WorkspacePlan p;
-    p.add<float>(static_cast<std::size_t>(G) * t).add<float>(t).add<float>(static_cast<std::size_t>(d)).add<std::int32_t>(t);
+    p.add<float>(static_cast<std::size_t>(G) * t).add<float>(t).add<float>(static_cast<std::size_t>(d));
+    p.add<float>(static_cast<std::size_t>(G * d)).add<std::int32_t>(t);
     p.add_bytes(Backend::topk_workspace(T));
     p.add<float>(static_cast<std::size_t>(entries)).add<std::uint64_t>(static_cast<std::size_t>(entries));
     return p;
