@@ -97,6 +97,7 @@ struct LoopState {
   std::vector<float> qbuf;                 // InfiniGen's speculative query (1, Hq, hd)
   std::vector<float> page_score;           // kExactTopK: best exact logit per page
   std::vector<std::int32_t> top;           // kExactTopK: selected pages
+  std::vector<std::byte> topk_ws;          // kExactTopK: Backend::topk scratch
   std::vector<std::uint8_t> in_selection;  // per pool page: read by this layer step
   std::vector<std::int32_t> marked;
   // SpeCache's speculative row.
@@ -162,8 +163,8 @@ struct LoopState {
           }
           page_score[static_cast<std::size_t>(p)] = best;
         }
-        std::vector<std::byte> tw(Backend::topk_workspace(n - 1));
-        Backend::topk(page_score.data(), n - 1, B - 1, top.data(), kvpolicy::Workspace{tw.data(), tw.size()});
+        if (topk_ws.size() < Backend::topk_workspace(n - 1)) topk_ws.resize(Backend::topk_workspace(n - 1));
+        Backend::topk(page_score.data(), n - 1, B - 1, top.data(), kvpolicy::Workspace{topk_ws.data(), topk_ws.size()});
         top[static_cast<std::size_t>(B - 1)] = n - 1;
       }
       for (std::int32_t i = 0; i < per_row; ++i) {
