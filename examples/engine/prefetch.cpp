@@ -190,6 +190,7 @@ struct LoopState {
       if (spec_token < 0 || spec_token >= cf.vocab_size)
         return KVP_INVALID("engine specache: the speculative row was not seeded (PrefetchLoop::seed)");
       xs.assign(model->embedding(spec_token), model->embedding(spec_token) + d);
+      trace->spec_inputs.push_back(spec_token);
     }
     // The speculative token sits one position after the newest real token.
     const std::int32_t last_page = view.table.indices[view.table.num_pages(0) - 1];
@@ -255,6 +256,7 @@ struct LoopState {
       logits.resize(static_cast<std::size_t>(cf.vocab_size));
       final_logits(*model, xs.data(), 1, logits.data());
       spec_token = argmax(logits);
+      trace->speculated.push_back(spec_token);
     }
     return Status::ok();
   }

@@ -99,7 +99,9 @@ struct PrefetchTrace {
   std::vector<kvpolicy::PrefetchCounters> per_layer;
   double predict_seconds = 0.0;  ///< time inside the policy's predict calls
   std::int64_t predict_calls = 0;
-  std::vector<std::int32_t> generated;  ///< the tokens the loop decoded
+  std::vector<std::int32_t> generated;    ///< the tokens the loop decoded (generated[s] is fed at step s)
+  std::vector<std::int32_t> speculated;   ///< SpeCache: the speculative row's output at step s, its guess of generated[s + 2]
+  std::vector<std::int32_t> spec_inputs;  ///< SpeCache: the speculative row's token at step s (its guess of generated[s + 1])
 
   kvpolicy::PrefetchCounters total() const {
     kvpolicy::PrefetchCounters c;

@@ -159,3 +159,27 @@ TEST_CASE("prefetch engine: the comparison's prefetch workload writes its rows",
   // 4 policies x 9 metrics + 2 baselines x 5, per workload.
   CHECK(rows.size() == 2 * (4 * 9 + 2 * 5));
 }
+
+TEST_CASE("prefetch engine: SpeCache's speculative row decodes the next token like the engine when its guess is right",
+          "[prefetch][engine]") {
+  // Every page selected: the speculative row reads full-precision keys only, so with a right guess of the
+  // next token it computes what the engine computes one step later, and its output is the token after.
+  const Model& m = engine_test::model();
+  const PrefillState& p = prompt_prefill();
+  PrefetchLoopOptions o = options(PrefetchKind::kSpeCache, ActualSelection::kExactTopK);
+  o.page_budget = 1 << 20;
+  const int steps = 12;
+  const PrefetchTrace t = run_prefetch_loop(m, p, o, steps);
+  REQUIRE(t.speculated.size() == static_cast<std::size_t>(steps));
+  REQUIRE(t.spec_inputs.size() == static_cast<std::size_t>(steps));
+  CHECK(t.spec_inputs[0] == t.generated[0]);  // seeded with the first real token
+  int right = 0;
+  for (int s = 0; s < steps; ++s) {
+    if (s >= 1) CHECK(t.spec_inputs[static_cast<std::size_t>(s)] == t.speculated[static_cast<std::size_t>(s - 1)]);
+    if (t.spec_inputs[static_cast<std::size_t>(s)] == t.generated[static_cast<std::size_t>(s + 1)] && s + 2 <= steps) {
+      ++right;
+      CHECK(t.speculated[static_cast<std::size_t>(s)] == t.generated[static_cast<std::size_t>(s + 2)]);
+    }
+  }
+  CHECK(right > 0);
+}
