@@ -278,6 +278,11 @@ struct FixedQueryAdapter {
   }
 };
 static_assert(InfiniGenModelAdapter<FixedQueryAdapter>);
+struct FailingAdapter {
+  Status speculative_query(std::int32_t, const std::int64_t*, TensorView<const float, 2>, TensorView<float, 3>) const {
+    return KVP_INVALID("adapter: the model has no such layer");
+  }
+};
 }  // namespace
 
 TEST_CASE("infinigen: predict_from_input runs the adapter, then predict, errors before prepare", "[prefetch]") {
@@ -310,6 +315,19 @@ TEST_CASE("infinigen: predict_from_input runs the adapter, then predict, errors 
               .is_ok());
   CHECK(r1.list() == r2.list());
   CHECK(qbuf[2] == 2.0f);
+  // A failing adapter: its error comes back, the request and the history stay as they were.
+  const std::int64_t serial = b.st.history.serial;
+  Request r3(3);
+  CHECK(contains(pol.predict_from_input(ctx, b.st, ad, TensorView<const float, 2>::contiguous(x.data(), {1, 1}), &pos, pool.table(), -1,
+                                        TensorView<float, 3>::contiguous(qbuf.data(), {1, 1, 4}), r3.req),
+                 "layer is -1"));
+  CHECK(b.st.history.serial == serial);
+  CHECK(r3.pages[0] == -7);
+  CHECK(contains(pol.predict_from_input(ctx, b.st, FailingAdapter{}, TensorView<const float, 2>::contiguous(x.data(), {1, 1}), &pos,
+                                        pool.table(), 3, TensorView<float, 3>::contiguous(qbuf.data(), {1, 1, 4}), r3.req),
+                 "no such layer"));
+  CHECK(b.st.history.serial == serial);
+  CHECK(r3.pages[0] == -7);
   // A ratio that leaves no channel is rejected when the state is built.
   InfiniGenState st;
   std::vector<float> f(100);

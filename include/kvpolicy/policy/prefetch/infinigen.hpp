@@ -330,7 +330,9 @@ class InfiniGen {
 
   /// `predict` from layer `target_layer - 1`'s normalised attention input
   /// `x` (batch, d_model): the adapter writes the speculative query into `q`
-  /// (batch, Hq, d), then `predict` runs on it.
+  /// (batch, Hq, d; caller scratch), then `predict` runs on it. The state,
+  /// table and `out` are checked before the adapter runs; an adapter error is
+  /// returned as is, with `out` and the history untouched.
   template <class Backend, class Adapter>
     requires InfiniGenModelAdapter<Adapter> Status predict_from_input(const Context<Backend>& ctx, State& st, const Adapter& adapter,
                                                                       TensorView<const float, 2> x, const std::int64_t* positions,
@@ -341,8 +343,18 @@ class InfiniGen {
     KVP_REQUIRE(x.extent(0) == table.batch && q.extent(0) == table.batch,
                 "infinigen: x has %lld rows and q %lld sequences, the page table has batch %d", static_cast<long long>(x.extent(0)),
                 static_cast<long long>(q.extent(0)), table.batch);
+    KVP_RETURN_IF_ERROR(x.check_basic(kName, "x"));
+    // Everything predict checks, before the adapter writes q (a failing adapter leaves out and the history alone).
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_state(st));
+    std::int32_t G = 0;
+    const DecodeInput<float> in{TensorView<const float, 3>(q), table, st.page_size, target_layer};
+    KVP_RETURN_IF_ERROR(
+        prefetch_detail::check_predict(kName, st.history, in.queries, table, st.page_size, st.num_kv_heads, st.head_dim, out, &G));
+    KVP_REQUIRE(target_layer >= 0, "infinigen: layer is %d, must be >= 0", target_layer);
+    KVP_REQUIRE(target_layer < params_.dense_layers || st.prepared, "infinigen: predict before prepare");
     KVP_RETURN_IF_ERROR(adapter.speculative_query(target_layer, positions, x, q));
-    return predict(ctx, st, DecodeInput<float>{TensorView<const float, 3>(q), table, st.page_size, target_layer}, out);
+    return predict(ctx, st, in, out);
   }
 
   template <class Backend>
