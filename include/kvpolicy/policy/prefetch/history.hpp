@@ -231,6 +231,20 @@ inline std::int64_t entry_of(const PageTable& table, std::int32_t b, std::int64_
   return table.indptr[b] + t / page_size;
 }
 
+/// sum_i a[i] * b[i] in fp32 over 8 interleaved partial sums (lane l takes
+/// i = l mod 8, the lanes added pairwise at the end, then the tail in order):
+/// a fixed order, so every backend and thread count gets the same bits, and
+/// one the compiler can vectorise without reassociating.
+inline float dot(const float* a, const float* b, std::int64_t n) noexcept {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 /// prio[e] = max(prio[e], v) treating kNotPredicted as absent.
 inline void raise(float* prio, std::int64_t e, float v) noexcept {
   if (std::isnan(v)) v = -std::numeric_limits<float>::infinity();  // NaN scores rank last but still predict

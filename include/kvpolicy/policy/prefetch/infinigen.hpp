@@ -502,12 +502,7 @@ class InfiniGen {
       for (std::int32_t j = 0; j < G; ++j) {
         const float* q = qt + j * r;
         float* o = out + static_cast<std::size_t>(j) * ld + static_cast<std::size_t>(t0);
-        for (std::int64_t sl = 0; sl < slots; ++sl) {
-          const float* k = kp + sl * r;
-          float s = 0.0f;
-          for (std::int64_t c = 0; c < r; ++c) s += q[c] * k[c];
-          o[sl] = s;
-        }
+        for (std::int64_t sl = 0; sl < slots; ++sl) o[sl] = prefetch_detail::dot(q, kp + sl * r, r);
       }
     }
   }

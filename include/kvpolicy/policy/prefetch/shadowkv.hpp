@@ -272,12 +272,7 @@ class ShadowKV {
             for (std::int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(next.queries(b, g * G + j, i)) * scale;
           for (std::int64_t ch = 0; ch < cand; ++ch) {  // each landmark read once for the group
             const float* Lm = st.landmarks + slot_of(b, ch, g) * d;
-            for (std::int32_t j = 0; j < G; ++j) {
-              const float* q = qf + j * d;
-              float s = 0.0f;
-              for (std::int64_t i = 0; i < d; ++i) s += q[i] * Lm[i];
-              logits[j * cand + ch] = is_outlier[ch] ? -kInf : s;
-            }
+            for (std::int32_t j = 0; j < G; ++j) logits[j * cand + ch] = is_outlier[ch] ? -kInf : prefetch_detail::dot(qf + j * d, Lm, d);
           }
           for (std::int32_t j = 0; j < G; ++j) {
             float* lg = logits + j * cand;

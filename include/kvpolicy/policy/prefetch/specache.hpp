@@ -137,7 +137,8 @@ class SpeCache {
                              static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.max_kv_len), page_size);
     if (!r.status.is_ok()) return r;
     const std::int64_t entries = shape.batch * ((shape.max_kv_len + page_size - 1) / page_size);
-    r.workspace_bytes = layout<Backend>(shape.max_kv_len, entries, shape.num_q_heads / shape.num_kv_heads, shape.head_dim).total();
+    r.workspace_bytes =
+        layout<Backend>(shape.max_kv_len, entries, shape.num_q_heads / shape.num_kv_heads, shape.head_dim, page_size).total();
     r.output = OutputSize{1, entries};
     r.query_window = 1;
     return r;
@@ -204,12 +205,12 @@ class SpeCache {
     std::int64_t T = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) T = std::max(T, table.seq_len(b, st.page_size));
     const std::int64_t entries = prefetch_detail::table_entries(table), d = st.head_dim;
-    const auto L = layout<Backend>(T, entries, G, d);
+    const auto L = layout<Backend>(T, entries, G, d, st.page_size);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, L.total()));
     WorkspaceCarver c(ctx.workspace);
     float* probs = c.take<float>(static_cast<std::size_t>(G * std::max<std::int64_t>(T, 1)));
     float* mean = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-    float* krow = c.take<float>(static_cast<std::size_t>(d));
+    float* krow = c.take<float>(static_cast<std::size_t>(st.page_size * d));  // one page of one kv head
     float* qf = c.take<float>(static_cast<std::size_t>(G * d));
     std::int32_t* idx = c.take<std::int32_t>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
     const Workspace topk_ws{c.take<std::byte>(Backend::topk_workspace(T)), Backend::topk_workspace(T)};
@@ -230,16 +231,10 @@ class SpeCache {
           for (std::int32_t p = 0; p < table.num_pages(b); ++p) {  // a page's rows of one kv head are contiguous
             const std::int64_t t0 = static_cast<std::int64_t>(p) * st.page_size;
             const std::int64_t slots = std::min<std::int64_t>(st.page_size, n - t0);
-            const std::uint8_t* rows = st.row(table.indices[table.indptr[b] + p], 0, g);
-            for (std::int64_t sl = 0; sl < slots; ++sl) {
-              Backend::ggml_dequantize_row(params_.type, rows + sl * st.row_bytes, d, krow);
-              for (std::int32_t j = 0; j < G; ++j) {
-                const float* q = qf + j * d;
-                float s = 0.0f;
-                for (std::int64_t i = 0; i < d; ++i) s += q[i] * krow[i];
-                probs[j * n + t0 + sl] = s;
-              }
-            }
+            // The page's rows of kv head g are consecutive blocks: one dequantize call for all of them.
+            Backend::ggml_dequantize_row(params_.type, st.row(table.indices[table.indptr[b] + p], 0, g), slots * d, krow);
+            for (std::int64_t sl = 0; sl < slots; ++sl)
+              for (std::int32_t j = 0; j < G; ++j) probs[j * n + t0 + sl] = prefetch_detail::dot(qf + j * d, krow + sl * d, d);
           }
           for (std::int32_t j = 0; j < G; ++j) softmax(probs + j * n, n);
           Backend::group_reduce(probs, G, n, n, GroupReduce::kMean, mean);
@@ -277,10 +272,10 @@ class SpeCache {
     return st.history.check(kName);
   }
   template <class Backend>
-  static WorkspacePlan layout(std::int64_t T, std::int64_t entries, std::int64_t G, std::int64_t d) noexcept {
+  static WorkspacePlan layout(std::int64_t T, std::int64_t entries, std::int64_t G, std::int64_t d, std::int64_t page_size) noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
     WorkspacePlan p;
-    p.add<float>(static_cast<std::size_t>(G) * t).add<float>(t).add<float>(static_cast<std::size_t>(d));
+    p.add<float>(static_cast<std::size_t>(G) * t).add<float>(t).add<float>(static_cast<std::size_t>(page_size * d));
     p.add<float>(static_cast<std::size_t>(G * d)).add<std::int32_t>(t);
     p.add_bytes(Backend::topk_workspace(T));
     p.add<float>(static_cast<std::size_t>(entries)).add<std::uint64_t>(static_cast<std::size_t>(entries));
