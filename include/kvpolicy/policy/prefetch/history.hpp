@@ -7,14 +7,14 @@
 // The unit is the physical page of the pool: a page holds every kv head's
 // K/V rows of `page_size` tokens (paged engines move whole pages, vLLM /
 // FlashInfer layout), so a per-head selection needs the union of its rows.
-// One `PrefetchHistory` serves one layer of one batch; it holds two step
-// stamps per pool page:
+// One `PrefetchHistory` serves one layer of one batch; it holds two stamps
+// per pool page:
 //
 //   predicted_at[p]  the serial number of the last prediction that named page p
 //   used_at[p]       the last observation that read page p
 //
-// the observation counter `step` and the prediction counter `serial`. `predict` targets observation `step`
-// (the next `observe`): a next-layer predictor (InfiniGen) predicts layer
+// plus the observation counter `step` and the prediction counter `serial`.
+// `predict` targets observation `step` (the next `observe`): a next-layer predictor (InfiniGen) predicts layer
 // l + 1 of the current step before that layer runs; a next-step predictor
 // (Quest lookahead, SpeCache, ShadowKV) predicts after the current step's
 // observe, i.e. for the next step. `observe(actual)` then counts, for each
@@ -36,6 +36,14 @@
 // The page that receives new tokens is counted like any other page (it is
 // read every step, so it is a buffer hit from the second step on, except when
 // a new page starts).
+//
+// Definition choices (reference/algorithms-other.md §7 item 11): pooled, not
+// per head (a page counts once per layer step, whichever heads or sequences
+// read it; rates are ratios of sums over layers and steps); def 2 skips the
+// first step of a layer (no previous step) and def 1 skips observations no
+// prediction targeted (InfiniGen's layer 0, the first step of a next-step
+// predictor), while def 3 counts every observation; CSR rows have no padding
+// slots, so none are counted (SparDA counts its -1 padding).
 #pragma once
 
 #include <algorithm>
