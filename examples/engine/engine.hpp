@@ -22,6 +22,8 @@
 //   |                                        filled `keep` is applied with compact_contiguous/compact_paged;
 //   |-- on_compact(cache, layer)             then this fires (rebuild metadata of moved tokens)
 //   decode(token), per layer:
+//   |-- on_layer_input(cache, layer, pos, x) the layer's normalised input (1, d_model) before its projections
+//   |                                        (InfiniGen's next-layer speculation; examples/engine/prefetch.hpp)
 //   |-- on_append(cache, layer, 1)           the token's K/V are in the cache
 //   |-- before_attention(cache, layer, q, sel)  selection: fill `sel` (PageSelection over the paged pool,
 //   |                                        e.g. Quest) and this step attends to those pages only
@@ -200,6 +202,8 @@ std::span<const float> Session<Cache>::decode(std::int32_t token) {
   for (int l = 0; l < c.n_layers; ++l) {
     const Model::Layer& L = model_->layer(l);
     rms_norm(x_.data(), L.attn_norm, 1, d, c.norm_eps, xn_.data());
+    if (hooks_.on_layer_input)
+      timed([&] { return hooks_.on_layer_input(cache_, l, position_, TensorView<const float, 2>::contiguous(xn_.data(), {1, d})); });
     linear(xn_.data(), L.wq, 1, d, Hq * hd, q_.data());
     linear(xn_.data(), L.wk, 1, d, Hkv * hd, k_.data());
     linear(xn_.data(), L.wv, 1, d, Hkv * hd, v_.data());

@@ -6,7 +6,8 @@
 // brings the core views and status, the ops contract and its scalar
 // reference, every policy of every family that exists (eviction: StreamingLLM,
 // SnapKV, H2O, ObservedAttention, TOVA, Ada-KV, PyramidKV, Expected Attention, LAQ;
-// selection: Quest), the budget vocabulary, the apply/ helpers that compact a
+// selection: Quest; quantization: ggml blocks, fp8; prefetch: Quest lookahead,
+// InfiniGen, SpeCache, ShadowKV-style landmarks), the budget vocabulary, the apply/ helpers that compact a
 // cache, the engine lifecycle hooks, the run-time registry, the owning
 // convenience layer (easy.hpp) and the thread pool; plus `backend::Cpu` when
 // its header is on the include path (link `kvpolicy::cpu`). The readers under
@@ -54,6 +55,11 @@
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/prefetch/history.hpp"
+#include "kvpolicy/policy/prefetch/infinigen.hpp"
+#include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
+#include "kvpolicy/policy/prefetch/shadowkv.hpp"
+#include "kvpolicy/policy/prefetch/specache.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/quant/fp8.hpp"
 #include "kvpolicy/quant/ggml.hpp"
@@ -81,4 +87,8 @@ static_assert(
     kvpolicy::EvictionPolicy<kvpolicy::ExpectedAttention, kvpolicy::ExpectedAttentionInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::OnlineEvictionPolicy<kvpolicy::H2O, kvpolicy::ScoreInput<float, kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::SelectionPolicy<kvpolicy::Quest, float, kvpolicy::half, kvpolicy::half, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::PrefetchPolicy<kvpolicy::QuestLookahead<float>, float, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::PrefetchPolicy<kvpolicy::InfiniGen, float, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::PrefetchPolicy<kvpolicy::SpeCache, float, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::PrefetchPolicy<kvpolicy::ShadowKV, float, kvpolicy::backend::Cpu>);
 #endif

@@ -6,6 +6,7 @@
 //                    [--ratios 0.5,0.75] [--policies A,B] [--threads N] [--reps N] [--per-layer]
 //                    [--out-dir DIR | --csv FILE] [--commit REV] [--no-progress] [--list-policies]
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include "synthetic_workload.hpp"
 #include "trace_cases.hpp"
 #ifdef KVP_COMPARE_WITH_ENGINE
+#include "prefetch_workload.hpp"
 #include "task_workload.hpp"
 #endif
 
@@ -44,6 +46,14 @@ const char* kUsage =
     "  --real-ratios LIST  kvpress compression ratios for the real model (default 0.25,0.5,0.75)\n"
     "  --real-fillers LIST haystacks to run (default prose; the set has repeat,prose)\n"
     "  --real-full         the whole real-model table: 6 samples per cell, every length and haystack\n"
+    "  --prefetch-samples N  prefetch workload on kvp-tiny: N task prompts through the engine's prefetch loop\n"
+    "                      (default 2; 0 for none)\n"
+    "  --prefetch-steps N  decode steps per prompt (default 16)\n"
+    "  --prefetch-device-pages LIST  simulated device budgets, pages per layer (default: 6 from the largest\n"
+    "                      step to the whole pool)\n"
+    "  --prefetch-bandwidth GBPS  simulated host->device bandwidth, GB/s (default 25)\n"
+    "  --prefetch-latency-us US   simulated latency per copy batch (default 10)\n"
+    "  --prefetch-layer-us US     simulated compute per layer, what a prefetch can hide behind (default 20)\n"
     "  --budgets LIST      token budgets per kv head (default 64,128,256,512,1024; '' for none)\n"
     "  --ratios LIST       kvpress compression ratios (fraction removed; default 0.5,0.75,0.875; '' for none)\n"
     "  --policies LIST     policies to run (default all; see --list-policies)\n"
@@ -101,6 +111,9 @@ int main(int argc, char** argv) {
   SweepOptions opt;
   std::string out_dir, csv_path, commit = "unknown";
   int task_samples = 40;
+  int prefetch_samples = 2, prefetch_steps = 16;
+  std::vector<double> prefetch_pages;
+  double prefetch_bw = 25.0, prefetch_latency = 10.0, prefetch_layer = 20.0;
 #ifdef KVP_COMPARE_WITH_ENGINE
   std::string model_dir = KVP_COMPARE_MODEL_DIR, task_set = KVP_COMPARE_TASK_SET, real_tasks = KVP_COMPARE_REAL_TASK_SET;
 #else
@@ -138,6 +151,22 @@ int main(int argc, char** argv) {
       const char* v = next();
       task_samples = std::atoi(v);
       if (task_samples < 0) bad(v);
+    } else if (a == "--prefetch-samples" || a == "--prefetch-steps") {
+      const char* v = next();
+      const int n = std::atoi(v);
+      if (n < 0 || (a == "--prefetch-steps" && n < 1)) bad(v);
+      (a == "--prefetch-samples" ? prefetch_samples : prefetch_steps) = n;
+    } else if (a == "--prefetch-device-pages") {
+      const char* v = next();
+      if (!parse_list(v, &prefetch_pages)) bad(v);
+      for (double p : prefetch_pages)
+        if (p < 1 || p != static_cast<double>(static_cast<long long>(p))) bad(v);
+    } else if (a == "--prefetch-bandwidth" || a == "--prefetch-latency-us" || a == "--prefetch-layer-us") {
+      const char* v = next();
+      char* end = nullptr;
+      const double x = std::strtod(v, &end);
+      if (end == v || *end != 0 || !(x > 0) || !std::isfinite(x)) bad(v);  // the simulator's parameters must be positive
+      (a == "--prefetch-bandwidth" ? prefetch_bw : a == "--prefetch-latency-us" ? prefetch_latency : prefetch_layer) = x;
     } else if (a == "--model") {
       model_dir = next();
     } else if (a == "--tasks") {
@@ -232,12 +261,13 @@ int main(int argc, char** argv) {
     }
   }
 #ifndef KVP_COMPARE_WITH_ENGINE
-  if (task_samples > 0) {
-    std::fprintf(stderr, "kvpolicy-compare: built without the engine (Eigen 3.4 missing): no end-to-end tasks\n");
+  if (task_samples > 0 || prefetch_samples > 0) {
+    std::fprintf(stderr, "kvpolicy-compare: built without the engine (Eigen 3.4 missing): no end-to-end tasks, no prefetch workload\n");
     task_samples = 0;
+    prefetch_samples = 0;
   }
 #endif
-  if (synthetic == 0 && trace_cases.empty() && task_samples == 0) {
+  if (synthetic == 0 && trace_cases.empty() && task_samples == 0 && prefetch_samples == 0) {
     std::fprintf(stderr, "kvpolicy-compare: nothing to compare (no synthetic instances, no traces)\n");
     return 2;
   }
@@ -267,6 +297,11 @@ int main(int argc, char** argv) {
     for (double l : real_lengths) std::printf(" %.0f", l);
     std::printf(", question-aware and -agnostic\n");
   }
+  if (prefetch_samples > 0)
+    std::printf(
+        "  prefetch: %d prompts x %d decode steps on kvp-tiny (engine loop); simulated link %g GB/s, %g us per copy batch,\n"
+        "            %g us compute per layer\n",
+        prefetch_samples, prefetch_steps, prefetch_bw, prefetch_latency, prefetch_layer);
   std::fflush(stdout);
 
   for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));
@@ -298,8 +333,24 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  std::vector<std::string> prefetch_notes;
+  if (prefetch_samples > 0) {
+    try {
+      PrefetchWorkloadOptions po{model_dir,   task_set,         prefetch_samples, prefetch_steps,           {},
+                                 prefetch_bw, prefetch_latency, prefetch_layer,   opt.progress && isatty(2)};
+      for (double p : prefetch_pages) po.device_pages.push_back(static_cast<std::int64_t>(p));
+      prefetch_notes = run_prefetch_workload(po, &rows);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kvpolicy-compare: prefetch workload: %s\n", e.what());
+      return 1;
+    }
+  }
 #endif
   print_table(stdout, rows);
+#ifdef KVP_COMPARE_WITH_ENGINE
+  print_prefetch_table(stdout, rows);
+  for (const auto& n : prefetch_notes) std::printf("note: skipped %s\n", n.c_str());
+#endif
   for (const auto& w : sweep.warnings()) std::printf("note: skipped %s\n", w.c_str());
   if (!csv_path.empty()) {
     if (!write_csv(csv_path, rows, commit)) {

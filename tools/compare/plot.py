@@ -15,6 +15,9 @@ Everything is drawn from the CSV alone (rows with layer == "all"). Per workload 
   W_laq.png         the same for LAQ, LAQ++ and the SnapKV variants only (lookahead queries vs SnapKV)
   W_memory.png      end-to-end accuracy vs K/V bytes per layer: eviction, quantization and
                     both on one axis ("at this much memory, evict or quantize?")
+  W_stall.png       prefetch workloads: simulated stall and bytes per decode step, late-miss and
+                    buffer-hit rates vs the device budget (pages per layer), the prefetch
+                    policies against fetch-on-miss and all-resident
 and table.md, the same pivot the console table shows. Needs matplotlib
 (Debian python3-matplotlib); only the standard library otherwise.
 """
@@ -31,9 +34,15 @@ from collections import OrderedDict, defaultdict
 QUALITY = [("rel_err", "attention output rel. error", False), ("mass_recall", "attention-mass recall", True),
            ("topk_overlap", "oracle top-k overlap", True), ("needle_hit", "needle hit rate", True)]
 TASKS = [("accuracy", "task accuracy", True), ("logit_kl", "logit KL vs full (nats)", False)]
+PREFETCH = [("stall_us_per_step", "simulated stall per decode step (us)", False),
+            ("bytes_per_step", "host->device bytes per decode step", False),
+            ("sim_late_miss", "late-miss rate (simulated)", False), ("sim_buffer_hit", "buffer-hit rate (simulated)", True)]
 TABLE_COLS = [("rel_err", "rel_err", "{:.4f}"), ("mass_recall", "mass_rec", "{:.4f}"), ("topk_overlap", "topk_ovl", "{:.4f}"),
               ("needle_hit", "needle", "{:.4f}"), ("time_ms", "time_ms", "{:.3f}"), ("kv_bytes", "KiB/layer", "{:.1f}"),
-              ("accuracy", "accuracy", "{:.4f}"), ("logit_kl", "logit_KL", "{:.4f}")]
+              ("accuracy", "accuracy", "{:.4f}"), ("logit_kl", "logit_KL", "{:.4f}"),
+              ("pred_recall", "recall", "{:.4f}"), ("buffer_hit", "buf_hit", "{:.4f}"), ("late_miss", "late", "{:.4f}"),
+              ("sim_late_miss", "sim_late", "{:.4f}"), ("bytes_per_step", "bytes/step", "{:.0f}"),
+              ("stall_us_per_step", "stall_us/step", "{:.2f}")]
 
 
 def load(path):
@@ -63,7 +72,8 @@ def table_markdown(piv):
         lines += [f"### {wl}", "", "| policy | budget | kept | " + " | ".join(c[1] for c in cols) + " |",
                   "|---|---:|---:|" + "---:|" * len(cols)]
         for (pol, kind, b), v in cells.items():
-            bud = f"{b:.0f}" if kind == "tokens" else (f"r={b:g}" if kind == "ratio_removed" else "full")
+            bud = f"{b:.0f}" if kind == "tokens" else (f"r={b:g}" if kind == "ratio_removed" else
+                                                       (f"{b:.0f} pages" if kind == "device_pages" else "full"))
             vals = []
             for key, _, fmt in cols:
                 x = v.get(key)
@@ -115,6 +125,8 @@ def plots(piv, out_dir):
             family[pol] = v["family"]
 
     def style(p):
+        if family.get(p) == "baseline":  # prefetch baselines (fetch_on_miss, all_resident)
+            return dict(color="0.15" if p == "fetch_on_miss" else "0.55", linestyle="--", marker="x")
         if family.get(p) == "oracle":
             return dict(color="0.4", linestyle=":", marker="^")
         if family.get(p) == "selection":
@@ -199,6 +211,8 @@ def plots(piv, out_dir):
         laq = {key: v for key, v in cells.items() if key[1] == "full" or (key[0].startswith(("LAQ", "SnapKV")) and "+" not in key[0])}
         if any(key[0].startswith("LAQ") for key in laq):
             grid(laq, TASKS, "tokens", f"{wl}: lookahead queries (LAQ) vs SnapKV", f"{s}_laq.png", "budget (tokens per kv head, log2)", True)
+        grid(cells, PREFETCH, "device_pages", f"{wl}: offload simulation vs device budget", f"{s}_stall.png",
+             "device budget (pages per layer)", False)
 
         # accuracy vs bytes (task workloads; selection reads, it does not hold less) and recall vs bytes
         vs_bytes(cells, "accuracy", lambda pol: family.get(pol) != "selection", "K/V bytes held per layer (KiB, log2)",

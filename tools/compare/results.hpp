@@ -10,13 +10,14 @@
 //   model         model name of a trace / the engine model, "" for synthetic data
 //   layer         "all" (mean over layers and instances) or a layer index (--per-layer)
 //   policy        policy name (see policies.hpp); "Full" is the full-cache baseline
-//   family        eviction | selection | oracle | baseline
+//   family        eviction | selection | oracle | baseline | prefetch
 //   query_aware   1 when the policy reads the prompt's last queries or the decode query
-//   budget_kind   tokens | ratio_removed | full
+//   budget_kind   tokens | ratio_removed | full | device_pages (prefetch: the simulated device buffer per layer)
 //   budget_value  tokens per kv head, kvpress compression ratio, or the prompt length (full)
 //   kept_tokens   mean prompt tokens a head reads under the decision
 //   metric        rel_err | mass_recall | topk_overlap | needle_hit | kv_bytes | time_ms |
-//                 accuracy | logit_kl (end-to-end)
+//                 accuracy | logit_kl (end-to-end) | pred_recall | buffer_hit | late_miss | sim_pred_recall |
+//                 sim_buffer_hit | sim_late_miss | bytes_per_step | stall_us_per_step (prefetch_workload.hpp)
 //   value         the metric's value (mean over cases; time_ms: median decision time per layer)
 //   n             cases (layer x instance) aggregated
 //   commit        source revision given with --commit ("unknown" otherwise)
@@ -83,6 +84,7 @@ inline void print_table(FILE* out, const std::vector<ResultRow>& rows) {
   std::map<std::string, std::vector<Line>> by_wl;
   for (const auto& r : rows) {
     if (r.layer != "all") continue;
+    if (r.budget_kind == "device_pages") continue;  // prefetch rows: print_prefetch_table (prefetch_workload.hpp)
     if (std::find(workloads.begin(), workloads.end(), r.workload) == workloads.end()) workloads.push_back(r.workload);
     auto& lines = by_wl[r.workload];
     auto it = std::find_if(lines.begin(), lines.end(),

@@ -108,7 +108,9 @@ struct QuantizedKV {
 
 // ---- prefetch -------------------------------------------------------------
 
-/// Pages to bring on-device before the next step, most urgent first.
+/// Pages to bring on-device before the next step, most urgent first. A
+/// policy's `predict` takes it by reference: it fills `pages[0, size)` (and
+/// `priority` when not null) and sets `size`.
 struct PrefetchRequest {
   std::int32_t* pages = nullptr;  // (capacity) physical page ids
   float* priority = nullptr;      // (capacity) optional, higher = sooner
@@ -125,15 +127,67 @@ struct PrefetchRequest {
   }
 };
 
-/// Hit-rate accounting of a prefetcher (reference: algorithms-other.md, hit-rate definitions):
-/// of the pages the step actually read, how many were predicted (hits) or not (misses);
-/// of the pages predicted, how many went unused (wasted).
+/// Hit-rate accounting of a prefetcher, the three definitions of
+/// reference/algorithms-other.md §6.3 (policy/prefetch/history.hpp counts them):
+///
+///   1. prediction recall  hits / (hits + misses): of the pages a step read,
+///                         the fraction its prediction named (steps without a
+///                         prediction are not counted here);
+///   2. buffer hit         reused / reuse_total: of the pages a step read, the
+///                         fraction the previous step of the same layer also
+///                         read (resident in a ShadowKV-style buffer; the first
+///                         step of a layer has no previous step and is skipped);
+///   3. late-miss rate     late / needed: of the pages a step read, the fraction
+///                         neither read by the previous step nor predicted, i.e.
+///                         fetched on demand while attention waits.
+///
+/// Counts are pooled: a page counts once per (layer, step) however many heads
+/// or sequences read it, and rates are ratios of sums over steps and layers
+/// (not means of per-step ratios). There is no padding (rows are CSR).
+/// `transferred` pages crossed the link (predicted pages not already read by
+/// the previous step, plus the late misses): bytes moved = transferred *
+/// page bytes. `hits`, `misses`, `wasted`, `recall()` and `precision()` keep
+/// their earlier meaning.
 struct PrefetchCounters {
-  std::int64_t hits = 0;
-  std::int64_t misses = 0;
-  std::int64_t wasted = 0;
+  std::int64_t hits = 0;             ///< read pages that were predicted (steps with a prediction)
+  std::int64_t misses = 0;           ///< read pages that were not predicted (steps with a prediction)
+  std::int64_t wasted = 0;           ///< predicted pages the step did not read
+  std::int64_t predicted = 0;        ///< predicted pages (distinct per step)
+  std::int64_t needed = 0;           ///< read pages (distinct per step), every step
+  std::int64_t reused = 0;           ///< read pages the previous step of the layer also read
+  std::int64_t reuse_total = 0;      ///< read pages of steps that have a previous step
+  std::int64_t late = 0;             ///< read pages neither reused nor predicted (demand fetches)
+  std::int64_t transferred = 0;      ///< pages moved host -> device (prefetched and not resident, plus late)
+  std::int64_t steps = 0;            ///< observations (layer steps)
+  std::int64_t predicted_steps = 0;  ///< observations that had a prediction
+
   double recall() const noexcept { return hits + misses == 0 ? 1.0 : static_cast<double>(hits) / static_cast<double>(hits + misses); }
   double precision() const noexcept { return hits + wasted == 0 ? 1.0 : static_cast<double>(hits) / static_cast<double>(hits + wasted); }
+  /// Definition 1.
+  double prediction_recall() const noexcept { return recall(); }
+  /// Definition 2 (1 when no step had a previous step).
+  double buffer_hit_rate() const noexcept {
+    return reuse_total == 0 ? 1.0 : static_cast<double>(reused) / static_cast<double>(reuse_total);
+  }
+  /// Definition 3 (0 when nothing was read).
+  double late_miss_rate() const noexcept { return needed == 0 ? 0.0 : static_cast<double>(late) / static_cast<double>(needed); }
+  /// Host -> device bytes for pages of `page_bytes` bytes.
+  double bytes_moved(double page_bytes) const noexcept { return static_cast<double>(transferred) * page_bytes; }
+
+  PrefetchCounters& operator+=(const PrefetchCounters& o) noexcept {
+    hits += o.hits;
+    misses += o.misses;
+    wasted += o.wasted;
+    predicted += o.predicted;
+    needed += o.needed;
+    reused += o.reused;
+    reuse_total += o.reuse_total;
+    late += o.late;
+    transferred += o.transferred;
+    steps += o.steps;
+    predicted_steps += o.predicted_steps;
+    return *this;
+  }
 };
 
 KVP_NAMESPACE_END

@@ -11,6 +11,8 @@
 //   |                                           (Hq, W, d); a filled `keep` is applied (compaction)
 //   |-- on_compact(cache, layer)                after the engine moved rows (state re-packing, rebuilds)
 //   decode(token), per layer:
+//   |-- on_layer_input(cache, layer, pos, x)    x: the layer's normalised attention input (batch, d_model)
+//   |                                           at position pos, before its Q/K/V projections
 //   |-- on_append(cache, layer, 1)              the token's K/V are in the cache
 //   |-- before_attention(cache, layer, q, sel)  a filled `sel` restricts this step's attention
 //   |-- after_attention(cache, layer, P, keep)  P: this step's probabilities (Hq, n) over the cache
@@ -20,10 +22,17 @@
 //   | hook point       | one-shot eviction | online eviction     | selection           | merge        | quantization       | prefetch |
 //   |------------------|-------------------|---------------------|---------------------|--------------|--------------------|----------|
 //   | after_prefill    | evict             | update + evict      | plan                | merge(keep)  | quantize all       | -        |
+//   | on_layer_input   | -                 | -                   | -                   | -            | -                  | predict  |
 //   | on_append        | -                 | -                   | on_append           | -            | quantize residual  | -        |
 //   | before_attention | -                 | -                   | plan + select       | -            | -                  | predict  |
 //   | after_attention  | -                 | update + evict      | -                   | -            | -                  | observe  |
 //   | on_compact       | -                 | state re-packed     | on_append (rebuild) | -            | -                  | -        |
+//
+// Prefetch: `on_layer_input` predicts the next layer (InfiniGen), the other
+// points predict the next step (Quest lookahead, ShadowKV from the current
+// query; SpeCache after attention, from its speculative row); `observe` runs
+// as soon as the step's real selection is known (examples/engine/prefetch.hpp
+// observes in before_attention, right after choosing the pages).
 //
 // Decisions go into caller-owned, grow-only buffers (`KeepBuffer`,
 // `SelectionBuffer`): a hook that decides calls `reserve` (which marks the
@@ -81,6 +90,10 @@ template <class Cache>
 struct Hooks {
   /// After the prompt's K/V of `layer` are cached: queries (num_q_heads, W, head_dim).
   std::function<Status(Cache&, int layer, TensorView<const float, 3> queries, KeepBuffer& keep)> after_prefill;
+  /// During a decode step, before `layer`'s Q/K/V projections: its normalised
+  /// attention input x (batch, d_model) at `position` (next-layer speculation,
+  /// InfiniGen: layer + 1's pages are predicted from it while layer runs).
+  std::function<Status(Cache&, int layer, std::int64_t position, TensorView<const float, 2> x)> on_layer_input;
   /// After `appended` tokens entered `layer` (prompt or decode step).
   std::function<Status(Cache&, int layer, std::int64_t appended)> on_append;
   /// Before a decode step's attention at `layer`: query (batch, num_q_heads, head_dim).
@@ -105,6 +118,7 @@ Hooks<Cache> combine(Hooks<Cache> a, Hooks<Cache> b) {
   };
   Hooks<Cache> h;
   h.after_prefill = chain(a.after_prefill, b.after_prefill);
+  h.on_layer_input = chain(a.on_layer_input, b.on_layer_input);
   h.on_append = chain(a.on_append, b.on_append);
   h.before_attention = chain(a.before_attention, b.before_attention);
   h.after_attention = chain(a.after_attention, b.after_attention);

@@ -1,0 +1,11 @@
+# Prefetch family: one predict per policy at a 16K-token decode step (Quest lookahead, InfiniGen, SpeCache, ShadowKV).
+find_package(benchmark QUIET)
+if(TARGET benchmark::benchmark AND TARGET kvpolicy_cpu)
+  add_executable(bench_prefetch ${CMAKE_CURRENT_LIST_DIR}/bench_prefetch.cpp)
+  target_link_libraries(bench_prefetch PRIVATE kvpolicy::kvpolicy benchmark::benchmark)
+  target_include_directories(bench_prefetch PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_compile_features(bench_prefetch PRIVATE cxx_std_20)
+  kvp_set_warnings(bench_prefetch)
+else()
+  message(STATUS "kvpolicy: Google Benchmark or the CPU backend not found, bench_prefetch not built")
+endif()
