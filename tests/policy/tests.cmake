@@ -3,3 +3,4 @@
 include(${CMAKE_CURRENT_LIST_DIR}/eviction/tests.cmake)
 include(${CMAKE_CURRENT_LIST_DIR}/selection/tests.cmake)
 include(${CMAKE_CURRENT_LIST_DIR}/budget/tests.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/merging/tests.cmake)
