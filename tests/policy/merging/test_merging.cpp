@@ -59,7 +59,7 @@ TEST_CASE("kvpress merging: an evicted value folds into its most similar kept to
   REQUIRE(p3.untouched());
 }
 
-TEST_CASE("TorchBernoulli reproduces torch's CPU generator: torch.manual_seed(s); torch.rand / torch.bernoulli", "[merging]") {
+TEST_CASE("TorchBernoulli reproduces torch's CPU generator: torch.manual_seed then torch.rand or torch.bernoulli", "[merging]") {
   // torch.manual_seed(0); torch.rand(3) and seed 3 (tests/reference/make_merge_fixtures.py models the same generator).
   TorchBernoulli r0(0), r3(3);
   REQUIRE(r0.uniform() == 0.49625658988952637f);
@@ -80,7 +80,7 @@ TEST_CASE("TorchBernoulli reproduces torch's CPU generator: torch.manual_seed(s)
   }
 }
 
-TEST_CASE("kvpress CAM: a certain merge spreads V[e] over the next merge_budget kept tokens; the draw rate follows p", "[merging]") {
+TEST_CASE("kvpress CAM: a certain merge spreads the value over the next merge_budget kept tokens, the draw rate follows p", "[merging]") {
   const std::int64_t T = 5, d = 2;
   const std::vector<float> v = {1, 1, 4, 8, 10, 20, 30, 40, 50, 60};
   std::vector<float> attn = {1, 2, 1, 1, 1};  // A[1] = 2 > mean of its window (1): p = 1
