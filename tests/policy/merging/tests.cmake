@@ -2,7 +2,8 @@
 # weighted merge, MiniCache; apply/merge.hpp and the evict -> merge -> quantize pipeline.
 kvp_add_test(test_merging
   ${CMAKE_CURRENT_LIST_DIR}/test_merging.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_apply_merge.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_apply_merge.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_pipeline.cpp)
 
 # Cross-check against kvpress 0.5.5 (committed fixtures; needs nlohmann-json).
 find_package(nlohmann_json 3 QUIET)
