@@ -121,7 +121,7 @@ class CaM {
     WorkspaceCarver c(cx.workspace);
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
     float* u = c.take<float>(t * static_cast<std::size_t>(H));
-    float* work = c.take<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(d, 1)));
+    float* work = c.take<float>(stream ? 1 : t * static_cast<std::size_t>(std::max<std::int64_t>(d, 1)));
     float* colsum = c.take<float>(t);
     std::int32_t* ids = c.take<std::int32_t>(t);
     std::int32_t* slot = c.take<std::int32_t>(t);  // token -> kept slot (-1: evicted)
@@ -139,25 +139,32 @@ class CaM {
       std::fill(slot, slot + T, -1);
       for (std::size_t k = 0; k < kept.size(); ++k) slot[kept[k]] = static_cast<std::int32_t>(k);
       std::fill(touched, touched + T, std::uint8_t{0});
-      for (std::int64_t j = 0; j < T; ++j)
-        for (std::int64_t k = 0; k < d; ++k) work[j * d + k] = to_float(V.row(j)[k]);
-      pos = stream ? streaming_row(in, kept, H, h, T, d, u, work, ids, touched, out, pos)
-                   : prefill_row(in, kept, H, h, T, d, u, work, colsum, slot, touched, out, pos);
-      if (!out.merged_values.empty())
+      if (stream) {
+        const std::int64_t first = pos;
+        pos = streaming_row(in, kept, H, h, T, u, ids, out, pos);
+        if (!out.merged_values.empty()) streaming_apply(V, kept, d, out, first, pos, h * out.slots_per_row, touched);
+      } else {
         for (std::int64_t j = 0; j < T; ++j)
-          if (touched[j] && slot[j] >= 0)
-            std::copy(work + j * d, work + (j + 1) * d, &out.merged_values(h * out.slots_per_row + slot[j], 0));
+          for (std::int64_t k = 0; k < d; ++k) work[j * d + k] = to_float(V.row(j)[k]);
+        pos = prefill_row(in, H, h, T, d, u, work, colsum, slot, touched, out, pos);
+        if (!out.merged_values.empty())
+          for (std::int64_t j = 0; j < T; ++j)
+            if (touched[j] && slot[j] >= 0)
+              std::copy(work + j * d, work + (j + 1) * d, &out.merged_values(h * out.slots_per_row + slot[j], 0));
+      }
       out.indptr[h + 1] = static_cast<std::int32_t>(pos);
     }
     return Status::ok();
   }
 
  private:
-  static WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) noexcept {
+  /// Draws, the fp32 copy of a head's values (prefill form only: the cascade), per-token scratch.
+  WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) const noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    const std::size_t work = params_.form == CaMForm::kPrefill ? t * static_cast<std::size_t>(std::max<std::int64_t>(d, 1)) : 1;
     return WorkspacePlan{}
         .add<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(H, 1)))
-        .add<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(d, 1)))
+        .add<float>(work)
         .add<float>(t)
         .add<std::int32_t>(t)
         .add<std::int32_t>(t)
@@ -205,10 +212,10 @@ class CaM {
     return std::clamp(p, 0.0f, 1.0f);
   }
 
+  /// The row's entries: for every evicted e (ascending) whose draw succeeds, (slot, e, 1 / merge_num) per window slot.
   template <class Tk>
   std::int64_t streaming_row(const MergeInput<Tk>& in, std::span<const std::int32_t> kept, std::int64_t H, std::int64_t h, std::int64_t T,
-                             std::int64_t d, const float* u, float* work, std::int32_t* ids, std::uint8_t* touched, MergePlan& out,
-                             std::int64_t pos) const noexcept {
+                             const float* u, std::int32_t* ids, MergePlan& out, std::int64_t pos) const noexcept {
     const std::int64_t E = detail::evicted_of(kept, T, ids), M = params_.merge_num;
     const float inv = 1.0f / static_cast<float>(M);
     for (std::int64_t i = 0; i < E; ++i) {
@@ -220,10 +227,6 @@ class CaM {
       const float p = merge_prob(detail::attention_of(in.attention_sums, H, h, e), sum / static_cast<float>(n));
       if (n == 0 || !(u[i * H + h] < p)) continue;
       for (std::int64_t w = 0; w < n; ++w) {
-        const std::int32_t tok = kept[static_cast<std::size_t>(s0 + w)];
-        const float* src = work + static_cast<std::int64_t>(e) * d;  // e is evicted: never a target, unchanged
-        for (std::int64_t k = 0; k < d; ++k) work[tok * d + k] += src[k] * inv;
-        touched[tok] = 1;
         out.dst[pos] = static_cast<std::int32_t>(s0 + w);
         out.src[pos] = e;
         out.weight[pos] = inv;
@@ -233,11 +236,28 @@ class CaM {
     return pos;
   }
 
+  /// merged[slot] = V[kept slot] + sum of the entries' weight x V[src], in entry
+  /// order; the sources are evicted, so they are never targets (no cascade).
   template <class Tk>
-  std::int64_t prefill_row(const MergeInput<Tk>& in, std::span<const std::int32_t> kept, std::int64_t H, std::int64_t h, std::int64_t T,
-                           std::int64_t d, const float* u, float* work, float* colsum, const std::int32_t* slot, std::uint8_t* touched,
-                           MergePlan& out, std::int64_t pos) const noexcept {
-    (void)kept;
+  static void streaming_apply(const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d, const MergePlan& out,
+                              std::int64_t first, std::int64_t last, std::int64_t row0, std::uint8_t* touched) noexcept {
+    for (std::int64_t e = first; e < last; ++e) {
+      const std::int32_t slot = out.dst[e];
+      float* o = &out.merged_values(row0 + slot, 0);
+      if (touched[slot] == 0) {
+        touched[slot] = 1;
+        const Tk* x = V.row(kept[static_cast<std::size_t>(slot)]);
+        for (std::int64_t c = 0; c < d; ++c) o[c] = to_float(x[c]);
+      }
+      const Tk* x = V.row(out.src[e]);
+      for (std::int64_t c = 0; c < d; ++c) o[c] += to_float(x[c]) * out.weight[e];
+    }
+  }
+
+  template <class Tk>
+  std::int64_t prefill_row(const MergeInput<Tk>& in, std::int64_t H, std::int64_t h, std::int64_t T, std::int64_t d, const float* u,
+                           float* work, float* colsum, const std::int32_t* slot, std::uint8_t* touched, MergePlan& out,
+                           std::int64_t pos) const noexcept {
     const std::int64_t S = params_.start, R = params_.recent, G = in.attention.extent(0) / H;
     const float invM = 1.0f / static_cast<float>(R);
     std::fill(colsum, colsum + T, 0.0f);
