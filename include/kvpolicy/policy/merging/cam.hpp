@@ -136,14 +136,14 @@ class CaM {
     for (std::int64_t h = 0; h < H; ++h) {
       const auto kept = keep.row(h);
       const Rows<Tk> V = in.values.rows(h);
-      std::fill(slot, slot + T, -1);
-      for (std::size_t k = 0; k < kept.size(); ++k) slot[kept[k]] = static_cast<std::int32_t>(k);
       std::fill(touched, touched + T, std::uint8_t{0});
       if (stream) {
         const std::int64_t first = pos;
         pos = streaming_row(in, kept, H, h, T, u, ids, out, pos);
         if (!out.merged_values.empty()) streaming_apply(V, kept, d, out, first, pos, h * out.slots_per_row, touched);
       } else {
+        std::fill(slot, slot + T, -1);
+        for (std::size_t k = 0; k < kept.size(); ++k) slot[kept[k]] = static_cast<std::int32_t>(k);
         for (std::int64_t j = 0; j < T; ++j)
           for (std::int64_t k = 0; k < d; ++k) work[j * d + k] = to_float(V.row(j)[k]);
         pos = prefill_row(in, H, h, T, d, u, work, colsum, slot, touched, out, pos);

@@ -186,11 +186,16 @@ inline float dot(const float* a, const float* b, std::int64_t d) noexcept {
 }
 
 /// Row j of `rows` widened to fp32 (and optionally divided by max(norm, eps)); returns the norm.
+/// (`Backend` is kept for the call sites' symmetry: widening is the same on every backend.)
 template <class Backend, class T>
 float load_row(const Rows<T>& rows, std::int64_t j, std::int64_t d, float* out, float normalise_eps) noexcept {
   const T* x = rows.row(j);
-  for (std::int64_t c = 0; c < d; ++c) out[c] = to_float(x[c]);
-  const float n = Backend::row_norm(x, d);
+  double ss = 0.0;  // the norm of the widened row, accumulated in double like Backend::row_norm (one conversion per value)
+  for (std::int64_t c = 0; c < d; ++c) {
+    out[c] = to_float(x[c]);
+    ss += static_cast<double>(out[c]) * out[c];
+  }
+  const auto n = static_cast<float>(std::sqrt(ss));
   if (normalise_eps > 0.0f) {
     const float inv = 1.0f / std::max(n, normalise_eps);
     for (std::int64_t c = 0; c < d; ++c) out[c] *= inv;
@@ -251,25 +256,31 @@ struct NearestScratch {
 /// max(norm, eps) before the dot product (kvpress: eps 1e-6; torch
 /// cosine_similarity: 1e-8). A NaN similarity never wins; a row whose
 /// similarities are all NaN gets target -1.
+/// Order of work: the evicted keys are normalised once into the scratch
+/// (E x d, cache-resident for decode-size E), then every kept key is read
+/// once, normalised, and dotted with all of them, so the cache is streamed
+/// once whatever E is.
 template <class Backend, class Tk>
 void nearest_kept(const Rows<Tk>& keys, std::span<const std::int32_t> kept, std::int64_t T, std::int64_t d, float eps,
                   NearestScratch& s) noexcept {
   const auto C = static_cast<std::int64_t>(kept.size());
-  for (std::int64_t c = 0; c < C; ++c) load_row<Backend>(keys, kept[static_cast<std::size_t>(c)], d, s.kept_keys + c * d, eps);
   s.num_evicted = evicted_of(kept, T, s.evicted);
-  for (std::int64_t i = 0; i < s.num_evicted; ++i) {
-    load_row<Backend>(keys, s.evicted[i], d, s.key, eps);
-    float best = 0.0f;
-    std::int32_t arg = -1;
-    for (std::int64_t c = 0; c < C; ++c) {
-      const float v = dot(s.key, s.kept_keys + c * d, d);
-      if (v == v && (arg < 0 || v > best)) {
-        best = v;
-        arg = static_cast<std::int32_t>(c);
+  const std::int64_t E = s.num_evicted;
+  float* ev = s.kept_keys;  // (E, d) normalised evicted keys
+  for (std::int64_t i = 0; i < E; ++i) {
+    load_row<Backend>(keys, s.evicted[i], d, ev + i * d, eps);
+    s.target[i] = -1;
+    s.sim[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+  for (std::int64_t c = 0; c < C; ++c) {
+    load_row<Backend>(keys, kept[static_cast<std::size_t>(c)], d, s.key, eps);
+    for (std::int64_t i = 0; i < E; ++i) {
+      const float v = dot(s.key, ev + i * d, d);
+      if (v == v && (s.target[i] < 0 || v > s.sim[i])) {
+        s.sim[i] = v;
+        s.target[i] = static_cast<std::int32_t>(c);
       }
     }
-    s.target[i] = arg;
-    s.sim[i] = arg < 0 ? std::numeric_limits<float>::quiet_NaN() : best;
   }
 }
 

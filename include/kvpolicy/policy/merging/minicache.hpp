@@ -80,11 +80,11 @@ class MiniCache {
     return Status::ok();
   }
 
-  /// Workspace: the angular distances of one head; output rows = kv heads,
+  /// Workspace: the angular distances of every head; output rows = kv heads,
   /// capacity = every token retained (the worst case).
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& s) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), s, workspace(s.max_kv_len, s.head_dim).total(), 1);
+    return detail::merge_requirements(kName, validate_params(), s, workspace(s.num_kv_heads, s.max_kv_len, s.head_dim).total(), 1);
   }
 
   /// Bytes per (token, kv head) of the pair, fp32 store, for a retained fraction `f`.
@@ -100,14 +100,14 @@ class MiniCache {
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.cur, "cur", &H, &T, &d));
     KVP_RETURN_IF_ERROR(check_store(out, H, T, d));
     KVP_RETURN_IF_ERROR(out.retained.check_output(kName, H, 0));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(T, d).total()));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(H, T, d).total()));
     WorkspaceCarver c(cx.workspace);
-    float* dist = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+    float* dist = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(H * T, 1)));
     float* u = c.take<float>(static_cast<std::size_t>(d));
     float* w = c.take<float>(static_cast<std::size_t>(d));
     // Pass 1: distances and the retained count (checked against the capacity before any write).
     std::int64_t total = 0;
-    for (std::int64_t h = 0; h < H; ++h) total += distances<Backend>(in, h, T, d, dist, u, w);
+    for (std::int64_t h = 0; h < H; ++h) total += distances<Backend>(in, h, T, d, dist + h * T, u, w);
     KVP_REQUIRE(total <= out.retained.capacity && total <= INT32_MAX, "minicache: %lld tokens retained, retained capacity is %lld",
                 static_cast<long long>(total), static_cast<long long>(out.retained.capacity));
     KVP_REQUIRE(
@@ -118,14 +118,14 @@ class MiniCache {
     std::int64_t pos = 0;
     out.retained.indptr[0] = 0;
     for (std::int64_t h = 0; h < H; ++h) {
-      distances<Backend>(in, h, T, d, dist, u, w);
-      const float thr = threshold(dist, T);
+      const float* dh = dist + h * T;
+      const float thr = threshold(dh, T);
       const Rows<Tk> P = in.prev.rows(h), Q = in.cur.rows(h);
       for (std::int64_t j = 0; j < T; ++j) {
         const float np = detail::load_row<Backend>(P, j, d, u, 0.0f), nq = detail::load_row<Backend>(Q, j, d, w, 0.0f);
         out.norm_prev(h, j) = np;
         out.norm_cur(h, j) = nq;
-        if (dist[j] > thr) {
+        if (dh[j] > thr) {
           out.retained.indices[pos] = static_cast<std::int32_t>(j);
           std::copy(u, u + d, &out.retained_prev(pos, 0));
           std::copy(w, w + d, &out.retained_cur(pos, 0));
@@ -164,9 +164,9 @@ class MiniCache {
   }
 
  private:
-  static WorkspacePlan workspace(std::int64_t T, std::int64_t d) noexcept {
+  static WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) noexcept {
     const auto dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
-    return WorkspacePlan{}.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1))).add<float>(dd).add<float>(dd);
+    return WorkspacePlan{}.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(H * T, 1))).add<float>(dd).add<float>(dd);
   }
 
   static Status check_store(const MiniCacheMerged& m, std::int64_t H, std::int64_t T, std::int64_t d) noexcept {
