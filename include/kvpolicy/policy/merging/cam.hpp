@@ -121,7 +121,8 @@ class CaM {
     WorkspaceCarver c(cx.workspace);
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
     float* u = c.take<float>(t * static_cast<std::size_t>(H));
-    float* work = c.take<float>(stream ? 1 : t * static_cast<std::size_t>(std::max<std::int64_t>(d, 1)));
+    const auto dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
+    float* work = c.take<float>(stream ? dd : t * dd);
     float* colsum = c.take<float>(t);
     std::int32_t* ids = c.take<std::int32_t>(t);
     std::int32_t* slot = c.take<std::int32_t>(t);  // token -> kept slot (-1: evicted)
@@ -140,7 +141,7 @@ class CaM {
       if (stream) {
         const std::int64_t first = pos;
         pos = streaming_row(in, kept, H, h, T, u, ids, out, pos);
-        if (!out.merged_values.empty()) streaming_apply(V, kept, d, out, first, pos, h * out.slots_per_row, touched);
+        if (!out.merged_values.empty()) streaming_apply(V, kept, d, out, first, pos, h * out.slots_per_row, touched, work);
       } else {
         std::fill(slot, slot + T, -1);
         for (std::size_t k = 0; k < kept.size(); ++k) slot[kept[k]] = static_cast<std::int32_t>(k);
@@ -161,7 +162,7 @@ class CaM {
   /// Draws, the fp32 copy of a head's values (prefill form only: the cascade), per-token scratch.
   WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) const noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
-    const std::size_t work = params_.form == CaMForm::kPrefill ? t * static_cast<std::size_t>(std::max<std::int64_t>(d, 1)) : 1;
+    const std::size_t dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1)), work = params_.form == CaMForm::kPrefill ? t * dd : dd;
     return WorkspacePlan{}
         .add<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(H, 1)))
         .add<float>(work)
@@ -240,7 +241,8 @@ class CaM {
   /// order; the sources are evicted, so they are never targets (no cascade).
   template <class Tk>
   static void streaming_apply(const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d, const MergePlan& out,
-                              std::int64_t first, std::int64_t last, std::int64_t row0, std::uint8_t* touched) noexcept {
+                              std::int64_t first, std::int64_t last, std::int64_t row0, std::uint8_t* touched, float* src_row) noexcept {
+    std::int32_t loaded = -1;  // entries of one source are consecutive: widen its row once
     for (std::int64_t e = first; e < last; ++e) {
       const std::int32_t slot = out.dst[e];
       float* o = &out.merged_values(row0 + slot, 0);
@@ -249,8 +251,13 @@ class CaM {
         const Tk* x = V.row(kept[static_cast<std::size_t>(slot)]);
         for (std::int64_t c = 0; c < d; ++c) o[c] = to_float(x[c]);
       }
-      const Tk* x = V.row(out.src[e]);
-      for (std::int64_t c = 0; c < d; ++c) o[c] += to_float(x[c]) * out.weight[e];
+      if (out.src[e] != loaded) {
+        loaded = out.src[e];
+        const Tk* x = V.row(loaded);
+        for (std::int64_t c = 0; c < d; ++c) src_row[c] = to_float(x[c]);
+      }
+      const float w = out.weight[e];
+      for (std::int64_t c = 0; c < d; ++c) o[c] += src_row[c] * w;
     }
   }
 

@@ -69,7 +69,8 @@ class KvpressCAM {
 
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& shape) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), shape, workspace(shape.max_kv_len).total(), params_.merge_budget);
+    return detail::merge_requirements(kName, validate_params(), shape, workspace(shape.max_kv_len, shape.head_dim).total(),
+                                      params_.merge_budget);
   }
 
   /// Step 0: keep the `target_size` tokens of highest head-mean score, the same in
@@ -126,7 +127,7 @@ class KvpressCAM {
                   static_cast<long long>(T), static_cast<long long>(k), static_cast<long long>(n_evict));
     }
     KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted * params_.merge_budget, /*merges_keys=*/false));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(T).total()));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(T, d).total()));
 
     WorkspaceCarver c(cx.workspace);
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
@@ -135,6 +136,7 @@ class KvpressCAM {
     float* mean = c.take<float>(t);
     std::uint64_t* order = c.take<std::uint64_t>(t);
     std::int32_t* touched = c.take<std::int32_t>(t);
+    float* src_row = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(d, 1)));
     const auto kept = H > 0 ? keep.row(0) : std::span<const std::int32_t>{};
     const auto C = static_cast<std::int64_t>(kept.size());
     const std::int64_t n = candidates(in, kept, T, k, cand, mean, order);
@@ -167,16 +169,17 @@ class KvpressCAM {
           ++pos;
         }
       }
-      if (!out.merged_values.empty()) apply_row(V, kept, d, out, first, pos, row0, touched);
+      if (!out.merged_values.empty()) apply_row(V, kept, d, out, first, pos, row0, touched, src_row);
       out.indptr[h + 1] = static_cast<std::int32_t>(pos);
     }
     return Status::ok();
   }
 
  private:
-  static WorkspacePlan workspace(std::int64_t T) noexcept {
+  static WorkspacePlan workspace(std::int64_t T, std::int64_t d) noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
-    return WorkspacePlan{}.add<std::int32_t>(t).add<std::int32_t>(t).add<float>(t).add<std::uint64_t>(t).add<std::int32_t>(t);
+    return WorkspacePlan{}.add<std::int32_t>(t).add<std::int32_t>(t).add<float>(t).add<std::uint64_t>(t).add<std::int32_t>(t).add<float>(
+        static_cast<std::size_t>(std::max<std::int64_t>(d, 1)));
   }
 
   static void mean_scores(const TensorView<const float, 2>& scores, float* mean) noexcept {
@@ -206,8 +209,9 @@ class KvpressCAM {
   /// merged[slot] = V[kept slot] + the row's entries, in entry order (kvpress's scatter_add order).
   template <class Tk>
   static void apply_row(const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d, const MergePlan& out, std::int64_t first,
-                        std::int64_t last, std::int64_t row0, std::int32_t* touched) noexcept {
+                        std::int64_t last, std::int64_t row0, std::int32_t* touched, float* src_row) noexcept {
     for (std::int64_t e = first; e < last; ++e) touched[out.dst[e]] = 0;
+    std::int32_t loaded = -1;  // entries of one candidate are consecutive: widen its row once
     for (std::int64_t e = first; e < last; ++e) {
       const std::int32_t slot = out.dst[e];
       float* o = &out.merged_values(row0 + slot, 0);
@@ -216,8 +220,13 @@ class KvpressCAM {
         const Tk* x = V.row(kept[static_cast<std::size_t>(slot)]);
         for (std::int64_t c = 0; c < d; ++c) o[c] = to_float(x[c]);
       }
-      const Tk* x = V.row(out.src[e]);
-      for (std::int64_t c = 0; c < d; ++c) o[c] += to_float(x[c]) * out.weight[e];
+      if (out.src[e] != loaded) {
+        loaded = out.src[e];
+        const Tk* x = V.row(loaded);
+        for (std::int64_t c = 0; c < d; ++c) src_row[c] = to_float(x[c]);
+      }
+      const float w = out.weight[e];
+      for (std::int64_t c = 0; c < d; ++c) o[c] += src_row[c] * w;
     }
   }
 
