@@ -164,6 +164,12 @@ PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_d
 /// every kept token is stored in `quant_spec`'s format. Name "snapkv+<quant_spec>".
 PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim);
 
+/// Eviction then merging on the same token budget: SnapKV (window 32, kernel 5) keeps `budget` tokens per kv
+/// head and `merge` folds the evicted ones into them ("kvpress_merging": kvpress MergingPress, values only;
+/// "lookm_pivot"; "d2o": as-coded mean, a fresh EMA threshold per request; "nearest_kept": persistent masses,
+/// all 1 after prefill). Contiguous cache. Name "snapkv+<merge>".
+PolicyUnderTest snapkv_merged_policy(const std::string& merge);
+
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
 /// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c);

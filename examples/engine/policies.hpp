@@ -24,6 +24,9 @@
 //    goes once the cache is full. The score state lives in the hook, one per layer.
 //  * expected_attention_hooks(params, rope_base): Expected Attention after
 //    prefill, from the whole prompt's queries rotated back to pre-RoPE.
+//  * merge_hooks(policy, merge): eviction after prefill, then a kvpolicy merge
+//    policy folds the evicted tokens into the kept ones (apply/merge.hpp) before
+//    the engine compacts (contiguous cache).
 //  * tova_hooks(tova): online TOVA: after prefill the last prompt query's
 //    head-mean attention decides, then on every decode step the step's
 //    attention weights do; the cache never exceeds the budget.
@@ -49,6 +52,7 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "kvpolicy/apply/merge.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/gqa.hpp"
 #include "kvpolicy/core/page_selection.hpp"
@@ -56,6 +60,10 @@
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_merging.hpp"
+#include "kvpolicy/policy/merging/lookm.hpp"
+#include "kvpolicy/policy/merging/nearest_kept.hpp"
 #include "kvpolicy/policy/policy.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
@@ -356,6 +364,82 @@ Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
   return h;
 }
 
+// ---- merging: eviction, then the evicted tokens folded into the kept ones --------------------------------
+
+/// The merge input of one layer: keys and values in place, plus the per-layer state some merges keep
+/// (D2O's EMA threshold, the nearest-kept merge's per-slot masses, all 1 after a prefill).
+struct MergeHookState {
+  std::vector<kvpolicy::D2OState> d2o;  // per layer
+  std::vector<float> masses;            // (kv_heads, kv_len) of the layer being merged
+  std::vector<std::int32_t> indptr, dst, src;
+  std::vector<float> weight, merged_k, merged_v;
+  std::vector<std::byte> ws;
+};
+
+template <class Policy, class T>
+auto merge_input_for(const Policy&, KVSource<T> keys, KVSource<T> values, MergeHookState& st, int layer) {
+  if constexpr (std::is_same_v<Policy, kvpolicy::D2O>) {
+    if (st.d2o.size() <= static_cast<std::size_t>(layer)) st.d2o.resize(static_cast<std::size_t>(layer) + 1);
+    st.d2o[static_cast<std::size_t>(layer)] = kvpolicy::D2OState{};  // a fresh threshold per request
+    kvpolicy::D2OInput<T> in;
+    in.keys = keys;
+    in.values = values;
+    in.state = &st.d2o[static_cast<std::size_t>(layer)];
+    return in;
+  } else if constexpr (std::is_same_v<Policy, kvpolicy::NearestKeptMerge>) {
+    st.masses.assign(static_cast<std::size_t>(keys.kv_heads() * keys.kv_len()), 1.0f);
+    kvpolicy::NearestKeptInput<T> in;
+    in.keys = keys;
+    in.values = values;
+    in.state.weights = TensorView<float, 2>::contiguous(st.masses.data(), {keys.kv_heads(), keys.kv_len()});
+    return in;
+  } else {
+    kvpolicy::MergeInput<T> in;
+    in.keys = keys;
+    in.values = values;
+    return in;
+  }
+}
+
+/// After prefill (contiguous cache): `policy` evicts as in eviction_hooks, then `merge` (any kvpolicy
+/// `MergePolicy` reading keys and values: KvpressMerging, LookMPivot, D2O, NearestKeptMerge) folds the evicted
+/// tokens into the kept ones and apply::merge_contiguous writes the merged rows into the kept slots before
+/// the engine compacts with the same KeepSet (keys merged post-RoPE at the kept token's position).
+template <class Cache, class Policy, class MergeP, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx = {}) {
+  constexpr bool kMergesKeys = !std::is_same_v<MergeP, kvpolicy::KvpressMerging>;
+  Hooks<Cache> h = eviction_hooks<Cache, Policy, Backend>(policy, ctx);
+  auto evict = h.after_prefill;
+  auto S = std::make_shared<MergeHookState>();
+  h.after_prefill = [evict, merge, ctx, S](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    KVP_RETURN_IF_ERROR(evict(cache, layer, queries, keep));
+    if (!keep.active) return Status::ok();
+    const auto keys = cache.key_source(layer), values = cache.value_source(layer);
+    const std::int64_t H = keys.kv_heads(), T = keys.kv_len(), d = keys.head_dim();
+    const kvpolicy::Requirements r =
+        merge.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{queries.extent(0), H, d, T, 1});
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    std::int64_t slots = 0;
+    for (std::int64_t row = 0; row < keep.set.num_rows; ++row) slots = std::max<std::int64_t>(slots, keep.set.row_size(row));
+    S->indptr.assign(static_cast<std::size_t>(H + 1), 0);
+    S->dst.resize(static_cast<std::size_t>(r.output.capacity));
+    S->src.resize(static_cast<std::size_t>(r.output.capacity));
+    S->weight.resize(static_cast<std::size_t>(r.output.capacity));
+    S->merged_k.resize(kMergesKeys ? static_cast<std::size_t>(H * slots * d) : 0);
+    S->merged_v.resize(static_cast<std::size_t>(H * slots * d));
+    kvpolicy::MergePlan plan{S->indptr.data(), S->dst.data(), S->src.data(), S->weight.data(), H, r.output.capacity};
+    if (kMergesKeys) plan.merged_keys = TensorView<float, 2>::contiguous(S->merged_k.data(), {H * slots, d});
+    plan.merged_values = TensorView<float, 2>::contiguous(S->merged_v.data(), {H * slots, d});
+    plan.slots_per_row = slots;
+    const auto in = merge_input_for(merge, keys, values, *S, layer);
+    KVP_RETURN_IF_ERROR(merge.merge(policy_context<Backend>(ctx, &S->ws), in, keep.set, plan));
+    return kvpolicy::merge_contiguous(cache.keys(layer), cache.values(layer), T, keep.set, 0, plan,
+                                      kvpolicy::MergeSlots::kBeforeCompaction);
+  };
+  return h;
+}
+
 // ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------
 
 // One list for both sides: `KVP_ENGINE_HOOKS_FOR(extern, C)` declares, `KVP_ENGINE_HOOKS_FOR(, C)` defines.
@@ -376,5 +460,12 @@ extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache
     kvpolicy::GgmlQuant, kvpolicy::ExecContext);
 extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
     kvpolicy::Fp8Quant, kvpolicy::ExecContext);
+#define KVP_ENGINE_MERGE_HOOKS_FOR(EXTERN, M)                                                                                         \
+  EXTERN template Hooks<ContiguousKVCache<float>> merge_hooks<ContiguousKVCache<float>, kvpolicy::SnapKV, M, kvpolicy::backend::Cpu>( \
+      kvpolicy::SnapKV, M, kvpolicy::ExecContext);
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::KvpressMerging)
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::LookMPivot)
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::D2O)
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::NearestKeptMerge)
 
 }  // namespace kvp_engine

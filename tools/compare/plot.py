@@ -123,6 +123,8 @@ def plots(piv, out_dir):
             return dict(color=color[p], linestyle=":", marker="D")
         if family.get(p) == "evict+quantize":
             return dict(color=color[p], linestyle="--", marker="v")
+        if family.get(p) == "merging":
+            return dict(color=color[p], linestyle="--", marker="P")
         return dict(color=color[p], linestyle="-", marker="o")
 
     written = []
@@ -199,6 +201,12 @@ def plots(piv, out_dir):
         laq = {key: v for key, v in cells.items() if key[1] == "full" or (key[0].startswith(("LAQ", "SnapKV")) and "+" not in key[0])}
         if any(key[0].startswith("LAQ") for key in laq):
             grid(laq, TASKS, "tokens", f"{wl}: lookahead queries (LAQ) vs SnapKV", f"{s}_laq.png", "budget (tokens per kv head, log2)", True)
+
+        # merging: SnapKV with and without each merge at equal budget
+        mrg = {key: v for key, v in cells.items() if key[1] == "full" or key[0] == "SnapKV" or family.get(key[0]) == "merging"}
+        if any(family.get(key[0]) == "merging" for key in mrg):
+            grid(mrg, TASKS, "tokens", f"{wl}: eviction with and without merging (SnapKV)", f"{s}_merging.png",
+                 "budget (tokens per kv head, log2)", True)
 
         # accuracy vs bytes (task workloads; selection reads, it does not hold less) and recall vs bytes
         vs_bytes(cells, "accuracy", lambda pol: family.get(pol) != "selection", "K/V bytes held per layer (KiB, log2)",

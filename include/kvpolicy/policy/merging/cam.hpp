@@ -39,6 +39,11 @@
 //    the merged rows, which are authoritative.
 //  * A zero reference (ref = 0 or an all-zero window) gives p = NaN -> 0 or
 //    inf -> 1 (clamped), as torch would compute it.
+//  * Prefill attention is taken as causal: row i contributes to columns j <= i
+//    only (entries above the diagonal are ignored, as a causal softmax makes them 0).
+//  * Cost: the prefill form reads the full T x T attention (O(T^2) per kv
+//    head), as the original simulation does; it is meant for analysis-size
+//    prompts. The streaming form is O(evicted x merge_num x head_dim).
 #pragma once
 
 #include <algorithm>
