@@ -155,7 +155,7 @@ def main():
         "conventions": {
             "layout": "arrays are row-major: keys/values (H, T, d); attention_sums/scores (H, T); merged_values (H, n_kept, d)",
             "kept": "per kv head, ascending token ids",
-            "tolerance": "merged values: float32 from kvpress; C++ agrees to 2e-6 relative to the row's max |value| (summation order)",
+            "tolerance": "merged values: float32 from kvpress; C++ agrees to 1e-6 of the row's max |value| (observed <= 5e-7: summation order); Bernoulli draws and kept sets exactly",
         },
         "cases": cases,
     }
