@@ -178,6 +178,25 @@ PolicyUnderTest snapkv_merged_policy(const std::string& merge) {
   return p;
 }
 
+PolicyUnderTest h2o_merged_policy(const std::string& merge) {
+  PolicyUnderTest p;
+  p.name = "h2o+" + merge;
+  p.query_window = PolicyUnderTest::kWholePrompt;
+  using C = ContiguousKVCache<float>;
+  auto with = [&](auto m) {
+    p.contiguous = [m](std::int64_t, std::int64_t budget) {
+      return merge_after<C>(h2o_hooks<C>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2))), m);
+    };
+  };
+  if (merge == "d2o")
+    with(kvpolicy::D2O{});
+  else if (merge == "nearest_kept")
+    with(kvpolicy::NearestKeptMerge{});
+  else
+    throw std::runtime_error("no online merge policy named '" + merge + "'; expected d2o or nearest_kept");
+  return p;
+}
+
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
   // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
   // their own hooks (see the header comment).
@@ -202,7 +221,9 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           snapkv_merged_policy("kvpress_merging"),
           snapkv_merged_policy("lookm_pivot"),
           snapkv_merged_policy("d2o"),
-          snapkv_merged_policy("nearest_kept")};
+          snapkv_merged_policy("nearest_kept"),
+          h2o_merged_policy("d2o"),
+          h2o_merged_policy("nearest_kept")};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {

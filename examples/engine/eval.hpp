@@ -169,6 +169,11 @@ PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int3
 /// "lookm_pivot"; "d2o": as-coded mean, a fresh EMA threshold per request; "nearest_kept": persistent masses,
 /// all 1 after prefill). Contiguous cache. Name "snapkv+<merge>".
 PolicyUnderTest snapkv_merged_policy(const std::string& merge);
+/// Online eviction then merging at every decode step (D2O's setting): H2O (hh = budget / 2, the rest recent)
+/// evicts one token per step once the cache is full and `merge` ("d2o": the EMA threshold carried across the
+/// request's steps; "nearest_kept": persistent per-slot masses) folds it into its nearest kept token. Also
+/// merges after prefill. Contiguous cache. Name "h2o+<merge>".
+PolicyUnderTest h2o_merged_policy(const std::string& merge);
 
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
 /// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.

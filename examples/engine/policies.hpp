@@ -24,9 +24,10 @@
 //    goes once the cache is full. The score state lives in the hook, one per layer.
 //  * expected_attention_hooks(params, rope_base): Expected Attention after
 //    prefill, from the whole prompt's queries rotated back to pre-RoPE.
-//  * merge_hooks(policy, merge): eviction after prefill, then a kvpolicy merge
-//    policy folds the evicted tokens into the kept ones (apply/merge.hpp) before
-//    the engine compacts (contiguous cache).
+//  * merge_hooks(policy, merge), merge_after(hooks, merge): eviction (after
+//    prefill, or online after every decode attention: H2O), then a kvpolicy
+//    merge policy folds the evicted tokens into the kept ones (apply/merge.hpp)
+//    before the engine compacts (contiguous cache).
 //  * tova_hooks(tova): online TOVA: after prefill the last prompt query's
 //    head-mean attention decides, then on every decode step the step's
 //    attention weights do; the cache never exceeds the budget.
@@ -366,32 +367,37 @@ Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
 
 // ---- merging: eviction, then the evicted tokens folded into the kept ones --------------------------------
 
-/// The merge input of one layer: keys and values in place, plus the per-layer state some merges keep
-/// (D2O's EMA threshold, the nearest-kept merge's per-slot masses, all 1 after a prefill).
+/// Per-layer merge state of one request: D2O's EMA threshold and the nearest-kept merge's per-slot masses
+/// ((kv_heads, capacity), 1 for every token entering the cache, re-packed by each merge), plus the plan buffers.
 struct MergeHookState {
-  std::vector<kvpolicy::D2OState> d2o;  // per layer
-  std::vector<float> masses;            // (kv_heads, kv_len) of the layer being merged
+  std::vector<kvpolicy::D2OState> d2o;     // per layer
+  std::vector<std::vector<float>> masses;  // per layer (kv_heads, capacity)
   std::vector<std::int32_t> indptr, dst, src;
   std::vector<float> weight, merged_k, merged_v;
   std::vector<std::byte> ws;
+
+  void reset(int layer, std::int64_t kv_heads, std::int64_t capacity) {
+    const auto l = static_cast<std::size_t>(layer);
+    if (d2o.size() <= l) d2o.resize(l + 1), masses.resize(l + 1);
+    d2o[l] = kvpolicy::D2OState{};
+    masses[l].assign(static_cast<std::size_t>(kv_heads * capacity), 1.0f);
+  }
 };
 
 template <class Policy, class T>
-auto merge_input_for(const Policy&, KVSource<T> keys, KVSource<T> values, MergeHookState& st, int layer) {
+auto merge_input_for(const Policy&, KVSource<T> keys, KVSource<T> values, MergeHookState& st, int layer, std::int64_t capacity) {
+  const auto l = static_cast<std::size_t>(layer);
   if constexpr (std::is_same_v<Policy, kvpolicy::D2O>) {
-    if (st.d2o.size() <= static_cast<std::size_t>(layer)) st.d2o.resize(static_cast<std::size_t>(layer) + 1);
-    st.d2o[static_cast<std::size_t>(layer)] = kvpolicy::D2OState{};  // a fresh threshold per request
     kvpolicy::D2OInput<T> in;
     in.keys = keys;
     in.values = values;
-    in.state = &st.d2o[static_cast<std::size_t>(layer)];
+    in.state = &st.d2o[l];
     return in;
   } else if constexpr (std::is_same_v<Policy, kvpolicy::NearestKeptMerge>) {
-    st.masses.assign(static_cast<std::size_t>(keys.kv_heads() * keys.kv_len()), 1.0f);
     kvpolicy::NearestKeptInput<T> in;
     in.keys = keys;
     in.values = values;
-    in.state.weights = TensorView<float, 2>::contiguous(st.masses.data(), {keys.kv_heads(), keys.kv_len()});
+    in.state.weights = TensorView<float, 2>::contiguous(st.masses[l].data(), {keys.kv_heads(), capacity});
     return in;
   } else {
     kvpolicy::MergeInput<T> in;
@@ -401,23 +407,21 @@ auto merge_input_for(const Policy&, KVSource<T> keys, KVSource<T> values, MergeH
   }
 }
 
-/// After prefill (contiguous cache): `policy` evicts as in eviction_hooks, then `merge` (any kvpolicy
-/// `MergePolicy` reading keys and values: KvpressMerging, LookMPivot, D2O, NearestKeptMerge) folds the evicted
-/// tokens into the kept ones and apply::merge_contiguous writes the merged rows into the kept slots before
-/// the engine compacts with the same KeepSet (keys merged post-RoPE at the kept token's position).
-template <class Cache, class Policy, class MergeP, class Backend = kvpolicy::backend::Cpu>
-Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx = {}) {
-  constexpr bool kMergesKeys = !std::is_same_v<MergeP, kvpolicy::KvpressMerging>;
-  Hooks<Cache> h = eviction_hooks<Cache, Policy, Backend>(policy, ctx);
-  auto evict = h.after_prefill;
+/// Wraps `inner` (any eviction hooks: one-shot after prefill, online after every decode attention): whenever
+/// an inner hook fills the KeepBuffer, `merge` (a kvpolicy `MergePolicy` reading keys and values:
+/// KvpressMerging, LookMPivot, D2O, NearestKeptMerge) folds the evicted tokens into the kept ones and
+/// apply::merge_contiguous writes the merged rows into the kept slots before the engine compacts with the
+/// same KeepSet (keys merged post-RoPE, at the kept token's logical position). D2O's threshold and the
+/// nearest-kept masses persist across a request's decode steps (reset after prefill); a token appended at
+/// decode enters with mass 1. Contiguous cache.
+template <class Cache, class MergeP, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext ctx = {}) {
   auto S = std::make_shared<MergeHookState>();
-  h.after_prefill = [evict, merge, ctx, S](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
-    KVP_RETURN_IF_ERROR(evict(cache, layer, queries, keep));
-    if (!keep.active) return Status::ok();
+  auto run = [merge, ctx, S](Cache& cache, int layer, std::int64_t num_q_heads, KeepBuffer& keep) -> Status {
+    constexpr bool kMergesKeys = !std::is_same_v<MergeP, kvpolicy::KvpressMerging>;
     const auto keys = cache.key_source(layer), values = cache.value_source(layer);
     const std::int64_t H = keys.kv_heads(), T = keys.kv_len(), d = keys.head_dim();
-    const kvpolicy::Requirements r =
-        merge.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{queries.extent(0), H, d, T, 1});
+    const kvpolicy::Requirements r = merge.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{num_q_heads, H, d, T, 1});
     KVP_RETURN_IF_ERROR(r.status);
     grow_workspace(S->ws, r);
     std::int64_t slots = 0;
@@ -432,12 +436,42 @@ Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx 
     if (kMergesKeys) plan.merged_keys = TensorView<float, 2>::contiguous(S->merged_k.data(), {H * slots, d});
     plan.merged_values = TensorView<float, 2>::contiguous(S->merged_v.data(), {H * slots, d});
     plan.slots_per_row = slots;
-    const auto in = merge_input_for(merge, keys, values, *S, layer);
+    const auto in = merge_input_for(merge, keys, values, *S, layer, cache.shape().capacity);
     KVP_RETURN_IF_ERROR(merge.merge(policy_context<Backend>(ctx, &S->ws), in, keep.set, plan));
     return kvpolicy::merge_contiguous(cache.keys(layer), cache.values(layer), T, keep.set, 0, plan,
                                       kvpolicy::MergeSlots::kBeforeCompaction);
   };
+  Hooks<Cache> h = inner;
+  h.after_prefill = [f = inner.after_prefill, run, S](Cache& cache, int layer, TensorView<const float, 3> queries,
+                                                      KeepBuffer& keep) -> Status {
+    S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+    if (f) KVP_RETURN_IF_ERROR(f(cache, layer, queries, keep));
+    return keep.active ? run(cache, layer, queries.extent(0), keep) : Status::ok();
+  };
+  if (inner.after_attention)
+    h.after_attention = [f = inner.after_attention, run](Cache& cache, int layer, TensorView<const float, 2> probs,
+                                                         KeepBuffer& keep) -> Status {
+      KVP_RETURN_IF_ERROR(f(cache, layer, probs, keep));
+      return keep.active ? run(cache, layer, probs.extent(0), keep) : Status::ok();
+    };
+  h.on_append = [f = inner.on_append, S](Cache& cache, int layer, std::int64_t appended) -> Status {
+    if (f) KVP_RETURN_IF_ERROR(f(cache, layer, appended));
+    const auto l = static_cast<std::size_t>(layer);
+    if (l < S->masses.size() && !S->masses[l].empty()) {  // decode: the new tokens enter with mass 1
+      const std::int64_t cap = cache.shape().capacity, len = cache.uniform_length(layer);
+      for (std::int64_t hh = 0; hh < cache.shape().num_kv_heads; ++hh)
+        for (std::int64_t j = std::max<std::int64_t>(len - appended, 0); j < len; ++j)
+          S->masses[l][static_cast<std::size_t>(hh * cap + j)] = 1.0f;
+    }
+    return Status::ok();
+  };
   return h;
+}
+
+/// After prefill: `policy` evicts as in eviction_hooks, then `merge` folds (merge_after over eviction_hooks).
+template <class Cache, class Policy, class MergeP, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx = {}) {
+  return merge_after<Cache, MergeP, Backend>(eviction_hooks<Cache, Policy, Backend>(policy, ctx), merge, ctx);
 }
 
 // ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------
@@ -467,5 +501,9 @@ KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::KvpressMerging)
 KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::LookMPivot)
 KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::D2O)
 KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::NearestKeptMerge)
+extern template Hooks<ContiguousKVCache<float>> merge_after<ContiguousKVCache<float>, kvpolicy::D2O, kvpolicy::backend::Cpu>(
+    Hooks<ContiguousKVCache<float>>, kvpolicy::D2O, kvpolicy::ExecContext);
+extern template Hooks<ContiguousKVCache<float>> merge_after<ContiguousKVCache<float>, kvpolicy::NearestKeptMerge, kvpolicy::backend::Cpu>(
+    Hooks<ContiguousKVCache<float>>, kvpolicy::NearestKeptMerge, kvpolicy::ExecContext);
 
 }  // namespace kvp_engine

@@ -32,5 +32,15 @@ TEST_CASE("engine merging: SnapKV plus each merge holds the same bytes, is deter
     CHECK(a[i].correct == b[i].correct);
     CHECK(a[i].mean_kl != snap.mean_kl);  // the merged rows reached the attention
   }
+  // Online: H2O evicting at every decode step, with D2O / the nearest-kept merge folding each victim in.
+  std::vector<PolicyUnderTest> online = {find_policy(c, "h2o"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept")};
+  const auto o1 = run_task_eval(model(), subset, online, budgets), o2 = run_task_eval(model(), subset, online, budgets);
+  for (std::size_t i = 2; i < o1.size(); ++i) {
+    INFO(o1[i].policy);
+    CHECK(o1[i].mean_kept_bytes == o1[1].mean_kept_bytes);
+    CHECK(o1[i].mean_kl == o2[i].mean_kl);
+    CHECK(o1[i].mean_kl != o1[1].mean_kl);
+  }
   CHECK_THROWS_WITH(snapkv_merged_policy("tome"), Catch::Matchers::Contains("no merge policy named 'tome'"));
+  CHECK_THROWS_WITH(h2o_merged_policy("lookm_pivot"), Catch::Matchers::Contains("expected d2o or nearest_kept"));
 }
