@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kvpolicy/backends/cpu.hpp"
@@ -487,5 +488,54 @@ TEST_CASE("merging: Scalar == Cpu (any thread count) bit for bit on random fp16 
                 .merge(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()}, nin, ragged.view(), b.view())
                 .is_ok());
     REQUIRE((a.keys == b.keys && a.values == b.values && w1 == w2));
+  }
+}
+
+TEST_CASE("row_dots: the CPU kernels equal the scalar reference bit for bit at every ISA level, any n and head_dim", "[merging][cpu]") {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  struct Restore {
+    CpuIsa saved = backend::Cpu::isa();
+    ~Restore() { backend::Cpu::set_isa(saved); }
+  } restore;
+  const CpuIsa best = backend::Cpu::best_isa();
+  for (CpuIsa isa : {CpuIsa::kSse2, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (isa > best) continue;
+    REQUIRE(backend::Cpu::set_isa(isa));
+    INFO(cpu_isa_name(isa));
+    for (std::int64_t d : {1, 7, 16, 17, 40, 128, 130})
+      for (std::int64_t n : {1, 3, 4, 5, 9, 33}) {
+        std::vector<float> q(d), rows(n * d), a(n), b(n);
+        for (auto& x : q) x = nd(rng);
+        for (auto& x : rows) x = nd(rng);
+        backend::Scalar::row_dots(q.data(), rows.data(), n, d, a.data());
+        backend::Cpu::row_dots(q.data(), rows.data(), n, d, b.data());
+        INFO("d = " << d << ", n = " << n);
+        REQUIRE(a == b);
+        double ref = 0.0;
+        for (std::int64_t c = 0; c < d; ++c) ref += static_cast<double>(q[c]) * rows[(n - 1) * d + c];
+        REQUIRE(a[n - 1] == Approx(ref).margin(1e-4));
+      }
+    // widen_row: every fp16 bit pattern (subnormals, inf, NaN payloads) widens to the same fp32 bits.
+    std::vector<half> all(65536 + 5);
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = half::from_bits(static_cast<std::uint16_t>(i * 40503u));
+    std::vector<float> wa(all.size()), wb(all.size());
+    backend::Scalar::widen_row(all.data(), static_cast<std::int64_t>(all.size()), wa.data());
+    backend::Cpu::widen_row(all.data(), static_cast<std::int64_t>(all.size()), wb.data());
+    REQUIRE(std::memcmp(wa.data(), wb.data(), wa.size() * sizeof(float)) == 0);
+    // A whole policy on this level equals the scalar backend (head_dim 40: a 16-channel tail of 8).
+    const std::int64_t H = 2, T = 50, d = 40;
+    std::vector<float> k(H * T * d), v(H * T * d);
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    std::vector<std::vector<std::int32_t>> rows(H);
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int32_t j = 0; j < T; ++j)
+        if (j % 3 != static_cast<int>(h)) rows[h].push_back(j);
+    const Keep keep(rows);
+    PlanBuffer a(H, H * T, T, d), b(H, H * T, T, d);
+    REQUIRE(run_merge<backend::Scalar>(LookMPivot{}, kv_input(k, v, H, T, d), keep.view(), a.view(), H, T, d).is_ok());
+    REQUIRE(run_merge<backend::Cpu>(LookMPivot{}, kv_input(k, v, H, T, d), keep.view(), b.view(), H, T, d).is_ok());
+    REQUIRE((a.keys == b.keys && a.values == b.values && a.dst == b.dst));
   }
 }

@@ -186,16 +186,13 @@ inline float dot(const float* a, const float* b, std::int64_t d) noexcept {
 }
 
 /// Row j of `rows` widened to fp32 (and optionally divided by max(norm, eps)); returns the norm.
-/// (`Backend` is kept for the call sites' symmetry: widening is the same on every backend.)
+/// (`Backend::widen_row`: exact on every backend, F16C for fp16 on the CPU backend.)
 template <class Backend, class T>
 float load_row(const Rows<T>& rows, std::int64_t j, std::int64_t d, float* out, float normalise_eps) noexcept {
-  const T* x = rows.row(j);
-  double ss = 0.0;  // the norm of the widened row, accumulated in double like Backend::row_norm (one conversion per value)
-  for (std::int64_t c = 0; c < d; ++c) {
-    out[c] = to_float(x[c]);
-    ss += static_cast<double>(out[c]) * out[c];
-  }
-  const auto n = static_cast<float>(std::sqrt(ss));
+  Backend::widen_row(rows.row(j), d, out);
+  float ss = 0.0f;  // fp32 like kvpress's norms, in row_dots' fixed order (identical on every backend)
+  Backend::row_dots(out, out, 1, d, &ss);
+  const float n = std::sqrt(ss);
   if (normalise_eps > 0.0f) {
     const float inv = 1.0f / std::max(n, normalise_eps);
     for (std::int64_t c = 0; c < d; ++c) out[c] *= inv;
@@ -217,6 +214,7 @@ inline WorkspacePlan nearest_workspace(std::int64_t T, std::int64_t d) noexcept 
   p.add<std::int32_t>(t);  // per-slot count
   p.add<float>(t);         // per-slot scale
   p.add<float>(dd);        // one widened row
+  p.add<float>(t);         // the dots of one kept key with every evicted key
   return p;
 }
 
@@ -232,6 +230,7 @@ struct NearestScratch {
   std::int32_t* slot_count = nullptr;
   float* slot_scale = nullptr;
   float* row = nullptr;
+  float* dots = nullptr;
   std::int64_t num_evicted = 0;
 
   NearestScratch(Workspace ws, std::int64_t T, std::int64_t d) noexcept {
@@ -247,6 +246,7 @@ struct NearestScratch {
     slot_count = c.take<std::int32_t>(t);
     slot_scale = c.take<float>(t);
     row = c.take<float>(dd);
+    dots = c.take<float>(t);
   }
 };
 
@@ -258,8 +258,9 @@ struct NearestScratch {
 /// similarities are all NaN gets target -1.
 /// Order of work: the evicted keys are normalised once into the scratch
 /// (E x d, cache-resident for decode-size E), then every kept key is read
-/// once, normalised, and dotted with all of them, so the cache is streamed
-/// once whatever E is.
+/// once, normalised, and dotted with all of them (`Backend::row_dots`: the CPU
+/// backend's SIMD kernel, bit-identical to the scalar reference), so the cache
+/// is streamed once whatever E is.
 template <class Backend, class Tk>
 void nearest_kept(const Rows<Tk>& keys, std::span<const std::int32_t> kept, std::int64_t T, std::int64_t d, float eps,
                   NearestScratch& s) noexcept {
@@ -272,10 +273,11 @@ void nearest_kept(const Rows<Tk>& keys, std::span<const std::int32_t> kept, std:
     s.target[i] = -1;
     s.sim[i] = std::numeric_limits<float>::quiet_NaN();
   }
-  for (std::int64_t c = 0; c < C; ++c) {
+  for (std::int64_t c = 0; c < C && E > 0; ++c) {
     load_row<Backend>(keys, kept[static_cast<std::size_t>(c)], d, s.key, eps);
+    Backend::row_dots(s.key, ev, E, d, s.dots);
     for (std::int64_t i = 0; i < E; ++i) {
-      const float v = dot(s.key, ev + i * d, d);
+      const float v = s.dots[i];
       if (v == v && (s.target[i] < 0 || v > s.sim[i])) {
         s.sim[i] = v;
         s.target[i] = static_cast<std::int32_t>(c);
