@@ -71,8 +71,9 @@ struct Keep {
 
 /// Workspace sized by the policy's requirements for (H, T, d).
 template <class B, class P>
-std::vector<std::byte> workspace_for(const P& p, std::int64_t H, std::int64_t T, std::int64_t d, std::int64_t Hq = 0) {
-  const Requirements r = p.requirements(Context<B>{}, ProblemShape{Hq > 0 ? Hq : H, H, d, T, 1});
+std::vector<std::byte> workspace_for(const P& p, std::int64_t H, std::int64_t T, std::int64_t d, std::int64_t Hq = 0,
+                                     const ExecContext& ex = {}) {
+  const Requirements r = p.requirements(Context<B>{{}, ex}, ProblemShape{Hq > 0 ? Hq : H, H, d, T, 1});
   REQUIRE(r.status.is_ok());
   return std::vector<std::byte>(r.workspace_bytes + 1);
 }

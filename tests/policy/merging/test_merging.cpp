@@ -448,7 +448,7 @@ TEST_CASE("merging: Scalar == Cpu (any thread count) bit for bit on random fp16 
   auto both = [&](const auto& policy, const auto& input, const Keep& keep, bool keys, std::int64_t per_token) {
     PlanBuffer a(H, H * T * per_token, T, d, keys), b(H, H * T * per_token, T, d, keys);
     REQUIRE(run_merge<backend::Scalar>(policy, input, keep.view(), a.view(), H, T, d).is_ok());
-    auto ws = workspace_for<backend::Cpu>(policy, H, T, d);
+    auto ws = workspace_for<backend::Cpu>(policy, H, T, d, 0, pool.context());
     REQUIRE(policy.merge(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()}, input, keep.view(), b.view()).is_ok());
     REQUIRE(a.indptr == b.indptr);
     REQUIRE(a.dst == b.dst);
@@ -459,6 +459,14 @@ TEST_CASE("merging: Scalar == Cpu (any thread count) bit for bit on random fp16 
     REQUIRE(a.indptr.back() > 0);  // something merged
   };
   const Keep ragged(rows), uniform(same);
+  {  // a workspace sized for one worker is too small for a pool of two: rejected, nothing written
+    auto ws1 = workspace_for<backend::Cpu>(LookMPivot{}, H, T, d);
+    PlanBuffer p(H, H * T, T, d);
+    const Status s =
+        LookMPivot{}.merge(Context<backend::Cpu>{Workspace{ws1.data(), ws1.size()}, pool.context()}, in, ragged.view(), p.view());
+    REQUIRE(s.code() == StatusCode::kWorkspaceTooSmall);
+    REQUIRE(p.untouched());
+  }
   both(KvpressMerging(KvpressMergingParams{0.0f, 0.75f}), in, ragged, false, 1);
   both(KvpressCAM{}, in, uniform, false, 32);
   both(CaM{}, in, ragged, false, 16);
@@ -471,7 +479,7 @@ TEST_CASE("merging: Scalar == Cpu (any thread count) bit for bit on random fp16 
     PlanBuffer a(H, H * T, T, d), b(H, H * T, T, d);
     REQUIRE(run_merge<backend::Scalar>(D2O{}, din, uniform.view(), a.view(), H, T, d).is_ok());
     din.state = &s2;
-    auto ws = workspace_for<backend::Cpu>(D2O{}, H, T, d);
+    auto ws = workspace_for<backend::Cpu>(D2O{}, H, T, d, 0, pool.context());
     REQUIRE(D2O{}.merge(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()}, din, uniform.view(), b.view()).is_ok());
     REQUIRE((a.keys == b.keys && a.values == b.values && a.indptr == b.indptr && s1.tau == s2.tau));
   }
@@ -483,7 +491,7 @@ TEST_CASE("merging: Scalar == Cpu (any thread count) bit for bit on random fp16 
     PlanBuffer a(H, H * T, T, d), b(H, H * T, T, d);
     REQUIRE(run_merge<backend::Scalar>(NearestKeptMerge{}, nin, ragged.view(), a.view(), H, T, d).is_ok());
     nin.state.weights = TensorView<float, 2>::contiguous(w2.data(), {H, T});
-    auto ws = workspace_for<backend::Cpu>(NearestKeptMerge{}, H, T, d);
+    auto ws = workspace_for<backend::Cpu>(NearestKeptMerge{}, H, T, d, 0, pool.context());
     REQUIRE(NearestKeptMerge{}
                 .merge(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()}, nin, ragged.view(), b.view())
                 .is_ok());

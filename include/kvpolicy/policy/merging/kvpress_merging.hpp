@@ -68,8 +68,10 @@ class KvpressMerging {
 
   /// Workspace for one row; plan rows = kv heads, capacity = one entry per evicted token.
   template <class Backend>
-  Requirements requirements(const Context<Backend>&, const ProblemShape& shape) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), shape, workspace(shape.max_kv_len, shape.head_dim).total(), 1);
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
+    return detail::merge_requirements(
+        kName, validate_params(), shape,
+        detail::rows_workspace(workspace(shape.max_kv_len, shape.head_dim).total(), shape.num_kv_heads, ctx.exec), 1);
   }
 
   /// Reads keys and values; writes the plan and `merged_values` (merged_keys must be empty).
@@ -81,49 +83,45 @@ class KvpressMerging {
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
     KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
     KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/false));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(T, d).total()));
-
-    WorkspaceCarver c(cx.workspace);
-    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
-    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-    float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-    std::int64_t pos = 0;
-    out.indptr[0] = 0;
-    for (std::int64_t h = 0; h < H; ++h) {
-      const auto kept = keep.row(h);
-      const auto C = static_cast<std::int64_t>(kept.size());
-      if (C == 0 || C == T) {  // kvpress: nothing to merge
-        out.indptr[h + 1] = static_cast<std::int32_t>(pos);
-        continue;
-      }
-      const Rows<Tk> K = in.keys.rows(h), V = in.values.rows(h);
-      detail::nearest_kept<Backend>(K, kept, T, d, kEps, s);
-      const std::int64_t E = s.num_evicted;
-      // 2-3: threshold and fraction gates (ok encoded as target >= 0).
-      for (std::int64_t i = 0; i < E; ++i)
-        if (!(s.sim[i] >= params_.similarity_threshold)) s.target[i] = -1;
-      if (params_.merge_fraction < 1.0f) {
-        const float q = quantile(s, E, sorted);
-        for (std::int64_t i = 0; i < E; ++i)
-          if (s.target[i] >= 0 && !(s.sim[i] >= q)) s.target[i] = -1;
-      }
-      // 4: similarity- and value-norm weights.
-      for (std::int64_t i = 0; i < E; ++i) {
-        if (s.target[i] < 0) continue;
-        const float en = Backend::row_norm(V.row(s.evicted[i]), d), tn = Backend::row_norm(V.row(kept[s.target[i]]), d);
-        const float w = std::max(s.sim[i], 0.0f) * en / (en + tn + kEps);
-        s.beta[i] = w;
-        if (!(w > 0.0f)) s.target[i] = -1;
-      }
-      // 5: normalised merge into the slots that received weight.
-      detail::slot_totals(s, C, s.slot_sum, s.slot_count);
-      for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (1.0f + s.slot_sum[k]);
-      if (!out.merged_values.empty())
-        detail::linear_merge(
-            V, kept, d, s, s.slot_count, [](std::int64_t) { return 1.0f; }, out.merged_values, h * out.slots_per_row);
-      pos = detail::write_entries(out, pos, s);
-      out.indptr[h + 1] = static_cast<std::int32_t>(pos);
-    }
+    const std::size_t per = workspace(T, d).total();
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::rows_workspace(per, H, cx.exec)));
+    detail::for_each_row(
+        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
+        [&](std::int64_t h, Workspace ws, std::int64_t pos) -> std::int64_t {
+          const auto kept = keep.row(h);
+          const auto C = static_cast<std::int64_t>(kept.size());
+          if (C == 0 || C == T) return pos;  // kvpress: nothing to merge
+          WorkspaceCarver c(ws);
+          const std::size_t nb = detail::nearest_workspace(T, d).bytes;
+          detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
+          float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+          const Rows<Tk> K = in.keys.rows(h), V = in.values.rows(h);
+          detail::nearest_kept<Backend>(K, kept, T, d, kEps, s);
+          const std::int64_t E = s.num_evicted;
+          // 2-3: threshold and fraction gates (ok encoded as target >= 0).
+          for (std::int64_t i = 0; i < E; ++i)
+            if (!(s.sim[i] >= params_.similarity_threshold)) s.target[i] = -1;
+          if (params_.merge_fraction < 1.0f) {
+            const float q = quantile(s, E, sorted);
+            for (std::int64_t i = 0; i < E; ++i)
+              if (s.target[i] >= 0 && !(s.sim[i] >= q)) s.target[i] = -1;
+          }
+          // 4: similarity- and value-norm weights.
+          for (std::int64_t i = 0; i < E; ++i) {
+            if (s.target[i] < 0) continue;
+            const float en = Backend::row_norm(V.row(s.evicted[i]), d), tn = Backend::row_norm(V.row(kept[s.target[i]]), d);
+            const float w = std::max(s.sim[i], 0.0f) * en / (en + tn + kEps);
+            s.beta[i] = w;
+            if (!(w > 0.0f)) s.target[i] = -1;
+          }
+          // 5: normalised merge into the slots that received weight.
+          detail::slot_totals(s, C, s.slot_sum, s.slot_count);
+          for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (1.0f + s.slot_sum[k]);
+          if (!out.merged_values.empty())
+            detail::linear_merge(
+                V, kept, d, s, s.slot_count, [](std::int64_t) { return 1.0f; }, out.merged_values, h * out.slots_per_row);
+          return detail::write_entries(out, pos, s);
+        });
     return Status::ok();
   }
 

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <span>
 
@@ -335,6 +336,43 @@ inline std::int64_t write_entries(MergePlan& plan, std::int64_t pos, const Neare
     ++pos;
   }
   return pos;
+}
+
+/// Workspace of `for_each_row`: a scratch slice of `per_row` bytes per worker plus 2 x H offsets.
+inline std::size_t rows_workspace(std::size_t per_row, std::int64_t H, const ExecContext& ex) noexcept {
+  const auto h = static_cast<std::size_t>(std::max<std::int64_t>(H, 1));
+  return saturating_add(WorkspacePlan{}.add<std::int64_t>(2 * h).bytes, WorkerSlices::bytes(per_row, ex.workers()));
+}
+
+/// Runs `row(h, scratch, pos0) -> end` for every kv head over `ex`, each worker with its own scratch slice:
+/// head h writes its entries from pos0 = sum_{g < h} bound(g) (an upper bound of the entries of each head,
+/// so heads never overlap), then the entries are moved down to CSR order and `out.indptr` is written.
+/// Merged rows are per head and disjoint. Results never depend on the number of workers.
+template <class BoundFn, class RowFn>
+void for_each_row(const ExecContext& ex, Workspace ws, std::size_t per_row, MergePlan& out, std::int64_t H, BoundFn&& bound,
+                  RowFn&& row) noexcept {
+  WorkspaceCarver c(ws);
+  std::int64_t* start = c.take<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(H, 1)));
+  std::int64_t* end = start + std::max<std::int64_t>(H, 1);
+  std::int64_t acc = 0;
+  for (std::int64_t h = 0; h < H; ++h) {
+    start[h] = acc;
+    acc += bound(h);
+  }
+  const auto slices = WorkerSlices::carve(c.rest(), per_row);
+  ex.parallel_for(H, [&](std::int64_t h, int worker) { end[h] = row(h, slices.slice(worker), start[h]); });
+  std::int64_t pos = 0;
+  out.indptr[0] = 0;
+  for (std::int64_t h = 0; h < H; ++h) {
+    const std::int64_t n = end[h] - start[h];
+    if (pos != start[h] && n > 0) {  // pos <= start[h]: a forward move
+      std::memmove(out.dst + pos, out.dst + start[h], static_cast<std::size_t>(n) * sizeof(std::int32_t));
+      std::memmove(out.src + pos, out.src + start[h], static_cast<std::size_t>(n) * sizeof(std::int32_t));
+      std::memmove(out.weight + pos, out.weight + start[h], static_cast<std::size_t>(n) * sizeof(float));
+    }
+    pos += n;
+    out.indptr[h + 1] = static_cast<std::int32_t>(pos);
+  }
 }
 
 /// Requirements shared by the per-row merges: workspace for one row, plan

@@ -85,8 +85,10 @@ class NearestKeptMerge {
   }
 
   template <class Backend>
-  Requirements requirements(const Context<Backend>&, const ProblemShape& s) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), s, detail::nearest_workspace(s.max_kv_len, s.head_dim).total(), 1);
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
+    return detail::merge_requirements(
+        kName, validate_params(), s,
+        detail::rows_workspace(detail::nearest_workspace(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec), 1);
   }
 
   /// Reads keys, values and state.weights; writes the plan, merged_keys,
@@ -108,38 +110,36 @@ class NearestKeptMerge {
         KVP_REQUIRE(std::isfinite(w(h, j)) && w(h, j) > 0.0f, "nearest_kept: state weight (%lld, %lld) is %g, must be finite and > 0",
                     static_cast<long long>(h), static_cast<long long>(j), static_cast<double>(w(h, j)));
     KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::nearest_workspace(T, d).total()));
-    detail::NearestScratch s(cx.workspace, T, d);
-    std::int64_t pos = 0;
-    out.indptr[0] = 0;
-    for (std::int64_t h = 0; h < H; ++h) {
-      const auto kept = keep.row(h);
-      const auto C = static_cast<std::int64_t>(kept.size());
-      if (C == 0) {
-        out.indptr[h + 1] = static_cast<std::int32_t>(pos);
-        continue;
-      }
-      detail::nearest_kept<Backend>(in.keys.rows(h), kept, T, d, kEps, s);
-      for (std::int64_t i = 0; i < s.num_evicted; ++i) {
-        if (s.target[i] < 0 || !(s.sim[i] >= params_.threshold)) {
-          s.target[i] = -1;
-          continue;
-        }
-        s.beta[i] = w(h, s.evicted[i]) * (params_.scale_by_similarity ? std::max(s.sim[i], 0.0f) : 1.0f);
-        if (!(s.beta[i] > 0.0f)) s.target[i] = -1;
-      }
-      detail::slot_totals(s, C, s.slot_sum, s.slot_count);
-      for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (w(h, kept[static_cast<std::size_t>(k)]) + s.slot_sum[k]);
-      auto self = [&](std::int64_t k) { return w(h, kept[static_cast<std::size_t>(k)]); };
-      if (!out.merged_keys.empty())
-        detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, self, out.merged_keys, h * out.slots_per_row);
-      if (!out.merged_values.empty())
-        detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, self, out.merged_values, h * out.slots_per_row);
-      pos = detail::write_entries(out, pos, s);
-      out.indptr[h + 1] = static_cast<std::int32_t>(pos);
-      for (std::int64_t k = 0; k < C; ++k)  // re-pack in kept order (kept[k] >= k: a forward sweep reads before it writes)
-        w(h, k) = w(h, kept[static_cast<std::size_t>(k)]) + s.slot_sum[k];
-    }
+    const std::size_t per = detail::nearest_workspace(T, d).total();
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::rows_workspace(per, H, cx.exec)));
+    detail::for_each_row(
+        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
+        [&](std::int64_t h, Workspace ws, std::int64_t pos) -> std::int64_t {
+          const auto kept = keep.row(h);
+          const auto C = static_cast<std::int64_t>(kept.size());
+          if (C == 0) return pos;
+          detail::NearestScratch s(ws, T, d);
+          detail::nearest_kept<Backend>(in.keys.rows(h), kept, T, d, kEps, s);
+          for (std::int64_t i = 0; i < s.num_evicted; ++i) {
+            if (s.target[i] < 0 || !(s.sim[i] >= params_.threshold)) {
+              s.target[i] = -1;
+              continue;
+            }
+            s.beta[i] = w(h, s.evicted[i]) * (params_.scale_by_similarity ? std::max(s.sim[i], 0.0f) : 1.0f);
+            if (!(s.beta[i] > 0.0f)) s.target[i] = -1;
+          }
+          detail::slot_totals(s, C, s.slot_sum, s.slot_count);
+          for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (w(h, kept[static_cast<std::size_t>(k)]) + s.slot_sum[k]);
+          auto self = [&](std::int64_t k) { return w(h, kept[static_cast<std::size_t>(k)]); };
+          if (!out.merged_keys.empty())
+            detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, self, out.merged_keys, h * out.slots_per_row);
+          if (!out.merged_values.empty())
+            detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, self, out.merged_values, h * out.slots_per_row);
+          const std::int64_t end = detail::write_entries(out, pos, s);
+          for (std::int64_t k = 0; k < C; ++k)  // re-pack in kept order (kept[k] >= k: a forward sweep reads before it writes)
+            w(h, k) = w(h, kept[static_cast<std::size_t>(k)]) + s.slot_sum[k];
+          return end;
+        });
     return Status::ok();
   }
 
