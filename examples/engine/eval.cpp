@@ -157,6 +157,46 @@ PolicyUnderTest snapkv_original_policy() {
   });
 }
 
+PolicyUnderTest snapkv_merged_policy(const std::string& merge) {
+  PolicyUnderTest p;
+  p.name = "snapkv+" + merge;
+  p.query_window = 32;
+  using C = ContiguousKVCache<float>;
+  auto with = [&](auto m) {
+    p.contiguous = [m](std::int64_t, std::int64_t budget) { return merge_hooks<C>(snapkv_with_budget(budget), m); };
+  };
+  if (merge == "kvpress_merging")
+    with(kvpolicy::KvpressMerging{});
+  else if (merge == "lookm_pivot")
+    with(kvpolicy::LookMPivot{});
+  else if (merge == "d2o")
+    with(kvpolicy::D2O{});
+  else if (merge == "nearest_kept")
+    with(kvpolicy::NearestKeptMerge{});
+  else
+    throw std::runtime_error("no merge policy named '" + merge + "'; expected kvpress_merging, lookm_pivot, d2o or nearest_kept");
+  return p;
+}
+
+PolicyUnderTest h2o_merged_policy(const std::string& merge) {
+  PolicyUnderTest p;
+  p.name = "h2o+" + merge;
+  p.query_window = PolicyUnderTest::kWholePrompt;
+  using C = ContiguousKVCache<float>;
+  auto with = [&](auto m) {
+    p.contiguous = [m](std::int64_t, std::int64_t budget) {
+      return merge_after<C>(h2o_hooks<C>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2))), m);
+    };
+  };
+  if (merge == "d2o")
+    with(kvpolicy::D2O{});
+  else if (merge == "nearest_kept")
+    with(kvpolicy::NearestKeptMerge{});
+  else
+    throw std::runtime_error("no online merge policy named '" + merge + "'; expected d2o or nearest_kept");
+  return p;
+}
+
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
   // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
   // their own hooks (see the header comment).
@@ -177,7 +217,13 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           quantization_policy("ggml:type=q4_0", c.head_dim),
           quantization_policy("fp8:format=e4m3", c.head_dim),
           snapkv_quantized_policy("ggml:type=q4_0", c.head_dim),
-          snapkv_quantized_policy("ggml:type=q8_0", c.head_dim)};
+          snapkv_quantized_policy("ggml:type=q8_0", c.head_dim),
+          snapkv_merged_policy("kvpress_merging"),
+          snapkv_merged_policy("lookm_pivot"),
+          snapkv_merged_policy("d2o"),
+          snapkv_merged_policy("nearest_kept"),
+          h2o_merged_policy("d2o"),
+          h2o_merged_policy("nearest_kept")};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {

@@ -164,6 +164,17 @@ PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_d
 /// every kept token is stored in `quant_spec`'s format. Name "snapkv+<quant_spec>".
 PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim);
 
+/// Eviction then merging on the same token budget: SnapKV (window 32, kernel 5) keeps `budget` tokens per kv
+/// head and `merge` folds the evicted ones into them ("kvpress_merging": kvpress MergingPress, values only;
+/// "lookm_pivot"; "d2o": as-coded mean, a fresh EMA threshold per request; "nearest_kept": persistent masses,
+/// all 1 after prefill). Contiguous cache. Name "snapkv+<merge>".
+PolicyUnderTest snapkv_merged_policy(const std::string& merge);
+/// Online eviction then merging at every decode step (D2O's setting): H2O (hh = budget / 2, the rest recent)
+/// evicts one token per step once the cache is full and `merge` ("d2o": the EMA threshold carried across the
+/// request's steps; "nearest_kept": persistent per-slot masses) folds it into its nearest kept token. Also
+/// merges after prefill. Contiguous cache. Name "h2o+<merge>".
+PolicyUnderTest h2o_merged_policy(const std::string& merge);
+
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
 /// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c);

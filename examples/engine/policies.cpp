@@ -12,5 +12,13 @@ template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>
     kvpolicy::GgmlQuant, kvpolicy::ExecContext);
 template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
     kvpolicy::Fp8Quant, kvpolicy::ExecContext);
+KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::KvpressMerging)
+KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::LookMPivot)
+KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::D2O)
+KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::NearestKeptMerge)
+template Hooks<ContiguousKVCache<float>> merge_after<ContiguousKVCache<float>, kvpolicy::D2O, kvpolicy::backend::Cpu>(
+    Hooks<ContiguousKVCache<float>>, kvpolicy::D2O, kvpolicy::ExecContext);
+template Hooks<ContiguousKVCache<float>> merge_after<ContiguousKVCache<float>, kvpolicy::NearestKeptMerge, kvpolicy::backend::Cpu>(
+    Hooks<ContiguousKVCache<float>>, kvpolicy::NearestKeptMerge, kvpolicy::ExecContext);
 
 }  // namespace kvp_engine

@@ -24,6 +24,10 @@
 //    goes once the cache is full. The score state lives in the hook, one per layer.
 //  * expected_attention_hooks(params, rope_base): Expected Attention after
 //    prefill, from the whole prompt's queries rotated back to pre-RoPE.
+//  * merge_hooks(policy, merge), merge_after(hooks, merge): eviction (after
+//    prefill, or online after every decode attention: H2O), then a kvpolicy
+//    merge policy folds the evicted tokens into the kept ones (apply/merge.hpp)
+//    before the engine compacts (contiguous cache).
 //  * tova_hooks(tova): online TOVA: after prefill the last prompt query's
 //    head-mean attention decides, then on every decode step the step's
 //    attention weights do; the cache never exceeds the budget.
@@ -49,6 +53,7 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "kvpolicy/apply/merge.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/gqa.hpp"
 #include "kvpolicy/core/page_selection.hpp"
@@ -56,6 +61,10 @@
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_merging.hpp"
+#include "kvpolicy/policy/merging/lookm.hpp"
+#include "kvpolicy/policy/merging/nearest_kept.hpp"
 #include "kvpolicy/policy/policy.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
@@ -356,6 +365,115 @@ Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
   return h;
 }
 
+// ---- merging: eviction, then the evicted tokens folded into the kept ones --------------------------------
+
+/// Per-layer merge state of one request: D2O's EMA threshold and the nearest-kept merge's per-slot masses
+/// ((kv_heads, capacity), 1 for every token entering the cache, re-packed by each merge), plus the plan buffers.
+struct MergeHookState {
+  std::vector<kvpolicy::D2OState> d2o;     // per layer
+  std::vector<std::vector<float>> masses;  // per layer (kv_heads, capacity)
+  std::vector<std::int32_t> indptr, dst, src;
+  std::vector<float> weight, merged_k, merged_v;
+  std::vector<std::byte> ws;
+
+  void reset(int layer, std::int64_t kv_heads, std::int64_t capacity) {
+    const auto l = static_cast<std::size_t>(layer);
+    if (d2o.size() <= l) d2o.resize(l + 1), masses.resize(l + 1);
+    d2o[l] = kvpolicy::D2OState{};
+    masses[l].assign(static_cast<std::size_t>(kv_heads * capacity), 1.0f);
+  }
+};
+
+template <class Policy, class T>
+auto merge_input_for(const Policy&, KVSource<T> keys, KVSource<T> values, MergeHookState& st, int layer, std::int64_t capacity) {
+  const auto l = static_cast<std::size_t>(layer);
+  if constexpr (std::is_same_v<Policy, kvpolicy::D2O>) {
+    kvpolicy::D2OInput<T> in;
+    in.keys = keys;
+    in.values = values;
+    in.state = &st.d2o[l];
+    return in;
+  } else if constexpr (std::is_same_v<Policy, kvpolicy::NearestKeptMerge>) {
+    kvpolicy::NearestKeptInput<T> in;
+    in.keys = keys;
+    in.values = values;
+    in.state.weights = TensorView<float, 2>::contiguous(st.masses[l].data(), {keys.kv_heads(), capacity});
+    return in;
+  } else {
+    kvpolicy::MergeInput<T> in;
+    in.keys = keys;
+    in.values = values;
+    return in;
+  }
+}
+
+/// Wraps `inner` (any eviction hooks: one-shot after prefill, online after every decode attention): whenever
+/// an inner hook fills the KeepBuffer, `merge` (a kvpolicy `MergePolicy` reading keys and values:
+/// KvpressMerging, LookMPivot, D2O, NearestKeptMerge) folds the evicted tokens into the kept ones and
+/// apply::merge_contiguous writes the merged rows into the kept slots before the engine compacts with the
+/// same KeepSet (keys merged post-RoPE, at the kept token's logical position). D2O's threshold and the
+/// nearest-kept masses persist across a request's decode steps (reset after prefill); a token appended at
+/// decode enters with mass 1. Contiguous cache.
+template <class Cache, class MergeP, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext ctx = {}) {
+  auto S = std::make_shared<MergeHookState>();
+  auto run = [merge, ctx, S](Cache& cache, int layer, std::int64_t num_q_heads, KeepBuffer& keep) -> Status {
+    constexpr bool kMergesKeys = !std::is_same_v<MergeP, kvpolicy::KvpressMerging>;
+    const auto keys = cache.key_source(layer), values = cache.value_source(layer);
+    const std::int64_t H = keys.kv_heads(), T = keys.kv_len(), d = keys.head_dim();
+    const kvpolicy::Requirements r = merge.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{num_q_heads, H, d, T, 1});
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    std::int64_t slots = 0;
+    for (std::int64_t row = 0; row < keep.set.num_rows; ++row) slots = std::max<std::int64_t>(slots, keep.set.row_size(row));
+    S->indptr.assign(static_cast<std::size_t>(H + 1), 0);
+    S->dst.resize(static_cast<std::size_t>(r.output.capacity));
+    S->src.resize(static_cast<std::size_t>(r.output.capacity));
+    S->weight.resize(static_cast<std::size_t>(r.output.capacity));
+    S->merged_k.resize(kMergesKeys ? static_cast<std::size_t>(H * slots * d) : 0);
+    S->merged_v.resize(static_cast<std::size_t>(H * slots * d));
+    kvpolicy::MergePlan plan{S->indptr.data(), S->dst.data(), S->src.data(), S->weight.data(), H, r.output.capacity};
+    if (kMergesKeys) plan.merged_keys = TensorView<float, 2>::contiguous(S->merged_k.data(), {H * slots, d});
+    plan.merged_values = TensorView<float, 2>::contiguous(S->merged_v.data(), {H * slots, d});
+    plan.slots_per_row = slots;
+    const auto in = merge_input_for(merge, keys, values, *S, layer, cache.shape().capacity);
+    KVP_RETURN_IF_ERROR(merge.merge(policy_context<Backend>(ctx, &S->ws), in, keep.set, plan));
+    return kvpolicy::merge_contiguous(cache.keys(layer), cache.values(layer), T, keep.set, 0, plan,
+                                      kvpolicy::MergeSlots::kBeforeCompaction);
+  };
+  Hooks<Cache> h = inner;
+  h.after_prefill = [f = inner.after_prefill, run, S](Cache& cache, int layer, TensorView<const float, 3> queries,
+                                                      KeepBuffer& keep) -> Status {
+    S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+    if (f) KVP_RETURN_IF_ERROR(f(cache, layer, queries, keep));
+    return keep.active ? run(cache, layer, queries.extent(0), keep) : Status::ok();
+  };
+  if (inner.after_attention)
+    h.after_attention = [f = inner.after_attention, run](Cache& cache, int layer, TensorView<const float, 2> probs,
+                                                         KeepBuffer& keep) -> Status {
+      KVP_RETURN_IF_ERROR(f(cache, layer, probs, keep));
+      return keep.active ? run(cache, layer, probs.extent(0), keep) : Status::ok();
+    };
+  h.on_append = [f = inner.on_append, S](Cache& cache, int layer, std::int64_t appended) -> Status {
+    if (f) KVP_RETURN_IF_ERROR(f(cache, layer, appended));
+    const auto l = static_cast<std::size_t>(layer);
+    if (l < S->masses.size() && !S->masses[l].empty()) {  // decode: the new tokens enter with mass 1
+      const std::int64_t cap = cache.shape().capacity, len = cache.uniform_length(layer);
+      for (std::int64_t hh = 0; hh < cache.shape().num_kv_heads; ++hh)
+        for (std::int64_t j = std::max<std::int64_t>(len - appended, 0); j < len; ++j)
+          S->masses[l][static_cast<std::size_t>(hh * cap + j)] = 1.0f;
+    }
+    return Status::ok();
+  };
+  return h;
+}
+
+/// After prefill: `policy` evicts as in eviction_hooks, then `merge` folds (merge_after over eviction_hooks).
+template <class Cache, class Policy, class MergeP, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx = {}) {
+  return merge_after<Cache, MergeP, Backend>(eviction_hooks<Cache, Policy, Backend>(policy, ctx), merge, ctx);
+}
+
 // ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------
 
 // One list for both sides: `KVP_ENGINE_HOOKS_FOR(extern, C)` declares, `KVP_ENGINE_HOOKS_FOR(, C)` defines.
@@ -376,5 +494,16 @@ extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache
     kvpolicy::GgmlQuant, kvpolicy::ExecContext);
 extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
     kvpolicy::Fp8Quant, kvpolicy::ExecContext);
+#define KVP_ENGINE_MERGE_HOOKS_FOR(EXTERN, M)                                                                                         \
+  EXTERN template Hooks<ContiguousKVCache<float>> merge_hooks<ContiguousKVCache<float>, kvpolicy::SnapKV, M, kvpolicy::backend::Cpu>( \
+      kvpolicy::SnapKV, M, kvpolicy::ExecContext);
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::KvpressMerging)
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::LookMPivot)
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::D2O)
+KVP_ENGINE_MERGE_HOOKS_FOR(extern, kvpolicy::NearestKeptMerge)
+extern template Hooks<ContiguousKVCache<float>> merge_after<ContiguousKVCache<float>, kvpolicy::D2O, kvpolicy::backend::Cpu>(
+    Hooks<ContiguousKVCache<float>>, kvpolicy::D2O, kvpolicy::ExecContext);
+extern template Hooks<ContiguousKVCache<float>> merge_after<ContiguousKVCache<float>, kvpolicy::NearestKeptMerge, kvpolicy::backend::Cpu>(
+    Hooks<ContiguousKVCache<float>>, kvpolicy::NearestKeptMerge, kvpolicy::ExecContext);
 
 }  // namespace kvp_engine

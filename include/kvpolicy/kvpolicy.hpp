@@ -6,9 +6,11 @@
 // brings the core views and status, the ops contract and its scalar
 // reference, every policy of every family that exists (eviction: StreamingLLM,
 // SnapKV, H2O, ObservedAttention, TOVA, Ada-KV, PyramidKV, Expected Attention, LAQ;
-// selection: Quest; quantization: ggml blocks, fp8; prefetch: Quest lookahead,
-// InfiniGen, SpeCache, ShadowKV-style landmarks), the budget vocabulary, the apply/ helpers that compact a
-// cache, the engine lifecycle hooks, the run-time registry, the owning
+// selection: Quest; quantization: ggml blocks, fp8; merging: kvpress
+// MergingPress / CAMPress, CaM, D2O, LOOK-M pivot, nearest-kept, MiniCache;
+// prefetch: Quest lookahead, InfiniGen, SpeCache, ShadowKV-style landmarks),
+// the evict -> merge -> quantize pipeline, the budget vocabulary, the apply/
+// helpers that compact and merge a cache, the engine lifecycle hooks, the run-time registry, the owning
 // convenience layer (easy.hpp) and the thread pool; plus `backend::Cpu` when
 // its header is on the include path (link `kvpolicy::cpu`). The readers under
 // kvpolicy/io/ need nlohmann-json and are included separately.
@@ -42,6 +44,7 @@
 #include "kvpolicy/policy/decisions.hpp"
 #include "kvpolicy/policy/lifecycle.hpp"
 #include "kvpolicy/policy/lookahead.hpp"
+#include "kvpolicy/policy/pipeline.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
 
 #include "kvpolicy/policy/eviction/adakv.hpp"
@@ -53,6 +56,13 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/cam.hpp"
+#include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_cam.hpp"
+#include "kvpolicy/policy/merging/kvpress_merging.hpp"
+#include "kvpolicy/policy/merging/lookm.hpp"
+#include "kvpolicy/policy/merging/minicache.hpp"
+#include "kvpolicy/policy/merging/nearest_kept.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/prefetch/history.hpp"
@@ -66,6 +76,7 @@
 
 #include "kvpolicy/apply/compact.hpp"
 #include "kvpolicy/apply/compact_ragged.hpp"
+#include "kvpolicy/apply/merge.hpp"
 
 #include "kvpolicy/easy.hpp"
 #include "kvpolicy/registry.hpp"
@@ -91,4 +102,10 @@ static_assert(kvpolicy::PrefetchPolicy<kvpolicy::QuestLookahead<float>, float, k
 static_assert(kvpolicy::PrefetchPolicy<kvpolicy::InfiniGen, float, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::PrefetchPolicy<kvpolicy::SpeCache, float, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::PrefetchPolicy<kvpolicy::ShadowKV, float, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::MergePolicy<kvpolicy::KvpressMerging, kvpolicy::MergeInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::MergePolicy<kvpolicy::KvpressCAM, kvpolicy::MergeInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::MergePolicy<kvpolicy::CaM, kvpolicy::MergeInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::MergePolicy<kvpolicy::D2O, kvpolicy::D2OInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::MergePolicy<kvpolicy::LookMPivot, kvpolicy::MergeInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
+static_assert(kvpolicy::MergePolicy<kvpolicy::NearestKeptMerge, kvpolicy::NearestKeptInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
 #endif

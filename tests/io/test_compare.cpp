@@ -159,10 +159,10 @@ TEST_CASE("compare: sweeps are deterministic and independent of the thread count
     policies.insert(a[i].policy);
   }
   // Every policy with a per-layer adapter produced rows (PyramidKV on the 2-layer trace), plus the Full baseline;
-  // the quantization and lookahead (LAQ) entries run on the engine's task workloads only.
+  // the quantization, lookahead (LAQ) and merging entries run on the engine's task workloads only.
   std::size_t per_layer = 0;
   for (const auto& p : all_policies()) per_layer += p.run ? 1 : 0;
-  CHECK(per_layer + 9 == all_policies().size());
+  CHECK(per_layer + 9 + 6 == all_policies().size());  // + the six merging entries
   CHECK(policies.size() == per_layer + 1);
 }
 

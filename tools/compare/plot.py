@@ -135,6 +135,8 @@ def plots(piv, out_dir):
             return dict(color=color[p], linestyle=":", marker="D")
         if family.get(p) == "evict+quantize":
             return dict(color=color[p], linestyle="--", marker="v")
+        if family.get(p) == "merging":
+            return dict(color=color[p], linestyle="--", marker="P")
         return dict(color=color[p], linestyle="-", marker="o")
 
     written = []
@@ -213,6 +215,12 @@ def plots(piv, out_dir):
             grid(laq, TASKS, "tokens", f"{wl}: lookahead queries (LAQ) vs SnapKV", f"{s}_laq.png", "budget (tokens per kv head, log2)", True)
         grid(cells, PREFETCH, "device_pages", f"{wl}: offload simulation vs device budget", f"{s}_stall.png",
              "device budget (pages per layer)", False)
+
+        # merging: SnapKV with and without each merge at equal budget
+        mrg = {key: v for key, v in cells.items() if key[1] == "full" or key[0] == "SnapKV" or family.get(key[0]) == "merging"}
+        if any(family.get(key[0]) == "merging" for key in mrg):
+            grid(mrg, TASKS, "tokens", f"{wl}: eviction with and without merging (SnapKV)", f"{s}_merging.png",
+                 "budget (tokens per kv head, log2)", True)
 
         # accuracy vs bytes (task workloads; selection reads, it does not hold less) and recall vs bytes
         vs_bytes(cells, "accuracy", lambda pol: family.get(pol) != "selection", "K/V bytes held per layer (KiB, log2)",

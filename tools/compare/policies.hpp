@@ -105,7 +105,7 @@ struct Timer {
 
 struct PolicySpec {
   std::string name;
-  std::string family;        ///< "eviction", "selection", "oracle", "quantization", "evict+quantize"
+  std::string family;        ///< "eviction", "selection", "oracle", "quantization", "evict+quantize", "merging"
   bool query_aware = false;  ///< reads the prompt's last queries (kvpress's "query-aware" presses read the question)
   bool multi_layer = false;  ///< only meaningful on cases with several layers (layer schedules)
   std::function<kvpolicy::Status(const LayerCase&, const Reference&, const BudgetSpec&, const kvpolicy::ExecContext&, Timer&, Decision*)>
@@ -405,6 +405,14 @@ inline std::vector<PolicySpec> all_policies() {
       {"fp8_e4m3", "quantization", false, false, {}, "fp8:format=e4m3", "", ""},
       {"SnapKV+q4_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q4_0", "", ""},
       {"SnapKV+q8_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q8_0", "", ""},
+      // Merging (engine workloads only): SnapKV evicts to the budget, the merge folds the evicted tokens into the
+      // kept ones (kvp_engine's snapkv+<merge> policies); online H2O with a merge at every decode step (h2o+<merge>).
+      {"SnapKV+MergingPress", "merging", true, false, {}, "snapkv", "", "snapkv+kvpress_merging"},
+      {"SnapKV+LOOK-M", "merging", true, false, {}, "snapkv", "", "snapkv+lookm_pivot"},
+      {"SnapKV+D2O", "merging", true, false, {}, "snapkv", "", "snapkv+d2o"},
+      {"SnapKV+NearestKept", "merging", true, false, {}, "snapkv", "", "snapkv+nearest_kept"},
+      {"H2O+D2O", "merging", false, false, {}, "h2o", "", "h2o+d2o"},
+      {"H2O+NearestKept", "merging", false, false, {}, "h2o", "", "h2o+nearest_kept"},
   };
 }
 

@@ -15,6 +15,15 @@ std::int64_t CpuReduceOps::argmin_or_nan(const float* x, std::int64_t n, std::in
   return cpu_detail::reduce_kernels().argmin_or_nan(x, n, at);
 }
 
+void CpuReduceOps::widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept {
+  cpu_detail::reduce_kernels().widen_f16(x, n, out);
+}
+
+void CpuReduceOps::row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept {
+  if (n <= 0) return;
+  cpu_detail::reduce_kernels().row_dots_f32(q, rows, n, d, out);
+}
+
 void CpuReduceOps::mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept {
   if (n <= 0) return;
   cpu_detail::reduce_kernels().mean_rows_f32(rows, H, ld, n, mean);

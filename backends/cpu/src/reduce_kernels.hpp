@@ -20,6 +20,10 @@ struct ReduceKernels {
   bool (*has_nan)(const float* x, std::int64_t n) noexcept;
   /// mean[j] = (sum over h ascending of rows[h * ld + j]) / H, fp32, rows contiguous along j.
   void (*mean_rows_f32)(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept;
+  /// `ScalarReduceOps::widen_row` of fp16 bits: out[i] = x[i] as fp32, exactly (NaN quieted, payload kept). n >= 1.
+  void (*widen_f16)(const std::uint16_t* x, std::int64_t n, float* out) noexcept;
+  /// `ScalarReduceOps::row_dots`: out[i] = <q, rows + i * d>, 16 partial sums over c mod 16, then sum16. n >= 1.
+  void (*row_dots_f32)(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept;
 };
 
 KVP_CPU_DECLARE_KERNELS(ReduceKernels, reduce_kernels)

@@ -130,5 +130,80 @@ inline void mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, st
   }
 }
 
+/// fp16 bits -> fp32, exactly as kvpolicy::to_float(half) (written here again: a per-ISA unit calls no
+/// inline function of another namespace).
+inline float f16_to_f32(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
+  std::uint32_t man = h & 0x3ffu, out = 0;
+  if (exp == 0x1f) {
+    out = sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0u);
+  } else if (exp != 0) {
+    out = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    out = sign;
+  } else {
+    int e = -1;
+    do {
+      man <<= 1;
+      ++e;
+    } while ((man & 0x400u) == 0);
+    out = sign | (static_cast<std::uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &out, sizeof f);
+  return f;
+}
+
+inline void widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept {
+  std::int64_t i = 0;
+#if KVP_CPU_TU_ISA >= 1  // F16C (AVX2 and AVX-512 levels): exact, NaN quieted with its payload, like the scalar form
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+  for (; i < n; ++i) out[i] = f16_to_f32(x[i]);
+}
+
+/// The reference's fixed tree over 16 partial sums (ScalarReduceOps::sum16).
+inline float sum16(const float* p) noexcept {
+  float s8[8], s4[4];
+  for (int k = 0; k < 8; ++k) s8[k] = p[k] + p[k + 8];
+  for (int k = 0; k < 4; ++k) s4[k] = s8[k] + s8[k + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/// Lane l of accumulator a holds partial sum k = a * kRL + l (channels c = k mod 16), as the reference;
+/// four rows at a time so the adds of independent rows overlap.
+inline void row_dots_f32(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept {
+  constexpr std::int64_t kA = 16 / kRL, kRows = 4;
+  const std::int64_t d16 = d / 16 * 16;
+  alignas(64) float p[16];
+  std::int64_t i = 0;
+  for (; i + kRows <= n; i += kRows) {
+    RF acc[kRows][kA];
+    for (std::int64_t r = 0; r < kRows; ++r)
+      for (std::int64_t a = 0; a < kA; ++a) acc[r][a] = RF(0.0f);
+    for (std::int64_t c = 0; c < d16; c += 16)
+      for (std::int64_t a = 0; a < kA; ++a) {
+        const RF qv = RF::load_unaligned(q + c + a * kRL);
+        for (std::int64_t r = 0; r < kRows; ++r) acc[r][a] = acc[r][a] + qv * RF::load_unaligned(rows + (i + r) * d + c + a * kRL);
+      }
+    for (std::int64_t r = 0; r < kRows; ++r) {
+      for (std::int64_t a = 0; a < kA; ++a) acc[r][a].store_aligned(p + a * kRL);
+      const float* row = rows + (i + r) * d;
+      for (std::int64_t c = d16; c < d; ++c) p[c - d16] += q[c] * row[c];
+      out[i + r] = sum16(p);
+    }
+  }
+  for (; i < n; ++i) {
+    RF acc[kA];
+    for (std::int64_t a = 0; a < kA; ++a) acc[a] = RF(0.0f);
+    const float* row = rows + i * d;
+    for (std::int64_t c = 0; c < d16; c += 16)
+      for (std::int64_t a = 0; a < kA; ++a) acc[a] = acc[a] + RF::load_unaligned(q + c + a * kRL) * RF::load_unaligned(row + c + a * kRL);
+    for (std::int64_t a = 0; a < kA; ++a) acc[a].store_aligned(p + a * kRL);
+    for (std::int64_t c = d16; c < d; ++c) p[c - d16] += q[c] * row[c];
+    out[i] = sum16(p);
+  }
+}
+
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
 KVP_NAMESPACE_END

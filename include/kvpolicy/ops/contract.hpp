@@ -56,7 +56,8 @@ concept PageOps = requires(const Tk* krows, Tm* mx, Tm* mn, const float* q, Page
 
 /// Row kernels shared by the policies: query widening, NaN scans, the
 /// one-victim argmin, protected counts, head means, column-sum accumulation
-/// (H2O), expected logits / softmax / value norms (Expected Attention).
+/// (H2O), expected logits / softmax / value norms (Expected Attention), row
+/// dot products in a fixed order (the merging policies' cosine searches).
 template <class B, class Tq = float>
 concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<const Tq, 2>& rows, const float* x, float* out,
                              std::int64_t n, std::int64_t* at, Rows<Tq> krows, const Tq* v) {
@@ -70,6 +71,8 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
   { B::argmin_or_nan(x, n, at) } -> std::same_as<std::int64_t>;
   { B::count_protected(x, n) } -> std::same_as<std::int64_t>;
   B::mean_rows(rows, out);
+  B::row_dots(x, x, n, n, out);
+  B::widen_row(v, n, out);
 };
 
 /// Row quantization into the ggml block formats and back (quant/ggml.hpp).

@@ -162,6 +162,34 @@ struct ScalarReduceOps {
     return static_cast<float>(std::sqrt(ss));
   }
 
+  /// out[i] = x[i] widened to fp32 (exact), i < n.
+  template <class T>
+  static void widen_row(const T* x, std::int64_t n, float* out) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]);
+  }
+
+  /// The sum of 16 partial sums in the library's fixed tree:
+  /// ((p0+p8)+(p4+p12)) + ((p2+p10)+(p6+p14)) + ((p1+p9)+(p5+p13)) + ((p3+p11)+(p7+p15)), as below.
+  static float sum16(const float* p) noexcept {
+    float s8[8], s4[4];
+    for (int k = 0; k < 8; ++k) s8[k] = p[k] + p[k + 8];
+    for (int k = 0; k < 4; ++k) s4[k] = s8[k] + s8[k + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  }
+
+  /// out[i] = <q, rows[i*d .. i*d + d)> for i < n (fp32, rows contiguous, row stride d) in one fixed
+  /// order every backend reproduces bit for bit: 16 partial sums p[k] over the channels c = k (mod 16),
+  /// each product rounded then added (no fused multiply-add), then `sum16`. (The merging policies'
+  /// cosine searches.)
+  static void row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float* r = rows + i * d;
+      float p[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+      for (std::int64_t c = 0; c < d; ++c) p[c % 16] += q[c] * r[c];
+      out[i] = sum16(p);
+    }
+  }
+
   // ---- NaN scans and the one-victim selection --------------------------------
   // Shared by the online policies (H2O, TOVA): evicting a single slot of a
   // top-(n-1) is an argmin under the same total order.

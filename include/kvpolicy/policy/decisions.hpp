@@ -30,9 +30,17 @@ KVP_NAMESPACE_BEGIN
 /// `(dst[e], src[e], weight[e])` for e in `[indptr[r], indptr[r+1])`:
 /// evicted token `src` folds into kept token `dst` with `weight`. `dst` are
 /// positions in the *kept* row (0 .. kept-1, so they survive compaction),
-/// `src` original token ids. Merged rows go to `merged_keys` /
-/// `merged_values` (num_rows * max_kept rows of head_dim, one row per kept
-/// token touched, in `dst` order), null when the policy only emits the plan.
+/// `src` original token ids. `weight` is the coefficient of the source row in
+/// the merged row (each policy states its formula); the merged rows
+/// themselves are authoritative (CaM's cascades and D2O's self weights are
+/// not recoverable from the triples alone).
+///
+/// Merged rows go to `merged_keys` / `merged_values`: the merged row of kept
+/// slot c of row r is row `r * slots_per_row + c` (so the buffers hold
+/// `num_rows * slots_per_row` rows of head_dim, `slots_per_row` >= the kept
+/// count of every row). Only slots that some entry targets are written. An
+/// empty view means that half is not merged (CaM and kvpress's presses merge
+/// values only) or that the caller wants the plan alone.
 struct MergePlan {
   std::int32_t* indptr = nullptr;  // (num_rows + 1)
   std::int32_t* dst = nullptr;     // (capacity)
@@ -40,8 +48,11 @@ struct MergePlan {
   float* weight = nullptr;         // (capacity)
   std::int64_t num_rows = 0;
   std::int64_t capacity = 0;
-  TensorView<float, 2> merged_keys{};    ///< optional (rows, head_dim)
-  TensorView<float, 2> merged_values{};  ///< optional (rows, head_dim)
+  TensorView<float, 2> merged_keys{};    ///< optional (num_rows * slots_per_row, head_dim)
+  TensorView<float, 2> merged_values{};  ///< optional (num_rows * slots_per_row, head_dim)
+  std::int64_t slots_per_row = 0;        ///< row stride of the merged buffers, in rows
+
+  std::int64_t row_size(std::int64_t r) const noexcept { return indptr[r + 1] - indptr[r]; }
 
   Status check_output(const char* who, std::int64_t rows_needed, std::int64_t total_needed) const noexcept {
     KVP_REQUIRE(indptr != nullptr, "%s: merge plan indptr is null", who);

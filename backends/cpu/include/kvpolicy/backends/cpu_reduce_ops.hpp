@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // `backend::CpuReduceOps`: the row reductions of the online policies (the
-// one-victim argmin and NaN scans of H2O / TOVA, TOVA's head mean) on the
+// one-victim argmin and NaN scans of H2O / TOVA, TOVA's head mean) and the
+// merging policies' row dot products on the
 // level chosen at run time (AVX-512 / AVX2 / SSE2 kernels in
 // src/reduce_ops_<isa>.cpp). Results are identical to `ScalarReduceOps`
 // (comparisons and element-wise fp32 in the same order); every other row
@@ -18,6 +19,17 @@ namespace backend {
 struct CpuReduceOps : ScalarReduceOps {
   static bool has_nan(const float* x, std::int64_t n) noexcept;
   static std::int64_t argmin_or_nan(const float* x, std::int64_t n, std::int64_t* at) noexcept;
+  /// `ScalarReduceOps::widen_row`, bit for bit: fp16 through F16C where the level has it.
+  template <class T>
+  static void widen_row(const T* x, std::int64_t n, float* out) noexcept {
+    if constexpr (std::is_same_v<T, half>) {
+      if (n > 0) widen_f16(reinterpret_cast<const std::uint16_t*>(x), n, out);
+    } else {
+      ScalarReduceOps::widen_row(x, n, out);
+    }
+  }
+  /// `ScalarReduceOps::row_dots`, bit for bit (16 partial sums, no fused multiply-add).
+  static void row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept;
 
   /// fp32 rows contiguous along j: the vectorised kernel; other dtypes / strides: the reference.
   template <class Tp>
@@ -32,6 +44,7 @@ struct CpuReduceOps : ScalarReduceOps {
   }
 
  private:
+  static void widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept;
   static void mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept;
 };
 

@@ -1,0 +1,11 @@
+# Merging family: each merge step and the evict -> merge -> quantize pipeline at 32K tokens.
+find_package(benchmark QUIET)
+if(TARGET benchmark::benchmark)
+  add_executable(bench_merge ${CMAKE_CURRENT_LIST_DIR}/bench_merge.cpp)
+  target_link_libraries(bench_merge PRIVATE kvpolicy::kvpolicy benchmark::benchmark)
+  target_include_directories(bench_merge PRIVATE ${CMAKE_CURRENT_LIST_DIR})
+  target_compile_features(bench_merge PRIVATE cxx_std_20)
+  kvp_set_warnings(bench_merge)
+else()
+  message(STATUS "kvpolicy: Google Benchmark not found, bench_merge not built")
+endif()

@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: Apache-2.0
+// LookMPivot — the "pivot" merge of LOOK-M ("LOOK-M: Look-Once Optimization in
+// KV Cache for Efficient Multimodal Long-Context Inference", Wan et al.,
+// EMNLP Findings 2024), as shared by the KVCache-Factory family
+// (`merge_kv`, read in the LAQ repository).
+//
+// Algorithm (per kv head, on the keep set of any eviction):
+//   for every evicted token e:
+//     c = argmax over kept c of cos(K[e], K[c])          the pivot
+//     K~_e = (K[e] + K[c]) / 2                           averaged with its pivot
+//   K[c] <- mean({K[c]} u {K~_e : e -> c})               scatter_reduce 'mean', include_self
+//         = ((1 + n_c/2) K[c] + sum_{e->c} K[e] / 2) / (1 + n_c)
+//   V[c] <- the same with V, with the *same* e -> c assignment.
+// Plan entries: (c, e, 1 / (2 (1 + n_c))).
+//
+// Fixes of the shared code's pitfalls (reference notes, do not port verbatim):
+//  * K and V rows stay aligned: the code concatenates keys as [recent,
+//    selected] and values as [selected, recent]; here slot c is the same
+//    token for K and V.
+//  * The drop set is per head (the keep set's complement), not the tokens
+//    dropped by every head (the code's torch.isin over indices flattened
+//    across heads); observation-window tokens are dropped only if the keep
+//    set drops them.
+//  * Any head_dim (the code hard-codes 128).
+//  * Cosine with norms clamped at 1e-8 (torch cosine_similarity); ties: the
+//    earliest kept token.
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/policy/merging/merge_common.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+struct LookMPivotParams {
+  static constexpr auto fields() noexcept { return std::tuple{}; }
+};
+
+class LookMPivot {
+ public:
+  using Params = LookMPivotParams;
+  static constexpr const char* kName = "lookm_pivot";
+  static constexpr float kEps = 1e-8f;
+
+  constexpr LookMPivot() noexcept = default;
+  explicit constexpr LookMPivot(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+  Status validate_params() const noexcept { return Status::ok(); }
+
+  template <class Backend>
+  Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
+    return detail::merge_requirements(
+        kName, validate_params(), s,
+        detail::rows_workspace(detail::nearest_workspace(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec), 1);
+  }
+
+  /// Reads keys and values; writes the plan, merged_keys and merged_values (either may be empty).
+  template <class Backend, class Tk>
+  Status merge(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
+    std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.keys, "keys", &H, &T, &d));
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
+    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
+    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true));
+    const std::size_t per = detail::nearest_workspace(T, d).total();
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::rows_workspace(per, H, cx.exec)));
+    detail::for_each_row(
+        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
+        [&](std::int64_t h, Workspace w, std::int64_t pos) -> std::int64_t {
+          const auto kept = keep.row(h);
+          const auto C = static_cast<std::int64_t>(kept.size());
+          if (C == 0) return pos;
+          detail::NearestScratch s(w, T, d);
+          detail::nearest_kept<Backend>(in.keys.rows(h), kept, T, d, kEps, s);
+          for (std::int64_t i = 0; i < s.num_evicted; ++i) s.beta[i] = 0.5f;
+          detail::slot_totals(s, C, s.slot_sum, s.slot_count);
+          for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (1.0f + static_cast<float>(s.slot_count[k]));
+          auto self = [&](std::int64_t k) { return 1.0f + 0.5f * static_cast<float>(s.slot_count[k]); };
+          if (!out.merged_keys.empty())
+            detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, self, out.merged_keys, h * out.slots_per_row);
+          if (!out.merged_values.empty())
+            detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, self, out.merged_values, h * out.slots_per_row);
+          return detail::write_entries(out, pos, s);
+        });
+    return Status::ok();
+  }
+
+ private:
+  Params params_{};
+};
+
+static_assert(MergePolicy<LookMPivot, MergeInput<float>> && MergePolicy<LookMPivot, MergeInput<half>>);
+
+KVP_NAMESPACE_END

@@ -1,0 +1,13 @@
+# Merging family: kvpress MergingPress / CAMPress, CaM, D2O, LOOK-M, the nearest-kept
+# weighted merge, MiniCache; apply/merge.hpp and the evict -> merge -> quantize pipeline.
+kvp_add_test(test_merging
+  ${CMAKE_CURRENT_LIST_DIR}/test_merging.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_apply_merge.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_pipeline.cpp)
+
+# Cross-check against kvpress 0.5.5 (committed fixtures; needs nlohmann-json).
+find_package(nlohmann_json 3 QUIET)
+if(TARGET nlohmann_json::nlohmann_json)
+  kvp_add_test(test_merging_fixtures ${CMAKE_CURRENT_LIST_DIR}/test_merge_fixtures.cpp)
+  target_link_libraries(test_merging_fixtures PRIVATE nlohmann_json::nlohmann_json)
+endif()
