@@ -14,7 +14,7 @@
 
 namespace kvp_engine {
 
-PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window) {
+PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window, const std::string& name) {
   kvpolicy::PolicySpec parsed;
   kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
   kvpolicy::AnyEvictionPolicy check;  // a bad spec fails here, not at the first request
@@ -27,7 +27,7 @@ PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_wind
     return p;
   };
   PolicyUnderTest p;
-  p.name = parsed.name;
+  p.name = name.empty() ? parsed.name : name;
   p.query_window = query_window;
   p.contiguous = [make](std::int64_t prompt_len, std::int64_t budget) {
     return eviction_hooks<ContiguousKVCache<float>>(make(prompt_len, budget));
@@ -200,30 +200,18 @@ PolicyUnderTest h2o_merged_policy(const std::string& merge) {
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
   // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
   // their own hooks (see the header comment).
-  return {registry_policy("streaming_llm:sinks=4"),
-          h2o_policy(),
-          tova_policy(),
-          registry_policy("observed_attention", PolicyUnderTest::kWholePrompt),
-          registry_policy("snapkv:window=32,kernel=5"),
-          adakv_policy(),
-          pyramidkv_policy(c.n_layers),
-          expected_attention_policy(c.rope_base),
-          quest_policy(),
-          snapkv_original_policy(),
-          laq_policy(0),
-          laq_policy(8),
-          laq_policy(8, kvpolicy::LookaheadMask::kCorrected),
-          quantization_policy("ggml:type=q8_0", c.head_dim),
-          quantization_policy("ggml:type=q4_0", c.head_dim),
-          quantization_policy("fp8:format=e4m3", c.head_dim),
-          snapkv_quantized_policy("ggml:type=q4_0", c.head_dim),
-          snapkv_quantized_policy("ggml:type=q8_0", c.head_dim),
-          snapkv_merged_policy("kvpress_merging"),
-          snapkv_merged_policy("lookm_pivot"),
-          snapkv_merged_policy("d2o"),
-          snapkv_merged_policy("nearest_kept"),
-          h2o_merged_policy("d2o"),
-          h2o_merged_policy("nearest_kept")};
+  return {registry_policy("streaming_llm:sinks=4"), h2o_policy(), tova_policy(),
+          registry_policy("observed_attention", PolicyUnderTest::kWholePrompt), registry_policy("snapkv:window=32,kernel=5"),
+          // The two settings that decide retrieval on SmolLM2: an observation window about the question's length,
+          // and more protected leading tokens (the chat template and system prompt of instruct models).
+          registry_policy("snapkv:window=16,kernel=5", 64, "snapkv_w16"),
+          registry_policy("streaming_llm:sinks=64", 64, "streaming_llm_sinks64"), adakv_policy(), pyramidkv_policy(c.n_layers),
+          expected_attention_policy(c.rope_base), quest_policy(), snapkv_original_policy(), laq_policy(0), laq_policy(8),
+          laq_policy(8, kvpolicy::LookaheadMask::kCorrected), quantization_policy("ggml:type=q8_0", c.head_dim),
+          quantization_policy("ggml:type=q4_0", c.head_dim), quantization_policy("fp8:format=e4m3", c.head_dim),
+          snapkv_quantized_policy("ggml:type=q4_0", c.head_dim), snapkv_quantized_policy("ggml:type=q8_0", c.head_dim),
+          snapkv_merged_policy("kvpress_merging"), snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"),
+          snapkv_merged_policy("nearest_kept"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept")};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {

@@ -107,7 +107,8 @@ PolicyUnderTest eviction_policy(std::string name, MakePolicy make) {
 /// layouts; the harness's budget is appended as `tokens=min(budget, prompt length)`.
 /// The name is the spec's policy name; `query_window` as PolicyUnderTest's.
 /// Throws the registry's message for a bad spec.
-PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window = 64);
+/// `name` overrides the policy's name (variants of one registry policy: "snapkv_w16").
+PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window = 64, const std::string& name = "");
 
 /// SnapKV keeping `budget` tokens per kv head, the observation window inside the budget (kvpress
 /// pooling and reductions); prompts shorter than the budget are kept whole.

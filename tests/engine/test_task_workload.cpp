@@ -58,9 +58,27 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
   std::set<std::string> others = policies;  // the merging entries, then every other one
   for (const char* merging : {"SnapKV+MergingPress", "SnapKV+LOOK-M", "SnapKV+D2O", "SnapKV+NearestKept", "H2O+D2O", "H2O+NearestKept"})
     CHECK(others.erase(merging) == 1);
-  CHECK(others == std::set<std::string>{"Full", "StreamingLLM", "H2O", "TOVA", "ObservedAttention", "SnapKV", "Ada-KV", "PyramidKV",
-                                        "ExpectedAttention", "Quest", "q8_0", "q4_0", "fp8_e4m3", "SnapKV+q4_0", "SnapKV+q8_0",
-                                        "SnapKV(LAQ-baseline)", "LAQ", "LAQ++", "LAQ++(corrected-mask)"});
+  CHECK(others == std::set<std::string>{"Full",
+                                        "StreamingLLM",
+                                        "H2O",
+                                        "TOVA",
+                                        "ObservedAttention",
+                                        "SnapKV",
+                                        "Ada-KV",
+                                        "PyramidKV",
+                                        "ExpectedAttention",
+                                        "Quest",
+                                        "q8_0",
+                                        "q4_0",
+                                        "fp8_e4m3",
+                                        "SnapKV+q4_0",
+                                        "SnapKV+q8_0",
+                                        "SnapKV(LAQ-baseline)",
+                                        "LAQ",
+                                        "LAQ++",
+                                        "LAQ++(corrected-mask)",
+                                        "SnapKV(w=16)",
+                                        "StreamingLLM(sinks=64)"});
   // Bytes of each quantized format per byte of kvp-tiny's fp32 cache (head_dim 32): q8_0 34 / 128, q4_0 18 / 128,
   // fp8 with an inline per-(token, head) scale (32 + 16) / 128.
   const std::map<std::string, double> scale = {

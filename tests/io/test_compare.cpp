@@ -162,7 +162,7 @@ TEST_CASE("compare: sweeps are deterministic and independent of the thread count
   // the quantization, lookahead (LAQ) and merging entries run on the engine's task workloads only.
   std::size_t per_layer = 0;
   for (const auto& p : all_policies()) per_layer += p.run ? 1 : 0;
-  CHECK(per_layer + 9 + 6 == all_policies().size());  // + the six merging entries
+  CHECK(per_layer + 11 + 6 == all_policies().size());  // + the six merging entries
   CHECK(policies.size() == per_layer + 1);
 }
 

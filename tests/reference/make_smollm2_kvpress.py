@@ -122,8 +122,9 @@ def main():
                 nxt = int(torch.argmax(out.logits[0, -1]))
                 gen = [nxt]
                 with torch.no_grad():
-                    for _ in range(NEW_TOKENS - 1):
-                        o = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+                    for i in range(NEW_TOKENS - 1):
+                        # the token's true position (kvpress's pipeline passes it: the compressed cache is shorter)
+                        o = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[T + i]]))
                         cache = o.past_key_values
                         nxt = int(torch.argmax(o.logits[0, -1]))
                         gen.append(nxt)

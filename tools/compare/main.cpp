@@ -265,9 +265,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvpolicy-compare: built without the engine (Eigen 3.4 missing): no end-to-end tasks, no prefetch workload\n");
     task_samples = 0;
     prefetch_samples = 0;
+    real_samples = 0;
   }
 #endif
-  if (synthetic == 0 && trace_cases.empty() && task_samples == 0 && prefetch_samples == 0) {
+  if (synthetic == 0 && trace_cases.empty() && task_samples == 0 && prefetch_samples == 0 && (real_model.empty() || real_samples == 0)) {
     std::fprintf(stderr, "kvpolicy-compare: nothing to compare (no synthetic instances, no traces)\n");
     return 2;
   }
@@ -291,7 +292,7 @@ int main(int argc, char** argv) {
   if (task_samples > 0)
     std::printf("  tasks: %d samples per task from %s, model %s (engine loop, one thread)\n", task_samples, task_set.c_str(),
                 model_dir.c_str());
-  const bool real = !real_model.empty() && real_samples > 0 && task_samples > 0;
+  const bool real = !real_model.empty() && real_samples > 0;
   if (real) std::printf("  real model: %s, %d samples per cell of %s, lengths", real_model.c_str(), real_samples, real_tasks.c_str());
   if (real) {
     for (double l : real_lengths) std::printf(" %.0f", l);
@@ -309,14 +310,14 @@ int main(int argc, char** argv) {
 
   auto rows = sweep.rows();
 #ifdef KVP_COMPARE_WITH_ENGINE
-  if (task_samples > 0) {
+  if (task_samples > 0 || real) {
     try {
       TaskWorkloadOptions to;
       to.model_dir = model_dir;
       to.task_set = task_set;
       to.per_task = task_samples;
       to.progress = opt.progress && isatty(2);
-      run_task_workload(to, opt.budgets, opt.policies, &rows);
+      if (task_samples > 0) run_task_workload(to, opt.budgets, opt.policies, &rows);
       if (real) {
         TaskWorkloadOptions ro = to;
         ro.model_dir = real_model;

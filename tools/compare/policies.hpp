@@ -392,6 +392,10 @@ inline std::vector<PolicySpec> all_policies() {
       {"Quest", "selection", true, false, adapt::quest, "quest", "", ""},
       // Lookahead queries (engine workloads only: LAQ decodes pseudo tokens with the model), against SnapKV as
       // LAQ's stage 1 and the LAQ paper's baseline run it (window 32, max pool 7, window sum, capacity C).
+      // Variants that decide retrieval on the real model (engine tasks only): a question-sized observation window,
+      // 64 protected leading tokens.
+      {"SnapKV(w=16)", "eviction", true, false, {}, "snapkv", "", "snapkv_w16"},
+      {"StreamingLLM(sinks=64)", "eviction", false, false, {}, "streaming_llm", "", "streaming_llm_sinks64"},
       // Both stages of LAQ are SnapKV (registry "snapkv"); the engine policies are kvp_engine's names.
       {"SnapKV(LAQ-baseline)", "eviction", true, false, {}, "snapkv", "", "snapkv_original"},
       {"LAQ", "eviction", true, false, {}, "snapkv", "", "laq"},
