@@ -10,7 +10,8 @@
 //    where they differ, the reference recorded a selection boundary closer than
 //    1e-3 relative (fp32 engines disagree on such near-ties).
 //  * Greedy answers (8 tokens decoded from the compressed cache): the counts
-//    of equal answers per press and ratio are printed and required at >= 7 of 8.
+//    of equal answers per press and ratio are printed and required at 8 of 8
+//    (measured: 144 of 144 answers and 648 of 648 kept sets equal).
 // Skipped without the model (KVP_SMOLLM2_GGUF) and in sanitizer builds (144
 // compressed requests on a 30-layer model).
 #include <catch2/catch.hpp>
@@ -132,6 +133,6 @@ TEST_CASE("smollm2 kvpress: kept sets and greedy answers equal kvpress 0.5.5 on 
   for (const auto& [k, v] : answers) std::printf("smollm2 vs kvpress: %-26s answers equal %d / %d\n", k.c_str(), v.first, v.second);
   for (const auto& [k, v] : answers) {
     INFO(k);
-    CHECK(v.first * 8 >= v.second * 7);
+    CHECK(v.first == v.second);
   }
 }
