@@ -43,7 +43,7 @@ const char* kUsage =
     "  --real-tasks FILE   its task set (default: the committed tests/data/engine/smollm2_tasks.json)\n"
     "  --real-samples N    samples per (task, haystack, length) cell (default 1; 0 for none)\n"
     "  --real-lengths LIST prompt lengths to run (default 512; the set has 512,1024,2048)\n"
-    "  --real-ratios LIST  kvpress compression ratios for the real model (default 0.25,0.5,0.75)\n"
+    "  --real-ratios LIST  kvpress compression ratios for the real model (default 0.25,0.75)\n"
     "  --real-fillers LIST haystacks to run (default prose; the set has repeat,prose)\n"
     "  --real-full         the whole real-model table: 6 samples per cell, every length and haystack\n"
     "  --prefetch-samples N  prefetch workload on kvp-tiny: N task prompts through the engine's prefetch loop\n"
@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
   const char* env_real = std::getenv("KVP_SMOLLM2_GGUF");
   std::string real_model = env_real != nullptr ? env_real : "";
   int real_samples = 1;
-  std::vector<double> real_lengths{512}, real_ratios{0.25, 0.5, 0.75};
+  std::vector<double> real_lengths{512}, real_ratios{0.25, 0.75};
   std::vector<std::string> real_fillers{"prose"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
