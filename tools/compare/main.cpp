@@ -49,6 +49,8 @@ const char* kUsage =
     "  --prefetch-samples N  prefetch workload on kvp-tiny: N task prompts through the engine's prefetch loop\n"
     "                      (default 2; 0 for none)\n"
     "  --prefetch-steps N  decode steps per prompt (default 16)\n"
+    "  --prefetch-model FILE  run the prefetch workload on this GGUF model instead (e.g. $KVP_SMOLLM2_GGUF), on the\n"
+    "                      question-aware prompts of --prefetch-tasks (default: the real model's task set)\n"
     "  --prefetch-device-pages LIST  simulated device budgets, pages per layer (default: 6 from the largest\n"
     "                      step to the whole pool)\n"
     "  --prefetch-bandwidth GBPS  simulated host->device bandwidth, GB/s (default 25)\n"
@@ -119,6 +121,7 @@ int main(int argc, char** argv) {
 #else
   std::string model_dir, task_set, real_tasks;
 #endif
+  std::string prefetch_model, prefetch_tasks = real_tasks;  // empty model: kvp-tiny (--model, --tasks)
   const char* env_real = std::getenv("KVP_SMOLLM2_GGUF");
   std::string real_model = env_real != nullptr ? env_real : "";
   int real_samples = 1;
@@ -187,6 +190,10 @@ int main(int argc, char** argv) {
       if (!parse_list(v, &real_ratios)) bad(v);
       for (double r : real_ratios)
         if (!(r > 0 && r < 1)) bad(v);
+    } else if (a == "--prefetch-model") {
+      prefetch_model = next();
+    } else if (a == "--prefetch-tasks") {
+      prefetch_tasks = next();
     } else if (a == "--real-fillers") {
       real_fillers = split(next());
     } else if (a == "--real-full") {
@@ -300,9 +307,10 @@ int main(int argc, char** argv) {
   }
   if (prefetch_samples > 0)
     std::printf(
-        "  prefetch: %d prompts x %d decode steps on kvp-tiny (engine loop); simulated link %g GB/s, %g us per copy batch,\n"
+        "  prefetch: %d prompts x %d decode steps on %s (engine loop); simulated link %g GB/s, %g us per copy batch,\n"
         "            %g us compute per layer\n",
-        prefetch_samples, prefetch_steps, prefetch_bw, prefetch_latency, prefetch_layer);
+        prefetch_samples, prefetch_steps, prefetch_model.empty() ? model_dir.c_str() : prefetch_model.c_str(), prefetch_bw,
+        prefetch_latency, prefetch_layer);
   std::fflush(stdout);
 
   for (int s = 0; s < synthetic; ++s) sweep.run(to_layer_case(make_workload(shape, 1000u + static_cast<unsigned>(s)), s));
@@ -337,8 +345,15 @@ int main(int argc, char** argv) {
   std::vector<std::string> prefetch_notes;
   if (prefetch_samples > 0) {
     try {
-      PrefetchWorkloadOptions po{model_dir,   task_set,         prefetch_samples, prefetch_steps,           {},
-                                 prefetch_bw, prefetch_latency, prefetch_layer,   opt.progress && isatty(2)};
+      PrefetchWorkloadOptions po{prefetch_model.empty() ? model_dir : prefetch_model,
+                                 prefetch_model.empty() ? task_set : prefetch_tasks,
+                                 prefetch_samples,
+                                 prefetch_steps,
+                                 {},
+                                 prefetch_bw,
+                                 prefetch_latency,
+                                 prefetch_layer,
+                                 opt.progress && isatty(2)};
       for (double p : prefetch_pages) po.device_pages.push_back(static_cast<std::int64_t>(p));
       prefetch_notes = run_prefetch_workload(po, &rows);
     } catch (const std::exception& e) {

@@ -63,7 +63,11 @@ inline std::vector<std::string> run_prefetch_workload(const PrefetchWorkloadOpti
   using namespace kvp_engine;
   std::vector<std::string> notes;
   const Model model = Model::load(o.model_dir);
-  const auto all = load_task_set(o.task_set, model.config().bos_id);
+  // kvp-tiny's byte task set, or a text task set (question-aware prompts) for a GGUF model.
+  const TextEncoder enc = [&model](const std::string& t) { return model.encode(t); };
+  const auto all = model.bpe() == nullptr
+                       ? load_task_set(o.task_set, model.config().bos_id)
+                       : load_text_task_set(o.task_set, enc, QuestionSetup::kAware, model.config().add_bos ? model.config().bos_id : -1);
   // Round robin over tasks: first sample of each task, then the second, ...
   std::map<std::string, std::vector<const TaskSample*>> by_task;
   std::vector<std::string> tasks;
@@ -123,7 +127,7 @@ inline std::vector<std::string> run_prefetch_workload(const PrefetchWorkloadOpti
     std::sort(budgets.begin(), budgets.end());
     budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
     auto add = [&](const std::string& policy, const char* family, double budget, const char* metric, double v, long long n) {
-      rows->push_back(ResultRow{wl, "kvp-tiny", "all", policy, family, true, "device_pages", budget, kept, metric, v, n});
+      rows->push_back(ResultRow{wl, model.name(), "all", policy, family, true, "device_pages", budget, kept, metric, v, n});
     };
     const double steps = static_cast<double>(o.steps) * static_cast<double>(prefills.size());
     for (const std::int64_t dp : budgets) {
