@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvp_engine: run kvp-tiny with KV-cache policies.
+// kvp_engine: run kvp-tiny, or a llama-architecture GGUF model (SmolLM2-135M-Instruct: --model file.gguf,
+// its BPE tokenizer, no BOS), with KV-cache policies; --prompt mode prints prefill and decode tokens/s and the
+// share of the request spent in policy hooks.
 //
 //   kvp_engine --model models/kvp-tiny --prompt "... the pass key is " --tokens 8 [--cache paged] [--policy snapkv --budget 128]
 //   kvp_engine --model models/kvp-tiny --prompt "... the pass key is " --policy snapkv:compression_ratio=0.5,window=32
@@ -173,7 +175,10 @@ int main(int argc, char** argv) try {
     const CacheShape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, cap};
     return a.cache == CacheKind::kPaged ? generate(m, a, PagedKVCache<float>(shape, 16)) : generate(m, a, ContiguousKVCache<float>(shape));
   }
-  auto samples = load_task_set(a.eval, c.bos_id);
+  // kvp-tiny's byte task set, or a text task set (question-aware) for a GGUF model.
+  const TextEncoder enc = [&m](const std::string& t) { return m.encode(t); };
+  auto samples = m.bpe() == nullptr ? load_task_set(a.eval, c.bos_id)
+                                    : load_text_task_set(a.eval, enc, QuestionSetup::kAware, c.add_bos ? c.bos_id : -1);
   if (a.limit >= 0 && static_cast<std::size_t>(a.limit) < samples.size()) {
     // Keep the task mix: take the first `limit / tasks` of every task.
     std::vector<TaskSample> sub;
