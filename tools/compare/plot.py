@@ -12,6 +12,7 @@ Everything is drawn from the CSV alone (rows with layer == "all"). Per workload 
   W_time.png        decision time per layer vs budget (log y)
   W_tradeoff.png    attention-mass recall vs K/V bytes kept per layer
   W_tasks.png       end-to-end accuracy and logit KL vs budget, when the CSV has them
+  W_tasks_vs_ratio.png  the same vs kvpress compression ratio (the real model's workloads)
   W_laq.png         the same for LAQ, LAQ++ and the SnapKV variants only (lookahead queries vs SnapKV)
   W_memory.png      end-to-end accuracy vs K/V bytes per layer: eviction, quantization and
                     both on one axis ("at this much memory, evict or quantize?")
@@ -209,6 +210,8 @@ def plots(piv, out_dir):
         grid(cells, QUALITY, "ratio_removed", f"{wl}: quality vs compression ratio", f"{s}_vs_ratio.png",
              "compression ratio (fraction removed)", False)
         grid(cells, TASKS, "tokens", f"{wl}: end-to-end", f"{s}_tasks.png", "budget (tokens per kv head, log2)", True)
+        # the real model's workloads sweep kvpress compression ratios
+        grid(cells, TASKS, "ratio_removed", f"{wl}: end-to-end", f"{s}_tasks_vs_ratio.png", "compression ratio (fraction removed)", False)
         # lookahead queries: LAQ / LAQ++ against the SnapKV variants alone
         laq = {key: v for key, v in cells.items() if key[1] == "full" or (key[0].startswith(("LAQ", "SnapKV")) and "+" not in key[0])}
         if any(key[0].startswith("LAQ") for key in laq):
