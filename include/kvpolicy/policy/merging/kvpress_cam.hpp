@@ -211,23 +211,7 @@ class KvpressCAM {
   static void apply_row(const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d, const MergePlan& out, std::int64_t first,
                         std::int64_t last, std::int64_t row0, std::int32_t* touched, float* src_row) noexcept {
     for (std::int64_t e = first; e < last; ++e) touched[out.dst[e]] = 0;
-    std::int32_t loaded = -1;  // entries of one candidate are consecutive: widen its row once
-    for (std::int64_t e = first; e < last; ++e) {
-      const std::int32_t slot = out.dst[e];
-      float* o = &out.merged_values(row0 + slot, 0);
-      if (touched[slot] == 0) {
-        touched[slot] = 1;
-        const Tk* x = V.row(kept[static_cast<std::size_t>(slot)]);
-        for (std::int64_t c = 0; c < d; ++c) o[c] = to_float(x[c]);
-      }
-      if (out.src[e] != loaded) {
-        loaded = out.src[e];
-        const Tk* x = V.row(loaded);
-        for (std::int64_t c = 0; c < d; ++c) src_row[c] = to_float(x[c]);
-      }
-      const float w = out.weight[e];
-      for (std::int64_t c = 0; c < d; ++c) o[c] += src_row[c] * w;
-    }
+    detail::accumulate_merged_values(V, kept, d, out, first, last, row0, touched, src_row);
   }
 
   Params params_{};

@@ -388,6 +388,33 @@ inline Requirements merge_requirements(const char* who, Status params, const Pro
   return r;
 }
 
+/// Merged value rows of plan entries [first, last): merged[slot] = V[kept slot]
+/// + sum of weight x V[src] in entry order, for slots whose `touched` flag is 0
+/// on entry (set to 1 here). Entries of one source are consecutive, so its row
+/// is widened once into `src_row` (head_dim floats). Shared by CaM's streaming
+/// form and kvpress's CAMPress.
+template <class Tk, class Flag>
+void accumulate_merged_values(const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d, const MergePlan& out,
+                              std::int64_t first, std::int64_t last, std::int64_t row0, Flag* touched, float* src_row) noexcept {
+  std::int32_t loaded = -1;
+  for (std::int64_t e = first; e < last; ++e) {
+    const std::int32_t slot = out.dst[e];
+    float* o = &out.merged_values(row0 + slot, 0);
+    if (touched[slot] == 0) {
+      touched[slot] = 1;
+      const Tk* x = V.row(kept[static_cast<std::size_t>(slot)]);
+      for (std::int64_t c = 0; c < d; ++c) o[c] = to_float(x[c]);
+    }
+    if (out.src[e] != loaded) {
+      loaded = out.src[e];
+      const Tk* x = V.row(loaded);
+      for (std::int64_t c = 0; c < d; ++c) src_row[c] = to_float(x[c]);
+    }
+    const float w = out.weight[e];
+    for (std::int64_t c = 0; c < d; ++c) o[c] += src_row[c] * w;
+  }
+}
+
 }  // namespace detail
 
 KVP_NAMESPACE_END
