@@ -13,6 +13,7 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -158,6 +159,10 @@ const std::vector<Entry>& entries() {
         "quantization",
         "OCP FP8 e4m3 / e5m2 KV caches with vLLM's scale layouts, github.com/vllm-project/vllm (saturating, as CUDA SATFINITE)",
         Fp8QuantParams{}));
+    t.push_back(typed<KiviQuant>("quantization",
+                                 "Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, arXiv 2402.02750 "
+                                 "(state: KiviState residual; bit-exact with the reference's fp16 arithmetic)",
+                                 KiviQuantParams{}));
     return t;
   }();
   return table;

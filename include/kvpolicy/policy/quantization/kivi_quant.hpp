@@ -1,0 +1,348 @@
+// SPDX-License-Identifier: Apache-2.0
+// `KiviQuant`: KIVI's 2/4/8-bit K or V cache (quant/kivi.hpp gives the
+// arithmetic and the byte layout) with its full-precision residual window,
+// as a `QuantizationPolicy`. One policy object serves one role: keys
+// (per-channel groups of `group` tokens) or values (per-token groups of
+// `group` channels). Defaults are the reference's: 2 bits, group 32,
+// residual 128 (KIVI's README and LongBench scripts; its examples use 32).
+//
+// One-shot (the concept's pair):
+//   quantize:   rows (kv_heads, T, head_dim) -> codes/scales from token 0
+//               (keys: T a multiple of `group`).
+//   dequantize: the q.tokens quantized tokens -> out (kv_heads, q.tokens, head_dim).
+//
+// Streaming, the reference's decode loop (`append`, the call an engine makes
+// after a step's attention, with that step's new rows; the prompt is one call):
+//   the logical sequence is the residual followed by the new rows;
+//   keys:   whole blocks of `residual` tokens are quantized from its front
+//           (the prompt: T - T mod R tokens; decode: the block the moment it
+//           reaches R tokens), so 0..R-1 recent keys stay in full precision;
+//   values: every token but the last `residual` is quantized (one per decode
+//           step once the window is full).
+//   The step's attention therefore reads codes [0, q.tokens) and the
+//   residual rows (`State::residual`, caller-owned, fp16 as in the
+//   reference's fp16 model), new rows last: that is the reference's
+//   concat(quantized, full precision) for K and V.
+//
+// Memory: bytes_per_token(d) = d * bits / 8 + 4 * d / group per kv head
+// (scales included), plus the residual's residual * d * 2 bytes per kv head.
+//
+// Validation, before anything is written: bits in {2, 4, 8}; group a
+// multiple of 32 / bits (keys pack tokens into words) or dividing head_dim
+// (values); residual a multiple of group (keys, as the reference asserts);
+// every value finite and inside the fp16 range (KIVI computes in fp16);
+// no group range overflowing fp16; codes / scales / residual views shaped
+// for what the call writes. Thread-safety: const; heads split over ctx.exec.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string_view>
+
+#include "kvpolicy/policy/concepts.hpp"
+#include "kvpolicy/policy/params.hpp"
+#include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/quant/kivi.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+/// Which half of the cache a per-role quantizer stores.
+enum class QuantRole : std::uint8_t { kKeys, kValues };
+inline constexpr EnumName<QuantRole> kQuantRoleNames[] = {{"keys", QuantRole::kKeys}, {"values", QuantRole::kValues}};
+constexpr std::span<const EnumName<QuantRole>> enum_names(QuantRole) noexcept { return kQuantRoleNames; }
+
+struct KiviQuantParams {
+  QuantRole role = QuantRole::kKeys;
+  std::int32_t bits = 2;
+  std::int32_t group = 32;
+  std::int32_t residual = 128;
+
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&KiviQuantParams::role>("role", "keys (per-channel groups) or values (per-token groups)"),
+                      param_field<&KiviQuantParams::bits>("bits", "code bits: 2, 4 or 8"),
+                      param_field<&KiviQuantParams::group>("group", "values sharing one scale and minimum"),
+                      param_field<&KiviQuantParams::residual>("residual", "recent tokens kept in full precision")};
+  }
+};
+
+/// The full-precision residual window of one layer and role, caller-owned.
+struct KiviState {
+  TensorView<half, 3> residual{};  ///< (kv_heads, >= residual, head_dim), rows [0, residual_len) hold the recent tokens, oldest first
+  std::int64_t residual_len = 0;
+};
+
+class KiviQuant {
+ public:
+  using Params = KiviQuantParams;
+  using State = KiviState;
+  static constexpr const char* kName = "kivi";
+
+  constexpr KiviQuant() noexcept = default;
+  explicit constexpr KiviQuant(const Params& p) noexcept : params_(p) {}
+  constexpr const Params& params() const noexcept { return params_; }
+
+  Status validate_params() const noexcept {
+    const Params& p = params_;
+    KVP_REQUIRE(p.role == QuantRole::kKeys || p.role == QuantRole::kValues, "kivi: role %d is not keys or values",
+                static_cast<int>(p.role));
+    KVP_REQUIRE(kivi::bits_valid(p.bits), "kivi: bits is %d, must be 2, 4 or 8", p.bits);
+    KVP_REQUIRE(p.group >= 1 && p.group <= 4096, "kivi: group is %d, must be in [1, 4096]", p.group);
+    KVP_REQUIRE(p.residual >= 0 && p.residual <= (1 << 20), "kivi: residual is %d, must be in [0, 2^20]", p.residual);
+    if (p.role == QuantRole::kKeys) {
+      KVP_REQUIRE(p.group % kivi::per_word(p.bits) == 0, "kivi: keys group %d is not a multiple of %d (tokens per %d-bit word)", p.group,
+                  kivi::per_word(p.bits), p.bits);
+      KVP_REQUIRE(p.residual >= p.group && p.residual % p.group == 0, "kivi: keys residual %d must be a positive multiple of group %d",
+                  p.residual, p.group);
+    }
+    return Status::ok();
+  }
+  Status check_head_dim(std::int64_t d) const noexcept {
+    const int f = kivi::per_word(params_.bits);
+    KVP_REQUIRE(d >= 1 && d % f == 0, "kivi: head_dim %lld is not a multiple of %d (codes per %d-bit word)", static_cast<long long>(d), f,
+                params_.bits);
+    if (params_.role == QuantRole::kValues)
+      KVP_REQUIRE(d % params_.group == 0, "kivi: head_dim %lld is not a multiple of the values group %d", static_cast<long long>(d),
+                  params_.group);
+    return Status::ok();
+  }
+
+  QuantLayout layout() const noexcept {
+    const bool keys = params_.role == QuantRole::kKeys;
+    return QuantLayout{layout_name(),
+                       params_.bits,
+                       params_.group,
+                       params_.group * params_.bits / 8 > 0 ? params_.group * params_.bits / 8 : 1,
+                       4,
+                       QuantScaleLayout::kSeparate,
+                       keys ? QuantAxis::kChannel : QuantAxis::kToken};
+  }
+  double bytes_per_token(std::int64_t d) const noexcept {
+    return static_cast<double>(d) * params_.bits / 8.0 + 4.0 * static_cast<double>(d) / params_.group;
+  }
+  /// Bytes of the full-precision residual per kv head.
+  std::int64_t residual_bytes(std::int64_t d) const noexcept { return static_cast<std::int64_t>(params_.residual) * d * 2; }
+  /// Extent(2) of q.codes: a key group's words, or a value row's words.
+  constexpr std::int64_t codes_row_bytes(std::int64_t d) const noexcept {
+    return params_.role == QuantRole::kKeys ? kivi::key_group_code_bytes(d, params_.group, params_.bits)
+                                            : kivi::value_row_code_bytes(d, params_.bits);
+  }
+  /// Extent(2) of q.scales: a key group's D scales and minimums, or a value row's D / group pairs.
+  constexpr std::int64_t scales_row_bytes(std::int64_t d) const noexcept {
+    return params_.role == QuantRole::kKeys ? kivi::key_group_scale_bytes(d) : kivi::value_row_scale_bytes(d, params_.group);
+  }
+  /// Rows of q.codes / q.scales `tokens` quantized tokens take (key groups or value tokens).
+  std::int64_t code_rows(std::int64_t tokens) const noexcept {
+    return params_.role == QuantRole::kKeys ? (tokens + params_.group - 1) / params_.group : tokens;
+  }
+
+  template <class Backend>
+  Requirements requirements(const Context<Backend>&, const ProblemShape& shape) const noexcept {
+    Requirements r;
+    r.status = validate_params();
+    if (r.status.is_ok()) r.status = check_head_dim(shape.head_dim);
+    if (r.status.is_ok()) r.output = OutputSize{shape.num_kv_heads, shape.num_kv_heads * code_rows(shape.max_kv_len)};
+    return r;
+  }
+
+  /// One shot: every row of `rows` quantized into q from its first group / token (st unused).
+  template <class Backend, class Tk>
+  Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State&, QuantizedKV q) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_rows(rows, "rows"));
+    const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    if (params_.role == QuantRole::kKeys)
+      KVP_REQUIRE(T % params_.group == 0, "kivi: keys rows has %lld tokens, not a multiple of group %d", static_cast<long long>(T),
+                  params_.group);
+    KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
+    const auto tok = [&](std::int64_t h, std::int64_t i, std::int64_t c) { return kivi::r16(to_float(rows(h, i, c))); };
+    KVP_RETURN_IF_ERROR(check_ranges(tok, H, d, T));
+    ctx.exec.parallel_for(H, [&](std::int64_t h, int) { write_codes(tok, h, 0, T, d, q); });
+    return Status::ok();
+  }
+
+  /// Tokens [0, q.tokens) decoded into `out` (kv_heads, q.tokens, head_dim).
+  template <class Backend, class Tk>
+  Status dequantize(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
+    KVP_REQUIRE(out.device().is_host(), "kivi: out is a device tensor; this entry point writes host memory");
+    const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
+    KVP_RETURN_IF_ERROR(check_head_dim(d));
+    KVP_REQUIRE(q.tokens == T, "kivi: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
+                static_cast<long long>(q.tokens));
+    KVP_REQUIRE(q.layout.name != nullptr && std::string_view(q.layout.name) == layout_name(),
+                "kivi: the quantized region's layout is '%s', the policy's is '%s'", q.layout.name ? q.layout.name : "(null)",
+                layout_name());
+    if (params_.role == QuantRole::kKeys)
+      KVP_REQUIRE(T % params_.group == 0, "kivi: the keys region holds %lld tokens, not a multiple of group %d", static_cast<long long>(T),
+                  params_.group);
+    KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
+    const int G = params_.group, b = params_.bits;
+    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+      float row[4096];
+      if (params_.role == QuantRole::kKeys) {
+        for (std::int64_t g = 0; g < T / G; ++g)
+          for (std::int64_t c = 0; c < d; ++c) {
+            kivi::dequantize_key_channel(&q.codes(h, g, 0), &q.scales(h, g, 0), d, c, G, b, row, 1);
+            for (int t = 0; t < G; ++t) out(h, g * G + t, c) = from_float<Tk>(row[t]);
+          }
+      } else {
+        for (std::int64_t t = 0; t < T; ++t) {
+          kivi::dequantize_value_row(&q.codes(h, t, 0), &q.scales(h, t, 0), d, G, b, row);
+          for (std::int64_t c = 0; c < d; ++c) out(h, t, c) = from_float<Tk>(row[c]);
+        }
+      }
+    });
+    return Status::ok();
+  }
+
+  /// Streaming store: `rows` (kv_heads, n, head_dim) join the residual, then
+  /// the reference's flush rule moves the oldest tokens into q (q.tokens and
+  /// st.residual_len are updated). Call it after the step's attention.
+  template <class Backend, class Tk>
+  Status append(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State& st, QuantizedKV& q) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_rows(rows, "rows"));
+    const std::int64_t H = rows.extent(0), n = rows.extent(1), d = rows.extent(2), R = params_.residual;
+    const std::int64_t len = st.residual_len;
+    KVP_REQUIRE(len >= 0 && len <= (params_.role == QuantRole::kKeys ? R - 1 : R),
+                "kivi: state residual_len is %lld, must be in [0, %lld] for %s", static_cast<long long>(len),
+                static_cast<long long>(params_.role == QuantRole::kKeys ? R - 1 : R), role_name());
+    if (R > 0) {
+      KVP_RETURN_IF_ERROR(st.residual.check_basic(kName, "state residual"));
+      KVP_REQUIRE(st.residual.extent(0) == H && st.residual.extent(1) >= R && st.residual.extent(2) == d && st.residual.stride(2) == 1,
+                  "kivi: state residual is (%lld, %lld, %lld) with channel stride %lld, expected (%lld kv heads, >= %lld tokens, %lld) "
+                  "with stride 1",
+                  static_cast<long long>(st.residual.extent(0)), static_cast<long long>(st.residual.extent(1)),
+                  static_cast<long long>(st.residual.extent(2)), static_cast<long long>(st.residual.stride(2)), static_cast<long long>(H),
+                  static_cast<long long>(R), static_cast<long long>(d));
+    }
+    if (params_.role == QuantRole::kKeys)
+      KVP_REQUIRE(q.tokens % params_.group == 0, "kivi: the keys region holds %lld tokens, not a multiple of group %d",
+                  static_cast<long long>(q.tokens), params_.group);
+    const std::int64_t L = len + n;
+    const std::int64_t nq = params_.role == QuantRole::kKeys ? L / R * R : std::max<std::int64_t>(0, L - R);
+    KVP_RETURN_IF_ERROR(check_region(q, H, q.tokens, nq, d));
+    const auto tok = [&](std::int64_t h, std::int64_t i, std::int64_t c) {
+      return i < len ? to_float(st.residual(h, i, c)) : kivi::r16(to_float(rows(h, i - len, c)));
+    };
+    KVP_RETURN_IF_ERROR(check_ranges(tok, H, d, nq));
+    const std::int64_t first = q.tokens;
+    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+      write_codes(tok, h, first, nq, d, q);
+      // The residual becomes logical tokens [nq, L): survivors of the old residual move to its front
+      // (ascending, so an overlapping move reads before it writes), then the new rows.
+      for (std::int64_t i = nq; i < len; ++i)
+        std::memmove(&st.residual(h, i - nq, 0), &st.residual(h, i, 0), static_cast<std::size_t>(d) * 2);
+      for (std::int64_t i = std::max(nq, len); i < L; ++i)
+        for (std::int64_t c = 0; c < d; ++c) st.residual(h, i - nq, c) = to_half(to_float(rows(h, i - len, c)));
+    });
+    q.tokens += nq;
+    st.residual_len = L - nq;
+    return Status::ok();
+  }
+
+  const char* layout_name() const noexcept {
+    static constexpr const char* kNames[2][3] = {{"kivi_k2", "kivi_k4", "kivi_k8"}, {"kivi_v2", "kivi_v4", "kivi_v8"}};
+    const int b = params_.bits == 2 ? 0 : params_.bits == 4 ? 1 : 2;
+    return kNames[params_.role == QuantRole::kKeys ? 0 : 1][b];
+  }
+
+ private:
+  const char* role_name() const noexcept { return params_.role == QuantRole::kKeys ? "keys" : "values"; }
+
+  template <class Tk>
+  Status check_rows(TensorView<const Tk, 3> rows, const char* name) const noexcept {
+    KVP_RETURN_IF_ERROR(rows.check_basic(kName, name));
+    KVP_REQUIRE(rows.device().is_host(), "kivi: %s is a device tensor; this entry point reads host memory", name);
+    const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    KVP_RETURN_IF_ERROR(check_head_dim(d));
+    KVP_REQUIRE(d <= 4096, "kivi: head_dim %lld exceeds 4096", static_cast<long long>(d));
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const float v = to_float(rows(h, t, c));
+          KVP_REQUIRE(std::isfinite(kivi::r16(v)),
+                      "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written",
+                      name, static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(v));
+        }
+    return Status::ok();
+  }
+
+  /// q holds room for tokens [from, from + count) (their code and scale rows exist).
+  Status check_region(const QuantizedKV& q, std::int64_t H, std::int64_t from, std::int64_t count, std::int64_t d) const noexcept {
+    KVP_RETURN_IF_ERROR(q.codes.check_basic(kName, "codes"));
+    KVP_RETURN_IF_ERROR(q.scales.check_basic(kName, "scales"));
+    const std::int64_t need = code_rows(from + count);
+    KVP_REQUIRE(q.codes.extent(0) == H && q.codes.extent(1) >= need && q.codes.extent(2) == codes_row_bytes(d) && q.codes.stride(2) == 1,
+                "kivi: codes is (%lld, %lld, %lld), expected (%lld kv heads, >= %lld %s, %lld bytes) with byte stride 1",
+                static_cast<long long>(q.codes.extent(0)), static_cast<long long>(q.codes.extent(1)),
+                static_cast<long long>(q.codes.extent(2)), static_cast<long long>(H), static_cast<long long>(need),
+                params_.role == QuantRole::kKeys ? "key groups" : "tokens", static_cast<long long>(codes_row_bytes(d)));
+    KVP_REQUIRE(
+        q.scales.extent(0) == H && q.scales.extent(1) >= need && q.scales.extent(2) == scales_row_bytes(d) && q.scales.stride(2) == 1,
+        "kivi: scales is (%lld, %lld, %lld), expected (%lld kv heads, >= %lld %s, %lld bytes) with byte stride 1",
+        static_cast<long long>(q.scales.extent(0)), static_cast<long long>(q.scales.extent(1)), static_cast<long long>(q.scales.extent(2)),
+        static_cast<long long>(H), static_cast<long long>(need), params_.role == QuantRole::kKeys ? "key groups" : "tokens",
+        static_cast<long long>(scales_row_bytes(d)));
+    return Status::ok();
+  }
+
+  /// Every group about to be quantized (logical tokens [0, nq)) has a finite fp16 range.
+  template <class Tok>
+  Status check_ranges(const Tok& tok, std::int64_t H, std::int64_t d, std::int64_t nq) const noexcept {
+    const int G = params_.group;
+    float x[4096];
+    for (std::int64_t h = 0; h < H; ++h) {
+      if (params_.role == QuantRole::kKeys) {
+        for (std::int64_t g = 0; g < nq / G; ++g)
+          for (std::int64_t c = 0; c < d; ++c) {
+            for (int t = 0; t < G; ++t) x[t] = tok(h, g * G + t, c);
+            KVP_REQUIRE(kivi::group_range(x, G, params_.bits).finite,
+                        "kivi: keys head %lld tokens [%lld, %lld) channel %lld span more than the fp16 range; nothing was written",
+                        static_cast<long long>(h), static_cast<long long>(g * G), static_cast<long long>(g * G + G),
+                        static_cast<long long>(c));
+          }
+      } else {
+        for (std::int64_t t = 0; t < nq; ++t)
+          for (std::int64_t g = 0; g < d / G; ++g) {
+            for (int c = 0; c < G; ++c) x[c] = tok(h, t, g * G + c);
+            KVP_REQUIRE(kivi::group_range(x, G, params_.bits).finite,
+                        "kivi: values head %lld token %lld channels [%lld, %lld) span more than the fp16 range; nothing was written",
+                        static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(g * G),
+                        static_cast<long long>(g * G + G));
+          }
+      }
+    }
+    return Status::ok();
+  }
+  /// Quantizes logical tokens [0, count) of head h (tok(h, i, c) fp16-valued) into q from token `first`.
+  template <class Tok>
+  void write_codes(const Tok& tok, std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t d, QuantizedKV& q) const noexcept {
+    const int G = params_.group, b = params_.bits;
+    float x[4096];
+    if (params_.role == QuantRole::kKeys) {
+      for (std::int64_t g = 0; g < count / G; ++g) {
+        const std::int64_t row = first / G + g;
+        for (std::int64_t c = 0; c < d; ++c) {
+          for (int t = 0; t < G; ++t) x[t] = tok(h, g * G + t, c);
+          kivi::quantize_key_channel(x, d, c, G, b, &q.codes(h, row, 0), &q.scales(h, row, 0));
+        }
+      }
+    } else {
+      for (std::int64_t t = 0; t < count; ++t) {
+        for (std::int64_t c = 0; c < d; ++c) x[c] = tok(h, t, c);
+        kivi::quantize_value_row(x, d, G, b, &q.codes(h, first + t, 0), &q.scales(h, first + t, 0));
+      }
+    }
+  }
+
+  Params params_{};
+};
+
+static_assert(QuantizationPolicy<KiviQuant, float> && QuantizationPolicy<KiviQuant, half> && QuantizationPolicy<KiviQuant, bfloat16>);
+
+KVP_NAMESPACE_END
