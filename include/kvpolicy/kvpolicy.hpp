@@ -6,7 +6,8 @@
 // brings the core views and status, the ops contract and its scalar
 // reference, every policy of every family that exists (eviction: StreamingLLM,
 // SnapKV, H2O, ObservedAttention, TOVA, Ada-KV, PyramidKV, Expected Attention, LAQ;
-// selection: Quest; quantization: ggml blocks, fp8, KIVI; merging: kvpress
+// selection: Quest; quantization: ggml blocks (optionally Hadamard-rotated), fp8, KIVI,
+// token-wise INT4 with Hadamard rotation; merging: kvpress
 // MergingPress / CAMPress, CaM, D2O, LOOK-M pivot, nearest-kept, MiniCache;
 // prefetch: Quest lookahead, InfiniGen, SpeCache, ShadowKV-style landmarks),
 // the evict -> merge -> quantize pipeline, the budget vocabulary, the apply/
@@ -65,6 +66,7 @@
 #include "kvpolicy/policy/merging/nearest_kept.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/prefetch/history.hpp"
 #include "kvpolicy/policy/prefetch/infinigen.hpp"

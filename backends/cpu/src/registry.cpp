@@ -13,6 +13,7 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
@@ -163,6 +164,10 @@ const std::vector<Entry>& entries() {
                                  "Liu et al. 2024, KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, arXiv 2402.02750 "
                                  "(state: KiviState residual; bit-exact with the reference's fp16 arithmetic)",
                                  KiviQuantParams{}));
+    t.push_back(typed<Int4Quant>("quantization",
+                                 "SAW-INT4 token-wise INT4 + block-diagonal Hadamard rotation, arXiv 2604.19157; llama.cpp attn_rot "
+                                 "(PR #21038) block sizes by default",
+                                 Int4QuantParams{}));
     return t;
   }();
   return table;

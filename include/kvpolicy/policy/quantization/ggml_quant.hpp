@@ -16,6 +16,15 @@
 // Memory: bytes_per_token(d) = d / 32 * block_bytes per kv head (q8_0 at
 // d = 128: 136 bytes, 8.5 bits per value; q4_0: 72 bytes, 4.5 bits).
 //
+// Rotation (`rotation`, default none): llama.cpp rotates K and V with a
+// block-diagonal Hadamard transform before the store whenever the cache type
+// is quantized (attn_rot; quant/hadamard.hpp): rotation=llama_cpp reproduces
+// that (keys n = the largest power of two >= 64 dividing head_dim, values 64;
+// `role` says which), rotation=block uses `block`. quantize rotates each row
+// in fp32 and then quantizes it bit-exactly; dequantize decodes and rotates
+// back, so `out` approximates the input rows in their own basis. The default
+// stays none so that a row's bytes are gguf-py's for that row.
+//
 // Validation, before anything is written: head_dim a multiple of 32 (a
 // block never straddles two heads), codes shaped and contiguous along the
 // row bytes, every input value finite (the error names head, token, channel).
@@ -30,7 +39,9 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/ggml.hpp"
+#include "kvpolicy/quant/hadamard.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -41,8 +52,16 @@ constexpr std::span<const EnumName<GgmlType>> enum_names(GgmlType) noexcept { re
 
 struct GgmlQuantParams {
   GgmlType type = GgmlType::kQ8_0;
+  HadamardMode rotation = HadamardMode::kNone;
+  std::int32_t block = 64;  ///< rotation=block: the Hadamard block size
+  QuantRole role = QuantRole::kKeys;
 
-  static constexpr auto fields() noexcept { return std::tuple{param_field<&GgmlQuantParams::type>("type", "ggml block format")}; }
+  static constexpr auto fields() noexcept {
+    return std::tuple{param_field<&GgmlQuantParams::type>("type", "ggml block format"),
+                      param_field<&GgmlQuantParams::rotation>("rotation", "Hadamard rotation before the store: none, llama_cpp or block"),
+                      param_field<&GgmlQuantParams::block>("block", "rotation=block: block size (power of two dividing head_dim)"),
+                      param_field<&GgmlQuantParams::role>("role", "keys or values (llama_cpp's block size differs)")};
+  }
 };
 
 class GgmlQuant {
@@ -57,6 +76,10 @@ class GgmlQuant {
 
   Status validate_params() const noexcept {
     KVP_REQUIRE(ggml_type_valid(params_.type), "ggml: type %d is not a ggml block format", static_cast<int>(params_.type));
+    KVP_REQUIRE(static_cast<int>(params_.rotation) <= 2, "ggml: rotation %d is not none, llama_cpp or block",
+                static_cast<int>(params_.rotation));
+    KVP_REQUIRE(params_.rotation != HadamardMode::kBlock || (is_power_of_two(params_.block) && params_.block <= kMaxRotatedHeadDim),
+                "ggml: rotation block %d must be a power of two <= %lld", params_.block, static_cast<long long>(kMaxRotatedHeadDim));
     return Status::ok();
   }
 
@@ -96,8 +119,20 @@ class GgmlQuant {
                     static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c),
                     c < 0 ? 0.0 : static_cast<double>(to_float(x[c])));
       }
+    const std::int64_t n = rotation_block(d);
+    if (n == 0) {
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));
+      });
+      return Status::ok();
+    }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));
+      float x[kMaxRotatedHeadDim];
+      for (std::int64_t t = 0; t < T; ++t) {
+        for (std::int64_t c = 0; c < d; ++c) x[c] = to_float(rows(h, t, c));
+        hadamard_rotate(x, d, n);
+        Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x), d, &q.codes(h, t, 0));
+      }
     });
     return Status::ok();
   }
@@ -117,16 +152,43 @@ class GgmlQuant {
                 "ggml: the quantized region's layout is '%s', the policy's is '%s'", q.layout.name ? q.layout.name : "(null)",
                 ggml_name(params_.type));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d, "codes"));
+    const std::int64_t n = rotation_block(d);
+    if (n == 0) {
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        for (std::int64_t t = 0; t < T; ++t) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, &out(h, t, 0));
+      });
+      return Status::ok();
+    }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      for (std::int64_t t = 0; t < T; ++t) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, &out(h, t, 0));
+      float y[kMaxRotatedHeadDim];
+      for (std::int64_t t = 0; t < T; ++t) {
+        Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, y);
+        hadamard_rotate(y, d, n);
+        for (std::int64_t c = 0; c < d; ++c) out(h, t, c) = from_float<Tk>(y[c]);
+      }
     });
     return Status::ok();
   }
+
+  /// The Hadamard block rows of `head_dim` are rotated with (0: none; head_dim must be valid).
+  std::int64_t rotation_block(std::int64_t d) const noexcept {
+    std::int64_t n = 0;
+    (void)hadamard_block(params_.rotation, params_.block, params_.role == QuantRole::kKeys, d, kName, &n);
+    return n;
+  }
+  /// x <- R x: the query (keys) or attention output (values) transform of a fused kernel on the rotated codes.
+  void rotate(float* x, std::int64_t d) const noexcept { hadamard_rotate(x, d, rotation_block(d)); }
 
  private:
   Status check_head_dim(std::int64_t d) const noexcept {
     KVP_REQUIRE(d >= kGgmlBlock && d % kGgmlBlock == 0, "ggml: head_dim %lld is not a multiple of the %s block (32 values)",
                 static_cast<long long>(d), ggml_name(params_.type));
+    if (params_.rotation != HadamardMode::kNone) {
+      KVP_REQUIRE(d <= kMaxRotatedHeadDim, "ggml: head_dim %lld exceeds %lld with rotation", static_cast<long long>(d),
+                  static_cast<long long>(kMaxRotatedHeadDim));
+      std::int64_t n = 0;
+      KVP_RETURN_IF_ERROR(hadamard_block(params_.rotation, params_.block, params_.role == QuantRole::kKeys, d, kName, &n));
+    }
     return Status::ok();
   }
   template <class Codes>

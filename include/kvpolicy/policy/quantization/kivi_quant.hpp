@@ -45,14 +45,10 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/kivi.hpp"
 
 KVP_NAMESPACE_BEGIN
-
-/// Which half of the cache a per-role quantizer stores.
-enum class QuantRole : std::uint8_t { kKeys, kValues };
-inline constexpr EnumName<QuantRole> kQuantRoleNames[] = {{"keys", QuantRole::kKeys}, {"values", QuantRole::kValues}};
-constexpr std::span<const EnumName<QuantRole>> enum_names(QuantRole) noexcept { return kQuantRoleNames; }
 
 struct KiviQuantParams {
   QuantRole role = QuantRole::kKeys;
