@@ -109,7 +109,7 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   std::vector<std::string> names;
   for (const auto& p : reg) names.emplace_back(p.name);
   REQUIRE(names == std::vector<std::string>{"streaming_llm", "snapkv", "observed_attention", "tova", "pyramidkv", "adakv",
-                                            "expected_attention", "h2o", "quest", "ggml", "fp8"});
+                                            "expected_attention", "h2o", "quest", "ggml", "fp8", "kivi", "int4"});
   for (const auto& p : reg) {
     INFO(p.name);
     REQUIRE(!p.family.empty());
@@ -124,6 +124,16 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   REQUIRE(make_policy("ggml:type=iq4_nl", &g).is_ok());
   REQUIRE(g.params().type == GgmlType::kIQ4_NL);
   REQUIRE_THAT(make_policy("ggml:type=q3_k", &g).message(), Contains("expected one of q8_0|q4_0|q4_1|q5_0|q5_1|iq4_nl"));
+  REQUIRE(make_policy("ggml:type=q4_0,rotation=llama_cpp,role=values", &g).is_ok());
+  REQUIRE(g.rotation_block(128) == 64);
+  KiviQuant kivi;
+  REQUIRE(make_policy("kivi:role=values,bits=4,residual=32", &kivi).is_ok());
+  REQUIRE((kivi.params().role == QuantRole::kValues && kivi.params().bits == 4 && kivi.params().group == 32 && kivi.params().residual == 32));
+  REQUIRE_THAT(make_policy("kivi:bits=3", &kivi).message(), Contains("bits is 3"));
+  Int4Quant int4;
+  REQUIRE(make_policy("int4:rotation=block,block=16", &int4).is_ok());
+  REQUIRE(int4.rotation_block(128) == 16);
+  REQUIRE_THAT(make_policy("int4:rotation=hadamard", &int4).message(), Contains("none|llama_cpp|block"));
 }
 
 TEST_CASE("registry: a size query that fails reports no sizes, so the README's allocation idiom is safe", "[registry][requirements]") {
