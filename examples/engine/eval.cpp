@@ -84,51 +84,79 @@ PolicyUnderTest quest_policy(std::int32_t dense_layers) {
 }
 
 namespace {
-/// The quantization policy of a spec ("ggml:..." or "fp8:..."), with its bytes per token at head_dim d.
+/// Sets a role-aware policy's role (ggml and int4 rotation sizes, KIVI's grouping axis).
+template <class Q>
+Q with_role(Q q, kvpolicy::QuantRole role) {
+  if constexpr (requires { q.params().role; }) {
+    auto p = q.params();
+    p.role = role;
+    return Q(p);
+  } else {
+    return q;
+  }
+}
+/// The K and V quantization policies of a spec: "name:..." for both halves (a role-aware format gets
+/// role=keys for K and role=values for V), or "K_SPEC|V_SPEC" with one format name.
 template <class F>
 auto with_quant_policy(const std::string& spec, F&& f) {
-  kvpolicy::PolicySpec parsed;
-  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
-  if (parsed.name == "ggml") {
-    kvpolicy::GgmlQuant q;
-    kvpolicy::throw_if_error(kvpolicy::make_policy(spec, &q));
-    return f(q);
-  }
-  if (parsed.name == "fp8") {
-    kvpolicy::Fp8Quant q;
-    kvpolicy::throw_if_error(kvpolicy::make_policy(spec, &q));
-    return f(q);
-  }
-  throw std::runtime_error("quantization spec '" + spec + "' names '" + parsed.name + "'; expected ggml or fp8");
+  const std::size_t bar = spec.find('|');
+  const std::string ks = spec.substr(0, bar), vs = bar == std::string::npos ? ks : spec.substr(bar + 1);
+  kvpolicy::PolicySpec pk, pv;
+  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(ks, &pk));
+  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(vs, &pv));
+  if (pk.name != pv.name)
+    throw std::runtime_error("quantization spec '" + spec + "': K and V formats differ ('" + pk.name + "', '" + pv.name + "')");
+  auto build = [&]<class Q>(Q k) {
+    Q v;
+    kvpolicy::throw_if_error(kvpolicy::make_policy(ks, &k));
+    kvpolicy::throw_if_error(kvpolicy::make_policy(vs, &v));
+    return f(with_role(k, kvpolicy::QuantRole::kKeys), with_role(v, kvpolicy::QuantRole::kValues));
+  };
+  if (pk.name == "ggml") return build(kvpolicy::GgmlQuant{});
+  if (pk.name == "fp8") return build(kvpolicy::Fp8Quant{});
+  if (pk.name == "int4") return build(kvpolicy::Int4Quant{});
+  if (pk.name == "kivi") return build(kvpolicy::KiviQuant{});
+  throw std::runtime_error("quantization spec '" + spec + "' names '" + pk.name + "'; expected ggml, fp8, int4 or kivi");
 }
 }  // namespace
 
 PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_dim) {
-  return with_quant_policy(spec, [&](auto q) {
+  return with_quant_policy(spec, [&](auto k, auto v) {
     PolicyUnderTest p;
     p.name = spec;
     p.query_window = 1;
-    p.kv_bytes_scale = q.bytes_per_token(head_dim) / (4.0 * head_dim);
+    p.kv_bytes_scale = (k.bytes_per_token(head_dim) + v.bytes_per_token(head_dim)) / (8.0 * head_dim);
     p.lossy = true;
-    p.contiguous = [q](std::int64_t, std::int64_t) { return quantize_hooks<ContiguousKVCache<float>>(q); };
+    using C = ContiguousKVCache<float>;
+    if constexpr (std::is_same_v<decltype(k), kvpolicy::KiviQuant>) {
+      p.fp16_tokens = std::max(k.params().residual, v.params().residual);
+      p.contiguous = [k, v](std::int64_t, std::int64_t) { return kivi_hooks<C>(k, v); };
+    } else {
+      p.contiguous = [k, v](std::int64_t, std::int64_t) { return quantize_hooks<C>(k, v, {}, {}); };
+    }
     return p;
   });
 }
 
 PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim) {
-  return with_quant_policy(quant_spec, [&](auto q) {
-    PolicyUnderTest p;
-    p.name = "snapkv+" + quant_spec;
-    p.query_window = 32;
-    const double scale = q.bytes_per_token(head_dim) / (4.0 * head_dim);
-    p.kv_bytes_scale = scale;
-    p.lossy = true;
-    p.contiguous = [q, scale](std::int64_t, std::int64_t budget) {
-      const auto tokens = static_cast<std::int64_t>(static_cast<double>(budget) / scale);
-      using C = ContiguousKVCache<float>;
-      return kvpolicy::combine(quantize_hooks<C>(q), eviction_hooks<C>(snapkv_with_budget(tokens)));
-    };
-    return p;
+  return with_quant_policy(quant_spec, [&](auto k, auto v) {
+    if constexpr (std::is_same_v<decltype(k), kvpolicy::KiviQuant>) {
+      throw std::runtime_error("snapkv+" + quant_spec + ": KIVI's key groups need consecutive tokens; it does not follow an eviction here");
+      return PolicyUnderTest{};
+    } else {
+      PolicyUnderTest p;
+      p.name = "snapkv+" + quant_spec;
+      p.query_window = 32;
+      const double scale = (k.bytes_per_token(head_dim) + v.bytes_per_token(head_dim)) / (8.0 * head_dim);
+      p.kv_bytes_scale = scale;
+      p.lossy = true;
+      p.contiguous = [k, v, scale](std::int64_t, std::int64_t budget) {
+        const auto tokens = static_cast<std::int64_t>(static_cast<double>(budget) / scale);
+        using C = ContiguousKVCache<float>;
+        return kvpolicy::combine(quantize_hooks<C>(k, v, {}, {}), eviction_hooks<C>(snapkv_with_budget(tokens)));
+      };
+      return p;
+    }
   });
 }
 
@@ -210,6 +238,13 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           laq_policy(8, kvpolicy::LookaheadMask::kCorrected), quantization_policy("ggml:type=q8_0", c.head_dim),
           quantization_policy("ggml:type=q4_0", c.head_dim), quantization_policy("fp8:format=e4m3", c.head_dim),
           snapkv_quantized_policy("ggml:type=q4_0", c.head_dim), snapkv_quantized_policy("ggml:type=q8_0", c.head_dim),
+          // Token-wise INT4: llama.cpp's rotation rule (none at head_dim 32, 64 on SmolLM2), none, and SAW-INT4's
+          // K-only BDR with its code's default block 16; q4_0 rotated; KIVI with the 32-token residual of its
+          // examples; INT4 after SnapKV on one byte budget.
+          quantization_policy("int4", c.head_dim), quantization_policy("int4:rotation=none", c.head_dim),
+          quantization_policy("int4:rotation=block,block=16|int4:rotation=none", c.head_dim),
+          quantization_policy("ggml:type=q4_0,rotation=llama_cpp", c.head_dim), quantization_policy("kivi:bits=2,residual=32", c.head_dim),
+          quantization_policy("kivi:bits=4,residual=32", c.head_dim), snapkv_quantized_policy("int4", c.head_dim),
           snapkv_merged_policy("kvpress_merging"), snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"),
           snapkv_merged_policy("nearest_kept"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept")};
 }
@@ -334,7 +369,12 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
       for (auto b : budgets) {
         st = SessionStats{};
         const auto steps = run(&p, b, &st, &kept);
-        score(ri++, steps, &full, st, kept * p.kv_bytes_scale);
+        // KIVI's residual: up to fp16_tokens of each (layer, kv head)'s kept tokens at 2 bytes per value
+        // (0.5 of fp32) instead of the format's bytes. `kept` is fp32 K+V bytes over all layers and heads.
+        const auto& mc = m.config();
+        const double per_head = kept / (static_cast<double>(mc.n_layers) * mc.n_kv_heads * 8.0 * mc.head_dim);
+        const double fp16_share = per_head > 0.0 ? std::min(static_cast<double>(p.fp16_tokens), per_head) / per_head : 0.0;
+        score(ri++, steps, &full, st, kept * (p.kv_bytes_scale + fp16_share * (0.5 - p.kv_bytes_scale)));
       }
     }
     if (opt.progress) opt.progress(si + 1, samples.size());

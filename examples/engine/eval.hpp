@@ -76,6 +76,8 @@ struct PolicyUnderTest {
   /// Bytes this policy's cache holds per byte of the engine's fp32 cache (quantized formats: bytes per token
   /// over 4 * head_dim); scales the reported kv bytes.
   double kv_bytes_scale = 1.0;
+  /// Tokens per kv head held in fp16 whatever the format (KIVI's residual window), counted at 2 bytes per value.
+  std::int64_t fp16_tokens = 0;
   /// Stores the cache in fewer bits: differs from the full cache even when nothing is evicted.
   bool lossy = false;
   /// For policies that run the model themselves before deciding (LAQ decodes pseudo tokens on a cheap

@@ -8,10 +8,12 @@ namespace kvp_engine {
 KVP_ENGINE_HOOKS_FOR(, ContiguousKVCache<float>)
 KVP_ENGINE_HOOKS_FOR(, PagedKVCache<float>)
 template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(kvpolicy::Quest, kvpolicy::ExecContext);
-template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::GgmlQuant, kvpolicy::backend::Cpu>(
-    kvpolicy::GgmlQuant, kvpolicy::ExecContext);
-template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
-    kvpolicy::Fp8Quant, kvpolicy::ExecContext);
+KVP_ENGINE_QUANT_HOOKS_FOR(, kvpolicy::GgmlQuant)
+KVP_ENGINE_QUANT_HOOKS_FOR(, kvpolicy::Fp8Quant)
+KVP_ENGINE_QUANT_HOOKS_FOR(, kvpolicy::Int4Quant)
+template Hooks<ContiguousKVCache<float>> kivi_hooks<ContiguousKVCache<float>, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant,
+                                                                                                      kvpolicy::KiviQuant,
+                                                                                                      kvpolicy::ExecContext);
 KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::KvpressMerging)
 KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::LookMPivot)
 KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::D2O)

@@ -68,6 +68,8 @@
 #include "kvpolicy/policy/policy.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
 
@@ -338,20 +340,25 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
 }
 
 /// Quantization of a contiguous cache with any kvpolicy `QuantizationPolicy` whose formats are per token
-/// (ggml blocks, fp8 with per-tensor or per-(token, head) scales): every token entering a layer (the prompt's
-/// at on_append, then each decode token) is stored in the policy's format — its K and V rows quantized, then
-/// dequantized back into the engine's fp32 rows, which the engine attends over. Numerically this is the
-/// attention over the quantized cache (each row is decoded exactly as a fused kernel would); the engine's
-/// memory accounting comes from `PolicyUnderTest::kv_bytes_scale`. Composes with eviction through `combine`
-/// (on_append runs before after_prefill, so an eviction scores the quantized keys).
+/// (ggml blocks, fp8 with per-tensor or per-(token, head) scales, token-wise INT4; Hadamard-rotated or not):
+/// every token entering a layer (the prompt's at on_append, then each decode token) is stored in the policy's
+/// format — its K rows by `keys`, its V rows by `values`, quantized, then dequantized back into the engine's
+/// fp32 rows, which the engine attends over. Numerically this is the attention over the quantized cache
+/// (each row decoded exactly as a fused kernel would; a rotated format's rows decoded and rotated back equal
+/// attending with the rotated query, up to fp32 rounding); the engine's memory accounting comes from
+/// `PolicyUnderTest::kv_bytes_scale`. Composes with eviction through `combine` (on_append runs before
+/// after_prefill, so an eviction scores the quantized keys). `layer_on` (optional) says which layers are
+/// quantized at all (the per-layer switch: the rest stay in full precision).
 template <class Cache, class QPolicy, class Backend = kvpolicy::backend::Cpu>
-Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
+Hooks<Cache> quantize_hooks(QPolicy keys, QPolicy values, kvpolicy::ExecContext ctx = {}, std::function<bool(int)> layer_on = {}) {
   Hooks<Cache> h;
   auto buf = std::make_shared<std::vector<std::uint8_t>>();
-  h.on_append = [policy, ctx, buf](Cache& cache, int layer, std::int64_t appended) -> Status {
+  h.on_append = [keys, values, ctx, buf, layer_on](Cache& cache, int layer, std::int64_t appended) -> Status {
+    if (layer_on && !layer_on(layer)) return Status::ok();
     const std::int64_t len = cache.uniform_length(layer);
-    for (kvpolicy::TensorView<float, 3> all : {cache.keys(layer), cache.values(layer)}) {
-      const auto rows = all.narrow(1, len - appended, appended);
+    for (int role = 0; role < 2; ++role) {
+      const QPolicy& policy = role == 0 ? keys : values;
+      const auto rows = (role == 0 ? cache.keys(layer) : cache.values(layer)).narrow(1, len - appended, appended);
       const std::int64_t H = rows.extent(0), d = rows.extent(2), rb = policy.row_bytes(d);
       buf->resize(static_cast<std::size_t>(H * appended * rb));
       kvpolicy::QuantizedKV q{
@@ -361,6 +368,77 @@ Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
       KVP_RETURN_IF_ERROR(policy.dequantize(policy_context<Backend>(ctx), q, rows));
     }
     return Status::ok();
+  };
+  return h;
+}
+/// One policy for both K and V.
+template <class Cache, class QPolicy, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
+  return quantize_hooks<Cache, QPolicy, Backend>(policy, policy, ctx, {});
+}
+
+/// KIVI in the decode loop (contiguous cache, no eviction): per layer a real KIVI store — codes, scales and
+/// the fp16 residual of kvpolicy::KiviQuant::append, K and V each with its own policy — fed in the reference's
+/// order: the prompt after its attention (keys: T - T mod R quantized, values: all but the last R), then each
+/// decode token after its own step's attention (the hook hands the previous step's token to KIVI before the
+/// new one is attended). Whenever KIVI quantizes tokens, their decoded rows replace the engine's fp32 rows, so
+/// the engine attends over concat(quantized, full precision) exactly as KIVI does; the residual tokens keep
+/// the engine's precision. A compaction is an error (KIVI's key groups span consecutive tokens).
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> kivi_hooks(kvpolicy::KiviQuant keys, kvpolicy::KiviQuant values, kvpolicy::ExecContext ctx = {}) {
+  struct Role {
+    std::vector<kvpolicy::half> residual;
+    std::vector<std::uint8_t> codes, scales;
+    kvpolicy::KiviState st;
+    kvpolicy::QuantizedKV q;
+  };
+  struct Layer {
+    Role role[2];
+    std::int64_t handed = 0;  // cache tokens handed to KIVI
+  };
+  auto S = std::make_shared<std::vector<Layer>>();
+  Hooks<Cache> h;
+  h.on_append = [keys, values, ctx, S](Cache& cache, int layer, std::int64_t appended) -> Status {
+    if (S->size() <= static_cast<std::size_t>(layer)) S->resize(static_cast<std::size_t>(layer) + 1);
+    Layer& L = (*S)[static_cast<std::size_t>(layer)];
+    const std::int64_t len = cache.uniform_length(layer);
+    const auto K = cache.keys(layer), V = cache.values(layer);
+    const std::int64_t H = K.extent(0), cap = K.extent(1), d = K.extent(2);
+    const bool prefill = appended == len;
+    for (int r = 0; r < 2 && prefill; ++r) {  // a new request: fresh stores sized for the cache
+      const kvpolicy::KiviQuant& p = r == 0 ? keys : values;
+      Role& R = L.role[r];
+      const std::int64_t res = std::max<std::int64_t>(p.params().residual, 1), rows = p.code_rows(cap);
+      R.residual.assign(static_cast<std::size_t>(H * res * d), kvpolicy::half{});
+      R.codes.assign(static_cast<std::size_t>(H * rows * p.codes_row_bytes(d)), 0);
+      R.scales.assign(static_cast<std::size_t>(H * rows * p.scales_row_bytes(d)), 0);
+      R.st = kvpolicy::KiviState{kvpolicy::TensorView<kvpolicy::half, 3>::contiguous(R.residual.data(), {H, res, d}), 0};
+      R.q = kvpolicy::QuantizedKV{p.layout(),
+                                  kvpolicy::TensorView<std::uint8_t, 3>::contiguous(R.codes.data(), {H, rows, p.codes_row_bytes(d)}),
+                                  kvpolicy::TensorView<std::uint8_t, 3>::contiguous(R.scales.data(), {H, rows, p.scales_row_bytes(d)}), 0};
+      L.handed = 0;
+    }
+    // Everything before this step's new token has had its attention: hand it to KIVI (the whole prompt at prefill).
+    const std::int64_t upto = prefill ? len : len - appended;
+    if (upto <= L.handed) return Status::ok();
+    for (int r = 0; r < 2; ++r) {
+      const kvpolicy::KiviQuant& p = r == 0 ? keys : values;
+      Role& R = L.role[r];
+      const auto all = r == 0 ? K : V;
+      const std::int64_t before = R.q.tokens;
+      KVP_RETURN_IF_ERROR(p.append(policy_context<Backend>(ctx),
+                                   kvpolicy::TensorView<const float, 3>(all.narrow(1, L.handed, upto - L.handed)), R.st, R.q));
+      const std::int64_t n = R.q.tokens - before;
+      if (n == 0) continue;
+      const std::int64_t row0 = p.code_rows(before), rows = p.code_rows(R.q.tokens) - row0;
+      const kvpolicy::QuantizedKV fresh{R.q.layout, R.q.codes.narrow(1, row0, rows), R.q.scales.narrow(1, row0, rows), n};
+      KVP_RETURN_IF_ERROR(p.dequantize(policy_context<Backend>(ctx), fresh, all.narrow(1, before, n)));
+    }
+    L.handed = upto;
+    return Status::ok();
+  };
+  h.on_compact = [](Cache&, int layer) -> Status {
+    return KVP_INVALID("kivi hooks: layer %d was compacted; KIVI's key groups need consecutive tokens (no eviction with KIVI here)", layer);
   };
   return h;
 }
@@ -490,10 +568,15 @@ Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx 
 KVP_ENGINE_HOOKS_FOR(extern, ContiguousKVCache<float>)
 KVP_ENGINE_HOOKS_FOR(extern, PagedKVCache<float>)
 extern template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(kvpolicy::Quest, kvpolicy::ExecContext);
-extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::GgmlQuant, kvpolicy::backend::Cpu>(
-    kvpolicy::GgmlQuant, kvpolicy::ExecContext);
-extern template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
-    kvpolicy::Fp8Quant, kvpolicy::ExecContext);
+#define KVP_ENGINE_QUANT_HOOKS_FOR(EXTERN, Q)                                                                          \
+  EXTERN template Hooks<ContiguousKVCache<float>> quantize_hooks<ContiguousKVCache<float>, Q, kvpolicy::backend::Cpu>( \
+      Q, Q, kvpolicy::ExecContext, std::function<bool(int)>);
+KVP_ENGINE_QUANT_HOOKS_FOR(extern, kvpolicy::GgmlQuant)
+KVP_ENGINE_QUANT_HOOKS_FOR(extern, kvpolicy::Fp8Quant)
+KVP_ENGINE_QUANT_HOOKS_FOR(extern, kvpolicy::Int4Quant)
+extern template Hooks<ContiguousKVCache<float>> kivi_hooks<ContiguousKVCache<float>, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant,
+                                                                                                             kvpolicy::KiviQuant,
+                                                                                                             kvpolicy::ExecContext);
 #define KVP_ENGINE_MERGE_HOOKS_FOR(EXTERN, M)                                                                                         \
   EXTERN template Hooks<ContiguousKVCache<float>> merge_hooks<ContiguousKVCache<float>, kvpolicy::SnapKV, M, kvpolicy::backend::Cpu>( \
       kvpolicy::SnapKV, M, kvpolicy::ExecContext);

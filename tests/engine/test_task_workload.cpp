@@ -78,17 +78,37 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
                                         "LAQ++",
                                         "LAQ++(corrected-mask)",
                                         "SnapKV(w=16)",
-                                        "StreamingLLM(sinks=64)"});
+                                        "StreamingLLM(sinks=64)",
+                                        "int4",
+                                        "int4(no-rotation)",
+                                        "int4(BDR16,K-only)",
+                                        "q4_0(rotated)",
+                                        "KIVI-2",
+                                        "KIVI-4",
+                                        "SnapKV+int4"});
   // Bytes of each quantized format per byte of kvp-tiny's fp32 cache (head_dim 32): q8_0 34 / 128, q4_0 18 / 128,
-  // fp8 with an inline per-(token, head) scale (32 + 16) / 128.
+  // fp8 with an inline per-(token, head) scale (32 + 16) / 128, token-wise INT4 (16 + 8) / 128 (no rotation at
+  // head_dim 32 under llama.cpp's rule, so "int4" and "int4(no-rotation)" coincide there).
   const std::map<std::string, double> scale = {
-      {"q8_0", 34.0 / 128}, {"q4_0", 18.0 / 128}, {"fp8_e4m3", 48.0 / 128}, {"SnapKV+q4_0", 18.0 / 128}, {"SnapKV+q8_0", 34.0 / 128}};
+      {"q8_0", 34.0 / 128},          {"q4_0", 18.0 / 128},       {"fp8_e4m3", 48.0 / 128},          {"SnapKV+q4_0", 18.0 / 128},
+      {"SnapKV+q8_0", 34.0 / 128},   {"int4", 24.0 / 128},       {"int4(no-rotation)", 24.0 / 128}, {"int4(BDR16,K-only)", 24.0 / 128},
+      {"q4_0(rotated)", 18.0 / 128}, {"SnapKV+int4", 24.0 / 128}};
   for (const auto& wl : workloads) {
     const double full_acc = value(rows, wl, "Full", "full", 0, "accuracy");
     const double full_bytes = value(rows, wl, "Full", "full", 0, "kv_bytes");
     for (const auto& p : policies) {
       if (p == "Full") continue;
       INFO(wl << " " << p);
+      if (p.rfind("KIVI-", 0) == 0) {  // codes + scales ((8 or 16) + 4 bytes of 128 at head_dim 32) plus the fp16 residual
+        const double codes = (p == "KIVI-2" ? 12.0 : 20.0) / 128;
+        const double bytes = value(rows, wl, p, "tokens", 4096, "kv_bytes");
+        CHECK(bytes > full_bytes * codes * 1.01);
+        CHECK(bytes < full_bytes * 0.5);
+        CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") == bytes);  // every token kept whatever the budget
+        CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") > 0.0);
+        if (p == "KIVI-4") CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") < 0.05);
+        continue;
+      }
       if (scale.count(p)) {  // quantized: the whole prompt at the format's bytes, close to the full cache
         CHECK(value(rows, wl, p, "tokens", 4096, "kv_bytes") == Approx(full_bytes * scale.at(p)));
         CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") > 0.0);

@@ -409,6 +409,16 @@ inline std::vector<PolicySpec> all_policies() {
       {"fp8_e4m3", "quantization", false, false, {}, "fp8:format=e4m3", "", ""},
       {"SnapKV+q4_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q4_0", "", ""},
       {"SnapKV+q8_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q8_0", "", ""},
+      // Token-wise INT4 (SAW-INT4's format): llama.cpp's rotation rule (no rotation at head_dim 32, n = 64 on
+      // SmolLM2), plain, and SAW-INT4's K-only block-diagonal rotation (block 16); q4_0 with llama.cpp's
+      // rotation; KIVI-2 / KIVI-4 (group 32, a 32-token fp16 residual, counted in the bytes).
+      {"int4", "quantization", false, false, {}, "int4", "", ""},
+      {"int4(no-rotation)", "quantization", false, false, {}, "int4:rotation=none", "", ""},
+      {"int4(BDR16,K-only)", "quantization", false, false, {}, "int4:rotation=block,block=16|int4:rotation=none", "", ""},
+      {"q4_0(rotated)", "quantization", false, false, {}, "ggml:type=q4_0,rotation=llama_cpp", "", ""},
+      {"KIVI-2", "quantization", false, false, {}, "kivi:bits=2,residual=32", "", ""},
+      {"KIVI-4", "quantization", false, false, {}, "kivi:bits=4,residual=32", "", ""},
+      {"SnapKV+int4", "evict+quantize", true, false, {}, "snapkv+int4", "", ""},
       // Merging (engine workloads only): SnapKV evicts to the budget, the merge folds the evicted tokens into the
       // kept ones (kvp_engine's snapkv+<merge> policies); online H2O with a merge at every decode step (h2o+<merge>).
       {"SnapKV+MergingPress", "merging", true, false, {}, "snapkv", "", "snapkv+kvpress_merging"},

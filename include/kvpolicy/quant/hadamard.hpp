@@ -10,7 +10,9 @@
 //                             largest power of two >= 64 dividing head_dim
 //                             (128 at D = 128, 64 at D = 576), values n = 64;
 //                             it rotates Q and K before the store, V too, and
-//                             un-rotates the attention output.
+//                             un-rotates the attention output. As in
+//                             llama.cpp, a head_dim that is not a multiple
+//                             of 64 is not rotated (n = 0).
 //   HadamardMode::kBlock      SAW-INT4's block-diagonal rotation (BDR) with
 //                             block `n` (its README's main results: 128, keys
 //                             only; its code default 16); n a power of two
@@ -51,9 +53,7 @@ inline Status hadamard_block(HadamardMode mode, std::int64_t block, bool keys, s
   switch (mode) {
     case HadamardMode::kNone: return Status::ok();
     case HadamardMode::kLlamaCpp: {
-      KVP_REQUIRE(head_dim >= 64 && head_dim % 64 == 0,
-                  "%s: llama_cpp rotation needs head_dim a multiple of 64 (llama.cpp turns it off otherwise), got %lld", who,
-                  static_cast<long long>(head_dim));
+      if (head_dim < 64 || head_dim % 64 != 0) return Status::ok();  // llama.cpp leaves such heads unrotated
       std::int64_t b = 64;
       if (keys)
         while (head_dim % (b * 2) == 0) b *= 2;
