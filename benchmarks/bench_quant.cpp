@@ -4,8 +4,10 @@
 // in / out: 32 MiB of fp16 plus the codes, well above the last-level cache),
 // through the policies on backend::Cpu, one thread.
 //
-//   quantize/<format>    GgmlQuant / Fp8Quant::quantize: fp16 rows -> codes
+//   quantize/<format>    GgmlQuant / Fp8Quant / Int4Quant / KiviQuant::quantize: fp16 rows -> codes
 //   dequantize/<format>  ::dequantize: codes -> fp16 rows
+//   (<format>_rot: the Hadamard rotation of llama.cpp's rule in front, n = 128 keys / 64 values;
+//   kivi_<k|v><bits>: codes plus the separate scale rows)
 //
 // Each run reports GB/s and pct_peak_bw over the bytes a pass cannot avoid
 // (fp16 rows read or written once, codes written or read once) against the
@@ -20,6 +22,8 @@
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/kivi_quant.hpp"
 
 using namespace kvpolicy;
 
@@ -58,6 +62,30 @@ void run(benchmark::State& st, const P& policy, bool quantize) {
   kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size()));
 }
 
+void run_kivi(benchmark::State& st, const KiviQuant& policy, bool quantize) {
+  Cache& c = cache();
+  const std::int64_t rows = policy.code_rows(kT);
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(kH * rows * policy.codes_row_bytes(kD)));
+  std::vector<std::uint8_t> scales(static_cast<std::size_t>(kH * rows * policy.scales_row_bytes(kD)));
+  QuantizedKV q;
+  q.layout = policy.layout();
+  q.codes = TensorView<std::uint8_t, 3>::contiguous(codes.data(), {kH, rows, policy.codes_row_bytes(kD)});
+  q.scales = TensorView<std::uint8_t, 3>::contiguous(scales.data(), {kH, rows, policy.scales_row_bytes(kD)});
+  q.tokens = kT;
+  KiviState state;
+  const Context<backend::Cpu> cx{};
+  const auto in = TensorView<const half, 3>::contiguous(c.rows.data(), {kH, kT, kD});
+  const auto out = TensorView<half, 3>::contiguous(c.out.data(), {kH, kT, kD});
+  if (!policy.quantize(cx, in, state, q).is_ok()) st.SkipWithError("quantize failed");
+  for (auto _ : st) {
+    const Status s = quantize ? policy.quantize(cx, in, state, q) : policy.dequantize(cx, q, out);
+    if (!s.is_ok()) st.SkipWithError(s.message());
+    benchmark::DoNotOptimize(codes.data());
+    benchmark::ClobberMemory();
+  }
+  kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size() + scales.size()));
+}
+
 void register_all() {
   for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
     for (bool quantize : {true, false}) {
@@ -80,6 +108,24 @@ void register_all() {
           ->Repetitions(5)
           ->ReportAggregatesOnly();
     }
+  }
+  for (bool quantize : {true, false}) {
+    const std::string dir = quantize ? "quantize/" : "dequantize/";
+    auto reg = [&](const std::string& name, auto fn) {
+      benchmark::RegisterBenchmark((dir + name).c_str(), fn)->Unit(benchmark::kMillisecond)->Repetitions(5)->ReportAggregatesOnly();
+    };
+    for (HadamardMode m : {HadamardMode::kNone, HadamardMode::kLlamaCpp}) {
+      const Int4Quant p(Int4QuantParams{4, m, 128, QuantRole::kKeys});
+      reg(m == HadamardMode::kNone ? "int4_token" : "int4_token_rot", [p, quantize](benchmark::State& st) { run(st, p, quantize); });
+    }
+    const GgmlQuant q4(GgmlQuantParams{GgmlType::kQ4_0, HadamardMode::kLlamaCpp, 64, QuantRole::kKeys});
+    reg("q4_0_rot", [q4, quantize](benchmark::State& st) { run(st, q4, quantize); });
+    for (QuantRole r : {QuantRole::kKeys, QuantRole::kValues})
+      for (int bits : {2, 4}) {
+        const KiviQuant p(KiviQuantParams{r, bits, 32, 128});
+        reg(std::string("kivi_") + (r == QuantRole::kKeys ? "k" : "v") + std::to_string(bits),
+            [p, quantize](benchmark::State& st) { run_kivi(st, p, quantize); });
+      }
   }
 }
 

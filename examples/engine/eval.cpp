@@ -160,6 +160,41 @@ PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int3
   });
 }
 
+PolicyUnderTest snapkv_mixed_precision_policy(const std::string& quant_spec, std::int32_t head_dim, double full_share) {
+  return with_quant_policy(quant_spec, [&](auto k, auto v) {
+    using Q = decltype(k);
+    if constexpr (std::is_same_v<Q, kvpolicy::KiviQuant>) {
+      throw std::runtime_error("snapkv+mixed+" + quant_spec + ": KIVI is not a per-token format");
+      return PolicyUnderTest{};
+    } else {
+      PolicyUnderTest p;
+      p.name = "snapkv+mixed+" + quant_spec;
+      p.query_window = 32;
+      const double bq = (k.bytes_per_token(head_dim) + v.bytes_per_token(head_dim)) / 2.0;
+      // Budget B fp32-token equivalents: full_share * B tokens at 4d bytes, the rest of the bytes at bq each.
+      p.kv_bytes_scale = 1.0 / (full_share + (1.0 - full_share) * 4.0 * head_dim / bq);
+      // Per run, as MixedPrecision::split counts (fp32-token units, r = bq / 4d): n_full = min(kept,
+      // floor(full_share * budget)), raised to floor((budget - kept * r) / (1 - r)) when that is more (all kept
+      // tokens fit: spare bytes buy precision); the other kept tokens cost r each.
+      p.kv_bytes_scale_of = [full_share, bq, head_dim](double kept, std::int64_t budget) {
+        if (kept <= 0.0) return 1.0;
+        const double r = bq / (4.0 * head_dim), B = static_cast<double>(budget);
+        double n_full = std::min(kept, std::floor(full_share * B));
+        if (r < 1.0) n_full = std::clamp(std::max(n_full, std::floor((B - kept * r) / (1.0 - r))), 0.0, kept);
+        return (n_full + (kept - n_full) * r) / kept;
+      };
+      p.lossy = false;  // a budget >= the prompt keeps every token in full precision
+      p.contiguous = [k, v, full_share, head_dim](std::int64_t, std::int64_t budget) {
+        kvpolicy::SnapKVParams sp = kvpolicy::SnapKVParams::kvpress(0.0, 32, 5);
+        const kvpolicy::MixedPrecision<kvpolicy::SnapKV, Q> mp(
+            kvpolicy::SnapKV(sp), k, kvpolicy::MixedPrecisionParams{0.25, static_cast<double>(budget) * 4.0 * head_dim, full_share});
+        return mixed_precision_hooks<ContiguousKVCache<float>>(mp, k, v);
+      };
+      return p;
+    }
+  });
+}
+
 PolicyUnderTest laq_policy(std::int32_t window, kvpolicy::LookaheadMask mask) {
   auto req = std::make_shared<LaqRequest>();
   PolicyUnderTest p;
@@ -245,8 +280,10 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           quantization_policy("int4:rotation=block,block=16|int4:rotation=none", c.head_dim),
           quantization_policy("ggml:type=q4_0,rotation=llama_cpp", c.head_dim), quantization_policy("kivi:bits=2,residual=32", c.head_dim),
           quantization_policy("kivi:bits=4,residual=32", c.head_dim), snapkv_quantized_policy("int4", c.head_dim),
-          snapkv_merged_policy("kvpress_merging"), snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"),
-          snapkv_merged_policy("nearest_kept"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept")};
+          // Mixed precision (ZipCache / ARKV): SnapKV's ranking, half the bytes on full-precision tokens, the rest INT4.
+          snapkv_mixed_precision_policy("int4", c.head_dim, 0.5), snapkv_merged_policy("kvpress_merging"),
+          snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"), snapkv_merged_policy("nearest_kept"), h2o_merged_policy("d2o"),
+          h2o_merged_policy("nearest_kept")};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {
@@ -374,7 +411,8 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
         const auto& mc = m.config();
         const double per_head = kept / (static_cast<double>(mc.n_layers) * mc.n_kv_heads * 8.0 * mc.head_dim);
         const double fp16_share = per_head > 0.0 ? std::min(static_cast<double>(p.fp16_tokens), per_head) / per_head : 0.0;
-        score(ri++, steps, &full, st, kept * (p.kv_bytes_scale + fp16_share * (0.5 - p.kv_bytes_scale)));
+        const double scale = p.kv_bytes_scale_of ? p.kv_bytes_scale_of(per_head, b) : p.kv_bytes_scale;
+        score(ri++, steps, &full, st, kept * (scale + fp16_share * (0.5 - scale)));
       }
     }
     if (opt.progress) opt.progress(si + 1, samples.size());

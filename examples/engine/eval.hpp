@@ -78,6 +78,9 @@ struct PolicyUnderTest {
   double kv_bytes_scale = 1.0;
   /// Tokens per kv head held in fp16 whatever the format (KIVI's residual window), counted at 2 bytes per value.
   std::int64_t fp16_tokens = 0;
+  /// When set, replaces kv_bytes_scale for one run: the scale given the kept tokens per (layer, kv head) and
+  /// the budget (mixed precision: the split between full-precision and quantized tokens depends on both).
+  std::function<double(double kept_per_head, std::int64_t budget)> kv_bytes_scale_of;
   /// Stores the cache in fewer bits: differs from the full cache even when nothing is evicted.
   bool lossy = false;
   /// For policies that run the model themselves before deciding (LAQ decodes pseudo tokens on a cheap
@@ -166,6 +169,10 @@ PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_d
 /// bytes_per_token tokens, so the quantized cache holds as many bytes as an fp32 cache of `budget` tokens;
 /// every kept token is stored in `quant_spec`'s format. Name "snapkv+<quant_spec>".
 PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim);
+/// Mixed precision on one byte budget (kvpolicy::MixedPrecision over SnapKV, window 32, kernel 5): the budget's
+/// bytes (budget fp32 tokens), `full_share` of them on full-precision tokens, the rest on `quant_spec`'s
+/// format, the lowest-ranked tokens evicted. Name "snapkv+mixed+<quant_spec>".
+PolicyUnderTest snapkv_mixed_precision_policy(const std::string& quant_spec, std::int32_t head_dim, double full_share);
 
 /// Eviction then merging on the same token budget: SnapKV (window 32, kernel 5) keeps `budget` tokens per kv
 /// head and `merge` folds the evicted ones into them ("kvpress_merging": kvpress MergingPress, values only;

@@ -70,6 +70,7 @@
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/policy/quantization/mixed_precision.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
 
@@ -439,6 +440,56 @@ Hooks<Cache> kivi_hooks(kvpolicy::KiviQuant keys, kvpolicy::KiviQuant values, kv
   };
   h.on_compact = [](Cache&, int layer) -> Status {
     return KVP_INVALID("kivi hooks: layer %d was compacted; KIVI's key groups need consecutive tokens (no eviction with KIVI here)", layer);
+  };
+  return h;
+}
+
+/// Mixed precision after prefill (kvpolicy::MixedPrecision: any scorer ranks, the top tokens stay in full
+/// precision, the next are stored in the per-token format, the rest evicted, on the policy's byte budget):
+/// the low tier's K rows (by `keys`) and V rows (by `values`) are quantized and decoded back in place, then
+/// the engine compacts with the KeepSet.
+template <class Cache, class S, class Q, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> mixed_precision_hooks(kvpolicy::MixedPrecision<S, Q> policy, Q keys, Q values, kvpolicy::ExecContext ctx = {}) {
+  using T = typename Cache::element_type;
+  Hooks<Cache> h;
+  auto ws = std::make_shared<std::vector<std::byte>>();
+  auto full = std::make_shared<std::vector<std::uint8_t>>();
+  auto buf = std::make_shared<std::vector<std::uint8_t>>();
+  h.after_prefill = [policy, keys, values, ctx, ws, full, buf](Cache& cache, int layer, TensorView<const float, 3> queries,
+                                                               KeepBuffer& keep) -> Status {
+    const KVSource<T> src = cache.key_source(layer);
+    const std::int64_t W = queries.extent(1);
+    kvpolicy::ProblemShape shape{queries.extent(0), src.kv_heads(), src.head_dim(), src.kv_len(), W};
+    kvpolicy::Requirements r = policy.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    const std::int64_t w = std::min(r.query_window > 0 ? r.query_window : W, W);
+    if (w != shape.q_len) {
+      shape.q_len = w;
+      r = policy.requirements(policy_context<Backend>(ctx), shape);
+      KVP_RETURN_IF_ERROR(r.status);
+    }
+    const kvpolicy::ScoreInput<float, T> in{queries.narrow(1, W - w, w), src};
+    grow_workspace(*ws, r);
+    keep.reserve(r.output.rows, r.output.capacity);
+    full->assign(static_cast<std::size_t>(r.output.capacity), 0);
+    KVP_RETURN_IF_ERROR(policy.decide(policy_context<Backend>(ctx, ws.get()), in, keep.set, *full));
+    const std::int64_t d = src.head_dim();
+    for (std::int64_t hh = 0; hh < keep.set.num_rows; ++hh)
+      for (std::int32_t i = keep.set.indptr[hh]; i < keep.set.indptr[hh + 1]; ++i) {
+        if ((*full)[static_cast<std::size_t>(i)] != 0) continue;
+        const std::int64_t j = keep.set.indices[i];
+        for (int role = 0; role < 2; ++role) {
+          const Q& q = role == 0 ? keys : values;
+          const auto row = (role == 0 ? cache.keys(layer) : cache.values(layer)).narrow(0, hh, 1).narrow(1, j, 1);
+          buf->resize(static_cast<std::size_t>(q.row_bytes(d)));
+          kvpolicy::QuantizedKV region{
+              q.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(buf->data(), {1, 1, q.row_bytes(d)}), {}, 1};
+          typename Q::State st{};
+          KVP_RETURN_IF_ERROR(q.quantize(policy_context<Backend>(ctx), kvpolicy::TensorView<const float, 3>(row), st, region));
+          KVP_RETURN_IF_ERROR(q.dequantize(policy_context<Backend>(ctx), region, row));
+        }
+      }
+    return Status::ok();
   };
   return h;
 }

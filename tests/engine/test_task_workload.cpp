@@ -85,7 +85,8 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
                                         "q4_0(rotated)",
                                         "KIVI-2",
                                         "KIVI-4",
-                                        "SnapKV+int4"});
+                                        "SnapKV+int4",
+                                        "SnapKV+mixed(fp32,int4)"});
   // Bytes of each quantized format per byte of kvp-tiny's fp32 cache (head_dim 32): q8_0 34 / 128, q4_0 18 / 128,
   // fp8 with an inline per-(token, head) scale (32 + 16) / 128, token-wise INT4 (16 + 8) / 128 (no rotation at
   // head_dim 32 under llama.cpp's rule, so "int4" and "int4(no-rotation)" coincide there).

@@ -162,7 +162,7 @@ TEST_CASE("compare: sweeps are deterministic and independent of the thread count
   // the quantization, lookahead (LAQ) and merging entries run on the engine's task workloads only.
   std::size_t per_layer = 0;
   for (const auto& p : all_policies()) per_layer += p.run ? 1 : 0;
-  CHECK(per_layer + 11 + 6 == all_policies().size());  // + the six merging entries
+  CHECK(per_layer + 19 + 6 == all_policies().size());  // + the six merging entries
   CHECK(policies.size() == per_layer + 1);
 }
 
@@ -268,6 +268,7 @@ TEST_CASE("compare: --list-policies prints the registry and every comparison ent
     if (p.family == "oracle") continue;
     std::string reg = p.registry;
     if (reg.rfind("snapkv+", 0) == 0) reg = reg.substr(7);
+    if (reg.rfind("mixed+", 0) == 0) reg = reg.substr(6);
     reg = reg.substr(0, reg.find(':'));
     CHECK(kvpolicy::registry().end() != std::find_if(kvpolicy::registry().begin(), kvpolicy::registry().end(),
                                                      [&](const kvpolicy::PolicyInfo& i) { return i.name == reg; }));

@@ -419,6 +419,9 @@ inline std::vector<PolicySpec> all_policies() {
       {"KIVI-2", "quantization", false, false, {}, "kivi:bits=2,residual=32", "", ""},
       {"KIVI-4", "quantization", false, false, {}, "kivi:bits=4,residual=32", "", ""},
       {"SnapKV+int4", "evict+quantize", true, false, {}, "snapkv+int4", "", ""},
+      // Mixed precision (ZipCache / ARKV): SnapKV ranks, half the bytes keep the top tokens in full precision, the
+      // rest hold the next ones in INT4, the others are evicted.
+      {"SnapKV+mixed(fp32,int4)", "evict+quantize", true, false, {}, "snapkv+mixed+int4", "", ""},
       // Merging (engine workloads only): SnapKV evicts to the budget, the merge folds the evicted tokens into the
       // kept ones (kvp_engine's snapkv+<merge> policies); online H2O with a merge at every decode step (h2o+<merge>).
       {"SnapKV+MergingPress", "merging", true, false, {}, "snapkv", "", "snapkv+kvpress_merging"},
