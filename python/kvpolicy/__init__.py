@@ -1,0 +1,2 @@
+"""placeholder during first build"""
+from . import _core
