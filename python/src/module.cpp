@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvpolicy._core: the module, array conversion, the registry listing and the
 // thread pool. The policy entry points are in eviction.cpp, apply.cpp, state.cpp.
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
