@@ -32,8 +32,8 @@ nb::object compact_contiguous(nb::handle keys, std::int64_t kv_len, nb::handle i
   if (IP.view.strides[0] != 1 || ID.view.strides[0] != 1) value_error(std::string(who) + ": indptr and indices must be contiguous");
   const std::int64_t B = batched ? K.view.extents[0] : 1;
   const std::int64_t H = batched ? K.view.extents[1] : K.view.extents[0];
-  const kvpolicy::KeepSet keep{static_cast<std::int32_t*>(IP.view.data), static_cast<std::int32_t*>(ID.view.data),
-                               IP.view.extents[0] - 1, ID.view.extents[0]};
+  const kvpolicy::KeepSet keep{static_cast<std::int32_t*>(IP.view.data), static_cast<std::int32_t*>(ID.view.data), IP.view.extents[0] - 1,
+                               ID.view.extents[0]};
   auto [lens, lens_ptr] = batched ? new_array<std::int64_t>({static_cast<std::size_t>(B), static_cast<std::size_t>(H)})
                                   : new_array<std::int64_t>({static_cast<std::size_t>(H)});
   auto seq = [&](const ArrayArg& a, std::int64_t b) { return batched ? batch_slice(a.view, b) : a.view; };
@@ -47,7 +47,7 @@ nb::object compact_contiguous(nb::handle keys, std::int64_t kv_len, nb::handle i
       if (P.present()) KVP_RETURN_IF_ERROR((seq(P, b).template as<std::int32_t, 2>(&pos, "positions")));
       nb::gil_scoped_release nogil;
       KVP_RETURN_IF_ERROR((kvpolicy::compact_contiguous(k, v, pos, kv_len, keep, row0 + b * H,
-                                                       std::span<std::int64_t>(lens_ptr + b * H, static_cast<std::size_t>(H)))));
+                                                        std::span<std::int64_t>(lens_ptr + b * H, static_cast<std::size_t>(H)))));
     }
     return kvpolicy::Status::ok();
   }));

@@ -29,8 +29,8 @@
 namespace kvpy {
 
 namespace nb = nanobind;
-using Array = nb::ndarray<nb::ro>;   // any dtype, shape, strides, device; read-only access
-using MArray = nb::ndarray<>;        // the same, writable
+using Array = nb::ndarray<nb::ro>;  // any dtype, shape, strides, device; read-only access
+using MArray = nb::ndarray<>;       // the same, writable
 using I32Out = nb::ndarray<nb::numpy, std::int32_t, nb::ndim<1>>;
 using I64Out = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 using F32Out = nb::ndarray<nb::numpy, float>;

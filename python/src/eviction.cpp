@@ -100,14 +100,24 @@ class EvictionPolicy {
     const ArrayArg V = array_arg(who, "values", values, {r3}, false, true, true);
     const ArrayArg A = array_arg(who, "attention", attention, {r3}, false, true, true);
     const ArrayArg C = array_arg(who, "column_sums", column_sums, {r2}, false, true, true);
+    for (const ArrayArg* a : {&K, &Q, &V, &A, &C}) {
+      const DType d = a->view.dtype;
+      if (a->present() && d != DType::kF32 && d != DType::kF16 && d != DType::kBF16)
+        type_error(std::string(who) + ": " +
+                   (a == &K   ? "keys"
+                    : a == &Q ? "queries"
+                    : a == &V ? "values"
+                    : a == &A ? "attention"
+                              : "column_sums") +
+                   " has dtype " + kvpolicy::dtype_name(d) + "; supported: float32, float16, bfloat16");
+    }
     if (V.present() && V.view.dtype != K.view.dtype)
       type_error(std::string(who) + ": values has dtype " + kvpolicy::dtype_name(V.view.dtype) + " but keys has " +
                  kvpolicy::dtype_name(K.view.dtype) + "; keys and values share one dtype");
     const std::int64_t B = batched ? K.view.extents[0] : 1;
     auto check_batch = [&](const ArrayArg& a, const char* name) {
       if (batched && a.present() && a.view.extents[0] != B)
-        value_error(std::string(who) + ": " + name + " has batch " + std::to_string(a.view.extents[0]) + ", keys has " +
-                    std::to_string(B));
+        value_error(std::string(who) + ": " + name + " has batch " + std::to_string(a.view.extents[0]) + ", keys has " + std::to_string(B));
     };
     check_batch(Q, "queries");
     check_batch(V, "values");
@@ -138,15 +148,15 @@ class EvictionPolicy {
       }
       const In& first = batch.front();
       const std::int64_t Hkv = first.keys.kv_heads();
-      const std::int64_t Hq = Q.present() ? first.queries.extent(0)
+      const std::int64_t Hq = Q.present()   ? first.queries.extent(0)
                               : A.present() ? first.attention.extent(0)
                               : C.present() ? first.column_sums.extent(0)
                                             : Hkv;
       const std::int64_t q_len = Q.present() ? first.queries.extent(1) : A.present() ? first.attention.extent(1) : 0;
       std::int64_t max_len = 0;
       for (const In& in : batch) max_len = std::max(max_len, in.keys.kv_len());
-      const kvpolicy::ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = first.keys.head_dim(),
-                                         .max_kv_len = max_len, .q_len = q_len, .batch = B};
+      const kvpolicy::ProblemShape shape{
+          .num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = first.keys.head_dim(), .max_kv_len = max_len, .q_len = q_len, .batch = B};
       std::lock_guard<std::mutex> lk(exec_mutex());
       const kvpolicy::ExecContext exec = exec_context();
       const kvpolicy::Requirements req = policy_.requirements(kind, shape, exec);
@@ -177,7 +187,8 @@ void bind_eviction(nb::module_& m) {
       .def(nb::init<const std::string&>(), nb::arg("spec"))
       .def_prop_ro("name", &EvictionPolicy::name)
       .def_prop_ro("spec", &EvictionPolicy::spec)
-      .def("kept_count", &EvictionPolicy::kept_count, nb::arg("kv_len"), "Tokens kept per row for a sequence of kv_len tokens (-1: invalid).")
+      .def("kept_count", &EvictionPolicy::kept_count, nb::arg("kv_len"),
+           "Tokens kept per row for a sequence of kv_len tokens (-1: invalid).")
       .def("protected_tokens", &EvictionPolicy::protected_tokens, nb::arg("kv_len"), "Tokens kept by rule (window, sinks).")
       .def("evict", &EvictionPolicy::evict, nb::arg("keys").none(), nb::arg("queries").none() = nb::none(),
            nb::arg("values").none() = nb::none(), nb::arg("attention").none() = nb::none(), nb::arg("column_sums").none() = nb::none(),

@@ -32,13 +32,13 @@ bool to_dtype(nb::dlpack::dtype dt, kvpolicy::DType* out) {
 
 std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
   using C = nb::dlpack::dtype_code;
-  const char* base = dt.code == static_cast<std::uint8_t>(C::Float)    ? "float"
-                     : dt.code == static_cast<std::uint8_t>(C::Bfloat) ? "bfloat"
-                     : dt.code == static_cast<std::uint8_t>(C::Int)    ? "int"
-                     : dt.code == static_cast<std::uint8_t>(C::UInt)   ? "uint"
-                     : dt.code == static_cast<std::uint8_t>(C::Bool)   ? "bool"
+  const char* base = dt.code == static_cast<std::uint8_t>(C::Float)     ? "float"
+                     : dt.code == static_cast<std::uint8_t>(C::Bfloat)  ? "bfloat"
+                     : dt.code == static_cast<std::uint8_t>(C::Int)     ? "int"
+                     : dt.code == static_cast<std::uint8_t>(C::UInt)    ? "uint"
+                     : dt.code == static_cast<std::uint8_t>(C::Bool)    ? "bool"
                      : dt.code == static_cast<std::uint8_t>(C::Complex) ? "complex"
-                                                                          : "code";
+                                                                        : "code";
   return std::string(base) + std::to_string(dt.bits);
 }
 
@@ -52,8 +52,8 @@ std::string ranks_text(std::initializer_list<int> ranks) {
 
 }  // namespace
 
-ArrayArg array_arg(const char* who, const char* name, nb::handle obj, std::initializer_list<int> ranks, bool writable,
-                   bool last_contiguous, bool optional) {
+ArrayArg array_arg(const char* who, const char* name, nb::handle obj, std::initializer_list<int> ranks, bool writable, bool last_contiguous,
+                   bool optional) {
   ArrayArg out;
   if (!obj.is_valid() || obj.is_none()) {
     if (optional) return out;
@@ -113,9 +113,9 @@ kvpolicy::AnyTensorView batch_slice(const kvpolicy::AnyTensorView& v, std::int64
     s.strides[i] = v.strides[i + 1];
   }
   std::size_t elem = v.dtype == kvpolicy::DType::kF32 || v.dtype == kvpolicy::DType::kI32 ? 4
-                     : v.dtype == kvpolicy::DType::kI64                                     ? 8
-                     : v.dtype == kvpolicy::DType::kU8                                      ? 1
-                                                                                            : 2;
+                     : v.dtype == kvpolicy::DType::kI64                                   ? 8
+                     : v.dtype == kvpolicy::DType::kU8                                    ? 1
+                                                                                          : 2;
   s.data = static_cast<char*>(v.data) + b * v.strides[0] * static_cast<std::int64_t>(elem);
   return s;
 }
@@ -175,8 +175,8 @@ void clear_pointers() { tl_pointers.clear(); }
 NB_MODULE(_core, m) {
   using namespace kvpy;
   m.doc() = "kvpolicy's C++ policies on numpy arrays and torch tensors (zero-copy views); see the kvpolicy package";
-  m.attr("__version__") = std::to_string(KVP_VERSION_MAJOR) + "." + std::to_string(KVP_VERSION_MINOR) + "." +
-                          std::to_string(KVP_VERSION_PATCH);
+  m.attr("__version__") =
+      std::to_string(KVP_VERSION_MAJOR) + "." + std::to_string(KVP_VERSION_MINOR) + "." + std::to_string(KVP_VERSION_PATCH);
   m.attr("isa") = nb::str(kvpolicy::backend::Cpu::isa_name());
 
   m.def(

@@ -26,7 +26,8 @@ struct H2OStateObj {
   kvpolicy::H2OState st{};
 
   H2OStateObj(std::int64_t r, std::int64_t c) : rows(r), capacity(c) {
-    if (r < 1 || c < 0) value_error("H2OState: rows is " + std::to_string(r) + " and capacity " + std::to_string(c) + "; need rows >= 1, capacity >= 0");
+    if (r < 1 || c < 0)
+      value_error("H2OState: rows is " + std::to_string(r) + " and capacity " + std::to_string(c) + "; need rows >= 1, capacity >= 0");
     auto [arr, ptr] = new_array<float>({static_cast<std::size_t>(r), static_cast<std::size_t>(c)});
     scores_arr = arr;
     scores = ptr;
@@ -54,9 +55,11 @@ class H2OPolicy {
     const ArrayArg A = array_arg(who, "attention", attention, {3}, false, true, true);
     const ArrayArg C = array_arg(who, "column_sums", column_sums, {2}, false, true, true);
     if (!A.present() && !C.present() && !(Q.present() && K.present()))
-      value_error(std::string(who) + ": give attention (num_q_heads, q_len, kv_len), column_sums (num_q_heads, kv_len), or queries and keys");
+      value_error(std::string(who) +
+                  ": give attention (num_q_heads, q_len, kv_len), column_sums (num_q_heads, kv_len), or queries and keys");
     for (const ArrayArg* p : {&Q, &A, &C})
-      if (p->present() && p->view.dtype != DType::kF32) type_error(std::string(who) + ": queries / attention / column_sums must be float32");
+      if (p->present() && p->view.dtype != DType::kF32)
+        type_error(std::string(who) + ": queries / attention / column_sums must be float32");
     const DType kd = K.present() ? K.view.dtype : DType::kF32;
     check(kvpolicy::dispatch_dtype(kd, "keys", [&](auto tag) -> kvpolicy::Status {
       using Tk = typename decltype(tag)::type;
@@ -116,13 +119,21 @@ class H2OPolicy {
 void bind_state(nb::module_& m) {
   nb::class_<H2OStateObj>(m, "H2OState", "H2O's caller-owned state of one sequence and layer: accumulated attention per cache slot.")
       .def(nb::init<std::int64_t, std::int64_t>(), nb::arg("rows"), nb::arg("capacity"))
-      .def_prop_ro("scores", [](H2OStateObj& s) { return s.scores_arr; }, "(rows, capacity) float32, the accumulated attention (a view)")
+      .def_prop_ro(
+          "scores",
+          [](nb::handle self) {
+            H2OStateObj& s = nb::cast<H2OStateObj&>(self);
+            const std::size_t shape[2] = {static_cast<std::size_t>(s.rows), static_cast<std::size_t>(s.capacity)};
+            return nb::ndarray<nb::numpy, float>(s.scores, 2, shape, self);
+          },
+          "(rows, capacity) float32, the accumulated attention (a view)")
       .def_prop_rw(
           "length", [](const H2OStateObj& s) { return s.st.length; }, [](H2OStateObj& s, std::int64_t n) { s.st.length = n; },
           "slots in use (equals the cache length after each update / evict)")
       .def_prop_ro("prompt_len", [](const H2OStateObj& s) { return s.st.prompt_len; })
       .def_prop_ro("capacity", [](const H2OStateObj& s) { return s.capacity; })
-      .def("reset", [](H2OStateObj& s) { s.st.reset(); }, "New sequence: length and prompt_len back to 0.");
+      .def(
+          "reset", [](H2OStateObj& s) { s.st.reset(); }, "New sequence: length and prompt_len back to 0.");
 
   nb::class_<H2OPolicy>(m, "H2OPolicy", "H2O (online eviction) built from a spec string ('h2o:hh_size=64,recent_size=192').")
       .def(nb::init<const std::string&>(), nb::arg("spec"))
