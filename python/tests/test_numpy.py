@@ -219,7 +219,7 @@ def test_bad_arrays():
         p.evict(queries=q, keys=keys, backend="gpu")
     with pytest.raises(TypeError, match="values has dtype float16 but keys has float32"):
         kvpolicy.ExpectedAttention().evict(queries=rand(4, 300, 32), keys=keys, values=keys.astype(np.float16))
-    with pytest.raises(ValueError, match="must be a writable|read-only|writable"):
+    with pytest.raises(TypeError, match="keys must be a writable numpy array"):
         ro = rand(2, 64, 8)
         ro.setflags(write=False)
         kvpolicy.compact_contiguous(ro, 10, kvpolicy.StreamingLLM(tokens=5, sinks=1).evict(keys=ro[:, :10]))
