@@ -83,12 +83,13 @@ def spec_string(name: str, **params: Any) -> str:
 class KeepSet:
     """An eviction decision: row ``r`` (= seq * rows_per_seq + head) keeps ``indices[indptr[r]:indptr[r + 1]]``, ascending.
 
-    ``indptr`` (rows + 1) and ``indices`` (total kept) are int32 numpy arrays (or the caller's own output arrays).
+    ``indptr`` (rows + 1) and ``indices`` (total kept) are int32 numpy arrays (or the caller's own output arrays);
+    ``batch`` is the leading batch extent of a batched call (None: one sequence).
     """
 
     __slots__ = ("indptr", "indices", "batch")
 
-    def __init__(self, indptr: Any, indices: Any, batch: int = 1) -> None:
+    def __init__(self, indptr: Any, indices: Any, batch: Optional[int] = None) -> None:
         self.indptr = indptr
         self.indices = indices
         self.batch = batch
@@ -123,7 +124,7 @@ class KeepSet:
             raise ValueError("KeepSet rows keep different numbers of tokens (per-head budgets); use row(r) or mask(kv_len)")
         n = int(self.counts()[0]) if self.num_rows else 0
         out = np.asarray(self.indices[:n * self.num_rows]).reshape(self.num_rows, n)
-        return out.reshape(self.batch, self.num_rows // self.batch, n) if self.batch > 1 else out
+        return out if self.batch is None else out.reshape(self.batch, self.num_rows // self.batch, n)
 
     def mask(self, kv_len: int) -> np.ndarray:
         """(rows, kv_len) bool: True where a token is kept."""
@@ -181,7 +182,7 @@ class EvictionPolicy(Policy):
         """The decision as a :class:`KeepSet`. ``out=(indptr, indices)``: caller-owned int32 outputs, written in place."""
         indptr, indices = (None, None) if out is None else out
         ip, ids = self._impl.evict(keys, queries, values, attention, column_sums, lookahead, backend, indptr, indices)
-        batch = keys.shape[0] if keys is not None and len(keys.shape) == 4 else 1
+        batch = keys.shape[0] if keys is not None and len(keys.shape) == 4 else None
         if out is None:
             ids = ids[:int(ip[-1])]
         return KeepSet(ip, ids, batch)

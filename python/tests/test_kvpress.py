@@ -168,8 +168,7 @@ def test_press_matches_kvpress(model_and_prompts, name):
 
 def test_pipeline_drop_in(model_and_prompts):
     model, tok, prompts = model_and_prompts
-    from kvpress import pipeline
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok)
+    pipe = transformers.pipeline("kv-press-text-generation", model=model, tokenizer=tok)
     s = prompts[0]
     a = pipe(s["context"], question=s["question"], press=kp.SnapKVPress(compression_ratio=RATIO), max_new_tokens=8)["answer"]
     b = pipe(s["context"], question=s["question"], press=kvpress.SnapKVPress(compression_ratio=RATIO), max_new_tokens=8)["answer"]
