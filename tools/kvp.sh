@@ -2,7 +2,9 @@
 # kvpolicy quick start driver.
 #   tools/kvp.sh compare [args...]   build, then run the policy comparison (kvpolicy-compare) on built-in
 #                                    data: table on stdout, CSV + PNG plots in build/compare/
-#   tools/kvp.sh test [ctest args]   build, then run the whole test suite
+#   tools/kvp.sh test [ctest args]   build, then run the whole test suite: ctest, then the Python bindings'
+#                                    pytest (tools/pytest.sh; KVP_PY_TORCH=1 adds the torch / kvpress tests)
+#   tools/kvp.sh pytest [args...]    build and install the Python bindings (./python) into a venv, run their pytest suite
 #   tools/kvp.sh bench               build, then run every benchmark (median table)
 #   tools/kvp.sh build               install missing packages, configure, build
 #   tools/kvp.sh format [--check]    clang-format every C++ source (.clang-format); --check only reports
@@ -108,8 +110,19 @@ cmd=${1:-}
 case "$cmd" in
   build) build ;;
   compare) build; ensure_smollm2; compare "$@" ;;
-  test) build; ensure_smollm2; exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
+  test)
+    build
+    ensure_smollm2
+    rc=0
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" || rc=$?
+    if [ "${KVP_SKIP_PYTEST:-0}" != "1" ]; then
+      echo "=== Python bindings (tools/pytest.sh) ==="
+      CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS} ./tools/pytest.sh || rc=$?
+    fi
+    exit $rc
+    ;;
+  pytest) ensure_smollm2; CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$JOBS} exec ./tools/pytest.sh "$@" ;;
   bench) build; exec benchmarks/run_all.sh "$BUILD_DIR" "$@" ;;
   format) format "$@" ;;
-  *) sed -n '2,10p' "$0"; exit 2 ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
 esac
