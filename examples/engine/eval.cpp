@@ -84,39 +84,16 @@ PolicyUnderTest quest_policy(std::int32_t dense_layers) {
 }
 
 namespace {
-/// Sets a role-aware policy's role (ggml and int4 rotation sizes, KIVI's grouping axis).
-template <class Q>
-Q with_role(Q q, kvpolicy::QuantRole role) {
-  if constexpr (requires { q.params().role; }) {
-    auto p = q.params();
-    p.role = role;
-    return Q(p);
-  } else {
-    return q;
-  }
-}
-/// The K and V quantization policies of a spec: "name:..." for both halves (a role-aware format gets
-/// role=keys for K and role=values for V), or "K_SPEC|V_SPEC" with one format name.
+/// The typed K and V policies of a quantization spec (kvpolicy::visit_quant_spec), handed to f; f's result
+/// (a PolicyUnderTest) returned. Throws on a bad spec.
 template <class F>
-auto with_quant_policy(const std::string& spec, F&& f) {
-  const std::size_t bar = spec.find('|');
-  const std::string ks = spec.substr(0, bar), vs = bar == std::string::npos ? ks : spec.substr(bar + 1);
-  kvpolicy::PolicySpec pk, pv;
-  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(ks, &pk));
-  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(vs, &pv));
-  if (pk.name != pv.name)
-    throw std::runtime_error("quantization spec '" + spec + "': K and V formats differ ('" + pk.name + "', '" + pv.name + "')");
-  auto build = [&]<class Q>(Q k) {
-    Q v;
-    kvpolicy::throw_if_error(kvpolicy::make_policy(ks, &k));
-    kvpolicy::throw_if_error(kvpolicy::make_policy(vs, &v));
-    return f(with_role(k, kvpolicy::QuantRole::kKeys), with_role(v, kvpolicy::QuantRole::kValues));
-  };
-  if (pk.name == "ggml") return build(kvpolicy::GgmlQuant{});
-  if (pk.name == "fp8") return build(kvpolicy::Fp8Quant{});
-  if (pk.name == "int4") return build(kvpolicy::Int4Quant{});
-  if (pk.name == "kivi") return build(kvpolicy::KiviQuant{});
-  throw std::runtime_error("quantization spec '" + spec + "' names '" + pk.name + "'; expected ggml, fp8, int4 or kivi");
+PolicyUnderTest with_quant_policy(const std::string& spec, F&& f) {
+  PolicyUnderTest out;
+  kvpolicy::throw_if_error(kvpolicy::visit_quant_spec(spec, [&](auto k, auto v) {
+    out = f(k, v);
+    return Status::ok();
+  }));
+  return out;
 }
 }  // namespace
 

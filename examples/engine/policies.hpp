@@ -71,6 +71,7 @@
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/quantization/mixed_precision.hpp"
+#include "kvpolicy/policy/quantization/quant_spec.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -66,7 +67,8 @@ TEST_CASE("compare: with a budget >= the prompt length every policy reproduces t
   for (const auto& c : cases) {
     const Reference ref = make_reference(c, ctx);
     for (const auto& p : all_policies()) {
-      if ((p.multi_layer && c.num_layers < 2) || !p.run) continue;  // !run: engine-only (quantization) entries
+      // !run: engine-only entries; quantization is lossy whatever the budget (its own test below)
+      if ((p.multi_layer && c.num_layers < 2) || !p.run || p.family == "quantization") continue;
       for (std::int64_t budget : {c.kv_len, c.kv_len + 100}) {
         Decision dec;
         const Metrics m = run_one(p, c, ref, BudgetSpec::tokens(budget), ctx, &dec);
@@ -79,6 +81,48 @@ TEST_CASE("compare: with a budget >= the prompt length every policy reproduces t
       }
     }
   }
+}
+
+TEST_CASE("compare: quantization on a layer - attention-output error of the decoded cache, bytes of the format") {
+  kvpolicy::ThreadPool pool(2);
+  const auto ctx = pool.context();
+  const LayerCase c = small_synthetic();  // head_dim 32, fp16 source
+  const Reference ref = make_reference(c, ctx);
+  std::map<std::string, Metrics> m;
+  std::map<std::string, double> scale;
+  for (const auto& p : all_policies()) {
+    if (p.family != "quantization") continue;
+    INFO(p.name);
+    REQUIRE(p.run);
+    Decision dec;
+    Timer t;
+    t.reps = 1;
+    REQUIRE(p.run(c, ref, BudgetSpec::tokens(64), ctx, t, &dec).is_ok());
+    REQUIRE(dec.quantized);
+    REQUIRE(dec.well_formed(c));
+    const Reference qref = make_reference(*dec.quantized, ctx);
+    m[p.name] = evaluate(*dec.quantized, qref, dec, ctx, &ref);
+    scale[p.name] = dec.bytes_scale;
+    CHECK(m[p.name].rel_err > 0.0);
+    CHECK(m[p.name].rel_err < (p.name == "KIVI-2" ? 1.0 : 0.5));  // 2 bits, one value group per 32-wide head
+    CHECK(m[p.name].kept_tokens == static_cast<double>(c.kv_len));
+    CHECK(m[p.name].mass_recall == 1.0);
+  }
+  REQUIRE(m.size() == 9);
+  // Bytes per value over fp16 at head_dim 32: q8_0 34 / 64, q4_0 18 / 64, int4 (16 + 8) / 64, fp8 (32 + 16) / 64.
+  CHECK(scale["q8_0"] == Approx(34.0 / 64));
+  CHECK(scale["q4_0"] == Approx(18.0 / 64));
+  CHECK(scale["int4"] == Approx(24.0 / 64));
+  CHECK(scale["fp8_e4m3"] == Approx(48.0 / 64));
+  CHECK(scale["KIVI-2"] < scale["KIVI-4"]);
+  CHECK(scale["KIVI-4"] < 1.0);
+  // More bits, less error.
+  CHECK(m["q8_0"].rel_err < m["q4_0"].rel_err);
+  CHECK(m["KIVI-4"].rel_err < m["KIVI-2"].rel_err);
+  CHECK(m["q8_0"].rel_err < m["int4"].rel_err);
+  std::ostringstream table;
+  for (const auto& [name, x] : m) table << name << " " << x.rel_err << " (bytes x" << scale[name] << ")  ";
+  WARN("attention-output relative error on the synthetic layer: " << table.str());
 }
 
 TEST_CASE("compare: StreamingLLM without room for the needles fails the needle metric") {
@@ -162,7 +206,7 @@ TEST_CASE("compare: sweeps are deterministic and independent of the thread count
   // the quantization, lookahead (LAQ) and merging entries run on the engine's task workloads only.
   std::size_t per_layer = 0;
   for (const auto& p : all_policies()) per_layer += p.run ? 1 : 0;
-  CHECK(per_layer + 19 + 6 == all_policies().size());  // + the six merging entries
+  CHECK(per_layer + 10 + 6 == all_policies().size());  // + the six merging entries
   CHECK(policies.size() == per_layer + 1);
 }
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <memory>
 #include <vector>
 
 #include "kvpolicy/core/parallel.hpp"
@@ -40,6 +41,10 @@ struct Decision {
   Rows rows = Rows::kKvHead;
   std::vector<std::int32_t> indptr, indices;  ///< CSR rows of ascending prompt token ids
   double metadata_bytes = 0;                  ///< extra bytes read per step (Quest page metadata), whole layer
+  /// Quantization: the case with its prompt K/V stored in the format and decoded back (null: the case itself),
+  /// and the format's bytes per value over the source's (kv_bytes is scaled by it).
+  std::shared_ptr<const LayerCase> quantized;
+  double bytes_scale = 1.0;
 
   std::int64_t num_rows(const LayerCase& c) const noexcept {
     switch (rows) {
@@ -194,8 +199,11 @@ inline Decision oracle_decision(const LayerCase& c, const Reference& r, std::int
   return dec;
 }
 
-/// Metrics of a decision (parallel over query heads; deterministic).
-inline Metrics evaluate(const LayerCase& c, const Reference& r, const Decision& dec, const kvpolicy::ExecContext& ctx) {
+/// Metrics of a decision (parallel over query heads; deterministic). `truth` (quantization): `c` / `r` are the
+/// quantized case and its reference, and the attention output is compared with the full-precision one in
+/// `truth`; mass recall, top-k overlap and needle hits then count the kept tokens against `truth`'s ranking.
+inline Metrics evaluate(const LayerCase& c, const Reference& r, const Decision& dec, const kvpolicy::ExecContext& ctx,
+                        const Reference* truth = nullptr) {
   const std::int32_t Hq = c.num_q_heads, d = c.head_dim, G = c.group();
   const std::int64_t T = c.kv_len, F = c.num_eval;
   struct Part {
@@ -210,8 +218,9 @@ inline Metrics evaluate(const LayerCase& c, const Reference& r, const Decision& 
       const std::int32_t* ids = dec.indices.data() + dec.indptr[static_cast<std::size_t>(dr)];
       const std::int64_t n = dec.indptr[static_cast<std::size_t>(dr + 1)] - dec.indptr[static_cast<std::size_t>(dr)];
       const double den = detail::attend(c, r, static_cast<std::int32_t>(qh), f, ids, n, o.data());
-      const double* full = &r.full_out[static_cast<std::size_t>(row * d)];
-      const double fden = r.full_den[static_cast<std::size_t>(row)];
+      const Reference& tr = truth != nullptr ? *truth : r;
+      const double* full = &tr.full_out[static_cast<std::size_t>(row * d)];
+      const double fden = tr.full_den[static_cast<std::size_t>(row)];
       double num = 0, nrm = 0;
       for (std::int32_t k = 0; k < d; ++k) {
         const double a = den > 0 ? o[static_cast<std::size_t>(k)] / den : 0.0, b = full[k] / fden;
@@ -219,9 +228,9 @@ inline Metrics evaluate(const LayerCase& c, const Reference& r, const Decision& 
         nrm += b * b;
       }
       p.rel += nrm > 0 ? std::sqrt(num / nrm) : (num > 0 ? 1.0 : 0.0);
-      p.mass += den / fden;
+      p.mass += truth != nullptr ? 1.0 : den / fden;  // quantized: every token kept, its mass is all of it
       p.kept += static_cast<double>(n);
-      const std::int32_t* rk = &r.rank[static_cast<std::size_t>(row * T)];
+      const std::int32_t* rk = &tr.rank[static_cast<std::size_t>(row * T)];
       std::int64_t in_top = 0;
       for (std::int64_t i = 0; i < n; ++i) in_top += rk[ids[i]] < n;
       p.overlap += n > 0 ? static_cast<double>(in_top) / static_cast<double>(n) : 1.0;
@@ -276,7 +285,7 @@ inline Metrics evaluate(const LayerCase& c, const Reference& r, const Decision& 
       }
       for (auto x : mark) pairs += x;
     }
-  m.kv_bytes = pairs / static_cast<double>(steps) * 2.0 * d * elem + dec.metadata_bytes;
+  m.kv_bytes = pairs / static_cast<double>(steps) * 2.0 * d * elem * dec.bytes_scale + dec.metadata_bytes;
   return m;
 }
 

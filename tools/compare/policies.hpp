@@ -57,6 +57,7 @@
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/quantization/quant_spec.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
 #include "layer_case.hpp"
@@ -360,6 +361,74 @@ inline Status quest(const LayerCase& c, const Reference&, const BudgetSpec& b, c
   return Status::ok();
 }
 
+/// K or V rows (H, T, d) of a case stored in quantization format `q` and decoded back into `dst`; `bytes` the
+/// format's bytes for them. KIVI streams the prompt through its residual (the last tokens stay fp16, as KIVI
+/// holds them after prefill); every other format stores each row.
+template <class Q>
+Status store_and_decode(const Q& q, const ExecContext& ctx, const std::vector<float>& src, std::int64_t H, std::int64_t T, std::int64_t d,
+                        std::vector<float>& dst, double* bytes) {
+  const Context<Backend> cx = context(ctx, nullptr);
+  const auto rows = TensorView<const float, 3>::contiguous(src.data(), {H, T, d});
+  if constexpr (std::is_same_v<Q, KiviQuant>) {
+    const std::int64_t R = std::max<std::int64_t>(q.params().residual, 1), n = q.code_rows(T);
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(H * n * q.codes_row_bytes(d))),
+        scales(static_cast<std::size_t>(H * n * q.scales_row_bytes(d)));
+    std::vector<half> res(static_cast<std::size_t>(H * R * d));
+    KiviState st{TensorView<half, 3>::contiguous(res.data(), {H, R, d}), 0};
+    QuantizedKV region{q.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, n, q.codes_row_bytes(d)}),
+                       TensorView<std::uint8_t, 3>::contiguous(scales.data(), {H, n, q.scales_row_bytes(d)}), 0};
+    KVP_RETURN_IF_ERROR(q.append(cx, rows, st, region));
+    std::vector<float> head(static_cast<std::size_t>(H * std::max<std::int64_t>(region.tokens, 1) * d));
+    KVP_RETURN_IF_ERROR(q.dequantize(cx, region, TensorView<float, 3>::contiguous(head.data(), {H, region.tokens, d})));
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t k = 0; k < d; ++k)
+          dst[static_cast<std::size_t>((h * T + t) * d + k)] = t < region.tokens
+                                                                   ? head[static_cast<std::size_t>((h * region.tokens + t) * d + k)]
+                                                                   : to_float(st.residual(h, t - region.tokens, k));
+    *bytes = static_cast<double>(H) *
+             (static_cast<double>(region.tokens) * q.bytes_per_token(d) + static_cast<double>(st.residual_len) * 2.0 * d);
+  } else {
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(H * T * q.row_bytes(d)));
+    QuantizedKV region{q.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, T, q.row_bytes(d)}), {}, T};
+    typename Q::State st{};
+    KVP_RETURN_IF_ERROR(q.quantize(cx, rows, st, region));
+    KVP_RETURN_IF_ERROR(q.dequantize(cx, region, TensorView<float, 3>::contiguous(dst.data(), {H, T, d})));
+    *bytes = static_cast<double>(H * T) * q.bytes_per_token(d);
+  }
+  return Status::ok();
+}
+
+/// A quantization format on a layer (the per-layer workloads): the prompt's K and V stored in `spec`'s format
+/// and decoded back (the decode steps' own K/V stay as they are); every token kept. The sweep evaluates the
+/// attention output over the decoded cache against the full-precision one.
+inline auto quantization(std::string spec) {
+  return [spec](const LayerCase& c, const Reference&, const BudgetSpec&, const ExecContext& ctx, Timer& t, Decision* out) -> Status {
+    auto qc = std::make_shared<LayerCase>(c);
+    const std::int64_t H = c.num_kv_heads, T = c.kv_len, d = c.head_dim;
+    double bytes = 0.0;
+    KVP_RETURN_IF_ERROR(t.run([&]() -> Status {
+      return visit_quant_spec(spec, [&](auto kq, auto vq) -> Status {
+        double bk = 0.0, bv = 0.0;
+        KVP_RETURN_IF_ERROR(store_and_decode(kq, ctx, c.k, H, T, d, qc->k, &bk));
+        KVP_RETURN_IF_ERROR(store_and_decode(vq, ctx, c.v, H, T, d, qc->v, &bv));
+        bytes = bk + bv;
+        return Status::ok();
+      });
+    }));
+    out->rows = Decision::Rows::kKvHead;
+    out->indptr.assign(static_cast<std::size_t>(H + 1), 0);
+    out->indices.resize(static_cast<std::size_t>(H * T));
+    for (std::int64_t h = 0; h < H; ++h) {
+      out->indptr[static_cast<std::size_t>(h + 1)] = static_cast<std::int32_t>((h + 1) * T);
+      for (std::int64_t j = 0; j < T; ++j) out->indices[static_cast<std::size_t>(h * T + j)] = static_cast<std::int32_t>(j);
+    }
+    out->quantized = qc;
+    out->bytes_scale = bytes / (2.0 * static_cast<double>(H * T * d) * static_cast<double>(dtype_size(c.storage)));
+    return Status::ok();
+  };
+}
+
 inline Status oracle(const LayerCase& c, const Reference& r, const BudgetSpec& b, const ExecContext&, Timer&, Decision* out) {
   *out = oracle_decision(c, r, b.tokens_for(c.kv_len));
   return Status::ok();
@@ -402,22 +471,25 @@ inline std::vector<PolicySpec> all_policies() {
       {"LAQ++", "eviction", true, false, {}, "snapkv", "", "laq++"},
       {"LAQ++(corrected-mask)", "eviction", true, false, {}, "snapkv", "", "laq++_corrected"},
       {"Oracle", "oracle", true, false, adapt::oracle, "", "", ""},
-      // Quantization (engine workloads only: the cache stored in the format, every token kept) and
+      // Quantization (the cache stored in the format, every token kept: on the per-layer workloads the attention
+      // output over the decoded K/V against the full-precision one, on the engine workloads the tasks) and
       // eviction + quantization on one byte budget (SnapKV to budget * 4d / bytes_per_token tokens, quantized).
-      {"q8_0", "quantization", false, false, {}, "ggml:type=q8_0", "", ""},
-      {"q4_0", "quantization", false, false, {}, "ggml:type=q4_0", "", ""},
-      {"fp8_e4m3", "quantization", false, false, {}, "fp8:format=e4m3", "", ""},
+      {"q8_0", "quantization", false, false, adapt::quantization("ggml:type=q8_0"), "ggml:type=q8_0", "", ""},
+      {"q4_0", "quantization", false, false, adapt::quantization("ggml:type=q4_0"), "ggml:type=q4_0", "", ""},
+      {"fp8_e4m3", "quantization", false, false, adapt::quantization("fp8:format=e4m3"), "fp8:format=e4m3", "", ""},
       {"SnapKV+q4_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q4_0", "", ""},
       {"SnapKV+q8_0", "evict+quantize", true, false, {}, "snapkv+ggml:type=q8_0", "", ""},
       // Token-wise INT4 (SAW-INT4's format): llama.cpp's rotation rule (no rotation at head_dim 32, n = 64 on
       // SmolLM2), plain, and SAW-INT4's K-only block-diagonal rotation (block 16); q4_0 with llama.cpp's
       // rotation; KIVI-2 / KIVI-4 (group 32, a 32-token fp16 residual, counted in the bytes).
-      {"int4", "quantization", false, false, {}, "int4", "", ""},
-      {"int4(no-rotation)", "quantization", false, false, {}, "int4:rotation=none", "", ""},
-      {"int4(BDR16,K-only)", "quantization", false, false, {}, "int4:rotation=block,block=16|int4:rotation=none", "", ""},
-      {"q4_0(rotated)", "quantization", false, false, {}, "ggml:type=q4_0,rotation=llama_cpp", "", ""},
-      {"KIVI-2", "quantization", false, false, {}, "kivi:bits=2,residual=32", "", ""},
-      {"KIVI-4", "quantization", false, false, {}, "kivi:bits=4,residual=32", "", ""},
+      {"int4", "quantization", false, false, adapt::quantization("int4"), "int4", "", ""},
+      {"int4(no-rotation)", "quantization", false, false, adapt::quantization("int4:rotation=none"), "int4:rotation=none", "", ""},
+      {"int4(BDR16,K-only)", "quantization", false, false, adapt::quantization("int4:rotation=block,block=16|int4:rotation=none"),
+       "int4:rotation=block,block=16|int4:rotation=none", "", ""},
+      {"q4_0(rotated)", "quantization", false, false, adapt::quantization("ggml:type=q4_0,rotation=llama_cpp"),
+       "ggml:type=q4_0,rotation=llama_cpp", "", ""},
+      {"KIVI-2", "quantization", false, false, adapt::quantization("kivi:bits=2,residual=32"), "kivi:bits=2,residual=32", "", ""},
+      {"KIVI-4", "quantization", false, false, adapt::quantization("kivi:bits=4,residual=32"), "kivi:bits=4,residual=32", "", ""},
       {"SnapKV+int4", "evict+quantize", true, false, {}, "snapkv+int4", "", ""},
       // Mixed precision (ZipCache / ARKV): SnapKV ranks, half the bytes keep the top tokens in full precision, the
       // rest hold the next ones in INT4, the others are evicted.

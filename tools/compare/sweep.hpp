@@ -74,6 +74,7 @@ class Sweep {
         for (std::int64_t j = 0; j < c.kv_len; ++j) full.indices.push_back(static_cast<std::int32_t>(j));
       add(c, kFull, "Full", "baseline", false, -1, evaluate(c, ref, full, ctx_), {});
     }
+    std::map<std::size_t, Metrics> quant_memo;
     for (std::size_t pi = 0; pi < policies_.size(); ++pi) {
       const auto& p = policies_[pi];
       if (p.multi_layer && c.num_layers < 2) continue;
@@ -92,6 +93,15 @@ class Sweep {
         }
         if (!dec.well_formed(c)) {
           warn(p.name + " on " + c.workload + ": malformed decision (ids out of range or not ascending)");
+          continue;
+        }
+        if (dec.quantized) {  // the format ignores the budget: one evaluation per case, every budget's row
+          auto it = quant_memo.find(pi);
+          if (it == quant_memo.end()) {
+            const Reference qref = make_reference(*dec.quantized, ctx_);
+            it = quant_memo.emplace(pi, evaluate(*dec.quantized, qref, dec, ctx_, &ref)).first;
+          }
+          add(c, static_cast<int>(pi), p.name, p.family, p.query_aware, static_cast<int>(bi), it->second, t.ms);
           continue;
         }
         add(c, static_cast<int>(pi), p.name, p.family, p.query_aware, static_cast<int>(bi), evaluate(c, ref, dec, ctx_), t.ms);
