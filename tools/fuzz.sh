@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # libFuzzer pass over the fuzz targets in tests/fuzz/ (safetensors and trace
 # readers, registry spec parser, one-shot eviction, Quest selection, apply/
-# compaction): configure build-fuzz/ with clang++ (-fsanitize=fuzzer,address,
+# compaction, the quantization formats): configure build-fuzz/ with clang++ (-fsanitize=fuzzer,address,
 # undefined on every target, RelWithDebInfo at -O1), build the fuzzers, run
 # each for N seconds from its committed seed corpus, then print a table of
 # executions, coverage (cov:) and corpus size per target.
@@ -15,7 +15,7 @@ SECONDS_PER_TARGET=${1:-60}
 shift || true
 BUILD_DIR=${KVP_FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${KVP_JOBS:-$(nproc)}
-ALL=(fuzz_safetensors fuzz_trace fuzz_policy_spec fuzz_evict fuzz_quest_select fuzz_compact)
+ALL=(fuzz_safetensors fuzz_trace fuzz_policy_spec fuzz_evict fuzz_quest_select fuzz_compact fuzz_quant)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL[@]}")
 

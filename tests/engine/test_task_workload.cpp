@@ -81,18 +81,18 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
                                         "StreamingLLM(sinks=64)",
                                         "int4",
                                         "int4(no-rotation)",
-                                        "int4(BDR16,K-only)",
+                                        "int4(BDR16-K-only)",
                                         "q4_0(rotated)",
                                         "KIVI-2",
                                         "KIVI-4",
                                         "SnapKV+int4",
-                                        "SnapKV+mixed(fp32,int4)"});
+                                        "SnapKV+mixed(fp32+int4)"});
   // Bytes of each quantized format per byte of kvp-tiny's fp32 cache (head_dim 32): q8_0 34 / 128, q4_0 18 / 128,
   // fp8 with an inline per-(token, head) scale (32 + 16) / 128, token-wise INT4 (16 + 8) / 128 (no rotation at
   // head_dim 32 under llama.cpp's rule, so "int4" and "int4(no-rotation)" coincide there).
   const std::map<std::string, double> scale = {
       {"q8_0", 34.0 / 128},          {"q4_0", 18.0 / 128},       {"fp8_e4m3", 48.0 / 128},          {"SnapKV+q4_0", 18.0 / 128},
-      {"SnapKV+q8_0", 34.0 / 128},   {"int4", 24.0 / 128},       {"int4(no-rotation)", 24.0 / 128}, {"int4(BDR16,K-only)", 24.0 / 128},
+      {"SnapKV+q8_0", 34.0 / 128},   {"int4", 24.0 / 128},       {"int4(no-rotation)", 24.0 / 128}, {"int4(BDR16-K-only)", 24.0 / 128},
       {"q4_0(rotated)", 18.0 / 128}, {"SnapKV+int4", 24.0 / 128}};
   for (const auto& wl : workloads) {
     const double full_acc = value(rows, wl, "Full", "full", 0, "accuracy");

@@ -484,7 +484,7 @@ inline std::vector<PolicySpec> all_policies() {
       // rotation; KIVI-2 / KIVI-4 (group 32, a 32-token fp16 residual, counted in the bytes).
       {"int4", "quantization", false, false, adapt::quantization("int4"), "int4", "", ""},
       {"int4(no-rotation)", "quantization", false, false, adapt::quantization("int4:rotation=none"), "int4:rotation=none", "", ""},
-      {"int4(BDR16,K-only)", "quantization", false, false, adapt::quantization("int4:rotation=block,block=16|int4:rotation=none"),
+      {"int4(BDR16-K-only)", "quantization", false, false, adapt::quantization("int4:rotation=block,block=16|int4:rotation=none"),
        "int4:rotation=block,block=16|int4:rotation=none", "", ""},
       {"q4_0(rotated)", "quantization", false, false, adapt::quantization("ggml:type=q4_0,rotation=llama_cpp"),
        "ggml:type=q4_0,rotation=llama_cpp", "", ""},
@@ -493,7 +493,7 @@ inline std::vector<PolicySpec> all_policies() {
       {"SnapKV+int4", "evict+quantize", true, false, {}, "snapkv+int4", "", ""},
       // Mixed precision (ZipCache / ARKV): SnapKV ranks, half the bytes keep the top tokens in full precision, the
       // rest hold the next ones in INT4, the others are evicted.
-      {"SnapKV+mixed(fp32,int4)", "evict+quantize", true, false, {}, "snapkv+mixed+int4", "", ""},
+      {"SnapKV+mixed(fp32+int4)", "evict+quantize", true, false, {}, "snapkv+mixed+int4", "", ""},
       // Merging (engine workloads only): SnapKV evicts to the budget, the merge folds the evicted tokens into the
       // kept ones (kvp_engine's snapkv+<merge> policies); online H2O with a merge at every decode step (h2o+<merge>).
       {"SnapKV+MergingPress", "merging", true, false, {}, "snapkv", "", "snapkv+kvpress_merging"},
