@@ -336,8 +336,9 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
       if (p.on_prefill) p.on_prefill(m, pre);
     // Scores one run of this sample into result `ri`; `ref` is the full-cache run (null for the reference itself).
     auto score = [&](std::size_t ri, const std::vector<std::vector<float>>& steps, const std::vector<std::vector<float>>* ref,
-                     const SessionStats& st, double kept_bytes) {
+                     const SessionStats& st, double kept_bytes, double kept_fp32_bytes) {
       TaskEvalResult& r = results[ri];
+      r.mean_kept_fp32_bytes += kept_fp32_bytes;
       bool ok = true, same = true;
       for (std::size_t i = 0; i < steps.size(); ++i) {
         ok = ok && argmax(steps[i]) == s.answer[i];
@@ -375,7 +376,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
     SessionStats st;
     double kept = 0.0;
     const auto full = run(nullptr, -1, &st, &kept);
-    score(0, full, nullptr, st, kept);
+    score(0, full, nullptr, st, kept, kept);
     std::size_t ri = 1;
     for (const auto& p : policies) {
       const bool runs = opt.cache == CacheKind::kContiguous ? static_cast<bool>(p.contiguous) : static_cast<bool>(p.paged);
@@ -389,7 +390,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
         const double per_head = kept / (static_cast<double>(mc.n_layers) * mc.n_kv_heads * 8.0 * mc.head_dim);
         const double fp16_share = per_head > 0.0 ? std::min(static_cast<double>(p.fp16_tokens), per_head) / per_head : 0.0;
         const double scale = p.kv_bytes_scale_of ? p.kv_bytes_scale_of(per_head, b) : p.kv_bytes_scale;
-        score(ri++, steps, &full, st, kept * (scale + fp16_share * (0.5 - scale)));
+        score(ri++, steps, &full, st, kept * (scale + fp16_share * (0.5 - scale)), kept);
       }
     }
     if (opt.progress) opt.progress(si + 1, samples.size());
@@ -400,6 +401,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
     r.accuracy = static_cast<double>(r.correct) / n;
     r.mean_kl = kl_steps[i] ? r.mean_kl / static_cast<double>(kl_steps[i]) : 0.0;
     r.mean_kept_bytes /= n;
+    r.mean_kept_fp32_bytes /= n;
     r.mean_full_bytes /= n;
     r.mean_attended_tokens /= n;
   }

@@ -215,6 +215,7 @@ struct TaskEvalResult {
   std::int64_t identical_to_full = 0;  ///< samples with bit-identical logits at every answer step
   double decision_seconds = 0.0;
   double mean_kept_bytes = 0.0, mean_full_bytes = 0.0;
+  double mean_kept_fp32_bytes = 0.0;  ///< the kept tokens' bytes at fp32, whatever the format (kept tokens = this / fp32 bytes per token)
   double kv_bytes_scale = 1.0;        ///< the policy's PolicyUnderTest::kv_bytes_scale (kept tokens = bytes / scale / fp32 bytes per token)
   double mean_attended_tokens = 0.0;  ///< cached tokens read per (decode step, layer, query head)
   std::vector<std::uint8_t> sample_correct;  ///< per sample, in input order

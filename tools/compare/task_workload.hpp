@@ -125,9 +125,8 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
     auto emit = [&](const kvp_engine::TaskEvalResult& r, const BudgetSpec* b, const std::string& family, bool query_aware) {
       const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
       const bool selection = family == "selection";
-      // Tokens kept per kv head: the held bytes over an fp32 token's, undone for quantized formats.
-      const double kept =
-          selection ? r.mean_attended_tokens : r.mean_kept_bytes * per_layer / (bytes_per_token_head * cfg.n_kv_heads * r.kv_bytes_scale);
+      // Tokens kept per kv head: the kept tokens' fp32 bytes over an fp32 token's (whatever format holds them).
+      const double kept = selection ? r.mean_attended_tokens : r.mean_kept_fp32_bytes * per_layer / (bytes_per_token_head * cfg.n_kv_heads);
       ResultRow base{wl,
                      model.name(),
                      "all",
