@@ -8,6 +8,10 @@
 //   dequantize/<format>  ::dequantize: codes -> fp16 rows
 //   (<format>_rot: the Hadamard rotation of llama.cpp's rule in front, n = 128 keys / 64 values;
 //   kivi_<k|v><bits>: codes plus the separate scale rows)
+//   score/snapkv_<format>  SnapKV's scores (window 64, 32 query / 8 kv heads, 4096 tokens, d = 128) on the
+//                          fp16 keys and, through QuantizedKeys, on the same keys stored in <format>:
+//                          GFLOP/s and pct_peak_fma over the window logits (2 Hq w T d), tokens/s
+//                          (kv heads x tokens scored per second), against score/snapkv_fp16
 //
 // Each run reports GB/s and pct_peak_bw over the bytes a pass cannot avoid
 // (fp16 rows read or written once, codes written or read once) against the
@@ -23,7 +27,9 @@
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/policy/quantization/quantized_keys.hpp"
 
 using namespace kvpolicy;
 
@@ -86,6 +92,78 @@ void run_kivi(benchmark::State& st, const KiviQuant& policy, bool quantize) {
   kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size() + scales.size()));
 }
 
+// ---- fused quantized scoring -----------------------------------------------------------------------
+
+constexpr std::int64_t kSq = 32, kSkv = 8, kST = 4096, kSW = 64;
+
+struct ScoreData {
+  std::vector<half> k = kvp_bench::normal_values<half>(static_cast<std::size_t>(kSkv * kST * kD), 7);
+  std::vector<float> q = kvp_bench::normal_values<float>(static_cast<std::size_t>(kSq * kSW * kD), 8);
+};
+ScoreData& score_data() {
+  static ScoreData d;
+  return d;
+}
+
+template <class S, class In>
+void run_score(benchmark::State& st, const S& s, const In& in) {
+  const Context<backend::Cpu> probe{};
+  const Requirements r = s.requirements(probe, ProblemShape{kSq, kSkv, kD, kST, kSW});
+  if (!r.status.is_ok()) return st.SkipWithError(r.status.message());
+  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<float> out(static_cast<std::size_t>(kSkv * kST));
+  const Context<backend::Cpu> cx{Workspace{ws.data(), ws.size()}};
+  for (auto _ : st) {
+    const Status e = s.score(cx, in, TensorView<float, 2>::contiguous(out.data(), {kSkv, kST}));
+    if (!e.is_ok()) return st.SkipWithError(e.message());
+    benchmark::DoNotOptimize(out.data());
+  }
+  kvp_bench::report_flops(st, 2.0 * kSq * kSW * kST * kD);
+  st.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kSkv * kST), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+const SnapKV& score_snapkv() {
+  static const SnapKV s(SnapKVParams::kvpress(0.5, static_cast<std::int32_t>(kSW), 5));
+  return s;
+}
+
+void score_fp16(benchmark::State& st) {
+  ScoreData& d = score_data();
+  const ScoreInput<float, half> in{TensorView<const float, 3>::contiguous(d.q.data(), {kSq, kSW, kD}),
+                                   KVSource<half>::from(TensorView<const half, 3>::contiguous(d.k.data(), {kSkv, kST, kD}))};
+  run_score(st, score_snapkv(), in);
+}
+
+template <class P>
+void score_quantized(benchmark::State& st, const P& p) {
+  ScoreData& d = score_data();
+  const auto rows = TensorView<const half, 3>::contiguous(d.k.data(), {kSkv, kST, kD});
+  std::vector<std::uint8_t> codes, scales;
+  std::vector<half> res;
+  QuantKeys keys;
+  keys.dim = kD;
+  const Context<backend::Cpu> cx{};
+  if constexpr (std::is_same_v<P, KiviQuant>) {
+    const std::int64_t n = p.code_rows(kST), R = p.params().residual;
+    codes.resize(static_cast<std::size_t>(kSkv * n * p.codes_row_bytes(kD)));
+    scales.resize(static_cast<std::size_t>(kSkv * n * p.scales_row_bytes(kD)));
+    res.resize(static_cast<std::size_t>(kSkv * R * kD));
+    KiviState state{TensorView<half, 3>::contiguous(res.data(), {kSkv, R, kD}), 0};
+    keys.region = QuantizedKV{p.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {kSkv, n, p.codes_row_bytes(kD)}),
+                              TensorView<std::uint8_t, 3>::contiguous(scales.data(), {kSkv, n, p.scales_row_bytes(kD)}), 0};
+    if (!p.append(cx, rows, state, keys.region).is_ok()) return st.SkipWithError("kivi append failed");
+    keys.residual = TensorView<const half, 3>::contiguous(res.data(), {kSkv, R, kD});
+    keys.residual_len = state.residual_len;
+  } else {
+    codes.resize(static_cast<std::size_t>(kSkv * kST * p.row_bytes(kD)));
+    keys.region = QuantizedKV{p.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {kSkv, kST, p.row_bytes(kD)}), {}, kST};
+    typename P::State state{};
+    if (!p.quantize(cx, rows, state, keys.region).is_ok()) return st.SkipWithError("quantize failed");
+  }
+  const QuantScoreInput<float> in{TensorView<const float, 3>::contiguous(d.q.data(), {kSq, kSW, kD}), keys};
+  run_score(st, QuantizedKeys<SnapKV, P>(score_snapkv(), p), in);
+}
+
 void register_all() {
   for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
     for (bool quantize : {true, false}) {
@@ -127,6 +205,17 @@ void register_all() {
             [p, quantize](benchmark::State& st) { run_kivi(st, p, quantize); });
       }
   }
+  auto reg_score = [](const std::string& name, auto fn) {
+    benchmark::RegisterBenchmark(("score/snapkv_" + name).c_str(), fn)
+        ->Unit(benchmark::kMillisecond)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly();
+  };
+  reg_score("fp16", score_fp16);
+  reg_score("q8_0", [](benchmark::State& st) { score_quantized(st, GgmlQuant(GgmlQuantParams{GgmlType::kQ8_0})); });
+  reg_score("q4_0", [](benchmark::State& st) { score_quantized(st, GgmlQuant(GgmlQuantParams{GgmlType::kQ4_0})); });
+  reg_score("int4_rot", [](benchmark::State& st) { score_quantized(st, Int4Quant{}); });
+  reg_score("kivi_k2", [](benchmark::State& st) { score_quantized(st, KiviQuant(KiviQuantParams{QuantRole::kKeys, 2, 32, 128})); });
 }
 
 }  // namespace
