@@ -71,6 +71,7 @@
 #include "kvpolicy/policy/quantization/mixed_precision.hpp"
 #include "kvpolicy/policy/quantization/quant_spec.hpp"
 #include "kvpolicy/policy/quantization/quantized_keys.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
 #include "kvpolicy/policy/prefetch/history.hpp"
 #include "kvpolicy/policy/prefetch/infinigen.hpp"
 #include "kvpolicy/policy/prefetch/quest_lookahead.hpp"

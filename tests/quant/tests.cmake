@@ -3,4 +3,5 @@
 kvp_add_test(test_quant ${CMAKE_CURRENT_LIST_DIR}/test_ggml.cpp ${CMAKE_CURRENT_LIST_DIR}/test_fp8.cpp ${CMAKE_CURRENT_LIST_DIR}/test_kivi.cpp ${CMAKE_CURRENT_LIST_DIR}/test_int4.cpp
   ${CMAKE_CURRENT_LIST_DIR}/../policy/quantization/test_ggml_quant.cpp ${CMAKE_CURRENT_LIST_DIR}/../policy/quantization/test_fp8_quant.cpp
   ${CMAKE_CURRENT_LIST_DIR}/../policy/quantization/test_mixed_precision.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/../policy/quantization/test_quantized_keys.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/../policy/quantization/test_quantized_keys.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/../policy/quantization/test_quantized_paged.cpp)

@@ -1,0 +1,163 @@
+// A paged cache in a per-token quantization format: quantize-on-append at the
+// tokens' slots, Quest's page metadata from the codes (equal to Quest on the
+// decoded pool), decode attention over a page list of codes (equal to the
+// scalar reference over the decoded pool), NHD and HND pools, bad input.
+#include <catch2/catch.hpp>
+
+#include <random>
+#include <vector>
+
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
+#include "kvpolicy/util/thread_pool.hpp"
+
+using namespace kvpolicy;
+using Catch::Matchers::Contains;
+
+namespace {
+
+constexpr std::int32_t kPages = 9, H = 2, P = 16;
+constexpr std::int64_t d = 64;
+
+/// Two sequences over scattered pages: 40 and 29 tokens.
+struct Table {
+  std::vector<std::int32_t> indptr{0, 3, 5}, indices{4, 0, 7, 2, 8}, last{8, 13};
+  PageTable view() const { return PageTable{indptr.data(), indices.data(), last.data(), 2}; }
+};
+
+template <class Q>
+void check_format(const Q& q, PageLayout layout, const char* name) {
+  INFO(name << (layout == PageLayout::kHND ? " HND" : " NHD"));
+  const Table tab;
+  const std::int64_t rb = q.row_bytes(d);
+  std::vector<std::uint8_t> kc(static_cast<std::size_t>(kPages * H * P * rb), 0), vc(kc.size(), 0);
+  PagedKVView<std::uint8_t> codes{kc.data(),
+                                  vc.data(),
+                                  PageStrides::contiguous(layout, H, P, rb),
+                                  PageStrides::contiguous(layout, H, P, rb),
+                                  kPages,
+                                  H,
+                                  P,
+                                  static_cast<std::int32_t>(rb),
+                                  tab.view(),
+                                  {}};
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd;
+  const std::int64_t lens[2] = {40, 29};
+  for (std::int32_t b = 0; b < 2; ++b) {
+    std::vector<float> k(static_cast<std::size_t>(H * lens[b] * d)), v(k.size());
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    REQUIRE(quantize_paged_append(q, codes, b, TensorView<const float, 3>::contiguous(k.data(), {H, lens[b], d}), false).is_ok());
+    REQUIRE(quantize_paged_append(q, codes, b, TensorView<const float, 3>::contiguous(v.data(), {H, lens[b], d}), true).is_ok());
+  }
+  // The decoded pool, fp32, same layout.
+  std::vector<float> kf(static_cast<std::size_t>(kPages * H * P * d)), vf(kf.size());
+  const PageStrides fs = PageStrides::contiguous(layout, H, P, d);
+  const PagedKVView<const std::uint8_t> cc = codes;
+  for (std::int32_t pg = 0; pg < kPages; ++pg)
+    for (std::int32_t h = 0; h < H; ++h) {
+      std::vector<float> rows(static_cast<std::size_t>(P * d));
+      detail::decode_code_rows(q, cc.k_ptr(pg, h, 0), cc.k_strides.slot, P, d, rows.data());
+      for (std::int32_t s = 0; s < P; ++s)
+        std::copy(rows.begin() + s * d, rows.begin() + (s + 1) * d, kf.begin() + pg * fs.page + h * fs.head + s * fs.slot);
+      detail::decode_code_rows(q, cc.v_ptr(pg, h, 0), cc.v_strides.slot, P, d, rows.data());
+      for (std::int32_t s = 0; s < P; ++s)
+        std::copy(rows.begin() + s * d, rows.begin() + (s + 1) * d, vf.begin() + pg * fs.page + h * fs.head + s * fs.slot);
+    }
+  const PagedKVView<const float> fpool{kf.data(), vf.data(), fs, fs, kPages, H, P, static_cast<std::int32_t>(d), tab.view(), {}};
+  // Quest metadata: from the codes == Quest::on_append on the decoded pool (every page, then one appended token).
+  std::vector<float> m1(static_cast<std::size_t>(PageMetaView<float>::contiguous_size(kPages, H, d)), 0.0f), m2(m1.size(), 0.0f);
+  const auto meta1 = PageMetaView<float>::contiguous(m1.data(), kPages, H, static_cast<std::int32_t>(d));
+  const auto meta2 = PageMetaView<float>::contiguous(m2.data(), kPages, H, static_cast<std::int32_t>(d));
+  const Quest quest{};
+  std::vector<std::byte> ws(quantized_paged_workspace(P, d, 4, 2));
+  ThreadPool pool(2);
+  REQUIRE(
+      quantized_page_meta_append(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, pool.context()}, q, cc, d, nullptr, meta1).is_ok());
+  REQUIRE(quest.on_append(Context<backend::Cpu>{}, AppendInput<float>{fpool, nullptr}, meta2).is_ok());
+  REQUIRE(m1 == m2);
+  const std::int32_t one[2] = {1, 1};
+  REQUIRE(quantized_page_meta_append(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, q, cc, d, one, meta1).is_ok());
+  REQUIRE(m1 == m2);
+  // Decode attention of a 4-query group over each sequence's pages, each kv head.
+  std::vector<float> qv(static_cast<std::size_t>(4 * d));
+  for (auto& x : qv) x = nd(rng);
+  for (std::int32_t b = 0; b < 2; ++b)
+    for (std::int32_t h = 0; h < H; ++h) {
+      std::vector<float> o1(static_cast<std::size_t>(4 * d)), o2(o1.size()), l1(4), l2(4);
+      REQUIRE(quantized_paged_decode_attention(q, q, cc, h, tab.indices.data() + tab.indptr[b], lens[b], qv.data(), 4, d, 0.125f, o1.data(),
+                                               l1.data(), Workspace{ws.data(), ws.size()})
+                  .is_ok());
+      std::vector<std::byte> rws(backend::Scalar::paged_attention_workspace(4, P, d));
+      backend::Scalar::paged_decode_attention(qv.data(), 4, d, Rows<float>::paged_keys(fpool, b, h), Rows<float>::paged_values(fpool, b, h),
+                                              lens[b], 0.125f, o2.data(), l2.data(), Workspace{rws.data(), rws.size()});
+      for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(o1[i] == Approx(o2[i]).epsilon(1e-6).margin(1e-7));
+      for (std::size_t i = 0; i < l1.size(); ++i) REQUIRE(l1[i] == Approx(l2[i]).epsilon(1e-6));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("quantized paged cache: append, Quest metadata and decode attention from the codes", "[quant][paged]") {
+  for (PageLayout layout : {PageLayout::kHND, PageLayout::kNHD}) {
+    check_format(GgmlQuant(GgmlQuantParams{GgmlType::kQ4_0}), layout, "q4_0");
+    check_format(GgmlQuant(GgmlQuantParams{GgmlType::kQ8_0, HadamardMode::kLlamaCpp}), layout, "q8_0 rotated");
+    check_format(Int4Quant{}, layout, "int4");
+    check_format(Fp8Quant{}, layout, "fp8");
+  }
+}
+
+TEST_CASE("quantized paged cache: bad input is rejected and nothing is written", "[quant][paged][errors]") {
+  const Table tab;
+  const GgmlQuant q4(GgmlQuantParams{GgmlType::kQ4_0});
+  const std::int64_t rb = q4.row_bytes(d);
+  std::vector<std::uint8_t> kc(static_cast<std::size_t>(kPages * H * P * rb), 0x11), vc(kc.size(), 0x22);
+  PagedKVView<std::uint8_t> codes{kc.data(),
+                                  vc.data(),
+                                  PageStrides::contiguous(PageLayout::kHND, H, P, rb),
+                                  PageStrides::contiguous(PageLayout::kHND, H, P, rb),
+                                  kPages,
+                                  H,
+                                  P,
+                                  static_cast<std::int32_t>(rb),
+                                  tab.view(),
+                                  {}};
+  const auto k0 = kc, v0 = vc;
+  std::vector<float> rows(static_cast<std::size_t>(H * 40 * d), 0.5f);
+  rows[100] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE_THAT(quantize_paged_append(q4, codes, 0, TensorView<const float, 3>::contiguous(rows.data(), {H, 40, d}), false).message(),
+               Contains("not finite"));
+  REQUIRE(kc == k0);
+  rows[100] = 0.5f;
+  REQUIRE_THAT(quantize_paged_append(q4, codes, 0, TensorView<const float, 3>::contiguous(rows.data(), {H, 41, d}), false).message(),
+               Contains("41 rows for a sequence of 40 tokens"));
+  const GgmlQuant q8(GgmlQuantParams{GgmlType::kQ8_0});
+  REQUIRE_THAT(quantize_paged_append(q8, codes, 0, TensorView<const float, 3>::contiguous(rows.data(), {H, 40, d}), false).message(),
+               Contains("the code pool's rows are 36 bytes, the format's rows are 68 bytes"));
+  REQUIRE(kc == k0);
+  std::vector<float> m(static_cast<std::size_t>(PageMetaView<float>::contiguous_size(kPages, H, d)), 7.0f);
+  const auto m0 = m;
+  std::vector<std::byte> ws(quantized_paged_workspace(P, d, 4));
+  const PagedKVView<const std::uint8_t> cc = codes;
+  REQUIRE_THAT(quantized_page_meta_append(Context<backend::Scalar>{Workspace{ws.data(), 16}}, q4, cc, d, nullptr,
+                                          PageMetaView<float>::contiguous(m.data(), kPages, H, static_cast<std::int32_t>(d)))
+                   .message(),
+               Contains("workspace"));
+  REQUIRE_THAT(quantized_page_meta_append(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, q4, cc, d, nullptr,
+                                          PageMetaView<float>::contiguous(m.data(), kPages - 1, H, static_cast<std::int32_t>(d)))
+                   .message(),
+               Contains("metadata has 8 pages, the page pool has 9"));
+  REQUIRE(m == m0);
+  std::vector<float> q(static_cast<std::size_t>(4 * d), 1.0f), o(q.size(), 3.0f);
+  const std::int32_t bad_pages[3] = {4, 12, 7};
+  REQUIRE_THAT(quantized_paged_decode_attention(q4, q4, cc, 0, bad_pages, 40, q.data(), 4, d, 0.125f, o.data(), nullptr,
+                                                Workspace{ws.data(), ws.size()})
+                   .message(),
+               Contains("page 1 of the list is 12, out of range [0, 9)"));
+  REQUIRE(std::all_of(o.begin(), o.end(), [](float x) { return x == 3.0f; }));
+}
