@@ -110,6 +110,8 @@ PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_d
       p.contiguous = [k, v](std::int64_t, std::int64_t) { return kivi_hooks<C>(k, v); };
     } else {
       p.contiguous = [k, v](std::int64_t, std::int64_t) { return quantize_hooks<C>(k, v, {}, {}); };
+      // Paged: every row quantized at its slot of the pool, as the per-token formats allow.
+      p.paged = [k, v](std::int64_t, std::int64_t) { return quantize_hooks<PagedKVCache<float>>(k, v, {}, {}); };
     }
     return p;
   });

@@ -11,6 +11,12 @@ template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend::Cpu>(k
 KVP_ENGINE_QUANT_HOOKS_FOR(, kvpolicy::GgmlQuant)
 KVP_ENGINE_QUANT_HOOKS_FOR(, kvpolicy::Fp8Quant)
 KVP_ENGINE_QUANT_HOOKS_FOR(, kvpolicy::Int4Quant)
+template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::GgmlQuant, kvpolicy::backend::Cpu>(
+    kvpolicy::GgmlQuant, kvpolicy::GgmlQuant, kvpolicy::ExecContext, std::function<bool(int)>);
+template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
+    kvpolicy::Fp8Quant, kvpolicy::Fp8Quant, kvpolicy::ExecContext, std::function<bool(int)>);
+template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::Int4Quant, kvpolicy::backend::Cpu>(
+    kvpolicy::Int4Quant, kvpolicy::Int4Quant, kvpolicy::ExecContext, std::function<bool(int)>);
 template Hooks<ContiguousKVCache<float>> kivi_hooks<ContiguousKVCache<float>, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant,
                                                                                                       kvpolicy::KiviQuant,
                                                                                                       kvpolicy::ExecContext);

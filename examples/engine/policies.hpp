@@ -341,7 +341,7 @@ Hooks<PagedKVCache<T>> quest_hooks(kvpolicy::Quest quest, kvpolicy::ExecContext 
   return h;
 }
 
-/// Quantization of a contiguous cache with any kvpolicy `QuantizationPolicy` whose formats are per token
+/// Quantization of a contiguous or paged cache with any kvpolicy `QuantizationPolicy` whose formats are per token
 /// (ggml blocks, fp8 with per-tensor or per-(token, head) scales, token-wise INT4; Hadamard-rotated or not):
 /// every token entering a layer (the prompt's at on_append, then each decode token) is stored in the policy's
 /// format — its K rows by `keys`, its V rows by `values`, quantized, then dequantized back into the engine's
@@ -360,14 +360,29 @@ Hooks<Cache> quantize_hooks(QPolicy keys, QPolicy values, kvpolicy::ExecContext 
     const std::int64_t len = cache.uniform_length(layer);
     for (int role = 0; role < 2; ++role) {
       const QPolicy& policy = role == 0 ? keys : values;
-      const auto rows = (role == 0 ? cache.keys(layer) : cache.values(layer)).narrow(1, len - appended, appended);
-      const std::int64_t H = rows.extent(0), d = rows.extent(2), rb = policy.row_bytes(d);
-      buf->resize(static_cast<std::size_t>(H * appended * rb));
-      kvpolicy::QuantizedKV q{
-          policy.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(buf->data(), {H, appended, rb}), {}, appended};
-      typename QPolicy::State st{};
-      KVP_RETURN_IF_ERROR(policy.quantize(policy_context<Backend>(ctx), kvpolicy::TensorView<const float, 3>(rows), st, q));
-      KVP_RETURN_IF_ERROR(policy.dequantize(policy_context<Backend>(ctx), q, rows));
+      if constexpr (Cache::kPaged) {  // row by row at the tokens' slots of the page pool
+        const auto& v = cache.view(layer);
+        const std::int64_t H = v.num_kv_heads, d = v.head_dim, rb = policy.row_bytes(d);
+        buf->resize(static_cast<std::size_t>(rb));
+        for (std::int64_t hh = 0; hh < H; ++hh)
+          for (std::int64_t t = len - appended; t < len; ++t) {
+            float* row = role == 0 ? v.key(0, static_cast<std::int32_t>(hh), t) : v.value(0, static_cast<std::int32_t>(hh), t);
+            const auto rv = kvpolicy::TensorView<float, 3>::contiguous(row, {1, 1, d});
+            kvpolicy::QuantizedKV q{policy.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(buf->data(), {1, 1, rb}), {}, 1};
+            typename QPolicy::State st{};
+            KVP_RETURN_IF_ERROR(policy.quantize(policy_context<Backend>(ctx), kvpolicy::TensorView<const float, 3>(rv), st, q));
+            KVP_RETURN_IF_ERROR(policy.dequantize(policy_context<Backend>(ctx), q, rv));
+          }
+      } else {
+        const auto rows = (role == 0 ? cache.keys(layer) : cache.values(layer)).narrow(1, len - appended, appended);
+        const std::int64_t H = rows.extent(0), d = rows.extent(2), rb = policy.row_bytes(d);
+        buf->resize(static_cast<std::size_t>(H * appended * rb));
+        kvpolicy::QuantizedKV q{
+            policy.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(buf->data(), {H, appended, rb}), {}, appended};
+        typename QPolicy::State st{};
+        KVP_RETURN_IF_ERROR(policy.quantize(policy_context<Backend>(ctx), kvpolicy::TensorView<const float, 3>(rows), st, q));
+        KVP_RETURN_IF_ERROR(policy.dequantize(policy_context<Backend>(ctx), q, rows));
+      }
     }
     return Status::ok();
   };
@@ -626,6 +641,12 @@ extern template Hooks<PagedKVCache<float>> quest_hooks<float, kvpolicy::backend:
 KVP_ENGINE_QUANT_HOOKS_FOR(extern, kvpolicy::GgmlQuant)
 KVP_ENGINE_QUANT_HOOKS_FOR(extern, kvpolicy::Fp8Quant)
 KVP_ENGINE_QUANT_HOOKS_FOR(extern, kvpolicy::Int4Quant)
+extern template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::GgmlQuant, kvpolicy::backend::Cpu>(
+    kvpolicy::GgmlQuant, kvpolicy::GgmlQuant, kvpolicy::ExecContext, std::function<bool(int)>);
+extern template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::Fp8Quant, kvpolicy::backend::Cpu>(
+    kvpolicy::Fp8Quant, kvpolicy::Fp8Quant, kvpolicy::ExecContext, std::function<bool(int)>);
+extern template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::Int4Quant, kvpolicy::backend::Cpu>(
+    kvpolicy::Int4Quant, kvpolicy::Int4Quant, kvpolicy::ExecContext, std::function<bool(int)>);
 extern template Hooks<ContiguousKVCache<float>> kivi_hooks<ContiguousKVCache<float>, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant,
                                                                                                              kvpolicy::KiviQuant,
                                                                                                              kvpolicy::ExecContext);
