@@ -14,6 +14,10 @@ bfloat16 (bfloat16 through torch), any strides with a contiguous last axis. Deci
 Every policy of the registry is listed by :func:`policies` and built by :func:`make` (``make("snapkv",
 compression_ratio=0.5, window=64)``) or by its class (:class:`SnapKV`, ...); keyword parameters are the ones the
 C++ ``Params::fields()`` declare, and errors raise ``ValueError`` with the library's message.
+
+Quantization (:class:`Quantizer`, :class:`KiviCache`), Quest's page selection over a paged cache given as arrays
+(:class:`Quest`) and cache compaction (:func:`compact_contiguous`, :func:`compact_paged`) work on the caller's arrays
+the same way.
 """
 from __future__ import annotations
 
