@@ -14,6 +14,10 @@ bfloat16 (bfloat16 through torch), any strides with a contiguous last axis. Deci
 Every policy of the registry is listed by :func:`policies` and built by :func:`make` (``make("snapkv",
 compression_ratio=0.5, window=64)``) or by its class (:class:`SnapKV`, ...); keyword parameters are the ones the
 C++ ``Params::fields()`` declare, and errors raise ``ValueError`` with the library's message.
+
+Quantization (:class:`Quantizer`, :class:`KiviCache`), Quest's page selection over a paged cache given as arrays
+(:class:`Quest`) and cache compaction (:func:`compact_contiguous`, :func:`compact_paged`) work on the caller's arrays
+the same way.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
-from ._core import get_num_threads, set_num_threads
+from ._core import KiviCache, Quantizer, QuestState, get_num_threads, set_num_threads
 
 __version__: str = _core.__version__
 #: The CPU backend's instruction set chosen at run time (avx512, avx2 or sse2; KVP_CPU_ISA forces one).
@@ -32,6 +36,8 @@ isa: str = _core.isa
 __all__ = [
     "__version__", "isa", "policies", "PolicyInfo", "Param", "make", "spec_string", "KeepSet", "Policy",
     "EvictionPolicy", "H2O", "H2OState", "compact_contiguous", "set_num_threads", "get_num_threads",
+    "Quantizer", "KiviCache", "make_quantizer", "make_quantizers", "Quest", "QuestState", "PageSelection",
+    "compact_paged",
 ]
 
 
@@ -53,7 +59,7 @@ class PolicyInfo:
     paper: str
     params: Tuple[Param, ...]
     cls: Optional[type]
-    bound: bool  # whether this build's Python layer can call it (every eviction policy; selection / quantization not yet)
+    bound: bool  # whether this build's Python layer can call it
 
     @property
     def doc(self) -> str:
@@ -258,6 +264,109 @@ class H2O(Policy):
         return KeepSet(ip, ids[:int(ip[-1])])
 
 
+class PageSelection:
+    """A page selection (Quest): row ``r`` (= seq * heads_per_seq + head) attends the physical pages
+    ``indices[indptr[r]:indptr[r + 1]]`` (ascending logical order, the sequence's last page last), the last of them
+    holding ``last_page_len[r]`` tokens; ``logical`` gives each entry's page position in its sequence. The arrays are a
+    FlashInfer ``kv_indptr`` / ``kv_indices`` / ``kv_last_page_len`` request as they are (int32 numpy arrays).
+    """
+
+    __slots__ = ("indptr", "indices", "last_page_len", "logical")
+
+    def __init__(self, indptr: Any, indices: Any, last_page_len: Any, logical: Any) -> None:
+        self.indptr, self.indices, self.last_page_len, self.logical = indptr, indices, last_page_len, logical
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.indptr) - 1
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def row(self, r: int) -> Any:
+        """The physical page ids of row r (a view)."""
+        if not -self.num_rows <= r < self.num_rows:
+            raise IndexError(f"PageSelection row {r} out of range [0, {self.num_rows})")
+        r %= self.num_rows
+        return self.indices[int(self.indptr[r]):int(self.indptr[r + 1])]
+
+    def logical_row(self, r: int) -> Any:
+        """The logical page positions of row r (a view)."""
+        r %= self.num_rows
+        return self.logical[int(self.indptr[r]):int(self.indptr[r + 1])]
+
+    def __repr__(self) -> str:
+        return f"PageSelection(rows={self.num_rows}, pages={int(self.indptr[-1]) if self.num_rows else 0})"
+
+
+class Quest(Policy):
+    """Quest (query-aware page selection; Tang et al. 2024, arXiv 2406.10774) over a paged cache given as arrays.
+
+    The cache is a key page pool ``k_pages`` ((num_pages, page_size, kv_heads, head_dim) for ``layout="NHD"``,
+    (num_pages, kv_heads, page_size, head_dim) for ``"HND"``; any strides with contiguous rows) and a FlashInfer CSR
+    page table (int32 ``indptr`` (batch + 1), ``indices``, ``last_page_len`` (batch)). The page metadata (channel max /
+    min of each page's keys) lives in a :class:`QuestState` the caller owns: ``new_state``, then ``on_append`` after
+    keys are written, then ``select`` per decode step. Nothing is evicted; ``select`` says which pages to attend.
+    """
+
+    policy_name = "quest"
+
+    def __init__(self, *, token_budget: Optional[int] = None, keep_ratio: Optional[float] = None,
+                 compression_ratio: Optional[float] = None, page_budget: Optional[int] = None,
+                 dense_layers: Optional[int] = None, gqa: Optional[str] = None) -> None:
+        self._spec = spec_string("quest", token_budget=token_budget, keep_ratio=keep_ratio,
+                                 compression_ratio=compression_ratio, page_budget=page_budget,
+                                 dense_layers=dense_layers, gqa=gqa)
+        self._impl = _core.QuestPolicy(self._spec)
+
+    @classmethod
+    def _from_spec(cls, spec: str) -> "Quest":
+        self = cls.__new__(cls)
+        self._spec = spec
+        self._impl = _core.QuestPolicy(spec)
+        return self
+
+    @property
+    def dense_layers(self) -> int:
+        return self._impl.dense_layers
+
+    def page_budget(self, page_size: int, seq_tokens: int = 0) -> int:
+        """Pages attended per head (the last page included) for a sequence of seq_tokens tokens."""
+        return self._impl.page_budget(page_size, seq_tokens)
+
+    def new_state(self, num_pages: int, num_kv_heads: int, head_dim: int, dtype: Any = "float32") -> QuestState:
+        """Empty metadata for a pool of num_pages pages: float32, or float16 for float16 keys."""
+        return QuestState(num_pages, num_kv_heads, head_dim, np.dtype(dtype).name)
+
+    def on_append(self, state: QuestState, k_pages: Any, indptr: Any, indices: Any, last_page_len: Any, *,
+                  append_len: Any = None, layout: str = "NHD") -> None:
+        """Folds the keys just written into the metadata. The table already counts them; ``append_len`` (int32,
+        per sequence) says how many tokens are new (None: rebuild every page the table references)."""
+        self._impl.on_append(state, k_pages, indptr, indices, last_page_len, append_len, layout)
+
+    def select(self, state: QuestState, queries: Any, indptr: Any, indices: Any, last_page_len: Any, *,
+               page_size: int, layer: int) -> PageSelection:
+        """One decode step's pages: queries (batch, num_q_heads, head_dim), post-RoPE. Rows are one per query head
+        (gqa=per_query_head, the default) or per kv head (union, group_max, group_sum)."""
+        ip, ids, lp, lg = self._impl.select(state, queries, indptr, indices, last_page_len, page_size, layer)
+        n = int(ip[-1])
+        return PageSelection(ip, ids[:n], lp, lg[:n])
+
+
+def make_quantizer(spec: str, role: Optional[str] = None) -> Quantizer:
+    """A K or V :class:`Quantizer` from a quantization spec (ggml, fp8, int4, kivi): ``make_quantizer("ggml:type=q4_0")``.
+
+    ``role="keys"`` / ``"values"`` takes that half of a ``"K_SPEC|V_SPEC"`` spec, with the role the library assigns
+    (ggml / int4: the rotation block; kivi: the grouping axis); without a role the spec is used as written.
+    """
+    return Quantizer(spec, role)
+
+
+def make_quantizers(spec: str) -> Tuple[Quantizer, Quantizer]:
+    """The (keys, values) quantizers of a spec ``"SPEC"`` or ``"K_SPEC|V_SPEC"``, as the library's visit_quant_spec builds them."""
+    return Quantizer(spec, "keys"), Quantizer(spec, "values")
+
+
 def compact_contiguous(keys: Any, kv_len: int, keep: KeepSet, *, values: Any = None, positions: Any = None,
                        row0: int = 0) -> np.ndarray:
     """Applies a KeepSet to a contiguous cache in place (keys / values (kv_heads, capacity, head_dim), or with a
@@ -266,29 +375,43 @@ def compact_contiguous(keys: Any, kv_len: int, keep: KeepSet, *, values: Any = N
     return _core.compact_contiguous(keys, kv_len, keep.indptr, keep.indices, values, row0, positions)
 
 
+def compact_paged(k_pages: Any, indptr: Any, indices: Any, last_page_len: Any, keep: KeepSet, *, v_pages: Any = None,
+                  positions: Any = None, layout: str = "NHD") -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Applies a KeepSet (rows ``b * kv_heads + h``, equal counts across a sequence's heads) to a paged cache in place.
+
+    k_pages / v_pages: the page pools ((num_pages, page_size, kv_heads, head_dim) for ``layout="NHD"``,
+    (num_pages, kv_heads, page_size, head_dim) for ``"HND"``); indptr / indices / last_page_len: the int32 FlashInfer
+    page table (page ids distinct within and across sequences); positions: optional (num_pages, kv_heads, page_size)
+    int32 logical positions, moved with the tokens. Kept tokens move to the front of each sequence's own pages.
+    Returns ``(indptr, indices, last_page_len, freed_pages)``: the compacted table (each sequence keeps a prefix of its
+    page list) and the ids of the pages it no longer uses, new int32 arrays. Nothing is written on error.
+    """
+    return _core.compact_paged(k_pages, indptr, indices, last_page_len, keep.indptr, keep.indices, v_pages, positions,
+                               layout)
+
+
 from ._policies import *  # noqa: E402,F401,F403  (one class per registry policy, generated)
 from ._policies import _CLASSES  # noqa: E402
 
 __all__ += [c.__name__ for c in _CLASSES.values()]
 
-_NOT_BOUND = {
-    "selection": "the selection family (Quest: plan / on_append / select over a paged cache) is not bound in Python yet",
-    "quantization": "the quantization family (quantize / dequantize) is not bound in Python yet",
-}
+_NOT_BOUND: dict = {}
+_QUANT_FORMATS = ("ggml", "fp8", "int4", "kivi")  # the formats visit_quant_spec builds (kvpolicy.Quantizer)
 
 
 def policies() -> list:
     """Every policy of the registry: :class:`PolicyInfo` (name, family, paper, params, cls, bound)."""
     out = []
     for p in _core.registry():
-        cls = _CLASSES.get(p["name"])
-        bound = p["erased"] or p["name"] == "h2o"
+        cls = (Quantizer if p["name"] in _QUANT_FORMATS else Quest if p["name"] == "quest" else H2O if p["name"] == "h2o"
+               else _CLASSES.get(p["name"]))
+        bound = p["erased"] or p["name"] in ("h2o", "quest") or p["name"] in _QUANT_FORMATS
         out.append(PolicyInfo(p["name"], p["family"], p["paper"], tuple(Param(*a) for a in p["params"]),
                               cls if bound else None, bound))
     return out
 
 
-def make(name: str, **params: Any) -> Policy:
+def make(name: str, **params: Any) -> Any:
     """A policy of the registry by name with keyword parameters: ``make("snapkv", compression_ratio=0.5, window=64)``.
 
     Also accepts a whole spec string (``make("snapkv:window=32")``). Unknown names and keys raise ValueError with
@@ -298,6 +421,10 @@ def make(name: str, **params: Any) -> Policy:
     base = spec.split(":", 1)[0].strip()
     if base == "h2o":
         return H2O._from_spec(spec)
+    if base == "quest":
+        return Quest._from_spec(spec)
+    if base in _QUANT_FORMATS:
+        return Quantizer(spec)
     info = next((p for p in _core.registry() if p["name"] == base), None)
     if info is not None and not info["erased"]:
         raise NotImplementedError(f"{base}: {_NOT_BOUND.get(info['family'], 'not bound in Python yet')}")

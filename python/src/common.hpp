@@ -22,6 +22,7 @@
 
 #include "kvpolicy/core/any_tensor_view.hpp"
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/parallel.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
@@ -89,8 +90,18 @@ std::mutex& exec_mutex();
 void record_pointer(const char* name, const void* p);
 void clear_pointers();
 
+/// A FlashInfer CSR page table from int32 arrays indptr (batch + 1), indices, last_page_len (batch), kept alive
+/// by the ArrayArgs; structure checked here only as far as reading it is safe (the library validates the rest).
+struct TableArgs {
+  ArrayArg indptr, indices, last;
+  kvpolicy::PageTable table{};
+};
+TableArgs table_args(const char* who, nb::handle indptr, nb::handle indices, nb::handle last_page_len);
+
 void bind_eviction(nb::module_& m);
 void bind_apply(nb::module_& m);
 void bind_state(nb::module_& m);
+void bind_quant(nb::module_& m);
+void bind_selection(nb::module_& m);
 
 }  // namespace kvpy

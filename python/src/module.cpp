@@ -215,4 +215,6 @@ NB_MODULE(_core, m) {
   bind_eviction(m);
   bind_apply(m);
   bind_state(m);
+  bind_quant(m);
+  bind_selection(m);
 }

@@ -27,7 +27,10 @@ def test_version_matches_header():
 def test_stub_shipped():
     pkg = pathlib.Path(kvpolicy.__file__).parent
     assert (pkg / "_core.pyi").is_file() and (pkg / "py.typed").is_file()
-    assert "class EvictionPolicy" in (pkg / "_core.pyi").read_text()
+    stub = (pkg / "_core.pyi").read_text()
+    for cls in ("EvictionPolicy", "Quantizer", "KiviCache", "QuestPolicy", "QuestState"):
+        assert f"class {cls}" in stub
+    assert "def compact_paged" in stub
 
 
 def test_generated_classes_are_current():
@@ -190,8 +193,9 @@ def test_unknown_policy_and_parameter_raise_value_error_with_library_message():
         kvpolicy.SnapKV(kernel=4)
     with pytest.raises(TypeError):
         kvpolicy.SnapKV(window=[1])
-    with pytest.raises(NotImplementedError, match="not bound in Python yet"):
-        kvpolicy.make("quest")
+    assert isinstance(kvpolicy.make("quest"), kvpolicy.Quest) and isinstance(kvpolicy.make("kivi"), kvpolicy.Quantizer)
+    with pytest.raises(ValueError, match="unknown parameter 'tokn_budget'"):
+        kvpolicy.make("quest", tokn_budget=64)
 
 
 def test_bad_arrays():
