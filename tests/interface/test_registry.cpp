@@ -128,7 +128,8 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   REQUIRE(g.rotation_block(128) == 64);
   KiviQuant kivi;
   REQUIRE(make_policy("kivi:role=values,bits=4,residual=32", &kivi).is_ok());
-  REQUIRE((kivi.params().role == QuantRole::kValues && kivi.params().bits == 4 && kivi.params().group == 32 && kivi.params().residual == 32));
+  REQUIRE(
+      (kivi.params().role == QuantRole::kValues && kivi.params().bits == 4 && kivi.params().group == 32 && kivi.params().residual == 32));
   REQUIRE_THAT(make_policy("kivi:bits=3", &kivi).message(), Contains("bits is 3"));
   Int4Quant int4;
   REQUIRE(make_policy("int4:rotation=block,block=16", &int4).is_ok());
