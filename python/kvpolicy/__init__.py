@@ -390,6 +390,12 @@ def compact_paged(k_pages: Any, indptr: Any, indices: Any, last_page_len: Any, k
                                layout)
 
 
+from . import merging  # noqa: E402
+from .merging import (D2O, D2OState, KvpressMerging, LookMPivot, MergePlan, NearestKeptMerge,  # noqa: E402
+                      NearestKeptState, merge_contiguous)
+
+__all__ += merging.__all__
+
 from ._policies import *  # noqa: E402,F401,F403  (one class per registry policy, generated)
 from ._policies import _CLASSES  # noqa: E402
 

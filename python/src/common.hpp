@@ -103,5 +103,6 @@ void bind_apply(nb::module_& m);
 void bind_state(nb::module_& m);
 void bind_quant(nb::module_& m);
 void bind_selection(nb::module_& m);
+void bind_merge(nb::module_& m);
 
 }  // namespace kvpy

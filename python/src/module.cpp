@@ -217,4 +217,5 @@ NB_MODULE(_core, m) {
   bind_state(m);
   bind_quant(m);
   bind_selection(m);
+  bind_merge(m);
 }

@@ -1,0 +1,279 @@
+// SPDX-License-Identifier: Apache-2.0
+// Merging: kvpress MergingPress (KvpressMerging), D2O, LOOK-M pivot and the
+// nearest-kept weighted merge on one sequence's keys / values given as arrays
+// and a KeepSet given as int32 arrays; the MergePlan comes back as arrays, and
+// merge_contiguous applies a plan to a contiguous cache in place
+// (apply/merge.hpp). States (D2O's EMA threshold, NearestKept's weights) are
+// the caller's: D2O's tau goes in and out by value (returned only on success),
+// NearestKept's weights are a float32 array updated in place on success.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#include "kvpolicy/apply/merge.hpp"
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/core/dispatch.hpp"
+#include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_merging.hpp"
+#include "kvpolicy/policy/merging/lookm.hpp"
+#include "kvpolicy/policy/merging/nearest_kept.hpp"
+
+namespace kvpy {
+
+namespace {
+
+using kvpolicy::DType;
+using Cpu = kvpolicy::backend::Cpu;
+
+kvpolicy::KeepSet keep_args(const char* who, const ArrayArg& IP, const ArrayArg& ID) {
+  if (IP.view.dtype != DType::kI32 || ID.view.dtype != DType::kI32)
+    type_error(std::string(who) + ": keep indptr and indices must be int32");
+  if (IP.view.extents[0] < 1) value_error(std::string(who) + ": keep indptr is empty");
+  if (IP.view.strides[0] != 1 || ID.view.strides[0] != 1) value_error(std::string(who) + ": keep indptr and indices must be contiguous");
+  return kvpolicy::KeepSet{static_cast<std::int32_t*>(IP.view.data), static_cast<std::int32_t*>(ID.view.data), IP.view.extents[0] - 1,
+                           ID.view.extents[0]};
+}
+
+/// Runs one merge policy on (keys, values, keep) and returns (indptr, dst, src, weight, merged_keys, merged_values);
+/// `fill(input, status)` completes the policy's input (state, sums) for element type T; `done()` runs after success.
+template <template <class> class Input, class Policy, class Fill>
+nb::tuple run_merge(const char* who, const Policy& p, nb::handle keys, nb::handle values, nb::handle keep_indptr, nb::handle keep_indices,
+                    bool merge_keys, bool merge_values, Fill&& fill) {
+  clear_pointers();
+  const ArrayArg K = array_arg(who, "keys", keys, {3});
+  const ArrayArg V = array_arg(who, "values", values, {3});
+  const ArrayArg IP = array_arg(who, "keep_indptr", keep_indptr, {1});
+  const ArrayArg ID = array_arg(who, "keep_indices", keep_indices, {1});
+  const kvpolicy::KeepSet keep = keep_args(who, IP, ID);
+  if (K.view.dtype != DType::kF32 && K.view.dtype != DType::kF16)
+    type_error(std::string(who) + ": keys has dtype " + kvpolicy::dtype_name(K.view.dtype) + "; supported: float32, float16");
+  if (V.view.dtype != K.view.dtype) type_error(std::string(who) + ": values and keys must share one dtype");
+  const std::int64_t H = K.view.extents[0], T = K.view.extents[1], d = K.view.extents[2];
+  // Slots per row: the most tokens any row keeps (rows the library rejects are reported by it).
+  std::int64_t slots = 0;
+  if (keep.num_rows == H)
+    for (std::int64_t h = 0; h < H; ++h) slots = std::max<std::int64_t>(slots, std::clamp<std::int64_t>(keep.row_size(h), 0, T));
+  const std::int64_t cap = H * T;
+  const auto uH = static_cast<std::size_t>(H), uS = static_cast<std::size_t>(slots), uD = static_cast<std::size_t>(d);
+  auto [ip, ipp] = new_array<std::int32_t>({uH + 1});
+  auto [dst, dstp] = new_array<std::int32_t>({static_cast<std::size_t>(cap)});
+  auto [src, srcp] = new_array<std::int32_t>({static_cast<std::size_t>(cap)});
+  auto [wt, wtp] = new_array<float>({static_cast<std::size_t>(cap)});
+  auto [mk, mkp] = new_array<float>({merge_keys ? uH : 0, uS, uD});
+  auto [mv, mvp] = new_array<float>({merge_values ? uH : 0, uS, uD});
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (merge_keys) std::fill(mkp, mkp + uH * uS * uD, nan);
+  if (merge_values) std::fill(mvp, mvp + uH * uS * uD, nan);
+  kvpolicy::MergePlan plan{ipp, dstp, srcp, wtp, H, cap};
+  plan.slots_per_row = slots;
+  if (merge_keys) plan.merged_keys = kvpolicy::TensorView<float, 2>::contiguous(mkp, {H * slots, d});
+  if (merge_values) plan.merged_values = kvpolicy::TensorView<float, 2>::contiguous(mvp, {H * slots, d});
+  check(kvpolicy::dispatch_dtype(K.view.dtype, "keys", [&](auto tag) -> kvpolicy::Status {
+    using T_ = typename decltype(tag)::type;
+    if constexpr (!std::is_same_v<T_, float> && !std::is_same_v<T_, kvpolicy::half>) {
+      return KVP_INVALID("%s: unsupported dtype", who);
+    } else {
+      kvpolicy::TensorView<const T_, 3> k, v;
+      KVP_RETURN_IF_ERROR((K.view.template as<const T_, 3>(&k, "keys")));
+      KVP_RETURN_IF_ERROR((V.view.template as<const T_, 3>(&v, "values")));
+      record_pointer("keys", k.data());
+      record_pointer("values", v.data());
+      Input<T_> in;
+      in.keys = kvpolicy::KVSource<T_>::from(k);
+      in.values = kvpolicy::KVSource<T_>::from(v);
+      KVP_RETURN_IF_ERROR(fill(in));
+      std::lock_guard<std::mutex> lk(exec_mutex());
+      const kvpolicy::ExecContext ex = exec_context();
+      const kvpolicy::Requirements req =
+          p.requirements(kvpolicy::Context<Cpu>{{}, ex}, kvpolicy::ProblemShape{H, H, d, std::max<std::int64_t>(T, 1), 1});
+      KVP_RETURN_IF_ERROR(req.status);
+      std::unique_ptr<std::byte[]> ws(new std::byte[req.workspace_bytes + 1]);
+      nb::gil_scoped_release nogil;
+      return p.merge(kvpolicy::Context<Cpu>{kvpolicy::Workspace{ws.get(), req.workspace_bytes + 1}, ex}, in, keep, plan);
+    }
+  }));
+  const std::int32_t n = ipp[H];
+  auto head = [&](nb::object a, std::int64_t m) { return a.attr("__getitem__")(nb::slice(nb::int_(0), nb::int_(m), nb::none())); };
+  return nb::make_tuple(ip, head(nb::cast(dst), n), head(nb::cast(src), n), head(nb::cast(wt), n), merge_keys ? nb::cast(mk) : nb::none(),
+                        merge_values ? nb::cast(mv) : nb::none());
+}
+
+nb::tuple kvpress_merge(float similarity_threshold, float merge_fraction, nb::handle keys, nb::handle values, nb::handle kip,
+                        nb::handle kid) {
+  const kvpolicy::KvpressMerging p(kvpolicy::KvpressMergingParams{similarity_threshold, merge_fraction});
+  return run_merge<kvpolicy::MergeInput>("KvpressMerging.merge", p, keys, values, kip, kid, false, true,
+                                         [](auto&) { return kvpolicy::Status::ok(); });
+}
+
+nb::tuple lookm_merge(nb::handle keys, nb::handle values, nb::handle kip, nb::handle kid, bool merge_keys, bool merge_values) {
+  const kvpolicy::LookMPivot p;
+  return run_merge<kvpolicy::MergeInput>("LookMPivot.merge", p, keys, values, kip, kid, merge_keys, merge_values,
+                                         [](auto&) { return kvpolicy::Status::ok(); });
+}
+
+nb::tuple nearest_merge(float threshold, bool scale_by_similarity, nb::handle keys, nb::handle values, nb::handle kip, nb::handle kid,
+                        nb::handle weights, bool merge_keys, bool merge_values) {
+  const char* who = "NearestKeptMerge.merge";
+  const kvpolicy::NearestKeptMerge p(kvpolicy::NearestKeptMergeParams{threshold, scale_by_similarity});
+  const ArrayArg W = array_arg(who, "weights", weights, {2}, true, false);
+  if (W.view.dtype != DType::kF32) type_error(std::string(who) + ": weights must be float32");
+  kvpolicy::TensorView<float, 2> w;
+  check(W.view.as<float, 2>(&w, "weights"));
+  return run_merge<kvpolicy::NearestKeptInput>(who, p, keys, values, kip, kid, merge_keys, merge_values, [&](auto& in) {
+    in.state.weights = w;
+    return kvpolicy::Status::ok();
+  });
+}
+
+kvpolicy::D2OParams d2o_params(std::int64_t heavy, std::int64_t recent, std::int32_t sinks, float alpha, float beta,
+                               const std::string& weighting) {
+  kvpolicy::D2OParams q;
+  q.heavy = heavy;
+  q.recent = recent;
+  q.sinks = sinks;
+  q.alpha = alpha;
+  q.beta = beta;
+  if (weighting == "as_coded")
+    q.weighting = kvpolicy::D2OWeighting::kAsCoded;
+  else if (weighting == "normalized")
+    q.weighting = kvpolicy::D2OWeighting::kNormalized;
+  else
+    value_error("d2o: weighting is '" + weighting + "'; expected 'as_coded' or 'normalized'");
+  return q;
+}
+
+nb::tuple d2o_merge(std::int64_t heavy, std::int64_t recent, std::int32_t sinks, float alpha, float beta, const std::string& weighting,
+                    nb::handle keys, nb::handle values, nb::handle kip, nb::handle kid, float tau, bool initialised, bool merge_keys,
+                    bool merge_values) {
+  const kvpolicy::D2O p(d2o_params(heavy, recent, sinks, alpha, beta, weighting));
+  kvpolicy::D2OState st{tau, initialised};
+  nb::tuple plan = run_merge<kvpolicy::D2OInput>("D2O.merge", p, keys, values, kip, kid, merge_keys, merge_values, [&](auto& in) {
+    in.state = &st;
+    return kvpolicy::Status::ok();
+  });
+  return nb::make_tuple(plan, st.tau, st.initialised);
+}
+
+/// D2O's token-level eviction from accumulated attention scores (kv_heads, kv_len) float32.
+std::pair<nb::object, nb::object> d2o_evict(std::int64_t heavy, std::int64_t recent, std::int32_t sinks, float alpha, float beta,
+                                            const std::string& weighting, nb::handle scores) {
+  const char* who = "D2O.evict";
+  const kvpolicy::D2O p(d2o_params(heavy, recent, sinks, alpha, beta, weighting));
+  const ArrayArg S = array_arg(who, "scores", scores, {2}, false, false);
+  if (S.view.dtype != DType::kF32) type_error(std::string(who) + ": scores must be float32");
+  kvpolicy::TensorView<const float, 2> s;
+  check(S.view.as<const float, 2>(&s, "scores"));
+  const std::int64_t H = s.extent(0), T = s.extent(1);
+  const std::int64_t n = std::max<std::int64_t>(p.kept_count(T), 0);
+  auto [ip, ipp] = new_array<std::int32_t>({static_cast<std::size_t>(H + 1)});
+  auto [ids, idp] = new_array<std::int32_t>({static_cast<std::size_t>(H * n)});
+  const std::size_t wsb = kvpolicy::D2O::evict_workspace(T);
+  std::unique_ptr<std::byte[]> ws(new std::byte[wsb + 1]);
+  check(p.evict(s, kvpolicy::KeepSet{ipp, idp, H, H * n}, kvpolicy::Workspace{ws.get(), wsb + 1}));
+  return {nb::cast(ip), nb::cast(ids)};
+}
+
+/// Writes a plan's merged rows into a contiguous cache in place; with compact=True the cache is compacted to the
+/// keep set first (merge_and_compact_contiguous) and the new lengths are returned.
+nb::object merge_contiguous(nb::handle keys, nb::handle values, std::int64_t kv_len, nb::handle kip, nb::handle kid, nb::handle indptr,
+                            nb::handle dst, nb::handle src, nb::handle weight, nb::handle merged_keys, nb::handle merged_values,
+                            bool compact, nb::handle positions) {
+  const char* who = "merge_contiguous";
+  clear_pointers();
+  const ArrayArg K = array_arg(who, "keys", keys, {3}, true, true, true);
+  const ArrayArg V = array_arg(who, "values", values, {3}, true, true, true);
+  const ArrayArg P = array_arg(who, "positions", positions, {2}, true, false, true);
+  const ArrayArg IP = array_arg(who, "keep_indptr", kip, {1});
+  const ArrayArg ID = array_arg(who, "keep_indices", kid, {1});
+  const kvpolicy::KeepSet keep = keep_args(who, IP, ID);
+  const ArrayArg PI = array_arg(who, "plan indptr", indptr, {1});
+  const ArrayArg PD = array_arg(who, "plan dst", dst, {1});
+  const ArrayArg PS = array_arg(who, "plan src", src, {1});
+  const ArrayArg PW = array_arg(who, "plan weight", weight, {1});
+  const ArrayArg MK = array_arg(who, "merged_keys", merged_keys, {3}, false, true, true);
+  const ArrayArg MV = array_arg(who, "merged_values", merged_values, {3}, false, true, true);
+  if (!K.present() && !V.present()) value_error(std::string(who) + ": keys and values are both missing");
+  const ArrayArg& any = K.present() ? K : V;
+  if (K.present() && V.present() && V.view.dtype != K.view.dtype) type_error(std::string(who) + ": values and keys must share one dtype");
+  if (P.present() && P.view.dtype != DType::kI32) type_error(std::string(who) + ": positions must be int32");
+  for (const ArrayArg* a : {&PI, &PD, &PS})
+    if (a->view.dtype != DType::kI32) type_error(std::string(who) + ": plan indptr, dst and src must be int32");
+  if (PW.view.dtype != DType::kF32) type_error(std::string(who) + ": plan weight must be float32");
+  for (const ArrayArg* a : {&PI, &PD, &PS, &PW})
+    if (a->view.strides[0] != 1 && a->view.extents[0] > 1) value_error(std::string(who) + ": plan arrays must be contiguous");
+  if (PI.view.extents[0] < 1) value_error(std::string(who) + ": plan indptr is empty");
+  const std::int64_t n = std::min({PD.view.extents[0], PS.view.extents[0], PW.view.extents[0]});
+  kvpolicy::MergePlan plan{static_cast<std::int32_t*>(PI.view.data),
+                           static_cast<std::int32_t*>(PD.view.data),
+                           static_cast<std::int32_t*>(PS.view.data),
+                           static_cast<float*>(PW.view.data),
+                           PI.view.extents[0] - 1,
+                           n};
+  auto merged = [&](const ArrayArg& M, const char* name, kvpolicy::TensorView<float, 2>* out) {
+    if (!M.present()) return;
+    if (M.view.dtype != DType::kF32) type_error(std::string(who) + ": " + name + " must be float32");
+    const auto& e = M.view.extents;
+    const auto& s = M.view.strides;
+    if (s[1] != e[2] * s[2] && e[1] > 1) value_error(std::string(who) + ": " + name + " must have contiguous (slots, head_dim) rows");
+    if (plan.slots_per_row != 0 && plan.slots_per_row != e[1])
+      value_error(std::string(who) + ": merged_keys and merged_values have different slot counts");
+    plan.slots_per_row = e[1];
+    // (rows, slots, d) with row stride s[0] == slots * d (checked) read as (rows * slots, d).
+    if (s[0] != e[1] * s[1] && e[0] > 1) value_error(std::string(who) + ": " + name + " must be C-contiguous");
+    *out = kvpolicy::TensorView<float, 2>(static_cast<float*>(M.view.data), {e[0] * e[1], e[2]}, {e[2] > 1 ? s[1] : e[2], 1});
+  };
+  merged(MK, "merged_keys", &plan.merged_keys);
+  merged(MV, "merged_values", &plan.merged_values);
+  const std::int64_t H = any.view.extents[0];
+  auto [lens, lens_ptr] = new_array<std::int64_t>({static_cast<std::size_t>(H)});
+  check(kvpolicy::dispatch_dtype(any.view.dtype, "keys", [&](auto tag) -> kvpolicy::Status {
+    using T_ = typename decltype(tag)::type;
+    kvpolicy::TensorView<T_, 3> k, v;
+    kvpolicy::TensorView<std::int32_t, 2> pos;
+    if (K.present()) KVP_RETURN_IF_ERROR((K.view.template as<T_, 3>(&k, "keys")));
+    if (V.present()) KVP_RETURN_IF_ERROR((V.view.template as<T_, 3>(&v, "values")));
+    if (P.present()) KVP_RETURN_IF_ERROR((P.view.template as<std::int32_t, 2>(&pos, "positions")));
+    nb::gil_scoped_release nogil;
+    if (compact)
+      return kvpolicy::merge_and_compact_contiguous(k, v, pos, kv_len, keep, 0, plan,
+                                                    std::span<std::int64_t>(lens_ptr, static_cast<std::size_t>(H)));
+    KVP_REQUIRE(!P.present(), "%s: positions are moved only with compact=True", who);
+    return kvpolicy::merge_contiguous(k, v, kv_len, keep, 0, plan);
+  }));
+  if (!compact) return nb::none();
+  return nb::cast(lens);
+}
+
+}  // namespace
+
+void bind_merge(nb::module_& m) {
+  m.def("kvpress_merge", &kvpress_merge, nb::arg("similarity_threshold"), nb::arg("merge_fraction"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("keep_indptr"), nb::arg("keep_indices"),
+        "kvpress MergingPress's merge (values only): returns (indptr, dst, src, weight, None, merged_values).");
+  m.def("lookm_merge", &lookm_merge, nb::arg("keys"), nb::arg("values"), nb::arg("keep_indptr"), nb::arg("keep_indices"),
+        nb::arg("merge_keys") = true, nb::arg("merge_values") = true,
+        "LOOK-M pivot merge: returns (indptr, dst, src, weight, merged_keys, merged_values).");
+  m.def("nearest_merge", &nearest_merge, nb::arg("threshold"), nb::arg("scale_by_similarity"), nb::arg("keys"), nb::arg("values"),
+        nb::arg("keep_indptr"), nb::arg("keep_indices"), nb::arg("weights"), nb::arg("merge_keys") = true, nb::arg("merge_values") = true,
+        "Nearest-kept weighted merge; weights (kv_heads, capacity) float32 are re-packed in place on success.");
+  m.def("d2o_merge", &d2o_merge, nb::arg("heavy"), nb::arg("recent"), nb::arg("sinks"), nb::arg("alpha"), nb::arg("beta"),
+        nb::arg("weighting"), nb::arg("keys"), nb::arg("values"), nb::arg("keep_indptr"), nb::arg("keep_indices"), nb::arg("tau"),
+        nb::arg("initialised"), nb::arg("merge_keys") = true, nb::arg("merge_values") = true,
+        "D2O's token-level merge: returns (plan tuple, new tau, new initialised).");
+  m.def("d2o_evict", &d2o_evict, nb::arg("heavy"), nb::arg("recent"), nb::arg("sinks"), nb::arg("alpha"), nb::arg("beta"),
+        nb::arg("weighting"), nb::arg("scores"), "D2O's token-level eviction: returns (indptr, indices).");
+  m.def("merge_contiguous", &merge_contiguous, nb::arg("keys").none(), nb::arg("values").none(), nb::arg("kv_len"), nb::arg("keep_indptr"),
+        nb::arg("keep_indices"), nb::arg("indptr"), nb::arg("dst"), nb::arg("src"), nb::arg("weight"), nb::arg("merged_keys").none(),
+        nb::arg("merged_values").none(), nb::arg("compact") = true, nb::arg("positions").none() = nb::none(),
+        "Writes a merge plan's rows into a contiguous cache (kv_heads, capacity, head_dim) in place; compact=True compacts to "
+        "the keep set first and returns the new lengths. Everything is validated before the first write.");
+}
+
+}  // namespace kvpy
