@@ -37,7 +37,7 @@ __all__ = [
     "__version__", "isa", "policies", "PolicyInfo", "Param", "make", "spec_string", "KeepSet", "Policy",
     "EvictionPolicy", "H2O", "H2OState", "compact_contiguous", "set_num_threads", "get_num_threads",
     "Quantizer", "KiviCache", "make_quantizer", "make_quantizers", "Quest", "QuestState", "PageSelection",
-    "compact_paged",
+    "compact_paged", "MixedPrecision",
 ]
 
 
@@ -351,6 +351,54 @@ class Quest(Policy):
         ip, ids, lp, lg = self._impl.select(state, queries, indptr, indices, last_page_len, page_size, layer)
         n = int(ip[-1])
         return PageSelection(ip, ids[:n], lp, lg[:n])
+
+
+def _f32(a: Any) -> Any:
+    """numpy queries widened to float32 (other arrays pass as they are: the extension takes float32 only)."""
+    return a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype != np.float32 else a
+
+
+class MixedPrecision(Policy):
+    """Mixed precision on one byte budget (the library's ``MixedPrecision<SnapKV, Q>``): SnapKV ranks each kv head's
+    tokens, the best stay in full precision, the next are stored in the per-token format Q (ggml, fp8 or int4, from a
+    quantization spec; its keys half), the rest are evicted.
+
+    ``scorer``: a :class:`SnapKV` object or a ``"snapkv:..."`` spec. Budget per kv head and role: ``bytes`` bytes, or
+    (bytes=0) ``ratio`` of the full-precision cache; ``full_share`` of it is spent on full-precision tokens:
+    ``n_full = min(T, floor(full_share * budget / Bf))``, ``n_low = min(T - n_full, floor((budget - n_full Bf) / Bq))``
+    with Bf = head_dim * the key element's bytes, Bq = the format's ``bytes_per_token``; when every token fits, the
+    spare bytes buy precision. One sequence per call.
+    """
+
+    policy_name = "mixed_precision"
+
+    def __init__(self, scorer: Any, quant_spec: str, *, ratio: float = 0.25, bytes: float = 0.0,
+                 full_share: float = 0.5) -> None:
+        scorer_spec = scorer if isinstance(scorer, str) else scorer.spec
+        if scorer_spec.split(":", 1)[0].strip() != "snapkv":
+            raise ValueError(f"mixed_precision: scorer '{scorer_spec}' is not SnapKV (the only scorer bound)")
+        self.scorer_spec, self.quant_spec = scorer_spec, quant_spec
+        self._spec = f"mixed_precision({scorer_spec}, {quant_spec}, ratio={ratio}, bytes={bytes}, full_share={full_share})"
+        self._impl = _core.MixedPrecisionPolicy(scorer_spec, quant_spec, float(ratio), float(bytes), float(full_share))
+
+    def split(self, kv_len: int, head_dim: int, elem_bytes: int = 2) -> Tuple[int, int]:
+        """(n_full, n_low) for a row of kv_len tokens whose keys have elem_bytes bytes per value."""
+        return self._impl.split(kv_len, head_dim, elem_bytes)
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Bq: the quantized format's bytes per token."""
+        return self._impl.bytes_per_token(head_dim)
+
+    def scores(self, queries: Any, keys: Any) -> np.ndarray:
+        """The scorer's (kv_heads, kv_len) float32 scores (SnapKV's window +inf) that the tiers rank."""
+        return self._impl.run(_f32(queries), keys, True)
+
+    def decide(self, queries: Any, keys: Any) -> Tuple[KeepSet, np.ndarray]:
+        """(keep, full): the kept tokens per kv head (a :class:`KeepSet`, ascending) and, parallel to keep.indices,
+        uint8 flags (1: full precision, 0: quantize with Q). queries (num_q_heads, window, head_dim): float32 (numpy
+        arrays of another dtype are widened); keys (num_kv_heads, kv_len, head_dim) float32 / float16 / bfloat16 are read in place."""
+        ip, ids, full = self._impl.run(_f32(queries), keys, False)
+        return KeepSet(ip, ids), full
 
 
 def make_quantizer(spec: str, role: Optional[str] = None) -> Quantizer:

@@ -104,5 +104,6 @@ void bind_state(nb::module_& m);
 void bind_quant(nb::module_& m);
 void bind_selection(nb::module_& m);
 void bind_merge(nb::module_& m);
+void bind_mixed(nb::module_& m);
 
 }  // namespace kvpy

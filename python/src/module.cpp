@@ -218,4 +218,5 @@ NB_MODULE(_core, m) {
   bind_quant(m);
   bind_selection(m);
   bind_merge(m);
+  bind_mixed(m);
 }
