@@ -439,7 +439,7 @@ def compact_paged(k_pages: Any, indptr: Any, indices: Any, last_page_len: Any, k
 
 
 from . import merging  # noqa: E402
-from .merging import (D2O, D2OState, KvpressMerging, LookMPivot, MergePlan, NearestKeptMerge,  # noqa: E402
+from .merging import (D2O, D2OState, KvpressCAM, KvpressMerging, LookMPivot, MergePlan, NearestKeptMerge,  # noqa: E402
                       NearestKeptState, merge_contiguous)
 
 __all__ += merging.__all__

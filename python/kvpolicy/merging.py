@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["MergePlan", "KvpressMerging", "LookMPivot", "NearestKeptMerge", "NearestKeptState", "D2O", "D2OState",
+__all__ = ["MergePlan", "KvpressMerging", "KvpressCAM", "LookMPivot", "NearestKeptMerge", "NearestKeptState", "D2O", "D2OState",
            "merge_contiguous"]
 
 
@@ -81,6 +81,32 @@ class KvpressMerging:
     def merge(self, keys: Any, values: Any, keep: Any) -> MergePlan:
         return _plan(_core.kvpress_merge(self.similarity_threshold, self.merge_fraction, keys, values, keep.indptr,
                                          keep.indices), keep)
+
+
+class KvpressCAM:
+    """kvpress 0.5.5 ``CAMPress``'s merge step (Cache Merging batched over a decode interval): ``evict(scores,
+    target_size)`` keeps the top ``target_size`` tokens by head-mean score (the same in every kv head);
+    ``merge(values, keep, attention_sums=, scores=, new_tokens=-1, seed=0)`` spreads each merge candidate's value over
+    the next ``merge_budget`` kept tokens with Bernoulli draws equal to torch's CPU generator after
+    ``torch.manual_seed(seed)``. Values only; ``keys`` may be None."""
+
+    name = "kvpress_cam"
+
+    def __init__(self, *, merge_budget: int = 32) -> None:
+        self.merge_budget = int(merge_budget)
+
+    def evict(self, scores: Any, target_size: int):
+        """Keep set (one row per kv head, identical rows) from the base press's scores (kv_heads, kv_len) float32."""
+        from . import KeepSet
+        ip, ids = _core.cam_evict(self.merge_budget, scores, int(target_size))
+        return KeepSet(ip, ids)
+
+    def merge(self, values: Any, keep: Any, *, attention_sums: Any, scores: Any = None, new_tokens: int = -1,
+              seed: int = 0, keys: Any = None) -> MergePlan:
+        """attention_sums: (kv_heads or q_heads, kv_len) float32, the attention summed over the interval; scores
+        (kv_heads, kv_len) float32, needed when new_tokens is below the evicted count (-1: every evicted token)."""
+        return _plan(_core.cam_merge(self.merge_budget, keys, values, keep.indptr, keep.indices, attention_sums, scores,
+                                     int(new_tokens), int(seed)), keep)
 
 
 class LookMPivot:

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Merging: kvpress MergingPress (KvpressMerging), D2O, LOOK-M pivot and the
+// Merging: kvpress MergingPress (KvpressMerging), kvpress CAMPress (KvpressCAM), D2O, LOOK-M pivot and the
 // nearest-kept weighted merge on one sequence's keys / values given as arrays
 // and a KeepSet given as int32 arrays; the MergePlan comes back as arrays, and
 // merge_contiguous applies a plan to a contiguous cache in place
@@ -21,6 +21,7 @@
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/dispatch.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_cam.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/merging/nearest_kept.hpp"
@@ -45,22 +46,22 @@ kvpolicy::KeepSet keep_args(const char* who, const ArrayArg& IP, const ArrayArg&
 /// `fill(input, status)` completes the policy's input (state, sums) for element type T; `done()` runs after success.
 template <template <class> class Input, class Policy, class Fill>
 nb::tuple run_merge(const char* who, const Policy& p, nb::handle keys, nb::handle values, nb::handle keep_indptr, nb::handle keep_indices,
-                    bool merge_keys, bool merge_values, Fill&& fill) {
+                    bool merge_keys, bool merge_values, Fill&& fill, std::int64_t entries_per_token = 1, bool keys_optional = false) {
   clear_pointers();
-  const ArrayArg K = array_arg(who, "keys", keys, {3});
+  const ArrayArg K = array_arg(who, "keys", keys, {3}, false, true, keys_optional);
   const ArrayArg V = array_arg(who, "values", values, {3});
   const ArrayArg IP = array_arg(who, "keep_indptr", keep_indptr, {1});
   const ArrayArg ID = array_arg(who, "keep_indices", keep_indices, {1});
   const kvpolicy::KeepSet keep = keep_args(who, IP, ID);
-  if (K.view.dtype != DType::kF32 && K.view.dtype != DType::kF16)
-    type_error(std::string(who) + ": keys has dtype " + kvpolicy::dtype_name(K.view.dtype) + "; supported: float32, float16");
-  if (V.view.dtype != K.view.dtype) type_error(std::string(who) + ": values and keys must share one dtype");
-  const std::int64_t H = K.view.extents[0], T = K.view.extents[1], d = K.view.extents[2];
+  if (V.view.dtype != DType::kF32 && V.view.dtype != DType::kF16)
+    type_error(std::string(who) + ": values has dtype " + kvpolicy::dtype_name(V.view.dtype) + "; supported: float32, float16");
+  if (K.present() && V.view.dtype != K.view.dtype) type_error(std::string(who) + ": values and keys must share one dtype");
+  const std::int64_t H = V.view.extents[0], T = V.view.extents[1], d = V.view.extents[2];
   // Slots per row: the most tokens any row keeps (rows the library rejects are reported by it).
   std::int64_t slots = 0;
   if (keep.num_rows == H)
     for (std::int64_t h = 0; h < H; ++h) slots = std::max<std::int64_t>(slots, std::clamp<std::int64_t>(keep.row_size(h), 0, T));
-  const std::int64_t cap = H * T;
+  const std::int64_t cap = H * T * entries_per_token;
   const auto uH = static_cast<std::size_t>(H), uS = static_cast<std::size_t>(slots), uD = static_cast<std::size_t>(d);
   auto [ip, ipp] = new_array<std::int32_t>({uH + 1});
   auto [dst, dstp] = new_array<std::int32_t>({static_cast<std::size_t>(cap)});
@@ -75,18 +76,20 @@ nb::tuple run_merge(const char* who, const Policy& p, nb::handle keys, nb::handl
   plan.slots_per_row = slots;
   if (merge_keys) plan.merged_keys = kvpolicy::TensorView<float, 2>::contiguous(mkp, {H * slots, d});
   if (merge_values) plan.merged_values = kvpolicy::TensorView<float, 2>::contiguous(mvp, {H * slots, d});
-  check(kvpolicy::dispatch_dtype(K.view.dtype, "keys", [&](auto tag) -> kvpolicy::Status {
+  check(kvpolicy::dispatch_dtype(V.view.dtype, "values", [&](auto tag) -> kvpolicy::Status {
     using T_ = typename decltype(tag)::type;
     if constexpr (!std::is_same_v<T_, float> && !std::is_same_v<T_, kvpolicy::half>) {
       return KVP_INVALID("%s: unsupported dtype", who);
     } else {
       kvpolicy::TensorView<const T_, 3> k, v;
-      KVP_RETURN_IF_ERROR((K.view.template as<const T_, 3>(&k, "keys")));
       KVP_RETURN_IF_ERROR((V.view.template as<const T_, 3>(&v, "values")));
-      record_pointer("keys", k.data());
       record_pointer("values", v.data());
       Input<T_> in;
-      in.keys = kvpolicy::KVSource<T_>::from(k);
+      if (K.present()) {
+        KVP_RETURN_IF_ERROR((K.view.template as<const T_, 3>(&k, "keys")));
+        record_pointer("keys", k.data());
+        in.keys = kvpolicy::KVSource<T_>::from(k);
+      }
       in.values = kvpolicy::KVSource<T_>::from(v);
       KVP_RETURN_IF_ERROR(fill(in));
       std::lock_guard<std::mutex> lk(exec_mutex());
@@ -130,6 +133,49 @@ nb::tuple nearest_merge(float threshold, bool scale_by_similarity, nb::handle ke
     in.state.weights = w;
     return kvpolicy::Status::ok();
   });
+}
+
+/// Reads a float32 (rows, kv_len) array argument.
+kvpolicy::TensorView<const float, 2> f32_2d(const char* who, const char* name, const ArrayArg& a) {
+  if (a.view.dtype != DType::kF32) type_error(std::string(who) + ": " + name + " must be float32");
+  kvpolicy::TensorView<const float, 2> v;
+  check(a.view.as<const float, 2>(&v, name));
+  return v;
+}
+
+nb::tuple cam_merge(std::int32_t merge_budget, nb::handle keys, nb::handle values, nb::handle kip, nb::handle kid,
+                    nb::handle attention_sums, nb::handle scores, std::int64_t new_tokens, std::uint32_t seed) {
+  const char* who = "KvpressCAM.merge";
+  const kvpolicy::KvpressCAM p(kvpolicy::KvpressCAMParams{merge_budget});
+  check(p.validate_params());
+  const ArrayArg A = array_arg(who, "attention_sums", attention_sums, {2}, false, false);
+  const ArrayArg S = array_arg(who, "scores", scores, {2}, false, false, true);
+  const auto a = f32_2d(who, "attention_sums", A);
+  const kvpolicy::TensorView<const float, 2> s = S.present() ? f32_2d(who, "scores", S) : kvpolicy::TensorView<const float, 2>{};
+  return run_merge<kvpolicy::MergeInput>(
+      who, p, keys, values, kip, kid, false, true,
+      [&](auto& in) {
+        in.attention_sums = a;
+        in.scores = s;
+        in.new_tokens = new_tokens;
+        in.seed = seed;
+        return kvpolicy::Status::ok();
+      },
+      merge_budget, /*keys_optional=*/true);
+}
+
+std::pair<nb::object, nb::object> cam_evict(std::int32_t merge_budget, nb::handle scores, std::int64_t target_size) {
+  const char* who = "KvpressCAM.evict";
+  const kvpolicy::KvpressCAM p(kvpolicy::KvpressCAMParams{merge_budget});
+  const ArrayArg S = array_arg(who, "scores", scores, {2}, false, false);
+  const auto s = f32_2d(who, "scores", S);
+  const std::int64_t H = s.extent(0), T = s.extent(1), n = std::clamp<std::int64_t>(target_size, 0, T);
+  auto [ip, ipp] = new_array<std::int32_t>({static_cast<std::size_t>(H + 1)});
+  auto [ids, idp] = new_array<std::int32_t>({static_cast<std::size_t>(H * n)});
+  const std::size_t wsb = kvpolicy::KvpressCAM::evict_workspace(T);
+  std::unique_ptr<std::byte[]> ws(new std::byte[wsb + 1]);
+  check(p.evict(s, target_size, kvpolicy::KeepSet{ipp, idp, H, H * n}, kvpolicy::Workspace{ws.get(), wsb + 1}));
+  return {nb::cast(ip), nb::cast(ids)};
 }
 
 kvpolicy::D2OParams d2o_params(std::int64_t heavy, std::int64_t recent, std::int32_t sinks, float alpha, float beta,
@@ -263,6 +309,11 @@ void bind_merge(nb::module_& m) {
   m.def("nearest_merge", &nearest_merge, nb::arg("threshold"), nb::arg("scale_by_similarity"), nb::arg("keys"), nb::arg("values"),
         nb::arg("keep_indptr"), nb::arg("keep_indices"), nb::arg("weights"), nb::arg("merge_keys") = true, nb::arg("merge_values") = true,
         "Nearest-kept weighted merge; weights (kv_heads, capacity) float32 are re-packed in place on success.");
+  m.def("cam_merge", &cam_merge, nb::arg("merge_budget"), nb::arg("keys").none(), nb::arg("values"), nb::arg("keep_indptr"),
+        nb::arg("keep_indices"), nb::arg("attention_sums"), nb::arg("scores").none(), nb::arg("new_tokens"), nb::arg("seed"),
+        "kvpress CAMPress's merge (values only): returns (indptr, dst, src, weight, None, merged_values).");
+  m.def("cam_evict", &cam_evict, nb::arg("merge_budget"), nb::arg("scores"), nb::arg("target_size"),
+        "kvpress CAMPress's eviction from head-mean scores: returns (indptr, indices).");
   m.def("d2o_merge", &d2o_merge, nb::arg("heavy"), nb::arg("recent"), nb::arg("sinks"), nb::arg("alpha"), nb::arg("beta"),
         nb::arg("weighting"), nb::arg("keys"), nb::arg("values"), nb::arg("keep_indptr"), nb::arg("keep_indices"), nb::arg("tau"),
         nb::arg("initialised"), nb::arg("merge_keys") = true, nb::arg("merge_values") = true,

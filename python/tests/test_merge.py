@@ -9,7 +9,7 @@ import pytest
 
 import kvpolicy
 from kvpolicy import KeepSet
-from kvpolicy.merging import D2O, KvpressMerging, LookMPivot, NearestKeptMerge, merge_contiguous
+from kvpolicy.merging import D2O, KvpressCAM, KvpressMerging, LookMPivot, NearestKeptMerge, merge_contiguous
 
 RNG = np.random.default_rng(5)
 FIXTURE = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "fixtures" / "merge_kvpress.json"
@@ -63,6 +63,49 @@ def test_kvpress_merging_matches_kvpress_fixture():
             assert (err <= 1e-6).all()
             changed += int(touched.sum())
         assert changed == c["slots_changed"]
+
+
+def test_kvpress_cam_matches_kvpress_fixture():
+    cases = [c for c in json.loads(FIXTURE.read_text())["cases"] if c["kind"] == "cam_press"]
+    assert len(cases) >= 8
+    for c in cases:
+        H, T, d, n = c["H"], c["T"], c["d"], c["target_size"]
+        values = np.asarray(c["values"], np.float32).reshape(H, T, d)
+        attn = np.asarray(c["attention_sums"], np.float32).reshape(H, T)
+        scores = np.asarray(c["scores"], np.float32).reshape(H, T)
+        want = np.asarray(c["merged_values"], np.float32).reshape(H, n, d)
+        cam = KvpressCAM(merge_budget=c["merge_budget"])
+        keep = cam.evict(scores, n)
+        for h in range(H):
+            assert keep.row(h).tolist() == c["kept"]
+        plan = cam.merge(values, keep, attention_sums=attn, scores=scores, new_tokens=c["new_tokens"], seed=c["seed"])
+        assert plan.merged_keys is None
+        draws = 0
+        kept = np.asarray(c["kept"])
+        for h in range(H):
+            dst, src, _ = plan.row(h)
+            draws += int(len(src) and 1 + np.count_nonzero(np.diff(src)))
+            touched = np.zeros(n, bool)
+            touched[dst] = True
+            got = np.where(touched[:, None], plan.merged_values[h], values[h, kept])
+            err = np.abs(got - want[h]).max(axis=1) / np.maximum(np.abs(want[h]).max(axis=1), 1e-30)
+            assert (err <= 1e-6).all()
+        assert draws == c["draws"]
+
+
+def test_kvpress_cam_hand_case_and_errors():
+    # A[1] = 2 > the mean of its window (1): p = 1; V[1] spreads over the next 2 kept tokens with weight 1/2.
+    v = np.array([[[1, 1], [4, 8], [10, 20], [30, 40], [50, 60]]], np.float32)
+    attn = np.array([[1, 2, 1, 1, 1]], np.float32)
+    plan = KvpressCAM(merge_budget=2).merge(v, keep_of([[0, 2, 3, 4]]), attention_sums=attn)
+    dst, src, w = plan.row(0)
+    assert dst.tolist() == [1, 2] and src.tolist() == [1, 1] and w.tolist() == [0.5, 0.5]
+    np.testing.assert_array_equal(plan.merged_values[0, 1], [12, 24])
+    np.testing.assert_array_equal(plan.merged_values[0, 2], [32, 44])
+    with pytest.raises(ValueError, match="scores"):  # fewer candidates than evicted tokens need scores
+        KvpressCAM(merge_budget=2).merge(v, keep_of([[0, 3, 4]]), attention_sums=attn, new_tokens=0)
+    with pytest.raises(ValueError, match="merge_budget"):
+        KvpressCAM(merge_budget=0).merge(v, keep_of([[0, 2, 3, 4]]), attention_sums=attn)
 
 
 def lookm_reference(K, V, kept_rows):
