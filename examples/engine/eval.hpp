@@ -83,6 +83,9 @@ struct PolicyUnderTest {
   std::function<double(double kept_per_head, std::int64_t budget)> kv_bytes_scale_of;
   /// Stores the cache in fewer bits: differs from the full cache even when nothing is evicted.
   bool lossy = false;
+  /// Its hooks do not depend on the budget (a quantization format storing every token): run_task_eval runs it
+  /// once per sample and scores that run for every budget.
+  bool ignores_budget = false;
   /// For policies that run the model themselves before deciding (LAQ decodes pseudo tokens on a cheap
   /// cache): called with the model and each request's prefill before that request's hooks run; the hooks
   /// read them through state they share with this callback. Empty for every other policy.
