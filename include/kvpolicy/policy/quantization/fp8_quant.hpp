@@ -29,6 +29,7 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/quant_checks.hpp"
 #include "kvpolicy/quant/fp8.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -110,13 +111,7 @@ class Fp8Quant {
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          const float v = to_float(rows(h, t, c));
-          KVP_REQUIRE(std::isfinite(v), "fp8: rows head %lld token %lld channel %lld is not finite (%g); nothing was written",
-                      static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(v));
-        }
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows(kName, rows));
     const float fmax = fp8_max(params_.format);
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
       for (std::int64_t t = 0; t < T; ++t) {

@@ -34,6 +34,7 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/quant_checks.hpp"
 #include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/hadamard.hpp"
 #include "kvpolicy/quant/int4.hpp"
@@ -113,13 +114,7 @@ class Int4Quant {
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          const float v = to_float(rows(h, t, c));
-          KVP_REQUIRE(std::isfinite(v), "int4: rows head %lld token %lld channel %lld is not finite (%g); nothing was written",
-                      static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(v));
-        }
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows(kName, rows));
     const std::int64_t n = rotation_block(d);
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
       float x[kMaxRotatedHeadDim];
