@@ -222,9 +222,7 @@ void CpuScoreOps::pool1d(const float* in, std::int64_t n, int kernel, Pooling ki
   const auto edge = [&](std::int64_t t) {
     const std::int64_t lo = std::max<std::int64_t>(0, t - r), hi = std::min<std::int64_t>(n - 1, t + r);
     if (kind == Pooling::kAvg) {
-      float acc = 0.0f;
-      for (std::int64_t u = lo; u <= hi; ++u) acc += in[u];
-      out[t] = acc / static_cast<float>(kernel);
+      out[t] = kvpolicy::detail::ascending_sum(in, lo, hi) / static_cast<float>(kernel);
     } else {
       float m = in[lo];
       for (std::int64_t u = lo + 1; u <= hi; ++u) m = (in[u] > m || m != m) ? in[u] : m;

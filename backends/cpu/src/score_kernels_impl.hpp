@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "isa_arch.hpp"
@@ -434,24 +435,41 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
 
 // ---- pool1d --------------------------------------------------------------------
 
-// Outputs with complete windows, in the reference's order: avg sums the window
-// left to right from 0.0f and divides by the kernel; max keeps the first
-// element unless a later one compares greater or the running value is NaN.
+// Outputs with complete windows, as ScalarScoreOps::pool1d computes them: avg
+// sums each window in ascending order of value from 0.0f (a sorting network of
+// min / max over the window's vectors for kernels up to kPoolNet, the scalar
+// `ascending_sum` per output above that), NaN if the window holds one, and
+// divides by the kernel; max keeps the first element unless a later one
+// compares greater or the running value is NaN.
+inline constexpr int kPoolNet = 15;
+
 inline void pool1d_full(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept {
   const std::int64_t r = kernel / 2;
   std::int64_t t = t0;
   if (kind == Pooling::kAvg) {
     const F div(static_cast<float>(kernel));
-    for (; t + kLanes <= t1; t += kLanes) {
-      F acc(0.0f);
-      for (std::int64_t u = -r; u <= r; ++u) acc += F::load_unaligned(in + t + u);
-      (acc / div).store_unaligned(out + t);
+    if (kernel <= kPoolNet) {
+      for (; t + kLanes <= t1; t += kLanes) {
+        F x[kPoolNet];
+        auto nan = xsimd::batch_bool<float, Arch>(false);
+        for (int u = 0; u < kernel; ++u) {
+          x[u] = F::load_unaligned(in + t - r + u);
+          nan = nan | xsimd::isnan(x[u]);
+        }
+        // Odd-even transposition sort: `kernel` rounds sort any input. Without NaN
+        // (handled by the mask) min / max are exact, so lane j ends ascending.
+        for (int round = 0; round < kernel; ++round)
+          for (int i = round & 1; i + 1 < kernel; i += 2) {
+            const F lo = xsimd::min(x[i], x[i + 1]), hi = xsimd::max(x[i], x[i + 1]);
+            x[i] = lo;
+            x[i + 1] = hi;
+          }
+        F acc(0.0f);
+        for (int u = 0; u < kernel; ++u) acc += x[u];
+        xsimd::select(nan, F(std::numeric_limits<float>::quiet_NaN()), acc / div).store_unaligned(out + t);
+      }
     }
-    for (; t < t1; ++t) {
-      float acc = 0.0f;
-      for (std::int64_t u = -r; u <= r; ++u) acc += in[t + u];
-      out[t] = acc / static_cast<float>(kernel);
-    }
+    for (; t < t1; ++t) out[t] = kvpolicy::detail::ascending_sum(in, t - r, t + r) / static_cast<float>(kernel);
   } else {
     for (; t + kLanes <= t1; t += kLanes) {
       F m = F::load_unaligned(in + t - r);

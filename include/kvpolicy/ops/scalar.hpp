@@ -29,6 +29,56 @@
 
 KVP_NAMESPACE_BEGIN
 
+namespace detail {
+
+/// Windows up to this size are sorted in a stack buffer by avg pooling; larger
+/// ones are visited in ascending order by repeated selection (no buffer).
+inline constexpr std::int64_t kPoolSortBuffer = 64;
+
+/// Sum of in[lo..hi] taken in ascending order of value, starting from +0.0f;
+/// NaN if any value is NaN. The result depends only on the multiset of the
+/// window's values, not on their order, so two tokens whose windows hold the
+/// same values in different positions pool to bit-identical scores on every
+/// backend (the CPU kernels sort the same way; see `pool1d`). Equal values
+/// are interchangeable, and -0 / +0 add alike to a sum that starts at +0.
+inline float ascending_sum(const float* in, std::int64_t lo, std::int64_t hi) noexcept {
+  const std::int64_t n = hi - lo + 1;
+  for (std::int64_t u = lo; u <= hi; ++u)
+    if (in[u] != in[u]) return std::numeric_limits<float>::quiet_NaN();
+  float acc = 0.0f;
+  if (n <= kPoolSortBuffer) {
+    float b[kPoolSortBuffer];
+    for (std::int64_t i = 0; i < n; ++i) {  // insertion sort
+      const float x = in[lo + i];
+      std::int64_t j = i;
+      for (; j > 0 && b[j - 1] > x; --j) b[j] = b[j - 1];
+      b[j] = x;
+    }
+    for (std::int64_t i = 0; i < n; ++i) acc += b[i];
+    return acc;
+  }
+  bool first = true;
+  float prev = 0.0f;
+  for (;;) {  // each distinct value, ascending, added as often as it occurs
+    bool found = false;
+    float cur = 0.0f;
+    for (std::int64_t u = lo; u <= hi; ++u) {
+      const float x = in[u];
+      if ((first || x > prev) && (!found || x < cur)) {
+        cur = x;
+        found = true;
+      }
+    }
+    if (!found) return acc;
+    for (std::int64_t u = lo; u <= hi; ++u)
+      if (in[u] == cur) acc += cur;
+    prev = cur;
+    first = false;
+  }
+}
+
+}  // namespace detail
+
 /// Shape and semantics of `window_scores` for one kv head.
 ///
 /// Queries are the `num_q = group * window` rows `q[(g*window + i), :]`, fp32,
@@ -111,6 +161,11 @@ struct ScalarScoreOps {
 
   /// out[t] = pool over in[t-k/2 .. t+k/2] (stride 1, pad k/2), k odd.
   /// kAvg divides by k always (zero padding counted); kMax ignores padding.
+  /// kAvg sums each window in ascending order of value (`detail::ascending_sum`),
+  /// not left to right as torch's avg_pool1d does: the two differ by float
+  /// rounding only, and the ascending order makes a window's mean a function of
+  /// its values alone, so exact ties (repeated tokens) stay exact and decide the
+  /// same way on every backend and ISA level.
   static void pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, float* out) noexcept {
     if (kind == Pooling::kNone || kernel <= 1) {
       if (n > 0) std::memmove(out, in, static_cast<std::size_t>(n) * sizeof(float));
@@ -120,9 +175,7 @@ struct ScalarScoreOps {
     for (std::int64_t t = 0; t < n; ++t) {
       const std::int64_t lo = std::max<std::int64_t>(0, t - r), hi = std::min<std::int64_t>(n - 1, t + r);
       if (kind == Pooling::kAvg) {
-        float acc = 0.0f;
-        for (std::int64_t u = lo; u <= hi; ++u) acc += in[u];
-        out[t] = acc / static_cast<float>(kernel);
+        out[t] = detail::ascending_sum(in, lo, hi) / static_cast<float>(kernel);
       } else {
         float m = in[lo];
         for (std::int64_t u = lo + 1; u <= hi; ++u) m = (in[u] > m || m != m) ? in[u] : m;

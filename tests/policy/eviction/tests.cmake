@@ -10,7 +10,8 @@ kvp_add_test(test_eviction
   ${CMAKE_CURRENT_LIST_DIR}/test_adakv.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_pyramidkv.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_expected_attention.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_laq.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_laq.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_ties.cpp)
 
 # Cross-validation against the reference fixtures (kvpress and the original
 # repositories; needs the fixture reader and nlohmann-json).
