@@ -129,6 +129,9 @@ struct PagedKVView {
     KVP_REQUIRE(num_pages >= 0, "%s: num_pages is %d, must be >= 0", who, num_pages);
     KVP_REQUIRE(num_pages == 0 || k_data != nullptr, "%s: k_data is null with %d pages", who, num_pages);
     KVP_REQUIRE(!need_values || num_pages == 0 || v_data != nullptr, "%s: v_data is null with %d pages", who, num_pages);
+    KVP_REQUIRE(reinterpret_cast<std::uintptr_t>(k_data) % alignof(T) == 0 && reinterpret_cast<std::uintptr_t>(v_data) % alignof(T) == 0,
+                "%s: page pool pointer (k_data %p, v_data %p) is not aligned to the element size (%zu bytes)", who,
+                static_cast<const void*>(k_data), static_cast<const void*>(v_data), alignof(T));
     KVP_REQUIRE(k_strides.dim == 1, "%s: key dim stride is %lld, must be 1 (rows are read as contiguous vectors)", who,
                 static_cast<long long>(k_strides.dim));
     KVP_REQUIRE(!need_values || v_strides.dim == 1, "%s: value dim stride is %lld, must be 1", who, static_cast<long long>(v_strides.dim));

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -127,6 +128,9 @@ class TensorView {
     if (!checked_extent_product(extents_.data(), Rank, &n))
       return KVP_INVALID("%s: %s has extents whose product (the element count) overflows int64", who, name);
     if (data_ == nullptr && n != 0) return KVP_INVALID("%s: %s has null data but %lld elements", who, name, static_cast<long long>(n));
+    if (reinterpret_cast<std::uintptr_t>(data_) % alignof(T) != 0)
+      return KVP_INVALID("%s: %s data pointer %p is not aligned to its element size (%zu bytes)", who, name,
+                         static_cast<const void*>(data_), alignof(T));
     return Status::ok();
   }
 
@@ -136,5 +140,26 @@ class TensorView {
   Index strides_{};
   Device device_{};
 };
+
+namespace detail {
+
+/// Every element of a (host) 3-D view is finite; the message names the view
+/// and the first bad element. Queries are small (a window or a decode step),
+/// so scorers check them; keys are not scanned (a pass over the cache): a
+/// non-finite key yields NaN scores, which rank last.
+template <class T>
+Status check_finite_3d(const char* who, const char* name, const TensorView<const T, 3>& v) noexcept {
+  for (std::int64_t a = 0; a < v.extent(0); ++a)
+    for (std::int64_t b = 0; b < v.extent(1); ++b)
+      for (std::int64_t c = 0; c < v.extent(2); ++c) {
+        const float x = to_float(v(a, b, c));
+        if (!std::isfinite(x))
+          return KVP_INVALID("%s: %s[%lld, %lld, %lld] is %g, must be finite", who, name, static_cast<long long>(a),
+                             static_cast<long long>(b), static_cast<long long>(c), static_cast<double>(x));
+      }
+  return Status::ok();
+}
+
+}  // namespace detail
 
 KVP_NAMESPACE_END

@@ -108,7 +108,12 @@ struct Budget {
 
   /// Checks that do not depend on the sequence length.
   Status validate(const char* who) const noexcept {
-    KVP_REQUIRE(std::isfinite(value), "%s: budget value is not finite", who);
+    const char* key = kind == BudgetKind::kTokens             ? "token budget"
+                      : kind == BudgetKind::kKeepRatio        ? "keep_ratio"
+                      : kind == BudgetKind::kCompressionRatio ? "compression_ratio"
+                                                              : nullptr;
+    KVP_REQUIRE(key != nullptr, "%s: budget kind is %d, not tokens / keep_ratio / compression_ratio", who, static_cast<int>(kind));
+    KVP_REQUIRE(std::isfinite(value), "%s: %s is %g, must be finite", who, key, value);
     switch (kind) {
       case BudgetKind::kTokens:
         KVP_REQUIRE(value >= 0 && value == std::floor(value) && value <= 9.0e15, "%s: token budget is %g, must be a non-negative integer",

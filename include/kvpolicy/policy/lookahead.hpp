@@ -102,6 +102,7 @@ class LookaheadDecoder {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.max_tokens >= 1, "lookahead: max_tokens is %d, must be >= 1", params_.max_tokens);
     KVP_REQUIRE(params_.eos_id >= -1, "lookahead: eos_id is %d, must be a token id or -1", params_.eos_id);
     return Status::ok();

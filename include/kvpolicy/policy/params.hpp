@@ -27,9 +27,11 @@
 // that must agree (PyramidKV's window lives in its scorer and its schedule).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <span>
@@ -124,6 +126,39 @@ template <class P>
 concept DeclaresFields = requires {
   P::fields();
 };
+
+/// Every enum-typed field of `p` holds one of its named values: an engine or
+/// a binding may cast any integer to a policy enum, and a policy must reject
+/// the value before switching on it. The message names the field.
+template <class P>
+Status check_enum_fields(const char* who, const P& p) noexcept {
+  if constexpr (DeclaresFields<P>) {
+    Status s = Status::ok();
+    auto one = [&](const auto& f) {
+      using T = typename std::decay_t<decltype(f)>::Value;
+      if constexpr (std::is_enum_v<T>) {
+        if (!s.is_ok()) return;
+        const T v = f.get(p);
+        char names[160] = {};
+        std::size_t used = 0;
+        for (const auto& e : enum_names(T{})) {
+          if (e.value == v) return;
+          const int n =
+              std::snprintf(names + used, sizeof names - used, "%s%.*s", used ? " | " : "", static_cast<int>(e.name.size()), e.name.data());
+          if (n > 0) used = std::min(sizeof names - 1, used + static_cast<std::size_t>(n));
+        }
+        s = KVP_INVALID("%s: %.*s is %lld, not one of %s", who, static_cast<int>(f.name.size()), f.name.data(),
+                        static_cast<long long>(static_cast<std::underlying_type_t<T>>(v)), names);
+      }
+    };
+    std::apply([&](const auto&... f) { (one(f), ...); }, P::fields());
+    return s;
+  } else {
+    (void)who;
+    (void)p;
+    return Status::ok();
+  }
+}
 
 /// One parameter as listed for users: its key, its value in spec syntax, its doc.
 struct ParamInfo {

@@ -16,6 +16,7 @@
 // its worker's own workspace slice, so results never depend on threading.
 #pragma once
 
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -78,7 +79,7 @@ Status check_queries_and_keys(const char* who, const TensorView<const Tq, 3>& q,
   KVP_RETURN_IF_ERROR(GqaMap::make(q.extent(0), keys.kv_heads(), who, &gqa));
   KVP_REQUIRE(q.extent(2) == keys.head_dim() && keys.head_dim() > 0, "%s: queries head_dim %lld differs from keys head_dim %lld", who,
               static_cast<long long>(q.extent(2)), static_cast<long long>(keys.head_dim()));
-  return Status::ok();
+  return check_finite_3d(who, "queries", q);
 }
 
 /// Sequence `b` of a batch must have sequence 0's heads and head_dim; the

@@ -538,7 +538,7 @@ TEST_CASE("h2o: ratio budgets resolve once against the prompt and hold through d
   REQUIRE(st.length == 10);
   // NaN ratio: a clear error, nothing written (defect #16.10).
   const H2O nan_ratio(H2OParams::from_prompt_ratios(std::numeric_limits<double>::quiet_NaN(), 0.1));
-  REQUIRE_THAT(nan_ratio.validate_params().message(), Contains("h2o: heavy") && Contains("not finite"));
+  REQUIRE_THAT(nan_ratio.validate_params().message(), Contains("h2o: heavy") && Contains("keep_ratio is nan, must be finite"));
   REQUIRE(nan_ratio.kept_count(100) == -1);
   // hh_size + recent_size beyond int32 (it used to overflow int64 and validate): rejected.
   REQUIRE_THAT(H2O(H2OParams::original(INT64_C(4) << 40, INT64_C(4) << 40)).validate_params().message(),

@@ -113,14 +113,24 @@ TEST_CASE("snapkv: batch of sequences with different lengths equals per-sequence
   }
 }
 
-TEST_CASE("snapkv: non-finite queries/keys never crash and give valid indices", "[snapkv][nonfinite]") {
+TEST_CASE("snapkv: non-finite keys never crash and give valid indices; a non-finite query is rejected", "[snapkv][nonfinite]") {
   RandomCase<float> rc(4, 2, 200, 64, 8, 5);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   rc.keys[3 * 64 + 1] = nan;
   rc.keys[50 * 64 + 2] = inf;
   rc.keys[(200 + 7) * 64] = -inf;
-  rc.queries[5] = nan;
   const SnapKV policy(SnapKVParams::kvpress(0.5, 8, 5));
+  {
+    RandomCase<float> bad = rc;
+    bad.queries[5] = nan;
+    KeepSetBuffer keep(2, 200);
+    keep.fill_sentinel();
+    const Requirements r = policy.requirements(Context<backend::Cpu>{}, ProblemShape{4, 2, 64, 200, 8});
+    std::vector<std::byte> ws(r.workspace_bytes);
+    const Status s = policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}}, bad.input(), keep.view());
+    REQUIRE_THAT(s.message(), Contains("queries[0, 0, 5] is nan, must be finite"));
+    REQUIRE(keep.untouched());
+  }
   for (auto keep : {run_evict<backend::Scalar>(policy, rc.input()), run_evict<backend::Cpu>(policy, rc.input())}) {
     for (int h = 0; h < 2; ++h) {
       const auto row = keep.row(h);
@@ -171,7 +181,7 @@ TEST_CASE("snapkv: bad input gets a clear message and writes nothing", "[snapkv]
   tok.budget = Budget{BudgetKind::kTokens, -3.0, true, false};
   expect_error(SnapKV(tok), in, "must be a non-negative integer");
   tok.budget = Budget::keep_ratio(std::numeric_limits<double>::quiet_NaN());
-  expect_error(SnapKV(tok), in, "not finite");
+  expect_error(SnapKV(tok), in, "must be finite");
   RandomCase<float> shortc(8, 2, 6, 64, 8, 9);
   expect_error(policy, shortc.input(), "window 8 is larger than kv_len 6");
   expect_error(SnapKV(SnapKVParams::kvpress(0.5, 8, 4)), in, "pooling kernel is 4, must be odd");

@@ -126,5 +126,5 @@ TEST_CASE("ggml quant policy: bad input gets a clear message and writes nothing"
     for (float v : out) REQUIRE(v == -1.0f);
   }
   REQUIRE_THAT(GgmlQuant(GgmlQuantParams{static_cast<GgmlType>(9)}).validate_params().message(),
-               Contains("type 9 is not a ggml block format"));
+               Contains("type is 9, not one of q8_0 | q4_0"));
 }

@@ -159,7 +159,10 @@ class AdaKV {
     return AdaKVAllocation{params_.variant, params_.alpha, params_.normalize, params_.budget, scorer_.protected_tokens(kv_len)};
   }
 
-  Status validate_params() const noexcept { return allocation(0).validate(kName); }
+  Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
+    return allocation(0).validate(kName);
+  }
 
   /// Average tokens kept per row (protected included), -1 if the budget is invalid for kv_len.
   std::int64_t kept_count(std::int64_t kv_len) const noexcept {

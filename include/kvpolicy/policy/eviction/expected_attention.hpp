@@ -125,6 +125,7 @@ class ExpectedAttention {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.n_future_positions >= 1, "expected_attention: n_future_positions is %d, must be >= 1", params_.n_future_positions);
     KVP_REQUIRE(params_.n_sink >= 0, "expected_attention: n_sink is %d, must be >= 0", params_.n_sink);
     KVP_REQUIRE(std::isfinite(params_.epsilon), "expected_attention: epsilon is not finite");
@@ -263,6 +264,10 @@ class ExpectedAttention {
                 static_cast<long long>(in.values.head_dim()), static_cast<long long>(Hkv), static_cast<long long>(T),
                 static_cast<long long>(d));
     KVP_REQUIRE(d > 0 && d % 2 == 0, "expected_attention: head_dim is %lld, must be even and > 0 (RoPE pairs)", static_cast<long long>(d));
+    if (params_.rope.inv_freq != nullptr)  // the caller's head_dim / 2 frequencies
+      for (std::int64_t i = 0; i < d / 2; ++i)
+        KVP_REQUIRE(std::isfinite(params_.rope.inv_freq[i]), "expected_attention: rope.inv_freq[%lld] is %g, must be finite",
+                    static_cast<long long>(i), static_cast<double>(params_.rope.inv_freq[i]));
     KVP_REQUIRE(T <= INT32_MAX, "expected_attention: kv_len %lld exceeds the int32 token id range", static_cast<long long>(T));
     KVP_REQUIRE(T > params_.n_sink, "expected_attention: kv_len %lld must be larger than n_sink %d (sequence %zu)",
                 static_cast<long long>(T), params_.n_sink, b);
@@ -275,6 +280,7 @@ class ExpectedAttention {
       q_len = in.queries.extent(1);
       KVP_REQUIRE(in.queries.extent(2) == d, "expected_attention: queries head_dim %lld differs from keys head_dim %lld",
                   static_cast<long long>(in.queries.extent(2)), static_cast<long long>(d));
+      KVP_RETURN_IF_ERROR(detail::check_finite_3d(kName, "queries", in.queries));
       KVP_REQUIRE(q_len > params_.n_sink, "expected_attention: queries has %lld rows, must be more than n_sink %d (sequence %zu)",
                   static_cast<long long>(q_len), params_.n_sink, b);
       KVP_REQUIRE(in.lookahead >= 0 && in.lookahead <= q_len - params_.n_sink,

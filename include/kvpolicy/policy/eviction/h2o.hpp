@@ -126,6 +126,7 @@ class H2O {
   constexpr std::int64_t cache_size(std::int64_t prompt_len = 0) const noexcept { return heavy_size(prompt_len) + recent_size(prompt_len); }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_RETURN_IF_ERROR(params_.heavy.validate("h2o: heavy (hh_size / heavy_ratio)"));
     KVP_RETURN_IF_ERROR(params_.recent.validate("h2o: recent (recent_size / recent_ratio)"));
     KVP_REQUIRE(params_.heavy.kind != BudgetKind::kCompressionRatio && params_.recent.kind != BudgetKind::kCompressionRatio,

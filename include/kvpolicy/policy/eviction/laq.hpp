@@ -101,6 +101,7 @@ class LAQ {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.window >= 0, "laq: window (W2) is %d, must be >= 0", params_.window);
     KVP_REQUIRE(params_.lookahead >= 1, "laq: lookahead is %d, must be >= 1 pseudo token", params_.lookahead);
     KVP_REQUIRE(params_.stage1_window >= 1, "laq: stage1_window is %d, must be >= 1", params_.stage1_window);

@@ -82,6 +82,7 @@ class ObservedAttention {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.window >= 0, "observed_attention: window is %d, must be >= 0", params_.window);
     KVP_REQUIRE(params_.query_block >= 1, "observed_attention: query_block is %d, must be >= 1", params_.query_block);
     KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "observed_attention: scale is %g, must be finite and >= 0",

@@ -98,6 +98,7 @@ class PyramidKV {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_RETURN_IF_ERROR(snap_.validate_params());
     KVP_RETURN_IF_ERROR(params_.schedule.validate(kName));
     KVP_REQUIRE(params_.layer >= 0 && params_.layer < params_.schedule.num_layers, "pyramidkv: layer %d out of range [0, num_layers=%d)",

@@ -29,8 +29,9 @@
 //    ties. Our results equal theirs on fp32 data.
 //  * Ties. Higher score first; equal scores keep the more recent token; NaN
 //    scores rank last (see `score_order_key`). Kept ids are ascending.
-//  * Non-finite inputs. NaN/Inf in queries or keys yield NaN scores for the
-//    affected rows; those tokens are evicted first. Indices stay valid.
+//  * Non-finite inputs. A NaN/Inf query is rejected (queries are a window,
+//    cheap to scan). Keys are not scanned: a NaN/Inf key yields NaN scores
+//    for the affected rows; those tokens are evicted first. Indices stay valid.
 //
 // Lookahead queries (LAQ, and any predicted or pseudo query source): a
 // `ScoreInput` with `lookahead = n` carries `window + n` query rows per head,
@@ -119,6 +120,7 @@ class SnapKV {
 
   /// Parameter checks independent of the inputs.
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.window >= 0, "snapkv: window is %d, must be >= 0 (0 only with lookahead queries)", params_.window);
     KVP_REQUIRE(params_.kernel >= 1 && params_.kernel % 2 == 1, "snapkv: pooling kernel is %d, must be odd and >= 1", params_.kernel);
     KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "snapkv: scale is %g, must be finite and >= 0",

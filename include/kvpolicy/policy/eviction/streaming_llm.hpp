@@ -59,6 +59,7 @@ class StreamingLLM {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.sinks >= 0, "streaming_llm: sinks is %d, must be >= 0", params_.sinks);
     KVP_REQUIRE(params_.num_coming >= 0, "streaming_llm: num_coming is %lld, must be >= 0", static_cast<long long>(params_.num_coming));
     return params_.budget.validate(kName);

@@ -72,6 +72,7 @@ class TOVA {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(std::isfinite(params_.scale) && params_.scale >= 0.0f, "tova: scale is %g, must be finite and >= 0",
                 static_cast<double>(params_.scale));
     return params_.budget.validate(kName);

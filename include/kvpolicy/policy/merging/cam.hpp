@@ -86,6 +86,7 @@ class CaM {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.form == CaMForm::kStreaming || params_.form == CaMForm::kPrefill, "cam: form %d is not streaming or prefill",
                 static_cast<int>(params_.form));
     KVP_REQUIRE(params_.merge_num >= 1, "cam: merge_num is %d, must be >= 1", params_.merge_num);

@@ -97,6 +97,7 @@ class D2O {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.heavy >= 0 && params_.recent >= 0 && params_.sinks >= 0, "d2o: heavy %lld, recent %lld, sinks %d must be >= 0",
                 static_cast<long long>(params_.heavy), static_cast<long long>(params_.recent), params_.sinks);
     KVP_REQUIRE(std::isfinite(params_.alpha) && std::isfinite(params_.beta) && params_.alpha >= 0 && params_.beta >= 0,

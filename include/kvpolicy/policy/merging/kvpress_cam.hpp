@@ -63,6 +63,7 @@ class KvpressCAM {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.merge_budget >= 1, "kvpress_cam: merge_budget is %d, must be >= 1", params_.merge_budget);
     return Status::ok();
   }

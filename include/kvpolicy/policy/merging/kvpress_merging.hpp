@@ -59,6 +59,7 @@ class KvpressMerging {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.similarity_threshold >= 0.0f && params_.similarity_threshold <= 1.0f,
                 "kvpress_merging: similarity_threshold is %g, must be in [0, 1]", static_cast<double>(params_.similarity_threshold));
     KVP_REQUIRE(params_.merge_fraction > 0.0f && params_.merge_fraction <= 1.0f, "kvpress_merging: merge_fraction is %g, must be in (0, 1]",

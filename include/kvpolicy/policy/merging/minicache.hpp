@@ -74,6 +74,7 @@ class MiniCache {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.t >= 0.0f && params_.t <= 1.0f, "minicache: t is %g, must be in [0, 1]", static_cast<double>(params_.t));
     KVP_REQUIRE(params_.gamma >= 0.0f && params_.gamma <= 1.0f, "minicache: gamma is %g, must be in [0, 1]",
                 static_cast<double>(params_.gamma));

@@ -67,6 +67,7 @@ class NearestKeptMerge {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(std::isfinite(params_.threshold) && params_.threshold >= -1.0f && params_.threshold <= 1.0f,
                 "nearest_kept: threshold is %g, must be in [-1, 1]", static_cast<double>(params_.threshold));
     return Status::ok();

@@ -116,6 +116,7 @@ class InfiniGen {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.alpha > 0.0f && std::isfinite(params_.alpha), "infinigen: alpha is %g, must be finite and > 0",
                 static_cast<double>(params_.alpha));
     KVP_REQUIRE(params_.partial_ratio > 0.0f && params_.partial_ratio <= 1.0f, "infinigen: partial_ratio is %g, must be in (0, 1]",

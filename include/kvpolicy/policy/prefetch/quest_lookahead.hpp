@@ -82,6 +82,7 @@ class QuestLookahead {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.page_budget >= 1, "quest_lookahead: page_budget is %d, must be >= 1 (the last page)", params_.page_budget);
     KVP_REQUIRE(params_.dense_layers >= 0, "quest_lookahead: dense_layers is %d, must be >= 0", params_.dense_layers);
     return quest().validate_params();

@@ -98,6 +98,7 @@ class ShadowKV {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.chunk_size >= 1, "shadowkv: chunk_size is %d, must be >= 1", params_.chunk_size);
     KVP_REQUIRE(params_.chunk_budget >= 0, "shadowkv: chunk_budget is %d, must be >= 0", params_.chunk_budget);
     KVP_REQUIRE(params_.outlier_chunks >= 0, "shadowkv: outlier_chunks is %d, must be >= 0", params_.outlier_chunks);

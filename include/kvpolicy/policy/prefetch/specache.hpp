@@ -92,6 +92,7 @@ class SpeCache {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(ggml_type_valid(params_.type), "specache: type %d is not a ggml block format", static_cast<int>(params_.type));
     KVP_REQUIRE(params_.topk >= 1, "specache: topk is %d, must be >= 1", params_.topk);
     KVP_REQUIRE(params_.dense_layers >= 0, "specache: dense_layers is %d, must be >= 0", params_.dense_layers);

@@ -71,6 +71,7 @@ class Fp8Quant {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.format == Fp8Format::kE4M3 || params_.format == Fp8Format::kE5M2, "fp8: format %d is not e4m3 or e5m2",
                 static_cast<int>(params_.format));
     KVP_REQUIRE(static_cast<int>(params_.scales) <= 2, "fp8: scale layout %d is not per_tensor, per_head or per_token_head",

@@ -75,6 +75,7 @@ class GgmlQuant {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(ggml_type_valid(params_.type), "ggml: type %d is not a ggml block format", static_cast<int>(params_.type));
     KVP_REQUIRE(static_cast<int>(params_.rotation) <= 2, "ggml: rotation %d is not none, llama_cpp or block",
                 static_cast<int>(params_.rotation));

@@ -66,6 +66,7 @@ class Int4Quant {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(params_.bits == 4 || params_.bits == 8, "int4: bits is %d, must be 4 or 8", params_.bits);
     KVP_REQUIRE(static_cast<int>(params_.rotation) <= 2, "int4: rotation %d is not none, llama_cpp or block",
                 static_cast<int>(params_.rotation));

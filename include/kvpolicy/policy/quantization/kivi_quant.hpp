@@ -81,6 +81,7 @@ class KiviQuant {
   constexpr const Params& params() const noexcept { return params_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     const Params& p = params_;
     KVP_REQUIRE(p.role == QuantRole::kKeys || p.role == QuantRole::kValues, "kivi: role %d is not keys or values",
                 static_cast<int>(p.role));

@@ -68,6 +68,7 @@ class MixedPrecision {
   const Q& quantizer() const noexcept { return quant_; }
 
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_REQUIRE(std::isfinite(params_.ratio) && params_.ratio > 0.0 && params_.ratio <= 1.0,
                 "mixed_precision: ratio is %g, must be in (0, 1]", params_.ratio);
     KVP_REQUIRE(std::isfinite(params_.bytes) && params_.bytes >= 0.0, "mixed_precision: bytes is %g, must be finite and >= 0",

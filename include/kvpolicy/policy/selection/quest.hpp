@@ -124,6 +124,7 @@ class Quest {
 
   /// The checks that do not depend on the page size.
   Status validate_params() const noexcept {
+    KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
     KVP_RETURN_IF_ERROR(params_.budget.validate("quest: budget (token_budget / keep_ratio / compression_ratio)"));
     KVP_REQUIRE(params_.page_budget >= 0, "quest: page_budget is %d, must be >= 0", params_.page_budget);
     KVP_REQUIRE(params_.budget.kind != BudgetKind::kTokens || params_.budget.value > 0 || params_.page_budget > 0,
@@ -340,6 +341,7 @@ class Quest {
     KVP_RETURN_IF_ERROR(validate_params(page_size));
     KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
     KVP_REQUIRE(queries.device().is_host(), "quest: queries is a device tensor; this entry point reads host memory");
+    KVP_RETURN_IF_ERROR(detail::check_finite_3d(kName, "queries", queries));
     KVP_RETURN_IF_ERROR(meta.check_basic(kName));
     GqaMap gqa;
     KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));

@@ -1,0 +1,244 @@
+// Bad-input tables per public entry point (issue #16, deliverable 5).
+//
+// Each table starts from one valid call (asserted to succeed), then applies
+// one mutation per row — a bad shape, stride, pointer, budget, page table,
+// NaN / Inf, workspace or output size — and asserts that the call fails with
+// the row's status code, that the message names the argument (the row's
+// needle), and that the poisoned outputs and every input buffer are
+// byte-identical afterwards. Eviction rows run for every erased one-shot
+// policy on dense and paged keys, on Scalar and Cpu.
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kvpolicy/apply/compact.hpp"
+#include "kvpolicy/apply/merge.hpp"
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/registry.hpp"
+#include "policy/policy_test_util.hpp"
+
+using namespace kvpolicy;
+using kvp_test::KeepSetBuffer;
+using kvp_test::RandomCase;
+
+namespace {
+
+template <class F>
+struct BadRow {
+  const char* cls;   ///< shape, stride, pointer, budget, table, nan, workspace, output
+  const char* what;  ///< the mutation
+  std::function<void(F&)> mutate;
+  StatusCode code;
+  const char* needle;  ///< a word of the message that names the argument
+};
+
+template <class T>
+std::vector<std::byte> bytes_of(const std::vector<T>& v) {
+  std::vector<std::byte> b(v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+int g_rows_run = 0;
+
+/// Runs a table: the fixture's valid call succeeds; each row fails as stated and changes nothing.
+template <class F, class Make>
+void run_table(const std::string& entry, Make make, const std::vector<BadRow<F>>& rows) {
+  {
+    F f = make();
+    const Status s = f.call();
+    INFO(entry << " (valid call): " << s.message());
+    REQUIRE(s.is_ok());
+  }
+  for (const BadRow<F>& row : rows) {
+    F f = make();
+    row.mutate(f);
+    const auto before = f.snapshot();
+    const Status s = f.call();
+    INFO(entry << " / " << row.cls << " / " << row.what << " -> [" << status_code_name(s.code()) << "] " << s.message());
+    if (std::getenv("KVP_BAD_INPUT_TABLE") != nullptr)
+      std::printf("%s | %s | %s | %s | %s\n", entry.c_str(), row.cls, row.what, status_code_name(s.code()), s.message());
+    CHECK(!s.is_ok());
+    CHECK(s.code() == row.code);
+    CHECK(std::string(s.message()).find(row.needle) != std::string::npos);
+    CHECK(f.snapshot() == before);
+    ++g_rows_run;
+  }
+}
+
+// ---- one-shot eviction (every erased policy) ---------------------------------
+
+struct EvictFixture {
+  std::string spec;
+  BackendKind backend = BackendKind::kCpu;
+  bool paged = false;
+  std::int64_t Hq = 8, Hkv = 2, T = 64, d = 32, w = 8;
+  RandomCase<half> rc;
+  ScoreInput<float, half> in;
+  std::vector<half> values;
+  std::vector<float> q_copy;
+  std::vector<half> k_copy;
+  std::string spec_extra;
+  std::int64_t ws_delta = 0, cap_delta = 0, rows_delta = 0;
+  KeepSetBuffer keep{0, 0};
+
+  EvictFixture(std::string s, BackendKind b, bool pg, bool full_queries)
+      : spec(std::move(s)), backend(b), paged(pg), w(full_queries ? 64 : 8), rc(Hq, Hkv, T, d, w, 3) {
+    in = paged ? rc.paged_input(16) : rc.input();
+    values.resize(rc.keys.size());
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = from_float<half>(rc.keys[i] * 0.5f);
+    in.values = KVSource<half>::from(TensorView<const half, 3>::contiguous(values.data(), {Hkv, T, d}));
+  }
+  Status call() {
+    AnyEvictionPolicy p;
+    KVP_RETURN_IF_ERROR(make_eviction_policy(spec + spec_extra, &p));
+    const Requirements r = p.requirements(backend, ProblemShape{Hq, Hkv, d, T, w});
+    KVP_RETURN_IF_ERROR(r.status);
+    keep = KeepSetBuffer(r.output.rows + rows_delta, r.output.capacity + cap_delta);
+    keep.fill_sentinel();
+    std::vector<std::byte> ws(static_cast<std::size_t>(static_cast<std::int64_t>(r.workspace_bytes) + ws_delta));
+    const Status s = p.evict(backend, in, keep.view(), Workspace{ws.empty() ? nullptr : ws.data(), ws.size()});
+    if (!s.is_ok() && !keep.untouched()) return Status::ok();  // a failed call that wrote: reported by the snapshot check
+    return s;
+  }
+  /// Inputs as bytes plus whether the output is still poisoned (checked after the call).
+  std::vector<std::vector<std::byte>> snapshot() const {
+    return {bytes_of(rc.queries), bytes_of(rc.keys_t), bytes_of(rc.pool),    bytes_of(values), bytes_of(q_copy),
+            bytes_of(k_copy),     bytes_of(rc.indptr), bytes_of(rc.indices), bytes_of(rc.last)};
+  }
+};
+
+std::vector<BadRow<EvictFixture>> eviction_rows(bool paged, bool reads_queries, bool needs_workspace) {
+  using F = EvictFixture;
+  const auto kInv = StatusCode::kInvalidArgument;
+  std::vector<BadRow<F>> rows = {
+      {"shape", "7 query heads over 2 kv heads",
+       [](F& f) {
+         f.in.queries = TensorView<const float, 3>(f.in.queries.data(), {7, f.w, f.d}, f.in.queries.strides());
+       },
+       kInv, "queries"},
+      {"shape", "queries head_dim 30, keys 32",
+       [](F& f) {
+         f.in.queries = TensorView<const float, 3>(f.in.queries.data(), {f.Hq, f.w, f.d - 2}, f.in.queries.strides());
+       },
+       kInv, "head_dim"},
+      {"shape", "queries with a negative extent",
+       [](F& f) {
+         f.in.queries = TensorView<const float, 3>(f.in.queries.data(), {f.Hq, -1, f.d}, f.in.queries.strides());
+       },
+       kInv, "queries"},
+      {"pointer", "queries data null",
+       [](F& f) {
+         f.in.queries = TensorView<const float, 3>(nullptr, {f.Hq, f.w, f.d}, f.in.queries.strides());
+       },
+       kInv, "queries"},
+      {"pointer", "queries misaligned by 2 bytes",
+       [](F& f) {
+         const auto* p = reinterpret_cast<const float*>(reinterpret_cast<const char*>(f.in.queries.data()) + 2);
+         f.in.queries = TensorView<const float, 3>(p, {f.Hq, f.w, f.d - 1}, f.in.queries.strides());
+       },
+       kInv, "aligned"},
+      {"nan", "a NaN query",
+       [](F& f) {
+         f.q_copy = f.rc.queries;
+         f.q_copy[5] = std::numeric_limits<float>::quiet_NaN();
+         f.in.queries = TensorView<const float, 3>(f.q_copy.data(), f.in.queries.extents(), f.in.queries.strides());
+       },
+       kInv, "queries"},
+      {"nan", "an infinite query",
+       [](F& f) {
+         f.q_copy = f.rc.queries;
+         f.q_copy[f.q_copy.size() - 1] = -std::numeric_limits<float>::infinity();
+         f.in.queries = TensorView<const float, 3>(f.q_copy.data(), f.in.queries.extents(), f.in.queries.strides());
+       },
+       kInv, "queries"},
+      {"budget", "compression_ratio=1.5",
+       [](F& f) { f.spec_extra = (f.spec.find(':') == std::string::npos ? ":" : ",") + std::string("compression_ratio=1.5"); }, kInv,
+       "compression_ratio"},
+      {"budget", "compression_ratio=nan",
+       [](F& f) { f.spec_extra = (f.spec.find(':') == std::string::npos ? ":" : ",") + std::string("compression_ratio=nan"); }, kInv,
+       "compression_ratio"},
+      {"workspace", "one byte short", [](F& f) { f.ws_delta = -1; }, StatusCode::kWorkspaceTooSmall, "workspace"},
+      {"output", "keep set capacity one short", [](F& f) { f.cap_delta = -1; }, StatusCode::kOutputTooSmall, "capacity"},
+      {"output", "keep set with one row too few", [](F& f) { f.rows_delta = -1; }, kInv, "rows"},
+  };
+  if (!needs_workspace)  // a policy that needs no scratch cannot get too little
+    rows.erase(std::remove_if(rows.begin(), rows.end(), [](const BadRow<F>& r) { return r.code == StatusCode::kWorkspaceTooSmall; }),
+               rows.end());
+  if (!reads_queries)  // StreamingLLM keeps positions: its queries are not read, so not checked
+    rows.erase(
+        std::remove_if(rows.begin(), rows.end(), [](const BadRow<F>& r) { return std::string(r.what).find("quer") != std::string::npos; }),
+        rows.end());
+  if (!paged) {
+    rows.push_back({"pointer", "keys data null",
+                    [](F& f) {
+                      const auto& k = f.in.keys.dense;
+                      f.in.keys = KVSource<half>::from(TensorView<const half, 3>(nullptr, k.extents(), k.strides()));
+                    },
+                    kInv, "keys"});
+    rows.push_back({"pointer", "keys misaligned by 1 byte",
+                    [](F& f) {
+                      const auto& k = f.in.keys.dense;
+                      const auto* p = reinterpret_cast<const half*>(reinterpret_cast<const char*>(k.data()) + 1);
+                      f.in.keys = KVSource<half>::from(TensorView<const half, 3>(p, {f.Hkv, f.T, f.d - 1}, k.strides()));
+                    },
+                    kInv, "aligned"});
+    rows.push_back({"shape", "keys with a negative extent",
+                    [](F& f) {
+                      const auto& k = f.in.keys.dense;
+                      f.in.keys = KVSource<half>::from(TensorView<const half, 3>(k.data(), {f.Hkv, -3, f.d}, k.strides()));
+                    },
+                    kInv, "keys"});
+    rows.push_back({"stride", "keys extents whose element count overflows int64",
+                    [](F& f) {
+                      const auto& k = f.in.keys.dense;
+                      f.in.keys = KVSource<half>::from(
+                          TensorView<const half, 3>(k.data(), {std::int64_t{1} << 40, std::int64_t{1} << 40, f.d}, k.strides()));
+                    },
+                    kInv, "keys"});
+  } else {
+    rows.push_back({"table", "page table indptr null", [](F& f) { f.rc.paged.table.indptr = nullptr; }, kInv, "indptr"});
+    rows.push_back(
+        {"table", "page table last_page_len null", [](F& f) { f.rc.paged.table.last_page_len = nullptr; }, kInv, "last_page_len"});
+    rows.push_back({"table", "page id outside the pool", [](F& f) { f.rc.indices[1] = f.rc.paged.num_pages + 4; }, kInv, "page"});
+    rows.push_back({"table", "negative page id", [](F& f) { f.rc.indices[0] = -1; }, kInv, "page"});
+    rows.push_back({"table", "last_page_len above the page size", [](F& f) { f.rc.last[0] = 17; }, kInv, "last_page_len"});
+    rows.push_back({"table", "last_page_len 0", [](F& f) { f.rc.last[0] = 0; }, kInv, "last_page_len"});
+    rows.push_back({"table", "indptr decreasing", [](F& f) { f.rc.indptr[1] = -2; }, kInv, "indptr"});
+    rows.push_back({"pointer", "page pool null", [](F& f) { f.rc.paged.k_data = nullptr; }, kInv, "k_data"});
+  }
+  return rows;
+}
+
+bool needs_workspace(const std::string& spec, BackendKind b, bool full) {
+  AnyEvictionPolicy p;
+  REQUIRE(make_eviction_policy(spec, &p).is_ok());
+  return p.requirements(b, ProblemShape{8, 2, 32, 64, full ? 64 : 8}).workspace_bytes > 0;
+}
+
+}  // namespace
+
+TEST_CASE("bad input: every erased eviction policy, dense and paged keys, Scalar and Cpu", "[bad_input][eviction]") {
+  const std::vector<std::pair<std::string, bool>> specs = {{"streaming_llm:compression_ratio=0.5", false},
+                                                           {"snapkv:compression_ratio=0.5,window=8", false},
+                                                           {"observed_attention", true},
+                                                           {"tova", false},
+                                                           {"pyramidkv:window=8,layer=2,num_layers=4", false},
+                                                           {"adakv:window=8,compression_ratio=0.5", false},
+                                                           {"expected_attention:compression_ratio=0.5,n_sink=2", false}};
+  for (const auto& [spec, full] : specs)
+    for (const BackendKind b : {BackendKind::kScalar, BackendKind::kCpu})
+      for (const bool paged : {false, true}) {
+        const std::string entry = spec + (b == BackendKind::kCpu ? " on Cpu" : " on Scalar") + (paged ? ", paged keys" : "");
+        run_table<EvictFixture>(
+            entry, [&, s = spec, f = full] { return EvictFixture(s, b, paged, f); },
+            eviction_rows(paged, spec.rfind("streaming_llm", 0) != 0, needs_workspace(spec, b, full)));
+      }
+  INFO(g_rows_run << " rows");
+}
