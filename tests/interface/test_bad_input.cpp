@@ -19,7 +19,10 @@
 #include "kvpolicy/apply/compact.hpp"
 #include "kvpolicy/apply/merge.hpp"
 #include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
 #include "policy/policy_test_util.hpp"
 
@@ -216,6 +219,97 @@ std::vector<BadRow<EvictFixture>> eviction_rows(bool paged, bool reads_queries, 
   return rows;
 }
 
+// ---- compact_contiguous ----------------------------------------------------------
+
+struct CompactFixture {
+  std::int64_t H = 2, C = 16, d = 8, kv_len = 12, row0 = 0;
+  std::vector<float> k, v;
+  std::vector<std::int32_t> pos, kp{0, 4, 7}, ki{0, 3, 5, 11, 1, 2, 10};
+  std::vector<std::int64_t> lens;
+  TensorView<float, 3> kv, vv;
+  TensorView<std::int32_t, 2> pv;
+  KeepSet keep;
+  std::size_t lens_size = 2;
+
+  CompactFixture() : k(static_cast<std::size_t>(H * C * d)), v(k.size()), pos(static_cast<std::size_t>(H * C)), lens(2, -7) {
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k[i] = static_cast<float>(i);
+      v[i] = -static_cast<float>(i);
+    }
+    for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(i);
+    kv = TensorView<float, 3>::contiguous(k.data(), {H, C, d});
+    vv = TensorView<float, 3>::contiguous(v.data(), {H, C, d});
+    pv = TensorView<std::int32_t, 2>::contiguous(pos.data(), {H, C});
+    keep = KeepSet{kp.data(), ki.data(), 2, static_cast<std::int64_t>(ki.size())};
+  }
+  CompactFixture(const CompactFixture&) = delete;
+  Status call() { return compact_contiguous<float>(kv, vv, pv, kv_len, keep, row0, std::span<std::int64_t>(lens.data(), lens_size)); }
+  std::vector<std::vector<std::byte>> snapshot() const {
+    return {bytes_of(k), bytes_of(v), bytes_of(pos), bytes_of(lens), bytes_of(kp), bytes_of(ki)};
+  }
+};
+
+std::vector<BadRow<CompactFixture>> compact_rows() {
+  using F = CompactFixture;
+  const auto kInv = StatusCode::kInvalidArgument;
+  return {
+      {"table", "keep set indices null", [](F& f) { f.keep.indices = nullptr; }, kInv, "indices"},
+      {"table", "keep set indptr null", [](F& f) { f.keep.indptr = nullptr; }, kInv, "indptr"},
+      {"table", "kept token at kv_len", [](F& f) { f.ki[3] = 12; }, kInv, "out of range"},
+      {"table", "negative kept token", [](F& f) { f.ki[4] = -1; }, kInv, "holds token -1, out of range"},
+      {"table", "keep row not ascending", [](F& f) { f.ki[1] = 0; }, kInv, "ascending"},
+      {"table", "keep indptr decreasing", [](F& f) { f.kp[1] = 8; }, kInv, "indptr"},
+      {"table", "keep set with one row", [](F& f) { f.keep.num_rows = 1; }, kInv, "rows"},
+      {"table", "keep indptr beyond capacity", [](F& f) { f.keep.capacity = 5; }, kInv, "indptr"},
+      {"shape", "kv_len above the capacity", [](F& f) { f.kv_len = 17; }, kInv, "kv_len"},
+      {"shape", "negative kv_len", [](F& f) { f.kv_len = -1; }, kInv, "kv_len"},
+      {"shape", "values with one head",
+       [](F& f) {
+         f.vv = TensorView<float, 3>::contiguous(f.v.data(), {1, f.C, f.d});
+       },
+       kInv, "values"},
+      {"shape", "positions too short",
+       [](F& f) {
+         f.pv = TensorView<std::int32_t, 2>::contiguous(f.pos.data(), {f.H, 8});
+       },
+       kInv, "positions"},
+      {"output", "new_lens with one entry", [](F& f) { f.lens_size = 1; }, kInv, "new_lens"},
+      {"range", "row0 near INT64_MAX", [](F& f) { f.row0 = INT64_MAX - 1; }, kInv, "row"},
+      {"pointer", "keys null", [](F& f) { f.kv = TensorView<float, 3>(nullptr, f.kv.extents(), f.kv.strides()); }, kInv, "keys"},
+      {"pointer", "keys misaligned by 2 bytes",
+       [](F& f) {
+         auto* p = reinterpret_cast<float*>(reinterpret_cast<char*>(f.k.data()) + 2);
+         f.kv = TensorView<float, 3>(p, {f.H, f.C, f.d - 1}, f.kv.strides());
+       },
+       kInv, "aligned"},
+      {"stride", "keys rows overlap (token stride 4 < head_dim 8)",
+       [](F& f) {
+         f.kv = TensorView<float, 3>(f.k.data(), f.kv.extents(), {f.C * f.d, 4, 1});
+       },
+       kInv, "overlapping"},
+      {"stride", "keys head stride 0",
+       [](F& f) {
+         f.kv = TensorView<float, 3>(f.k.data(), f.kv.extents(), {0, f.d, 1});
+       },
+       kInv, "overlapping"},
+      {"stride", "positions token stride 0",
+       [](F& f) {
+         f.pv = TensorView<std::int32_t, 2>(f.pos.data(), f.pv.extents(), {f.C, 0});
+       },
+       kInv, "overlapping"},
+      {"stride", "values are the keys' memory",
+       [](F& f) {
+         f.vv = TensorView<float, 3>::contiguous(f.k.data(), {f.H, f.C, f.d});
+       },
+       kInv, "share memory"},
+      {"stride", "values overlap the keys by one head",
+       [](F& f) {
+         f.vv = TensorView<float, 3>::contiguous(f.k.data() + f.C * f.d, {1, f.C, f.d});
+       },
+       kInv, "values"},
+  };
+}
+
 bool needs_workspace(const std::string& spec, BackendKind b, bool full) {
   AnyEvictionPolicy p;
   REQUIRE(make_eviction_policy(spec, &p).is_ok());
@@ -241,4 +335,32 @@ TEST_CASE("bad input: every erased eviction policy, dense and paged keys, Scalar
             eviction_rows(paged, spec.rfind("streaming_llm", 0) != 0, needs_workspace(spec, b, full)));
       }
   INFO(g_rows_run << " rows");
+}
+
+TEST_CASE("bad input: compact_contiguous", "[bad_input][apply]") {
+  run_table<CompactFixture>(
+      "compact_contiguous", [] { return CompactFixture(); }, compact_rows());
+}
+
+TEST_CASE("bad input: an enum parameter outside its named values is rejected by name", "[bad_input][params]") {
+  SnapKVParams sp;
+  sp.pooling = static_cast<Pooling>(7);
+  CHECK_THAT(SnapKV(sp).validate_params().message(), Catch::Contains("snapkv: pooling is 7, not one of none | avg | max"));
+  sp = SnapKVParams{};
+  sp.group_reduce = static_cast<GroupReduce>(200);
+  CHECK_THAT(SnapKV(sp).validate_params().message(), Catch::Contains("group_reduce is 200, not one of mean | max | sum"));
+  AdaKVParams ap;
+  ap.variant = static_cast<AdaKVVariant>(5);
+  CHECK_THAT(AdaKV<SnapKV>(ap, SnapKV{}).validate_params().message(), Catch::Contains("variant is 5, not one of"));
+  QuestParams qp;
+  qp.gqa = static_cast<QuestGqa>(9);
+  CHECK_THAT(Quest(qp).validate_params().message(), Catch::Contains("quest: gqa is 9, not one of"));
+  GgmlQuantParams gp;
+  gp.type = static_cast<GgmlType>(9);
+  CHECK_THAT(GgmlQuant(gp).validate_params().message(), Catch::Contains("ggml: type is 9, not one of q8_0 | q4_0"));
+  // requirements() carries the same error and zero sizes
+  const Requirements r =
+      SnapKV(SnapKVParams{.pooling = static_cast<Pooling>(7)}).requirements(Context<backend::Cpu>{}, ProblemShape{8, 2, 32, 64, 8});
+  CHECK(!r.status.is_ok());
+  CHECK(r.workspace_bytes == 0);
 }

@@ -49,10 +49,10 @@ inline Status check_keep_row(const char* who, const KeepSet& keep, std::int64_t 
   std::int64_t prev = -1;
   for (std::int32_t i = b; i < e; ++i) {
     const std::int64_t t = keep.indices[i];
+    KVP_REQUIRE(t >= 0 && t < len, "%s: keep set row %lld holds token %lld, out of range [0, %lld)", who, static_cast<long long>(row),
+                static_cast<long long>(t), static_cast<long long>(len));
     KVP_REQUIRE(t > prev, "%s: keep set row %lld is not strictly ascending at entry %d (%lld after %lld)", who, static_cast<long long>(row),
                 i - b, static_cast<long long>(t), static_cast<long long>(prev));
-    KVP_REQUIRE(t < len, "%s: keep set row %lld holds token %lld, out of range [0, %lld)", who, static_cast<long long>(row),
-                static_cast<long long>(t), static_cast<long long>(len));
     prev = t;
   }
   return Status::ok();
@@ -115,13 +115,40 @@ constexpr std::size_t compact_paged_workspace(std::int32_t num_pool_pages) noexc
 /// keep:         rows `row0 .. row0 + kv_heads` (the sequence's rows in a batch KeepSet),
 ///               ascending ids < kv_len; rows may differ in length (per-head budgets).
 /// new_lens:     (kv_heads) receives each head's new length.
+namespace detail {
+
+/// [lo, hi) bytes a non-empty strided view may touch.
+template <class T, int R>
+void touched_bytes(const TensorView<T, R>& v, std::uintptr_t* lo, std::uintptr_t* hi) noexcept {
+  std::int64_t l = 0, h = 0;
+  for (int k = 0; k < R; ++k) (v.stride(k) < 0 ? l : h) += (v.extent(k) - 1) * v.stride(k);
+  *lo = reinterpret_cast<std::uintptr_t>(v.data() + l);
+  *hi = reinterpret_cast<std::uintptr_t>(v.data() + h) + sizeof(T);
+}
+
+/// The byte ranges two views may touch are disjoint (either may be empty).
+template <class A, int RA, class B, int RB>
+Status check_disjoint(const char* who, const TensorView<A, RA>& a, const char* an, const TensorView<B, RB>& b, const char* bn) noexcept {
+  if (a.empty() || b.empty() || a.data() == nullptr || b.data() == nullptr) return Status::ok();
+  std::uintptr_t a0 = 0, a1 = 0, b0 = 0, b1 = 0;
+  touched_bytes(a, &a0, &a1);
+  touched_bytes(b, &b0, &b1);
+  KVP_REQUIRE(a1 <= b0 || b1 <= a0, "%s: %s and %s share memory; they must be separate buffers", who, an, bn);
+  return Status::ok();
+}
+
+}  // namespace detail
+
 template <class T>
 Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, TensorView<std::int32_t, 2> positions, std::int64_t kv_len,
                           const KeepSet& keep, std::int64_t row0, std::span<std::int64_t> new_lens) noexcept {
   const char* who = "compact_contiguous";
-  KVP_RETURN_IF_ERROR(keys.check_basic(who, "keys"));
-  KVP_RETURN_IF_ERROR(values.check_basic(who, "values"));
-  KVP_RETURN_IF_ERROR(positions.check_basic(who, "positions"));
+  KVP_RETURN_IF_ERROR(keys.check_writable(who, "keys"));
+  KVP_RETURN_IF_ERROR(values.check_writable(who, "values"));
+  KVP_RETURN_IF_ERROR(positions.check_writable(who, "positions"));
+  KVP_RETURN_IF_ERROR(detail::check_disjoint(who, keys, "keys", values, "values"));
+  KVP_RETURN_IF_ERROR(detail::check_disjoint(who, keys, "keys", positions, "positions"));
+  KVP_RETURN_IF_ERROR(detail::check_disjoint(who, values, "values", positions, "positions"));
   const std::int64_t H = keys.extent(0);
   KVP_REQUIRE(keys.device().is_host() && values.device().is_host(), "%s: keys/values must be host memory", who);
   KVP_REQUIRE(kv_len >= 0 && kv_len <= keys.extent(1), "%s: kv_len %lld out of range [0, capacity=%lld]", who,

@@ -160,8 +160,9 @@ inline void pool_range(const void* base, std::size_t elem, const PageStrides& s,
 template <class T>
 Status check_contiguous_cache(const char* who, const TensorView<T, 3>& keys, const TensorView<T, 3>& values, std::int64_t kv_len,
                               const MergePlan& plan, MergeSlots slots, std::int64_t* H, std::int64_t* d) noexcept {
-  KVP_RETURN_IF_ERROR(keys.check_basic(who, "keys"));
-  KVP_RETURN_IF_ERROR(values.check_basic(who, "values"));
+  KVP_RETURN_IF_ERROR(keys.check_writable(who, "keys"));
+  KVP_RETURN_IF_ERROR(values.check_writable(who, "values"));
+  KVP_RETURN_IF_ERROR(check_disjoint(who, keys, "keys", values, "values"));
   KVP_REQUIRE(keys.device().is_host() && values.device().is_host(), "%s: keys/values must be host memory", who);
   KVP_REQUIRE(!keys.empty() || !values.empty(), "%s: keys and values are both empty", who);
   const TensorView<T, 3>& any = keys.empty() ? values : keys;

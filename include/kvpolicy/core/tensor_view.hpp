@@ -4,10 +4,12 @@
 // form, and a mutable view converts to it implicitly (never the reverse).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <type_traits>
 
 #include "kvpolicy/core/checked.hpp"
@@ -114,6 +116,58 @@ class TensorView {
     v.data_ = data_ + begin * strides_[axis];
     v.extents_[axis] = len;
     return v;
+  }
+
+  /// Whether distinct indices always address distinct elements (a view an op
+  /// may write through). Sufficient test: with the axes of extent > 1 sorted by
+  /// |stride|, each |stride| exceeds the span of the smaller axes. Zero strides
+  /// and overlapping rows fail; every dense, transposed, padded or paged-slice
+  /// layout passes. Stride magnitudes are bounded by the checked element count
+  /// of an addressable buffer, so the sums below do not overflow on views that
+  /// passed `check_basic` over real memory; they saturate otherwise.
+  constexpr bool is_non_overlapping() const noexcept {
+    std::array<std::int64_t, Rank> st{}, ex{};
+    int n = 0;
+    for (int k = 0; k < Rank; ++k) {
+      if (extents_[k] <= 1) continue;
+      const std::int64_t a = strides_[k] < 0 ? -strides_[k] : strides_[k];
+      int j = n++;
+      for (; j > 0 && st[j - 1] > a; --j) {
+        st[j] = st[j - 1];
+        ex[j] = ex[j - 1];
+      }
+      st[j] = a;
+      ex[j] = extents_[k];
+    }
+    std::int64_t span = 0;  // largest offset reachable through the smaller axes
+    for (int k = 0; k < n; ++k) {
+      if (st[k] <= span) return false;
+      std::int64_t add = 0;
+      if (!checked_mul(ex[k] - 1, st[k], &add) || !checked_add(span, add, &span)) return false;
+    }
+    return true;
+  }
+
+  /// `check_basic` for a view an op writes through: also rejects views whose
+  /// rows overlap or whose strides are zero on an axis of extent > 1.
+  Status check_writable(const char* who, const char* name) const noexcept {
+    KVP_RETURN_IF_ERROR(check_basic(who, name));
+    if (!empty() && !is_non_overlapping())
+      return KVP_INVALID("%s: %s has overlapping elements (strides %s); a view written through must address each element once", who, name,
+                         stride_text().data());
+    return Status::ok();
+  }
+
+  /// "(s0, s1, ...)" for messages.
+  std::array<char, 24 * Rank + 4> stride_text() const noexcept {
+    std::array<char, 24 * Rank + 4> b{};
+    std::size_t used = 0;
+    for (int k = 0; k < Rank; ++k) {
+      const int w = std::snprintf(b.data() + used, b.size() - used, "%s%lld", k ? ", " : "(", static_cast<long long>(strides_[k]));
+      if (w > 0) used = std::min(b.size() - 2, used + static_cast<std::size_t>(w));
+    }
+    b[used] = ')';
+    return b;
   }
 
   /// Validation used at every public entry point: non-negative extents whose

@@ -426,7 +426,14 @@ TEST_CASE("expected attention: bad input gets a clear message and writes nothing
   expect_error(q, in, "kv_len 100 must be larger than n_sink 100");
   q = p;
   q.n_future_positions = 0;
-  expect_error(q, in, "n_future_positions is 0, must be >= 1");
+  expect_error(q, in, "n_future_positions is 0, must be in [1, 2^24)");
+  q.n_future_positions = 1 << 24;  // #16.14: named itself, not blamed on next_position
+  expect_error(q, in, "n_future_positions is 16777216, must be in [1, 2^24)");
+  q = p;
+  std::vector<float> inv_freq(static_cast<std::size_t>(in.keys.head_dim() / 2), 0.01f);
+  inv_freq[3] = std::numeric_limits<float>::quiet_NaN();  // #16.15
+  q.rope.inv_freq = inv_freq.data();
+  expect_error(q, in, "rope.inv_freq[3] is nan, must be finite");
   q = p;
   q.epsilon = std::numeric_limits<float>::quiet_NaN();
   expect_error(q, in, "epsilon is not finite");

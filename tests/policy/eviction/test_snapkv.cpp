@@ -113,7 +113,7 @@ TEST_CASE("snapkv: batch of sequences with different lengths equals per-sequence
   }
 }
 
-TEST_CASE("snapkv: non-finite keys never crash and give valid indices; a non-finite query is rejected", "[snapkv][nonfinite]") {
+TEST_CASE("snapkv: non-finite keys never crash and give valid indices, a non-finite query is rejected", "[snapkv][nonfinite]") {
   RandomCase<float> rc(4, 2, 200, 64, 8, 5);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   rc.keys[3 * 64 + 1] = nan;

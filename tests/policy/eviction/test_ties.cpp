@@ -19,6 +19,7 @@
 
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/registry.hpp"
@@ -135,7 +136,44 @@ void erased_policies_on_ties(const char* dtype) {
   }
 }
 
+/// H2O (original budgets) after accumulating a whole prompt's attention recomputed from its queries.
+template <class Backend, class Tk>
+KeepSetBuffer h2o_prefill(const RandomCase<Tk>& rc, const ScoreInput<float, Tk>& in) {
+  const H2O policy(H2OParams::original(rc.T / 4, rc.T / 8));
+  std::vector<float> s(static_cast<std::size_t>(rc.Hkv * rc.T));
+  H2OState st{TensorView<float, 2>::contiguous(s.data(), {rc.Hkv, rc.T}), 0};
+  const Requirements req = policy.requirements(Context<Backend>{}, ProblemShape{rc.Hq, rc.Hkv, rc.d, rc.T, rc.T});
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}};
+  REQUIRE(policy.update(cx, st, in).is_ok());
+  KeepSetBuffer keep(rc.Hkv, rc.Hkv * rc.T);
+  REQUIRE(policy.evict(cx, st, keep.view()).is_ok());
+  return keep;
+}
+
 }  // namespace
+
+TEST_CASE("ties: H2O from queries and KVCache-Factory observed attention decide identically on Scalar and every ISA level",
+          "[ties][backends]") {
+  const ObservedAttention factory(ObservedAttentionParams::kvcache_factory_h2o(40, 8));
+  for (const std::int64_t T : {std::int64_t{131}, std::int64_t{160}}) {
+    for (const Pattern& pat : tied_patterns()) {
+      RandomCase<half> rc(8, 2, T, 64, T, 9);
+      pat.apply(rc.keys, rc.queries, rc.Hkv, T, rc.d);
+      const auto in = rc.input();
+      const auto ref_h2o = h2o_prefill<backend::Scalar>(rc, in);
+      const auto ref_fac = kvp_test::run_evict<backend::Scalar>(factory, rc.paged_input(16));
+      IsaGuard guard;
+      for (CpuIsa isa : {CpuIsa::kSse2, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        if (!backend::Cpu::set_isa(isa)) continue;
+        INFO("T=" << T << " pattern '" << pat.name << "' " << cpu_isa_name(isa));
+        CHECK(h2o_prefill<backend::Cpu>(rc, in) == ref_h2o);
+        CHECK(kvp_test::run_evict<backend::Cpu>(factory, rc.paged_input(16)) == ref_fac);
+      }
+    }
+  }
+}
 
 TEST_CASE("ties: every erased eviction policy decides identically on Scalar and every ISA level, fp16 keys", "[ties][backends]") {
   erased_policies_on_ties<half>("fp16");

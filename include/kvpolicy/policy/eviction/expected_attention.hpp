@@ -126,7 +126,9 @@ class ExpectedAttention {
 
   Status validate_params() const noexcept {
     KVP_RETURN_IF_ERROR(check_enum_fields(kName, params_));
-    KVP_REQUIRE(params_.n_future_positions >= 1, "expected_attention: n_future_positions is %d, must be >= 1", params_.n_future_positions);
+    KVP_REQUIRE(params_.n_future_positions >= 1 && params_.n_future_positions < (1 << 24),
+                "expected_attention: n_future_positions is %d, must be in [1, 2^24) (angles are exact fp32 positions)",
+                params_.n_future_positions);
     KVP_REQUIRE(params_.n_sink >= 0, "expected_attention: n_sink is %d, must be >= 0", params_.n_sink);
     KVP_REQUIRE(std::isfinite(params_.epsilon), "expected_attention: epsilon is not finite");
     KVP_REQUIRE(std::isfinite(params_.rope.attention_scaling), "expected_attention: rope attention_scaling is not finite");
@@ -306,8 +308,9 @@ class ExpectedAttention {
     GqaMap gqa;
     KVP_RETURN_IF_ERROR(GqaMap::make(Hq, Hkv, kName, &gqa));
     KVP_REQUIRE(in.next_position >= -1 && in.next_position < (std::int64_t{1} << 24) - params_.n_future_positions,
-                "expected_attention: next_position %lld out of range [-1, 2^24 - n_future_positions)",
-                static_cast<long long>(in.next_position));
+                "expected_attention: next_position %lld out of range [-1, %lld) (2^24 - n_future_positions %d)",
+                static_cast<long long>(in.next_position), static_cast<long long>((std::int64_t{1} << 24) - params_.n_future_positions),
+                params_.n_future_positions);
     std::int64_t n = 0;
     KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.n_sink, T), &n));
     *s = ProblemShape{Hq, Hkv, d, T, q_len};
