@@ -539,3 +539,14 @@ TEST_CASE("select rejects page metadata with zero strides or empty extents, writ
   m.num_pages = -1;
   expect_error(m, "quest: metadata num_pages is -1");
 }
+
+TEST_CASE("a page budget above the page count sizes the workspace by the pages, not the budget", "[quest][select]") {
+  // Found by fuzz_prefetch: page_budget = INT32_MAX asked for ~10 GB of top-k scratch on a 64-page sequence.
+  const ProblemShape shape{8, 2, 64, 1024, 0, 1};
+  const Requirements all =
+      Quest(QuestParams{.page_budget = INT32_MAX, .dense_layers = 0}).requirements(Context<backend::Scalar>{}, shape, 16);
+  const Requirements every = Quest(QuestParams{.page_budget = 64, .dense_layers = 0}).requirements(Context<backend::Scalar>{}, shape, 16);
+  REQUIRE(all.status.is_ok());
+  REQUIRE(all.workspace_bytes == every.workspace_bytes);
+  REQUIRE(all.output.capacity == every.output.capacity);
+}

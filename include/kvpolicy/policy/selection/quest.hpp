@@ -451,8 +451,11 @@ class Quest {
                 std::int32_t head_dim, int workers) const noexcept {
     const auto n = static_cast<std::size_t>(std::max(max_pages, 1));
     const auto G = static_cast<std::size_t>(std::max(gqa.group_size(), 1));
+    // A row is scored only when its pages outnumber its budget B, and then keeps
+    // B - 1 < n of them: a budget above the page count needs no larger buffer.
+    const auto budget = static_cast<std::size_t>(std::clamp(max_budget, 1, std::max(max_pages, 1)));
     WorkspacePlan topk;
-    topk.add<float>(n).add<std::int32_t>(G * static_cast<std::size_t>(std::max(max_budget, 1)));
+    topk.add<float>(n).add<std::int32_t>(G * budget);
     topk.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(n)));
     Layout l;
     const bool any = total_pages > 0;

@@ -1,0 +1,175 @@
+// Fuzz target: the prefetch family's entry points from fuzzer-chosen pools,
+// page tables (sometimes repeated, out-of-range or short), queries (NaN / Inf
+// now and then), budgets, layers, request capacities and workspaces:
+// QuestLookahead (predict, then observe an actual selection) and SpeCache
+// (on_append of a ggml key copy, then predict), on Scalar and Cpu.
+// Contract: no crash or sanitizer report; a failed call leaves the request
+// (pages, priorities, size), the history and the copied codes byte-identical;
+// an accepted request holds at most `capacity` distinct pages of the
+// sequence's table, its priorities finite and >= 0.
+#include <cmath>
+
+#include "fuzz_util.hpp"
+#include "kvpolicy/backends/cpu.hpp"
+#include "policy/prefetch/prefetch_fixture.hpp"
+
+using namespace kvpolicy;
+using namespace kvp_fuzz;
+using namespace prefetch_test;
+
+namespace {
+
+/// A pool and one or two sequences whose page lists the fuzzer picks (usually valid).
+struct Setup {
+  Pool pool;
+  std::int32_t Hq = 1;
+  Setup(FuzzedDataProvider& fdp, std::int32_t d)
+      : pool(fdp.ConsumeIntegralInRange<std::int32_t>(1, 10), fdp.ConsumeIntegralInRange<std::int32_t>(1, 2),
+             fdp.ConsumeIntegralInRange<std::int32_t>(1, 4), d) {
+    Hq = pool.kv_heads * fdp.ConsumeIntegralInRange<std::int32_t>(1, 2);
+    for (auto& x : pool.k) x = fuzz_float(fdp) * (fdp.ConsumeBool() ? 1.0f : 0.0f);
+    std::vector<std::int32_t> free_ids;
+    for (std::int32_t i = pool.num_pages - 1; i >= 0; --i) free_ids.push_back(i);
+    const int batch = fdp.ConsumeIntegralInRange<int>(1, 2);
+    for (int b = 0; b < batch; ++b) {
+      std::vector<std::int32_t> pages;
+      const int n = fdp.ConsumeIntegralInRange<int>(1, 4);
+      for (int i = 0; i < n; ++i) {
+        if (fdp.ConsumeIntegralInRange<int>(0, 15) == 0)
+          pages.push_back(fdp.ConsumeIntegralInRange<std::int32_t>(-1, pool.num_pages));  // bad or repeated ids
+        else if (!free_ids.empty()) {
+          pages.push_back(free_ids.back());
+          free_ids.pop_back();
+        }
+      }
+      if (pages.empty()) pages.push_back(0);
+      const std::int64_t len = (static_cast<std::int64_t>(pages.size()) - 1) * pool.page_size +
+                               (fdp.ConsumeIntegralInRange<int>(0, 15) == 0 ? fdp.ConsumeIntegralInRange<int>(-1, pool.page_size + 1)
+                                                                            : fdp.ConsumeIntegralInRange<int>(1, pool.page_size));
+      pool.add_sequence(pages, len);
+    }
+    // A broken indptr now and then; never past the indices buffer (a CSR table's indices hold indptr[batch]
+    // entries by contract, and no reader can check a length it is not given).
+    if (fdp.ConsumeIntegralInRange<int>(0, 31) == 0)
+      pool.indptr[1] = fdp.ConsumeIntegralInRange<std::int32_t>(-2, static_cast<std::int32_t>(pool.indices.size()));
+  }
+  std::int32_t batch() const { return static_cast<std::int32_t>(pool.last.size()); }
+};
+
+std::vector<float> fuzz_queries(FuzzedDataProvider& fdp, std::size_t n) {
+  std::vector<float> q(n);
+  for (auto& x : q) x = fdp.ConsumeIntegralInRange<int>(0, 63) == 0 ? fuzz_float(fdp) : fdp.ConsumeFloatingPointInRange<float>(-2, 2);
+  return q;
+}
+
+void check_request(const Request& r, const Request& before, const Status& s, const Setup& su, const char* who) {
+  if (!s.is_ok()) {
+    KVP_FUZZ_CHECK(r.pages == before.pages && same_bytes(r.priority, before.priority) && r.req.size == before.req.size,
+                   "%s failed (%s) but wrote the request", who, s.message());
+    KVP_FUZZ_CHECK(s.message()[0] != '\0', "error without a message");
+    return;
+  }
+  KVP_FUZZ_CHECK(r.req.size >= 0 && r.req.size <= r.req.capacity, "%s: size %lld of capacity %lld", who, static_cast<long long>(r.req.size),
+                 static_cast<long long>(r.req.capacity));
+  std::vector<int> seen(static_cast<std::size_t>(su.pool.num_pages), 0);
+  for (std::int64_t i = 0; i < r.req.size; ++i) {
+    const std::int32_t p = r.pages[static_cast<std::size_t>(i)];
+    KVP_FUZZ_CHECK(p >= 0 && p < su.pool.num_pages, "%s: page %d outside the pool of %d", who, p, su.pool.num_pages);
+    KVP_FUZZ_CHECK(std::find(su.pool.indices.begin(), su.pool.indices.end(), p) != su.pool.indices.end(), "%s: page %d not in the table",
+                   who, p);
+    KVP_FUZZ_CHECK(seen[static_cast<std::size_t>(p)]++ == 0, "%s: page %d requested twice", who, p);
+    const float pr = r.priority[static_cast<std::size_t>(i)];
+    KVP_FUZZ_CHECK(std::isfinite(pr) && pr >= 0.0f, "%s: priority %g", who, static_cast<double>(pr));
+  }
+}
+
+template <class B>
+void quest_lookahead(FuzzedDataProvider& fdp) {
+  Setup su(fdp, fdp.ConsumeIntegralInRange<std::int32_t>(1, 8));
+  QuestLookaheadParams p;
+  p.page_budget = mostly_in(fdp, 1, 5);
+  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  p.reuse_previous = fdp.ConsumeBool();
+  const QuestLookahead<float> pol(p);
+  if (!su.pool.table().validate("fuzz", su.pool.num_pages, su.pool.page_size).is_ok() && fdp.ConsumeBool()) return;
+  QuestMeta qm(su.pool);
+  HistoryBuf hb;
+  QuestLookaheadState<float> st{qm.meta, hb.make(su.pool.num_pages)};
+  const ProblemShape shape{.num_q_heads = su.Hq,
+                           .num_kv_heads = su.pool.kv_heads,
+                           .head_dim = su.pool.head_dim,
+                           .max_kv_len = static_cast<std::int64_t>(su.pool.num_pages) * su.pool.page_size};
+  const Requirements req = pol.requirements(Context<B>{}, shape, su.pool.page_size);
+  if (!req.status.is_ok()) return;
+  std::vector<std::byte> ws(req.workspace_bytes - (req.workspace_bytes > 0 && fdp.ConsumeIntegralInRange<int>(0, 15) == 0 ? 1 : 0));
+  const Context<B> ctx{Workspace{ws.empty() ? nullptr : ws.data(), ws.size()}};
+  const auto q = fuzz_queries(fdp, static_cast<std::size_t>(su.batch() * su.Hq * su.pool.head_dim));
+  const auto qv = TensorView<const float, 3>::contiguous(q.data(), {su.batch(), su.Hq, su.pool.head_dim});
+  const std::int32_t layer = fdp.ConsumeIntegralInRange<std::int32_t>(-1, 3);
+  for (int step = 0; step < 2; ++step) {
+    Request r(std::max<std::int64_t>(0, static_cast<std::int64_t>(su.pool.indices.size()) - fdp.ConsumeIntegralInRange<int>(0, 1)));
+    const Request before = r;
+    const auto hist0 = hb.buf;
+    const Status s = pol.predict(ctx, st, DecodeInput<float>{qv, su.pool.table(), su.pool.page_size, layer}, r.req);
+    check_request(r, before, s, su, "quest_lookahead predict");
+    if (!s.is_ok()) {
+      KVP_FUZZ_CHECK(hb.buf == hist0, "quest_lookahead predict failed but changed the history");
+      return;
+    }
+    // The engine's actual selection: a few of the table's pages per row (sometimes an id outside the pool).
+    PageRows rows(static_cast<std::size_t>(su.batch() * su.pool.kv_heads));
+    for (auto& row : rows)
+      for (std::int32_t id : su.pool.indices)
+        if (fdp.ConsumeBool()) row.push_back(fdp.ConsumeIntegralInRange<int>(0, 31) == 0 ? su.pool.num_pages + 1 : id);
+    Selection actual(rows);
+    PrefetchCounters c;
+    const auto hist1 = hb.buf;
+    const Status o = pol.observe(ctx, st, actual.sel, c);
+    if (!o.is_ok()) KVP_FUZZ_CHECK(hb.buf == hist1, "quest_lookahead observe failed (%s) but changed the history", o.message());
+  }
+}
+
+template <class B>
+void specache(FuzzedDataProvider& fdp) {
+  Setup su(fdp, 32 * fdp.ConsumeIntegralInRange<std::int32_t>(1, 2) + (fdp.ConsumeIntegralInRange<int>(0, 31) == 0 ? 1 : 0));
+  SpeCacheParams p;
+  p.type = fdp.ConsumeBool() ? GgmlType::kQ8_0 : GgmlType::kQ4_0;
+  p.topk = mostly_in(fdp, 1, 8);
+  const SpeCache pol(p);
+  SpeCacheBuf buf(pol, su.pool);
+  const ProblemShape shape{.num_q_heads = su.Hq,
+                           .num_kv_heads = su.pool.kv_heads,
+                           .head_dim = su.pool.head_dim,
+                           .max_kv_len = static_cast<std::int64_t>(su.pool.num_pages) * su.pool.page_size};
+  const Requirements req = pol.requirements(Context<B>{}, shape, su.pool.page_size);
+  if (!req.status.is_ok()) return;
+  std::vector<std::byte> ws(req.workspace_bytes - (req.workspace_bytes > 0 && fdp.ConsumeIntegralInRange<int>(0, 15) == 0 ? 1 : 0));
+  const Context<B> ctx{Workspace{ws.empty() ? nullptr : ws.data(), ws.size()}};
+  const auto codes0 = buf.codes;
+  const Status a = pol.on_append(ctx, AppendInput<float>{su.pool.cview(), nullptr}, buf.st);
+  if (!a.is_ok()) {
+    KVP_FUZZ_CHECK(buf.codes == codes0, "specache on_append failed (%s) but wrote codes", a.message());
+    return;
+  }
+  const auto q = fuzz_queries(fdp, static_cast<std::size_t>(su.batch() * su.Hq * su.pool.head_dim));
+  const auto qv = TensorView<const float, 3>::contiguous(q.data(), {su.batch(), su.Hq, su.pool.head_dim});
+  Request r(std::max<std::int64_t>(0, static_cast<std::int64_t>(su.pool.indices.size()) - fdp.ConsumeIntegralInRange<int>(0, 1)));
+  const Request before = r;
+  const auto hist0 = buf.hist;
+  const Status s = pol.predict(ctx, buf.st, DecodeInput<float>{qv, su.pool.table(), su.pool.page_size, 2}, r.req);
+  check_request(r, before, s, su, "specache predict");
+  if (!s.is_ok()) KVP_FUZZ_CHECK(buf.hist == hist0, "specache predict failed but changed the history");
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider fdp(data, size);
+  switch (fdp.ConsumeIntegralInRange<int>(0, 3)) {
+    case 0: quest_lookahead<backend::Scalar>(fdp); break;
+    case 1: quest_lookahead<backend::Cpu>(fdp); break;
+    case 2: specache<backend::Scalar>(fdp); break;
+    default: specache<backend::Cpu>(fdp); break;
+  }
+  return 0;
+}
