@@ -364,3 +364,46 @@ TEST_CASE("bad input: an enum parameter outside its named values is rejected by 
   CHECK(!r.status.is_ok());
   CHECK(r.workspace_bytes == 0);
 }
+
+TEST_CASE("bad input: K and V interleaved in one buffer are separate views; overlapping pools are rejected", "[bad_input][apply]") {
+  // Combined layout (H, C, 2, d): keys at +0, values at +d of each token's pair. Element-disjoint, so accepted.
+  const std::int64_t H = 2, C = 6, d = 4, len = 5;
+  std::vector<float> kv(static_cast<std::size_t>(H * C * 2 * d));
+  for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(i);
+  const auto orig = kv;
+  const TensorView<float, 3> K(kv.data(), {H, C, d}, {C * 2 * d, 2 * d, 1}), V(kv.data() + d, {H, C, d}, {C * 2 * d, 2 * d, 1});
+  std::vector<std::int32_t> kp{0, 2, 4}, ki{1, 4, 0, 3};
+  std::vector<std::int64_t> lens(2, -7);
+  const KeepSet keep{kp.data(), ki.data(), 2, 4};
+  REQUIRE(compact_contiguous<float>(K, V, {}, len, keep, 0, std::span<std::int64_t>(lens)).is_ok());
+  CHECK(lens == std::vector<std::int64_t>{2, 2});
+  for (std::int64_t c = 0; c < d; ++c) {
+    CHECK(kv[static_cast<std::size_t>(0 * 2 * d + c)] == orig[static_cast<std::size_t>(1 * 2 * d + c)]);  // head 0 key row 0 <- token 1
+    CHECK(kv[static_cast<std::size_t>(1 * 2 * d + d + c)] ==
+          orig[static_cast<std::size_t>(4 * 2 * d + d + c)]);  // head 0 value row 1 <- token 4
+  }
+  // The same buffer with values at +d/2: keys and values overlap element-wise.
+  const TensorView<float, 3> Vbad(kv.data() + d / 2, {H, C, d}, {C * 2 * d, 2 * d, 1});
+  const auto before = kv;
+  const Status s = compact_contiguous<float>(K, Vbad, {}, len, keep, 0, std::span<std::int64_t>(lens));
+  CHECK_THAT(s.message(), Catch::Contains("keys and values share memory"));
+  CHECK(kv == before);
+
+  // A paged pool whose slot stride is smaller than a row: rejected by compact_paged, nothing written.
+  const std::int32_t pages = 2, ps = 2, Hp = 1, dp = 4;
+  std::vector<float> pool(static_cast<std::size_t>(pages * ps * dp), 1.0f);
+  PageStrides st = PageStrides::contiguous(PageLayout::kNHD, Hp, ps, dp);
+  st.slot = 2;  // rows of 4 channels 2 apart
+  std::vector<std::int32_t> indptr{0, 2}, indices{0, 1}, last{2};
+  const PagedKVView<float> cache{pool.data(), nullptr, st, st, pages, Hp, ps, dp, PageTable{indptr.data(), indices.data(), last.data(), 1},
+                                 kHost};
+  std::vector<std::int32_t> pkp{0, 2}, pki{0, 3}, oip(2, -7), oix(2, -7), ol(1, -7), freed(2, -7);
+  PagedCompactOutput out{oip.data(), oix.data(), ol.data(), 2, freed.data(), 2, -7};
+  std::vector<std::byte> ws(compact_paged_workspace(pages));
+  const auto pool0 = pool;
+  const Status p = compact_paged<float>(cache, KeepSet{pkp.data(), pki.data(), 1, 2}, {}, out, Workspace{ws.data(), ws.size()});
+  CHECK_THAT(p.message(), Catch::Contains("key pool's strides"));
+  CHECK(pool == pool0);
+  CHECK(oip == std::vector<std::int32_t>(2, -7));
+  CHECK(out.num_freed == -7);
+}

@@ -126,10 +126,29 @@ void touched_bytes(const TensorView<T, R>& v, std::uintptr_t* lo, std::uintptr_t
   *hi = reinterpret_cast<std::uintptr_t>(v.data() + h) + sizeof(T);
 }
 
-/// The byte ranges two views may touch are disjoint (either may be empty).
+/// Two views address no common element (either may be empty). Views of one
+/// element type with equal extents and strides (K and V interleaved in one
+/// buffer, as a combined KV layout stores them) are tested element-wise, as
+/// one view with a leading axis of 2; any other pair by the byte ranges they
+/// may touch.
 template <class A, int RA, class B, int RB>
 Status check_disjoint(const char* who, const TensorView<A, RA>& a, const char* an, const TensorView<B, RB>& b, const char* bn) noexcept {
   if (a.empty() || b.empty() || a.data() == nullptr || b.data() == nullptr) return Status::ok();
+  if constexpr (std::is_same_v<std::remove_cv_t<A>, std::remove_cv_t<B>> && RA == RB) {
+    const auto pa = reinterpret_cast<std::uintptr_t>(a.data()), pb = reinterpret_cast<std::uintptr_t>(b.data());
+    if (a.extents() == b.extents() && a.strides() == b.strides() && (pa > pb ? pa - pb : pb - pa) % sizeof(A) == 0) {
+      std::array<std::int64_t, RA + 1> e{}, st{};
+      e[0] = 2;
+      st[0] = (static_cast<std::int64_t>(pb) - static_cast<std::int64_t>(pa)) / static_cast<std::int64_t>(sizeof(A));
+      for (int k = 0; k < RA; ++k) {
+        e[k + 1] = a.extent(k);
+        st[k + 1] = a.stride(k);
+      }
+      const TensorView<const A, RA + 1> both(a.data(), e, st);
+      KVP_REQUIRE(both.is_non_overlapping(), "%s: %s and %s share memory; they must be separate buffers", who, an, bn);
+      return Status::ok();
+    }
+  }
   std::uintptr_t a0 = 0, a1 = 0, b0 = 0, b1 = 0;
   touched_bytes(a, &a0, &a1);
   touched_bytes(b, &b0, &b1);
@@ -203,7 +222,7 @@ template <class T>
 Status compact_paged(const PagedKVView<T>& cache, const KeepSet& keep, TensorView<std::int32_t, 3> positions, PagedCompactOutput& out,
                      Workspace ws) noexcept {
   const char* who = "compact_paged";
-  KVP_RETURN_IF_ERROR(cache.validate(who, cache.v_data != nullptr));
+  KVP_RETURN_IF_ERROR(cache.validate_writable(who, cache.v_data != nullptr));
   KVP_REQUIRE(cache.device.is_host(), "%s: the page pool must be host memory", who);
   const PageTable& t = cache.table;
   const std::int64_t H = cache.num_kv_heads, ps = cache.page_size;

@@ -247,7 +247,7 @@ namespace detail {
 template <class T>
 Status check_paged_for_merge(const char* who, const PagedKVView<T>& cache, const KeepSet& keep, const MergePlan& plan,
                              Workspace ws) noexcept {
-  KVP_RETURN_IF_ERROR(cache.validate(who, cache.v_data != nullptr));
+  KVP_RETURN_IF_ERROR(cache.validate_writable(who, cache.v_data != nullptr));
   KVP_REQUIRE(cache.device.is_host(), "%s: the page pool must be host memory", who);
   KVP_REQUIRE(plan.merged_values.empty() || cache.v_data != nullptr, "%s: the plan merges values but the cache has no value pool", who);
   const std::int64_t H = cache.num_kv_heads, B = cache.table.batch;

@@ -137,6 +137,42 @@ struct PagedKVView {
     KVP_REQUIRE(!need_values || v_strides.dim == 1, "%s: value dim stride is %lld, must be 1", who, static_cast<long long>(v_strides.dim));
     return table.validate(who, num_pages, page_size);
   }
+
+  /// `validate` for a pool written through (compaction, merging): each pool's
+  /// (page, head, slot, channel) strides address every element once, and the
+  /// key and value pools do not share memory.
+  Status validate_writable(const char* who, bool need_values = true) const noexcept {
+    KVP_RETURN_IF_ERROR(validate(who, need_values));
+    if (num_pages == 0) return Status::ok();
+    const TensorView<T, 4> k(k_data, {num_pages, num_kv_heads, page_size, head_dim}, {k_strides.page, k_strides.head, k_strides.slot, 1});
+    KVP_REQUIRE(k.is_non_overlapping(), "%s: the key pool's strides (page %lld, head %lld, slot %lld) make elements overlap", who,
+                static_cast<long long>(k_strides.page), static_cast<long long>(k_strides.head), static_cast<long long>(k_strides.slot));
+    if (v_data == nullptr) return Status::ok();
+    const TensorView<T, 4> v(v_data, {num_pages, num_kv_heads, page_size, head_dim}, {v_strides.page, v_strides.head, v_strides.slot, 1});
+    KVP_REQUIRE(v.is_non_overlapping(), "%s: the value pool's strides (page %lld, head %lld, slot %lld) make elements overlap", who,
+                static_cast<long long>(v_strides.page), static_cast<long long>(v_strides.head), static_cast<long long>(v_strides.slot));
+    const auto pk = reinterpret_cast<std::uintptr_t>(k_data), pv = reinterpret_cast<std::uintptr_t>(v_data);
+    if (k.strides() == v.strides() && (pk > pv ? pk - pv : pv - pk) % sizeof(T) == 0) {
+      // Equal strides (separate pools, or K and V interleaved in one buffer as FlashInfer's
+      // combined layout): element-wise, as one pool with a leading axis of 2.
+      const std::int64_t off = (static_cast<std::int64_t>(pv) - static_cast<std::int64_t>(pk)) / static_cast<std::int64_t>(sizeof(T));
+      const TensorView<T, 5> kv(k_data, {2, num_pages, num_kv_heads, page_size, head_dim},
+                                {off, k_strides.page, k_strides.head, k_strides.slot, 1});
+      KVP_REQUIRE(kv.is_non_overlapping(), "%s: the key and value pools share memory; they must be separate buffers", who);
+      return Status::ok();
+    }
+    auto range = [](const TensorView<T, 4>& x, std::uintptr_t* lo, std::uintptr_t* hi) {
+      std::int64_t l = 0, h = 0;
+      for (int a = 0; a < 4; ++a) (x.stride(a) < 0 ? l : h) += (x.extent(a) - 1) * x.stride(a);
+      *lo = reinterpret_cast<std::uintptr_t>(x.data() + l);
+      *hi = reinterpret_cast<std::uintptr_t>(x.data() + h) + sizeof(T);
+    };
+    std::uintptr_t k0 = 0, k1 = 0, v0 = 0, v1 = 0;
+    range(k, &k0, &k1);
+    range(v, &v0, &v1);
+    KVP_REQUIRE(k1 <= v0 || v1 <= k0, "%s: the key and value pools share memory; they must be separate buffers", who);
+    return Status::ok();
+  }
 };
 
 KVP_NAMESPACE_END

@@ -47,8 +47,12 @@
 // block holding NaN (its max scan is order-sensitive) and a NaN or infinite
 // scale for one holding ±inf. The library's quantize entry points reject
 // non-finite values with an error naming the row and channel, writing
-// nothing. A finite block whose scale exceeds the fp16 range stores an
-// infinite scale, as the reference does (|x| above 65504 * 127 for q8_0).
+// nothing. A finite block whose scale or minimum exceeds the fp16 range
+// stores an infinite one, as the reference does (|x| above 65504 * 127 for
+// q8_0; a minimum below -65504 for q4_1 / q5_1), and decodes to non-finite
+// values. With a Hadamard rotation (GgmlQuant) the bound applies to the
+// rotated block, whose entries reach up to sqrt(n) * max|x| for a rotation of
+// size n (8x at n = 64): rows near the fp16 range need rotation=none.
 #pragma once
 
 #include <cmath>
