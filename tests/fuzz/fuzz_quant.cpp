@@ -89,7 +89,8 @@ void fuzz_rows(FuzzedDataProvider& fdp, const P& p) {
   const bool rotated = p.params().rotation != HadamardMode::kNone;
   std::vector<float> row_max(static_cast<std::size_t>(H * T), 0.0f);
   for (std::int64_t i = 0; i < H * T * d; ++i)
-    row_max[static_cast<std::size_t>(i / d)] = std::max(row_max[static_cast<std::size_t>(i / d)], std::fabs(x[static_cast<std::size_t>(i)]));
+    row_max[static_cast<std::size_t>(i / d)] =
+        std::max(row_max[static_cast<std::size_t>(i / d)], std::fabs(x[static_cast<std::size_t>(i)]));
   for (std::int64_t i = 0; i < H * T * d; ++i)
     KVP_FUZZ_CHECK(std::isfinite(y[static_cast<std::size_t>(i)]) || std::fabs(x[static_cast<std::size_t>(i)]) > 1e4f ||
                        (rotated && row_max[static_cast<std::size_t>(i / d)] > 4e3f),
