@@ -93,7 +93,7 @@ template <class T>
 Status compact_paged_per_head(const PagedKVView<T>& cache, std::int64_t kv_heads, const KeepSet& keep,
                               TensorView<std::int32_t, 2> positions, PagedCompactOutput& out, Workspace ws) noexcept {
   const char* who = "compact_paged_per_head";
-  KVP_RETURN_IF_ERROR(cache.validate_writable(who, cache.v_data != nullptr));
+  KVP_RETURN_IF_ERROR(cache.validate_writable(who, cache.v_data != nullptr, /*one_head_per_page=*/true));
   KVP_REQUIRE(cache.device.is_host(), "%s: the page pool must be host memory", who);
   KVP_REQUIRE(
       cache.num_kv_heads == 1 || (cache.k_strides.head == 0 && (cache.v_data == nullptr || cache.v_strides.head == 0)),

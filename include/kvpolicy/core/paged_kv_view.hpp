@@ -140,15 +140,17 @@ struct PagedKVView {
 
   /// `validate` for a pool written through (compaction, merging): each pool's
   /// (page, head, slot, channel) strides address every element once, and the
-  /// key and value pools do not share memory.
-  Status validate_writable(const char* who, bool need_values = true) const noexcept {
+  /// key and value pools do not share memory. `one_head_per_page`: per-head
+  /// page tables, where every page holds one head and the head strides are 0.
+  Status validate_writable(const char* who, bool need_values = true, bool one_head_per_page = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate(who, need_values));
     if (num_pages == 0) return Status::ok();
-    const TensorView<T, 4> k(k_data, {num_pages, num_kv_heads, page_size, head_dim}, {k_strides.page, k_strides.head, k_strides.slot, 1});
+    const std::int32_t heads = one_head_per_page ? 1 : num_kv_heads;
+    const TensorView<T, 4> k(k_data, {num_pages, heads, page_size, head_dim}, {k_strides.page, k_strides.head, k_strides.slot, 1});
     KVP_REQUIRE(k.is_non_overlapping(), "%s: the key pool's strides (page %lld, head %lld, slot %lld) make elements overlap", who,
                 static_cast<long long>(k_strides.page), static_cast<long long>(k_strides.head), static_cast<long long>(k_strides.slot));
     if (v_data == nullptr) return Status::ok();
-    const TensorView<T, 4> v(v_data, {num_pages, num_kv_heads, page_size, head_dim}, {v_strides.page, v_strides.head, v_strides.slot, 1});
+    const TensorView<T, 4> v(v_data, {num_pages, heads, page_size, head_dim}, {v_strides.page, v_strides.head, v_strides.slot, 1});
     KVP_REQUIRE(v.is_non_overlapping(), "%s: the value pool's strides (page %lld, head %lld, slot %lld) make elements overlap", who,
                 static_cast<long long>(v_strides.page), static_cast<long long>(v_strides.head), static_cast<long long>(v_strides.slot));
     const auto pk = reinterpret_cast<std::uintptr_t>(k_data), pv = reinterpret_cast<std::uintptr_t>(v_data);
@@ -156,7 +158,7 @@ struct PagedKVView {
       // Equal strides (separate pools, or K and V interleaved in one buffer as FlashInfer's
       // combined layout): element-wise, as one pool with a leading axis of 2.
       const std::int64_t off = (static_cast<std::int64_t>(pv) - static_cast<std::int64_t>(pk)) / static_cast<std::int64_t>(sizeof(T));
-      const TensorView<T, 5> kv(k_data, {2, num_pages, num_kv_heads, page_size, head_dim},
+      const TensorView<T, 5> kv(k_data, {2, num_pages, heads, page_size, head_dim},
                                 {off, k_strides.page, k_strides.head, k_strides.slot, 1});
       KVP_REQUIRE(kv.is_non_overlapping(), "%s: the key and value pools share memory; they must be separate buffers", who);
       return Status::ok();
