@@ -443,31 +443,46 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
 // compares greater or the running value is NaN.
 inline constexpr int kPoolNet = 15;
 
+// One vector of outputs per iteration for a kernel of K (a compile-time size,
+// so the window's K vectors stay in registers).
+template <int K>
+inline void pool_avg_sorted(const float* in, float* out, std::int64_t& t, std::int64_t t1) noexcept {
+  constexpr std::int64_t r = K / 2;
+  const F div(static_cast<float>(K)), qnan(std::numeric_limits<float>::quiet_NaN());
+  for (; t + kLanes <= t1; t += kLanes) {
+    F x[K];
+    auto nan = xsimd::batch_bool<float, Arch>(false);
+    for (int u = 0; u < K; ++u) {
+      x[u] = F::load_unaligned(in + t - r + u);
+      nan = nan | xsimd::isnan(x[u]);
+    }
+    // Odd-even transposition sort: K rounds sort any input. Without NaN
+    // (handled by the mask) min / max are exact, so every lane ends ascending.
+    for (int round = 0; round < K; ++round)
+      for (int i = round & 1; i + 1 < K; i += 2) {
+        const F lo = xsimd::min(x[i], x[i + 1]), hi = xsimd::max(x[i], x[i + 1]);
+        x[i] = lo;
+        x[i + 1] = hi;
+      }
+    F acc(0.0f);
+    for (int u = 0; u < K; ++u) acc += x[u];
+    xsimd::select(nan, qnan, acc / div).store_unaligned(out + t);
+  }
+}
+
 inline void pool1d_full(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept {
   const std::int64_t r = kernel / 2;
   std::int64_t t = t0;
   if (kind == Pooling::kAvg) {
-    const F div(static_cast<float>(kernel));
-    if (kernel <= kPoolNet) {
-      for (; t + kLanes <= t1; t += kLanes) {
-        F x[kPoolNet];
-        auto nan = xsimd::batch_bool<float, Arch>(false);
-        for (int u = 0; u < kernel; ++u) {
-          x[u] = F::load_unaligned(in + t - r + u);
-          nan = nan | xsimd::isnan(x[u]);
-        }
-        // Odd-even transposition sort: `kernel` rounds sort any input. Without NaN
-        // (handled by the mask) min / max are exact, so lane j ends ascending.
-        for (int round = 0; round < kernel; ++round)
-          for (int i = round & 1; i + 1 < kernel; i += 2) {
-            const F lo = xsimd::min(x[i], x[i + 1]), hi = xsimd::max(x[i], x[i + 1]);
-            x[i] = lo;
-            x[i + 1] = hi;
-          }
-        F acc(0.0f);
-        for (int u = 0; u < kernel; ++u) acc += x[u];
-        xsimd::select(nan, F(std::numeric_limits<float>::quiet_NaN()), acc / div).store_unaligned(out + t);
-      }
+    switch (kernel) {
+      case 3: pool_avg_sorted<3>(in, out, t, t1); break;
+      case 5: pool_avg_sorted<5>(in, out, t, t1); break;
+      case 7: pool_avg_sorted<7>(in, out, t, t1); break;
+      case 9: pool_avg_sorted<9>(in, out, t, t1); break;
+      case 11: pool_avg_sorted<11>(in, out, t, t1); break;
+      case 13: pool_avg_sorted<13>(in, out, t, t1); break;
+      case 15: pool_avg_sorted<kPoolNet>(in, out, t, t1); break;
+      default: break;  // larger kernels: per output below
     }
     for (; t < t1; ++t) out[t] = kvpolicy::detail::ascending_sum(in, t - r, t + r) / static_cast<float>(kernel);
   } else {
