@@ -365,7 +365,7 @@ TEST_CASE("bad input: an enum parameter outside its named values is rejected by 
   CHECK(r.workspace_bytes == 0);
 }
 
-TEST_CASE("bad input: K and V interleaved in one buffer are separate views; overlapping pools are rejected", "[bad_input][apply]") {
+TEST_CASE("bad input: K and V interleaved in one buffer are separate views, overlapping pools are rejected", "[bad_input][apply]") {
   // Combined layout (H, C, 2, d): keys at +0, values at +d of each token's pair. Element-disjoint, so accepted.
   const std::int64_t H = 2, C = 6, d = 4, len = 5;
   std::vector<float> kv(static_cast<std::size_t>(H * C * 2 * d));
