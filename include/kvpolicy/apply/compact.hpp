@@ -158,16 +158,26 @@ Status check_disjoint(const char* who, const TensorView<A, RA>& a, const char* a
 
 }  // namespace detail
 
+namespace detail {
+/// The checks every contiguous compaction makes on the views it writes through.
 template <class T>
-Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, TensorView<std::int32_t, 2> positions, std::int64_t kv_len,
-                          const KeepSet& keep, std::int64_t row0, std::span<std::int64_t> new_lens) noexcept {
-  const char* who = "compact_contiguous";
+Status check_cache_views(const char* who, const TensorView<T, 3>& keys, const TensorView<T, 3>& values,
+                         const TensorView<std::int32_t, 2>& positions) noexcept {
   KVP_RETURN_IF_ERROR(keys.check_writable(who, "keys"));
   KVP_RETURN_IF_ERROR(values.check_writable(who, "values"));
   KVP_RETURN_IF_ERROR(positions.check_writable(who, "positions"));
   KVP_RETURN_IF_ERROR(detail::check_disjoint(who, keys, "keys", values, "values"));
   KVP_RETURN_IF_ERROR(detail::check_disjoint(who, keys, "keys", positions, "positions"));
   KVP_RETURN_IF_ERROR(detail::check_disjoint(who, values, "values", positions, "positions"));
+  return Status::ok();
+}
+}  // namespace detail
+
+template <class T>
+Status compact_contiguous(TensorView<T, 3> keys, TensorView<T, 3> values, TensorView<std::int32_t, 2> positions, std::int64_t kv_len,
+                          const KeepSet& keep, std::int64_t row0, std::span<std::int64_t> new_lens) noexcept {
+  const char* who = "compact_contiguous";
+  KVP_RETURN_IF_ERROR(detail::check_cache_views(who, keys, values, positions));
   const std::int64_t H = keys.extent(0);
   KVP_REQUIRE(keys.device().is_host() && values.device().is_host(), "%s: keys/values must be host memory", who);
   KVP_REQUIRE(kv_len >= 0 && kv_len <= keys.extent(1), "%s: kv_len %lld out of range [0, capacity=%lld]", who,

@@ -39,12 +39,7 @@ Status compact_contiguous_per_head(TensorView<T, 3> keys, TensorView<T, 3> value
                                    std::span<std::int64_t> new_lens) noexcept {
   const char* who = "compact_contiguous_per_head";
   // Every check `compact_contiguous` makes, for every head, before the first write.
-  KVP_RETURN_IF_ERROR(keys.check_writable(who, "keys"));
-  KVP_RETURN_IF_ERROR(values.check_writable(who, "values"));
-  KVP_RETURN_IF_ERROR(positions.check_writable(who, "positions"));
-  KVP_RETURN_IF_ERROR(detail::check_disjoint(who, keys, "keys", values, "values"));
-  KVP_RETURN_IF_ERROR(detail::check_disjoint(who, keys, "keys", positions, "positions"));
-  KVP_RETURN_IF_ERROR(detail::check_disjoint(who, values, "values", positions, "positions"));
+  KVP_RETURN_IF_ERROR(detail::check_cache_views(who, keys, values, positions));
   KVP_REQUIRE(keys.device().is_host() && values.device().is_host(), "%s: keys/values must be host memory", who);
   const std::int64_t H = keys.extent(0), cap = keys.extent(1);
   KVP_REQUIRE(static_cast<std::int64_t>(head_lens.size()) == H, "%s: head_lens has %zu entries, expected kv_heads=%lld", who,
