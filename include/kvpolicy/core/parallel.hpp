@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kvpolicy/core/collective.hpp"
 #include "kvpolicy/core/version.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -31,6 +32,9 @@ struct ExecContext {
   ParallelForFn parallel_for_fn = nullptr;  ///< nullptr: sequential
   void* pool = nullptr;
   int num_workers = 1;  ///< upper bound on distinct worker ids
+  /// Tensor parallelism: this rank's heads and the engine's collective
+  /// (core/collective.hpp). nullptr: the call holds every head of the layer.
+  const HeadShard* shard = nullptr;
 
   int workers() const noexcept { return parallel_for_fn ? (num_workers < 1 ? 1 : num_workers) : 1; }
 

@@ -21,6 +21,7 @@ enum class StatusCode : int {
   kOutputTooSmall,     ///< caller-provided output buffer too small
   kUnsupported,        ///< valid input this build or backend does not handle
   kDeviceError,        ///< error reported by a device runtime (CUDA)
+  kCollectiveError,    ///< error reported by the engine's collective (core/collective.hpp), or a peer rank's rejection
 };
 
 constexpr const char* status_code_name(StatusCode c) noexcept {
@@ -31,6 +32,7 @@ constexpr const char* status_code_name(StatusCode c) noexcept {
     case StatusCode::kOutputTooSmall: return "output too small";
     case StatusCode::kUnsupported: return "unsupported";
     case StatusCode::kDeviceError: return "device error";
+    case StatusCode::kCollectiveError: return "collective error";
   }
   return "unknown";
 }

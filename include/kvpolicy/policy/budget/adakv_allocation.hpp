@@ -37,6 +37,7 @@
 
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/policy/budget.hpp"
+#include "kvpolicy/policy/budget/sharded_cut.hpp"
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
@@ -145,36 +146,30 @@ struct AdaKVAllocation {
     return s;
   }
 
-  /// The original allocation: count[r] = cap[r] + P, B past tokens per row on average.
+  /// The original's normalisation: row r of S scaled by sum(top-kr) / sum(all)
+  /// into cand, the protected (+inf) scores left out of both sums, in fp32 like
+  /// the reference. `sel` holds kr ids, `ws` one row's top-k workspace.
   template <class Bk>
-  void original(const float* S, std::int64_t T, std::int64_t rows, std::int64_t P, std::int64_t B, Scratch& s,
-                std::int64_t* count) const noexcept {
-    const float* ranked = S;
-    const std::int64_t k = std::min(rows * T, rows * (B + P));
-    if (normalize) {
-      // Row r scaled by sum(top-(B+P)) / sum(all), the protected (+inf) scores left out of both sums, in fp32 like the reference.
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const float* row = S + r * T;
-        const std::int64_t kr = std::min<std::int64_t>(T, B + P);
-        Bk::topk(row, T, kr, s.sel, s.global);
-        double top = 0.0, all = 0.0;
-        for (std::int64_t i = 0; i < kr; ++i)
-          if (row[s.sel[i]] != INFINITY) top += row[s.sel[i]];
-        for (std::int64_t j = 0; j < T; ++j)
-          if (row[j] != INFINITY) all += row[j];
-        const float den = static_cast<float>(all);
-        const float f =
-            (den != 0.0f && std::isfinite(den) && std::isfinite(static_cast<float>(top))) ? static_cast<float>(top) / den : 1.0f;
-        for (std::int64_t j = 0; j < T; ++j) s.cand[r * T + j] = row[j] == INFINITY ? row[j] : row[j] * f;
-      }
-      ranked = s.cand;
+  static void normalize_rows(const float* S, std::int64_t T, std::int64_t rows, std::int64_t kr, float* cand, std::int32_t* sel,
+                             Workspace ws) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* row = S + r * T;
+      Bk::topk(row, T, kr, sel, ws);
+      double top = 0.0, all = 0.0;
+      for (std::int64_t i = 0; i < kr; ++i)
+        if (row[sel[i]] != INFINITY) top += row[sel[i]];
+      for (std::int64_t j = 0; j < T; ++j)
+        if (row[j] != INFINITY) all += row[j];
+      const float den = static_cast<float>(all);
+      const float f = (den != 0.0f && std::isfinite(den) && std::isfinite(static_cast<float>(top))) ? static_cast<float>(top) / den : 1.0f;
+      for (std::int64_t j = 0; j < T; ++j) cand[r * T + j] = row[j] == INFINITY ? row[j] : row[j] * f;
     }
-    // Layer-wide top rows*(B + P): every row's protected tokens first, then the rows' shares of the best rows*B.
-    Bk::topk(ranked, rows * T, k, s.sel, s.global);
-    for (std::int64_t r = 0; r < rows; ++r) count[r] = -P;
-    for (std::int64_t i = 0; i < k; ++i) ++count[s.sel[i] / T];
-    bool defined = true;
-    for (std::int64_t r = 0; r < rows; ++r) defined = defined && count[r] >= 0;
+  }
+
+  /// The original's caps from count[r] = row r's share of the layer-wide
+  /// selection minus P (`defined`: no share fell below the protected tokens,
+  /// over the whole layer); writes count[r] = cap[r] + P.
+  void original_caps(std::int64_t T, std::int64_t rows, std::int64_t P, std::int64_t B, bool defined, std::int64_t* count) const noexcept {
     const auto floor_cap = static_cast<std::int64_t>(static_cast<double>(B) * alpha);
     const float keep_f = static_cast<float>(1.0 - alpha);
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -187,35 +182,144 @@ struct AdaKVAllocation {
     }
   }
 
-  /// kvpress AdaKVPress: the safeguard per row, then the layer-wide best of the rest.
-  template <class Bk>
-  void kvpress(const float* S, std::int64_t T, std::int64_t rows, std::int64_t n_kept, Scratch& s, std::int64_t* count,
-               const ExecContext& ctx) const noexcept {
+  /// kvpress's safeguard count for a budget of n_kept tokens per row.
+  std::int64_t kvpress_safe(std::int64_t n_kept) const noexcept {
     auto n_safe = static_cast<std::int64_t>(static_cast<double>(n_kept) * alpha);
     if (budget.at_least_one && alpha > 0.0) n_safe = n_kept > 0 ? std::max<std::int64_t>(1, n_safe) : 0;
-    n_safe = std::min(n_safe, n_kept);
-    // 1. Safeguard: each row's own best n_safe tokens (ascending).
-    ctx.parallel_for(rows,
-                     [&](std::int64_t r, int worker) { Bk::topk(S + r * T, T, n_safe, s.safe + r * n_safe, s.rows_ws.slice(worker)); });
-    // 2. Candidates: everything not safeguarded, in flat order (so ties go to the higher flat index).
+    return std::min(n_safe, n_kept);
+  }
+
+  /// kvpress: each row's best n_safe tokens into safe (ascending), then every
+  /// other token into cand / map (value, flat index r*T + j) in flat order, so
+  /// ties go to the higher flat index. Returns the number of candidates.
+  template <class Bk>
+  static std::int64_t kvpress_candidates(const float* S, std::int64_t T, std::int64_t rows, std::int64_t n_safe, std::int32_t* safe,
+                                         float* cand, std::int32_t* map, const detail::WorkerSlices& rows_ws,
+                                         const ExecContext& ctx) noexcept {
+    ctx.parallel_for(rows, [&](std::int64_t r, int worker) { Bk::topk(S + r * T, T, n_safe, safe + r * n_safe, rows_ws.slice(worker)); });
     std::int64_t m = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int32_t* sf = s.safe + r * n_safe;
+      const std::int32_t* sf = safe + r * n_safe;
       std::int64_t q = 0;
       for (std::int64_t j = 0; j < T; ++j) {
         if (q < n_safe && sf[q] == j) {
           ++q;
           continue;
         }
-        s.cand[m] = S[r * T + j];
-        s.map[m++] = static_cast<std::int32_t>(r * T + j);
+        cand[m] = S[r * T + j];
+        map[m++] = static_cast<std::int32_t>(r * T + j);
       }
     }
-    // 3. The layer keeps rows*n_kept tokens: the safeguarded ones plus the best rows*(n_kept - n_safe) candidates.
+    return m;
+  }
+
+  /// The original allocation: count[r] = cap[r] + P, B past tokens per row on average.
+  template <class Bk>
+  void original(const float* S, std::int64_t T, std::int64_t rows, std::int64_t P, std::int64_t B, Scratch& s,
+                std::int64_t* count) const noexcept {
+    const float* ranked = S;
+    const std::int64_t k = std::min(rows * T, rows * (B + P));
+    if (normalize) {
+      normalize_rows<Bk>(S, T, rows, std::min<std::int64_t>(T, B + P), s.cand, s.sel, s.global);
+      ranked = s.cand;
+    }
+    // Layer-wide top rows*(B + P): every row's protected tokens first, then the rows' shares of the best rows*B.
+    Bk::topk(ranked, rows * T, k, s.sel, s.global);
+    for (std::int64_t r = 0; r < rows; ++r) count[r] = -P;
+    for (std::int64_t i = 0; i < k; ++i) ++count[s.sel[i] / T];
+    bool defined = true;
+    for (std::int64_t r = 0; r < rows; ++r) defined = defined && count[r] >= 0;
+    original_caps(T, rows, P, B, defined, count);
+  }
+
+  /// kvpress AdaKVPress: the safeguard per row, then the layer-wide best of the rest.
+  template <class Bk>
+  void kvpress(const float* S, std::int64_t T, std::int64_t rows, std::int64_t n_kept, Scratch& s, std::int64_t* count,
+               const ExecContext& ctx) const noexcept {
+    const std::int64_t n_safe = kvpress_safe(n_kept);
+    const std::int64_t m = kvpress_candidates<Bk>(S, T, rows, n_safe, s.safe, s.cand, s.map, s.rows_ws, ctx);
+    // The layer keeps rows*n_kept tokens: the safeguarded ones plus the best rows*(n_kept - n_safe) candidates.
     const std::int64_t extra = rows * (n_kept - n_safe);
     Bk::topk(s.cand, m, extra, s.sel, s.global);
     for (std::int64_t r = 0; r < rows; ++r) count[r] = n_safe;
     for (std::int64_t i = 0; i < extra; ++i) ++count[s.map[s.sel[i]] / T];
+  }
+
+ public:
+  // ---- the sharded allocation (tensor parallelism, budget/sharded_cut.hpp) ----
+  // Per sequence: `shard_candidates` (this rank's candidates of the layer-wide
+  // selection over all ranks' rows), one `sharded_cut` for the whole batch,
+  // `shard_counts`, then `shard_finish` with the layer-wide `defined` flag.
+  // The formulas are the ones above; only the layer-wide top-k is replaced by
+  // the cut, so the counts equal the single-process counts bit for bit.
+
+  /// Per-sequence buffers of the sharded allocation (rows * T entries each).
+  struct ShardBuffers {
+    float* cand = nullptr;
+    std::int32_t* map = nullptr;
+    std::int32_t* safe = nullptr;
+  };
+  template <class Alloc>
+  static ShardBuffers take_shard_buffers(Alloc& a, std::int64_t rows, std::int64_t T) noexcept {
+    const auto rt = static_cast<std::size_t>(std::max<std::int64_t>(rows, 1) * std::max<std::int64_t>(T, 1));
+    ShardBuffers b;
+    b.cand = a.template take<float>(rt);
+    b.map = a.template take<std::int32_t>(rt);
+    b.safe = a.template take<std::int32_t>(rt);
+    return b;
+  }
+  /// Scratch of `shard_candidates` shared by the sequences: one row's top-k per worker.
+  template <class B>
+  static std::size_t shard_row_workspace(std::int64_t T, const ExecContext& ctx) noexcept {
+    return detail::WorkerSlices::bytes(B::topk_workspace(std::max<std::int64_t>(T, 1)), ctx.workers());
+  }
+
+  /// Phase 1 for one sequence of T tokens whose score map S has `rows` rows
+  /// here and `global_rows` over all ranks: the candidates and the layer's k.
+  /// Only for sequences that evict (per_row(T) < T, or == T for the original).
+  template <class Bk>
+  ShardedTopK shard_candidates(const float* S, std::int64_t T, std::int64_t rows, std::int64_t global_rows, ShardBuffers sb,
+                               Workspace row_ws, const ExecContext& ctx) const noexcept {
+    const std::int64_t P = std::min(num_protected, T), n_total = per_row(T);
+    const detail::WorkerSlices slices = detail::WorkerSlices::carve(row_ws, Bk::topk_workspace(std::max<std::int64_t>(T, 1)));
+    if (variant == AdaKVVariant::kOriginal) {
+      const std::int64_t B = n_total - P;
+      const float* ranked = S;
+      if (normalize) {
+        normalize_rows<Bk>(S, T, rows, std::min<std::int64_t>(T, B + P), sb.cand, sb.safe, slices.slice(0));
+        ranked = sb.cand;
+      }
+      return ShardedTopK{ranked, rows * T, std::min(global_rows * T, global_rows * (B + P))};
+    }
+    const std::int64_t n_safe = kvpress_safe(n_total);
+    const std::int64_t m = kvpress_candidates<Bk>(S, T, rows, n_safe, sb.safe, sb.cand, sb.map, slices, ctx);
+    return ShardedTopK{sb.cand, m, global_rows * (n_total - n_safe)};
+  }
+
+  /// Phase 3: each row's share of the cut (the original: minus P). Returns
+  /// false when some local share is below the protected tokens (the
+  /// original's counts are then undefined; see `shard_finish`).
+  bool shard_counts(const ShardedTopK& p, const ShardedCut& cut, std::int64_t T, std::int64_t rows, ShardBuffers sb,
+                    std::int64_t* count) const noexcept {
+    if (variant == AdaKVVariant::kOriginal) {
+      const std::int64_t P = std::min(num_protected, T);
+      for (std::int64_t r = 0; r < rows; ++r) count[r] = -P;
+      for_each_selected(p, cut, [&](std::int64_t i) { ++count[i / T]; });
+      bool defined = true;
+      for (std::int64_t r = 0; r < rows; ++r) defined = defined && count[r] >= 0;
+      return defined;
+    }
+    const std::int64_t n_safe = kvpress_safe(per_row(T));
+    for (std::int64_t r = 0; r < rows; ++r) count[r] = n_safe;
+    for_each_selected(p, cut, [&](std::int64_t i) { ++count[sb.map[i] / T]; });
+    return true;
+  }
+
+  /// Phase 4: the counts the rows keep (`defined` over every rank's rows).
+  void shard_finish(std::int64_t T, std::int64_t rows, bool defined, std::int64_t* count) const noexcept {
+    if (variant != AdaKVVariant::kOriginal) return;
+    const std::int64_t P = std::min(num_protected, T);
+    original_caps(T, rows, P, per_row(T) - P, defined, count);
   }
 };
 

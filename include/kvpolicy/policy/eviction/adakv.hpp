@@ -61,6 +61,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -178,6 +179,18 @@ class AdaKV {
     return kept_count(kv_len) < 0 ? -1 : allocation(kv_len).max_total(kv_len, rows);
   }
 
+  /// The same bound for `rows` rows held by one rank of a sharded layer
+  /// (`exec.shard`): the budget is the layer's, so a rank's heads may take up
+  /// to all of it, min(rows * kv_len, the whole layer's bound). Without a
+  /// distributed shard, `max_total_kept(kv_len, rows)`.
+  std::int64_t max_total_kept(std::int64_t kv_len, std::int64_t rows, const ExecContext& exec) const noexcept {
+    if (exec.shard == nullptr || !exec.shard->distributed()) return max_total_kept(kv_len, rows);
+    const HeadShard& sh = *exec.shard;
+    const std::int64_t R = params_.heads == HeadGranularity::kQueryHead ? sh.num_q_heads : sh.num_kv_heads;
+    const std::int64_t whole = max_total_kept(kv_len, std::max(R, rows));
+    return whole < 0 ? -1 : std::min(rows * kv_len, whole);
+  }
+
   /// KeepSet rows per sequence for `num_q_heads` query and `num_kv_heads` kv heads.
   std::int64_t rows_per_sequence(std::int64_t num_q_heads, std::int64_t num_kv_heads) const noexcept {
     return params_.heads == HeadGranularity::kQueryHead ? num_q_heads : num_kv_heads;
@@ -200,8 +213,8 @@ class AdaKV {
     r.status = st;
     if (!st.is_ok()) return r;
     const std::int64_t rows = rows_per_sequence(shape.num_q_heads, shape.num_kv_heads);
-    r.workspace_bytes = layout<Backend>(shape, ctx).total();
-    r.output = OutputSize{shape.batch * rows, shape.batch * max_total_kept(shape.max_kv_len, rows)};
+    r.workspace_bytes = sharded(ctx) ? shard_layout<Backend>(shape, ctx).total() : layout<Backend>(shape, ctx).total();
+    r.output = OutputSize{shape.batch * rows, shape.batch * max_total_kept(shape.max_kv_len, rows, ctx.exec)};
     r.query_window = sr.query_window;
     return r;
   }
@@ -219,25 +232,11 @@ class AdaKV {
   template <class Backend, class In>
     requires HeadScorer<Scorer, In, Backend> Status evict(const Context<Backend>& cx, std::span<const In> batch, KeepSet out)
   const noexcept {
-    KVP_RETURN_IF_ERROR(validate_params());
+    if (sharded(cx)) return evict_sharded(cx, batch, out);
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape));
-    const std::int64_t rows = rows_per_sequence(shape.num_q_heads, shape.num_kv_heads);
-    std::int64_t total = 0;
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::int64_t T = batch[b].keys.kv_len(), P = scorer_.protected_tokens(T);
-      std::int64_t n = 0;
-      KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, P, &n));
-      KVP_REQUIRE(params_.variant != AdaKVVariant::kOriginal || params_.budget.total(T, P) >= P,
-                  "adakv: budget of %lld tokens per head is smaller than the %lld protected tokens (sequence %zu)",
-                  static_cast<long long>(params_.budget.total(T, P)), static_cast<long long>(P), b);
-      KVP_REQUIRE(rows * T <= INT32_MAX, "adakv: %lld rows x kv_len %lld exceed the int32 range of the layer-wide selection",
-                  static_cast<long long>(rows), static_cast<long long>(T));
-      total += max_total_kept(T, rows);
-    }
-    KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(batch.size()) * rows, total));
-    KVP_REQUIRE(total <= INT32_MAX, "adakv: %lld kept tokens overflow the int32 keep-set indices", static_cast<long long>(total));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, layout<Backend>(shape, cx).total()));
+    std::int64_t rows = 0;
+    std::uint64_t fingerprint = 0;
+    KVP_RETURN_IF_ERROR(check_call(cx, batch, out, false, &shape, &rows, &fingerprint));
 
     Buffers buf = carve(cx, shape);
     out.indptr[0] = 0;
@@ -260,6 +259,213 @@ class AdaKV {
   struct Sizes {
     std::size_t rows = 0, rows_t = 0, alloc = 0, scorer = 0, topk = 0;
   };
+
+  template <class Backend>
+  static bool sharded(const Context<Backend>& cx) noexcept {
+    return cx.exec.shard != nullptr && cx.exec.shard->distributed();
+  }
+
+  /// Checks of `evict` for one call; on success `shape`, `rows` and the
+  /// handshake fingerprint (batch, lengths, per-row budgets) are set.
+  template <class Backend, class In>
+  Status check_call(const Context<Backend>& cx, std::span<const In> batch, const KeepSet& out, bool shard_layout_ws, ProblemShape* shape,
+                    std::int64_t* rows_out, std::uint64_t* fingerprint) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(scorer_.validate(batch, shape));
+    shape->batch = static_cast<std::int64_t>(batch.size());
+    const std::int64_t rows = rows_per_sequence(shape->num_q_heads, shape->num_kv_heads);
+    std::int64_t total = 0;
+    std::uint64_t fp = fingerprint_mix(fingerprint_mix(0, batch.size()), static_cast<std::uint64_t>(params_.variant));
+    fp = fingerprint_mix(fingerprint_mix(fp, std::bit_cast<std::uint64_t>(params_.alpha)), params_.normalize ? 1u : 0u);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::int64_t T = batch[b].keys.kv_len(), P = scorer_.protected_tokens(T);
+      std::int64_t n = 0;
+      KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, P, &n));
+      KVP_REQUIRE(params_.variant != AdaKVVariant::kOriginal || params_.budget.total(T, P) >= P,
+                  "adakv: budget of %lld tokens per head is smaller than the %lld protected tokens (sequence %zu)",
+                  static_cast<long long>(params_.budget.total(T, P)), static_cast<long long>(P), b);
+      KVP_REQUIRE(rows * T <= INT32_MAX, "adakv: %lld rows x kv_len %lld exceed the int32 range of the layer-wide selection",
+                  static_cast<long long>(rows), static_cast<long long>(T));
+      total += max_total_kept(T, rows, cx.exec);
+      fp = fingerprint_mix(fingerprint_mix(fingerprint_mix(fp, static_cast<std::uint64_t>(T)), static_cast<std::uint64_t>(P)),
+                           static_cast<std::uint64_t>(allocation(T).per_row(T)));
+    }
+    KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(batch.size()) * rows, total));
+    KVP_REQUIRE(total <= INT32_MAX, "adakv: %lld kept tokens overflow the int32 keep-set indices", static_cast<long long>(total));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace,
+                                        shard_layout_ws ? shard_layout<Backend>(*shape, cx).total() : layout<Backend>(*shape, cx).total()));
+    *rows_out = rows;
+    *fingerprint = fp;
+    return Status::ok();
+  }
+
+  /// Tensor parallelism: this rank's rows of the layer, decided with the
+  /// other ranks' (budget/sharded_cut.hpp). Sequence by sequence the scorer's
+  /// map and the allocation's candidates are kept, one cut serves the whole
+  /// batch, then each row keeps its count. Collectives: the hand-shake, the
+  /// cut's rounds (at most 4 all-reduces and one all-gather) and, for the
+  /// original variant only when a cut falls inside the +inf (protected)
+  /// scores, one all-reduce of a flag per sequence.
+  template <class Backend, class In>
+  Status evict_sharded(const Context<Backend>& cx, std::span<const In> batch, KeepSet out) const noexcept {
+    const HeadShard& sh = *cx.exec.shard;
+    ProblemShape shape;
+    std::int64_t rows = 0, row_offset = 0, global_rows = 0;
+    std::uint64_t fp = 0;
+    Status local = check_call(cx, batch, out, true, &shape, &rows, &fp);
+    if (local.is_ok()) local = sh.validate(kName, shape.num_q_heads, shape.num_kv_heads);
+    if (local.is_ok()) {
+      const bool per_q = params_.heads == HeadGranularity::kQueryHead;
+      const std::int64_t G = sh.num_q_heads / sh.num_kv_heads;
+      row_offset = per_q ? sh.kv_head_offset * G : sh.kv_head_offset;
+      global_rows = per_q ? sh.num_q_heads : sh.num_kv_heads;
+    } else if (!sh.comm || !sh.comm->validate(kName).is_ok()) {
+      return local;  // no usable collective: nothing can be said to the peers
+    }
+    ShardLayout L;
+    if (local.is_ok()) L = carve_shard(cx, shape);
+    alignas(64) std::byte hs_ws[4096];
+    const std::size_t hs_bytes = shard_handshake_workspace(sh.comm->world_size);
+    const Workspace hws = hs_bytes <= sizeof(hs_ws) ? Workspace{hs_ws, sizeof(hs_ws)} : L.handshake;
+    if (!local.is_ok() && hs_bytes > sizeof(hs_ws)) return local;  // over ~100 ranks the hand-shake needs the (rejected) workspace
+    KVP_RETURN_IF_ERROR(shard_handshake(kName, *sh.comm, local, row_offset, rows, global_rows, fp, hws));
+
+    const auto nb = batch.size();
+    ShardedTopK* problems = L.problems;
+    ShardedCut* cuts = L.cuts;
+    const std::int64_t rt = rows * std::max<std::int64_t>(shape.max_kv_len, 1);
+    for (std::size_t b = 0; b < nb; ++b) {
+      const auto& in = batch[b];
+      const std::int64_t T = in.keys.kv_len();
+      const AdaKVAllocation alloc = allocation(T);
+      const std::int64_t n_total = alloc.per_row(T);
+      problems[b] = ShardedTopK{};
+      if (n_total > T || (n_total == T && params_.variant == AdaKVVariant::kKvpress)) continue;  // keeps everything: k = 0
+      Buffers buf = L.seq;
+      buf.scores = L.scores + static_cast<std::size_t>(b) * static_cast<std::size_t>(rt);
+      KVP_RETURN_IF_ERROR(score_rows(cx, in, shape, T, buf));
+      problems[b] = alloc.template shard_candidates<Backend>(buf.scores, T, rows, global_rows, L.shard_bufs(b, rt), L.row_ws, cx.exec);
+    }
+    KVP_RETURN_IF_ERROR(
+        sharded_cut(kName, *sh.comm, row_offset, std::span<const ShardedTopK>(problems, nb), std::span<ShardedCut>(cuts, nb), L.cut_ws));
+    // The original's counts are undefined when a cut falls inside the +inf scores on some rank: one flag per sequence, summed.
+    std::int64_t* undefined = L.flags;
+    bool ask = false;
+    for (std::size_t b = 0; b < nb; ++b) {
+      undefined[b] = 0;
+      const std::int64_t T = batch[b].keys.kv_len();
+      if (problems[b].values == nullptr) continue;
+      std::int64_t* count = L.counts + static_cast<std::size_t>(b) * static_cast<std::size_t>(rows);
+      const bool defined = allocation(T).shard_counts(problems[b], cuts[b], T, rows, L.shard_bufs(b, rt), count);
+      undefined[b] = defined ? 0 : 1;
+      ask = ask || (params_.variant == AdaKVVariant::kOriginal && cuts[b].key == score_order_key(INFINITY));
+    }
+    if (ask) KVP_RETURN_IF_ERROR(sh.comm->all_reduce_sum(undefined, nb));
+    // Counts first, checked against the output before anything is written (a collective that returned
+    // inconsistent sums must not make the rows overrun the KeepSet).
+    std::int64_t kept = 0;
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::int64_t T = batch[b].keys.kv_len();
+      std::int64_t* count = L.counts + static_cast<std::size_t>(b) * static_cast<std::size_t>(rows);
+      if (problems[b].values == nullptr) {
+        std::fill(count, count + rows, T);
+      } else {
+        allocation(T).shard_finish(T, rows, undefined[b] == 0, count);
+      }
+      for (std::int64_t r = 0; r < rows; ++r) {
+        if (count[r] < 0 || count[r] > T)
+          return Status::error(StatusCode::kCollectiveError,
+                               "adakv: the collective's sums give row %lld of sequence %zu %lld of %lld tokens", static_cast<long long>(r),
+                               b, static_cast<long long>(count[r]), static_cast<long long>(T));
+        kept += count[r];
+      }
+    }
+    if (kept > out.capacity)
+      return Status::error(StatusCode::kCollectiveError, "adakv: the collective's sums give %lld kept tokens, more than the bound %lld",
+                           static_cast<long long>(kept), static_cast<long long>(out.capacity));
+    out.indptr[0] = 0;
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::int64_t T = batch[b].keys.kv_len(), row0 = static_cast<std::int64_t>(b) * rows;
+      if (problems[b].values == nullptr) {
+        keep_all(T, rows, row0, out);
+        continue;
+      }
+      const std::int64_t* count = L.counts + static_cast<std::size_t>(b) * static_cast<std::size_t>(rows);
+      detail::append_indptr(out, row0, count, rows);
+      const float* scores = L.scores + static_cast<std::size_t>(b) * static_cast<std::size_t>(rt);
+      ops::topk_rows<Backend>(scores, T, rows, T, out, row0, L.seq.rows, cx.exec);
+    }
+    return Status::ok();
+  }
+
+  /// Workspace of the sharded path: every sequence's score map and candidate
+  /// buffers (the cut needs all of them at once), counts, the cut's and the
+  /// hand-shake's scratch, one row top-k per worker, the scorer's workspace
+  /// and the final per-row top-k.
+  struct ShardLayout {
+    float* scores = nullptr;
+    std::byte* bufs = nullptr;  // per sequence: AdaKVAllocation::ShardBuffers
+    std::size_t buf_stride = 0;
+    std::int64_t* counts = nullptr;
+    std::int64_t* flags = nullptr;
+    ShardedTopK* problems = nullptr;
+    ShardedCut* cuts = nullptr;
+    Workspace cut_ws{}, handshake{}, row_ws{};
+    Buffers seq{};  // scorer and final top-k workspaces (scores / count unused)
+
+    AdaKVAllocation::ShardBuffers shard_bufs(std::size_t b, std::int64_t rt) const noexcept {
+      WorkspaceCarver c(Workspace{bufs + b * buf_stride, buf_stride});
+      return AdaKVAllocation::take_shard_buffers(c, rt, 1);
+    }
+  };
+  template <class Backend, class Alloc>
+  void shard_plan(Alloc& a, const ProblemShape& s, const Context<Backend>& ctx, ShardLayout* L) const noexcept {
+    const Sizes z = sizes(s, ctx);
+    const auto nb = static_cast<std::size_t>(std::max<std::int64_t>(s.batch, 1));
+    const std::int64_t rt = static_cast<std::int64_t>(z.rows_t);
+    WorkspacePlan one;
+    AdaKVAllocation::take_shard_buffers(one, rt, 1);
+    const std::size_t stride = align_up(one.bytes);
+    const int world = ctx.exec.shard != nullptr && ctx.exec.shard->comm != nullptr ? ctx.exec.shard->comm->world_size : 1;
+    const std::size_t cut = sharded_cut_workspace(nb, world), hs = shard_handshake_workspace(world),
+                      row = AdaKVAllocation::shard_row_workspace<Backend>(s.max_kv_len, ctx.exec);
+    float* scores = a.template take<float>(nb * z.rows_t);
+    std::byte* bufs = a.template take<std::byte>(nb * stride);
+    std::int64_t* counts = a.template take<std::int64_t>(nb * z.rows);
+    std::int64_t* flags = a.template take<std::int64_t>(nb);
+    ShardedTopK* problems = a.template take<ShardedTopK>(nb);
+    ShardedCut* cuts = a.template take<ShardedCut>(nb);
+    std::byte* cut_ws = a.template take<std::byte>(cut);
+    std::byte* hs_ws = a.template take<std::byte>(hs);
+    std::byte* row_ws = a.template take<std::byte>(row);
+    std::byte* scorer = a.template take<std::byte>(z.scorer);
+    std::byte* topk = a.template take<std::byte>(z.topk);
+    if (L != nullptr)
+      *L = ShardLayout{scores,
+                       bufs,
+                       stride,
+                       counts,
+                       flags,
+                       problems,
+                       cuts,
+                       Workspace{cut_ws, cut},
+                       Workspace{hs_ws, hs},
+                       Workspace{row_ws, row},
+                       Buffers{nullptr, nullptr, Workspace{}, Workspace{scorer, z.scorer}, Workspace{topk, z.topk}}};
+  }
+  template <class Backend>
+  WorkspacePlan shard_layout(const ProblemShape& s, const Context<Backend>& ctx) const noexcept {
+    WorkspacePlan p;
+    shard_plan(p, s, ctx, nullptr);
+    return p;
+  }
+  template <class Backend>
+  ShardLayout carve_shard(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
+    WorkspaceCarver c(ctx.workspace);
+    ShardLayout L;
+    shard_plan(c, s, ctx, &L);
+    return L;
+  }
 
   template <class Backend>
   Sizes sizes(const ProblemShape& s, const Context<Backend>& ctx) const noexcept {
