@@ -21,7 +21,7 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
-#include "policy/policy_test_util.hpp"
+#include "policy/keep_set_buffer.hpp"
 
 namespace kvp_test {
 using namespace kvpolicy;

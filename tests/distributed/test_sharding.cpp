@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "distributed/quest_shard_cases.hpp"
 #include "distributed/shard_cases.hpp"
 #include "distributed/thread_collective.hpp"
 #include "kvpolicy/policy/budget/sharded_cut.hpp"
@@ -40,6 +41,20 @@ TEST_CASE("sharded Ada-KV with a thread pool per rank equals one process", "[sha
     for (const auto& m : x.fails) FAIL_CHECK(m);
     CHECK(x.cases == 112);
     CHECK(x.fails.empty());
+  }
+}
+
+TEST_CASE("sharded Quest selections equal one process in every GQA mode", "[shard][quest]") {
+  for (const int W : {2, 3, 4}) {
+    ThreadGroup g(W);
+    std::vector<ShardCaseResult> res(static_cast<std::size_t>(W));
+    g.run([&](int r) { res[static_cast<std::size_t>(r)] = run_quest_shard_cases(g.comm(r)); });
+    for (const auto& x : res) {
+      for (const auto& f : x.fails) FAIL_CHECK(f);
+      CHECK(x.cases == 12);
+      CHECK(x.fails.empty());
+    }
+    for (int r = 0; r < W; ++r) CHECK(g.stats(r).all_reduces + g.stats(r).all_gathers == 0);  // per kv head: no collective
   }
 }
 

@@ -12,6 +12,7 @@
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "policy/keep_set_buffer.hpp"
 
 #define STATIC_ASSERT_POLICY(P)                                                                                       \
   static_assert(::kvpolicy::EvictionPolicy<P, ::kvpolicy::ScoreInput<float, float>>, #P " is not an EvictionPolicy"); \
@@ -19,27 +20,6 @@
 
 namespace kvp_test {
 using namespace kvpolicy;
-
-struct KeepSetBuffer {
-  std::vector<std::int32_t> indptr, indices;
-  KeepSetBuffer(std::int64_t rows, std::int64_t capacity) : indptr(rows + 1, 0), indices(capacity, 0) {}
-  KeepSet view() {
-    return KeepSet{indptr.data(), indices.data(), static_cast<std::int64_t>(indptr.size()) - 1, static_cast<std::int64_t>(indices.size())};
-  }
-  std::vector<std::int32_t> row(std::int64_t r) const { return {indices.begin() + indptr[r], indices.begin() + indptr[r + 1]}; }
-  void fill_sentinel() {
-    std::fill(indptr.begin(), indptr.end(), -7);
-    std::fill(indices.begin(), indices.end(), -7);
-  }
-  bool untouched() const {
-    return std::all_of(indptr.begin(), indptr.end(), [](auto v) { return v == -7; }) &&
-           std::all_of(indices.begin(), indices.end(), [](auto v) { return v == -7; });
-  }
-  bool operator==(const KeepSetBuffer& o) const {
-    if (indptr != o.indptr) return false;
-    return std::equal(indices.begin(), indices.begin() + indptr.back(), o.indices.begin());
-  }
-};
 
 /// Random queries (Hq, w, d) fp32 and keys (Hkv, T, d) of type Tk, with a few
 /// heavy keys so that scores are not flat.
