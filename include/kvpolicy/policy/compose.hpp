@@ -8,7 +8,12 @@
 // Per sequence: the scorer writes its (rows, kv_len) score map (protected
 // tokens +inf), the allocator gives the count per row, and every row keeps
 // its `count` best tokens (`ops::topk_rows`, the library's total
-// order: higher score, then the more recent token), ascending. Because
+// order: higher score, then the more recent token), ascending. Batch split
+// (`Budgeted::evict`): a scorer with the per-head hook (`RowScorer`: SnapKV,
+// ExpectedAttention) runs (sequence, kv head) items over the pool, score and
+// top-k of one row per item; other scorers run one item per sequence once
+// the batch has at least as many sequences as workers, else sequence after
+// sequence with the scorer parallel over heads. Because
 // protected tokens score +inf they are kept first, and among themselves the
 // most recent win: exactly what the policies do when a budget is smaller than
 // their window.
@@ -23,6 +28,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <span>
 
@@ -91,6 +98,15 @@ struct LayerAllocation {
 
 static_assert(BudgetAllocator<UniformAllocation> && BudgetAllocator<LayerAllocation>);
 
+/// A scorer that can score one kv head of one already-validated sequence
+/// alone: `score_row_workspace<B>(shape)` bytes of scratch and, for each of its
+/// input types, `score_row<B>(in, shape, h, row, ws)` writing the row its
+/// `score` would. Lets `Budgeted` split a batch over (sequence, kv head) items.
+template <class S, class B>
+concept RowScorer = requires(const S& s, const ProblemShape& shape) {
+  { s.template score_row_workspace<B>(shape) } -> std::same_as<std::size_t>;
+};
+
 /// Scorer S + a uniform allocator A (one count per sequence, `A::count`): the
 /// eviction policy "score, allocate, keep each row's best". S must offer
 /// `validate(batch, shape*)` (every scorer of the library does), so nothing is
@@ -115,7 +131,11 @@ class Budgeted {
     return n;
   }
 
-  /// Score map (rows, max_kv_len) + the scorer's workspace + the batched top-k.
+  /// Workspace of `evict` for inputs of type `In` (the batch split depends on
+  /// the scorer): per-worker slices of one score row + the scorer's per-head
+  /// scratch + top-k for a `RowScorer`; otherwise the larger of the serial
+  /// layout (score map, the scorer's workspace, the batched top-k) and
+  /// per-worker slices of (score map, the scorer's one-worker workspace, top-k).
   template <class B>
   Requirements requirements(const char* who, const Context<B>& ctx, const ProblemShape& shape) const noexcept {
     const Requirements sr = scorer_.requirements(ctx, shape);
@@ -123,8 +143,7 @@ class Budgeted {
     if (st.is_ok()) st = sr.status;
     std::int64_t n = 0;
     if (st.is_ok()) st = alloc_.count(who, shape.max_kv_len, scorer_.protected_tokens(shape.max_kv_len), &n);
-    return detail::uniform_requirements(st, plan<B>(shape, sr.workspace_bytes, ctx.exec).total(), shape, shape.num_kv_heads, n,
-                                        sr.query_window);
+    return detail::uniform_requirements(st, st.is_ok() ? workspace_bytes<B>(ctx, shape) : 0, shape, shape.num_kv_heads, n, sr.query_window);
   }
 
   template <class B, class In>
@@ -137,33 +156,133 @@ class Budgeted {
       const std::int64_t T = batch[b].keys.kv_len();
       KVP_RETURN_IF_ERROR(alloc_.count(who, T, scorer_.protected_tokens(T), &n));
     }
-    const std::size_t scorer_bytes = scorer_.requirements(cx, shape).workspace_bytes;
-    KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, plan<B>(shape, scorer_bytes, cx.exec).total()));
+    const auto nb = static_cast<std::int64_t>(batch.size());
     const std::int64_t H = shape.num_kv_heads;
-    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(who, out, static_cast<std::int64_t>(batch.size()), H,
-                                                     [&](std::int64_t b) { return kept_count(who, batch[b].keys.kv_len()); }));
-    WorkspaceCarver c(cx.workspace);
-    float* scores = c.take<float>(static_cast<std::size_t>(H * std::max<std::int64_t>(shape.max_kv_len, 1)));
-    const Context<B> scorer_cx = cx.with_workspace(Workspace{c.take<std::byte>(scorer_bytes), scorer_bytes});
-    const Workspace topk_ws = c.rest();
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const auto& in = batch[b];
-      const std::int64_t T = in.keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
-      if (out.row_size(row0) >= T) {  // nothing to evict: no scoring
-        for (std::int64_t h = 0; h < H; ++h)
-          for (std::int64_t j = 0; j < T; ++j) out.indices[out.indptr[row0 + h] + j] = static_cast<std::int32_t>(j);
-        continue;
+    if constexpr (RowScorer<S, B>) {
+      const std::size_t per = row_slot<B>(shape).bytes;
+      KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, detail::WorkerSlices::bytes(per, cx.exec.workers())));
+      KVP_RETURN_IF_ERROR(write_indptr(who, batch, H, out));
+      const auto slices = detail::WorkerSlices::carve(cx.workspace, per);
+      const std::size_t scorer_bytes = scorer_.template score_row_workspace<B>(shape);
+      cx.exec.parallel_for(nb * H, [&](std::int64_t row, int worker) {
+        const In& in = batch[static_cast<std::size_t>(row / H)];
+        const std::int64_t T = in.keys.kv_len(), k = out.row_size(row);
+        std::int32_t* dst = out.indices + out.indptr[row];
+        if (k >= T) {  // nothing to evict: no scoring
+          for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+          return;
+        }
+        WorkspaceCarver c(slices.slice(worker));
+        float* s = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(shape.max_kv_len, 1)));
+        scorer_.template score_row<B>(in, shape, row % H, s, Workspace{c.take<std::byte>(scorer_bytes), scorer_bytes});
+        B::topk(s, T, k, dst, c.rest());
+      });
+      return Status::ok();
+    } else {
+      const std::size_t scorer_bytes = scorer_.requirements(cx, shape).workspace_bytes;
+      const std::size_t per = sequence_slot<B>(shape).bytes;
+      const bool by_sequence = cx.exec.workers() > 1 && nb >= cx.exec.workers();
+      KVP_RETURN_IF_ERROR(check_workspace(
+          who, cx.workspace,
+          by_sequence ? detail::WorkerSlices::bytes(per, cx.exec.workers()) : serial_plan<B>(shape, scorer_bytes, cx.exec).total()));
+      KVP_RETURN_IF_ERROR(write_indptr(who, batch, H, out));
+      if (by_sequence) return evict_by_sequence<B>(batch, shape, out, detail::WorkerSlices::carve(cx.workspace, per), cx.exec);
+      WorkspaceCarver c(cx.workspace);
+      float* scores = c.take<float>(static_cast<std::size_t>(H * std::max<std::int64_t>(shape.max_kv_len, 1)));
+      const Context<B> scorer_cx = cx.with_workspace(Workspace{c.take<std::byte>(scorer_bytes), scorer_bytes});
+      const Workspace topk_ws = c.rest();
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const In& in = batch[b];
+        const std::int64_t T = in.keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
+        if (out.row_size(row0) >= T) {  // nothing to evict: no scoring
+          fill_all(T, H, row0, out);
+          continue;
+        }
+        const ScoreMap map = TensorView<float, 2>::contiguous(scores, {H, T});
+        KVP_RETURN_IF_ERROR(scorer_.score(scorer_cx, in, map));
+        ops::topk_rows<B>(scores, T, H, T, out, row0, topk_ws, cx.exec);
       }
-      const ScoreMap map = TensorView<float, 2>::contiguous(scores, {H, T});
-      KVP_RETURN_IF_ERROR(scorer_.score(scorer_cx, in, map));
-      ops::topk_rows<B>(scores, T, H, T, out, row0, topk_ws, cx.exec);
+      return Status::ok();
     }
-    return Status::ok();
   }
 
  private:
+  template <class In>
+  Status write_indptr(const char* who, std::span<const In> batch, std::int64_t H, KeepSet& out) const noexcept {
+    return detail::write_uniform_indptr(who, out, static_cast<std::int64_t>(batch.size()), H,
+                                        [&](std::int64_t b) { return kept_count(who, batch[b].keys.kv_len()); });
+  }
+
+  static void fill_all(std::int64_t T, std::int64_t H, std::int64_t row0, KeepSet& out) noexcept {
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t j = 0; j < T; ++j) out.indices[out.indptr[row0 + h] + j] = static_cast<std::int32_t>(j);
+  }
+
+  /// One item per sequence (scorers without the per-head hook): worker `w`
+  /// scores its sequence on the calling thread into its own map, then top-k.
+  template <class B, class In>
+  Status evict_by_sequence(std::span<const In> batch, const ProblemShape& shape, KeepSet& out, const detail::WorkerSlices& slices,
+                           const ExecContext& exec) const noexcept {
+    const std::int64_t H = shape.num_kv_heads, Tmax = std::max<std::int64_t>(shape.max_kv_len, 1);
+    const std::size_t scorer_bytes = scorer_.requirements(Context<B>{}, shape).workspace_bytes;
+    std::atomic<bool> failed{false};
+    Status first_error;
+    exec.parallel_for(static_cast<std::int64_t>(batch.size()), [&](std::int64_t b, int worker) {
+      const In& in = batch[static_cast<std::size_t>(b)];
+      const std::int64_t T = in.keys.kv_len(), row0 = b * H;
+      if (out.row_size(row0) >= T) {
+        fill_all(T, H, row0, out);
+        return;
+      }
+      WorkspaceCarver c(slices.slice(worker));
+      float* scores = c.take<float>(static_cast<std::size_t>(H * Tmax));
+      const Context<B> seq_cx{Workspace{c.take<std::byte>(scorer_bytes), scorer_bytes}, ExecContext{}};
+      const Workspace topk_ws = c.rest();
+      if (Status s = scorer_.score(seq_cx, in, TensorView<float, 2>::contiguous(scores, {H, T})); !s.is_ok()) {
+        if (!failed.exchange(true)) first_error = s;
+        return;
+      }
+      ops::topk_rows<B>(scores, T, H, T, out, row0, topk_ws, ExecContext{});
+    });
+    return failed.load() ? first_error : Status::ok();
+  }
+
   template <class B>
-  WorkspacePlan plan(const ProblemShape& shape, std::size_t scorer_bytes, const ExecContext& ctx) const noexcept {
+  std::size_t workspace_bytes(const Context<B>& ctx, const ProblemShape& shape) const noexcept {
+    const int W = ctx.exec.workers();
+    if constexpr (RowScorer<S, B>) {
+      return detail::WorkerSlices::bytes(row_slot<B>(shape).bytes, W);
+    } else {
+      const std::size_t serial = serial_plan<B>(shape, scorer_.requirements(ctx, shape).workspace_bytes, ctx.exec).total();
+      return W > 1 ? std::max(serial, detail::WorkerSlices::bytes(sequence_slot<B>(shape).bytes, W)) : serial;
+    }
+  }
+
+  /// Per worker, (sequence, kv head) items: one score row, the scorer's per-head scratch, top-k.
+  template <class B>
+  WorkspacePlan row_slot(const ProblemShape& shape) const noexcept {
+    const std::int64_t T = std::max<std::int64_t>(shape.max_kv_len, 1);
+    WorkspacePlan p;
+    p.add<float>(static_cast<std::size_t>(T));
+    p.add_bytes(scorer_.template score_row_workspace<B>(shape));
+    p.add_bytes(B::topk_workspace(T));
+    return p;
+  }
+
+  /// Per worker, sequence items: the sequence's score map, the scorer's one-worker workspace, top-k.
+  template <class B>
+  WorkspacePlan sequence_slot(const ProblemShape& shape) const noexcept {
+    const std::int64_t T = std::max<std::int64_t>(shape.max_kv_len, 1), H = std::max<std::int64_t>(shape.num_kv_heads, 1);
+    WorkspacePlan p;
+    p.add<float>(static_cast<std::size_t>(H * T));
+    p.add_bytes(scorer_.requirements(Context<B>{}, shape).workspace_bytes);
+    p.add_bytes(ops::topk_rows_workspace<B>(T, ExecContext{}));
+    return p;
+  }
+
+  /// Sequence after sequence: one score map, the scorer's workspace (parallel over heads), the batched top-k.
+  template <class B>
+  WorkspacePlan serial_plan(const ProblemShape& shape, std::size_t scorer_bytes, const ExecContext& ctx) const noexcept {
     const std::int64_t T = std::max<std::int64_t>(shape.max_kv_len, 1), H = std::max<std::int64_t>(shape.num_kv_heads, 1);
     WorkspacePlan p;
     p.add<float>(static_cast<std::size_t>(H * T));

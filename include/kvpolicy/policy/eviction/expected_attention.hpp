@@ -205,7 +205,10 @@ class ExpectedAttention {
     return Status::ok();
   }
 
-  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
+  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`. The
+  /// batch is split into (sequence, kv head) items over `cx.exec`, each with
+  /// its worker's workspace slice (ragged lengths, any number of kv heads);
+  /// results do not depend on the worker count.
   template <class Backend, class Tq, class Tk>
   Status evict(const Context<Backend>& cx, std::span<const ExpectedAttentionInput<Tq, Tk>> batch, KeepSet out) const noexcept {
     const Workspace ws = cx.workspace;
@@ -218,25 +221,37 @@ class ExpectedAttention {
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
     const auto slices = detail::WorkerSlices::carve(ws, per);
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const auto& in = batch[b];
-      ProblemShape sb = shape;
-      sb.max_kv_len = in.keys.kv_len();
-      ctx.parallel_for(H, [&](std::int64_t g, int worker) {
-        const std::int64_t row = static_cast<std::int64_t>(b) * H + g, T = sb.max_kv_len;
-        std::int32_t* dst = out.indices + out.indptr[row];
-        const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
-        if (n_keep >= T) {
-          for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
-          return;
-        }
-        WorkspaceCarver c(slices.slice(worker));
-        float* s = c.take<float>(static_cast<std::size_t>(T));
-        score_head<Backend>(in, sb, g, s, c);
-        Backend::topk(s, T, n_keep, dst, c.rest());
-      });
-    }
+    ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
+      const auto& in = batch[static_cast<std::size_t>(row / H)];
+      const std::int64_t T = in.keys.kv_len();
+      std::int32_t* dst = out.indices + out.indptr[row];
+      const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
+      if (n_keep >= T) {
+        for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+        return;
+      }
+      WorkspaceCarver c(slices.slice(worker));
+      float* s = c.take<float>(static_cast<std::size_t>(T));
+      score_head<Backend>(in, shape, row % H, s, c);
+      Backend::topk(s, T, n_keep, dst, c.rest());
+    });
     return Status::ok();
+  }
+
+  /// Per-head scoring hook for composed policies (`Budgeted`, compose.hpp, splits
+  /// a batch over (sequence, kv head) items through it): row[0..kv_len) = the
+  /// scores `score` writes for kv head g, sinks +inf. Preconditions: `in` is
+  /// part of a batch that passed `validate` with shape `shape`, `ws` holds
+  /// `score_row_workspace<Backend>(shape)` bytes. No checks, no parallelism.
+  template <class Backend>
+  std::size_t score_row_workspace(const ProblemShape& shape) const noexcept {
+    return per_worker_bytes<Backend>(shape);
+  }
+  template <class Backend, class Tq, class Tk>
+  void score_row(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* row,
+                 Workspace ws) const noexcept {
+    WorkspaceCarver c(ws);
+    score_head<Backend>(in, shape, g, row, c);
   }
 
   template <class Backend, class Tq, class Tk>

@@ -25,6 +25,9 @@
 // recent tokens (kvpress keeps an arbitrary subset of its tied window), and
 // ties go to the higher token index.
 //
+// A batch is decided by `Budgeted<SnapKV, LayerAllocation>`: (sequence, kv
+// head) items over the pool, each scoring and choosing one row (compose.hpp).
+//
 // One policy object per layer (`params.layer`, or `at_layer(l)`): policies are
 // immutable and hold only their parameters.
 #pragma once

@@ -177,7 +177,10 @@ class SnapKV {
     return Status::ok();
   }
 
-  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`.
+  /// Eviction decision for a batch: keep row `b * num_kv_heads + h`. The
+  /// batch is split into (sequence, kv head) items over `cx.exec`, each with
+  /// its worker's workspace slice, so ragged lengths and few kv heads per
+  /// rank still fill the pool; results do not depend on the worker count.
   template <class Backend, class Tq, class Tk>
   Status evict(const Context<Backend>& cx, std::span<const ScoreInput<Tq, Tk>> batch, KeepSet out) const noexcept {
     const Workspace ws = cx.workspace;
@@ -215,6 +218,23 @@ class SnapKV {
   template <class Backend, class Tq, class Tk>
   Status evict(const Context<Backend>& cx, const ScoreInput<Tq, Tk>& in, KeepSet out) const noexcept {
     return evict(cx, std::span<const ScoreInput<Tq, Tk>>(&in, 1), out);
+  }
+
+  /// Per-head scoring hook for composed policies (`Budgeted`, compose.hpp, splits
+  /// a batch over (sequence, kv head) items through it): row[0..kv_len) = the
+  /// scores `score` writes for kv head h, window +inf. Preconditions: `in` is
+  /// part of a batch that passed `validate` with shape `shape`, `ws` holds
+  /// `score_row_workspace<Backend>(shape)` bytes. No checks, no parallelism.
+  template <class Backend>
+  std::size_t score_row_workspace(const ProblemShape& shape) const noexcept {
+    return per_worker_bytes<Backend>(shape);
+  }
+  template <class Backend, class Tq, class Tk>
+  void score_row(const ScoreInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t h, float* row, Workspace ws) const noexcept {
+    const std::int64_t T = in.keys.kv_len(), L = T - params_.window;
+    WorkspaceCarver c(ws);
+    if (L > 0) score_head<Backend>(in, shape, h, row, c);
+    for (std::int64_t j = std::max<std::int64_t>(L, 0); j < T; ++j) row[j] = kProtectedScore;
   }
 
   /// The input checks of `evict` / `score` alone (params, shapes, budget), and

@@ -110,9 +110,11 @@ class StreamingLLM {
   /// keys' shape (kv heads, kv_len) is read. A paged source's view is
   /// validated (`PagedKVView::validate`, keys only: CSR page table, ids in the
   /// pool) once per distinct view before its lengths are read; on error
-  /// nothing is written.
+  /// nothing is written. The rows (one per (sequence, kv head)) are written
+  /// in parallel over `cx.exec` once the batch keeps kParallelEntries ids or
+  /// more, on the calling thread below; no workspace.
   template <class Backend, class Tq, class Tk, class Tp>
-  Status evict(const Context<Backend>&, std::span<const ScoreInput<Tq, Tk, Tp>> batch, KeepSet out) const noexcept {
+  Status evict(const Context<Backend>& cx, std::span<const ScoreInput<Tq, Tk, Tp>> batch, KeepSet out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "streaming_llm: batch is empty");
     const std::int64_t H = batch[0].keys.kv_heads();
@@ -132,8 +134,14 @@ class StreamingLLM {
     }
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
-    for (std::int64_t row = 0; row < static_cast<std::int64_t>(batch.size()) * H; ++row) {
+    const std::int64_t rows = static_cast<std::int64_t>(batch.size()) * H;
+    auto one_row = [&](std::int64_t row, int) {
       write_row(batch[static_cast<std::size_t>(row / H)].keys.kv_len(), out.row_size(row), out.indices + out.indptr[row]);
+    };
+    if (out.indptr[rows] >= kParallelEntries) {
+      cx.exec.parallel_for(rows, one_row);
+    } else {  // a few ids: cheaper than waking the pool
+      for (std::int64_t row = 0; row < rows; ++row) one_row(row, 0);
     }
     return Status::ok();
   }
@@ -145,6 +153,8 @@ class StreamingLLM {
   }
 
  private:
+  static constexpr std::int64_t kParallelEntries = std::int64_t{1} << 16;
+
   void write_row(std::int64_t kv_len, std::int64_t n, std::int32_t* out) const noexcept {
     const std::int64_t s = std::min<std::int64_t>(params_.sinks, n);
     for (std::int64_t j = 0; j < s; ++j) out[j] = static_cast<std::int32_t>(j);

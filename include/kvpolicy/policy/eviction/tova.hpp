@@ -29,6 +29,12 @@
 // probabilities rank lowest and are evicted first; indices stay valid. When
 // exactly one token goes (the online steady state) the victim is found by one
 // argmin pass instead of a top-k.
+//
+// Batch split (`evict`): the head mean couples a sequence's heads, so each
+// sequence gets a workspace slot (its attention rows, mean, top-k). With at
+// least as many sequences as workers, one item per sequence; otherwise the
+// sequences of a wave (as many as there are slots) are scored in (sequence,
+// kv head) items, then reduced and chosen one item per sequence.
 #pragma once
 
 #include <algorithm>
@@ -114,8 +120,10 @@ class TOVA {
                 static_cast<long long>(n));
     const ProblemShape shape = shape_of(in);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
-    const Blocks blk = carve<Backend>(ws, shape);
-    head_mean<Backend>(in, blk, ctx);
+    const Slots sl = carve<Backend>(ws, shape, ctx.workers(), 1);
+    const Blocks blk = sl.block(0);
+    wave_rows<Backend>(std::span<const ScoreInput<Tq, Tk, Tp>>(&in, 1), sl, ctx, [](std::int64_t) { return true; });
+    head_mean<Backend>(in, blk);
     const float* s = blk.mean;
     for (std::int64_t h = 0; h < H; ++h)
       for (std::int64_t j = 0; j < n; ++j) out(h, j) = (params_.protect_last && j == n - 1) ? kProtectedScore : s[j];
@@ -137,15 +145,37 @@ class TOVA {
       KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
       KVP_RETURN_IF_ERROR(detail::check_same_heads(kName, b, shape_of(batch[b]), &shape));
     }
+    // One sequence slot at least; as many as the workspace holds, up to min(batch, workers).
+    const int W = ctx.workers();
+    const auto nb = static_cast<std::int64_t>(batch.size());
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
-    const Blocks blk = carve<Backend>(ws, shape);
+    const Slots sl = carve<Backend>(ws, shape, W, std::min<std::int64_t>(nb, W));
     const std::int64_t H = shape.num_kv_heads;
-    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
-                                                     [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::int64_t n = batch[b].keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
-      if (out.row_size(row0) < n) head_mean<Backend>(batch[b], blk, ctx);
-      choose<Backend>(blk, n, out, row0, H);
+    KVP_RETURN_IF_ERROR(
+        detail::write_uniform_indptr(kName, out, nb, H, [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
+    if (W > 1 && sl.count == W && nb > W) {  // one item per sequence, its heads on the item's thread
+      ctx.parallel_for(nb, [&](std::int64_t b, int worker) {
+        const Blocks blk = sl.block(worker);
+        const auto& in = batch[static_cast<std::size_t>(b)];
+        const std::int64_t n = in.keys.kv_len(), row0 = b * H;
+        if (out.row_size(row0) < n) {
+          for (std::int64_t h = 0; h < H && !in.has_attention(); ++h) head_rows<Backend>(in, h, blk.rows, sl.workers.slice(worker));
+          head_mean<Backend>(in, blk);
+        }
+        choose<Backend>(blk, n, out, row0, H);
+      });
+      return Status::ok();
+    }
+    for (std::int64_t b0 = 0; b0 < nb; b0 += sl.count) {  // waves of sl.count sequences: (sequence, head) items, then one per sequence
+      const std::int64_t m = std::min<std::int64_t>(sl.count, nb - b0);
+      const auto part = batch.subspan(static_cast<std::size_t>(b0), static_cast<std::size_t>(m));
+      auto scored = [&](std::int64_t i) { return out.row_size((b0 + i) * H) < part[i].keys.kv_len(); };
+      wave_rows<Backend>(part, sl, ctx, scored);
+      ctx.parallel_for(m, [&](std::int64_t i, int) {
+        const Blocks blk = sl.block(static_cast<int>(i));
+        if (scored(i)) head_mean<Backend>(part[i], blk);
+        choose<Backend>(blk, part[i].keys.kv_len(), out, (b0 + i) * H, H);
+      });
     }
     return Status::ok();
   }
@@ -156,36 +186,52 @@ class TOVA {
   }
 
  private:
-  /// Workspace blocks: (Hq, n) attention rows, the mean row, top-k scratch, per-worker slices.
+  /// A sequence slot: its (Hq, n) attention rows, the mean row, top-k scratch.
   struct Blocks {
     float* rows = nullptr;
     float* mean = nullptr;
     Workspace topk{};
+  };
+  /// Per-worker scratch of the attention rows (none for engine probabilities), then `count` sequence slots.
+  struct Slots {
     detail::WorkerSlices workers{};
+    detail::WorkerSlices seqs{};
+    std::int64_t count = 0;
+    std::int64_t hq = 0, n = 0;  ///< rows per slot (0: probabilities input) and the longest kv_len sized for
+    Blocks block(int i) const noexcept {
+      WorkspaceCarver c(seqs.slice(i));
+      Blocks b;
+      b.rows = c.take<float>(static_cast<std::size_t>(hq * n));
+      b.mean = c.take<float>(static_cast<std::size_t>(n));
+      b.topk = c.rest();
+      return b;
+    }
   };
 
   template <class Backend>
-  static WorkspacePlan plan(std::int64_t hq, std::int64_t n, std::size_t per, int workers) noexcept {
+  static std::size_t slot_bytes(std::int64_t hq, std::int64_t n) noexcept {
     WorkspacePlan p;
     p.add<float>(static_cast<std::size_t>(hq * n)).add<float>(static_cast<std::size_t>(n)).add_bytes(Backend::topk_workspace(n));
-    if (per > 0) p.add_bytes(detail::WorkerSlices::bytes(per, workers));
-    return p;
+    return p.bytes;
   }
 
-  /// Carves exactly what `plan` sized (n = the largest kv_len the caller sized for).
+  /// Carves the per-worker scratch, then up to `want` slots (as many as fit, >= 1 after check_workspace).
   template <class Backend>
-  static Blocks carve(Workspace ws, const ProblemShape& s) noexcept {
+  static Slots carve(Workspace ws, const ProblemShape& s, int workers, std::int64_t want) noexcept {
     const std::int64_t G = std::max<std::int64_t>(1, s.num_q_heads / std::max<std::int64_t>(s.num_kv_heads, 1));
-    const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
+    Slots sl;
+    sl.n = std::max<std::int64_t>(s.max_kv_len, 1);
+    sl.hq = s.head_dim > 0 ? s.num_q_heads : 0;                                             // recomputed rows only
+    const std::size_t per = s.head_dim > 0 ? per_worker<Backend>(G, s.head_dim, sl.n) : 0;  // 0: attention input, no recompute
     WorkspaceCarver c(ws);
-    Blocks b;
-    b.rows = c.take<float>(static_cast<std::size_t>(s.head_dim > 0 ? s.num_q_heads * n : 0));  // recomputed rows only
-    b.mean = c.take<float>(static_cast<std::size_t>(n));
-    const std::size_t tk = Backend::topk_workspace(n);
-    b.topk = Workspace{c.take<std::byte>(tk), tk};
-    const std::size_t per = s.head_dim > 0 ? per_worker<Backend>(G, s.head_dim, n) : 0;  // 0: attention input, no recompute
-    if (per > 0) b.workers = detail::WorkerSlices::carve(c.rest(), per);
-    return b;
+    if (per > 0) {
+      sl.workers.per_worker = align_up(per);
+      sl.workers.base = c.take<std::byte>(sl.workers.per_worker * static_cast<std::size_t>(workers < 1 ? 1 : workers));
+    }
+    sl.seqs.per_worker = slot_bytes<Backend>(sl.hq, sl.n);
+    sl.seqs.base = c.take<std::byte>(0);
+    sl.count = std::max<std::int64_t>(1, std::min<std::int64_t>(want, static_cast<std::int64_t>(c.rest().bytes / sl.seqs.per_worker)));
+    return sl;
   }
 
   template <class Backend>
@@ -196,12 +242,20 @@ class TOVA {
     return per.bytes;
   }
 
+  /// Per-worker scratch plus min(shape.batch, workers) sequence slots (one at
+  /// least: a smaller batch of slots runs the call in waves, same result).
   template <class Backend>
   std::size_t workspace_bytes(const ProblemShape& s, const ExecContext& ctx) const noexcept {
     const std::int64_t G = s.num_kv_heads > 0 ? std::max<std::int64_t>(1, s.num_q_heads / s.num_kv_heads) : 1;
     const std::int64_t n = std::max<std::int64_t>(s.max_kv_len, 1);
-    const std::size_t per = s.head_dim > 0 ? per_worker<Backend>(G, s.head_dim, n) : 0;
-    return plan<Backend>(s.head_dim > 0 ? std::max<std::int64_t>(s.num_q_heads, 1) : 0, n, per, ctx.workers()).total();
+    const int W = ctx.workers();
+    const std::size_t per = s.head_dim > 0 ? align_up(per_worker<Backend>(G, s.head_dim, n)) : 0;
+    const std::int64_t slots = std::max<std::int64_t>(1, std::min<std::int64_t>(s.batch, W));
+    WorkspacePlan p;
+    p.add_bytes(saturating_mul(per, static_cast<std::size_t>(W)));
+    p.add_bytes(saturating_mul(slot_bytes<Backend>(s.head_dim > 0 ? std::max<std::int64_t>(s.num_q_heads, 1) : 0, n),
+                               static_cast<std::size_t>(slots)));
+    return p.total();
   }
 
   template <class Tq, class Tk, class Tp>
@@ -238,9 +292,24 @@ class TOVA {
     return params_.budget.resolve(kName, n, params_.protect_last ? 1 : 0, &k);
   }
 
-  /// Head-mean attention row of the last query of one sequence into blk.mean.
+  /// Kv head h's G attention rows of the last query into rows + h * G * n (n = kv_len).
   template <class Backend, class Tq, class Tk, class Tp>
-  void head_mean(const ScoreInput<Tq, Tk, Tp>& in, const Blocks& blk, const ExecContext& ctx) const noexcept {
+  void head_rows(const ScoreInput<Tq, Tk, Tp>& in, std::int64_t h, float* rows, Workspace scratch) const noexcept {
+    const ProblemShape shape = shape_of(in);
+    const std::int64_t H = shape.num_kv_heads, G = shape.num_q_heads / H, d = shape.head_dim, n = shape.max_kv_len;
+    const std::int64_t last = in.queries.extent(1) - 1;
+    const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
+    WorkspaceCarver wc(scratch);
+    float* q = wc.take<float>(static_cast<std::size_t>(G * d));
+    Backend::widen_queries(in.queries, h * G, G, last, 1, q);
+    Backend::window_scores(WindowScoreShape{G, 1, d, n, n, n - 1, scale, WindowReduce::kSum}, q, in.keys.rows(h), rows + h * G * n,
+                           wc.rest());
+  }
+
+  /// Head-mean attention row of the last query into blk.mean: from the
+  /// engine's probabilities, or from the rows `head_rows` wrote.
+  template <class Backend, class Tq, class Tk, class Tp>
+  void head_mean(const ScoreInput<Tq, Tk, Tp>& in, const Blocks& blk) const noexcept {
     if (in.has_attention()) {  // the engine's probabilities: mean of the last query row over the heads
       const auto& p = in.attention;
       const std::int64_t last = p.extent(1) - 1;
@@ -250,17 +319,20 @@ class TOVA {
       return;
     }
     const ProblemShape shape = shape_of(in);
-    const std::int64_t Hq = shape.num_q_heads, H = shape.num_kv_heads, G = Hq / H, d = shape.head_dim, n = shape.max_kv_len;
-    const std::int64_t last = in.queries.extent(1) - 1;
-    const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
-    ctx.parallel_for(H, [&](std::int64_t h, int worker) {
-      WorkspaceCarver wc(blk.workers.slice(worker));
-      float* q = wc.take<float>(static_cast<std::size_t>(G * d));
-      Backend::widen_queries(in.queries, h * G, G, last, 1, q);
-      Backend::window_scores(WindowScoreShape{G, 1, d, n, n, n - 1, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk.rows + h * G * n,
-                             wc.rest());
+    Backend::mean_rows(TensorView<const float, 2>::contiguous(blk.rows, {shape.num_q_heads, shape.max_kv_len}), blk.mean);
+  }
+
+  /// The attention rows of sequence i of `part` into slot i (part.size() <=
+  /// sl.count), over (sequence, kv head) items; sequences kept whole (`keep`
+  /// false) and engine probabilities need none.
+  template <class Backend, class Tq, class Tk, class Tp, class Keep>
+  void wave_rows(std::span<const ScoreInput<Tq, Tk, Tp>> part, const Slots& sl, const ExecContext& ctx, Keep&& scored) const noexcept {
+    const std::int64_t m = static_cast<std::int64_t>(part.size()), H = part[0].keys.kv_heads();
+    if (part[0].has_attention()) return;
+    ctx.parallel_for(m * H, [&](std::int64_t item, int worker) {
+      const std::int64_t i = item / H;
+      if (scored(i)) head_rows<Backend>(part[i], item % H, sl.block(static_cast<int>(i)).rows, sl.workers.slice(worker));
     });
-    Backend::mean_rows(TensorView<const float, 2>::contiguous(blk.rows, {Hq, n}), blk.mean);
   }
 
   /// Row `row0` = the kept ids (all when the budget covers n), copied to the H - 1 next rows.
