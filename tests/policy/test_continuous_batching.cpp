@@ -134,7 +134,7 @@ TEST_CASE("continuous batching: PyramidKV and Budgeted scorers equal each sequen
   }
 }
 
-TEST_CASE("continuous batching: TOVA, ObservedAttention and StreamingLLM equal each sequence alone", "[batching][tova]") {
+TEST_CASE("continuous batching: TOVA and ObservedAttention and StreamingLLM equal each sequence alone", "[batching][tova]") {
   const RaggedBatch rb({300, 1, 2048, 17, 900}, 1, /*paged=*/true, 37);
   check_batch_equals_alone(TOVA(TOVAParams::kvpress(0.5)), rb.inputs);
   check_batch_equals_alone(TOVA(TOVAParams::original(64)), rb.inputs);
@@ -304,7 +304,7 @@ TEST_CASE("continuous batching: Quest steps with sequences joining and leaving e
   }
 }
 
-TEST_CASE("continuous batching: TOVA online, per-sequence caches carried across steps with joins and leaves", "[batching][tova]") {
+TEST_CASE("continuous batching: TOVA online with per-sequence caches carried across steps with joins and leaves", "[batching][tova]") {
   // Each sequence's state is its compacted key cache (Hkv, len, d); every step appends one token, TOVA decides the
   // whole current batch in one call, and each sequence keeps the tokens of its rows (equal for every kv head).
   struct Seq {
