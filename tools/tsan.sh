@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ThreadSanitizer pass over the code that runs on several threads: the bundled
 # ThreadPool (tests/util), the views/ExecContext tests (tests/core), the CPU
-# backend (tests/cpu), the paged attention helpers on a pool (tests/eval) and
-# Quest's multi-worker selection (tests/policy/selection). clang++
+# backend (tests/cpu), the paged attention helpers on a pool (tests/eval),
+# Quest's multi-worker selection (tests/policy/selection) and the sharded
+# decisions with the ranks as threads (tests/distributed). clang++
 # -fsanitize=thread, RelWithDebInfo at -O1 with line tables (the AVX-512 kernel
 # units compile in seconds, reports keep file:line), its own build directory.
 #   tools/tsan.sh            configure + build build-tsan/, run the tests (halt on the first report)
@@ -11,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${KVP_TSAN_BUILD_DIR:-build-tsan}
 JOBS=${KVP_JOBS:-$(nproc)}
-TARGETS=(test_util test_core test_cpu test_eval test_eval_cpu test_selection test_selection_cpu)
+TARGETS=(test_util test_core test_cpu test_eval test_eval_cpu test_selection test_selection_cpu test_sharding)
 
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
-from ._core import KiviCache, Quantizer, QuestState, get_num_threads, set_num_threads
+from ._core import HeadShard, KiviCache, Quantizer, QuestState, get_num_threads, set_num_threads
 
 __version__: str = _core.__version__
 #: The CPU backend's instruction set chosen at run time (avx512, avx2 or sse2; KVP_CPU_ISA forces one).
@@ -37,7 +37,7 @@ __all__ = [
     "__version__", "isa", "policies", "PolicyInfo", "Param", "make", "spec_string", "KeepSet", "Policy",
     "EvictionPolicy", "H2O", "H2OState", "compact_contiguous", "set_num_threads", "get_num_threads",
     "Quantizer", "KiviCache", "make_quantizer", "make_quantizers", "Quest", "QuestState", "PageSelection",
-    "compact_paged", "MixedPrecision",
+    "compact_paged", "MixedPrecision", "HeadShard",
 ]
 
 
@@ -184,10 +184,12 @@ class EvictionPolicy(Policy):
 
     def evict(self, queries: Any = None, keys: Any = None, values: Any = None, *, attention: Any = None,
               column_sums: Any = None, lookahead: int = 0, backend: str = "cpu",
-              out: Optional[Tuple[Any, Any]] = None) -> KeepSet:
-        """The decision as a :class:`KeepSet`. ``out=(indptr, indices)``: caller-owned int32 outputs, written in place."""
+              out: Optional[Tuple[Any, Any]] = None, shard: Optional[HeadShard] = None) -> KeepSet:
+        """The decision as a :class:`KeepSet`. ``out=(indptr, indices)``: caller-owned int32 outputs, written in place.
+        ``shard``: a :class:`HeadShard` when the arrays hold this rank's heads of a tensor-parallel layer; Ada-KV's
+        layer-wide budget is then decided together with the other ranks (:mod:`kvpolicy.distributed`)."""
         indptr, indices = (None, None) if out is None else out
-        ip, ids = self._impl.evict(keys, queries, values, attention, column_sums, lookahead, backend, indptr, indices)
+        ip, ids = self._impl.evict(keys, queries, values, attention, column_sums, lookahead, backend, indptr, indices, shard)
         batch = keys.shape[0] if keys is not None and len(keys.shape) == 4 else None
         if out is None:
             ids = ids[:int(ip[-1])]

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,9 +37,12 @@ using I32Out = nb::ndarray<nb::numpy, std::int32_t, nb::ndim<1>>;
 using I64Out = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 using F32Out = nb::ndarray<nb::numpy, float>;
 
-/// Raises ValueError with the Status message unless it is ok.
+/// Raises ValueError with the Status message unless it is ok (RuntimeError for
+/// a collective's failure or a peer rank's rejection: the input here was fine).
 inline void check(const kvpolicy::Status& s) {
-  if (!s.is_ok()) throw nb::value_error(s.message());
+  if (s.is_ok()) return;
+  if (s.code() == kvpolicy::StatusCode::kCollectiveError) throw std::runtime_error(s.message());
+  throw nb::value_error(s.message());
 }
 
 [[noreturn]] inline void type_error(const std::string& msg) { throw nb::type_error(msg.c_str()); }
@@ -86,6 +90,9 @@ std::pair<nb::ndarray<nb::numpy, T>, T*> new_array(std::initializer_list<std::si
 kvpolicy::ExecContext exec_context();
 std::mutex& exec_mutex();
 
+/// The HeadShard of a `kvpolicy.HeadShard` object (None: nullptr), valid while `obj` lives.
+const kvpolicy::HeadShard* head_shard(nb::handle obj);
+
 /// Zero-copy evidence: data pointers of the views the last call built, by argument name.
 void record_pointer(const char* name, const void* p);
 void clear_pointers();
@@ -105,5 +112,6 @@ void bind_quant(nb::module_& m);
 void bind_selection(nb::module_& m);
 void bind_merge(nb::module_& m);
 void bind_mixed(nb::module_& m);
+void bind_distributed(nb::module_& m);
 
 }  // namespace kvpy

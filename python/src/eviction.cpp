@@ -89,10 +89,12 @@ class EvictionPolicy {
   std::int64_t protected_tokens(std::int64_t n) const { return policy_.protected_tokens(n); }
 
   nb::tuple evict(nb::handle keys, nb::handle queries, nb::handle values, nb::handle attention, nb::handle column_sums,
-                  std::int64_t lookahead, const std::string& backend, nb::handle indptr_out, nb::handle indices_out) const {
+                  std::int64_t lookahead, const std::string& backend, nb::handle indptr_out, nb::handle indices_out,
+                  nb::handle shard) const {
     const char* who = "evict";
     clear_pointers();
     const kvpolicy::BackendKind kind = backend_kind(backend);
+    const kvpolicy::HeadShard* sh = head_shard(shard);
     const ArrayArg K = array_arg(who, "keys", keys, {3, 4});
     const bool batched = K.view.rank == 4;
     const int r3 = batched ? 4 : 3, r2 = batched ? 3 : 2;
@@ -158,7 +160,8 @@ class EvictionPolicy {
       const kvpolicy::ProblemShape shape{
           .num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = first.keys.head_dim(), .max_kv_len = max_len, .q_len = q_len, .batch = B};
       std::lock_guard<std::mutex> lk(exec_mutex());
-      const kvpolicy::ExecContext exec = exec_context();
+      kvpolicy::ExecContext exec = exec_context();
+      exec.shard = sh;
       const kvpolicy::Requirements req = policy_.requirements(kind, shape, exec);
       KVP_RETURN_IF_ERROR(req.status);
       std::int32_t *indptr = nullptr, *indices = nullptr;
@@ -193,13 +196,14 @@ void bind_eviction(nb::module_& m) {
       .def("evict", &EvictionPolicy::evict, nb::arg("keys").none(), nb::arg("queries").none() = nb::none(),
            nb::arg("values").none() = nb::none(), nb::arg("attention").none() = nb::none(), nb::arg("column_sums").none() = nb::none(),
            nb::arg("lookahead") = 0, nb::arg("backend") = "cpu", nb::arg("indptr").none() = nb::none(),
-           nb::arg("indices").none() = nb::none(),
+           nb::arg("indices").none() = nb::none(), nb::arg("shard").none() = nb::none(),
            "The KeepSet of one sequence (keys (kv_heads, kv_len, head_dim)) or a batch (a leading batch axis on every "
            "array) as (indptr, indices) int32 arrays: row r = seq * rows_per_seq + head keeps indices[indptr[r]:indptr[r+1]], "
            "ascending. Keys / values are read in place (float32, float16, bfloat16, any strides with a contiguous last axis); "
            "queries (num_q_heads, q_len, head_dim) post-RoPE, attention (num_q_heads, q_len, kv_len) and column_sums "
            "(num_q_heads, kv_len) are read as float32 (other float dtypes are widened into a temporary). "
-           "indptr / indices: optional caller-owned int32 outputs.");
+           "indptr / indices: optional caller-owned int32 outputs. shard: a HeadShard when the arrays hold this rank's heads "
+           "of a tensor-parallel layer (policies with a layer-wide budget, Ada-KV, then decide with the other ranks).");
 }
 
 }  // namespace kvpy

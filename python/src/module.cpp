@@ -219,4 +219,5 @@ NB_MODULE(_core, m) {
   bind_selection(m);
   bind_merge(m);
   bind_mixed(m);
+  bind_distributed(m);
 }
