@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "distributed/quest_shard_cases.hpp"
 #include "distributed/shard_cases.hpp"
@@ -76,6 +77,19 @@ int timing(const Collective& comm, std::int64_t T, int reps) {
     sum += dt;
     coll += tc.seconds;
   }
+  // The same collectives alone (sizes of this call: one sequence), after a barrier: the transport's share.
+  std::vector<std::int64_t> buf(257 * 4), recv(static_cast<std::size_t>(comm.world_size) * 8);
+  double alone = 0.0;
+  for (int i = 0; i < reps; ++i) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = MPI_Wtime();
+    (void)comm.all_gather(buf.data(), 5 * sizeof(std::int64_t), recv.data());
+    for (int round = 0; round < 4; ++round) (void)comm.all_reduce_sum(buf.data(), round == 0 ? 257 : 256);
+    (void)comm.all_gather(buf.data(), 2 * sizeof(std::int64_t), recv.data());
+    alone += MPI_Wtime() - t0;
+  }
+  if (comm.rank == 0)
+    std::printf("  the 6 collectives alone: %.1f us per layer\n", 1e6 * alone / reps);
   if (comm.rank == 0)
     std::printf("sharded adakv, %d ranks, T=%lld, %lld kv heads per rank: %.3f ms per layer (best %.3f), %.3f ms in %lld collectives "
                 "(%lld bytes sent per rank per layer)\n",
