@@ -200,3 +200,19 @@ TEST_CASE("HeadShard rejects split GQA groups and heads outside the layer", "[sh
   const HeadShard b{0, 4, 16, &broken};
   CHECK_THAT(b.validate("t", 8, 2).message(), Catch::Matchers::Contains("no all_reduce_sum"));
 }
+
+TEST_CASE("AdaKVAllocation::allocate refuses a sharded context instead of deciding on one rank's rows", "[shard][bad_input]") {
+  ThreadGroup g(2);
+  const HeadShard shard{0, 4, 16, &g.comm(0)};
+  ExecContext exec;
+  exec.shard = &shard;
+  const AdaKVAllocation alloc{AdaKVVariant::kKvpress, 0.2, false, Budget::compression_ratio(0.5), 0};
+  std::vector<float> s(2 * 16, 1.0f);
+  std::vector<std::int64_t> counts(2, -5);
+  std::vector<std::byte> ws(alloc.workspace_bytes(Context<backend::Cpu>{{}, exec}, 2, 16));
+  const Status st = alloc.allocate(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, exec}, 16,
+                                   TensorView<const float, 2>::contiguous(s.data(), {2, 16}), std::span<std::int64_t>(counts));
+  CHECK_THAT(st.message(), Catch::Matchers::Contains("AdaKV<Scorer>::evict"));
+  CHECK(counts == std::vector<std::int64_t>{-5, -5});
+  CHECK(g.stats(0).all_gathers + g.stats(0).all_reduces == 0);
+}

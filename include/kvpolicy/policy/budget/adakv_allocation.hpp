@@ -87,6 +87,9 @@ struct AdaKVAllocation {
   template <class B>
   Status allocate(const Context<B>& ctx, std::int64_t T, TensorView<const float, 2> scores, std::span<std::int64_t> counts) const noexcept {
     KVP_RETURN_IF_ERROR(validate());
+    KVP_REQUIRE(ctx.exec.shard == nullptr || !ctx.exec.shard->distributed(),
+                "adakv: allocate sees one rank's rows of a sharded layer; decide sharded layers with AdaKV<Scorer>::evict (or the "
+                "shard_* phases and sharded_cut)");
     const std::int64_t rows = scores.extent(0);
     KVP_REQUIRE(scores.extent(1) == T && (scores.stride(0) == T || rows <= 1) && (scores.stride(1) == 1 || T <= 1),
                 "adakv: scores must be a contiguous (rows, kv_len=%lld) map", static_cast<long long>(T));
