@@ -51,6 +51,7 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"

@@ -24,6 +24,7 @@
 // header-only, so a user policy that models `EvictionPolicy` erases the same way.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <span>
 #include <string>
@@ -34,6 +35,7 @@
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
 
@@ -114,10 +116,13 @@ class AnyEvictionPolicy {
  public:
   AnyEvictionPolicy() = default;
 
+  /// `no_scores`: for a policy that is not a Scorer, why it has none (the
+  /// message `score` returns names it); ignored for a Scorer.
   template <class P>
-  static AnyEvictionPolicy of(P policy, std::string name = P::kName) {
+  static AnyEvictionPolicy of(P policy, std::string name = P::kName, std::string no_scores = {}) {
     AnyEvictionPolicy a;
-    a.impl_ = std::make_shared<const Model<P>>(std::move(policy));
+    a.impl_ = std::make_shared<const Model<P>>(std::move(policy),
+                                               no_scores.empty() ? std::string("it decides without per-token scores") : no_scores);
     a.name_ = std::move(name);
     return a;
   }
@@ -133,6 +138,28 @@ class AnyEvictionPolicy {
   Requirements requirements(BackendKind b, const ProblemShape& shape, const ExecContext& exec = {}) const noexcept {
     if (!impl_) return Requirements{KVP_INVALID("AnyEvictionPolicy: empty (no policy assigned)")};
     return impl_->requirements(b, shape, exec);
+  }
+
+  /// Whether `score` writes per-token scores (the policy is a Scorer, or an
+  /// allocation over one: Ada-KV's scores are its scorer's).
+  bool has_scores() const noexcept { return impl_ != nullptr && impl_->has_scores(); }
+
+  /// The size query of `score` for one sequence of `shape` (batch 1): its
+  /// workspace in `workspace_bytes`; an error for a policy without scores.
+  Requirements score_requirements(BackendKind b, const ProblemShape& shape, const ExecContext& exec = {}) const noexcept {
+    if (!impl_) return Requirements{KVP_INVALID("AnyEvictionPolicy: empty (no policy assigned)")};
+    return impl_->score_requirements(b, shape, exec);
+  }
+
+  /// Per-token scores of one sequence into `out` (num_kv_heads, kv_len):
+  /// higher = keep, protected tokens (window, sinks) +inf; the map the policy's
+  /// top-k ranks (`evict` keeps each row's best under `score_order_key`).
+  /// `ws` holds `score_requirements(...).workspace_bytes`. A policy that is
+  /// not a Scorer (StreamingLLM) returns kInvalidArgument saying so.
+  template <class Tk>
+  Status score(BackendKind b, const ScoreInput<float, Tk>& in, ScoreMap out, Workspace ws, const ExecContext& exec = {}) const noexcept {
+    KVP_REQUIRE(impl_ != nullptr, "AnyEvictionPolicy: empty (no policy assigned)");
+    return impl_->score(b, in, out, ws, exec);
   }
 
   template <class Tk>
@@ -156,12 +183,66 @@ class AnyEvictionPolicy {
     virtual Status evict(BackendKind, std::span<const ScoreInput<float, half>>, KeepSet, Workspace, const ExecContext&) const noexcept = 0;
     virtual Status evict(BackendKind, std::span<const ScoreInput<float, bfloat16>>, KeepSet, Workspace,
                          const ExecContext&) const noexcept = 0;
+    virtual bool has_scores() const noexcept = 0;
+    virtual Requirements score_requirements(BackendKind, const ProblemShape&, const ExecContext&) const noexcept = 0;
+    virtual Status score(BackendKind, const ScoreInput<float, float>&, ScoreMap, Workspace, const ExecContext&) const noexcept = 0;
+    virtual Status score(BackendKind, const ScoreInput<float, half>&, ScoreMap, Workspace, const ExecContext&) const noexcept = 0;
+    virtual Status score(BackendKind, const ScoreInput<float, bfloat16>&, ScoreMap, Workspace, const ExecContext&) const noexcept = 0;
   };
+
+  /// Scores through `P::score`; an allocation without its own (`scorer()`) through its scorer's.
+  template <class P, class B, class Tk>
+  static constexpr bool kScores = Scorer<P, ScoreInput<float, Tk>, B>;
 
   template <class P>
   struct Model final : Concept {
-    explicit Model(P p) : policy(std::move(p)) {}
+    Model(P p, std::string why) : policy(std::move(p)), no_scores(std::move(why)) {}
     P policy;
+    std::string no_scores;
+
+    bool has_scores() const noexcept override { return kScores<P, backend::Scalar, float>; }
+    Requirements score_requirements(BackendKind b, const ProblemShape& s, const ExecContext& exec) const noexcept override {
+      if constexpr (!kScores<P, backend::Scalar, float>) {
+        return Requirements{KVP_INVALID("%s has no per-token scores: %s", P::kName, no_scores.c_str())};
+      } else {
+        Requirements r = requirements(b, s, exec);
+        if constexpr (requires { policy.scorer(); }) {  // Ada-KV: its scorer's size query covers the scores
+          if (r.status.is_ok()) {
+#if KVP_REGISTRY_HAS_CPU
+            const Requirements sr = b == BackendKind::kCpu ? policy.scorer().requirements(Context<backend::Cpu>{{}, exec}, s)
+                                                           : policy.scorer().requirements(Context<backend::Scalar>{{}, exec}, s);
+#else
+            const Requirements sr = policy.scorer().requirements(Context<backend::Scalar>{{}, exec}, s);
+#endif
+            if (!sr.status.is_ok()) return sr;
+            r.workspace_bytes = std::max(r.workspace_bytes, sr.workspace_bytes);
+          }
+        }
+        return r;
+      }
+    }
+    template <class Tk>
+    Status run_score(BackendKind b, const ScoreInput<float, Tk>& in, ScoreMap out, Workspace ws, const ExecContext& exec) const noexcept {
+      if constexpr (!kScores<P, backend::Scalar, Tk>) {
+        return KVP_INVALID("%s has no per-token scores: %s", P::kName, no_scores.c_str());
+      } else {
+#if KVP_REGISTRY_HAS_CPU
+        if (b == BackendKind::kCpu) return policy.score(Context<backend::Cpu>{ws, exec}, in, out);
+#endif
+        if (b == BackendKind::kScalar) return policy.score(Context<backend::Scalar>{ws, exec}, in, out);
+        return KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName);
+      }
+    }
+    Status score(BackendKind b, const ScoreInput<float, float>& x, ScoreMap o, Workspace w, const ExecContext& e) const noexcept override {
+      return run_score(b, x, o, w, e);
+    }
+    Status score(BackendKind b, const ScoreInput<float, half>& x, ScoreMap o, Workspace w, const ExecContext& e) const noexcept override {
+      return run_score(b, x, o, w, e);
+    }
+    Status score(BackendKind b, const ScoreInput<float, bfloat16>& x, ScoreMap o, Workspace w,
+                 const ExecContext& e) const noexcept override {
+      return run_score(b, x, o, w, e);
+    }
 
     std::int64_t kept_count(std::int64_t n) const noexcept override { return policy.kept_count(n); }
     std::int64_t protected_tokens(std::int64_t n) const noexcept override { return policy.protected_tokens(n); }

@@ -96,6 +96,56 @@ TEST_CASE("registry: erased eviction equals the typed call for every erased poli
   REQUIRE(ea.evict(BackendKind::kCpu, with_values, keep.view(), Workspace{ws.data(), ws.size()}).is_ok());
 }
 
+TEST_CASE("registry: score gives the map whose per-row top-k is evict's kept set", "[registry][score]") {
+  const kvp_test::RandomCase<half> rc(8, 2, 150, 32, 16, 11);
+  ScoreInput<float, half> in = rc.input();
+  std::vector<half> values(2 * 150 * 32);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = from_float<half>(static_cast<float>((i * 37) % 101) / 50.0f - 1.0f);
+  in.values = KVSource<half>::from(TensorView<const half, 3>::contiguous(values.data(), {2, 150, 32}));
+  const ProblemShape shape{8, 2, 32, 150, 16};
+  for (const std::string spec :
+       {"snapkv:compression_ratio=0.5,window=16", "tova", "pyramidkv:window=16,layer=5", "adakv:window=16,compression_ratio=0.6",
+        "expected_attention:compression_ratio=0.5,n_sink=2", "knorm:compression_ratio=0.7"}) {
+    INFO(spec);
+    AnyEvictionPolicy p;
+    REQUIRE(make_eviction_policy(spec, &p).is_ok());
+    REQUIRE(p.has_scores());
+    for (BackendKind b : {BackendKind::kScalar, BackendKind::kCpu}) {
+      const Requirements r = p.requirements(b, shape);
+      REQUIRE(r.status.is_ok());
+      kvp_test::KeepSetBuffer keep(r.output.rows, r.output.capacity);
+      std::vector<std::byte> ws(r.workspace_bytes);
+      REQUIRE(p.evict(b, in, keep.view(), Workspace{ws.data(), ws.size()}).is_ok());
+      const Requirements sr = p.score_requirements(b, shape);
+      REQUIRE(sr.status.is_ok());
+      std::vector<std::byte> sws(sr.workspace_bytes);
+      std::vector<float> s(2 * 150);
+      const Status st = p.score(b, in, TensorView<float, 2>::contiguous(s.data(), {2, 150}), Workspace{sws.data(), sws.size()});
+      INFO(st.message());
+      REQUIRE(st.is_ok());
+      REQUIRE(keep.view().num_rows == 2);
+      for (std::int64_t h = 0; h < 2; ++h) {
+        const auto row = keep.row(h);
+        std::vector<std::int32_t> top(row.size());
+        std::vector<std::byte> tws(backend::Scalar::topk_workspace(150));
+        backend::Scalar::topk(s.data() + h * 150, 150, static_cast<std::int64_t>(row.size()), top.data(),
+                              Workspace{tws.data(), tws.size()});
+        REQUIRE(row == top);
+      }
+      if (spec.rfind("snapkv", 0) == 0)  // the window scores +inf
+        for (std::int64_t j = 150 - 16; j < 150; ++j) REQUIRE(s[j] == std::numeric_limits<float>::infinity());
+    }
+  }
+  AnyEvictionPolicy sl;
+  REQUIRE(make_eviction_policy("streaming_llm", &sl).is_ok());
+  REQUIRE_FALSE(sl.has_scores());
+  std::vector<float> s(2 * 150);
+  REQUIRE_THAT(
+      sl.score(BackendKind::kCpu, in, TensorView<float, 2>::contiguous(s.data(), {2, 150}), Workspace{}).message(),
+      Contains("streaming_llm has no per-token scores: StreamingLLM keeps the attention sinks and the most recent tokens by position"));
+  REQUIRE_THAT(sl.score_requirements(BackendKind::kCpu, shape).status.message(), Contains("streaming_llm has no per-token scores"));
+}
+
 TEST_CASE("registry: unknown and typed-only names give a clear error", "[registry]") {
   AnyEvictionPolicy p;
   REQUIRE_THAT(make_eviction_policy("snapkvv", &p).message(), Contains("no eviction policy named 'snapkvv'; known: streaming_llm, snapkv"));
@@ -109,7 +159,7 @@ TEST_CASE("registry: every policy is listed with family, paper and parameter def
   std::vector<std::string> names;
   for (const auto& p : reg) names.emplace_back(p.name);
   REQUIRE(names == std::vector<std::string>{"streaming_llm", "snapkv", "observed_attention", "tova", "pyramidkv", "adakv",
-                                            "expected_attention", "h2o", "quest", "ggml", "fp8", "kivi", "int4"});
+                                            "expected_attention", "knorm", "h2o", "quest", "ggml", "fp8", "kivi", "int4"});
   for (const auto& p : reg) {
     INFO(p.name);
     REQUIRE(!p.family.empty());

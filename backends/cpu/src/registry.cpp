@@ -17,6 +17,7 @@
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
@@ -73,6 +74,13 @@ class ExpectedAttentionOnScoreInput {
   Requirements requirements(const Context<B>& ctx, const ProblemShape& s) const noexcept {
     return ea_.requirements(ctx, s);
   }
+  /// Expected Attention's scores of one sequence, (num_kv_heads, kv_len), sinks +inf.
+  template <class B, class Tk>
+  Status score(const Context<B>& ctx, const ScoreInput<float, Tk>& in, ScoreMap out) const noexcept {
+    ExpectedAttentionInput<float, Tk> x;
+    static_cast<ScoreInput<float, Tk>&>(x) = in;
+    return ea_.score(ctx, x, out);
+  }
   template <class B, class Tk>
   Status evict(const Context<B>& ctx, std::span<const ScoreInput<float, Tk>> batch, KeepSet out) const noexcept {
     try {
@@ -95,16 +103,17 @@ struct Entry {
   Make make;  // null: typed only (make_policy<P>)
 };
 
+/// `no_scores`: why a policy that is not a Scorer has no per-token scores (AnyEvictionPolicy::score's message).
 template <class P>
-Entry erased(std::string_view family, std::string_view paper, typename P::Params defaults) {
+Entry erased(std::string_view family, std::string_view paper, typename P::Params defaults, std::string no_scores = {}) {
   Entry e;
   e.info = PolicyInfo{P::kName, family, paper, describe_params(defaults), true};
-  e.make = [defaults](const PolicySpec& spec, AnyEvictionPolicy* out) -> Status {
+  e.make = [defaults, no_scores](const PolicySpec& spec, AnyEvictionPolicy* out) -> Status {
     typename P::Params p = defaults;
     KVP_RETURN_IF_ERROR(apply_spec_args(P::kName, spec, p));
     const P policy(p);
     KVP_RETURN_IF_ERROR(policy.validate_params());
-    *out = AnyEvictionPolicy::of(policy);
+    *out = AnyEvictionPolicy::of(policy, P::kName, no_scores);
     return Status::ok();
   };
   return e;
@@ -118,9 +127,9 @@ Entry typed(std::string_view family, std::string_view paper, const typename P::P
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = [] {
     std::vector<Entry> t;
-    t.push_back(erased<StreamingLLM>("eviction",
-                                     "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453",
-                                     StreamingLLMParams::kvpress(0.5)));
+    t.push_back(erased<StreamingLLM>(
+        "eviction", "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453",
+        StreamingLLMParams::kvpress(0.5), "StreamingLLM keeps the attention sinks and the most recent tokens by position"));
     t.push_back(erased<SnapKV>("eviction", "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation, arXiv 2404.14469",
                                SnapKVParams::kvpress(0.5)));
     t.push_back(erased<ObservedAttention>("eviction", "kvpress ObservedAttentionPress (one-shot H2O scores), arXiv 2306.14048",
@@ -149,6 +158,9 @@ const std::vector<Entry>& entries() {
     t.push_back(erased<ExpectedAttentionOnScoreInput>(
         "eviction", "Devoto et al. 2025, Expected Attention, arXiv 2510.00636 (queries = pre-RoPE prompt queries; values required)",
         ExpectedAttentionParams::kvpress(0.5)));
+    t.push_back(erased<Knorm>(
+        "eviction", "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, arXiv 2406.11430",
+        KnormParams::kvpress(0.5)));
     t.push_back(
         typed<H2O>("eviction (online)", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle, arXiv 2306.14048 (state: H2OState)", H2OParams{}));
     t.push_back(

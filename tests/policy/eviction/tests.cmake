@@ -1,5 +1,5 @@
 # Eviction policies: StreamingLLM, SnapKV, H2O, TOVA, ObservedAttention, Ada-KV,
-# PyramidKV, Expected Attention, LAQ and lookahead queries (unit, golden vectors, ISA levels).
+# PyramidKV, Expected Attention, Knorm, LAQ and lookahead queries (unit, golden vectors, ISA levels).
 kvp_add_test(test_eviction
   ${CMAKE_CURRENT_LIST_DIR}/test_snapkv.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_streaming_llm.cpp
@@ -11,7 +11,8 @@ kvp_add_test(test_eviction
   ${CMAKE_CURRENT_LIST_DIR}/test_pyramidkv.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_expected_attention.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_laq.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_ties.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_ties.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_knorm.cpp)
 
 # Cross-validation against the reference fixtures (kvpress and the original
 # repositories; needs the fixture reader and nlohmann-json).
