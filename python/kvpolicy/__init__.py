@@ -37,7 +37,8 @@ __all__ = [
     "__version__", "isa", "policies", "PolicyInfo", "Param", "make", "spec_string", "KeepSet", "Policy",
     "EvictionPolicy", "H2O", "H2OState", "compact_contiguous", "set_num_threads", "get_num_threads",
     "Quantizer", "KiviCache", "make_quantizer", "make_quantizers", "Quest", "QuestState", "PageSelection",
-    "compact_paged", "MixedPrecision", "HeadShard",
+    "compact_paged", "MixedPrecision", "HeadShard", "quantize_paged_append", "quantized_page_meta_append",
+    "quantized_paged_decode_attention",
 ]
 
 
@@ -181,6 +182,20 @@ class EvictionPolicy(Policy):
     def protected_tokens(self, kv_len: int) -> int:
         """Tokens kept by rule (observation window, sinks)."""
         return self._impl.protected_tokens(kv_len)
+
+    @property
+    def has_scores(self) -> bool:
+        """Whether :meth:`score` gives per-token scores (every erased policy but StreamingLLM, which is positional)."""
+        return self._impl.has_scores
+
+    def score(self, queries: Any = None, keys: Any = None, values: Any = None, *, attention: Any = None,
+              column_sums: Any = None, lookahead: int = 0, backend: str = "cpu", out: Any = None) -> np.ndarray:
+        """Per-token scores, float32 (num_kv_heads, kv_len) (a batch: (batch, num_kv_heads, kv_len)), from the same
+        arrays as :meth:`evict`: higher = keep, protected tokens (window, sinks) ``+inf``. :meth:`evict` keeps each
+        row's ``kept_count`` best (equal scores: the later token). Ada-KV and PyramidKV give their SnapKV scorer's map.
+        ``out``: a caller-owned writable float32 array of that shape (any strides), written only on success.
+        ``ValueError`` for a policy without scores (StreamingLLM)."""
+        return self._impl.score(keys, queries, values, attention, column_sums, lookahead, backend, out)
 
     def evict(self, queries: Any = None, keys: Any = None, values: Any = None, *, attention: Any = None,
               column_sums: Any = None, lookahead: int = 0, backend: str = "cpu",
@@ -440,9 +455,43 @@ def compact_paged(k_pages: Any, indptr: Any, indices: Any, last_page_len: Any, k
                                layout)
 
 
+def _q(q: Any) -> Quantizer:
+    return q if isinstance(q, Quantizer) else Quantizer(q)
+
+
+def quantize_paged_append(quantizer: Any, pages: Any, indptr: Any, indices: Any, last_page_len: Any, seq: int, rows: Any, *,
+                          layout: str = "NHD") -> None:
+    """Quantize-on-append into a paged cache of code rows, in place: ``rows`` (kv_heads, n, head_dim; float32 / float16 /
+    bfloat16) are the last n tokens of sequence ``seq`` (its length from the page table) and are written in the
+    quantizer's format (a :class:`Quantizer` or a spec; ggml, fp8, int4 - not kivi) at their slots of ``pages``, a uint8
+    pool (num_pages, page_size, kv_heads, quantizer.row_bytes(head_dim)) for ``"NHD"`` or (num_pages, kv_heads,
+    page_size, row_bytes) for ``"HND"``, any strides with contiguous rows. Keys and values are two such pools."""
+    _core.quantize_paged_append(_q(quantizer), pages, indptr, indices, last_page_len, seq, rows, layout)
+
+
+def quantized_page_meta_append(quantizer: Any, state: Any, k_pages: Any, indptr: Any, indices: Any, last_page_len: Any,
+                               head_dim: int, *, append_len: Any = None, layout: str = "NHD") -> None:
+    """Quest's page metadata from a quantized key pool (decoded a page at a time): ``state`` is a float32
+    :class:`QuestState` (or its ``data`` array), updated in place exactly as :meth:`Quest.on_append` on the decoded
+    pool; ``append_len``: int32 tokens appended per sequence (None: every page of the table)."""
+    meta = state.data if isinstance(state, QuestState) else state
+    _core.quantized_page_meta_append(_q(quantizer), meta, k_pages, indptr, indices, last_page_len, head_dim, append_len, layout)
+
+
+def quantized_paged_decode_attention(key_quantizer: Any, value_quantizer: Any, k_pages: Any, v_pages: Any, indptr: Any,
+                                     indices: Any, last_page_len: Any, queries: Any, *, scale: float = 0.0,
+                                     layout: str = "NHD", out: Any = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Exact softmax decode attention of ``queries`` (batch, num_q_heads, head_dim) float32 over every sequence's
+    tokens of a quantized pool (no dequantized cache is built: one page of rows at a time), GQA groups of
+    num_q_heads / kv_heads. Returns ``(out, lse)``: (batch, num_q_heads, head_dim) and (batch, num_q_heads) float32
+    (``out=``: a caller-owned contiguous float32 array). ``scale`` 0: 1/sqrt(head_dim)."""
+    return _core.quantized_paged_decode_attention(_q(key_quantizer), _q(value_quantizer), k_pages, v_pages, indptr, indices,
+                                                  last_page_len, queries, scale, layout, out)
+
+
 from . import merging  # noqa: E402
-from .merging import (D2O, D2OState, KvpressCAM, KvpressMerging, LookMPivot, MergePlan, NearestKeptMerge,  # noqa: E402
-                      NearestKeptState, merge_contiguous)
+from .merging import (CaM, D2O, D2OState, KvpressCAM, KvpressMerging, LookMPivot, MergePlan, MiniCache,  # noqa: E402
+                      MiniCacheStore, NearestKeptMerge, NearestKeptState, merge_contiguous)
 
 __all__ += merging.__all__
 

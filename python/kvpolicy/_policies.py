@@ -150,5 +150,20 @@ class ExpectedAttention(EvictionPolicy):
         super().__init__(spec_string("expected_attention", n_future_positions=n_future_positions, n_sink=n_sink, use_covariance=use_covariance, use_vnorm=use_vnorm, epsilon=epsilon, rope_base=rope_base, compression_ratio=compression_ratio, tokens=tokens, keep_ratio=keep_ratio))
 
 
-_CLASSES = {StreamingLLM.policy_name: StreamingLLM, SnapKV.policy_name: SnapKV, ObservedAttention.policy_name: ObservedAttention, TOVA.policy_name: TOVA, PyramidKV.policy_name: PyramidKV, AdaKV.policy_name: AdaKV, ExpectedAttention.policy_name: ExpectedAttention}
-__all__ = ["StreamingLLM", "SnapKV", "ObservedAttention", "TOVA", "PyramidKV", "AdaKV", "ExpectedAttention"]
+class Knorm(EvictionPolicy):
+    """Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, arXiv 2406.11430.
+
+    Keyword parameters (None: the library's default):
+        compression_ratio (float): budget: compression_ratio=r | tokens=n | keep_ratio=f; default 0.5
+        tokens (int): budget as tokens (replaces the default budget)
+        keep_ratio (float): budget as keep ratio (replaces the default budget)
+    """
+
+    policy_name = "knorm"
+
+    def __init__(self, *, compression_ratio: Optional[float] = None, tokens: Optional[int] = None, keep_ratio: Optional[float] = None) -> None:
+        super().__init__(spec_string("knorm", compression_ratio=compression_ratio, tokens=tokens, keep_ratio=keep_ratio))
+
+
+_CLASSES = {StreamingLLM.policy_name: StreamingLLM, SnapKV.policy_name: SnapKV, ObservedAttention.policy_name: ObservedAttention, TOVA.policy_name: TOVA, PyramidKV.policy_name: PyramidKV, AdaKV.policy_name: AdaKV, ExpectedAttention.policy_name: ExpectedAttention, Knorm.policy_name: Knorm}
+__all__ = ["StreamingLLM", "SnapKV", "ObservedAttention", "TOVA", "PyramidKV", "AdaKV", "ExpectedAttention", "Knorm"]

@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 import kvpolicy
 
 __all__ = ["SnapKVPress", "StreamingLLMPress", "TOVAPress", "ObservedAttentionPress", "ExpectedAttentionPress",
-           "AdaKVPress", "PyramidKVPress", "window_queries"]
+           "AdaKVPress", "PyramidKVPress", "KnormPress", "window_queries"]
 
 
 def window_queries(module: Any, hidden_states: torch.Tensor, window: int, position_embeddings: Tuple[Any, Any]) -> torch.Tensor:
@@ -209,3 +209,16 @@ class PyramidKVPress(_kvpress.PyramidKVPress):
                                 kernel=self.kernel_size, beta=self.beta, num_layers=module.config.num_hidden_layers,
                                 layer=module.layer_idx)
         return _gather(keys, values, _record(self, module, p.evict(queries=_d(q), keys=_d(keys))))
+
+
+@dataclass
+class KnormPress(_kvpress.KnormPress):
+    """kvpress KnormPress (score = -||key||_2 per token and kv head, n_kept = max(1, int(T * (1 - r)))); the norms
+    and the top-k run in kvpolicy's Knorm on the keys read in place (kvpolicy accumulates the norm in double,
+    kvpress in fp32: kept sets may differ only on near-ties)."""
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        p = _policies(self).get("knorm", compression_ratio=self.compression_ratio)
+        return _gather(keys, values, _record(self, module, p.evict(keys=_d(keys))))

@@ -16,6 +16,7 @@
 #include "common.hpp"
 #include "kvpolicy/core/dispatch.hpp"
 #include "kvpolicy/policy/quantization/quant_spec.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
 
 namespace kvpy {
 
@@ -261,6 +262,8 @@ class Quantizer {
     return out_obj;
   }
 
+  const QuantVariant& variant() const { return q_; }
+
  private:
   void check_dim(std::int64_t d) const {
     if (d < 1 || d > kMaxHeadDim) value_error("Quantizer: head_dim is " + std::to_string(d) + ", must be in [1, 4096]");
@@ -412,6 +415,196 @@ class KiviCache {
   kvpolicy::KiviState st_{};
 };
 
+/// A uint8 code pool given as an array: (num_pages, page_size, kv_heads, row_bytes) NHD or (num_pages, kv_heads,
+/// page_size, row_bytes) HND, any strides with contiguous rows.
+struct CodePool {
+  ArrayArg arr;
+  kvpolicy::PageStrides strides{};
+  std::int32_t num_pages = 0, page_size = 0, heads = 0, row_bytes = 0;
+};
+
+CodePool code_pool(const char* who, const char* name, nb::handle a, const std::string& layout, bool writable) {
+  if (layout != "NHD" && layout != "HND") value_error(std::string(who) + ": layout is '" + layout + "', must be 'NHD' or 'HND'");
+  CodePool c;
+  c.arr = array_arg(who, name, a, {4}, writable, true);
+  if (c.arr.view.dtype != DType::kU8) type_error(std::string(who) + ": " + name + " must be uint8 (code rows)");
+  const bool nhd = layout == "NHD";
+  const auto& e = c.arr.view.extents;
+  const auto& st = c.arr.view.strides;
+  for (int i = 0; i < 4; ++i)
+    if (e[i] > INT32_MAX) value_error(std::string(who) + ": " + name + " has an extent above 2^31");
+  c.num_pages = static_cast<std::int32_t>(e[0]);
+  c.page_size = static_cast<std::int32_t>(nhd ? e[1] : e[2]);
+  c.heads = static_cast<std::int32_t>(nhd ? e[2] : e[1]);
+  c.row_bytes = static_cast<std::int32_t>(e[3]);
+  c.strides = kvpolicy::PageStrides{st[0], nhd ? st[2] : st[1], nhd ? st[1] : st[2], 1};
+  return c;
+}
+
+/// Both halves of a pool view over code pools `k` and `v` (v may be k's own array) and a page table.
+template <class T>
+kvpolicy::PagedKVView<T> pool_view(const CodePool& k, const CodePool& v, const kvpolicy::PageTable& table) {
+  kvpolicy::PagedKVView<T> p;
+  p.k_data = static_cast<T*>(k.arr.view.data);
+  p.v_data = static_cast<T*>(v.arr.view.data);
+  p.k_strides = k.strides;
+  p.v_strides = v.strides;
+  p.num_pages = k.num_pages;
+  p.num_kv_heads = k.heads;
+  p.page_size = k.page_size;
+  p.head_dim = k.row_bytes;
+  p.table = table;
+  p.device = kvpolicy::kHost;
+  return p;
+}
+
+void same_pool_shape(const char* who, const CodePool& k, const CodePool& v) {
+  if (k.num_pages != v.num_pages || k.page_size != v.page_size || k.heads != v.heads || k.row_bytes != v.row_bytes)
+    value_error(std::string(who) + ": k_pages and v_pages differ in (num_pages, page_size, kv_heads, row_bytes)");
+}
+
+/// The formats a paged pool holds (self-contained rows); KIVI is refused by name.
+template <class F>
+kvpolicy::Status with_row_format(const char* who, const Quantizer& q, F&& f) {
+  return std::visit(
+      [&](const auto& p) -> kvpolicy::Status {
+        using P = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<P, kvpolicy::KiviQuant>)
+          return KVP_INVALID("%s: kivi's rows are not self-contained (per-channel key groups); a paged pool holds ggml, fp8 or int4 rows",
+                             who);
+        else
+          return f(p);
+      },
+      q.variant());
+}
+
+/// Quantize-on-append: rows (kv_heads, n, head_dim) of tokens [len - n, len) of sequence `seq` into `pages`.
+void quantize_paged_append_py(const Quantizer& q, nb::handle pages, nb::handle indptr, nb::handle indices, nb::handle last_page_len,
+                              std::int32_t seq, nb::handle rows, const std::string& layout) {
+  const char* who = "quantize_paged_append";
+  clear_pointers();
+  const CodePool c = code_pool(who, "pages", pages, layout, true);
+  const TableArgs t = table_args(who, indptr, indices, last_page_len);
+  const ArrayArg R = array_arg(who, "rows", rows, {3});
+  const auto pool = pool_view<std::uint8_t>(c, c, t.table);
+  check(kvpolicy::dispatch_dtype(R.view.dtype, "rows", [&](auto tag) -> kvpolicy::Status {
+    using T_ = typename decltype(tag)::type;
+    kvpolicy::TensorView<const T_, 3> x;
+    KVP_RETURN_IF_ERROR((R.view.template as<const T_, 3>(&x, "rows")));
+    return with_row_format(who, q, [&](const auto& p) {
+      nb::gil_scoped_release nogil;
+      return kvpolicy::quantize_paged_append(p, pool, seq, x, /*values=*/false);
+    });
+  }));
+}
+
+/// Quest's page metadata (meta: (num_pages, kv_heads, 2, head_dim) float32, e.g. QuestState.data) from the codes.
+void quantized_page_meta_append_py(const Quantizer& q, nb::handle meta, nb::handle k_pages, nb::handle indptr, nb::handle indices,
+                                   nb::handle last_page_len, std::int64_t head_dim, nb::handle append_len, const std::string& layout) {
+  const char* who = "quantized_page_meta_append";
+  clear_pointers();
+  const CodePool c = code_pool(who, "k_pages", k_pages, layout, false);
+  const TableArgs t = table_args(who, indptr, indices, last_page_len);
+  const ArrayArg M = array_arg(who, "meta", meta, {4}, true, true);
+  if (M.view.dtype != DType::kF32) type_error(std::string(who) + ": meta must be float32 (a QuestState of dtype float32)");
+  const auto& e = M.view.extents;
+  if (e[0] != c.num_pages || e[1] != c.heads || e[2] != 2 || e[3] != head_dim)
+    value_error(std::string(who) + ": meta has shape (" + std::to_string(e[0]) + ", " + std::to_string(e[1]) + ", " + std::to_string(e[2]) +
+                ", " + std::to_string(e[3]) + "), expected (num_pages=" + std::to_string(c.num_pages) +
+                ", kv_heads=" + std::to_string(c.heads) + ", 2, head_dim=" + std::to_string(head_dim) + ")");
+  const ArrayArg A = array_arg(who, "append_len", append_len, {1}, false, true, true);
+  if (A.present() && (A.view.dtype != DType::kI32 || A.view.extents[0] != t.table.batch))
+    value_error(std::string(who) + ": append_len must be int32 with one entry per sequence (" + std::to_string(t.table.batch) + ")");
+  kvpolicy::PageMetaView<float> mv;
+  mv.max_data = static_cast<float*>(M.view.data);
+  mv.min_data = mv.max_data + M.view.strides[2];
+  mv.page_stride = M.view.strides[0];
+  mv.head_stride = M.view.strides[1];
+  mv.num_pages = static_cast<std::int32_t>(e[0]);
+  mv.num_kv_heads = static_cast<std::int32_t>(e[1]);
+  mv.head_dim = static_cast<std::int32_t>(e[3]);
+  mv.device = kvpolicy::kHost;
+  const auto pool = pool_view<const std::uint8_t>(c, c, t.table);
+  const auto* al = A.present() ? static_cast<const std::int32_t*>(A.view.data) : nullptr;
+  std::lock_guard<std::mutex> lk(exec_mutex());
+  const kvpolicy::ExecContext ex = exec_context();
+  const std::size_t wsb =
+      kvpolicy::quantized_paged_workspace(std::max(c.page_size, 1), std::max<std::int64_t>(head_dim, 1), 1, ex.workers());
+  std::unique_ptr<std::byte[]> ws(new std::byte[wsb + 1]);
+  check(with_row_format(who, q, [&](const auto& p) {
+    nb::gil_scoped_release nogil;
+    return kvpolicy::quantized_page_meta_append(Ctx{kvpolicy::Workspace{ws.get(), wsb + 1}, ex}, p, pool, head_dim, al, mv);
+  }));
+}
+
+/// Decode attention of queries (batch, num_q_heads, head_dim) over each sequence's pages of a quantized pool:
+/// (out (batch, num_q_heads, head_dim) float32, lse (batch, num_q_heads) float32).
+nb::tuple quantized_paged_decode_attention_py(const Quantizer& qk, const Quantizer& qv, nb::handle k_pages, nb::handle v_pages,
+                                              nb::handle indptr, nb::handle indices, nb::handle last_page_len, nb::handle queries,
+                                              float scale, const std::string& layout, nb::handle out) {
+  const char* who = "quantized_paged_decode_attention";
+  clear_pointers();
+  const CodePool kc = code_pool(who, "k_pages", k_pages, layout, false);
+  const CodePool vc = code_pool(who, "v_pages", v_pages, layout, false);
+  same_pool_shape(who, kc, vc);
+  const TableArgs t = table_args(who, indptr, indices, last_page_len);
+  const ArrayArg Q = array_arg(who, "queries", queries, {3});
+  if (Q.view.dtype != DType::kF32) type_error(std::string(who) + ": queries must be float32");
+  const std::int64_t B = Q.view.extents[0], Hq = Q.view.extents[1], d = Q.view.extents[2];
+  if (B != t.table.batch)
+    value_error(std::string(who) + ": queries has batch " + std::to_string(B) + ", the table " + std::to_string(t.table.batch));
+  if (kc.heads < 1 || Hq % kc.heads != 0)
+    value_error(std::string(who) + ": queries has " + std::to_string(Hq) + " heads, not a multiple of the pool's kv_heads " +
+                std::to_string(kc.heads));
+  const std::int64_t G = Hq / kc.heads;
+  nb::object out_obj;
+  float* o = nullptr;
+  if (out.is_valid() && !out.is_none()) {
+    const ArrayArg O = array_arg(who, "out", out, {3}, true, true);
+    if (O.view.dtype != DType::kF32) type_error(std::string(who) + ": out must be float32");
+    if (O.view.extents[0] != B || O.view.extents[1] != Hq || O.view.extents[2] != d || O.view.strides[1] != d ||
+        O.view.strides[0] != Hq * d)
+      value_error(std::string(who) + ": out must be a contiguous float32 (batch, num_q_heads, head_dim) array like queries");
+    o = static_cast<float*>(O.view.data);
+    out_obj = nb::borrow(out);
+  }
+  auto [tmp_arr, tmp] = new_array<float>({static_cast<std::size_t>(B), static_cast<std::size_t>(Hq), static_cast<std::size_t>(d)});
+  auto [lse_arr, lse] = new_array<float>({static_cast<std::size_t>(B), static_cast<std::size_t>(Hq)});
+  const auto pool = pool_view<const std::uint8_t>(kc, vc, t.table);
+  const std::vector<float> qbuf = [&] {  // (B, Hq, d) contiguous copy of the queries (any strides)
+    std::vector<float> v(static_cast<std::size_t>(B * Hq * d));
+    const auto* src = static_cast<const float*>(Q.view.data);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < Hq; ++h)
+        for (std::int64_t c = 0; c < d; ++c)
+          v[static_cast<std::size_t>((b * Hq + h) * d + c)] = src[b * Q.view.strides[0] + h * Q.view.strides[1] + c];
+    return v;
+  }();
+  const float sc = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(std::max<std::int64_t>(d, 1)));
+  const std::size_t wsb = kvpolicy::quantized_paged_workspace(std::max(kc.page_size, 1), std::max<std::int64_t>(d, 1), G);
+  std::unique_ptr<std::byte[]> ws(new std::byte[wsb + 1]);
+  check(with_row_format(who, qk, [&](const auto& pk) {
+    return with_row_format(who, qv, [&](const auto& pv) -> kvpolicy::Status {
+      nb::gil_scoped_release nogil;
+      for (std::int64_t b = 0; b < B; ++b) {
+        const std::int32_t* pages = t.table.indices + t.table.indptr[b];
+        const std::int64_t n = pool.seq_len(static_cast<std::int32_t>(b));
+        for (std::int32_t h = 0; h < kc.heads; ++h) {
+          const std::int64_t row = b * Hq + h * G;
+          KVP_RETURN_IF_ERROR(kvpolicy::quantized_paged_decode_attention(pk, pv, pool, h, pages, n, qbuf.data() + row * d, G, d, sc,
+                                                                         tmp + row * d, lse + row, kvpolicy::Workspace{ws.get(), wsb + 1}));
+        }
+      }
+      return kvpolicy::Status::ok();
+    });
+  }));
+  if (o != nullptr) {
+    std::copy(tmp, tmp + B * Hq * d, o);
+    return nb::make_tuple(out_obj, lse_arr);
+  }
+  return nb::make_tuple(tmp_arr, lse_arr);
+}
+
 }  // namespace
 
 void bind_quant(nb::module_& m) {
@@ -483,6 +676,24 @@ void bind_quant(nb::module_& m) {
       .def_prop_ro("kv_heads", &KiviCache::kv_heads)
       .def_prop_ro("head_dim", &KiviCache::head_dim)
       .def_prop_ro("quantizer", &KiviCache::quantizer);
+  m.def("quantize_paged_append", &quantize_paged_append_py, nb::arg("quantizer"), nb::arg("pages").none(), nb::arg("indptr").none(),
+        nb::arg("indices").none(), nb::arg("last_page_len").none(), nb::arg("seq"), nb::arg("rows").none(), nb::arg("layout") = "NHD",
+        "Quantize-on-append: rows (kv_heads, n, head_dim) (float32 / float16 / bfloat16) are tokens [len - n, len) of sequence seq "
+        "(len from the page table) and are written in the quantizer's format at their slots of `pages`, a uint8 code pool "
+        "(num_pages, page_size, kv_heads, row_bytes) NHD or (num_pages, kv_heads, page_size, row_bytes) HND, in place. "
+        "Nothing is written on error.");
+  m.def("quantized_page_meta_append", &quantized_page_meta_append_py, nb::arg("quantizer"), nb::arg("meta").none(),
+        nb::arg("k_pages").none(), nb::arg("indptr").none(), nb::arg("indices").none(), nb::arg("last_page_len").none(),
+        nb::arg("head_dim"), nb::arg("append_len").none() = nb::none(), nb::arg("layout") = "NHD",
+        "Quest's page metadata meta (num_pages, kv_heads, 2, head_dim) float32 (QuestState.data) updated in place from the "
+        "decoded keys of the code pool k_pages: equal to Quest.on_append on the decoded pool.");
+  m.def("quantized_paged_decode_attention", &quantized_paged_decode_attention_py, nb::arg("key_quantizer"), nb::arg("value_quantizer"),
+        nb::arg("k_pages").none(), nb::arg("v_pages").none(), nb::arg("indptr").none(), nb::arg("indices").none(),
+        nb::arg("last_page_len").none(), nb::arg("queries").none(), nb::arg("scale") = 0.0f, nb::arg("layout") = "NHD",
+        nb::arg("out").none() = nb::none(),
+        "Exact softmax decode attention of queries (batch, num_q_heads, head_dim) float32 over every sequence's tokens of a "
+        "quantized pool (keys decoded by key_quantizer, values by value_quantizer, a page at a time): (out (batch, num_q_heads, "
+        "head_dim), lse (batch, num_q_heads)) float32. scale 0: 1/sqrt(head_dim).");
 }
 
 }  // namespace kvpy

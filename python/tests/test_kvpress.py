@@ -71,6 +71,7 @@ def pairs():
         "adakv": (lambda: kp.AdaKVPress(k.SnapKVPress(compression_ratio=RATIO)),
                   lambda: k.AdaKVPress(k.SnapKVPress(compression_ratio=RATIO))),
         "pyramidkv": (lambda: kp.PyramidKVPress(compression_ratio=RATIO), lambda: k.PyramidKVPress(compression_ratio=RATIO)),
+        "knorm": (lambda: kp.KnormPress(compression_ratio=RATIO), lambda: k.KnormPress(compression_ratio=RATIO)),
     }
 
 

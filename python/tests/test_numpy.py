@@ -56,7 +56,7 @@ def test_policies_list_every_registry_entry():
 
 
 @pytest.mark.parametrize("name", ["streaming_llm", "snapkv", "observed_attention", "tova", "pyramidkv", "adakv",
-                                  "expected_attention"])
+                                  "expected_attention", "knorm"])
 def test_every_one_shot_policy_by_name_and_class(name):
     Hq, Hkv, T, d = 8, 2, 300, 32
     window = 64 if name not in ("adakv",) else 32
@@ -70,7 +70,7 @@ def test_every_one_shot_policy_by_name_and_class(name):
     cls = kvpolicy.policies()[[p.name for p in kvpolicy.policies()].index(name)].cls
     by_class = cls(compression_ratio=0.5)
     assert by_name.spec == by_class.spec == f"{name}:compression_ratio=0.5"
-    args = dict(keys=keys, values=values, column_sums=col, queries=None if name in ("streaming_llm", "observed_attention") else q)
+    args = dict(keys=keys, values=values, column_sums=col, queries=None if name in ("streaming_llm", "observed_attention", "knorm") else q)
     k1, k2 = by_name.evict(**args), by_class.evict(**args)
     assert np.array_equal(k1.indptr, k2.indptr) and np.array_equal(k1.indices, k2.indices)
     assert k1.num_rows == Hkv and k1.counts().sum() > 0
