@@ -11,6 +11,7 @@
 //  * pool1d — avg (k=5) and max (k=7) over 32768 scores.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -118,6 +119,32 @@ void bm_read_pass(benchmark::State& st, std::int64_t rows) {
   report_bytes(st, static_cast<double>(rows * kTopkN) * sizeof(float));
 }
 
+// Small rows (Quest's page scores, short sequences): n from 1K to 16K, cache resident, next to a read pass
+// over the same n scores. k = 1% of n (at least 8) and k = 64.
+const std::vector<float>& small_scores() {
+  static const std::vector<float> s = kvp_bench::score_values(16384, 21);
+  return s;
+}
+void bm_topk_small(benchmark::State& st, std::int64_t n, std::int64_t k) {
+  const auto& s = small_scores();
+  std::vector<std::byte> ws(backend::Cpu::topk_workspace(n));
+  std::vector<std::int32_t> out(static_cast<std::size_t>(k));
+  for (auto _ : st) {
+    backend::Cpu::topk(s.data(), n, k, out.data(), Workspace{ws.data(), ws.size()});
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  report_bytes(st, static_cast<double>(n) * sizeof(float));
+}
+void bm_read_pass_small(benchmark::State& st, std::int64_t n) {
+  const auto& s = small_scores();
+  for (auto _ : st) {
+    benchmark::DoNotOptimize(kvp_bench::read_pass(s.data(), static_cast<std::size_t>(n)));
+    benchmark::ClobberMemory();
+  }
+  report_bytes(st, static_cast<double>(n) * sizeof(float));
+}
+
 // ---- pool1d ----------------------------------------------------------------------
 
 constexpr std::int64_t kPoolN = 32768;
@@ -174,6 +201,17 @@ void register_all() {
     }
     benchmark::RegisterBenchmark(("topk/scalar" + shape).c_str(), bm_topk<backend::Scalar>, CpuIsa::kSse2, rows)
         ->Unit(benchmark::kMicrosecond);
+  }
+
+  for (std::int64_t n : {1024, 4096, 8192, 16384}) {
+    benchmark::RegisterBenchmark(("read_pass/n:" + std::to_string(n)).c_str(), bm_read_pass_small, n)->Unit(benchmark::kMicrosecond);
+    for (std::int64_t k : {std::max<std::int64_t>(8, n / 100), std::int64_t{64}}) {
+      benchmark::RegisterBenchmark(
+          ("topk/cpu/" + std::string(cpu_isa_name(backend::Cpu::best_isa())) + "/n:" + std::to_string(n) + "/k:" + std::to_string(k))
+              .c_str(),
+          bm_topk_small, n, k)
+          ->Unit(benchmark::kMicrosecond);
+    }
   }
 
   for (auto [kind, kernel, name] : {std::tuple{Pooling::kAvg, 5, "avg/k:5"}, std::tuple{Pooling::kMax, 7, "max/k:7"}}) {

@@ -30,11 +30,11 @@ std::vector<std::int32_t> run_topk_cpu(const std::vector<float>& s, std::int64_t
   return out;
 }
 
-/// Compares Cpu with Scalar for k in {0, 1, n/100, n/8 + 1, n/2, n-1, n} on every ISA.
+/// Compares Cpu with Scalar for k in {0, 1, 64, n/100, n/8, n/8 + 1, n/2, n-1, n} on every ISA.
 void check_all_k(const std::vector<float>& s, const std::string& what) {
   const auto n = static_cast<std::int64_t>(s.size());
   IsaGuard guard;
-  for (std::int64_t k : {std::int64_t{0}, std::int64_t{1}, n / 100, n / 8 + 1, n / 2, n - 1, n}) {
+  for (std::int64_t k : {std::int64_t{0}, std::int64_t{1}, std::int64_t{64}, n / 100, n / 8, n / 8 + 1, n / 2, n - 1, n}) {
     if (k < 0 || k > n) continue;
     const auto ref = run_topk_scalar(s, k);
     for (CpuIsa isa : available_isas()) {
@@ -52,8 +52,9 @@ std::vector<float> generate(std::int64_t n, const std::function<float(std::int64
 }
 
 const std::vector<std::int64_t>& lengths() {
-  static const std::vector<std::int64_t> v = kScaledDown ? std::vector<std::int64_t>{1, 2, 3, 100, 4096, 4097, 20000, 40000}
-                                                         : std::vector<std::int64_t>{1, 2, 3, 100, 4096, 4097, 20000, 131072};
+  static const std::vector<std::int64_t> v =
+      kScaledDown ? std::vector<std::int64_t>{1, 2, 3, 100, 257, 1000, 4096, 4097, 8191, 20000, 40000}
+                  : std::vector<std::int64_t>{1, 2, 3, 100, 257, 1000, 4096, 4097, 8191, 20000, 32768, 131072};
   return v;
 }
 

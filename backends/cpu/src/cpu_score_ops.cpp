@@ -57,8 +57,10 @@ void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys,
 // (a superset of the answer whenever at least k pass; otherwise step 3 runs
 // on all scores); (3) an exact rank search on the candidates' order keys
 // finds the k-th largest (key, index) pair; (4) one SIMD compaction writes the
-// candidates at or above that pair, in index order. Large k (> n/8) and short
-// rows go straight to step 3 on all scores.
+// candidates at or above that pair, in index order. Rows of 256 to 32K scores
+// take step 1 from block maxima instead (the k-th largest of 2k block maxima,
+// one SIMD pass); large k (> n/8) and rows below 256 go straight to step 3
+// on all scores.
 
 constexpr std::int64_t kSampleRun = 8;                      // neighbouring scores per sample run (one cache line)
 constexpr std::int64_t kSampleRuns = 256;                   // runs spread over the row
@@ -66,6 +68,8 @@ constexpr std::int64_t kSample = kSampleRun * kSampleRuns;  // sample size
 constexpr std::int64_t kBins = 2048;                        // histogram bins of one rank-search round
 constexpr std::int64_t kDirect = 4096;                      // below this length every score is a candidate
 constexpr std::int64_t kSmallSet = 48;                      // a boundary set this small is resolved by nth_element
+constexpr std::int64_t kBlockRowMin = 256;                  // rows of this length ...
+constexpr std::int64_t kBlockRowMax = 32768;                // ... up to this one take the block-maximum threshold
 
 // Signed form of `score_order_key` (same order; NaN is INT32_MIN, the only
 // key no number maps to).
@@ -97,7 +101,10 @@ RankBin rank_bin(const std::int32_t* keys, std::int64_t count, std::int32_t lo, 
   RankBin rb;
   rb.lo = lo;
   const std::int64_t range = static_cast<std::int64_t>(hi) - lo;
-  while ((range >> rb.shift) >= kBins) ++rb.shift;
+  // About one bin per key (at least 64, at most kBins): a short candidate list clears and walks a short table.
+  const std::int64_t bins =
+      std::clamp<std::int64_t>(static_cast<std::int64_t>(std::bit_ceil(static_cast<std::uint64_t>(count))), 64, kBins);
+  while ((range >> rb.shift) >= bins) ++rb.shift;
   const std::int64_t nb = (range >> rb.shift) + 1;
   // Four interleaved sub-histograms: neighbouring keys often share a bin, and
   // one table would serialise those increments through store forwarding.
@@ -260,9 +267,22 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
   const auto all_candidates = [&] {
     for (std::int64_t i = 0; i < n; ++i) t.candidates[i] = static_cast<std::int32_t>(i);
     std::int32_t lo = 0, hi = 0;
-    kern.gather_keys(scores, t.candidates, n, t.keys, &lo, &hi);
+    kern.load_keys(scores, n, t.keys, &lo, &hi);
     select_exact(kern, n, k, lo, hi, out, t);
   };
+  if (n >= kBlockRowMin && n <= kBlockRowMax && k <= n / 8) {
+    // Short rows: the k-th largest of 2k block maxima (distinct scores, so at least k scores reach it)
+    // is the threshold, found from one SIMD pass instead of a sample and its histogram.
+    const std::int64_t target = std::min<std::int64_t>(2 * k, n), block = (n + target - 1) / target, nb = (n + block - 1) / block;
+    kern.block_max_keys(scores, n, block, nb, t.set_key);
+    std::nth_element(t.set_key, t.set_key + (k - 1), t.set_key + nb, std::greater<std::int32_t>());
+    const std::int32_t cut = t.set_key[k - 1];
+    if (cut == std::numeric_limits<std::int32_t>::min()) return all_candidates();  // fewer than k numbers among the maxima
+    const std::int64_t m = kern.collect_at_least(scores, n, key_float(cut), t.candidates);
+    std::int32_t lo = 0, hi = 0;
+    kern.gather_keys(scores, t.candidates, m, t.keys, &lo, &hi);
+    return select_exact(kern, m, k, lo, hi, out, t);
+  }
   if (n <= kDirect || k > n / 8) return all_candidates();
   // Threshold from a sample of kSampleRuns runs of kSampleRun neighbours
   // spread evenly over the row (runs share cache lines, so the sample costs

@@ -88,7 +88,11 @@ struct ScoreKernels {
   /// Stable compaction of the indices whose (key, idx) >= (key_lo, idx_lo); returns the count.
   std::int64_t (*keep_at_least)(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo, std::int32_t idx_lo,
                                 std::int32_t* out_idx) noexcept;
-  // The outputs of the last four need kCollectSlack entries of slack (whole
+  /// keys[i] = signed order key of scores[i] for i < n, and their min / max (gather_keys over 0..n-1).
+  void (*load_keys)(const float* scores, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept;
+  /// out[j] = max signed order key of scores[j * block, min(n, (j + 1) * block)) for j < nblocks.
+  void (*block_max_keys)(const float* scores, std::int64_t n, std::int64_t block, std::int64_t nblocks, std::int32_t* out) noexcept;
+  // The outputs of collect_at_least, gather_keys, keep_in_key_range and keep_at_least need kCollectSlack entries of slack (whole
   // vectors are stored) and may alias their inputs.
 };
 

@@ -648,6 +648,75 @@ inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64
 }
 #endif
 
+// keys[i] = order key of scores[i] for i < n (every score a candidate: contiguous loads, no gather), and their min / max.
+inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept {
+  std::int64_t i = 0;
+  std::int32_t a = INT32_MAX, b = INT32_MIN;
+#if KVP_CPU_TU_ISA == 2
+  __m512i vlo = _mm512_set1_epi32(INT32_MAX), vhi = _mm512_set1_epi32(INT32_MIN);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i k = order_keys(_mm512_loadu_ps(s + i));
+    _mm512_storeu_si512(keys + i, k);
+    vlo = _mm512_min_epi32(vlo, k);
+    vhi = _mm512_max_epi32(vhi, k);
+  }
+  a = _mm512_reduce_min_epi32(vlo);
+  b = _mm512_reduce_max_epi32(vhi);
+#elif KVP_CPU_TU_ISA == 1
+  __m256i vlo = _mm256_set1_epi32(INT32_MAX), vhi = _mm256_set1_epi32(INT32_MIN);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i k = order_keys(_mm256_loadu_ps(s + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), k);
+    vlo = _mm256_min_epi32(vlo, k);
+    vhi = _mm256_max_epi32(vhi, k);
+  }
+  alignas(32) std::int32_t l[8], h[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(l), vlo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), vhi);
+  for (int q = 0; q < 8; ++q) {
+    a = l[q] < a ? l[q] : a;
+    b = h[q] > b ? h[q] : b;
+  }
+#endif
+  for (; i < n; ++i) {
+    keys[i] = order_key(s[i]);
+    a = keys[i] < a ? keys[i] : a;
+    b = keys[i] > b ? keys[i] : b;
+  }
+  *lo = a;
+  *hi = b;
+}
+
+// out[j] = the largest order key of scores[j * block, min(n, (j + 1) * block)), j < nblocks (top-k's
+// threshold for short rows: the k-th largest block maximum bounds the k-th largest score from below).
+inline void block_max_keys(const float* s, std::int64_t n, std::int64_t block, std::int64_t nblocks, std::int32_t* out) noexcept {
+  for (std::int64_t j = 0; j < nblocks; ++j) {
+    const std::int64_t b0 = j * block, b1 = b0 + block < n ? b0 + block : n;
+    std::int64_t i = b0;
+    std::int32_t best = kNanKey;
+#if KVP_CPU_TU_ISA == 2
+    if (b1 - b0 >= 16) {
+      __m512i m = _mm512_set1_epi32(kNanKey);
+      for (; i + 16 <= b1; i += 16) m = _mm512_max_epi32(m, order_keys(_mm512_loadu_ps(s + i)));
+      best = _mm512_reduce_max_epi32(m);
+    }
+#elif KVP_CPU_TU_ISA == 1
+    if (b1 - b0 >= 8) {
+      __m256i m = _mm256_set1_epi32(kNanKey);
+      for (; i + 8 <= b1; i += 8) m = _mm256_max_epi32(m, order_keys(_mm256_loadu_ps(s + i)));
+      alignas(32) std::int32_t l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), m);
+      for (int q = 0; q < 8; ++q) best = l[q] > best ? l[q] : best;
+    }
+#endif
+    for (; i < b1; ++i) {
+      const std::int32_t k = order_key(s[i]);
+      best = k > best ? k : best;
+    }
+    out[j] = best;
+  }
+}
+
 // Stable compaction of (idx, key) pairs: keeps pair i when
 //   in_range:  key_lo <= key[i] < key_hi           (writes idx and key)
 //   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
