@@ -7,6 +7,9 @@
 //   pyramidkv/l0, l31   PyramidKVPress(r=.5), first and last of 32 layers.
 //   expected_attention  ExpectedAttentionPress(r=.5) at 4K tokens (the d^2 covariance
 //                       terms dominate; at 32K one call takes seconds).
+//   observed_attention  ObservedAttentionPress(r=.5) from the prompt's queries at 2,560 tokens
+//                       (the one-shot H2O scores: every query's causal attention, summed
+//                       per key; flops = the causal logits, 2 * Hq * d * T (T + 1) / 2).
 //   allocation          select_per_head on precomputed (8, 32768) scores: the
 //                       selection alone, with ragged budgets.
 //
@@ -29,6 +32,7 @@
 #include "kvpolicy/policy/budget/allocation.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
+#include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 
@@ -131,6 +135,17 @@ void BM_ExpectedAttention(benchmark::State& state) {
              static_cast<double>(kHkv * kEaT * kD * 2 * 2 + kHq * kEaT * kD * 2));
 }
 
+constexpr std::int64_t kOaT = 2560;
+void BM_ObservedAttention(benchmark::State& state) {
+  ObservedAttentionParams params = ObservedAttentionParams::kvpress(0.5);
+  params.query_block = static_cast<std::int32_t>(state.range(0));
+  const ObservedAttention p(params);
+  ScoreInput<half, half> in{TensorView<const half, 3>(inputs().prompt.data(), {kHq, kOaT, kD}, {kEaT * kD, kD, 1}),
+                            KVSource<half>::from(TensorView<const half, 3>(inputs().keys.data(), {kHkv, kOaT, kD}, {kT * kD, kD, 1}))};
+  const double flops = 2.0 * kHq * kD * static_cast<double>(kOaT) * (kOaT + 1) / 2.0;
+  run_policy(state, p, in, {kHq, kHkv, kD, kOaT, kOaT}, flops, static_cast<double>(kHkv * kOaT * kD * 2));
+}
+
 void BM_Allocation(benchmark::State& state) {
   std::vector<std::int32_t> counts(kHkv);
   for (std::int64_t h = 0; h < kHkv; ++h) counts[h] = static_cast<std::int32_t>(kT / 2 + (h - kHkv / 2) * 512);
@@ -155,6 +170,7 @@ BENCHMARK(BM_AdaKV_kvpress)->Name("adakv/kvpress")->Unit(benchmark::kMillisecond
 BENCHMARK(BM_AdaKV_original_gqa)->Name("adakv/original_gqa")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_PyramidKV)->Name("pyramidkv")->Arg(0)->Arg(31)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_ExpectedAttention)->Name("expected_attention/T4096")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ObservedAttention)->Name("observed_attention/T2560/query_block")->Arg(64)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Allocation)->Name("allocation/select_per_head")->Unit(benchmark::kMillisecond)->UseRealTime();
 
 /// Collects each run's flop/s for the summary.
