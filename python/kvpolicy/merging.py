@@ -14,8 +14,8 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["MergePlan", "KvpressMerging", "KvpressCAM", "LookMPivot", "NearestKeptMerge", "NearestKeptState", "D2O", "D2OState",
-           "merge_contiguous"]
+__all__ = ["MergePlan", "KvpressMerging", "KvpressCAM", "CaM", "LookMPivot", "NearestKeptMerge", "NearestKeptState", "D2O",
+           "D2OState", "MiniCache", "MiniCacheStore", "merge_contiguous"]
 
 
 class MergePlan:
@@ -107,6 +107,77 @@ class KvpressCAM:
         (kv_heads, kv_len) float32, needed when new_tokens is below the evicted count (-1: every evicted token)."""
         return _plan(_core.cam_merge(self.merge_budget, keys, values, keep.indptr, keep.indices, attention_sums, scores,
                                      int(new_tokens), int(seed)), keep)
+
+
+class CaM:
+    """CaM (Zhang et al., ICML 2024; zyxxmu/cam): values of evicted tokens merged into kept ones with Bernoulli draws
+    (torch's CPU generator after ``torch.manual_seed(seed)``, one draw per (event, kv head)); keys of evicted tokens
+    are dropped. ``form="streaming"`` (the decode step, ``slicev``): each evicted token e spreads ``V[e] / merge_num``
+    over the next ``merge_num`` kept tokens with probability clamp(A[e] / mean A[window], 0, 1), A the accumulated
+    attention ``attention_sums`` (kv_heads or q_heads, kv_len) float32. ``form="prefill"`` (``local_cam_mask``): a
+    start + recent cache simulated over the prompt's full attention ``attention`` (q_heads, kv_len, kv_len) float32;
+    the keep set must be that start + recent set (``kvpolicy.StreamingLLM(sinks=start, tokens=start + recent)``)."""
+
+    name = "cam"
+
+    def __init__(self, *, form: str = "streaming", merge_num: int = 16, start: int = 4, recent: int = 512) -> None:
+        self.form, self.merge_num, self.start, self.recent = str(form), int(merge_num), int(start), int(recent)
+
+    def merge(self, values: Any, keep: Any, *, attention_sums: Any = None, attention: Any = None, seed: int = 0,
+              keys: Any = None) -> MergePlan:
+        return _plan(_core.cam_orig_merge(self.form, self.merge_num, self.start, self.recent, keys, values, keep.indptr,
+                                          keep.indices, attention_sums, attention, int(seed)), keep)
+
+
+class MiniCacheStore:
+    """MiniCache's merged store of one half (keys or values) of a layer pair: ``direction`` (kv_heads, T, head_dim)
+    unit SLERP directions, ``norm_prev`` / ``norm_cur`` (kv_heads, T) the two layers' norms, and the retained tokens
+    (``retained``: a KeepSet of ascending token ids per kv head; ``retained_prev`` / ``retained_cur``: their original
+    rows (retained count, head_dim), in that order); float32 arrays owned by the store."""
+
+    __slots__ = ("direction", "norm_prev", "norm_cur", "retained", "retained_prev", "retained_cur")
+
+    def __init__(self, direction: Any, norm_prev: Any, norm_cur: Any, retained: Any, retained_prev: Any,
+                 retained_cur: Any) -> None:
+        self.direction, self.norm_prev, self.norm_cur = direction, norm_prev, norm_cur
+        self.retained, self.retained_prev, self.retained_cur = retained, retained_prev, retained_cur
+
+    def __repr__(self) -> str:
+        h, t, d = self.direction.shape
+        return f"MiniCacheStore(kv_heads={h}, tokens={t}, head_dim={d}, retained={int(self.retained.indptr[-1])})"
+
+
+class MiniCache:
+    """MiniCache (Liu et al., NeurIPS 2024, arXiv 2405.14366): the caches of two adjacent layers l-1 and l merged in
+    depth. ``merge(prev, cur)`` reads one half (keys or values, (kv_heads, T, head_dim), float32 / float16 /
+    bfloat16, in place) of both layers and returns a :class:`MiniCacheStore`: per token the SLERP (parameter ``t``)
+    of the two directions and both norms; tokens whose angular distance exceeds d_min + gamma (d_max - d_min) are
+    retained unmerged. ``restore(store, layer, out=None)`` rebuilds layer l-1 (``layer=0``) or l (``layer=1``)."""
+
+    name = "minicache"
+
+    def __init__(self, *, t: float = 0.6, gamma: float = 0.05) -> None:
+        self.t, self.gamma = float(t), float(gamma)
+
+    @staticmethod
+    def bytes_per_token(head_dim: int, retained_fraction: float) -> float:
+        """Bytes per (token, kv head) of the pair in the fp32 store, for a retained fraction."""
+        return 4.0 * (head_dim + 2.0) + retained_fraction * 8.0 * head_dim
+
+    def merge(self, prev: Any, cur: Any) -> MiniCacheStore:
+        from . import KeepSet
+        d, np_, nc, rip, rid, rp, rc = _core.minicache_merge(self.t, self.gamma, prev, cur)
+        return MiniCacheStore(d, np_, nc, KeepSet(rip, rid), rp, rc)
+
+    def restore(self, store: MiniCacheStore, layer: int, out: Any = None, dtype: Any = np.float32) -> Any:
+        """Layer l-1 (0) or l (1) as (kv_heads, T, head_dim): norm x direction, retained rows the originals; into a
+        new array of ``dtype`` or the caller's ``out`` (float32 / float16 / bfloat16, any strides)."""
+        if out is None:
+            out = np.empty(store.direction.shape, dtype=dtype)
+        r = store.retained
+        _core.minicache_restore(store.direction, store.norm_prev, store.norm_cur, r.indptr, r.indices, store.retained_prev,
+                                store.retained_cur, int(layer), out)
+        return out
 
 
 class LookMPivot:

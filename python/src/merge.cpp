@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Merging: kvpress MergingPress (KvpressMerging), kvpress CAMPress (KvpressCAM), D2O, LOOK-M pivot and the
+// Merging: kvpress MergingPress (KvpressMerging), kvpress CAMPress (KvpressCAM), CaM, D2O, LOOK-M pivot, the
+// cross-layer MiniCache store and the
 // nearest-kept weighted merge on one sequence's keys / values given as arrays
 // and a KeepSet given as int32 arrays; the MergePlan comes back as arrays, and
 // merge_contiguous applies a plan to a contiguous cache in place
@@ -20,10 +21,12 @@
 #include "kvpolicy/apply/merge.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/dispatch.hpp"
+#include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
 #include "kvpolicy/policy/merging/kvpress_cam.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
+#include "kvpolicy/policy/merging/minicache.hpp"
 #include "kvpolicy/policy/merging/nearest_kept.hpp"
 
 namespace kvpy {
@@ -178,6 +181,141 @@ std::pair<nb::object, nb::object> cam_evict(std::int32_t merge_budget, nb::handl
   return {nb::cast(ip), nb::cast(ids)};
 }
 
+nb::tuple cam_orig_merge(const std::string& form, std::int32_t merge_num, std::int32_t start, std::int32_t recent, nb::handle keys,
+                         nb::handle values, nb::handle kip, nb::handle kid, nb::handle attention_sums, nb::handle attention,
+                         std::uint32_t seed) {
+  const char* who = "CaM.merge";
+  kvpolicy::CaMParams q;
+  if (form == "streaming")
+    q.form = kvpolicy::CaMForm::kStreaming;
+  else if (form == "prefill")
+    q.form = kvpolicy::CaMForm::kPrefill;
+  else
+    value_error("cam: form is '" + form + "'; expected 'streaming' or 'prefill'");
+  q.merge_num = merge_num;
+  q.start = start;
+  q.recent = recent;
+  const kvpolicy::CaM p(q);
+  check(p.validate_params());
+  const bool stream = q.form == kvpolicy::CaMForm::kStreaming;
+  const ArrayArg A = array_arg(who, "attention_sums", attention_sums, {2}, false, false, /*optional=*/!stream);
+  const ArrayArg F = array_arg(who, "attention", attention, {3}, false, false, /*optional=*/stream);
+  const kvpolicy::TensorView<const float, 2> a = A.present() ? f32_2d(who, "attention_sums", A) : kvpolicy::TensorView<const float, 2>{};
+  kvpolicy::TensorView<const float, 3> full;
+  if (F.present()) {
+    if (F.view.dtype != DType::kF32) type_error(std::string(who) + ": attention must be float32");
+    check(F.view.as<const float, 3>(&full, "attention"));
+  }
+  // Plan entries per token: streaming merge_num per evicted token; prefill at most min(T, recent) x recent per row.
+  const ArrayArg V0 = array_arg(who, "values", values, {3});
+  const std::int64_t T = std::max<std::int64_t>(V0.view.extents[1], 1);
+  const std::int64_t per_token = stream ? merge_num : (std::min<std::int64_t>(T, recent) * recent + T - 1) / T;
+  return run_merge<kvpolicy::MergeInput>(
+      who, p, keys, values, kip, kid, false, true,
+      [&](auto& in) {
+        in.attention_sums = a;
+        in.attention = full;
+        in.seed = seed;
+        return kvpolicy::Status::ok();
+      },
+      per_token, /*keys_optional=*/true);
+}
+
+/// MiniCache's merged store of a layer pair: (direction, norm_prev, norm_cur, retained_indptr, retained_indices,
+/// retained_prev, retained_cur), float32 / int32 arrays, the retained rows trimmed to the retained count.
+nb::tuple minicache_merge(float t, float gamma, nb::handle prev, nb::handle cur) {
+  const char* who = "MiniCache.merge";
+  clear_pointers();
+  const kvpolicy::MiniCache p(kvpolicy::MiniCacheParams{t, gamma});
+  check(p.validate_params());
+  const ArrayArg A = array_arg(who, "prev", prev, {3});
+  const ArrayArg B = array_arg(who, "cur", cur, {3});
+  if (A.view.dtype != B.view.dtype) type_error(std::string(who) + ": prev and cur must share one dtype");
+  const std::int64_t H = A.view.extents[0], T = A.view.extents[1], d = A.view.extents[2];
+  const auto uH = static_cast<std::size_t>(H), uT = static_cast<std::size_t>(T), uD = static_cast<std::size_t>(d);
+  auto [dir, dirp] = new_array<float>({uH, uT, uD});
+  auto [np_, npp] = new_array<float>({uH, uT});
+  auto [nc, ncp] = new_array<float>({uH, uT});
+  auto [rip, ripp] = new_array<std::int32_t>({uH + 1});
+  auto [rid, ridp] = new_array<std::int32_t>({uH * uT});
+  auto [rp, rpp] = new_array<float>({uH * uT, uD});
+  auto [rc, rcp] = new_array<float>({uH * uT, uD});
+  kvpolicy::MiniCacheMerged out;
+  out.direction = kvpolicy::TensorView<float, 3>::contiguous(dirp, {H, T, d});
+  out.norm_prev = kvpolicy::TensorView<float, 2>::contiguous(npp, {H, T});
+  out.norm_cur = kvpolicy::TensorView<float, 2>::contiguous(ncp, {H, T});
+  out.retained = kvpolicy::KeepSet{ripp, ridp, H, H * T};
+  out.retained_prev = kvpolicy::TensorView<float, 2>::contiguous(rpp, {H * T, d});
+  out.retained_cur = kvpolicy::TensorView<float, 2>::contiguous(rcp, {H * T, d});
+  check(kvpolicy::dispatch_dtype(A.view.dtype, "prev", [&](auto tag) -> kvpolicy::Status {
+    using T_ = typename decltype(tag)::type;
+    kvpolicy::TensorView<const T_, 3> x, y;
+    KVP_RETURN_IF_ERROR((A.view.template as<const T_, 3>(&x, "prev")));
+    KVP_RETURN_IF_ERROR((B.view.template as<const T_, 3>(&y, "cur")));
+    kvpolicy::MiniCacheInput<T_> in{kvpolicy::KVSource<T_>::from(x), kvpolicy::KVSource<T_>::from(y)};
+    std::lock_guard<std::mutex> lk(exec_mutex());
+    const kvpolicy::ExecContext ex = exec_context();
+    const kvpolicy::Requirements req =
+        p.requirements(kvpolicy::Context<Cpu>{{}, ex}, kvpolicy::ProblemShape{H, H, d, std::max<std::int64_t>(T, 1), 1});
+    KVP_RETURN_IF_ERROR(req.status);
+    std::unique_ptr<std::byte[]> ws(new std::byte[req.workspace_bytes + 1]);
+    nb::gil_scoped_release nogil;
+    return p.merge(kvpolicy::Context<Cpu>{kvpolicy::Workspace{ws.get(), req.workspace_bytes + 1}, ex}, in, out);
+  }));
+  const std::int32_t n = ripp[H];
+  auto head = [&](nb::object a, std::int64_t m) { return a.attr("__getitem__")(nb::slice(nb::int_(0), nb::int_(m), nb::none())); };
+  return nb::make_tuple(dir, np_, nc, rip, head(nb::cast(rid), n), head(nb::cast(rp), n), head(nb::cast(rc), n));
+}
+
+/// Rebuilds layer l-1 (layer 0) or l (layer 1) of a MiniCache store into `out` (kv_heads, T, head_dim), any float dtype.
+void minicache_restore(nb::handle direction, nb::handle norm_prev, nb::handle norm_cur, nb::handle rip, nb::handle rid, nb::handle rprev,
+                       nb::handle rcur, int layer, nb::handle out) {
+  const char* who = "MiniCache.restore";
+  clear_pointers();
+  const ArrayArg D = array_arg(who, "direction", direction, {3}, false, false);
+  const ArrayArg NP = array_arg(who, "norm_prev", norm_prev, {2}, false, false);
+  const ArrayArg NC = array_arg(who, "norm_cur", norm_cur, {2}, false, false);
+  const ArrayArg IP = array_arg(who, "retained_indptr", rip, {1});
+  const ArrayArg ID = array_arg(who, "retained_indices", rid, {1});
+  const ArrayArg RP = array_arg(who, "retained_prev", rprev, {2}, false, false);
+  const ArrayArg RC = array_arg(who, "retained_cur", rcur, {2}, false, false);
+  const ArrayArg O = array_arg(who, "out", out, {3}, true, false);
+  for (const ArrayArg* a : {&D, &NP, &NC, &RP, &RC})
+    if (a->view.dtype != DType::kF32) type_error(std::string(who) + ": the store's arrays must be float32 (as merge returned them)");
+  kvpolicy::MiniCacheMerged m;
+  auto as3 = [&](const ArrayArg& a, const char* name) {
+    kvpolicy::AnyTensorView w = a.view;
+    w.read_only = false;  // the store view is non-const; restore only reads it
+    kvpolicy::TensorView<float, 3> v;
+    check(w.as<float, 3>(&v, name));
+    return v;
+  };
+  auto as2 = [&](const ArrayArg& a, const char* name) {
+    kvpolicy::AnyTensorView w = a.view;
+    w.read_only = false;
+    kvpolicy::TensorView<float, 2> v;
+    check(w.as<float, 2>(&v, name));
+    return v;
+  };
+  m.direction = as3(D, "direction");
+  m.norm_prev = as2(NP, "norm_prev");
+  m.norm_cur = as2(NC, "norm_cur");
+  m.retained_prev = as2(RP, "retained_prev");
+  m.retained_cur = as2(RC, "retained_cur");
+  m.retained = keep_args(who, IP, ID);
+  const kvpolicy::MiniCache p;
+  check(kvpolicy::dispatch_dtype(O.view.dtype, "out", [&](auto tag) -> kvpolicy::Status {
+    using T_ = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T_, float> || std::is_same_v<T_, kvpolicy::half> || std::is_same_v<T_, kvpolicy::bfloat16>) {
+      kvpolicy::TensorView<T_, 3> y;
+      KVP_RETURN_IF_ERROR((O.view.template as<T_, 3>(&y, "out")));
+      return p.restore(m, layer, y);
+    } else {
+      return KVP_INVALID("%s: out must be float32, float16 or bfloat16", who);
+    }
+  }));
+}
+
 kvpolicy::D2OParams d2o_params(std::int64_t heavy, std::int64_t recent, std::int32_t sinks, float alpha, float beta,
                                const std::string& weighting) {
   kvpolicy::D2OParams q;
@@ -314,6 +452,16 @@ void bind_merge(nb::module_& m) {
         "kvpress CAMPress's merge (values only): returns (indptr, dst, src, weight, None, merged_values).");
   m.def("cam_evict", &cam_evict, nb::arg("merge_budget"), nb::arg("scores"), nb::arg("target_size"),
         "kvpress CAMPress's eviction from head-mean scores: returns (indptr, indices).");
+  m.def("cam_orig_merge", &cam_orig_merge, nb::arg("form"), nb::arg("merge_num"), nb::arg("start"), nb::arg("recent"),
+        nb::arg("keys").none(), nb::arg("values"), nb::arg("keep_indptr"), nb::arg("keep_indices"), nb::arg("attention_sums").none(),
+        nb::arg("attention").none(), nb::arg("seed"),
+        "CaM's merge (zyxxmu/cam; values only): returns (indptr, dst, src, weight, None, merged_values).");
+  m.def("minicache_merge", &minicache_merge, nb::arg("t"), nb::arg("gamma"), nb::arg("prev"), nb::arg("cur"),
+        "MiniCache's cross-layer merge of one half (keys or values) of layers l-1 and l: returns (direction, norm_prev, norm_cur, "
+        "retained_indptr, retained_indices, retained_prev, retained_cur).");
+  m.def("minicache_restore", &minicache_restore, nb::arg("direction"), nb::arg("norm_prev"), nb::arg("norm_cur"),
+        nb::arg("retained_indptr"), nb::arg("retained_indices"), nb::arg("retained_prev"), nb::arg("retained_cur"), nb::arg("layer"),
+        nb::arg("out"), "Rebuilds layer l-1 (layer=0) or l (layer=1) of a MiniCache store into out (kv_heads, T, head_dim) in place.");
   m.def("d2o_merge", &d2o_merge, nb::arg("heavy"), nb::arg("recent"), nb::arg("sinks"), nb::arg("alpha"), nb::arg("beta"),
         nb::arg("weighting"), nb::arg("keys"), nb::arg("values"), nb::arg("keep_indptr"), nb::arg("keep_indices"), nb::arg("tau"),
         nb::arg("initialised"), nb::arg("merge_keys") = true, nb::arg("merge_values") = true,
