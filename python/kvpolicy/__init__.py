@@ -495,6 +495,8 @@ from .merging import (CaM, D2O, D2OState, KvpressCAM, KvpressMerging, LookMPivot
 
 __all__ += merging.__all__
 
+from . import prefetch  # noqa: E402  (QuestLookahead, SpeCache, ShadowKV, InfiniGen, OffloadSim: kvpolicy.prefetch.*)
+
 from ._policies import *  # noqa: E402,F401,F403  (one class per registry policy, generated)
 from ._policies import _CLASSES  # noqa: E402
 

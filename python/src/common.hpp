@@ -113,5 +113,6 @@ void bind_selection(nb::module_& m);
 void bind_merge(nb::module_& m);
 void bind_mixed(nb::module_& m);
 void bind_distributed(nb::module_& m);
+void bind_prefetch(nb::module_& m);
 
 }  // namespace kvpy

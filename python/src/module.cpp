@@ -220,4 +220,5 @@ NB_MODULE(_core, m) {
   bind_merge(m);
   bind_mixed(m);
   bind_distributed(m);
+  bind_prefetch(m);
 }

@@ -31,6 +31,10 @@ def test_stub_shipped():
     for cls in ("EvictionPolicy", "Quantizer", "KiviCache", "QuestPolicy", "QuestState"):
         assert f"class {cls}" in stub
     assert "def compact_paged" in stub
+    for name in ("QuestLookaheadPolicy", "SpeCachePolicy", "ShadowKVPolicy", "InfiniGenPolicy", "OffloadSim"):
+        assert f"class {name}" in stub
+    for fn in ("def score", "def quantized_paged_decode_attention", "def minicache_merge", "def cam_orig_merge"):
+        assert fn in stub
 
 
 def test_generated_classes_are_current():
