@@ -41,6 +41,7 @@ def make_presses(name: str, r: float, w: int):
         "streaming_llm": (lambda: kvpress.StreamingLLMPress(compression_ratio=r), lambda: kp.StreamingLLMPress(compression_ratio=r)),
         "expected_attention": (lambda: kvpress.ExpectedAttentionPress(compression_ratio=r),
                                lambda: kp.ExpectedAttentionPress(compression_ratio=r)),
+        "knorm": (lambda: kvpress.KnormPress(compression_ratio=r), lambda: kp.KnormPress(compression_ratio=r)),
     }
     if name not in table:
         raise SystemExit(f"unknown press {name}; known: {', '.join(table)}")
