@@ -85,10 +85,12 @@ inline ShardCaseResult run_quest_shard_cases(const Collective& comm) {
       const std::int64_t per_kv = mode == QuestGqa::kPerQueryHead ? 4 : 1, rows_full = 8 * per_kv, rows_mine = (h1 - h0) * per_kv;
       for (std::size_t b = 0; b < lens.size(); ++b)
         for (std::int64_t r = 0; r < rows_mine; ++r) {
-          const std::int64_t rf = static_cast<std::int64_t>(b) * rows_full + h0 * per_kv + r, rm = static_cast<std::int64_t>(b) * rows_mine + r;
+          const std::int64_t rf = static_cast<std::int64_t>(b) * rows_full + h0 * per_kv + r,
+                             rm = static_cast<std::int64_t>(b) * rows_mine + r;
           if (mine.row(rm) != full.row(rf) || mine.row_logical(rm) != full.row_logical(rf) ||
               mine.last[static_cast<std::size_t>(rm)] != full.last[static_cast<std::size_t>(rf)]) {
-            res.fails.push_back(name + ": rank " + std::to_string(comm.rank) + " sequence " + std::to_string(b) + " row " + std::to_string(rf));
+            res.fails.push_back(name + ": rank " + std::to_string(comm.rank) + " sequence " + std::to_string(b) + " row " +
+                                std::to_string(rf));
             b = lens.size();
             break;
           }

@@ -88,13 +88,13 @@ int timing(const Collective& comm, std::int64_t T, int reps) {
     (void)comm.all_gather(buf.data(), 2 * sizeof(std::int64_t), recv.data());
     alone += MPI_Wtime() - t0;
   }
+  if (comm.rank == 0) std::printf("  the 6 collectives alone: %.1f us per layer\n", 1e6 * alone / reps);
   if (comm.rank == 0)
-    std::printf("  the 6 collectives alone: %.1f us per layer\n", 1e6 * alone / reps);
-  if (comm.rank == 0)
-    std::printf("sharded adakv, %d ranks, T=%lld, %lld kv heads per rank: %.3f ms per layer (best %.3f), %.3f ms in %lld collectives "
-                "(%lld bytes sent per rank per layer)\n",
-                comm.world_size, static_cast<long long>(T), static_cast<long long>(h1 - h0), 1e3 * sum / reps, 1e3 * best, 1e3 * coll / reps,
-                static_cast<long long>(tc.calls / reps), static_cast<long long>(tc.bytes / reps));
+    std::printf(
+        "sharded adakv, %d ranks, T=%lld, %lld kv heads per rank: %.3f ms per layer (best %.3f), %.3f ms in %lld collectives "
+        "(%lld bytes sent per rank per layer)\n",
+        comm.world_size, static_cast<long long>(T), static_cast<long long>(h1 - h0), 1e3 * sum / reps, 1e3 * best, 1e3 * coll / reps,
+        static_cast<long long>(tc.calls / reps), static_cast<long long>(tc.bytes / reps));
   return 0;
 }
 

@@ -74,10 +74,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   auto inputs = [&](std::int64_t h0, std::int64_t h1) {
     std::vector<ScoreInput<float, float>> in;
     for (int b = 0; b < B; ++b)
-      in.push_back(ScoreInput<float, float>{
-          TensorView<const float, 3>::contiguous(q.data() + h0 * G, {(h1 - h0) * G, 1, 1}),
-          KVSource<float>::from(TensorView<const float, 3>::contiguous(keys[static_cast<std::size_t>(b)].data() + h0 * lens[static_cast<std::size_t>(b)],
-                                                                      {h1 - h0, lens[static_cast<std::size_t>(b)], 1}))});
+      in.push_back(ScoreInput<float, float>{TensorView<const float, 3>::contiguous(q.data() + h0 * G, {(h1 - h0) * G, 1, 1}),
+                                            KVSource<float>::from(TensorView<const float, 3>::contiguous(
+                                                keys[static_cast<std::size_t>(b)].data() + h0 * lens[static_cast<std::size_t>(b)],
+                                                {h1 - h0, lens[static_cast<std::size_t>(b)], 1}))});
     return in;
   };
   const AdaKV<KeyScorer> policy(p, sc);
@@ -88,7 +88,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     *out = kvp_test::KeepSetBuffer(req.output.rows, std::max<std::int64_t>(req.output.capacity, 1));
     out->fill_sentinel();
     std::vector<std::byte> ws(req.workspace_bytes);
-    return policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, exec}, std::span<const ScoreInput<float, float>>(in), out->view());
+    return policy.evict(Context<backend::Cpu>{Workspace{ws.data(), ws.size()}, exec}, std::span<const ScoreInput<float, float>>(in),
+                        out->view());
   };
   kvp_test::KeepSetBuffer full(1, 1);
   const Status sf = run(inputs(0, H), ExecContext{}, &full);
