@@ -93,7 +93,8 @@ TEST_CASE("sharded_cut selects the global top-k, ties to the higher flat index, 
       std::vector<std::int64_t> counts(static_cast<std::size_t>(W));
       std::vector<Status> st(static_cast<std::size_t>(W));
       g.run([&](int r) {
-        const auto [a, b] = shard_range(n, W, r);
+        const auto range = shard_range(n, W, r);  // not a structured binding: clang 14 cannot capture one
+        const std::int64_t a = range.first, b = range.second;
         const ShardedTopK p{v.data() + a, b - a, k};
         ShardedCut cut;
         std::vector<std::byte> ws(sharded_cut_workspace(1, W));
