@@ -575,31 +575,12 @@ inline std::int64_t collect_at_least(const float* s, std::int64_t n, float thres
   return m;
 }
 
-// keys[i] = order key of scores[idx[i]], and their min / max.
+// Order keys of whole vectors of scores.
 #if KVP_CPU_TU_ISA == 2
 inline __m512i order_keys(__m512 f) noexcept {
   const __m512i i = _mm512_castps_si512(f);
   const __m512i k = _mm512_xor_si512(i, _mm512_and_si512(_mm512_srai_epi32(i, 31), _mm512_set1_epi32(0x7fffffff)));
   return _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(kNanKey));
-}
-inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
-                        std::int32_t* hi) noexcept {
-  __m512i vlo = _mm512_set1_epi32(INT32_MAX), vhi = _mm512_set1_epi32(INT32_MIN);
-  std::int64_t i = 0;
-  for (; i + 16 <= m; i += 16) {
-    const __m512i k = order_keys(_mm512_i32gather_ps(_mm512_loadu_si512(idx + i), scores, 4));
-    _mm512_storeu_si512(keys + i, k);
-    vlo = _mm512_min_epi32(vlo, k);
-    vhi = _mm512_max_epi32(vhi, k);
-  }
-  std::int32_t a = _mm512_reduce_min_epi32(vlo), b = _mm512_reduce_max_epi32(vhi);
-  for (; i < m; ++i) {
-    keys[i] = order_key(scores[idx[i]]);
-    a = keys[i] < a ? keys[i] : a;
-    b = keys[i] > b ? keys[i] : b;
-  }
-  *lo = a;
-  *hi = b;
 }
 #elif KVP_CPU_TU_ISA == 1
 inline __m256i order_keys(__m256 f) noexcept {
@@ -607,55 +588,19 @@ inline __m256i order_keys(__m256 f) noexcept {
   const __m256i k = _mm256_xor_si256(i, _mm256_and_si256(_mm256_srai_epi32(i, 31), _mm256_set1_epi32(0x7fffffff)));
   return _mm256_blendv_epi8(k, _mm256_set1_epi32(kNanKey), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
 }
-inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
-                        std::int32_t* hi) noexcept {
-  __m256i vlo = _mm256_set1_epi32(INT32_MAX), vhi = _mm256_set1_epi32(INT32_MIN);
-  std::int64_t i = 0;
-  for (; i + 8 <= m; i += 8) {
-    const __m256 f = _mm256_i32gather_ps(scores, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i)), 4);
-    const __m256i k = order_keys(f);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), k);
-    vlo = _mm256_min_epi32(vlo, k);
-    vhi = _mm256_max_epi32(vhi, k);
-  }
-  alignas(32) std::int32_t l[8], h[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(l), vlo);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(h), vhi);
-  std::int32_t a = INT32_MAX, b = INT32_MIN;
-  for (int q = 0; q < 8; ++q) {
-    a = l[q] < a ? l[q] : a;
-    b = h[q] > b ? h[q] : b;
-  }
-  for (; i < m; ++i) {
-    keys[i] = order_key(scores[idx[i]]);
-    a = keys[i] < a ? keys[i] : a;
-    b = keys[i] > b ? keys[i] : b;
-  }
-  *lo = a;
-  *hi = b;
-}
-#else
-inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
-                        std::int32_t* hi) noexcept {
-  std::int32_t a = INT32_MAX, b = INT32_MIN;
-  for (std::int64_t i = 0; i < m; ++i) {
-    keys[i] = order_key(scores[idx[i]]);
-    a = keys[i] < a ? keys[i] : a;
-    b = keys[i] > b ? keys[i] : b;
-  }
-  *lo = a;
-  *hi = b;
-}
 #endif
 
-// keys[i] = order key of scores[i] for i < n (every score a candidate: contiguous loads, no gather), and their min / max.
-inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept {
+// keys[i] = order key of the i-th score, i < m, and their min / max; `vec(i)`
+// loads the scores i .. i + lanes - 1 as one vector, `one(i)` the i-th alone.
+// One body for the gathered (candidates) and the contiguous (whole row) forms.
+template <class Vec, class One>
+inline void keys_min_max(std::int64_t m, Vec&& vec, One&& one, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept {
   std::int64_t i = 0;
   std::int32_t a = INT32_MAX, b = INT32_MIN;
 #if KVP_CPU_TU_ISA == 2
   __m512i vlo = _mm512_set1_epi32(INT32_MAX), vhi = _mm512_set1_epi32(INT32_MIN);
-  for (; i + 16 <= n; i += 16) {
-    const __m512i k = order_keys(_mm512_loadu_ps(s + i));
+  for (; i + 16 <= m; i += 16) {
+    const __m512i k = order_keys(vec(i));
     _mm512_storeu_si512(keys + i, k);
     vlo = _mm512_min_epi32(vlo, k);
     vhi = _mm512_max_epi32(vhi, k);
@@ -664,8 +609,8 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
   b = _mm512_reduce_max_epi32(vhi);
 #elif KVP_CPU_TU_ISA == 1
   __m256i vlo = _mm256_set1_epi32(INT32_MAX), vhi = _mm256_set1_epi32(INT32_MIN);
-  for (; i + 8 <= n; i += 8) {
-    const __m256i k = order_keys(_mm256_loadu_ps(s + i));
+  for (; i + 8 <= m; i += 8) {
+    const __m256i k = order_keys(vec(i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys + i), k);
     vlo = _mm256_min_epi32(vlo, k);
     vhi = _mm256_max_epi32(vhi, k);
@@ -677,14 +622,49 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
     a = l[q] < a ? l[q] : a;
     b = h[q] > b ? h[q] : b;
   }
+#else
+  (void)vec;
 #endif
-  for (; i < n; ++i) {
-    keys[i] = order_key(s[i]);
+  for (; i < m; ++i) {
+    keys[i] = order_key(one(i));
     a = keys[i] < a ? keys[i] : a;
     b = keys[i] > b ? keys[i] : b;
   }
   *lo = a;
   *hi = b;
+}
+
+// keys[i] = order key of scores[idx[i]] (a gather per vector), and their min / max.
+inline void gather_keys(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,
+                        std::int32_t* hi) noexcept {
+  keys_min_max(
+      m,
+      [&](std::int64_t i) {
+#if KVP_CPU_TU_ISA == 2
+        return _mm512_i32gather_ps(_mm512_loadu_si512(idx + i), scores, 4);
+#elif KVP_CPU_TU_ISA == 1
+        return _mm256_i32gather_ps(scores, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i)), 4);
+#else
+        return scores[idx[i]];
+#endif
+      },
+      [&](std::int64_t i) { return scores[idx[i]]; }, keys, lo, hi);
+}
+
+// keys[i] = order key of scores[i] for i < n (every score a candidate: contiguous loads, no gather), and their min / max.
+inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept {
+  keys_min_max(
+      n,
+      [&](std::int64_t i) {
+#if KVP_CPU_TU_ISA == 2
+        return _mm512_loadu_ps(s + i);
+#elif KVP_CPU_TU_ISA == 1
+        return _mm256_loadu_ps(s + i);
+#else
+        return s[i];
+#endif
+      },
+      [&](std::int64_t i) { return s[i]; }, keys, lo, hi);
 }
 
 // out[j] = the largest order key of scores[j * block, min(n, (j + 1) * block)), j < nblocks (top-k's
