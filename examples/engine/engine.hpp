@@ -50,7 +50,10 @@
 // over another cache type instantiates the member definitions below.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <memory>
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -99,6 +102,12 @@ struct SessionStats {
   std::int64_t selections = 0;          ///< decode attentions restricted by a selection
   std::int64_t attended_tokens = 0;     ///< (query head, cached token) pairs read by decode attention
   std::int64_t decode_layer_steps = 0;  ///< decode steps x layers
+  /// Attention-output error (Session::measure_attention_error): per (decode step, layer, query head),
+  /// ||o - o_full|| / ||o_full|| of this step's attention output o against o_full, the same query over
+  /// every token the request has seen, unevicted, unmerged and unquantized (a shadow fp32 cache).
+  double attn_err_sum = 0.0, attn_err_max = 0.0;
+  std::int64_t attn_err_count = 0;
+  double mean_attention_error() const noexcept { return attn_err_count ? attn_err_sum / static_cast<double>(attn_err_count) : 0.0; }
 };
 
 inline std::int32_t argmax(std::span<const float> logits) noexcept {
@@ -132,6 +141,16 @@ class Session {
   /// Greedy continuation of `n` tokens from the current logits.
   std::vector<std::int32_t> greedy(int n);
 
+  /// Measure every decode step's attention-output error against the full cache (SessionStats::attn_err_*):
+  /// the session keeps a shadow fp32 contiguous cache of every token it appends, which no hook sees or
+  /// changes, and attends each step's query over it too (twice the decode attention's cost and memory).
+  /// Call before load() / prefill().
+  void measure_attention_error() {
+    if (position_ != 0) throw std::runtime_error("session: measure_attention_error() before load()");
+    const CacheShape& s = cache_.shape();
+    shadow_ = std::make_unique<ContiguousKVCache<float>>(s);
+  }
+
   std::span<const float> logits() const noexcept { return logits_; }
   std::int64_t position() const noexcept { return position_; }
   Cache& cache() noexcept { return cache_; }
@@ -149,7 +168,8 @@ class Session {
   SessionStats stats_;
   KeepBuffer keep_;
   SelectionBuffer sel_;
-  std::vector<float> logits_, x_, xn_, q_, k_, v_, attn_, cos_, sin_, probs_, mlp_scratch_;
+  std::vector<float> logits_, x_, xn_, q_, k_, v_, attn_, cos_, sin_, probs_, mlp_scratch_, shadow_out_;
+  std::unique_ptr<ContiguousKVCache<float>> shadow_;  // measure_attention_error(): every token, untouched by hooks
 };
 
 // ---- Session's members (not inline: `extern template` below keeps them out of the users' TUs) ----
@@ -165,9 +185,12 @@ std::span<const float> Session<Cache>::load(const PrefillState& p) {
   const ModelConfig& c = model_->config();
   const std::int64_t kvd = static_cast<std::int64_t>(c.n_kv_heads) * c.head_dim;
   for (int l = 0; l < c.n_layers; ++l) {
-    for (std::int64_t t = 0; t < p.length; ++t)
-      cache_.append(l, p.k[static_cast<std::size_t>(l)].data() + t * kvd, p.v[static_cast<std::size_t>(l)].data() + t * kvd,
-                    static_cast<std::int32_t>(t));
+    for (std::int64_t t = 0; t < p.length; ++t) {
+      const float* kr = p.k[static_cast<std::size_t>(l)].data() + t * kvd;
+      const float* vr = p.v[static_cast<std::size_t>(l)].data() + t * kvd;
+      cache_.append(l, kr, vr, static_cast<std::int32_t>(t));
+      if (shadow_) shadow_->append(l, kr, vr, static_cast<std::int32_t>(t));
+    }
     if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, p.length); });
   }
   if (hooks_.after_prefill) {
@@ -210,6 +233,7 @@ std::span<const float> Session<Cache>::decode(std::int32_t token) {
     apply_rope(q_.data(), Hq, hd, cos_.data(), sin_.data());
     apply_rope(k_.data(), Hkv, hd, cos_.data(), sin_.data());
     cache_.append(l, k_.data(), v_.data(), pos);
+    if (shadow_) shadow_->append(l, k_.data(), v_.data(), pos);
     if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, 1); });
     const PageSelection* sel = nullptr;
     if (hooks_.before_attention) {
@@ -239,6 +263,22 @@ std::span<const float> Session<Cache>::decode(std::int32_t token) {
       probs = probs_.data();
     }
     cache_.attend(l, q_.data(), attn_.data(), probs, sel);
+    if (shadow_) {
+      shadow_out_.resize(attn_.size());
+      shadow_->attend(l, q_.data(), shadow_out_.data(), nullptr, nullptr);
+      for (int h = 0; h < Hq; ++h) {
+        double num = 0.0, den = 0.0;
+        for (int i = 0; i < hd; ++i) {
+          const double o = attn_[static_cast<std::size_t>(h * hd + i)], f = shadow_out_[static_cast<std::size_t>(h * hd + i)];
+          num += (o - f) * (o - f);
+          den += f * f;
+        }
+        const double e = den > 0.0 ? std::sqrt(num / den) : (num > 0.0 ? 1.0 : 0.0);
+        stats_.attn_err_sum += e;
+        stats_.attn_err_max = std::max(stats_.attn_err_max, e);
+        ++stats_.attn_err_count;
+      }
+    }
     if (hooks_.after_attention) {
       keep_.active = false;
       timed([&] { return hooks_.after_attention(cache_, l, TensorView<const float, 2>::contiguous(probs_.data(), {Hq, n}), keep_); });

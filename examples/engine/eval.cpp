@@ -204,9 +204,11 @@ PolicyUnderTest snapkv_merged_policy(const std::string& merge) {
   PolicyUnderTest p;
   p.name = "snapkv+" + merge;
   p.query_window = 32;
-  using C = ContiguousKVCache<float>;
   auto with = [&](auto m) {
-    p.contiguous = [m](std::int64_t, std::int64_t budget) { return merge_hooks<C>(snapkv_with_budget(budget), m); };
+    using M = decltype(m);
+    if constexpr (std::is_same_v<M, kvpolicy::CaM>) p.query_window = PolicyUnderTest::kWholePrompt;  // the prompt's attention
+    p.contiguous = [m](std::int64_t, std::int64_t budget) { return merge_hooks<ContiguousKVCache<float>>(snapkv_with_budget(budget), m); };
+    p.paged = [m](std::int64_t, std::int64_t budget) { return merge_hooks<PagedKVCache<float>>(snapkv_with_budget(budget), m); };
   };
   if (merge == "kvpress_merging")
     with(kvpolicy::KvpressMerging{});
@@ -216,8 +218,10 @@ PolicyUnderTest snapkv_merged_policy(const std::string& merge) {
     with(kvpolicy::D2O{});
   else if (merge == "nearest_kept")
     with(kvpolicy::NearestKeptMerge{});
+  else if (merge == "cam")
+    with(kvpolicy::CaM(kvpolicy::CaMParams::streaming()));
   else
-    throw std::runtime_error("no merge policy named '" + merge + "'; expected kvpress_merging, lookm_pivot, d2o or nearest_kept");
+    throw std::runtime_error("no merge policy named '" + merge + "'; expected kvpress_merging, lookm_pivot, d2o, nearest_kept or cam");
   return p;
 }
 
@@ -225,18 +229,103 @@ PolicyUnderTest h2o_merged_policy(const std::string& merge) {
   PolicyUnderTest p;
   p.name = "h2o+" + merge;
   p.query_window = PolicyUnderTest::kWholePrompt;
-  using C = ContiguousKVCache<float>;
   auto with = [&](auto m) {
-    p.contiguous = [m](std::int64_t, std::int64_t budget) {
-      return merge_after<C>(h2o_hooks<C>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2))), m);
+    auto make = [m]<class Cache>(std::int64_t budget) {
+      return merge_after<Cache>(h2o_hooks<Cache>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2))), m);
     };
+    p.contiguous = [make](std::int64_t, std::int64_t budget) { return make.template operator()<ContiguousKVCache<float>>(budget); };
+    p.paged = [make](std::int64_t, std::int64_t budget) { return make.template operator()<PagedKVCache<float>>(budget); };
   };
   if (merge == "d2o")
     with(kvpolicy::D2O{});
   else if (merge == "nearest_kept")
     with(kvpolicy::NearestKeptMerge{});
+  else if (merge == "cam")
+    with(kvpolicy::CaM(kvpolicy::CaMParams::streaming()));
   else
-    throw std::runtime_error("no online merge policy named '" + merge + "'; expected d2o or nearest_kept");
+    throw std::runtime_error("no online merge policy named '" + merge + "'; expected d2o, nearest_kept or cam");
+  return p;
+}
+
+PolicyUnderTest kvpress_cam_policy(std::int64_t interval, std::int32_t merge_budget) {
+  PolicyUnderTest p;
+  p.name = "kvpress_cam";
+  p.query_window = 1;  // reads no prompt query
+  kvpolicy::KvpressCAMParams cp;
+  cp.merge_budget = merge_budget;
+  const kvpolicy::KvpressCAM cam(cp);
+  p.contiguous = [cam, interval](std::int64_t, std::int64_t budget) {
+    return kvpress_cam_hooks<ContiguousKVCache<float>>(cam, budget, interval);
+  };
+  p.paged = [cam, interval](std::int64_t, std::int64_t budget) { return kvpress_cam_hooks<PagedKVCache<float>>(cam, budget, interval); };
+  return p;
+}
+
+PolicyUnderTest d2o_policy() {
+  PolicyUnderTest p;
+  p.name = "d2o";
+  p.query_window = PolicyUnderTest::kWholePrompt;
+  // Per request: each layer's head variances from the prompt's attention (on_prefill), then at the hooks'
+  // first call the layer ratios for the run's budget.
+  struct Shared {
+    std::vector<float> head_var;  // (layers, q heads) of the current request
+    std::int64_t layers = 0, heads = 0, prompt = 0;
+  };
+  auto sh = std::make_shared<Shared>();
+  p.on_prefill = [sh](const Model& m, const PrefillState& pre) {
+    const ModelConfig& c = m.config();
+    const std::int64_t T = pre.length, d = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, G = Hq / Hkv;
+    if (pre.window != T) throw std::runtime_error("d2o: needs every prompt query (PolicyUnderTest::kWholePrompt)");
+    sh->layers = c.n_layers;
+    sh->heads = Hq;
+    sh->prompt = T;
+    sh->head_var.assign(static_cast<std::size_t>(c.n_layers * Hq), 0.0f);
+    std::vector<float> col(static_cast<std::size_t>(T)), var(1);
+    std::vector<std::byte> ws;
+    const kvpolicy::H2O acc;
+    for (int l = 0; l < c.n_layers; ++l)
+      for (std::int64_t h = 0; h < Hq; ++h) {
+        // Column sums of query head h's causal attention over the prompt (one head: its kv head's keys).
+        const auto q = TensorView<const float, 3>(pre.q_window[static_cast<std::size_t>(l)].data() + h * T * d, {1, T, d}, {T * d, d, 1});
+        const auto k = KVSource<float>::from(
+            TensorView<const float, 3>(pre.k[static_cast<std::size_t>(l)].data() + (h / G) * d, {1, T, d}, {d, Hkv * d, 1}));
+        kvpolicy::H2OState st{TensorView<float, 2>::contiguous(col.data(), {1, T}), 0};
+        const kvpolicy::Requirements r =
+            acc.requirements(policy_context<kvpolicy::backend::Cpu>({}), kvpolicy::ProblemShape{1, 1, d, T, T});
+        kvpolicy::throw_if_error(r.status);
+        grow_workspace(ws, r);
+        kvpolicy::throw_if_error(acc.update(policy_context<kvpolicy::backend::Cpu>({}, &ws), st, kvpolicy::ScoreInput<float, float>{q, k}));
+        kvpolicy::throw_if_error(kvpolicy::D2O::column_variance(TensorView<const float, 2>::contiguous(col.data(), {1, T}), var));
+        sh->head_var[static_cast<std::size_t>(l * Hq + h)] = var[0];
+      }
+  };
+  auto make = [sh]<class Cache>(std::int64_t budget) {
+    // rho = budget / prompt, split evenly between heavy hitters and recent tokens (the paper's 0.1 + 0.1).
+    auto ratios = std::make_shared<std::vector<double>>();
+    auto at = [sh, budget, ratios](int layer) {
+      if (ratios->empty()) {
+        if (sh->layers == 0) throw std::runtime_error("d2o: no prefill seen (on_prefill was not called)");
+        ratios->assign(static_cast<std::size_t>(sh->layers), 1.0);
+        if (budget < sh->prompt) {  // a budget >= the prompt keeps everything (the harness's contract)
+          const double rho = static_cast<double>(budget) / static_cast<double>(sh->prompt);
+          kvpolicy::D2OParams lp;
+          lp.hh_ratio = lp.recent_ratio = rho / 2;
+          kvpolicy::throw_if_error(kvpolicy::D2O(lp).layer_ratios(
+              TensorView<const float, 2>::contiguous(sh->head_var.data(), {sh->layers, sh->heads}), *ratios));
+        }
+      }
+      const double r = (*ratios)[static_cast<std::size_t>(layer)];
+      // r = 1: the layer is never compressed (D2O's layers 0, 1 and the last), not even as decoding grows it.
+      const std::int64_t kept = r >= 1.0 ? (std::int64_t{1} << 40) : static_cast<std::int64_t>(r * static_cast<double>(sh->prompt));
+      kvpolicy::D2OParams tp;
+      tp.heavy = kept / 2;
+      tp.recent = kept - kept / 2;
+      return kvpolicy::D2O(tp);
+    };
+    return d2o_hooks<Cache>(at);
+  };
+  p.contiguous = [make](std::int64_t, std::int64_t budget) { return make.template operator()<ContiguousKVCache<float>>(budget); };
+  p.paged = [make](std::int64_t, std::int64_t budget) { return make.template operator()<PagedKVCache<float>>(budget); };
   return p;
 }
 
@@ -262,8 +351,9 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           quantization_policy("kivi:bits=4,residual=32", c.head_dim), snapkv_quantized_policy("int4", c.head_dim),
           // Mixed precision (ZipCache / ARKV): SnapKV's ranking, half the bytes on full-precision tokens, the rest INT4.
           snapkv_mixed_precision_policy("int4", c.head_dim, 0.5), snapkv_merged_policy("kvpress_merging"),
-          snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"), snapkv_merged_policy("nearest_kept"), h2o_merged_policy("d2o"),
-          h2o_merged_policy("nearest_kept")};
+          snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"), snapkv_merged_policy("nearest_kept"),
+          snapkv_merged_policy("cam"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept"), h2o_merged_policy("cam"),
+          kvpress_cam_policy(), d2o_policy()};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {
@@ -294,9 +384,9 @@ double kl_divergence(std::span<const float> p_logits, std::span<const float> q_l
 }
 
 template std::vector<std::vector<float>> run_sample(const Model&, const PrefillState&, const TaskSample&, ContiguousKVCache<float>,
-                                                    Hooks<ContiguousKVCache<float>>, SessionStats*, double*);
+                                                    Hooks<ContiguousKVCache<float>>, SessionStats*, double*, bool);
 template std::vector<std::vector<float>> run_sample(const Model&, const PrefillState&, const TaskSample&, PagedKVCache<float>,
-                                                    Hooks<PagedKVCache<float>>, SessionStats*, double*);
+                                                    Hooks<PagedKVCache<float>>, SessionStats*, double*, bool);
 
 }  // namespace detail
 
@@ -323,7 +413,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
     if (!runs) continue;
     for (auto b : budgets) add_result(p.name, b).kv_bytes_scale = p.kv_bytes_scale;
   }
-  std::vector<std::int64_t> kl_steps(results.size(), 0);
+  std::vector<std::int64_t> kl_steps(results.size(), 0), err_count(results.size(), 0);
 
   // Prompt queries to keep: the largest window any policy asks for.
   std::int64_t window = 1;
@@ -361,6 +451,9 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
       ++r.count;
       r.identical_to_full += same ? 1 : 0;
       r.decision_seconds += st.hook_seconds;
+      r.mean_attn_err += st.attn_err_sum;  // a sum until the end
+      r.max_attn_err = std::max(r.max_attn_err, st.attn_err_max);
+      err_count[ri] += st.attn_err_count;
       r.mean_kept_bytes += kept_bytes;
       r.mean_full_bytes += static_cast<double>(pre.length) * c.n_layers * static_cast<double>(m.kv_bytes_per_token(sizeof(float)));
       r.mean_attended_tokens +=
@@ -371,10 +464,11 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
     auto run = [&](const PolicyUnderTest* p, std::int64_t budget, SessionStats* st, double* kept) {
       if (opt.cache == CacheKind::kContiguous) {
         using C = ContiguousKVCache<float>;
-        return detail::run_sample<C>(m, pre, s, C(shape), p ? p->contiguous(pre.length, budget) : Hooks<C>{}, st, kept);
+        return detail::run_sample<C>(m, pre, s, C(shape), p ? p->contiguous(pre.length, budget) : Hooks<C>{}, st, kept, p != nullptr);
       }
       using P = PagedKVCache<float>;
-      return detail::run_sample<P>(m, pre, s, P(shape, opt.page_size), p ? p->paged(pre.length, budget) : Hooks<P>{}, st, kept);
+      return detail::run_sample<P>(m, pre, s, P(shape, opt.page_size), p ? p->paged(pre.length, budget) : Hooks<P>{}, st, kept,
+                                   p != nullptr);
     };
     SessionStats st;
     double kept = 0.0;
@@ -408,6 +502,7 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
     const double n = static_cast<double>(std::max<std::int64_t>(r.count, 1));
     r.accuracy = static_cast<double>(r.correct) / n;
     r.mean_kl = kl_steps[i] ? r.mean_kl / static_cast<double>(kl_steps[i]) : 0.0;
+    r.mean_attn_err = err_count[i] ? r.mean_attn_err / static_cast<double>(err_count[i]) : 0.0;
     r.mean_kept_bytes /= n;
     r.mean_kept_fp32_bytes /= n;
     r.mean_full_bytes /= n;

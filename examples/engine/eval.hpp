@@ -22,6 +22,12 @@
 //  * decision time — seconds spent inside the policy hooks (eviction
 //    decisions, Quest metadata and selection), summed over the set; the
 //    compaction (apply/) is not included.
+//  * attention-output error vs full cache — at every decode step, layer and
+//    query head, ||o - o_full|| / ||o_full|| of the attention output against
+//    the same query over the request's every token, unevicted, unmerged and
+//    unquantized (Session::measure_attention_error's shadow cache); mean and
+//    max over all of them. It isolates what the cache changes in one layer's
+//    output from the drift of the residual stream, which logit KL includes.
 //  * bytes kept — K/V bytes held by the cache right after the prefill hooks
 //    (all layers, fp32), mean over samples, next to the full cache's; and the
 //    mean number of cached tokens read per (decode step, layer, query head)
@@ -180,13 +186,28 @@ PolicyUnderTest snapkv_mixed_precision_policy(const std::string& quant_spec, std
 /// Eviction then merging on the same token budget: SnapKV (window 32, kernel 5) keeps `budget` tokens per kv
 /// head and `merge` folds the evicted ones into them ("kvpress_merging": kvpress MergingPress, values only;
 /// "lookm_pivot"; "d2o": as-coded mean, a fresh EMA threshold per request; "nearest_kept": persistent masses,
-/// all 1 after prefill). Contiguous cache. Name "snapkv+<merge>".
+/// all 1 after prefill; "cam": CaM's streaming form, values only, merge_num 16, p from the prompt's accumulated
+/// attention, so it reads every prompt query). Both cache layouts. Name "snapkv+<merge>".
 PolicyUnderTest snapkv_merged_policy(const std::string& merge);
 /// Online eviction then merging at every decode step (D2O's setting): H2O (hh = budget / 2, the rest recent)
 /// evicts one token per step once the cache is full and `merge` ("d2o": the EMA threshold carried across the
-/// request's steps; "nearest_kept": persistent per-slot masses) folds it into its nearest kept token. Also
-/// merges after prefill. Contiguous cache. Name "h2o+<merge>".
+/// request's steps; "nearest_kept": persistent per-slot masses) folds it into its nearest kept token; "cam":
+/// CaM's streaming form, its own setting: the victim's value spreads over the next 16 kept tokens with
+/// probability from the accumulated attention). Also merges after prefill. Both cache layouts. Name "h2o+<merge>".
 PolicyUnderTest h2o_merged_policy(const std::string& merge);
+/// kvpress CAMPress(KnormPress(), compression_interval=`interval`, target_size=budget, merge_budget) as kvpress
+/// runs it, during decoding only (policies.hpp, kvpress_cam_hooks): the prompt stays whole at prefill, the
+/// first `interval` decode steps accumulate attention, then the cache is cut to the budget with the newest
+/// candidates' values merged. With the task sets' short answers the cut comes after the first answer token.
+/// Both cache layouts. Name "kvpress_cam".
+PolicyUnderTest kvpress_cam_policy(std::int64_t interval = 1, std::int32_t merge_budget = 32);
+/// D2O as its repository runs it (kvpolicy::D2O; policies.hpp, d2o_hooks): at prefill each layer's budget from
+/// the variance of its heads' attention column sums (D2O::layer_ratios with rho = budget / prompt, split
+/// evenly between heavy hitters and recent tokens; layers 0, 1 and the last are never compressed, as coded,
+/// so on a 4-layer model three layers keep everything and the kv bytes show it), then per layer D2O's
+/// eviction (accumulated attention, 4 sinks) and EMA-threshold merge after prefill and at every decode step.
+/// Reads every prompt query. Both cache layouts. Name "d2o".
+PolicyUnderTest d2o_policy();
 
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
 /// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.
@@ -214,8 +235,9 @@ struct TaskEvalResult {
   std::vector<TaskScore> per_task;  ///< tasks in order of first appearance
   std::int64_t correct = 0, count = 0;
   double accuracy = 0.0;
-  double mean_kl = 0.0, max_kl = 0.0;  ///< KL(full || policy) per answer step, nats
-  std::int64_t identical_to_full = 0;  ///< samples with bit-identical logits at every answer step
+  double mean_kl = 0.0, max_kl = 0.0;              ///< KL(full || policy) per answer step, nats
+  double mean_attn_err = 0.0, max_attn_err = 0.0;  ///< attention-output rel. error per (decode step, layer, query head)
+  std::int64_t identical_to_full = 0;              ///< samples with bit-identical logits at every answer step
   double decision_seconds = 0.0;
   double mean_kept_bytes = 0.0, mean_full_bytes = 0.0;
   double mean_kept_fp32_bytes = 0.0;  ///< the kept tokens' bytes at fp32, whatever the format (kept tokens = this / fp32 bytes per token)
@@ -232,8 +254,9 @@ double kl_divergence(std::span<const float> p_logits, std::span<const float> q_l
 /// Teacher-forced run of one sample on a fresh cache: the logits of every answer step.
 template <class Cache>
 std::vector<std::vector<float>> run_sample(const Model& m, const PrefillState& p, const TaskSample& s, Cache cache, Hooks<Cache> hooks,
-                                           SessionStats* stats, double* kept_bytes) {
+                                           SessionStats* stats, double* kept_bytes, bool attention_error = false) {
   Session<Cache> sess(m, std::move(cache), std::move(hooks));
+  if (attention_error) sess.measure_attention_error();
   std::vector<std::vector<float>> steps;
   auto logits = sess.load(p);
   std::int64_t kept = 0;
@@ -251,9 +274,9 @@ std::vector<std::vector<float>> run_sample(const Model& m, const PrefillState& p
 
 // Compiled once, in eval.cpp.
 extern template std::vector<std::vector<float>> run_sample(const Model&, const PrefillState&, const TaskSample&, ContiguousKVCache<float>,
-                                                           Hooks<ContiguousKVCache<float>>, SessionStats*, double*);
+                                                           Hooks<ContiguousKVCache<float>>, SessionStats*, double*, bool);
 extern template std::vector<std::vector<float>> run_sample(const Model&, const PrefillState&, const TaskSample&, PagedKVCache<float>,
-                                                           Hooks<PagedKVCache<float>>, SessionStats*, double*);
+                                                           Hooks<PagedKVCache<float>>, SessionStats*, double*, bool);
 
 }  // namespace detail
 

@@ -195,12 +195,12 @@ int main(int argc, char** argv) try {
   const auto results = run_task_eval(m, samples, policies, a.budgets, opt);
   std::printf("%-20s %7s %9s", "policy", "budget", "accuracy");
   for (const auto& t : results[0].per_task) std::printf(" %9s", t.task.c_str());
-  std::printf(" %10s %10s %12s %12s %10s\n", "mean KL", "max KL", "decide (ms)", "kept (KiB)", "read/step");
+  std::printf(" %10s %10s %10s %12s %12s %10s\n", "mean KL", "max KL", "attn err", "decide (ms)", "kept (KiB)", "read/step");
   for (const auto& r : results) {
     std::printf("%-20s %7lld %9.3f", r.policy.c_str(), static_cast<long long>(r.budget), r.accuracy);
     for (const auto& t : r.per_task) std::printf(" %9.3f", t.accuracy());
-    std::printf(" %10.4f %10.4f %12.2f %12.1f %10.1f\n", r.mean_kl, r.max_kl, 1e3 * r.decision_seconds, r.mean_kept_bytes / 1024.0,
-                r.mean_attended_tokens);
+    std::printf(" %10.4f %10.4f %10.4f %12.2f %12.1f %10.1f\n", r.mean_kl, r.max_kl, r.mean_attn_err, 1e3 * r.decision_seconds,
+                r.mean_kept_bytes / 1024.0, r.mean_attended_tokens);
   }
   return 0;
 } catch (const std::exception& e) {

@@ -61,7 +61,9 @@
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_cam.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/merging/nearest_kept.hpp"
@@ -512,20 +514,52 @@ Hooks<Cache> mixed_precision_hooks(kvpolicy::MixedPrecision<S, Q> policy, Q keys
 
 // ---- merging: eviction, then the evicted tokens folded into the kept ones --------------------------------
 
-/// Per-layer merge state of one request: D2O's EMA threshold and the nearest-kept merge's per-slot masses
-/// ((kv_heads, capacity), 1 for every token entering the cache, re-packed by each merge), plus the plan buffers.
+namespace detail {
+template <class M>
+inline constexpr bool kMergeReadsAttention = std::is_same_v<M, kvpolicy::CaM> || std::is_same_v<M, kvpolicy::KvpressCAM>;
+template <class M>
+inline constexpr bool kMergeWritesKeys = !std::is_same_v<M, kvpolicy::KvpressMerging> && !kMergeReadsAttention<M>;
+}  // namespace detail
+
+/// Per-layer merge state of one request: D2O's EMA threshold, the nearest-kept merge's per-slot masses
+/// ((kv_heads, capacity), 1 for every token entering the cache, re-packed by each merge), the accumulated
+/// attention CaM reads ((kv_heads, capacity) as an H2OState: H2O's update is the accumulation; summed over
+/// each kv head's query heads, aligned with the cache slots and re-packed with them), and the plan buffers.
 struct MergeHookState {
-  std::vector<kvpolicy::D2OState> d2o;     // per layer
-  std::vector<std::vector<float>> masses;  // per layer (kv_heads, capacity)
+  std::vector<kvpolicy::D2OState> d2o;      // per layer
+  std::vector<std::vector<float>> masses;   // per layer (kv_heads, capacity)
+  std::vector<std::vector<float>> acc_buf;  // per layer (kv_heads, capacity)
+  std::vector<kvpolicy::H2OState> acc;      // per layer, over acc_buf
+  std::vector<std::int64_t> steps;          // per layer: decode steps since the last compression (kvpress CAM)
+  std::vector<std::uint32_t> calls;         // per layer: merges so far (the Bernoulli seed of the next one)
   std::vector<std::int32_t> indptr, dst, src;
-  std::vector<float> weight, merged_k, merged_v;
-  std::vector<std::byte> ws;
+  std::vector<float> weight, merged_k, merged_v, scores;
+  std::vector<std::byte> ws, acc_ws, paged_ws;
 
   void reset(int layer, std::int64_t kv_heads, std::int64_t capacity) {
     const auto l = static_cast<std::size_t>(layer);
-    if (d2o.size() <= l) d2o.resize(l + 1), masses.resize(l + 1);
+    if (d2o.size() <= l)
+      d2o.resize(l + 1), masses.resize(l + 1), acc_buf.resize(l + 1), acc.resize(l + 1), steps.resize(l + 1), calls.resize(l + 1);
     d2o[l] = kvpolicy::D2OState{};
     masses[l].assign(static_cast<std::size_t>(kv_heads * capacity), 1.0f);
+    acc_buf[l].assign(static_cast<std::size_t>(kv_heads * capacity), 0.0f);
+    acc[l] = kvpolicy::H2OState{TensorView<float, 2>::contiguous(acc_buf[l].data(), {kv_heads, capacity}), 0};
+    steps[l] = 0;
+    calls[l] = 0;
+  }
+  /// The Bernoulli seed of the next merge of `layer`: distinct per (layer, call), the same in every run.
+  std::uint32_t next_seed(int layer) {
+    return 0x9E3779B9u * (static_cast<std::uint32_t>(layer) + 1u) + calls[static_cast<std::size_t>(layer)]++;
+  }
+  /// After a keep set is applied: the accumulated attention follows the kept slots (row h, slot c <- keep.row(h)[c]).
+  void repack_attention(int layer, const KeepSet& keep) {
+    auto& st = acc[static_cast<std::size_t>(layer)];
+    if (st.length == 0) return;
+    for (std::int64_t h = 0; h < keep.num_rows; ++h) {
+      const auto row = keep.row(h);
+      for (std::size_t c = 0; c < row.size(); ++c) st.scores(h, static_cast<std::int64_t>(c)) = st.scores(h, row[c]);
+    }
+    st.length = keep.num_rows > 0 ? keep.row_size(0) : 0;
   }
 };
 
@@ -548,55 +582,96 @@ auto merge_input_for(const Policy&, KVSource<T> keys, KVSource<T> values, MergeH
     kvpolicy::MergeInput<T> in;
     in.keys = keys;
     in.values = values;
+    if constexpr (detail::kMergeReadsAttention<Policy>) {
+      const auto& a = st.acc[l];
+      in.attention_sums = TensorView<const float, 2>(a.scores.narrow(1, 0, a.length));
+      in.seed = st.next_seed(layer);
+    }
     return in;
   }
 }
 
+/// Runs `merge` on the layer's cache for the filled keep set and writes the merged rows into the kept slots
+/// (before the engine compacts with the same KeepSet): apply::merge_contiguous or apply::merge_paged.
+template <class Cache, class MergeP, class Backend, class In>
+Status run_merge(Cache& cache, int layer, std::int64_t num_q_heads, const MergeP& merge, const In& in, const KeepSet& keep,
+                 MergeHookState& S, kvpolicy::ExecContext ctx) {
+  constexpr bool kMergesKeys = detail::kMergeWritesKeys<MergeP>;
+  const std::int64_t H = cache.shape().num_kv_heads, T = cache.uniform_length(layer), d = cache.shape().head_dim;
+  const kvpolicy::Requirements r = merge.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{num_q_heads, H, d, T, 1});
+  KVP_RETURN_IF_ERROR(r.status);
+  grow_workspace(S.ws, r);
+  std::int64_t slots = 0;
+  for (std::int64_t row = 0; row < keep.num_rows; ++row) slots = std::max<std::int64_t>(slots, keep.row_size(row));
+  S.indptr.assign(static_cast<std::size_t>(H + 1), 0);
+  S.dst.resize(static_cast<std::size_t>(r.output.capacity));
+  S.src.resize(static_cast<std::size_t>(r.output.capacity));
+  S.weight.resize(static_cast<std::size_t>(r.output.capacity));
+  S.merged_k.resize(kMergesKeys ? static_cast<std::size_t>(H * slots * d) : 0);
+  S.merged_v.resize(static_cast<std::size_t>(H * slots * d));
+  kvpolicy::MergePlan plan{S.indptr.data(), S.dst.data(), S.src.data(), S.weight.data(), H, r.output.capacity};
+  if (kMergesKeys) plan.merged_keys = TensorView<float, 2>::contiguous(S.merged_k.data(), {H * slots, d});
+  plan.merged_values = TensorView<float, 2>::contiguous(S.merged_v.data(), {H * slots, d});
+  plan.slots_per_row = slots;
+  KVP_RETURN_IF_ERROR(merge.merge(policy_context<Backend>(ctx, &S.ws), in, keep, plan));
+  if constexpr (Cache::kPaged) {
+    S.paged_ws.resize(kvpolicy::compact_paged_workspace(cache.num_pages()));
+    return kvpolicy::merge_paged(cache.view(layer), keep, plan, kvpolicy::Workspace{S.paged_ws.data(), S.paged_ws.size()});
+  } else {
+    return kvpolicy::merge_contiguous(cache.keys(layer), cache.values(layer), T, keep, 0, plan, kvpolicy::MergeSlots::kBeforeCompaction);
+  }
+}
+
 /// Wraps `inner` (any eviction hooks: one-shot after prefill, online after every decode attention): whenever
-/// an inner hook fills the KeepBuffer, `merge` (a kvpolicy `MergePolicy` reading keys and values:
-/// KvpressMerging, LookMPivot, D2O, NearestKeptMerge) folds the evicted tokens into the kept ones and
-/// apply::merge_contiguous writes the merged rows into the kept slots before the engine compacts with the
-/// same KeepSet (keys merged post-RoPE, at the kept token's logical position). D2O's threshold and the
-/// nearest-kept masses persist across a request's decode steps (reset after prefill); a token appended at
-/// decode enters with mass 1. Contiguous cache.
+/// an inner hook fills the KeepBuffer, `merge` (a kvpolicy `MergePolicy`: KvpressMerging, LookMPivot, D2O,
+/// NearestKeptMerge, CaM in its streaming form) folds the evicted tokens into the kept ones and
+/// apply::merge_contiguous / apply::merge_paged writes the merged rows into the kept slots before the engine
+/// compacts with the same KeepSet (keys merged post-RoPE, at the kept token's logical position). D2O's
+/// threshold and the nearest-kept masses persist across a request's decode steps (reset after prefill); a
+/// token appended at decode enters with mass 1. CaM reads the accumulated attention of every cached token:
+/// the prompt's (recomputed from every prompt query after prefill, so the policy needs
+/// PolicyUnderTest::kWholePrompt) plus every decode step's; its Bernoulli draws are seeded per (layer, merge
+/// call), so runs are deterministic. Contiguous and paged caches (a paged cache needs equal counts per head).
 template <class Cache, class MergeP, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext ctx = {}) {
+  using T = typename Cache::element_type;
+  constexpr bool kAttention = detail::kMergeReadsAttention<MergeP>;
   auto S = std::make_shared<MergeHookState>();
   auto run = [merge, ctx, S](Cache& cache, int layer, std::int64_t num_q_heads, KeepBuffer& keep) -> Status {
-    constexpr bool kMergesKeys = !std::is_same_v<MergeP, kvpolicy::KvpressMerging>;
-    const auto keys = cache.key_source(layer), values = cache.value_source(layer);
-    const std::int64_t H = keys.kv_heads(), T = keys.kv_len(), d = keys.head_dim();
-    const kvpolicy::Requirements r = merge.requirements(policy_context<Backend>(ctx), kvpolicy::ProblemShape{num_q_heads, H, d, T, 1});
-    KVP_RETURN_IF_ERROR(r.status);
-    grow_workspace(S->ws, r);
-    std::int64_t slots = 0;
-    for (std::int64_t row = 0; row < keep.set.num_rows; ++row) slots = std::max<std::int64_t>(slots, keep.set.row_size(row));
-    S->indptr.assign(static_cast<std::size_t>(H + 1), 0);
-    S->dst.resize(static_cast<std::size_t>(r.output.capacity));
-    S->src.resize(static_cast<std::size_t>(r.output.capacity));
-    S->weight.resize(static_cast<std::size_t>(r.output.capacity));
-    S->merged_k.resize(kMergesKeys ? static_cast<std::size_t>(H * slots * d) : 0);
-    S->merged_v.resize(static_cast<std::size_t>(H * slots * d));
-    kvpolicy::MergePlan plan{S->indptr.data(), S->dst.data(), S->src.data(), S->weight.data(), H, r.output.capacity};
-    if (kMergesKeys) plan.merged_keys = TensorView<float, 2>::contiguous(S->merged_k.data(), {H * slots, d});
-    plan.merged_values = TensorView<float, 2>::contiguous(S->merged_v.data(), {H * slots, d});
-    plan.slots_per_row = slots;
-    const auto in = merge_input_for(merge, keys, values, *S, layer, cache.shape().capacity);
-    KVP_RETURN_IF_ERROR(merge.merge(policy_context<Backend>(ctx, &S->ws), in, keep.set, plan));
-    return kvpolicy::merge_contiguous(cache.keys(layer), cache.values(layer), T, keep.set, 0, plan,
-                                      kvpolicy::MergeSlots::kBeforeCompaction);
+    const auto in = merge_input_for(merge, cache.key_source(layer), cache.value_source(layer), *S, layer, cache.shape().capacity);
+    KVP_RETURN_IF_ERROR((run_merge<Cache, MergeP, Backend>(cache, layer, num_q_heads, merge, in, keep.set, *S, ctx)));
+    if constexpr (kAttention) S->repack_attention(layer, keep.set);
+    return Status::ok();
   };
   Hooks<Cache> h = inner;
-  h.after_prefill = [f = inner.after_prefill, run, S](Cache& cache, int layer, TensorView<const float, 3> queries,
-                                                      KeepBuffer& keep) -> Status {
+  h.after_prefill = [f = inner.after_prefill, run, S, ctx](Cache& cache, int layer, TensorView<const float, 3> queries,
+                                                           KeepBuffer& keep) -> Status {
     S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+    if constexpr (kAttention) {  // the prompt's attention, column sums over every prompt query (causal)
+      const KVSource<T> keys = cache.key_source(layer);
+      if (queries.extent(1) != keys.kv_len())
+        return KVP_INVALID("engine merge: %s needs every prompt query (%lld of %lld given; PolicyUnderTest::kWholePrompt)", MergeP::kName,
+                           static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
+      const kvpolicy::H2O acc;
+      const kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
+      const kvpolicy::Requirements r = acc.requirements(policy_context<Backend>(ctx), shape);
+      KVP_RETURN_IF_ERROR(r.status);
+      grow_workspace(S->acc_ws, r);
+      KVP_RETURN_IF_ERROR(acc.update(policy_context<Backend>(ctx, &S->acc_ws), S->acc[static_cast<std::size_t>(layer)],
+                                     kvpolicy::ScoreInput<float, T>{queries, keys}));
+    }
     if (f) KVP_RETURN_IF_ERROR(f(cache, layer, queries, keep));
     return keep.active ? run(cache, layer, queries.extent(0), keep) : Status::ok();
   };
-  if (inner.after_attention)
-    h.after_attention = [f = inner.after_attention, run](Cache& cache, int layer, TensorView<const float, 2> probs,
-                                                         KeepBuffer& keep) -> Status {
-      KVP_RETURN_IF_ERROR(f(cache, layer, probs, keep));
+  if (inner.after_attention || kAttention)
+    h.after_attention = [f = inner.after_attention, run, S, ctx](Cache& cache, int layer, TensorView<const float, 2> probs,
+                                                                 KeepBuffer& keep) -> Status {
+      if constexpr (kAttention) {  // this step's weights join the accumulated attention
+        kvpolicy::ScoreInput<float, float> in;
+        in.column_sums = probs;
+        KVP_RETURN_IF_ERROR(kvpolicy::H2O{}.update(policy_context<Backend>(ctx), S->acc[static_cast<std::size_t>(layer)], in));
+      }
+      if (f) KVP_RETURN_IF_ERROR(f(cache, layer, probs, keep));
       return keep.active ? run(cache, layer, probs.extent(0), keep) : Status::ok();
     };
   h.on_append = [f = inner.on_append, S](Cache& cache, int layer, std::int64_t appended) -> Status {
@@ -617,6 +692,117 @@ Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext
 template <class Cache, class Policy, class MergeP, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx = {}) {
   return merge_after<Cache, MergeP, Backend>(eviction_hooks<Cache, Policy, Backend>(policy, ctx), merge, ctx);
+}
+
+/// D2O whole (kvpolicy::D2O): the layer's token-level policy `at(layer)` (its heavy / recent split, e.g. from
+/// D2O::layer_ratios at prefill) evicts by accumulated attention with the first `sinks` tokens protected
+/// (D2O::evict) and merges every evicted token into its nearest kept one under the EMA threshold (D2O::merge),
+/// after prefill and then at every decode step once the cache holds more than heavy + recent. The accumulated
+/// attention is the prompt's (recomputed from every prompt query: PolicyUnderTest::kWholePrompt) plus every
+/// decode step's, summed over each kv head's query heads, and follows the cache through each compaction.
+/// Contiguous and paged caches.
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> d2o_hooks(std::function<kvpolicy::D2O(int)> at, kvpolicy::ExecContext ctx = {}) {
+  using T = typename Cache::element_type;
+  auto S = std::make_shared<MergeHookState>();
+  auto step = [at, ctx, S](Cache& cache, int layer, std::int64_t num_q_heads, KeepBuffer& keep) -> Status {
+    const kvpolicy::D2O d2o = at(layer);
+    const auto& acc = S->acc[static_cast<std::size_t>(layer)];
+    const std::int64_t n = acc.length, H = cache.shape().num_kv_heads;
+    if (d2o.kept_count(n) == n) return Status::ok();
+    S->acc_ws.resize(kvpolicy::D2O::evict_workspace(n));
+    keep.reserve(H, H * d2o.kept_count(n));
+    KVP_RETURN_IF_ERROR(d2o.evict(TensorView<const float, 2>(acc.scores.narrow(1, 0, n)), keep.set,
+                                  kvpolicy::Workspace{S->acc_ws.data(), S->acc_ws.size()}));
+    const auto in = merge_input_for(d2o, cache.key_source(layer), cache.value_source(layer), *S, layer, cache.shape().capacity);
+    KVP_RETURN_IF_ERROR((run_merge<Cache, kvpolicy::D2O, Backend>(cache, layer, num_q_heads, d2o, in, keep.set, *S, ctx)));
+    S->repack_attention(layer, keep.set);
+    return Status::ok();
+  };
+  Hooks<Cache> h;
+  h.after_prefill = [step, S, ctx](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+    const KVSource<T> keys = cache.key_source(layer);
+    if (queries.extent(1) != keys.kv_len())
+      return KVP_INVALID("engine d2o: needs every prompt query (%lld of %lld given; PolicyUnderTest::kWholePrompt)",
+                         static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
+    const kvpolicy::H2O acc;
+    const kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
+    const kvpolicy::Requirements r = acc.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    KVP_RETURN_IF_ERROR(acc.update(policy_context<Backend>(ctx, &S->ws), S->acc[static_cast<std::size_t>(layer)],
+                                   kvpolicy::ScoreInput<float, T>{queries, keys}));
+    return step(cache, layer, queries.extent(0), keep);
+  };
+  h.after_attention = [step, S, ctx](Cache& cache, int layer, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {
+    kvpolicy::ScoreInput<float, float> in;
+    in.column_sums = probs;
+    KVP_RETURN_IF_ERROR(kvpolicy::H2O{}.update(policy_context<Backend>(ctx), S->acc[static_cast<std::size_t>(layer)], in));
+    return step(cache, layer, probs.extent(0), keep);
+  };
+  return h;
+}
+
+/// kvpress CAMPress(KnormPress(), compression_interval, target_size, merge_budget) in the decode loop, as
+/// kvpress 0.5.5 runs it (a DecodingPress: the prompt is not compressed at prefill): from the first decode
+/// step each layer accumulates its attention weights (summed over each kv head's query heads; kvpress means
+/// them, which CaM's ratios do not see), and once `interval` steps have passed and the cache holds more than
+/// `target_size` tokens, the base press scores every cached token (KnormPress: -||k||_2, fp64 sum), the
+/// kvpress_cam policy evicts to `target_size` tokens shared by every kv head, merges the `interval` newest
+/// candidates' values into their next kept neighbours, and the engine compacts. Bernoulli draws: torch's CPU
+/// generator (KvpressCAM's TorchBernoulli), seeded per (layer, compression) instead of kvpress's global
+/// generator state, so a run is deterministic. Contiguous and paged caches.
+template <class Cache, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> kvpress_cam_hooks(kvpolicy::KvpressCAM cam, std::int64_t target_size, std::int64_t interval, kvpolicy::ExecContext ctx = {}) {
+  using T = typename Cache::element_type;
+  auto S = std::make_shared<MergeHookState>();
+  Hooks<Cache> h;
+  h.after_prefill = [S](Cache& cache, int layer, TensorView<const float, 3>, KeepBuffer&) -> Status {
+    S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+    return Status::ok();
+  };
+  h.after_attention = [cam, target_size, interval, ctx, S](Cache& cache, int layer, TensorView<const float, 2> probs,
+                                                           KeepBuffer& keep) -> Status {
+    if (target_size < 1 || interval < 1)
+      return KVP_INVALID("engine kvpress_cam: target_size %lld and interval %lld must be >= 1", static_cast<long long>(target_size),
+                         static_cast<long long>(interval));
+    const auto l = static_cast<std::size_t>(layer);
+    kvpolicy::ScoreInput<float, float> acc_in;
+    acc_in.column_sums = probs;
+    KVP_RETURN_IF_ERROR(kvpolicy::H2O{}.update(policy_context<Backend>(ctx), S->acc[l], acc_in));
+    const std::int64_t n = probs.extent(1), H = cache.shape().num_kv_heads;
+    if (++S->steps[l] < interval || n <= target_size) return Status::ok();
+    // KnormPress scores: -||k||_2 per (kv head, token).
+    const KVSource<T> keys = cache.key_source(layer);
+    S->scores.resize(static_cast<std::size_t>(H * n));
+    for (std::int64_t hh = 0; hh < H; ++hh) {
+      const auto rows = keys.rows(hh);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const T* k = rows.row(j);
+        double q = 0.0;
+        for (std::int64_t i = 0; i < keys.head_dim(); ++i) q += static_cast<double>(kvpolicy::to_float(k[i])) * kvpolicy::to_float(k[i]);
+        S->scores[static_cast<std::size_t>(hh * n + j)] = -static_cast<float>(std::sqrt(q));
+      }
+    }
+    const auto scores = TensorView<const float, 2>::contiguous(S->scores.data(), {H, n});
+    keep.reserve(H, H * target_size);
+    S->acc_ws.resize(kvpolicy::KvpressCAM::evict_workspace(n));
+    KVP_RETURN_IF_ERROR(cam.evict(scores, target_size, keep.set, kvpolicy::Workspace{S->acc_ws.data(), S->acc_ws.size()}));
+    kvpolicy::MergeInput<T> in;
+    in.keys = keys;
+    in.values = cache.value_source(layer);
+    const auto& a = S->acc[l];
+    in.attention_sums = TensorView<const float, 2>(a.scores.narrow(1, 0, a.length));
+    in.scores = scores;
+    in.new_tokens = S->steps[l];
+    in.seed = S->next_seed(layer);
+    KVP_RETURN_IF_ERROR((run_merge<Cache, kvpolicy::KvpressCAM, Backend>(cache, layer, probs.extent(0), cam, in, keep.set, *S, ctx)));
+    S->repack_attention(layer, keep.set);
+    S->steps[l] = 0;
+    return Status::ok();
+  };
+  return h;
 }
 
 // ---- compiled once, in policies.cpp (kvp_engine_lib) ----------------------------

@@ -42,5 +42,144 @@ TEST_CASE("engine merging: SnapKV plus each merge holds the same bytes, is deter
     CHECK(o1[i].mean_kl != o1[1].mean_kl);
   }
   CHECK_THROWS_WITH(snapkv_merged_policy("tome"), Catch::Matchers::Contains("no merge policy named 'tome'"));
-  CHECK_THROWS_WITH(h2o_merged_policy("lookm_pivot"), Catch::Matchers::Contains("expected d2o or nearest_kept"));
+  CHECK_THROWS_WITH(h2o_merged_policy("lookm_pivot"), Catch::Matchers::Contains("expected d2o, nearest_kept or cam"));
+}
+
+namespace {
+std::vector<TaskSample> merging_subset() {
+  std::vector<TaskSample> subset;
+  for (const char* task : {"passkey", "multikey"})
+    for (std::size_t i : engine_test::samples_of(task, 2)) subset.push_back(engine_test::eval_samples()[i]);
+  return subset;
+}
+std::vector<PolicyUnderTest> every_merge_policy() {
+  std::vector<PolicyUnderTest> ps;
+  for (const char* m : {"kvpress_merging", "lookm_pivot", "d2o", "nearest_kept", "cam"}) ps.push_back(snapkv_merged_policy(m));
+  for (const char* m : {"d2o", "nearest_kept", "cam"}) ps.push_back(h2o_merged_policy(m));
+  ps.push_back(kvpress_cam_policy());
+  ps.push_back(d2o_policy());
+  return ps;
+}
+}  // namespace
+
+TEST_CASE("engine merging: every merge gives the same logits on the paged cache as on the contiguous one", "[engine][merging]") {
+  const auto subset = merging_subset();
+  const auto policies = every_merge_policy();
+  const std::int64_t budgets[] = {48, 200};
+  EvalOptions paged;
+  paged.cache = CacheKind::kPaged;
+  const auto c = run_task_eval(model(), subset, policies, budgets);
+  const auto p = run_task_eval(model(), subset, policies, budgets, paged);
+  REQUIRE(c.size() == 1 + 2 * policies.size());
+  REQUIRE(p.size() == c.size());
+  for (std::size_t i = 1; i < c.size(); ++i) {
+    INFO(c[i].policy << " @" << c[i].budget);
+    REQUIRE(p[i].policy == c[i].policy);
+    CHECK(p[i].mean_kl == c[i].mean_kl);  // bit-identical logits: the same merged rows reached the attention
+    CHECK(p[i].max_kl == c[i].max_kl);
+    CHECK(p[i].correct == c[i].correct);
+    CHECK(p[i].mean_attn_err == c[i].mean_attn_err);
+    CHECK(p[i].mean_kept_bytes == c[i].mean_kept_bytes);
+    CHECK(c[i].mean_kl > 0.0);  // something was evicted and merged at these budgets
+  }
+}
+
+TEST_CASE("engine merging: CaM, kvpress CAM and D2O are deterministic, hold their budgets and change the logits", "[engine][merging]") {
+  const auto subset = merging_subset();
+  const auto& cfg = model().config();
+  const std::vector<PolicyUnderTest> policies = {find_policy(cfg, "snapkv"), find_policy(cfg, "h2o"), snapkv_merged_policy("cam"),
+                                                 h2o_merged_policy("cam"),   kvpress_cam_policy(),    d2o_policy()};
+  const std::int64_t budgets[] = {64};
+  const auto a = run_task_eval(model(), subset, policies, budgets), b = run_task_eval(model(), subset, policies, budgets);
+  REQUIRE(a.size() == 7);
+  for (std::size_t i = 1; i < a.size(); ++i) {
+    INFO(a[i].policy);
+    CHECK(a[i].mean_kl == b[i].mean_kl);  // seeded draws: the same run twice
+    CHECK(a[i].mean_attn_err == b[i].mean_attn_err);
+    CHECK(a[i].mean_kl > 0.0);
+  }
+  // CaM merges values into kept slots: no more memory than the eviction it follows, different logits.
+  CHECK(a[3].mean_kept_bytes == a[1].mean_kept_bytes);
+  CHECK(a[3].mean_kl != a[1].mean_kl);
+  CHECK(a[4].mean_kept_bytes == a[2].mean_kept_bytes);
+  CHECK(a[4].mean_kl != a[2].mean_kl);
+  // kvpress CAM is a decoding press: the prompt is whole after prefill (full bytes), cut at the first decode step.
+  CHECK(a[5].mean_kept_bytes == a[0].mean_kept_bytes);
+  // D2O: layers 0, 1 and the last keep the whole prompt, the others less than the prompt.
+  CHECK(a[6].mean_kept_bytes < a[0].mean_kept_bytes);
+  CHECK(a[6].mean_kept_bytes > a[1].mean_kept_bytes);
+}
+
+TEST_CASE("engine merging: kvpress CAM cuts every layer to the budget after interval decode steps", "[engine][merging]") {
+  const TaskSample& s = engine_test::eval_samples()[engine_test::samples_of("passkey", 1)[0]];
+  const std::int64_t T = static_cast<std::int64_t>(s.prompt.size()), budget = 100;
+  const auto& cfg = model().config();
+  for (std::int64_t interval : {1, 3}) {
+    INFO("interval " << interval);
+    PolicyUnderTest p = kvpress_cam_policy(interval);
+    Session<ContiguousKVCache<float>> sess(model(), ContiguousKVCache<float>(engine_test::shape_for(T + 8)), p.contiguous(T, budget));
+    sess.prefill(s.prompt);
+    for (int l = 0; l < cfg.n_layers; ++l) CHECK(sess.cache().kept_tokens(l) == T * cfg.n_kv_heads);
+    for (std::int64_t step = 1; step <= interval; ++step) {
+      sess.decode(s.answer[0]);
+      for (int l = 0; l < cfg.n_layers; ++l) CHECK(sess.cache().kept_tokens(l) == (step < interval ? T + step : budget) * cfg.n_kv_heads);
+    }
+  }
+}
+
+TEST_CASE("engine merging: D2O's layer budgets follow its layer ratios", "[engine][merging]") {
+  const TaskSample& s = engine_test::eval_samples()[engine_test::samples_of("multikey", 1)[0]];
+  const auto& cfg = model().config();
+  PrefillOptions po;
+  po.query_window = static_cast<std::int64_t>(s.prompt.size());
+  const PrefillState pre = prefill(model(), s.prompt, po);
+  const std::int64_t T = pre.length;
+  PolicyUnderTest p = d2o_policy();
+  p.on_prefill(model(), pre);
+  for (std::int64_t budget : {64, 256}) {
+    INFO("budget " << budget);
+    Session<ContiguousKVCache<float>> sess(model(), ContiguousKVCache<float>(engine_test::shape_for(T + 4)), p.contiguous(T, budget));
+    sess.load(pre);
+    for (int l = 0; l < cfg.n_layers; ++l) {
+      INFO("layer " << l);
+      const std::int64_t kept = sess.cache().kept_tokens(l) / cfg.n_kv_heads;
+      if (l < 2 || l == cfg.n_layers - 1)
+        CHECK(kept == T);  // never compressed
+      else
+        CHECK(kept < T);
+    }
+    sess.decode(s.answer[0]);  // a compressed layer stays at its budget while decoding
+    for (int l = 2; l < cfg.n_layers - 1; ++l) CHECK(sess.cache().kept_tokens(l) < T * cfg.n_kv_heads);
+  }
+  PolicyUnderTest fresh = d2o_policy();
+  Session<ContiguousKVCache<float>> no_prefill(model(), ContiguousKVCache<float>(engine_test::shape_for(T + 4)), fresh.contiguous(T, 64));
+  CHECK_THROWS_WITH(no_prefill.load(pre), Catch::Matchers::Contains("no prefill seen"));
+}
+
+TEST_CASE("engine: the attention-output error is 0 for a whole cache and grows as the budget shrinks", "[engine][merging]") {
+  const auto subset = merging_subset();
+  const auto& cfg = model().config();
+  std::int64_t longest = 0;
+  for (const auto& s : subset) longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(s.prompt.size() + s.answer.size()));
+  const std::vector<PolicyUnderTest> policies = {find_policy(cfg, "snapkv"), find_policy(cfg, "h2o"), find_policy(cfg, "ggml:type=q4_0"),
+                                                 snapkv_merged_policy("kvpress_merging")};
+  const std::int64_t budgets[] = {32, 256, longest};
+  const auto r = run_task_eval(model(), subset, policies, budgets);
+  REQUIRE(r.size() == 1 + 3 * policies.size());
+  CHECK(r[0].mean_attn_err == 0.0);  // the reference itself measures nothing
+  for (std::size_t p = 0; p < policies.size(); ++p) {
+    const TaskEvalResult &small = r[1 + 3 * p], &mid = r[2 + 3 * p], &whole = r[3 + 3 * p];
+    INFO(small.policy);
+    if (policies[p].lossy) {  // q4_0 stores every token: the same error at every budget, > 0
+      CHECK(whole.mean_attn_err > 0.0);
+      CHECK(whole.mean_attn_err < 0.2);
+      CHECK(small.mean_attn_err == whole.mean_attn_err);
+      continue;
+    }
+    CHECK(whole.mean_attn_err == 0.0);  // nothing evicted: the cache is the shadow cache
+    CHECK(whole.max_attn_err == 0.0);
+    CHECK(small.mean_attn_err > mid.mean_attn_err);
+    CHECK(mid.mean_attn_err > 0.0);
+    CHECK(small.max_attn_err >= small.mean_attn_err);
+  }
 }

@@ -56,7 +56,8 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
   }
   CHECK(workloads == std::set<std::string>{"tasks:passkey", "tasks:multikey", "tasks:copy"});
   std::set<std::string> others = policies;  // the merging entries, then every other one
-  for (const char* merging : {"SnapKV+MergingPress", "SnapKV+LOOK-M", "SnapKV+D2O", "SnapKV+NearestKept", "H2O+D2O", "H2O+NearestKept"})
+  for (const char* merging : {"SnapKV+MergingPress", "SnapKV+LOOK-M", "SnapKV+D2O", "SnapKV+NearestKept", "SnapKV+CaM", "H2O+D2O",
+                              "H2O+NearestKept", "H2O+CaM", "kvpress-CAM(Knorm)", "D2O"})
     CHECK(others.erase(merging) == 1);
   CHECK(others == std::set<std::string>{"Full",
                                         "StreamingLLM",
@@ -120,7 +121,14 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
       }
       CHECK(value(rows, wl, p, "tokens", 4096, "accuracy") == full_acc);
       CHECK(value(rows, wl, p, "tokens", 4096, "logit_kl") == 0.0);
-      if (p != "Quest") {  // eviction: fewer bytes at 64 tokens; Quest keeps the cache and reads less
+      CHECK(value(rows, wl, p, "tokens", 4096, "rel_err") == 0.0);  // nothing evicted: the same attention output
+      CHECK(value(rows, wl, p, "tokens", 64, "rel_err") > 0.0);
+      if (p == "kvpress-CAM(Knorm)") {  // a decoding press: the prompt is whole after prefill, cut at decode
+        CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") == full_bytes);
+      } else if (p == "D2O") {  // layers 0, 1 and the last (3 of kvp-tiny's 4) are never compressed
+        CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") < full_bytes);
+        CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") > full_bytes * 0.75);
+      } else if (p != "Quest") {  // eviction: fewer bytes at 64 tokens; Quest keeps the cache and reads less
         CHECK(value(rows, wl, p, "tokens", 4096, "kv_bytes") == full_bytes);
         CHECK(value(rows, wl, p, "tokens", 64, "kv_bytes") < full_bytes / 8);
       }

@@ -14,6 +14,8 @@ Everything is drawn from the CSV alone (rows with layer == "all"). Per workload 
   W_tasks.png       end-to-end accuracy and logit KL vs budget, when the CSV has them
   W_tasks_vs_ratio.png  the same vs kvpress compression ratio (the real model's workloads)
   W_laq.png         the same for LAQ, LAQ++ and the SnapKV variants only (lookahead queries vs SnapKV)
+  W_merging.png     accuracy, logit KL and attention-output error vs budget: SnapKV and H2O with and
+                    without each merge (the engine's merging rows)
   W_memory.png      end-to-end accuracy vs K/V bytes per layer: eviction, quantization and
                     both on one axis ("at this much memory, evict or quantize?")
   W_stall.png       prefetch workloads: simulated stall and bytes per decode step, late-miss and
@@ -35,6 +37,8 @@ from collections import OrderedDict, defaultdict
 QUALITY = [("rel_err", "attention output rel. error", False), ("mass_recall", "attention-mass recall", True),
            ("topk_overlap", "oracle top-k overlap", True), ("needle_hit", "needle hit rate", True)]
 TASKS = [("accuracy", "task accuracy", True), ("logit_kl", "logit KL vs full (nats)", False)]
+# End-to-end rows with the engine's attention-output error (same query, full cache as reference).
+TASKS_ERR = TASKS + [("rel_err", "attention-output rel. error vs full cache", False)]
 PREFETCH = [("stall_us_per_step", "simulated stall per decode step (us)", False),
             ("bytes_per_step", "host->device bytes per decode step", False),
             ("sim_late_miss", "late-miss rate (simulated)", False), ("sim_buffer_hit", "buffer-hit rate (simulated)", True)]
@@ -219,10 +223,11 @@ def plots(piv, out_dir):
         grid(cells, PREFETCH, "device_pages", f"{wl}: offload simulation vs device budget", f"{s}_stall.png",
              "device budget (pages per layer)", False)
 
-        # merging: SnapKV with and without each merge at equal budget
-        mrg = {key: v for key, v in cells.items() if key[1] == "full" or key[0] == "SnapKV" or family.get(key[0]) == "merging"}
+        # merging: SnapKV and H2O with and without each merge at equal budget (accuracy, KL, attention error)
+        mrg = {key: v for key, v in cells.items()
+               if key[1] == "full" or key[0] in ("SnapKV", "H2O") or family.get(key[0]) == "merging"}
         if any(family.get(key[0]) == "merging" for key in mrg):
-            grid(mrg, TASKS, "tokens", f"{wl}: eviction with and without merging (SnapKV)", f"{s}_merging.png",
+            grid(mrg, TASKS_ERR, "tokens", f"{wl}: eviction with and without merging (SnapKV, H2O)", f"{s}_merging.png",
                  "budget (tokens per kv head, log2)", True)
 
         # accuracy vs bytes (task workloads; selection reads, it does not hold less) and recall vs bytes

@@ -502,6 +502,13 @@ inline std::vector<PolicySpec> all_policies() {
       {"SnapKV+NearestKept", "merging", true, false, {}, "snapkv", "", "snapkv+nearest_kept"},
       {"H2O+D2O", "merging", false, false, {}, "h2o", "", "h2o+d2o"},
       {"H2O+NearestKept", "merging", false, false, {}, "h2o", "", "h2o+nearest_kept"},
+      // CaM (values only, Bernoulli by accumulated attention): after SnapKV, and in its own online setting after
+      // H2O; kvpress's CAMPress during decoding (KnormPress scores, interval 1); D2O whole (layer budgets,
+      // its eviction and its merge).
+      {"SnapKV+CaM", "merging", true, false, {}, "snapkv", "", "snapkv+cam"},
+      {"H2O+CaM", "merging", false, false, {}, "h2o", "", "h2o+cam"},
+      {"kvpress-CAM(Knorm)", "merging", false, false, {}, "", "", "kvpress_cam"},
+      {"D2O", "merging", false, false, {}, "", "", "d2o"},
   };
 }
 
@@ -520,10 +527,11 @@ inline std::string list_policies() {
   std::string s = "kvpolicy registry (spec strings: name:key=value,...):\n" + kvpolicy::describe_registry();
   s += "\nkvpolicy-compare policies (--policies; {window}, {sinks}, {factory_window} are per case, the budget is appended):\n";
   for (const auto& p : all_policies()) {
-    const std::string how = !p.spec.empty()      ? p.spec
-                            : p.registry.empty() ? "(reference)"
-                            : !p.run             ? "(engine tasks only: " + (p.engine.empty() ? p.registry : p.engine) + ")"
-                                                 : "(own adapter over " + p.registry + ")";
+    const std::string engine = p.engine.empty() ? p.registry : p.engine;
+    const std::string how = !p.spec.empty()             ? p.spec
+                            : !p.run && !engine.empty() ? "(engine tasks only: " + engine + ")"
+                            : p.registry.empty()        ? "(reference)"
+                                                        : "(own adapter over " + p.registry + ")";
     char line[512];
     std::snprintf(line, sizeof line, "%-28s %-10s%s%s  %s\n", p.name.c_str(), p.family.c_str(), p.query_aware ? " query-aware" : "",
                   p.multi_layer ? " multi-layer" : "", how.c_str());

@@ -7,6 +7,8 @@
 // Per task, policy and budget (rows with workload "tasks:<task>", layer "all"):
 //   accuracy   exact match of the answer (teacher-forced decoding = greedy exact match)
 //   logit_kl   KL(full || policy) of the next-token distribution at every answer step, nats, mean
+//   rel_err    attention-output error ||o - o_full|| / ||o_full|| at every decode step, layer and query
+//              head, o_full the same query over the unevicted, unmerged, unquantized cache (eval.hpp), mean
 //   time_ms    time inside the policy hooks per request (after-prefill decision, per-step
 //              metadata / selection / online updates), mean over the task's samples
 //   kv_bytes   K/V bytes per layer held after the prefill hooks (fp32 cache), mean
@@ -147,6 +149,7 @@ inline void run_task_workload(const TaskWorkloadOptions& o, const std::vector<Bu
       };
       add("accuracy", r.accuracy);
       if (r.budget >= 0) add("logit_kl", r.mean_kl);
+      if (r.budget >= 0) add("rel_err", r.mean_attn_err);
       add("time_ms", 1e3 * r.decision_seconds / n);
       add("kv_bytes", r.mean_kept_bytes * per_layer);
     };
