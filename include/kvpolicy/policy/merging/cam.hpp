@@ -38,7 +38,13 @@
 //    that reach kept tokens through later-evicted ones (the cascade) are in
 //    the merged rows, which are authoritative.
 //  * A zero reference (ref = 0 or an all-zero window) gives p = NaN -> 0 or
-//    inf -> 1 (clamped), as torch would compute it.
+//    inf -> 1 (clamped), as torch would compute it. The streaming original
+//    zeroes NaN itself; the prefill original has no guard (torch.bernoulli
+//    raises on NaN): there we apply the streaming form's NaN -> 0.
+//  * Cross-checked against the original's arithmetic (both forms, replayed with
+//    torch's generator: tests/data/fixtures/merge_original.json, written by
+//    tests/reference/make_merge_original_fixtures.py): draws and plans exact, the
+//    streaming cache bit-exact; no disagreement beyond the extensions above.
 //  * Prefill attention is taken as causal: row i contributes to columns j <= i
 //    only (entries above the diagonal are ignored, as a causal softmax makes them 0).
 //  * Cost: the prefill form reads the full T x T attention (O(T^2) per kv

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // LookMPivot — the "pivot" merge of LOOK-M ("LOOK-M: Look-Once Optimization in
 // KV Cache for Efficient Multimodal Long-Context Inference", Wan et al.,
-// EMNLP Findings 2024), as shared by the KVCache-Factory family
+// EMNLP Findings 2024), as in its repository (SUSTechBruce/LOOK-M,
+// `PivotKVCache_LayerWise`) and as shared by the KVCache-Factory family
 // (`merge_kv`, read in the LAQ repository).
 //
 // Algorithm (per kv head, on the keep set of any eviction):
@@ -13,7 +14,8 @@
 //   V[c] <- the same with V, with the *same* e -> c assignment.
 // Plan entries: (c, e, 1 / (2 (1 + n_c))).
 //
-// Fixes of the shared code's pitfalls (reference notes, do not port verbatim):
+// Fixes of the shared code's pitfalls (reference notes, do not port verbatim;
+// the LOOK-M repository's own version already has the first two right):
 //  * K and V rows stay aligned: the code concatenates keys as [recent,
 //    selected] and values as [selected, recent]; here slot c is the same
 //    token for K and V.
@@ -23,7 +25,15 @@
 //    set drops them.
 //  * Any head_dim (the code hard-codes 128).
 //  * Cosine with norms clamped at 1e-8 (torch cosine_similarity); ties: the
-//    earliest kept token.
+//    earliest kept token (torch.max(dim)'s first maximum over the kept tokens in
+//    ascending order, as LOOK-M gathers them).
+//  * Zero keys (outside the original's domain: it divides by the norm without
+//    eps, and torch.max lets a NaN win): a zero evicted key merges into the
+//    earliest kept token in both; a zero kept key captures every evicted token
+//    in the original (NaN cosine), here it has cosine 0 and rarely wins.
+// Cross-checked against LOOK-M's arithmetic in float64
+// (tests/data/fixtures/merge_original.json): pivots exact, merged rows within
+// 2e-6 of the row's max |value|; no disagreement.
 #pragma once
 
 #include <cstdint>

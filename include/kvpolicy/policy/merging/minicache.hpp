@@ -6,7 +6,7 @@
 // Algorithm (per kv head and token j, keys and values alike, `merge`):
 //   u = x^{l-1} / |x^{l-1}|,  w = x^l / |x^l|,  Omega = arccos(u . w)
 //   e = sin((1-t) Omega) / sin Omega * u + sin(t Omega) / sin Omega * w     SLERP of the directions
-//       (normalised lerp when sin Omega < 1e-6: nearly parallel or opposite)
+//       (normalised lerp when sin Omega < kLerpBelow = 1e-3: nearly parallel or opposite), then e / |e|
 //   store e once, and both magnitudes |x^{l-1}|, |x^l|                     norms kept
 //   d_j = Omega / pi;  retain j unmerged iff d_j > d_min + gamma (d_max - d_min)   token retention
 //       (d_min, d_max over the head's tokens); retained pairs store both original rows.
@@ -22,7 +22,23 @@
 //  * Which layers to pair (the paper starts at half depth) is the caller's
 //    choice: this policy merges one given pair.
 //  * A zero vector has no direction: it takes the other layer's direction
-//    (restored with its own zero norm, it stays zero); two zero vectors give e = 0.
+//    (restored with its own zero norm, it stays zero); two zero vectors give e = 0,
+//    and so does an exactly antipodal pair at t = 0.5 (its lerp cancels).
+//  * Bug fixed (found by the cross-check against the paper's formulas in
+//    float64, tests/data/fixtures/merge_original.json): the fallback used to be
+//    sin Omega < 1e-6, which fp32 never reaches unless the rounded cosine is
+//    exactly +-1 (acos(-1 + 2^-24) already gives sin Omega ~ 3.5e-4), and the
+//    SLERP result was not renormalised: an exactly antipodal pair then got
+//    e = cos(t pi) u, of length |cos(t pi)| (restored norms shrunk by up to
+//    100%). Now the fallback is sin Omega < 1e-3 (where the fp32 cosine cannot
+//    resolve the angle; for near-parallel pairs SLERP and normalised lerp differ
+//    by O(Omega^3) there) and e is renormalised in both branches, so an
+//    antipodal pair gets sign(1 - 2t) u, the float64 formula's normalised lerp.
+//    Same cross-check: the threshold is computed as (1 - gamma) d_min + gamma d_max,
+//    since d_min + gamma (d_max - d_min) can round below d_max at gamma = 1 and
+//    retained the most distant token, against the rule.
+//  * Reference: no code by the authors is public (AkideLiu/MiniCache is a
+//    project page); the fixtures transcribe the formulas above in float64.
 //  * Not a `MergePolicy`: that concept folds tokens into tokens of one layer
 //    (a KeepSet and a MergePlan); MiniCache folds two layers into one shared
 //    store and has its own output, `MiniCacheMerged`.
@@ -68,6 +84,8 @@ class MiniCache {
  public:
   using Params = MiniCacheParams;
   static constexpr const char* kName = "minicache";
+  /// sin Omega below which the SLERP falls back to the normalised lerp (fp32: see the header comment).
+  static constexpr float kLerpBelow = 1e-3f;
 
   constexpr MiniCache() noexcept = default;
   explicit constexpr MiniCache(const Params& p) noexcept : params_(p) {}
@@ -208,8 +226,10 @@ class MiniCache {
   float threshold(const float* dist, std::int64_t T) const noexcept {
     if (T == 0) return 0.0f;
     const auto [lo, hi] = std::minmax_element(dist, dist + T);
-    // gamma == 1 or a flat distribution retains nothing (strictly above the max).
-    return *lo + params_.gamma * (*hi - *lo) + (*hi == *lo ? 1.0f : 0.0f);
+    // (1 - gamma) lo + gamma hi: exactly lo at gamma = 0 and exactly hi at gamma = 1 (lo + gamma (hi - lo) can
+    // round below hi). gamma == 1 or a flat distribution retains nothing (strictly above the max).
+    const float g = params_.gamma;
+    return (1.0f - g) * *lo + g * *hi + (*hi == *lo ? 1.0f : 0.0f);
   }
 
   /// e = SLERP of the directions of a (norm na) and b (norm nb); a, b are raw rows.
@@ -226,7 +246,7 @@ class MiniCache {
     cs = std::clamp(cs, -1.0f, 1.0f);
     const float om = std::acos(cs), so = std::sin(om);
     float ca = 1.0f - t, cb = t;
-    if (so >= 1e-6f) {
+    if (so >= kLerpBelow) {
       ca = std::sin((1.0f - t) * om) / so;
       cb = std::sin(t * om) / so;
     }
@@ -236,7 +256,8 @@ class MiniCache {
       e[c] = ca * ua + cb * ub;
       nn += static_cast<double>(e[c]) * e[c];
     }
-    if (so < 1e-6f && nn > 0.0) {  // normalised lerp
+    // Unit in both branches: the lerp needs it, the SLERP of unit vectors is unit up to rounding.
+    if (nn > 0.0) {
       const auto inv = static_cast<float>(1.0 / std::sqrt(nn));
       for (std::int64_t c = 0; c < d; ++c) e[c] *= inv;
     }
