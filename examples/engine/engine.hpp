@@ -31,6 +31,11 @@
 //   |                                        weights (Hq, n) over the n cache slots (new token last);
 //   |                                        a filled `keep` is applied at once, then on_compact fires
 //
+// Measurement: Session::measure_attention_error() keeps a shadow fp32 cache of
+// every appended token that no hook sees, attends each decode step's query over
+// it too, and records ||o - o_full|| / ||o_full|| per (layer, query head) in
+// SessionStats (the evaluation's attention-output error).
+//
 // Positions: the RoPE position of a token is its logical position in the
 // request (prompt index, then one more per decoded token); keys are cached
 // post-RoPE, eviction moves rows and keeps their logical positions in the

@@ -247,6 +247,38 @@ PolicyUnderTest h2o_merged_policy(const std::string& merge) {
   return p;
 }
 
+PolicyUnderTest snapkv_merged_quantized_policy(const std::string& merge, const std::string& quant_spec, std::int32_t head_dim) {
+  return with_quant_policy(quant_spec, [&](auto k, auto v) {
+    using Q = decltype(k);
+    if constexpr (std::is_same_v<Q, kvpolicy::KiviQuant>) {
+      throw std::runtime_error("snapkv+" + merge + "+" + quant_spec + ": KIVI is not a per-token format");
+      return PolicyUnderTest{};
+    } else {
+      if (k.bytes_per_token(head_dim) != v.bytes_per_token(head_dim) || quant_spec.find('|') != std::string::npos)
+        throw std::runtime_error("snapkv+" + merge + "+" + quant_spec + ": the pipeline stores K and V in one format");
+      PolicyUnderTest p;
+      p.name = "snapkv+" + merge + "+" + quant_spec;
+      p.query_window = 32;
+      const double scale = k.bytes_per_token(head_dim) / (4.0 * head_dim);
+      p.kv_bytes_scale = scale;
+      p.lossy = true;
+      auto with = [&](auto m) {
+        // One byte budget: what `budget` fp32 tokens of K + V take, per kv head.
+        p.contiguous = [k, m, head_dim](std::int64_t, std::int64_t budget) {
+          const auto bytes = static_cast<double>(budget) * 2.0 * 4.0 * head_dim;
+          return pipeline_hooks(kvpolicy::Compress<kvpolicy::SnapKV, decltype(m), Q>(snapkv_with_budget(budget), m, k,
+                                                                                     kvpolicy::PipelineBudget::bytes(bytes)));
+        };
+      };
+      if (merge == "kvpress_merging")
+        with(kvpolicy::KvpressMerging{});
+      else
+        throw std::runtime_error("no pipeline merge named '" + merge + "'; expected kvpress_merging");
+      return p;
+    }
+  });
+}
+
 PolicyUnderTest kvpress_cam_policy(std::int64_t interval, std::int32_t merge_budget) {
   PolicyUnderTest p;
   p.name = "kvpress_cam";
@@ -353,7 +385,7 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           snapkv_mixed_precision_policy("int4", c.head_dim, 0.5), snapkv_merged_policy("kvpress_merging"),
           snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"), snapkv_merged_policy("nearest_kept"),
           snapkv_merged_policy("cam"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept"), h2o_merged_policy("cam"),
-          kvpress_cam_policy(), d2o_policy()};
+          kvpress_cam_policy(), d2o_policy(), snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0", c.head_dim)};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {

@@ -195,6 +195,12 @@ PolicyUnderTest snapkv_merged_policy(const std::string& merge);
 /// CaM's streaming form, its own setting: the victim's value spreads over the next 16 kept tokens with
 /// probability from the accumulated attention). Also merges after prefill. Both cache layouts. Name "h2o+<merge>".
 PolicyUnderTest h2o_merged_policy(const std::string& merge);
+/// Evict -> merge -> quantize as one composed policy at one hook (kvpolicy::Compress; policies.hpp,
+/// pipeline_hooks) on one byte budget: as many tokens as `budget` fp32 tokens' K + V bytes hold in `quant_spec`'s
+/// format (one per-token format for K and V), chosen by SnapKV (window 32, kernel 5), `merge` ("kvpress_merging":
+/// kvpress MergingPress, values only) folding in the rest, stored in the format. Contiguous cache.
+/// Name "snapkv+<merge>+<quant_spec>".
+PolicyUnderTest snapkv_merged_quantized_policy(const std::string& merge, const std::string& quant_spec, std::int32_t head_dim);
 /// kvpress CAMPress(KnormPress(), compression_interval=`interval`, target_size=budget, merge_budget) as kvpress
 /// runs it, during decoding only (policies.hpp, kvpress_cam_hooks): the prompt stays whole at prefill, the
 /// first `interval` decode steps accumulate attention, then the cache is cut to the budget with the newest

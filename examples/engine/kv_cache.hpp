@@ -167,6 +167,17 @@ class ContiguousKVCache {
     }
   }
 
+  /// Takes the per-head lengths of layer l after a caller compacted its buffers (keys, values, positions) in
+  /// place itself (a composed policy such as kvpolicy::Compress, which merges and compacts in one step).
+  /// Each length must be at most the head's current one.
+  void adopt_lengths(int l, std::span<const std::int64_t> lens) {
+    auto& L = layer(l);
+    if (lens.size() != L.len.size()) throw std::runtime_error("contiguous cache: adopt_lengths needs one length per kv head");
+    for (std::size_t h = 0; h < lens.size(); ++h)
+      if (lens[h] < 0 || lens[h] > L.len[h]) throw std::runtime_error("contiguous cache: adopt_lengths grows a head or is negative");
+    L.len.assign(lens.begin(), lens.end());
+  }
+
   /// Applies keep rows [0, kv_heads) of `keep` (slot ids of this layer) in place.
   Status apply_keep(int l, const KeepSet& keep) {
     auto& L = layer(l);

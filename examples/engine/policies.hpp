@@ -27,7 +27,14 @@
 //  * merge_hooks(policy, merge), merge_after(hooks, merge): eviction (after
 //    prefill, or online after every decode attention: H2O), then a kvpolicy
 //    merge policy folds the evicted tokens into the kept ones (apply/merge.hpp)
-//    before the engine compacts (contiguous cache).
+//    before the engine compacts (contiguous or paged cache). CaM reads the
+//    accumulated attention the wrapper keeps aligned with the cache slots.
+//  * kvpress_cam_hooks(cam, target, interval): kvpress's CAMPress as a decoding
+//    press (KnormPress scores, every `interval` decode steps once the cache
+//    exceeds `target`).
+//  * d2o_hooks(at): D2O whole, per layer its token-level policy `at(layer)`
+//    (budgets from D2O::layer_ratios): eviction by accumulated attention with
+//    sinks, then the EMA-threshold merge, after prefill and every decode step.
 //  * tova_hooks(tova): online TOVA: after prefill the last prompt query's
 //    head-mean attention decides, then on every decode step the step's
 //    attention weights do; the cache never exceeds the budget.
@@ -67,6 +74,7 @@
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/merging/nearest_kept.hpp"
+#include "kvpolicy/policy/pipeline.hpp"
 #include "kvpolicy/policy/policy.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
@@ -692,6 +700,80 @@ Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext
 template <class Cache, class Policy, class MergeP, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> merge_hooks(Policy policy, MergeP merge, kvpolicy::ExecContext ctx = {}) {
   return merge_after<Cache, MergeP, Backend>(eviction_hooks<Cache, Policy, Backend>(policy, ctx), merge, ctx);
+}
+
+/// One composed policy at one hook (kvpolicy::Compress<SnapKV, M, Q>, policy/pipeline.hpp): after prefill,
+/// per layer, SnapKV evicts to the pipeline's budget (tokens, or the tokens whose quantized K + V fit a byte
+/// budget), `M` merges what it dropped into what it kept, the pipeline merges and compacts the cache in place
+/// and quantizes the kept rows into codes; the hook decodes the codes back into the engine's fp32 rows (the
+/// engine attends over them, as quantize_hooks does) and hands the cache its new lengths. No KeepSet goes back
+/// to the engine: the pipeline compacted already. Contiguous cache (Compress works on a contiguous one).
+template <class M, class Q, class Backend = kvpolicy::backend::Cpu>
+Hooks<ContiguousKVCache<float>> pipeline_hooks(kvpolicy::Compress<kvpolicy::SnapKV, M, Q> pipeline, kvpolicy::ExecContext ctx = {}) {
+  using Cache = ContiguousKVCache<float>;
+  struct State {
+    MergeHookState m;
+    KeepBuffer keep;
+    std::vector<std::uint8_t> kc, vc;
+    std::vector<std::int64_t> lens;
+  };
+  auto S = std::make_shared<State>();
+  Hooks<Cache> h;
+  h.after_prefill = [pipeline, ctx, S](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer&) -> Status {
+    const KVSource<float> keys = cache.key_source(layer), values = cache.value_source(layer);
+    const std::int64_t H = keys.kv_heads(), T = keys.kv_len(), d = keys.head_dim(), W = queries.extent(1);
+    kvpolicy::ProblemShape shape{queries.extent(0), H, d, T, W};
+    kvpolicy::Requirements r = pipeline.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    const std::int64_t w = std::min(r.query_window > 0 ? r.query_window : W, W);
+    if (w != W) {
+      shape.q_len = w;
+      r = pipeline.requirements(policy_context<Backend>(ctx), shape);
+      KVP_RETURN_IF_ERROR(r.status);
+    }
+    const kvpolicy::Requirements rm = pipeline.merging().requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(rm.status);
+    grow_workspace(S->m.ws, r);
+    grow_workspace(S->m.ws, rm);
+    const std::int64_t n = pipeline.kept_tokens(T, d);
+    S->keep.reserve(r.output.rows, r.output.capacity);
+    auto& M_ = S->m;
+    M_.indptr.assign(static_cast<std::size_t>(H + 1), 0);
+    M_.dst.resize(static_cast<std::size_t>(rm.output.capacity));
+    M_.src.resize(static_cast<std::size_t>(rm.output.capacity));
+    M_.weight.resize(static_cast<std::size_t>(rm.output.capacity));
+    M_.merged_v.resize(static_cast<std::size_t>(H * n * d));
+    kvpolicy::MergePlan plan{M_.indptr.data(), M_.dst.data(), M_.src.data(), M_.weight.data(), H, rm.output.capacity};
+    if constexpr (detail::kMergeWritesKeys<M>) {
+      M_.merged_k.resize(static_cast<std::size_t>(H * n * d));
+      plan.merged_keys = TensorView<float, 2>::contiguous(M_.merged_k.data(), {H * n, d});
+    }
+    plan.merged_values = TensorView<float, 2>::contiguous(M_.merged_v.data(), {H * n, d});
+    plan.slots_per_row = n;
+    const Q& q = pipeline.quantization();
+    const std::int64_t rb = q.row_bytes(d);
+    S->kc.assign(static_cast<std::size_t>(H * n * rb), 0);
+    S->vc.assign(S->kc.size(), 0);
+    kvpolicy::CompressOutput out;
+    out.keep = S->keep.set;
+    out.plan = plan;
+    out.keys = kvpolicy::QuantizedKV{q.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(S->kc.data(), {H, n, rb}), {}, n};
+    out.values = kvpolicy::QuantizedKV{q.layout(), kvpolicy::TensorView<std::uint8_t, 3>::contiguous(S->vc.data(), {H, n, rb}), {}, n};
+    S->lens.assign(static_cast<std::size_t>(H), 0);
+    out.new_lens = S->lens;
+    kvpolicy::MergeInput<float> min;
+    min.keys = keys;
+    min.values = values;
+    const kvpolicy::ScoreInput<float, float> in{queries.narrow(1, W - w, w), keys};
+    KVP_RETURN_IF_ERROR(pipeline.run(policy_context<Backend>(ctx, &M_.ws), in, min,
+                                     kvpolicy::CompressCache<float>{cache.keys(layer), cache.values(layer), cache.positions(layer), T},
+                                     out));
+    cache.adopt_lengths(layer, S->lens);
+    // The engine attends over the stored format: decode the codes back into the kept rows.
+    KVP_RETURN_IF_ERROR(q.dequantize(policy_context<Backend>(ctx), out.keys, cache.keys(layer).narrow(1, 0, n)));
+    return q.dequantize(policy_context<Backend>(ctx), out.values, cache.values(layer).narrow(1, 0, n));
+  };
+  return h;
 }
 
 /// D2O whole (kvpolicy::D2O): the layer's token-level policy `at(layer)` (its heavy / recent split, e.g. from

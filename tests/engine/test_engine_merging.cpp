@@ -183,3 +183,35 @@ TEST_CASE("engine: the attention-output error is 0 for a whole cache and grows a
     CHECK(small.max_attn_err >= small.mean_attn_err);
   }
 }
+
+TEST_CASE("engine merging: evict, merge and quantize as one composed policy hold the bytes of SnapKV then q4_0", "[engine][merging]") {
+  const auto subset = merging_subset();
+  const auto& cfg = model().config();
+  const std::vector<PolicyUnderTest> policies = {find_policy(cfg, "snapkv+ggml:type=q4_0"),
+                                                 snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0", cfg.head_dim)};
+  const std::int64_t budgets[] = {16, 48};
+  const auto r = run_task_eval(model(), subset, policies, budgets);
+  REQUIRE(r.size() == 5);
+  for (int b = 0; b < 2; ++b) {
+    const TaskEvalResult &evict_quant = r[1 + b], &pipeline = r[3 + b];
+    INFO(pipeline.policy << " @" << pipeline.budget);
+    CHECK(pipeline.mean_kept_bytes == evict_quant.mean_kept_bytes);  // the same tokens' worth of bytes
+    CHECK(pipeline.mean_kept_bytes < r[0].mean_kept_bytes / 4);
+    CHECK(pipeline.mean_kl != evict_quant.mean_kl);  // the merged values reached the attention
+    CHECK(pipeline.mean_attn_err > 0.0);
+  }
+  // The hook compacts through the pipeline itself: the cache holds n tokens per kv head, n from the byte budget.
+  const TaskSample& s = subset[0];
+  const std::int64_t T = static_cast<std::int64_t>(s.prompt.size());
+  const auto p = snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0", cfg.head_dim);
+  Session<ContiguousKVCache<float>> sess(model(), ContiguousKVCache<float>(engine_test::shape_for(T + 4)), p.contiguous(T, 16));
+  sess.prefill(s.prompt);
+  const std::int64_t n = 16 * 2 * 4 * cfg.head_dim / (2 * (cfg.head_dim / 32) * 18);  // q4_0: 18 bytes per 32 values
+  for (int l = 0; l < cfg.n_layers; ++l) CHECK(sess.cache().kept_tokens(l) == n * cfg.n_kv_heads);
+  sess.decode(s.answer[0]);
+  for (int l = 0; l < cfg.n_layers; ++l) CHECK(sess.cache().kept_tokens(l) == (n + 1) * cfg.n_kv_heads);
+  CHECK_THROWS_WITH(snapkv_merged_quantized_policy("lookm_pivot", "ggml:type=q4_0", cfg.head_dim),
+                    Catch::Matchers::Contains("expected kvpress_merging"));
+  CHECK_THROWS_WITH(snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0|ggml:type=q8_0", cfg.head_dim),
+                    Catch::Matchers::Contains("one format"));
+}

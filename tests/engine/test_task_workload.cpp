@@ -57,8 +57,10 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
   CHECK(workloads == std::set<std::string>{"tasks:passkey", "tasks:multikey", "tasks:copy"});
   std::set<std::string> others = policies;  // the merging entries, then every other one
   for (const char* merging : {"SnapKV+MergingPress", "SnapKV+LOOK-M", "SnapKV+D2O", "SnapKV+NearestKept", "SnapKV+CaM", "H2O+D2O",
-                              "H2O+NearestKept", "H2O+CaM", "kvpress-CAM(Knorm)", "D2O"})
+                              "H2O+NearestKept", "H2O+CaM", "kvpress-CAM(Knorm)", "D2O", "SnapKV+MergingPress+q4_0"}) {
+    INFO(merging);
     CHECK(others.erase(merging) == 1);
+  }
   CHECK(others == std::set<std::string>{"Full",
                                         "StreamingLLM",
                                         "H2O",
@@ -91,10 +93,17 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
   // Bytes of each quantized format per byte of kvp-tiny's fp32 cache (head_dim 32): q8_0 34 / 128, q4_0 18 / 128,
   // fp8 with an inline per-(token, head) scale (32 + 16) / 128, token-wise INT4 (16 + 8) / 128 (no rotation at
   // head_dim 32 under llama.cpp's rule, so "int4" and "int4(no-rotation)" coincide there).
-  const std::map<std::string, double> scale = {
-      {"q8_0", 34.0 / 128},          {"q4_0", 18.0 / 128},       {"fp8_e4m3", 48.0 / 128},          {"SnapKV+q4_0", 18.0 / 128},
-      {"SnapKV+q8_0", 34.0 / 128},   {"int4", 24.0 / 128},       {"int4(no-rotation)", 24.0 / 128}, {"int4(BDR16-K-only)", 24.0 / 128},
-      {"q4_0(rotated)", 18.0 / 128}, {"SnapKV+int4", 24.0 / 128}};
+  const std::map<std::string, double> scale = {{"q8_0", 34.0 / 128},
+                                               {"q4_0", 18.0 / 128},
+                                               {"fp8_e4m3", 48.0 / 128},
+                                               {"SnapKV+q4_0", 18.0 / 128},
+                                               {"SnapKV+q8_0", 34.0 / 128},
+                                               {"int4", 24.0 / 128},
+                                               {"int4(no-rotation)", 24.0 / 128},
+                                               {"int4(BDR16-K-only)", 24.0 / 128},
+                                               {"q4_0(rotated)", 18.0 / 128},
+                                               {"SnapKV+int4", 24.0 / 128},
+                                               {"SnapKV+MergingPress+q4_0", 18.0 / 128}};
   for (const auto& wl : workloads) {
     const double full_acc = value(rows, wl, "Full", "full", 0, "accuracy");
     const double full_bytes = value(rows, wl, "Full", "full", 0, "kv_bytes");
