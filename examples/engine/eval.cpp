@@ -293,9 +293,9 @@ PolicyUnderTest kvpress_cam_policy(std::int64_t interval, std::int32_t merge_bud
   return p;
 }
 
-PolicyUnderTest d2o_policy() {
+PolicyUnderTest d2o_policy(bool protect_edge_layers) {
   PolicyUnderTest p;
-  p.name = "d2o";
+  p.name = protect_edge_layers ? "d2o" : "d2o_all_layers";
   p.query_window = PolicyUnderTest::kWholePrompt;
   // Per request: each layer's head variances from the prompt's attention (on_prefill), then at the hooks'
   // first call the layer ratios for the run's budget.
@@ -331,10 +331,10 @@ PolicyUnderTest d2o_policy() {
         sh->head_var[static_cast<std::size_t>(l * Hq + h)] = var[0];
       }
   };
-  auto make = [sh]<class Cache>(std::int64_t budget) {
+  auto make = [sh, protect_edge_layers]<class Cache>(std::int64_t budget) {
     // rho = budget / prompt, split evenly between heavy hitters and recent tokens (the paper's 0.1 + 0.1).
     auto ratios = std::make_shared<std::vector<double>>();
-    auto at = [sh, budget, ratios](int layer) {
+    auto at = [sh, budget, ratios, protect_edge_layers](int layer) {
       if (ratios->empty()) {
         if (sh->layers == 0) throw std::runtime_error("d2o: no prefill seen (on_prefill was not called)");
         ratios->assign(static_cast<std::size_t>(sh->layers), 1.0);
@@ -342,6 +342,7 @@ PolicyUnderTest d2o_policy() {
           const double rho = static_cast<double>(budget) / static_cast<double>(sh->prompt);
           kvpolicy::D2OParams lp;
           lp.hh_ratio = lp.recent_ratio = rho / 2;
+          lp.protect_edge_layers = protect_edge_layers;
           kvpolicy::throw_if_error(kvpolicy::D2O(lp).layer_ratios(
               TensorView<const float, 2>::contiguous(sh->head_var.data(), {sh->layers, sh->heads}), *ratios));
         }
@@ -385,7 +386,8 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           snapkv_mixed_precision_policy("int4", c.head_dim, 0.5), snapkv_merged_policy("kvpress_merging"),
           snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"), snapkv_merged_policy("nearest_kept"),
           snapkv_merged_policy("cam"), h2o_merged_policy("d2o"), h2o_merged_policy("nearest_kept"), h2o_merged_policy("cam"),
-          kvpress_cam_policy(), d2o_policy(), snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0", c.head_dim)};
+          kvpress_cam_policy(), d2o_policy(), d2o_policy(false),
+          snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0", c.head_dim)};
 }
 
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name) {

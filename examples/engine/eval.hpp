@@ -212,8 +212,9 @@ PolicyUnderTest kvpress_cam_policy(std::int64_t interval = 1, std::int32_t merge
 /// evenly between heavy hitters and recent tokens; layers 0, 1 and the last are never compressed, as coded,
 /// so on a 4-layer model three layers keep everything and the kv bytes show it), then per layer D2O's
 /// eviction (accumulated attention, 4 sinks) and EMA-threshold merge after prefill and at every decode step.
-/// Reads every prompt query. Both cache layouts. Name "d2o".
-PolicyUnderTest d2o_policy();
+/// Reads every prompt query. Both cache layouts. Name "d2o"; with `protect_edge_layers` false every layer's
+/// budget comes from the ratios (D2OParams::protect_edge_layers), so the layers share the budget: "d2o_all_layers".
+PolicyUnderTest d2o_policy(bool protect_edge_layers = true);
 
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
 /// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.

@@ -151,6 +151,19 @@ TEST_CASE("engine merging: D2O's layer budgets follow its layer ratios", "[engin
     sess.decode(s.answer[0]);  // a compressed layer stays at its budget while decoding
     for (int l = 2; l < cfg.n_layers - 1; ++l) CHECK(sess.cache().kept_tokens(l) < T * cfg.n_kv_heads);
   }
+  // Every layer from the ratios: on average about the budget per layer, clamped to [0.01, 1] of the prompt.
+  PolicyUnderTest all = d2o_policy(false);
+  all.on_prefill(model(), pre);
+  Session<ContiguousKVCache<float>> shared(model(), ContiguousKVCache<float>(engine_test::shape_for(T + 4)), all.contiguous(T, 128));
+  shared.load(pre);
+  std::int64_t total = 0;
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const std::int64_t kept = shared.cache().kept_tokens(l) / cfg.n_kv_heads;
+    CHECK(kept < T);
+    CHECK(kept >= T / 100);
+    total += kept;
+  }
+  CHECK(total <= 128 * cfg.n_layers + cfg.n_layers);  // the clamp only lowers ratios; floor per layer
   PolicyUnderTest fresh = d2o_policy();
   Session<ContiguousKVCache<float>> no_prefill(model(), ContiguousKVCache<float>(engine_test::shape_for(T + 4)), fresh.contiguous(T, 64));
   CHECK_THROWS_WITH(no_prefill.load(pre), Catch::Matchers::Contains("no prefill seen"));

@@ -57,7 +57,7 @@ TEST_CASE("task workload: every policy x budget x task has its rows - budget >= 
   CHECK(workloads == std::set<std::string>{"tasks:passkey", "tasks:multikey", "tasks:copy"});
   std::set<std::string> others = policies;  // the merging entries, then every other one
   for (const char* merging : {"SnapKV+MergingPress", "SnapKV+LOOK-M", "SnapKV+D2O", "SnapKV+NearestKept", "SnapKV+CaM", "H2O+D2O",
-                              "H2O+NearestKept", "H2O+CaM", "kvpress-CAM(Knorm)", "D2O", "SnapKV+MergingPress+q4_0"}) {
+                              "H2O+NearestKept", "H2O+CaM", "kvpress-CAM(Knorm)", "D2O", "D2O(all-layers)", "SnapKV+MergingPress+q4_0"}) {
     INFO(merging);
     CHECK(others.erase(merging) == 1);
   }

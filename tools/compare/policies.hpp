@@ -509,6 +509,7 @@ inline std::vector<PolicySpec> all_policies() {
       {"H2O+CaM", "merging", false, false, {}, "h2o", "", "h2o+cam"},
       {"kvpress-CAM(Knorm)", "merging", false, false, {}, "", "", "kvpress_cam"},
       {"D2O", "merging", false, false, {}, "", "", "d2o"},
+      {"D2O(all-layers)", "merging", false, false, {}, "", "", "d2o_all_layers"},
       // The three families as one composed policy at one hook (kvpolicy::Compress) on one byte budget.
       {"SnapKV+MergingPress+q4_0", "merging", true, false, {}, "", "", "snapkv+kvpress_merging+ggml:type=q4_0"},
   };

@@ -239,6 +239,14 @@ TEST_CASE("D2O layer budget: softmax of negated normalised variances, layers 0, 
   REQUIRE(r[1] == 1.0);
   REQUIRE(r[3] == 1.0);
   REQUIRE(r[2] == Approx(std::exp(-0.5) / z * 4 * 0.2));
+  // Without the protected edge layers every layer takes the formula.
+  D2OParams all;
+  all.protect_edge_layers = false;
+  REQUIRE(D2O(all).layer_ratios(TensorView<const float, 2>::contiguous(var.data(), {4, 2}), r).is_ok());
+  REQUIRE(r[0] == Approx(1.0 / z * 4 * 0.2));
+  REQUIRE(r[1] == Approx(1.0 / z * 4 * 0.2));
+  REQUIRE(r[2] == Approx(std::exp(-0.5) / z * 4 * 0.2));
+  REQUIRE(r[3] == Approx(std::exp(-0.5) / z * 4 * 0.2));
   std::vector<float> cv(2);
   const std::vector<float> cols = {1, 3, 2, 2};
   REQUIRE(D2O::column_variance(TensorView<const float, 2>::contiguous(cols.data(), {2, 2}), cv).is_ok());

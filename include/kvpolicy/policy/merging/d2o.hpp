@@ -7,7 +7,9 @@
 //   v_l  = mean over heads of minmax_heads( Var_j( sum_queries A_l[h, :, j] ) )
 //   w    = softmax(-v) over layers
 //   r_l  = clamp(w_l * L * rho, 0.01, 1),  rho = hh_ratio + recent_ratio
-//   layers 0, 1 and L-1 are never compressed (r = 1); a layer keeps
+//   layers 0, 1 and L-1 are never compressed (r = 1) — as coded, the default;
+//   `protect_edge_layers = false` gives them the formula too, so the layers
+//   share the budget on few-layer models — a layer keeps
 //   r_l * T tokens, split between heavy hitters and recent tokens in the
 //   proportion hh_ratio : recent_ratio.
 //
@@ -58,18 +60,21 @@ struct D2OParams {
   float alpha = 0.5f;         ///< EMA: tau <- alpha tau + beta mean(s)
   float beta = 0.5f;
   D2OWeighting weighting = D2OWeighting::kAsCoded;
-  double hh_ratio = 0.1;      ///< layer level: heavy-hitter share of the prompt
-  double recent_ratio = 0.1;  ///< layer level: recent share of the prompt
+  double hh_ratio = 0.1;            ///< layer level: heavy-hitter share of the prompt
+  double recent_ratio = 0.1;        ///< layer level: recent share of the prompt
+  bool protect_edge_layers = true;  ///< layer level: layers 0, 1 and the last keep everything (as coded)
 
   static constexpr auto fields() noexcept {
-    return std::tuple{param_field<&D2OParams::heavy>("heavy", "heavy hitters kept per head"),
-                      param_field<&D2OParams::recent>("recent", "recent tokens kept per head"),
-                      param_field<&D2OParams::sinks>("sinks", "first tokens always kept"),
-                      param_field<&D2OParams::alpha>("alpha", "EMA weight of the previous threshold"),
-                      param_field<&D2OParams::beta>("beta", "EMA weight of this step's mean similarity"),
-                      param_field<&D2OParams::weighting>("weighting", "as_coded (divide by count) or normalized (by weight sum)"),
-                      param_field<&D2OParams::hh_ratio>("hh_ratio", "layer level: heavy-hitter ratio"),
-                      param_field<&D2OParams::recent_ratio>("recent_ratio", "layer level: recent ratio")};
+    return std::tuple{
+        param_field<&D2OParams::heavy>("heavy", "heavy hitters kept per head"),
+        param_field<&D2OParams::recent>("recent", "recent tokens kept per head"),
+        param_field<&D2OParams::sinks>("sinks", "first tokens always kept"),
+        param_field<&D2OParams::alpha>("alpha", "EMA weight of the previous threshold"),
+        param_field<&D2OParams::beta>("beta", "EMA weight of this step's mean similarity"),
+        param_field<&D2OParams::weighting>("weighting", "as_coded (divide by count) or normalized (by weight sum)"),
+        param_field<&D2OParams::hh_ratio>("hh_ratio", "layer level: heavy-hitter ratio"),
+        param_field<&D2OParams::recent_ratio>("recent_ratio", "layer level: recent ratio"),
+        param_field<&D2OParams::protect_edge_layers>("protect_edge_layers", "layer level: layers 0, 1 and the last uncompressed")};
   }
 };
 
@@ -143,7 +148,8 @@ class D2O {
     const double rho = params_.hh_ratio + params_.recent_ratio;
     for (std::int64_t l = 0; l < L; ++l) {
       auto& r = ratios[static_cast<std::size_t>(l)];
-      r = (l < 2 || l == L - 1) ? 1.0 : std::clamp(r / z * static_cast<double>(L) * rho, 0.01, 1.0);
+      const bool edge = params_.protect_edge_layers && (l < 2 || l == L - 1);
+      r = edge ? 1.0 : std::clamp(r / z * static_cast<double>(L) * rho, 0.01, 1.0);
     }
     return Status::ok();
   }
