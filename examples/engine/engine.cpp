@@ -36,6 +36,7 @@ PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const
     const Model::Layer& L = m.layer(l);
     auto& k = st.k.emplace_back(static_cast<std::size_t>(T * kvd));
     auto& v = st.v.emplace_back(static_cast<std::size_t>(T * kvd));
+    if (opt.column_sums) st.column_sums.emplace_back(static_cast<std::size_t>(Hq * T), 0.0f);
     rms_norm(x.data(), L.attn_norm, T, d, c.norm_eps, xn.data());
     linear(xn.data(), L.wq, T, d, qd, q.data());
     linear(xn.data(), L.wk, T, d, kvd, k.data());
@@ -64,6 +65,11 @@ PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const
           for (std::int64_t j = n; j < cols; ++j) s(i, j) = 0.0f;
         }
         O.middleRows(r0, nb).noalias() = s * V.topRows(cols);
+        if (opt.column_sums) {  // the kernel's own probabilities, summed over the block's rows in order
+          float* cs = st.column_sums.back().data() + h * T;
+          for (std::int64_t i = 0; i < nb; ++i)
+            for (std::int64_t j = 0; j <= r0 + i; ++j) cs[j] += s(i, j);
+        }
       }
     }
     // Keep the last `window` queries per head for the eviction hooks: (Hq, W, hd).

@@ -17,6 +17,9 @@
 //   prefill(prompt)                          computes every layer on the prompt (attention over the fresh
 //   |                                        Q/K/V, as prefill kernels do), then writes K/V to the cache:
 //   |-- on_append(cache, layer, n)           after the prompt's n tokens entered a layer (Quest metadata)
+//   |-- on_prefill_attention(cache, layer, C)  the prompt's attention column sums (Hq, n), when the prefill
+//   |                                        kept them (PrefillOptions::column_sums): H2O, CaM and D2O
+//   |                                        accumulate them instead of recomputing Q K^T
 //   |-- after_prefill(cache, layer, Q, keep) eviction: SnapKV, StreamingLLM, any EvictionPolicy. Q are the
 //   |                                        last `query_window` post-RoPE prompt queries (Hq, W, d). A
 //   |                                        filled `keep` is applied with compact_contiguous/compact_paged;
@@ -82,6 +85,9 @@ struct PrefillState {
   std::int64_t length = 0;
   std::vector<std::vector<float>> k, v;      ///< per layer (length, kv_heads, head_dim), keys post-RoPE
   std::vector<std::vector<float>> q_window;  ///< per layer (num_q_heads, window, head_dim): last post-RoPE queries
+  /// Per layer (num_q_heads, length): column sums of the prompt's causal attention probabilities, summed over
+  /// the query rows in ascending order, fp32 (PrefillOptions::column_sums; empty otherwise).
+  std::vector<std::vector<float>> column_sums;
   std::int64_t window = 0;
   std::vector<float> logits;            ///< (positions.size(), vocab) for the requested positions
   std::vector<std::int64_t> positions;  ///< prompt indices whose logits were computed; the last is T-1
@@ -94,6 +100,7 @@ struct PrefillState {
 struct PrefillOptions {
   std::int64_t query_window = 64;             ///< queries kept per layer for after_prefill hooks (clamped to the prompt)
   std::vector<std::int64_t> logit_positions;  ///< prompt indices whose logits are wanted; the last is always added
+  bool column_sums = false;                   ///< also keep each layer's attention column sums (Hooks::on_prefill_attention)
 };
 
 /// Runs kvp-tiny over a prompt (positions 0..T-1). Causal attention per head in
@@ -198,6 +205,11 @@ std::span<const float> Session<Cache>::load(const PrefillState& p) {
     }
     if (hooks_.on_append) timed([&] { return hooks_.on_append(cache_, l, p.length); });
   }
+  if (hooks_.on_prefill_attention && p.column_sums.size() == static_cast<std::size_t>(c.n_layers))
+    for (int l = 0; l < c.n_layers; ++l) {
+      const auto cs = TensorView<const float, 2>::contiguous(p.column_sums[static_cast<std::size_t>(l)].data(), {c.n_heads, p.length});
+      timed([&] { return hooks_.on_prefill_attention(cache_, l, cs); });
+    }
   if (hooks_.after_prefill) {
     for (int l = 0; l < c.n_layers; ++l) {
       const TensorView<const float, 3> q =

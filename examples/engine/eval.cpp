@@ -56,10 +56,12 @@ PolicyUnderTest adakv_policy(std::int32_t window, std::int32_t kernel) {
   return p;
 }
 
-PolicyUnderTest h2o_policy() {
-  return on_both_layouts("h2o", PolicyUnderTest::kWholePrompt, []<class Cache>(std::int64_t budget) {
+PolicyUnderTest h2o_policy(bool from_column_sums) {
+  PolicyUnderTest p = on_both_layouts("h2o", from_column_sums ? 1 : PolicyUnderTest::kWholePrompt, []<class Cache>(std::int64_t budget) {
     return h2o_hooks<Cache>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2)));
   });
+  p.column_sums = from_column_sums;
+  return p;
 }
 
 PolicyUnderTest expected_attention_policy(double rope_base) {
@@ -206,7 +208,7 @@ PolicyUnderTest snapkv_merged_policy(const std::string& merge) {
   p.query_window = 32;
   auto with = [&](auto m) {
     using M = decltype(m);
-    if constexpr (std::is_same_v<M, kvpolicy::CaM>) p.query_window = PolicyUnderTest::kWholePrompt;  // the prompt's attention
+    if constexpr (std::is_same_v<M, kvpolicy::CaM>) p.column_sums = true;  // the prompt's attention, from the prefill
     p.contiguous = [m](std::int64_t, std::int64_t budget) { return merge_hooks<ContiguousKVCache<float>>(snapkv_with_budget(budget), m); };
     p.paged = [m](std::int64_t, std::int64_t budget) { return merge_hooks<PagedKVCache<float>>(snapkv_with_budget(budget), m); };
   };
@@ -228,7 +230,8 @@ PolicyUnderTest snapkv_merged_policy(const std::string& merge) {
 PolicyUnderTest h2o_merged_policy(const std::string& merge) {
   PolicyUnderTest p;
   p.name = "h2o+" + merge;
-  p.query_window = PolicyUnderTest::kWholePrompt;
+  p.query_window = 1;  // the prompt's attention comes from the prefill's column sums
+  p.column_sums = true;
   auto with = [&](auto m) {
     auto make = [m]<class Cache>(std::int64_t budget) {
       return merge_after<Cache>(h2o_hooks<Cache>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2))), m);
@@ -296,7 +299,8 @@ PolicyUnderTest kvpress_cam_policy(std::int64_t interval, std::int32_t merge_bud
 PolicyUnderTest d2o_policy(bool protect_edge_layers) {
   PolicyUnderTest p;
   p.name = protect_edge_layers ? "d2o" : "d2o_all_layers";
-  p.query_window = PolicyUnderTest::kWholePrompt;
+  p.query_window = 1;  // the prompt's attention comes from the prefill's column sums
+  p.column_sums = true;
   // Per request: each layer's head variances from the prompt's attention (on_prefill), then at the hooks'
   // first call the layer ratios for the run's budget.
   struct Shared {
@@ -306,30 +310,18 @@ PolicyUnderTest d2o_policy(bool protect_edge_layers) {
   auto sh = std::make_shared<Shared>();
   p.on_prefill = [sh](const Model& m, const PrefillState& pre) {
     const ModelConfig& c = m.config();
-    const std::int64_t T = pre.length, d = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, G = Hq / Hkv;
-    if (pre.window != T) throw std::runtime_error("d2o: needs every prompt query (PolicyUnderTest::kWholePrompt)");
+    const std::int64_t T = pre.length, Hq = c.n_heads;
+    if (pre.column_sums.size() != static_cast<std::size_t>(c.n_layers))
+      throw std::runtime_error("d2o: needs the prefill's attention column sums (PrefillOptions::column_sums)");
     sh->layers = c.n_layers;
     sh->heads = Hq;
     sh->prompt = T;
     sh->head_var.assign(static_cast<std::size_t>(c.n_layers * Hq), 0.0f);
-    std::vector<float> col(static_cast<std::size_t>(T)), var(1);
-    std::vector<std::byte> ws;
-    const kvpolicy::H2O acc;
+    // Per query head: Var_j of its column sums (D2O's v before the head min-max).
     for (int l = 0; l < c.n_layers; ++l)
-      for (std::int64_t h = 0; h < Hq; ++h) {
-        // Column sums of query head h's causal attention over the prompt (one head: its kv head's keys).
-        const auto q = TensorView<const float, 3>(pre.q_window[static_cast<std::size_t>(l)].data() + h * T * d, {1, T, d}, {T * d, d, 1});
-        const auto k = KVSource<float>::from(
-            TensorView<const float, 3>(pre.k[static_cast<std::size_t>(l)].data() + (h / G) * d, {1, T, d}, {d, Hkv * d, 1}));
-        kvpolicy::H2OState st{TensorView<float, 2>::contiguous(col.data(), {1, T}), 0};
-        const kvpolicy::Requirements r =
-            acc.requirements(policy_context<kvpolicy::backend::Cpu>({}), kvpolicy::ProblemShape{1, 1, d, T, T});
-        kvpolicy::throw_if_error(r.status);
-        grow_workspace(ws, r);
-        kvpolicy::throw_if_error(acc.update(policy_context<kvpolicy::backend::Cpu>({}, &ws), st, kvpolicy::ScoreInput<float, float>{q, k}));
-        kvpolicy::throw_if_error(kvpolicy::D2O::column_variance(TensorView<const float, 2>::contiguous(col.data(), {1, T}), var));
-        sh->head_var[static_cast<std::size_t>(l * Hq + h)] = var[0];
-      }
+      kvpolicy::throw_if_error(kvpolicy::D2O::column_variance(
+          TensorView<const float, 2>::contiguous(pre.column_sums[static_cast<std::size_t>(l)].data(), {Hq, T}),
+          std::span<float>(sh->head_var.data() + l * Hq, static_cast<std::size_t>(Hq))));
   };
   auto make = [sh, protect_edge_layers]<class Cache>(std::int64_t budget) {
     // rho = budget / prompt, split evenly between heavy hitters and recent tokens (the paper's 0.1 + 0.1).
@@ -451,13 +443,18 @@ std::vector<TaskEvalResult> run_task_eval(const Model& m, std::span<const TaskSa
 
   // Prompt queries to keep: the largest window any policy asks for.
   std::int64_t window = 1;
-  for (const auto& p : policies) window = p.query_window == PolicyUnderTest::kWholePrompt ? max_len : std::max(window, p.query_window);
+  bool column_sums = false;
+  for (const auto& p : policies) {
+    window = p.query_window == PolicyUnderTest::kWholePrompt ? max_len : std::max(window, p.query_window);
+    column_sums = column_sums || p.column_sums;
+  }
 
   for (std::size_t si = 0; si < samples.size(); ++si) {
     const TaskSample& s = samples[si];
     if (s.answer.empty()) throw std::runtime_error("run_task_eval: sample with an empty answer");
     PrefillOptions po;
     po.query_window = window;
+    po.column_sums = column_sums;
     const PrefillState pre = prefill(m, s.prompt, po);
     for (const auto& p : policies)
       if (p.on_prefill) p.on_prefill(m, pre);

@@ -77,6 +77,9 @@ struct PolicyUnderTest {
   static constexpr std::int64_t kWholePrompt = -1;
   std::string name;
   std::int64_t query_window = 64;  ///< prompt queries its after_prefill hook needs (kWholePrompt: all of them)
+  /// Its hooks take the prompt's attention column sums from the engine's prefill (Hooks::on_prefill_attention;
+  /// the harness then sets PrefillOptions::column_sums) instead of recomputing them from every prompt query.
+  bool column_sums = false;
   std::function<Hooks<ContiguousKVCache<float>>(std::int64_t prompt_len, std::int64_t budget)> contiguous;
   std::function<Hooks<PagedKVCache<float>>(std::int64_t prompt_len, std::int64_t budget)> paged;
   /// Bytes this policy's cache holds per byte of the engine's fp32 cache (quantized formats: bytes per token
@@ -149,8 +152,11 @@ PolicyUnderTest pyramidkv_policy(std::int32_t num_layers, std::int32_t window = 
 /// unevenly over the heads; contiguous cache only (a shared page table cannot hold ragged heads).
 PolicyUnderTest adakv_policy(std::int32_t window = 32, std::int32_t kernel = 5);
 
-/// Online H2O: hh = budget / 2 heavy hitters + the rest recent (the paper's 50/50 split).
-PolicyUnderTest h2o_policy();
+/// Online H2O: hh = budget / 2 heavy hitters + the rest recent (the paper's 50/50 split). The prompt's
+/// accumulated attention comes from the prefill's column sums (Hooks::on_prefill_attention), or, with
+/// `from_column_sums` false, is recomputed from every prompt query inside the hook (what an engine whose
+/// attention kernel keeps no probabilities must do).
+PolicyUnderTest h2o_policy(bool from_column_sums = true);
 
 /// kvpress ExpectedAttentionPress defaults (512 future positions, 4 sinks, covariance, value norm).
 PolicyUnderTest expected_attention_policy(double rope_base);

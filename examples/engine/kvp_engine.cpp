@@ -105,6 +105,7 @@ kvpolicy::Hooks<Cache> hooks_for(const Args& a, const Model& m, std::int64_t pro
   if (a.policy.find(':') == std::string::npos) {  // a policy of the evaluation set, at --budget
     const PolicyUnderTest p = find_policy(m.config(), a.policy);
     po->query_window = p.query_window == PolicyUnderTest::kWholePrompt ? prompt_len : p.query_window;
+    po->column_sums = p.column_sums;
     *on_prefill = p.on_prefill;
     if constexpr (Cache::kPaged) {
       if (p.paged) return p.paged(prompt_len, a.budget);

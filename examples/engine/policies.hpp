@@ -177,6 +177,7 @@ Hooks<Cache> h2o_hooks(kvpolicy::H2O h2o, kvpolicy::ExecContext ctx = {}) {
   struct State {
     std::vector<std::vector<float>> scores;  // per layer (kv_heads, capacity)
     std::vector<kvpolicy::H2OState> st;
+    std::vector<char> fed;  // per layer: on_prefill_attention gave this request's prompt attention
     std::vector<std::byte> ws;
   };
   auto S = std::make_shared<State>();
@@ -185,6 +186,7 @@ Hooks<Cache> h2o_hooks(kvpolicy::H2O h2o, kvpolicy::ExecContext ctx = {}) {
     if (S->st.size() < static_cast<std::size_t>(s.n_layers)) {
       S->scores.resize(static_cast<std::size_t>(s.n_layers));
       S->st.resize(static_cast<std::size_t>(s.n_layers));
+      S->fed.resize(static_cast<std::size_t>(s.n_layers), 0);
     }
     auto& buf = S->scores[static_cast<std::size_t>(layer)];
     auto& st = S->st[static_cast<std::size_t>(layer)];
@@ -207,8 +209,23 @@ Hooks<Cache> h2o_hooks(kvpolicy::H2O h2o, kvpolicy::ExecContext ctx = {}) {
     return h2o.evict(policy_context<Backend>(ctx, &S->ws), st, keep.reserve(r.output.rows, r.output.capacity));
   };
   Hooks<Cache> h;
+  // The engine's prefill column sums, when it has them: no recomputation after prefill.
+  h.on_prefill_attention = [h2o, ctx, S, state_of](Cache& c, int layer, TensorView<const float, 2> column_sums) -> Status {
+    kvpolicy::H2OState& st = state_of(c, layer);
+    st.reset();
+    kvpolicy::ScoreInput<float, float> in;
+    in.column_sums = column_sums;
+    KVP_RETURN_IF_ERROR(h2o.update(policy_context<Backend>(ctx), st, in));
+    S->fed[static_cast<std::size_t>(layer)] = 1;
+    return Status::ok();
+  };
   h.after_prefill = [h2o, ctx, S, state_of, evict](Cache& c, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
     using T = typename Cache::element_type;
+    kvpolicy::H2OState& fed_state = state_of(c, layer);
+    if (S->fed[static_cast<std::size_t>(layer)] != 0) {
+      S->fed[static_cast<std::size_t>(layer)] = 0;
+      return evict(c, fed_state, keep);
+    }
     const KVSource<T> keys = c.key_source(layer);
     if (queries.extent(1) != keys.kv_len())
       return KVP_INVALID("engine h2o: needs every prompt query (%lld of %lld given; PolicyUnderTest::kWholePrompt)",
@@ -540,6 +557,7 @@ struct MergeHookState {
   std::vector<kvpolicy::H2OState> acc;      // per layer, over acc_buf
   std::vector<std::int64_t> steps;          // per layer: decode steps since the last compression (kvpress CAM)
   std::vector<std::uint32_t> calls;         // per layer: merges so far (the Bernoulli seed of the next one)
+  std::vector<char> fed;                    // per layer: on_prefill_attention reset the layer and filled acc
   std::vector<std::int32_t> indptr, dst, src;
   std::vector<float> weight, merged_k, merged_v, scores;
   std::vector<std::byte> ws, acc_ws, paged_ws;
@@ -547,13 +565,40 @@ struct MergeHookState {
   void reset(int layer, std::int64_t kv_heads, std::int64_t capacity) {
     const auto l = static_cast<std::size_t>(layer);
     if (d2o.size() <= l)
-      d2o.resize(l + 1), masses.resize(l + 1), acc_buf.resize(l + 1), acc.resize(l + 1), steps.resize(l + 1), calls.resize(l + 1);
+      d2o.resize(l + 1), masses.resize(l + 1), acc_buf.resize(l + 1), acc.resize(l + 1), steps.resize(l + 1), calls.resize(l + 1),
+          fed.resize(l + 1, 0);
     d2o[l] = kvpolicy::D2OState{};
     masses[l].assign(static_cast<std::size_t>(kv_heads * capacity), 1.0f);
     acc_buf[l].assign(static_cast<std::size_t>(kv_heads * capacity), 0.0f);
     acc[l] = kvpolicy::H2OState{TensorView<float, 2>::contiguous(acc_buf[l].data(), {kv_heads, capacity}), 0};
     steps[l] = 0;
     calls[l] = 0;
+    fed[l] = 0;
+  }
+  /// The prompt's column sums (Hq, T) into the layer's accumulated attention (after reset).
+  template <class Backend>
+  Status accumulate_prompt(int layer, TensorView<const float, 2> column_sums, kvpolicy::ExecContext ctx) {
+    kvpolicy::ScoreInput<float, float> in;
+    in.column_sums = column_sums;
+    KVP_RETURN_IF_ERROR(kvpolicy::H2O{}.update(policy_context<Backend>(ctx), acc[static_cast<std::size_t>(layer)], in));
+    fed[static_cast<std::size_t>(layer)] = 1;
+    return Status::ok();
+  }
+  /// The prompt's attention recomputed from every prompt query (when the engine gave no column sums).
+  template <class Backend, class T>
+  Status accumulate_queries(int layer, TensorView<const float, 3> queries, KVSource<T> keys, const char* who, kvpolicy::ExecContext ctx) {
+    if (queries.extent(1) != keys.kv_len())
+      return KVP_INVALID(
+          "engine %s: needs the prompt's attention column sums (PrefillOptions::column_sums) or every prompt query "
+          "(%lld of %lld given; PolicyUnderTest::kWholePrompt)",
+          who, static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
+    const kvpolicy::H2O h2o;
+    const kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
+    const kvpolicy::Requirements r = h2o.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(acc_ws, r);
+    return h2o.update(policy_context<Backend>(ctx, &acc_ws), acc[static_cast<std::size_t>(layer)],
+                      kvpolicy::ScoreInput<float, T>{queries, keys});
   }
   /// The Bernoulli seed of the next merge of `layer`: distinct per (layer, call), the same in every run.
   std::uint32_t next_seed(int layer) {
@@ -652,22 +697,22 @@ Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext
     return Status::ok();
   };
   Hooks<Cache> h = inner;
+  if constexpr (kAttention)
+    h.on_prefill_attention = [f = inner.on_prefill_attention, S, ctx](Cache& cache, int layer, TensorView<const float, 2> cs) -> Status {
+      if (f) KVP_RETURN_IF_ERROR(f(cache, layer, cs));
+      S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+      return S->template accumulate_prompt<Backend>(layer, cs, ctx);
+    };
   h.after_prefill = [f = inner.after_prefill, run, S, ctx](Cache& cache, int layer, TensorView<const float, 3> queries,
                                                            KeepBuffer& keep) -> Status {
-    S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
-    if constexpr (kAttention) {  // the prompt's attention, column sums over every prompt query (causal)
-      const KVSource<T> keys = cache.key_source(layer);
-      if (queries.extent(1) != keys.kv_len())
-        return KVP_INVALID("engine merge: %s needs every prompt query (%lld of %lld given; PolicyUnderTest::kWholePrompt)", MergeP::kName,
-                           static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
-      const kvpolicy::H2O acc;
-      const kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
-      const kvpolicy::Requirements r = acc.requirements(policy_context<Backend>(ctx), shape);
-      KVP_RETURN_IF_ERROR(r.status);
-      grow_workspace(S->acc_ws, r);
-      KVP_RETURN_IF_ERROR(acc.update(policy_context<Backend>(ctx, &S->acc_ws), S->acc[static_cast<std::size_t>(layer)],
-                                     kvpolicy::ScoreInput<float, T>{queries, keys}));
+    const bool fed = static_cast<std::size_t>(layer) < S->fed.size() && S->fed[static_cast<std::size_t>(layer)] != 0;
+    if (!fed) {
+      S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+      // The prompt's attention, column sums recomputed from every prompt query (causal).
+      if constexpr (kAttention)
+        KVP_RETURN_IF_ERROR(S->template accumulate_queries<Backend>(layer, queries, cache.key_source(layer), MergeP::kName, ctx));
     }
+    S->fed[static_cast<std::size_t>(layer)] = 0;
     if (f) KVP_RETURN_IF_ERROR(f(cache, layer, queries, keep));
     return keep.active ? run(cache, layer, queries.extent(0), keep) : Status::ok();
   };
@@ -802,19 +847,17 @@ Hooks<Cache> d2o_hooks(std::function<kvpolicy::D2O(int)> at, kvpolicy::ExecConte
     return Status::ok();
   };
   Hooks<Cache> h;
-  h.after_prefill = [step, S, ctx](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+  h.on_prefill_attention = [S, ctx](Cache& cache, int layer, TensorView<const float, 2> cs) -> Status {
     S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
-    const KVSource<T> keys = cache.key_source(layer);
-    if (queries.extent(1) != keys.kv_len())
-      return KVP_INVALID("engine d2o: needs every prompt query (%lld of %lld given; PolicyUnderTest::kWholePrompt)",
-                         static_cast<long long>(queries.extent(1)), static_cast<long long>(keys.kv_len()));
-    const kvpolicy::H2O acc;
-    const kvpolicy::ProblemShape shape{queries.extent(0), keys.kv_heads(), keys.head_dim(), keys.kv_len(), queries.extent(1)};
-    const kvpolicy::Requirements r = acc.requirements(policy_context<Backend>(ctx), shape);
-    KVP_RETURN_IF_ERROR(r.status);
-    grow_workspace(S->ws, r);
-    KVP_RETURN_IF_ERROR(acc.update(policy_context<Backend>(ctx, &S->ws), S->acc[static_cast<std::size_t>(layer)],
-                                   kvpolicy::ScoreInput<float, T>{queries, keys}));
+    return S->template accumulate_prompt<Backend>(layer, cs, ctx);
+  };
+  h.after_prefill = [step, S, ctx](Cache& cache, int layer, TensorView<const float, 3> queries, KeepBuffer& keep) -> Status {
+    const bool fed = static_cast<std::size_t>(layer) < S->fed.size() && S->fed[static_cast<std::size_t>(layer)] != 0;
+    if (!fed) {
+      S->reset(layer, cache.shape().num_kv_heads, cache.shape().capacity);
+      KVP_RETURN_IF_ERROR(S->template accumulate_queries<Backend>(layer, queries, cache.key_source(layer), "d2o", ctx));
+    }
+    S->fed[static_cast<std::size_t>(layer)] = 0;
     return step(cache, layer, queries.extent(0), keep);
   };
   h.after_attention = [step, S, ctx](Cache& cache, int layer, TensorView<const float, 2> probs, KeepBuffer& keep) -> Status {

@@ -131,7 +131,7 @@ TEST_CASE("engine merging: D2O's layer budgets follow its layer ratios", "[engin
   const TaskSample& s = engine_test::eval_samples()[engine_test::samples_of("multikey", 1)[0]];
   const auto& cfg = model().config();
   PrefillOptions po;
-  po.query_window = static_cast<std::int64_t>(s.prompt.size());
+  po.column_sums = true;  // D2O's layer ratios and its accumulated attention come from the prefill
   const PrefillState pre = prefill(model(), s.prompt, po);
   const std::int64_t T = pre.length;
   PolicyUnderTest p = d2o_policy();
@@ -227,4 +227,35 @@ TEST_CASE("engine merging: evict, merge and quantize as one composed policy hold
                     Catch::Matchers::Contains("expected kvpress_merging"));
   CHECK_THROWS_WITH(snapkv_merged_quantized_policy("kvpress_merging", "ggml:type=q4_0|ggml:type=q8_0", cfg.head_dim),
                     Catch::Matchers::Contains("one format"));
+}
+
+TEST_CASE("engine: H2O from the prefill's column sums keeps what H2O recomputing them from every query keeps", "[engine][merging]") {
+  const TaskSample& s = engine_test::eval_samples()[engine_test::samples_of("passkey", 1)[0]];
+  const auto& cfg = model().config();
+  const std::int64_t T = static_cast<std::int64_t>(s.prompt.size());
+  PrefillOptions po;
+  po.column_sums = true;
+  po.query_window = T;
+  const PrefillState pre = prefill(model(), s.prompt, po);
+  REQUIRE(pre.column_sums.size() == static_cast<std::size_t>(cfg.n_layers));
+  for (const auto& cs : pre.column_sums) {  // each query row's probabilities sum to 1: the columns sum to T
+    double total = 0.0;
+    for (float x : cs) total += x;
+    CHECK(total == Approx(static_cast<double>(T * cfg.n_heads)).epsilon(1e-4));
+  }
+  using C = ContiguousKVCache<float>;
+  auto kept = [&](const PolicyUnderTest& p) {
+    Session<C> sess(model(), C(engine_test::shape_for(T + 4)), p.contiguous(T, 64));
+    sess.load(pre);
+    std::vector<std::int32_t> pos;
+    for (int l = 0; l < cfg.n_layers; ++l)
+      for (std::int64_t h = 0; h < cfg.n_kv_heads; ++h)
+        for (std::int64_t j = 0; j < sess.cache().length(l, static_cast<int>(h)); ++j) pos.push_back(sess.cache().positions(l)(h, j));
+    return pos;
+  };
+  const auto a = kept(h2o_policy(true)), b = kept(h2o_policy(false));
+  REQUIRE(a.size() == b.size());
+  std::size_t same = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) same += a[i] == b[i] ? 1 : 0;
+  CHECK(same >= a.size() * 99 / 100);  // fp32 sums in another order may swap a near-tie
 }

@@ -7,6 +7,8 @@
 //
 //   prefill(prompt), per layer:
 //   |-- on_append(cache, layer, n)              the prompt's n tokens entered the layer
+//   |-- on_prefill_attention(cache, layer, C)   optional: C (Hq, n) column sums of the prompt's causal
+//   |                                           attention, from the engine's prefill kernel
 //   |-- after_prefill(cache, layer, Q, keep)    Q: the last `query_window` post-RoPE prompt queries
 //   |                                           (Hq, W, d); a filled `keep` is applied (compaction)
 //   |-- on_compact(cache, layer)                after the engine moved rows (state re-packing, rebuilds)
@@ -21,6 +23,7 @@
 //
 //   | hook point       | one-shot eviction | online eviction     | selection           | merge        | quantization       | prefetch |
 //   |------------------|-------------------|---------------------|---------------------|--------------|--------------------|----------|
+//   | on_prefill_attn. | -                 | update (no recompute) | -                 | accumulate   | -                  | -        |
 //   | after_prefill    | evict             | update + evict      | plan                | merge(keep)  | quantize all       | -        |
 //   | on_layer_input   | -                 | -                   | -                   | -            | -                  | predict  |
 //   | on_append        | -                 | -                   | on_append           | -            | quantize residual  | -        |
@@ -90,6 +93,12 @@ template <class Cache>
 struct Hooks {
   /// After the prompt's K/V of `layer` are cached: queries (num_q_heads, W, head_dim).
   std::function<Status(Cache&, int layer, TensorView<const float, 3> queries, KeepBuffer& keep)> after_prefill;
+  /// Optional, after the prompt's K/V of `layer` are cached and before after_prefill: column_sums
+  /// (num_q_heads, n), c[h, j] = sum over the prompt's queries i of softmax_j(q_i . k_j / sqrt(d)), causal
+  /// (rows i < j add 0), from the engine's own prefill attention. Policies that accumulate the whole prompt's
+  /// attention (online H2O, CaM, D2O) take it instead of recomputing Q K^T from every prompt query; an engine
+  /// whose kernel cannot produce it never calls it, and those policies then need every prompt query.
+  std::function<Status(Cache&, int layer, TensorView<const float, 2> column_sums)> on_prefill_attention;
   /// During a decode step, before `layer`'s Q/K/V projections: its normalised
   /// attention input x (batch, d_model) at `position` (next-layer speculation,
   /// InfiniGen: layer + 1's pages are predicted from it while layer runs).
@@ -117,6 +126,7 @@ Hooks<Cache> combine(Hooks<Cache> a, Hooks<Cache> b) {
     };
   };
   Hooks<Cache> h;
+  h.on_prefill_attention = chain(a.on_prefill_attention, b.on_prefill_attention);
   h.after_prefill = chain(a.after_prefill, b.after_prefill);
   h.on_layer_input = chain(a.on_layer_input, b.on_layer_input);
   h.on_append = chain(a.on_append, b.on_append);
