@@ -687,7 +687,6 @@ Status run_merge(Cache& cache, int layer, std::int64_t num_q_heads, const MergeP
 /// call), so runs are deterministic. Contiguous and paged caches (a paged cache needs equal counts per head).
 template <class Cache, class MergeP, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> merge_after(Hooks<Cache> inner, MergeP merge, kvpolicy::ExecContext ctx = {}) {
-  using T = typename Cache::element_type;
   constexpr bool kAttention = detail::kMergeReadsAttention<MergeP>;
   auto S = std::make_shared<MergeHookState>();
   auto run = [merge, ctx, S](Cache& cache, int layer, std::int64_t num_q_heads, KeepBuffer& keep) -> Status {
@@ -830,7 +829,6 @@ Hooks<ContiguousKVCache<float>> pipeline_hooks(kvpolicy::Compress<kvpolicy::Snap
 /// Contiguous and paged caches.
 template <class Cache, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> d2o_hooks(std::function<kvpolicy::D2O(int)> at, kvpolicy::ExecContext ctx = {}) {
-  using T = typename Cache::element_type;
   auto S = std::make_shared<MergeHookState>();
   auto step = [at, ctx, S](Cache& cache, int layer, std::int64_t num_q_heads, KeepBuffer& keep) -> Status {
     const kvpolicy::D2O d2o = at(layer);
