@@ -206,7 +206,7 @@ TEST_CASE("compare: sweeps are deterministic and independent of the thread count
   // the quantization, lookahead (LAQ) and merging entries run on the engine's task workloads only.
   std::size_t per_layer = 0;
   for (const auto& p : all_policies()) per_layer += p.run ? 1 : 0;
-  CHECK(per_layer + 10 + 6 == all_policies().size());  // + the six merging entries
+  CHECK(per_layer + 10 + 12 == all_policies().size());  // + the twelve merging entries
   CHECK(policies.size() == per_layer + 1);
 }
 
@@ -310,6 +310,11 @@ TEST_CASE("compare: --list-policies prints the registry and every comparison ent
     // Every entry names a registry policy (the oracle excepted; engine-only entries name a spec, "snapkv+<spec>"
     // for the composed ones, whose registry policies must exist), and every spec string builds.
     if (p.family == "oracle") continue;
+    if (p.registry.empty()) {  // an engine policy with no registry counterpart (D2O whole, kvpress CAM, the pipeline)
+      CHECK(!p.engine.empty());
+      CHECK(listing.find("(engine tasks only: " + p.engine + ")") != std::string::npos);
+      continue;
+    }
     std::string reg = p.registry;
     if (reg.rfind("snapkv+", 0) == 0) reg = reg.substr(7);
     if (reg.rfind("mixed+", 0) == 0) reg = reg.substr(6);
