@@ -105,7 +105,7 @@ std::int64_t check_cam_streaming(const json& c) {
     const auto n0 = static_cast<std::int64_t>(ids.size()), n = n0 + 1;
     std::vector<float> V2(H * n * d), A2(Hq * n);
     for (std::int64_t h = 0; h < H; ++h) {
-      std::copy_n(&V[h * n0 * d], n0 * d, &V2[h * n * d]);
+      std::copy_n(V.data() + h * n0 * d, n0 * d, V2.data() + h * n * d);  // V is empty before the first step
       std::copy_n(&input[(h * steps + s) * d], d, &V2[(h * n + n0) * d]);
     }
     for (std::int64_t q = 0; q < Hq; ++q)
