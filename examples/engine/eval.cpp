@@ -111,6 +111,7 @@ PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_d
     if constexpr (std::is_same_v<decltype(k), kvpolicy::KiviQuant>) {
       p.fp16_tokens = std::max(k.params().residual, v.params().residual);
       p.contiguous = [k, v](std::int64_t, std::int64_t) { return kivi_hooks<C>(k, v); };
+      p.paged = [k, v](std::int64_t, std::int64_t) { return kivi_hooks<PagedKVCache<float>>(k, v); };
     } else {
       p.contiguous = [k, v](std::int64_t, std::int64_t) { return quantize_hooks<C>(k, v, {}, {}); };
       // Paged: every row quantized at its slot of the pool, as the per-token formats allow.
@@ -122,23 +123,39 @@ PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_d
 
 PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim) {
   return with_quant_policy(quant_spec, [&](auto k, auto v) {
+    PolicyUnderTest p;
+    p.name = "snapkv+" + quant_spec;
+    p.query_window = 32;
+    const double scale = (k.bytes_per_token(head_dim) + v.bytes_per_token(head_dim)) / (8.0 * head_dim);
+    p.kv_bytes_scale = scale;
+    p.lossy = true;
     if constexpr (std::is_same_v<decltype(k), kvpolicy::KiviQuant>) {
-      throw std::runtime_error("snapkv+" + quant_spec + ": KIVI's key groups need consecutive tokens; it does not follow an eviction here");
-      return PolicyUnderTest{};
+      // KIVI after SnapKV: the kept tokens are compacted first, then handed to KIVI (kivi_hooks.hpp). Its fp16
+      // residual costs 0.5 of an fp32 token per token (up to R of them), the quantized ones `scale`: the kept
+      // count whose bytes equal `budget` fp32 tokens' is 2 budget while everything fits in the residual, then
+      // R + (budget - R / 2) / scale.
+      const std::int64_t R = std::max(k.params().residual, v.params().residual);
+      p.fp16_tokens = R;
+      auto tokens_for = [R, scale](std::int64_t budget) {
+        const double B = static_cast<double>(budget), r = static_cast<double>(R);
+        return B <= 0.5 * r ? 2 * budget : R + static_cast<std::int64_t>((B - 0.5 * r) / scale);
+      };
+      p.contiguous = [k, v, tokens_for](std::int64_t, std::int64_t budget) {
+        using C = ContiguousKVCache<float>;
+        return kvpolicy::combine(eviction_hooks<C>(snapkv_with_budget(tokens_for(budget))), kivi_hooks<C>(k, v));
+      };
+      p.paged = [k, v, tokens_for](std::int64_t, std::int64_t budget) {
+        using P = PagedKVCache<float>;
+        return kvpolicy::combine(eviction_hooks<P>(snapkv_with_budget(tokens_for(budget))), kivi_hooks<P>(k, v));
+      };
     } else {
-      PolicyUnderTest p;
-      p.name = "snapkv+" + quant_spec;
-      p.query_window = 32;
-      const double scale = (k.bytes_per_token(head_dim) + v.bytes_per_token(head_dim)) / (8.0 * head_dim);
-      p.kv_bytes_scale = scale;
-      p.lossy = true;
       p.contiguous = [k, v, scale](std::int64_t, std::int64_t budget) {
         const auto tokens = static_cast<std::int64_t>(static_cast<double>(budget) / scale);
         using C = ContiguousKVCache<float>;
         return kvpolicy::combine(quantize_hooks<C>(k, v, {}, {}), eviction_hooks<C>(snapkv_with_budget(tokens)));
       };
-      return p;
     }
+    return p;
   });
 }
 
@@ -374,6 +391,10 @@ std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
           quantization_policy("int4:rotation=block,block=16|int4:rotation=none", c.head_dim),
           quantization_policy("ggml:type=q4_0,rotation=llama_cpp", c.head_dim), quantization_policy("kivi:bits=2,residual=32", c.head_dim),
           quantization_policy("kivi:bits=4,residual=32", c.head_dim), snapkv_quantized_policy("int4", c.head_dim),
+          // KIVI with the reference's 128-token residual (its README and LongBench scripts), and KIVI after SnapKV on
+          // one byte budget (the kept tokens compacted, then quantized, the 32-token residual counted).
+          quantization_policy("kivi:bits=2,residual=128", c.head_dim), quantization_policy("kivi:bits=4,residual=128", c.head_dim),
+          snapkv_quantized_policy("kivi:bits=2,residual=32", c.head_dim), snapkv_quantized_policy("kivi:bits=4,residual=32", c.head_dim),
           // Mixed precision (ZipCache / ARKV): SnapKV's ranking, half the bytes on full-precision tokens, the rest INT4.
           snapkv_mixed_precision_policy("int4", c.head_dim, 0.5), snapkv_merged_policy("kvpress_merging"),
           snapkv_merged_policy("lookm_pivot"), snapkv_merged_policy("d2o"), snapkv_merged_policy("nearest_kept"),

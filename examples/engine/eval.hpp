@@ -176,13 +176,17 @@ PolicyUnderTest snapkv_original_policy();
 /// Quest runs on the paged cache only (it selects pages).
 PolicyUnderTest quest_policy(std::int32_t dense_layers = 0);
 
-/// Quantization alone (contiguous cache; every token kept, the budget ignored): `spec` is "ggml:type=q4_0",
-/// "fp8:format=e4m3" (dynamic per-(token, head) scales) or any spec of those two registry policies; the
-/// policy's name is the spec.
+/// Quantization alone (every token kept, the budget ignored; contiguous and paged caches): `spec` is any spec
+/// of the registry's quantization policies ("ggml:type=q4_0", "fp8:format=e4m3" with dynamic per-(token,
+/// head) scales, "int4", "kivi:bits=2,residual=32": a real KIVI store, kivi_hooks.hpp); the policy's name is
+/// the spec.
 PolicyUnderTest quantization_policy(const std::string& spec, std::int32_t head_dim);
 /// Eviction then quantization on one byte budget: SnapKV (window 32, kernel 5) keeps budget * 4 * head_dim /
 /// bytes_per_token tokens, so the quantized cache holds as many bytes as an fp32 cache of `budget` tokens;
-/// every kept token is stored in `quant_spec`'s format. Name "snapkv+<quant_spec>".
+/// every kept token is stored in `quant_spec`'s format. Name "snapkv+<quant_spec>". KIVI ("kivi:..."): the kept
+/// tokens are compacted, then handed to KIVI (key groups over the compacted tokens); its fp16 residual of R
+/// tokens counts at 2 bytes per value, so SnapKV keeps 2 budget tokens while they fit in the residual, else
+/// R + (budget - R / 2) / scale (scale: KIVI's K + V bytes per token over an fp32 token's); both cache layouts.
 PolicyUnderTest snapkv_quantized_policy(const std::string& quant_spec, std::int32_t head_dim);
 /// Mixed precision on one byte budget (kvpolicy::MixedPrecision over SnapKV, window 32, kernel 5): the budget's
 /// bytes (budget fp32 tokens), `full_share` of them on full-precision tokens, the rest on `quant_spec`'s

@@ -17,9 +17,8 @@ template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy
     kvpolicy::Fp8Quant, kvpolicy::Fp8Quant, kvpolicy::ExecContext, std::function<bool(int)>);
 template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::Int4Quant, kvpolicy::backend::Cpu>(
     kvpolicy::Int4Quant, kvpolicy::Int4Quant, kvpolicy::ExecContext, std::function<bool(int)>);
-template Hooks<ContiguousKVCache<float>> kivi_hooks<ContiguousKVCache<float>, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant,
-                                                                                                      kvpolicy::KiviQuant,
-                                                                                                      kvpolicy::ExecContext);
+KVP_ENGINE_KIVI_HOOKS_FOR(, ContiguousKVCache<float>)
+KVP_ENGINE_KIVI_HOOKS_FOR(, PagedKVCache<float>)
 KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::KvpressMerging)
 KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::LookMPivot)
 KVP_ENGINE_MERGE_HOOKS_FOR(, kvpolicy::D2O)

@@ -12,6 +12,9 @@
 //    metadata maintained on every append (and rebuilt after a compaction),
 //    and before each decode attention (Hooks::before_attention) a
 //    `PageSelection` the cache attends to.
+//  * kivi_hooks(keys, values) (kivi_hooks.hpp): KIVI's store (codes, scales, fp16 residual) in the decode
+//    loop, contiguous or paged cache, alone or after an eviction (the store is rebuilt from the compacted
+//    cache after every compaction).
 //  * kvpolicy::combine(a, b) (lifecycle.hpp): both sets of hooks (e.g. SnapKV
 //    after prefill + Quest per step); each hook point calls a's then b's callback.
 //
@@ -60,6 +63,7 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "kivi_hooks.hpp"
 #include "kvpolicy/apply/merge.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/gqa.hpp"
@@ -419,72 +423,6 @@ Hooks<Cache> quantize_hooks(QPolicy keys, QPolicy values, kvpolicy::ExecContext 
 template <class Cache, class QPolicy, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> quantize_hooks(QPolicy policy, kvpolicy::ExecContext ctx = {}) {
   return quantize_hooks<Cache, QPolicy, Backend>(policy, policy, ctx, {});
-}
-
-/// KIVI in the decode loop (contiguous cache, no eviction): per layer a real KIVI store — codes, scales and
-/// the fp16 residual of kvpolicy::KiviQuant::append, K and V each with its own policy — fed in the reference's
-/// order: the prompt after its attention (keys: T - T mod R quantized, values: all but the last R), then each
-/// decode token after its own step's attention (the hook hands the previous step's token to KIVI before the
-/// new one is attended). Whenever KIVI quantizes tokens, their decoded rows replace the engine's fp32 rows, so
-/// the engine attends over concat(quantized, full precision) exactly as KIVI does; the residual tokens keep
-/// the engine's precision. A compaction is an error (KIVI's key groups span consecutive tokens).
-template <class Cache, class Backend = kvpolicy::backend::Cpu>
-Hooks<Cache> kivi_hooks(kvpolicy::KiviQuant keys, kvpolicy::KiviQuant values, kvpolicy::ExecContext ctx = {}) {
-  struct Role {
-    std::vector<kvpolicy::half> residual;
-    std::vector<std::uint8_t> codes, scales;
-    kvpolicy::KiviState st;
-    kvpolicy::QuantizedKV q;
-  };
-  struct Layer {
-    Role role[2];
-    std::int64_t handed = 0;  // cache tokens handed to KIVI
-  };
-  auto S = std::make_shared<std::vector<Layer>>();
-  Hooks<Cache> h;
-  h.on_append = [keys, values, ctx, S](Cache& cache, int layer, std::int64_t appended) -> Status {
-    if (S->size() <= static_cast<std::size_t>(layer)) S->resize(static_cast<std::size_t>(layer) + 1);
-    Layer& L = (*S)[static_cast<std::size_t>(layer)];
-    const std::int64_t len = cache.uniform_length(layer);
-    const auto K = cache.keys(layer), V = cache.values(layer);
-    const std::int64_t H = K.extent(0), cap = K.extent(1), d = K.extent(2);
-    const bool prefill = appended == len;
-    for (int r = 0; r < 2 && prefill; ++r) {  // a new request: fresh stores sized for the cache
-      const kvpolicy::KiviQuant& p = r == 0 ? keys : values;
-      Role& R = L.role[r];
-      const std::int64_t res = std::max<std::int64_t>(p.params().residual, 1), rows = p.code_rows(cap);
-      R.residual.assign(static_cast<std::size_t>(H * res * d), kvpolicy::half{});
-      R.codes.assign(static_cast<std::size_t>(H * rows * p.codes_row_bytes(d)), 0);
-      R.scales.assign(static_cast<std::size_t>(H * rows * p.scales_row_bytes(d)), 0);
-      R.st = kvpolicy::KiviState{kvpolicy::TensorView<kvpolicy::half, 3>::contiguous(R.residual.data(), {H, res, d}), 0};
-      R.q = kvpolicy::QuantizedKV{p.layout(),
-                                  kvpolicy::TensorView<std::uint8_t, 3>::contiguous(R.codes.data(), {H, rows, p.codes_row_bytes(d)}),
-                                  kvpolicy::TensorView<std::uint8_t, 3>::contiguous(R.scales.data(), {H, rows, p.scales_row_bytes(d)}), 0};
-      L.handed = 0;
-    }
-    // Everything before this step's new token has had its attention: hand it to KIVI (the whole prompt at prefill).
-    const std::int64_t upto = prefill ? len : len - appended;
-    if (upto <= L.handed) return Status::ok();
-    for (int r = 0; r < 2; ++r) {
-      const kvpolicy::KiviQuant& p = r == 0 ? keys : values;
-      Role& R = L.role[r];
-      const auto all = r == 0 ? K : V;
-      const std::int64_t before = R.q.tokens;
-      KVP_RETURN_IF_ERROR(p.append(policy_context<Backend>(ctx),
-                                   kvpolicy::TensorView<const float, 3>(all.narrow(1, L.handed, upto - L.handed)), R.st, R.q));
-      const std::int64_t n = R.q.tokens - before;
-      if (n == 0) continue;
-      const std::int64_t row0 = p.code_rows(before), rows = p.code_rows(R.q.tokens) - row0;
-      const kvpolicy::QuantizedKV fresh{R.q.layout, R.q.codes.narrow(1, row0, rows), R.q.scales.narrow(1, row0, rows), n};
-      KVP_RETURN_IF_ERROR(p.dequantize(policy_context<Backend>(ctx), fresh, all.narrow(1, before, n)));
-    }
-    L.handed = upto;
-    return Status::ok();
-  };
-  h.on_compact = [](Cache&, int layer) -> Status {
-    return KVP_INVALID("kivi hooks: layer %d was compacted; KIVI's key groups need consecutive tokens (no eviction with KIVI here)", layer);
-  };
-  return h;
 }
 
 /// Mixed precision after prefill (kvpolicy::MixedPrecision: any scorer ranks, the top tokens stay in full
@@ -956,9 +894,11 @@ extern template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, k
     kvpolicy::Fp8Quant, kvpolicy::Fp8Quant, kvpolicy::ExecContext, std::function<bool(int)>);
 extern template Hooks<PagedKVCache<float>> quantize_hooks<PagedKVCache<float>, kvpolicy::Int4Quant, kvpolicy::backend::Cpu>(
     kvpolicy::Int4Quant, kvpolicy::Int4Quant, kvpolicy::ExecContext, std::function<bool(int)>);
-extern template Hooks<ContiguousKVCache<float>> kivi_hooks<ContiguousKVCache<float>, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant,
-                                                                                                             kvpolicy::KiviQuant,
-                                                                                                             kvpolicy::ExecContext);
+#define KVP_ENGINE_KIVI_HOOKS_FOR(EXTERN, C)                                                                                      \
+  EXTERN template Hooks<C> kivi_hooks<C, kvpolicy::backend::Cpu>(kvpolicy::KiviQuant, kvpolicy::KiviQuant, kvpolicy::ExecContext, \
+                                                                 std::shared_ptr<KiviHookState>);
+KVP_ENGINE_KIVI_HOOKS_FOR(extern, ContiguousKVCache<float>)
+KVP_ENGINE_KIVI_HOOKS_FOR(extern, PagedKVCache<float>)
 #define KVP_ENGINE_MERGE_HOOKS_FOR(EXTERN, M)                                                                                         \
   EXTERN template Hooks<ContiguousKVCache<float>> merge_hooks<ContiguousKVCache<float>, kvpolicy::SnapKV, M, kvpolicy::backend::Cpu>( \
       kvpolicy::SnapKV, M, kvpolicy::ExecContext);

@@ -491,6 +491,13 @@ inline std::vector<PolicySpec> all_policies() {
       {"KIVI-2", "quantization", false, false, adapt::quantization("kivi:bits=2,residual=32"), "kivi:bits=2,residual=32", "", ""},
       {"KIVI-4", "quantization", false, false, adapt::quantization("kivi:bits=4,residual=32"), "kivi:bits=4,residual=32", "", ""},
       {"SnapKV+int4", "evict+quantize", true, false, {}, "snapkv+int4", "", ""},
+      // KIVI with the reference's 128-token residual (its README and LongBench scripts; prompts of 512 tokens and
+      // more hold it), and KIVI after SnapKV on one byte budget: the kept tokens compacted, then quantized, KIVI's
+      // key groups formed over them (the 32-token fp16 residual counted in the bytes).
+      {"KIVI-2(R=128)", "quantization", false, false, adapt::quantization("kivi:bits=2,residual=128"), "kivi:bits=2,residual=128", "", ""},
+      {"KIVI-4(R=128)", "quantization", false, false, adapt::quantization("kivi:bits=4,residual=128"), "kivi:bits=4,residual=128", "", ""},
+      {"SnapKV+KIVI-2", "evict+quantize", true, false, {}, "snapkv+kivi:bits=2,residual=32", "", ""},
+      {"SnapKV+KIVI-4", "evict+quantize", true, false, {}, "snapkv+kivi:bits=4,residual=32", "", ""},
       // Mixed precision (ZipCache / ARKV): SnapKV ranks, half the bytes keep the top tokens in full precision, the
       // rest hold the next ones in INT4, the others are evicted.
       {"SnapKV+mixed(fp32+int4)", "evict+quantize", true, false, {}, "snapkv+mixed+int4", "", ""},
