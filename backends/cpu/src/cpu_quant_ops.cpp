@@ -27,5 +27,74 @@ std::int64_t CpuQuantOps::first_nonfinite_kernel(const half* x, std::int64_t n) 
   return n <= 0 ? -1 : cpu_detail::quant_kernels().first_nonfinite_f16(x, n);
 }
 
+bool CpuQuantOps::rotate_in_kernel(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept {
+  return cpu_detail::quant_kernels().rotate_in_f32(x, rows, xs, d, n, y);
+}
+bool CpuQuantOps::rotate_in_kernel(const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept {
+  return cpu_detail::quant_kernels().rotate_in_f16(x, rows, xs, d, n, y);
+}
+bool CpuQuantOps::rotate_out_kernel(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, float* out, std::int64_t os) noexcept {
+  return cpu_detail::quant_kernels().rotate_out_f32(y, rows, d, n, out, os);
+}
+bool CpuQuantOps::rotate_out_kernel(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, half* out, std::int64_t os) noexcept {
+  return cpu_detail::quant_kernels().rotate_out_f16(y, rows, d, n, out, os);
+}
+void CpuQuantOps::int4_quantize_rows(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out,
+                                     std::int64_t out_stride) noexcept {
+  if (!cpu_detail::quant_kernels().int4_quantize(x, rows, d, bits, out, out_stride))
+    ScalarQuantOps::int4_quantize_rows(x, rows, d, bits, out, out_stride);
+}
+void CpuQuantOps::int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
+                                       float* y) noexcept {
+  if (!cpu_detail::quant_kernels().int4_dequantize(in, rows, in_stride, d, bits, y))
+    ScalarQuantOps::int4_dequantize_rows(in, rows, in_stride, d, bits, y);
+}
+bool CpuQuantOps::fp8_quantize_kernel(Fp8Format f, const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float scale,
+                                      std::uint8_t* out, std::int64_t os) noexcept {
+  return cpu_detail::quant_kernels().fp8_quantize_f32(f, x, rows, xs, d, scale, out, os);
+}
+bool CpuQuantOps::fp8_quantize_kernel(Fp8Format f, const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float scale,
+                                      std::uint8_t* out, std::int64_t os) noexcept {
+  return cpu_detail::quant_kernels().fp8_quantize_f16(f, x, rows, xs, d, scale, out, os);
+}
+bool CpuQuantOps::fp8_dequantize_kernel(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d,
+                                        float scale, float* y, std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().fp8_dequantize_f32(f, in, rows, is, d, scale, y, ys);
+}
+bool CpuQuantOps::fp8_dequantize_kernel(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d,
+                                        float scale, half* y, std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().fp8_dequantize_f16(f, in, rows, is, d, scale, y, ys);
+}
+bool CpuQuantOps::kivi_r16_kernel(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept {
+  return cpu_detail::quant_kernels().kivi_r16_f32(x, rows, xs, d, y);
+}
+bool CpuQuantOps::kivi_r16_kernel(const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept {
+  return cpu_detail::quant_kernels().kivi_r16_f16(x, rows, xs, d, y);
+}
+std::int64_t CpuQuantOps::first_not_below(const float* x, std::int64_t n, float bound) noexcept {
+  return n <= 0 ? -1 : cpu_detail::quant_kernels().first_not_below(x, n, bound);
+}
+void CpuQuantOps::kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes,
+                                     std::uint8_t* scales) noexcept {
+  if (!cpu_detail::quant_kernels().kivi_quantize_keys(x, d, group, bits, codes, scales))
+    ScalarQuantOps::kivi_quantize_keys(x, d, group, bits, codes, scales);
+}
+void CpuQuantOps::kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                       float* y) noexcept {
+  if (!cpu_detail::quant_kernels().kivi_dequantize_keys(codes, scales, d, group, bits, y))
+    ScalarQuantOps::kivi_dequantize_keys(codes, scales, d, group, bits, y);
+}
+void CpuQuantOps::kivi_quantize_value_rows(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
+                                           std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+  if (!cpu_detail::quant_kernels().kivi_quantize_values(x, rows, d, group, bits, codes, codes_stride, scales, scales_stride))
+    ScalarQuantOps::kivi_quantize_value_rows(x, rows, d, group, bits, codes, codes_stride, scales, scales_stride);
+}
+void CpuQuantOps::kivi_dequantize_value_rows(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                             std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits,
+                                             float* y) noexcept {
+  if (!cpu_detail::quant_kernels().kivi_dequantize_values(codes, codes_stride, scales, scales_stride, rows, d, group, bits, y))
+    ScalarQuantOps::kivi_dequantize_value_rows(codes, codes_stride, scales, scales_stride, rows, d, group, bits, y);
+}
+
 }  // namespace backend
 KVP_NAMESPACE_END

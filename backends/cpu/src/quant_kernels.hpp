@@ -10,6 +10,7 @@
 
 #include "isa_dispatch.hpp"
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/quant/fp8.hpp"
 #include "kvpolicy/quant/ggml.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -23,6 +24,31 @@ struct QuantKernels {
   /// First index of a NaN or infinity in x[0..n), or -1.
   std::int64_t (*first_nonfinite_f32)(const float* x, std::int64_t n) noexcept;
   std::int64_t (*first_nonfinite_f16)(const half* x, std::int64_t n) noexcept;
+  // Row codecs (quant_codec_impl.hpp; contracts of ScalarQuantOps): false = shape not vectorised, nothing written.
+  bool (*rotate_in_f32)(const float* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, std::int64_t n, float* y) noexcept;
+  bool (*rotate_in_f16)(const half* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, std::int64_t n, float* y) noexcept;
+  bool (*rotate_out_f32)(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, float* out, std::int64_t out_stride) noexcept;
+  bool (*rotate_out_f16)(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, half* out, std::int64_t out_stride) noexcept;
+  bool (*int4_quantize)(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out, std::int64_t out_stride) noexcept;
+  bool (*int4_dequantize)(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, float* y) noexcept;
+  bool (*fp8_quantize_f32)(Fp8Format f, const float* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
+                           std::uint8_t* out, std::int64_t out_stride) noexcept;
+  bool (*fp8_quantize_f16)(Fp8Format f, const half* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
+                           std::uint8_t* out, std::int64_t out_stride) noexcept;
+  bool (*fp8_dequantize_f32)(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale,
+                             float* y, std::int64_t y_stride) noexcept;
+  bool (*fp8_dequantize_f16)(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale,
+                             half* y, std::int64_t y_stride) noexcept;
+  std::int64_t (*first_not_below)(const float* x, std::int64_t n, float bound) noexcept;
+  bool (*kivi_r16_f32)(const float* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept;
+  bool (*kivi_r16_f16)(const half* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept;
+  bool (*kivi_quantize_keys)(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept;
+  bool (*kivi_dequantize_keys)(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                               float* y) noexcept;
+  bool (*kivi_quantize_values)(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
+                               std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept;
+  bool (*kivi_dequantize_values)(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                 std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, float* y) noexcept;
 };
 
 KVP_CPU_DECLARE_KERNELS(QuantKernels, quant_kernels)

@@ -81,7 +81,10 @@ inline float get_half(const std::uint8_t* p) noexcept { return half_to_float(sta
 
 #include "kvpolicy/quant/ggml_blocks.inl"
 
+inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out) noexcept;  // quant_codec_impl.hpp
+
 inline void quantize_block(GgmlType t, const float* x, std::uint8_t* out) noexcept {
+  if (ggml_quantize_block_v(t, x, out)) return;
   switch (t) {
     case GgmlType::kQ8_0: quantize_q8_0(x, out); break;
     case GgmlType::kQ4_0: quantize_q4_0(x, out); break;
@@ -176,3 +179,5 @@ inline std::int64_t first_nonfinite_f16(const half* x, std::int64_t n) noexcept 
 
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
 KVP_NAMESPACE_END
+
+#include "quant_codec_impl.hpp"

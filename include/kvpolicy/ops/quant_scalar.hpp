@@ -3,12 +3,33 @@
 // ggml block formats (quant/ggml.hpp), the reference every backend must match
 // byte for byte (quantize) and bit for bit (dequantize). A row is n values,
 // n a multiple of 32, into n / 32 consecutive blocks.
+//
+// The row codecs of the other formats, over `rows` rows of d values at a row
+// stride (elements for values, bytes for codes), channels contiguous:
+//   rotate_rows_in / rotate_rows_out   T rows <-> fp32 rows through the
+//       block-diagonal Hadamard transform of block n (quant/hadamard.hpp;
+//       n <= 1: a plain conversion)
+//   int4_quantize_rows / int4_dequantize_rows   token-wise INT4 / INT8 of
+//       fp32 rows (quant/int4.hpp)
+//   fp8_quantize_rows / fp8_dequantize_rows     fp8 codes of T rows with one
+//       scale, or (scale <= 0) the dynamic per-row scale in the row's trailer
+//       (Fp8Quant's per_token_head layout)
+//   kivi_r16_rows, kivi_*_keys / kivi_*_value_rows   KIVI's fp16 arithmetic
+//       (quant/kivi.hpp) on fp16-valued fp32 rows
+// Inputs are finite (the policies validate before any call).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/quant/fp8.hpp"
 #include "kvpolicy/quant/ggml.hpp"
+#include "kvpolicy/quant/hadamard.hpp"
+#include "kvpolicy/quant/int4.hpp"
+#include "kvpolicy/quant/kivi.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
@@ -46,6 +67,123 @@ struct ScalarQuantOps {
         for (int j = 0; j < kGgmlBlock; ++j) y[b * kGgmlBlock + j] = from_float<T>(blk[j]);
       }
     }
+  }
+
+  // ---- Hadamard rotation ------------------------------------------------------------------------
+
+  /// y[r * d + c] <- (R float(x[r * x_stride + .]))[c] for r < rows (y contiguous).
+  template <class T>
+  static void rotate_rows_in(const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, std::int64_t n, float* y) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < d; ++c) y[r * d + c] = to_float(x[r * x_stride + c]);
+      hadamard_rotate(y + r * d, d, n);
+    }
+  }
+  /// out[r * out_stride + c] <- T((R y_r)[c]); y (contiguous rows of d) is rotated in place.
+  template <class T>
+  static void rotate_rows_out(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, T* out, std::int64_t out_stride) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      hadamard_rotate(y + r * d, d, n);
+      for (std::int64_t c = 0; c < d; ++c) out[r * out_stride + c] = from_float<T>(y[r * d + c]);
+    }
+  }
+
+  // ---- token-wise INT4 / INT8 ---------------------------------------------------------------------
+
+  /// Rows x (contiguous, d values each) into code rows out + r * out_stride (int4q::row_bytes(d, bits) bytes).
+  static void int4_quantize_rows(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out,
+                                 std::int64_t out_stride) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) int4q::quantize_row(x + r * d, d, bits, out + r * out_stride);
+  }
+  /// Code rows in + r * in_stride decoded into y (contiguous rows of d).
+  static void int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
+                                   float* y) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) int4q::dequantize_row(in + r * in_stride, d, bits, y + r * d);
+  }
+
+  // ---- fp8 ----------------------------------------------------------------------------------------
+
+  /// The dynamic scale of one row: amax / fp8_max (1 for an all-zero row).
+  template <class T>
+  static float fp8_row_scale(Fp8Format f, const T* x, std::int64_t d) noexcept {
+    float amax = 0.0f;
+    for (std::int64_t c = 0; c < d; ++c) {
+      const float a = std::fabs(to_float(x[c]));
+      amax = amax < a ? a : amax;
+    }
+    return amax > 0.0f ? amax / fp8_max(f) : 1.0f;
+  }
+  /// Codes fp8(x / scale) of each row; scale <= 0: each row's dynamic scale, stored (fp32, then 12 zero bytes)
+  /// at out + r * out_stride + d.
+  template <class T>
+  static void fp8_quantize_rows(Fp8Format f, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
+                                std::uint8_t* out, std::int64_t out_stride) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * x_stride;
+      std::uint8_t* o = out + r * out_stride;
+      float s = scale;
+      if (s <= 0.0f) {
+        s = fp8_row_scale(f, xr, d);
+        std::memcpy(o + d, &s, sizeof s);
+        std::memset(o + d + sizeof s, 0, 12);
+      }
+      for (std::int64_t c = 0; c < d; ++c) o[c] = fp8_encode(f, to_float(xr[c]) / s);
+    }
+  }
+  /// Values decode(code) * scale of each code row; scale <= 0: the scale stored after the row's d codes.
+  template <class T>
+  static void fp8_dequantize_rows(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d,
+                                  float scale, T* y, std::int64_t y_stride) noexcept {
+    float lut[256];
+    for (int c = 0; c < 256; ++c) lut[c] = fp8_decode(f, static_cast<std::uint8_t>(c));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::uint8_t* i = in + r * in_stride;
+      float s = scale;
+      if (s <= 0.0f) std::memcpy(&s, i + d, sizeof s);
+      for (std::int64_t c = 0; c < d; ++c) y[r * y_stride + c] = from_float<T>(lut[i[c]] * s);
+    }
+  }
+
+  // ---- KIVI ---------------------------------------------------------------------------------------
+
+  /// First index i of x[0, n) with !(|x[i]| < bound) (NaN included), or -1.
+  static std::int64_t first_not_below(const float* x, std::int64_t n, float bound) noexcept {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!(std::fabs(x[i]) < bound)) return i;
+    return -1;
+  }
+
+  /// y[r * d + c] <- fp16(x[r * x_stride + c]) as a float (KIVI's inputs).
+  template <class T>
+  static void kivi_r16_rows(const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < d; ++c) y[r * d + c] = kivi::r16(to_float(x[r * x_stride + c]));
+  }
+  /// One key group: x (group rows of d, contiguous) into the group's words and scales.
+  static void kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept {
+    float col[4096];
+    for (std::int64_t c = 0; c < d; ++c) {
+      for (int t = 0; t < group; ++t) col[t] = x[t * d + c];
+      kivi::quantize_key_channel(col, d, c, group, bits, codes, scales);
+    }
+  }
+  /// One key group decoded into y (group rows of d, contiguous).
+  static void kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                   float* y) noexcept {
+    for (std::int64_t c = 0; c < d; ++c) kivi::dequantize_key_channel(codes, scales, d, c, group, bits, y + c, d);
+  }
+  /// Value rows x (contiguous rows of d) into code rows codes + r * codes_stride and scale rows scales + r * scales_stride.
+  static void kivi_quantize_value_rows(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
+                                       std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r)
+      kivi::quantize_value_row(x + r * d, d, group, bits, codes + r * codes_stride, scales + r * scales_stride);
+  }
+  /// Value rows decoded into y (contiguous rows of d).
+  static void kivi_dequantize_value_rows(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                         std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits,
+                                         float* y) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r)
+      kivi::dequantize_value_row(codes + r * codes_stride, scales + r * scales_stride, d, group, bits, y + r * d);
   }
 };
 

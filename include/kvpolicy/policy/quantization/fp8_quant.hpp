@@ -112,8 +112,16 @@ class Fp8Quant {
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows(kName, rows));
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows));
     const float fmax = fp8_max(params_.format);
+    if (rows.stride(2) == 1 || d == 1) {
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        const float s = params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h);  // 0: each row's own
+        if (T > 0)
+          Backend::fp8_quantize_rows(params_.format, &rows(h, 0, 0), T, rows.stride(1), d, s, &q.codes(h, 0, 0), q.codes.stride(1));
+      });
+      return Status::ok();
+    }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
       for (std::int64_t t = 0; t < T; ++t) {
         std::uint8_t* out = &q.codes(h, t, 0);
@@ -145,6 +153,14 @@ class Fp8Quant {
                 fp8_name(params_.format));
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
+    if (out.stride(2) == 1 || d == 1) {
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        const float s = params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h);  // 0: the row's trailer
+        if (T > 0)
+          Backend::fp8_dequantize_rows(params_.format, &q.codes(h, 0, 0), T, q.codes.stride(1), d, s, &out(h, 0, 0), out.stride(1));
+      });
+      return Status::ok();
+    }
     float lut[256];
     for (int c = 0; c < 256; ++c) lut[c] = fp8_decode(params_.format, static_cast<std::uint8_t>(c));
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {

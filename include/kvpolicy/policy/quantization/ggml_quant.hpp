@@ -31,6 +31,7 @@
 // Thread-safety: const; heads are split over `ctx.exec`.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -128,11 +129,13 @@ class GgmlQuant {
       return Status::ok();
     }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      float x[kMaxRotatedHeadDim];
-      for (std::int64_t t = 0; t < T; ++t) {
-        for (std::int64_t c = 0; c < d; ++c) x[c] = to_float(rows(h, t, c));
-        hadamard_rotate(x, d, n);
-        Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x), d, &q.codes(h, t, 0));
+      alignas(64) float x[kScratch];
+      const std::int64_t chunk = kScratch / d;
+      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, T - t0);
+        Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
+        for (std::int64_t r = 0; r < m; ++r)
+          Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x + r * d), d, &q.codes(h, t0 + r, 0));
       }
     });
     return Status::ok();
@@ -161,11 +164,12 @@ class GgmlQuant {
       return Status::ok();
     }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      float y[kMaxRotatedHeadDim];
-      for (std::int64_t t = 0; t < T; ++t) {
-        Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, y);
-        hadamard_rotate(y, d, n);
-        for (std::int64_t c = 0; c < d; ++c) out(h, t, c) = from_float<Tk>(y[c]);
+      alignas(64) float y[kScratch];
+      const std::int64_t chunk = kScratch / d;
+      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, T - t0);
+        for (std::int64_t r = 0; r < m; ++r) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t0 + r, 0), d, y + r * d);
+        Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
       }
     });
     return Status::ok();
@@ -181,6 +185,8 @@ class GgmlQuant {
   void rotate(float* x, std::int64_t d) const noexcept { hadamard_rotate(x, d, rotation_block(d)); }
 
  private:
+  static constexpr std::int64_t kScratch = 8192;  ///< fp32 values one worker rotates at a time (>= kMaxRotatedHeadDim)
+
   Status check_head_dim(std::int64_t d) const noexcept {
     KVP_REQUIRE(d >= kGgmlBlock && d % kGgmlBlock == 0, "ggml: head_dim %lld is not a multiple of the %s block (32 values)",
                 static_cast<long long>(d), ggml_name(params_.type));

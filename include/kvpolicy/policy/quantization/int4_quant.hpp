@@ -21,12 +21,17 @@
 // giving those layers a policy with rotation=none (examples/engine: one
 // policy per layer).
 //
+// The rows pass through the backend's row codecs (rotate_rows_in / out,
+// int4_quantize_rows / int4_dequantize_rows: vectorised on backend::Cpu,
+// bit-identical with backend::Scalar), a chunk of rows at a time.
+//
 // Stateless; every row is self-contained (page-local), so rows move with
 // their tokens under compaction. Validation before any write: bits 4 or 8,
 // head_dim even (4 bits) and valid for the rotation, finite input (the error
 // names head, token, channel), codes shaped (kv_heads, >= T, row_bytes).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string_view>
@@ -115,14 +120,21 @@ class Int4Quant {
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows(kName, rows));
-    const std::int64_t n = rotation_block(d);
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows));
+    const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
+    const bool unit = rows.stride(2) == 1 || d == 1;
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      float x[kMaxRotatedHeadDim];
-      for (std::int64_t t = 0; t < T; ++t) {
-        for (std::int64_t c = 0; c < d; ++c) x[c] = to_float(rows(h, t, c));
-        hadamard_rotate(x, d, n);
-        int4q::quantize_row(x, d, params_.bits, &q.codes(h, t, 0));
+      alignas(64) float x[kScratch];
+      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, T - t0);
+        if (unit) {
+          Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
+        } else {
+          for (std::int64_t r = 0; r < m; ++r)
+            for (std::int64_t c = 0; c < d; ++c) x[r * d + c] = to_float(rows(h, t0 + r, c));
+          Backend::rotate_rows_in(static_cast<const float*>(x), m, d, d, n, x);
+        }
+        Backend::int4_quantize_rows(x, m, d, params_.bits, &q.codes(h, t0, 0), q.codes.stride(1));
       }
     });
     return Status::ok();
@@ -141,19 +153,28 @@ class Int4Quant {
                 "int4: the quantized region's layout is '%s', the policy's is '%s'", q.layout.name ? q.layout.name : "(null)",
                 layout_name());
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    const std::int64_t n = rotation_block(d);
+    const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
+    const bool unit = out.stride(2) == 1 || d == 1;
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      float y[kMaxRotatedHeadDim];
-      for (std::int64_t t = 0; t < T; ++t) {
-        int4q::dequantize_row(&q.codes(h, t, 0), d, params_.bits, y);
-        hadamard_rotate(y, d, n);
-        for (std::int64_t c = 0; c < d; ++c) out(h, t, c) = from_float<Tk>(y[c]);
+      alignas(64) float y[kScratch];
+      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, T - t0);
+        Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, y);
+        if (unit) {
+          Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
+        } else {
+          Backend::rotate_rows_out(y, m, d, n, y, d);
+          for (std::int64_t r = 0; r < m; ++r)
+            for (std::int64_t c = 0; c < d; ++c) out(h, t0 + r, c) = from_float<Tk>(y[r * d + c]);
+        }
       }
     });
     return Status::ok();
   }
 
  private:
+  static constexpr std::int64_t kScratch = 8192;  ///< fp32 values of the rows one worker converts at a time (>= kMaxRotatedHeadDim)
+
   Status check_codes(const QuantizedKV& q, std::int64_t H, std::int64_t T, std::int64_t d) const noexcept {
     const auto& c = q.codes;
     KVP_RETURN_IF_ERROR(c.check_basic(kName, "codes"));

@@ -148,15 +148,15 @@ class KiviQuant {
   template <class Backend, class Tk>
   Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State&, QuantizedKV q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_rows(rows, "rows"));
+    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows"));
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     if (params_.role == QuantRole::kKeys)
       KVP_REQUIRE(T % params_.group == 0, "kivi: keys rows has %lld tokens, not a multiple of group %d", static_cast<long long>(T),
                   params_.group);
     KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
-    const auto tok = [&](std::int64_t h, std::int64_t i, std::int64_t c) { return kivi::r16(to_float(rows(h, i, c))); };
-    KVP_RETURN_IF_ERROR(check_ranges(tok, H, d, T));
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) { write_codes(tok, h, 0, T, d, q); });
+    const LogicalRows<Tk> tok{rows, {}, 0};
+    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, T));
+    ctx.exec.parallel_for(H, [&](std::int64_t h, int) { write_codes<Backend>(tok, h, 0, T, d, q); });
     return Status::ok();
   }
 
@@ -178,6 +178,27 @@ class KiviQuant {
                   params_.group);
     KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
     const int G = params_.group, b = params_.bits;
+    const bool unit = out.stride(2) == 1 || d == 1;
+    if (fits_scratch(d)) {
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        alignas(64) float y[kScratch];
+        if (params_.role == QuantRole::kKeys) {
+          for (std::int64_t g = 0; g < T / G; ++g) {
+            Backend::kivi_dequantize_keys(&q.codes(h, g, 0), &q.scales(h, g, 0), d, G, b, y);
+            store_rows<Backend>(y, G, d, out, h, g * G, unit);
+          }
+        } else {
+          const std::int64_t chunk = kScratch / d;
+          for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+            const std::int64_t m = std::min(chunk, T - t0);
+            Backend::kivi_dequantize_value_rows(&q.codes(h, t0, 0), q.codes.stride(1), &q.scales(h, t0, 0), q.scales.stride(1), m, d, G, b,
+                                                y);
+            store_rows<Backend>(y, m, d, out, h, t0, unit);
+          }
+        }
+      });
+      return Status::ok();
+    }
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
       float row[4096];
       if (params_.role == QuantRole::kKeys) {
@@ -202,7 +223,7 @@ class KiviQuant {
   template <class Backend, class Tk>
   Status append(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State& st, QuantizedKV& q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_rows(rows, "rows"));
+    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows"));
     const std::int64_t H = rows.extent(0), n = rows.extent(1), d = rows.extent(2), R = params_.residual;
     const std::int64_t len = st.residual_len;
     KVP_REQUIRE(len >= 0 && len <= (params_.role == QuantRole::kKeys ? R - 1 : R),
@@ -223,13 +244,11 @@ class KiviQuant {
     const std::int64_t L = len + n;
     const std::int64_t nq = params_.role == QuantRole::kKeys ? L / R * R : std::max<std::int64_t>(0, L - R);
     KVP_RETURN_IF_ERROR(check_region(q, H, q.tokens, nq, d));
-    const auto tok = [&](std::int64_t h, std::int64_t i, std::int64_t c) {
-      return i < len ? to_float(st.residual(h, i, c)) : kivi::r16(to_float(rows(h, i - len, c)));
-    };
-    KVP_RETURN_IF_ERROR(check_ranges(tok, H, d, nq));
+    const LogicalRows<Tk> tok{rows, st.residual, len};
+    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, nq));
     const std::int64_t first = q.tokens;
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      write_codes(tok, h, first, nq, d, q);
+      write_codes<Backend>(tok, h, first, nq, d, q);
       // The residual becomes logical tokens [nq, L): survivors of the old residual move to its front
       // (ascending, so an overlapping move reads before it writes), then the new rows.
       for (std::int64_t i = nq; i < len; ++i)
@@ -249,23 +268,75 @@ class KiviQuant {
   }
 
  private:
+  static constexpr std::int64_t kScratch = 16384;  ///< fp32 values one worker converts at a time
+  /// Whether a key group (group x d) and a value row fit the scratch (else the per-channel reference path runs).
+  bool fits_scratch(std::int64_t d) const noexcept { return static_cast<std::int64_t>(params_.group) * d <= kScratch && d <= kScratch; }
+
   const char* role_name() const noexcept { return params_.role == QuantRole::kKeys ? "keys" : "values"; }
 
+  /// The logical sequence an append quantizes from: the residual's rows [0, len) (fp16), then `rows`.
   template <class Tk>
+  struct LogicalRows {
+    TensorView<const Tk, 3> rows;
+    TensorView<half, 3> residual;
+    std::int64_t len = 0;
+
+    /// Logical token i, channel c, as KIVI's fp16 value.
+    float value(std::int64_t h, std::int64_t i, std::int64_t c) const noexcept {
+      return i < len ? to_float(residual(h, i, c)) : kivi::r16(to_float(rows(h, i - len, c)));
+    }
+    /// Logical tokens [i0, i0 + m) of head h as fp16 values into x (m rows of d).
+    template <class Backend>
+    void gather(std::int64_t h, std::int64_t i0, std::int64_t m, std::int64_t d, float* x) const noexcept {
+      std::int64_t r = 0;
+      if (i0 < len) {
+        r = std::min(m, len - i0);
+        Backend::kivi_r16_rows(&residual(h, i0, 0), r, residual.stride(1), d, x);
+      }
+      if (r == m) return;
+      const std::int64_t j0 = i0 + r - len;
+      if (rows.stride(2) == 1 || d == 1) {
+        Backend::kivi_r16_rows(&rows(h, j0, 0), m - r, rows.stride(1), d, x + r * d);
+      } else {
+        for (std::int64_t k = r; k < m; ++k)
+          for (std::int64_t c = 0; c < d; ++c) x[k * d + c] = kivi::r16(to_float(rows(h, j0 + k - r, c)));
+      }
+    }
+  };
+
+  /// Rows y (m rows of d, fp16 values) into out(h, t0 .., :).
+  template <class Backend, class Tk>
+  static void store_rows(float* y, std::int64_t m, std::int64_t d, const TensorView<Tk, 3>& out, std::int64_t h, std::int64_t t0,
+                         bool unit) noexcept {
+    if (unit) {
+      Backend::rotate_rows_out(y, m, d, 0, &out(h, t0, 0), out.stride(1));  // block 0: a plain conversion
+      return;
+    }
+    for (std::int64_t r = 0; r < m; ++r)
+      for (std::int64_t c = 0; c < d; ++c) out(h, t0 + r, c) = from_float<Tk>(y[r * d + c]);
+  }
+
+  template <class Backend, class Tk>
   Status check_rows(TensorView<const Tk, 3> rows, const char* name) const noexcept {
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, name));
     KVP_REQUIRE(rows.device().is_host(), "kivi: %s is a device tensor; this entry point reads host memory", name);
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(d <= 4096, "kivi: head_dim %lld exceeds 4096", static_cast<long long>(d));
+    const LogicalRows<Tk> src{rows, {}, 0};
+    const std::int64_t chunk = kScratch / d;
+    alignas(64) float x[kScratch];
     for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          const float v = to_float(rows(h, t, c));
-          KVP_REQUIRE(std::isfinite(kivi::r16(v)),
-                      "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written",
-                      name, static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(v));
-        }
+      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, T - t0);
+        src.template gather<Backend>(h, t0, m, d, x);
+        const std::int64_t bad = Backend::first_not_below(x, m * d, __builtin_inff());  // fp16 overflow rounds to inf; or NaN
+        if (bad < 0) continue;
+        const std::int64_t t = t0 + bad / d, c = bad % d;
+        return KVP_INVALID(
+            "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written", name,
+            static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(to_float(rows(h, t, c))));
+      }
     return Status::ok();
   }
 
@@ -288,51 +359,78 @@ class KiviQuant {
     return Status::ok();
   }
 
-  /// Every group about to be quantized (logical tokens [0, nq)) has a finite fp16 range.
-  template <class Tok>
-  Status check_ranges(const Tok& tok, std::int64_t H, std::int64_t d, std::int64_t nq) const noexcept {
+  /// Every group about to be quantized (logical tokens [0, nq)) has a finite fp16 range. Values below 32752
+  /// in magnitude cannot overflow a range (|mx - mn| < 65504), so a chunk whose values all are needs no
+  /// per-group check.
+  template <class Backend, class Tk>
+  Status check_ranges(const LogicalRows<Tk>& tok, std::int64_t H, std::int64_t d, std::int64_t nq) const noexcept {
     const int G = params_.group;
-    float x[4096];
-    for (std::int64_t h = 0; h < H; ++h) {
-      if (params_.role == QuantRole::kKeys) {
-        for (std::int64_t g = 0; g < nq / G; ++g)
+    const bool keys = params_.role == QuantRole::kKeys, gathered = fits_scratch(d);
+    const std::int64_t chunk = keys ? G : kScratch / d;
+    alignas(64) float x[kScratch];
+    float col[4096];
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t t0 = 0; t0 + (keys ? G : 1) <= nq; t0 += chunk) {
+        const std::int64_t m = keys ? G : std::min(chunk, nq - t0);
+        if (gathered) {
+          tok.template gather<Backend>(h, t0, m, d, x);
+          if (Backend::first_not_below(x, m * d, 32752.0f) < 0) continue;
+        }
+        if (keys) {
           for (std::int64_t c = 0; c < d; ++c) {
-            for (int t = 0; t < G; ++t) x[t] = tok(h, g * G + t, c);
-            KVP_REQUIRE(kivi::group_range(x, G, params_.bits).finite,
+            for (int t = 0; t < G; ++t) col[t] = tok.value(h, t0 + t, c);
+            KVP_REQUIRE(kivi::group_range(col, G, params_.bits).finite,
                         "kivi: keys head %lld tokens [%lld, %lld) channel %lld span more than the fp16 range; nothing was written",
-                        static_cast<long long>(h), static_cast<long long>(g * G), static_cast<long long>(g * G + G),
-                        static_cast<long long>(c));
+                        static_cast<long long>(h), static_cast<long long>(t0), static_cast<long long>(t0 + G), static_cast<long long>(c));
           }
-      } else {
-        for (std::int64_t t = 0; t < nq; ++t)
-          for (std::int64_t g = 0; g < d / G; ++g) {
-            for (int c = 0; c < G; ++c) x[c] = tok(h, t, g * G + c);
-            KVP_REQUIRE(kivi::group_range(x, G, params_.bits).finite,
-                        "kivi: values head %lld token %lld channels [%lld, %lld) span more than the fp16 range; nothing was written",
-                        static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(g * G),
-                        static_cast<long long>(g * G + G));
-          }
-      }
-    }
-    return Status::ok();
-  }
-  /// Quantizes logical tokens [0, count) of head h (tok(h, i, c) fp16-valued) into q from token `first`.
-  template <class Tok>
-  void write_codes(const Tok& tok, std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t d, QuantizedKV& q) const noexcept {
-    const int G = params_.group, b = params_.bits;
-    float x[4096];
-    if (params_.role == QuantRole::kKeys) {
-      for (std::int64_t g = 0; g < count / G; ++g) {
-        const std::int64_t row = first / G + g;
-        for (std::int64_t c = 0; c < d; ++c) {
-          for (int t = 0; t < G; ++t) x[t] = tok(h, g * G + t, c);
-          kivi::quantize_key_channel(x, d, c, G, b, &q.codes(h, row, 0), &q.scales(h, row, 0));
+        } else {
+          for (std::int64_t t = t0; t < t0 + m; ++t)
+            for (std::int64_t g = 0; g < d / G; ++g) {
+              for (int c = 0; c < G; ++c) col[c] = tok.value(h, t, g * G + c);
+              KVP_REQUIRE(kivi::group_range(col, G, params_.bits).finite,
+                          "kivi: values head %lld token %lld channels [%lld, %lld) span more than the fp16 range; nothing was written",
+                          static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(g * G),
+                          static_cast<long long>(g * G + G));
+            }
         }
       }
+    return Status::ok();
+  }
+  /// Quantizes logical tokens [0, count) of head h into q from token `first`.
+  template <class Backend, class Tk>
+  void write_codes(const LogicalRows<Tk>& tok, std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t d,
+                   QuantizedKV& q) const noexcept {
+    const int G = params_.group, b = params_.bits;
+    alignas(64) float x[kScratch];
+    if (!fits_scratch(d)) {  // per channel / row through the reference functions
+      if (params_.role == QuantRole::kKeys) {
+        for (std::int64_t g = 0; g < count / G; ++g) {
+          const std::int64_t row = first / G + g;
+          for (std::int64_t c = 0; c < d; ++c) {
+            for (int t = 0; t < G; ++t) x[t] = tok.value(h, g * G + t, c);
+            kivi::quantize_key_channel(x, d, c, G, b, &q.codes(h, row, 0), &q.scales(h, row, 0));
+          }
+        }
+      } else {
+        for (std::int64_t t = 0; t < count; ++t) {
+          for (std::int64_t c = 0; c < d; ++c) x[c] = tok.value(h, t, c);
+          kivi::quantize_value_row(x, d, G, b, &q.codes(h, first + t, 0), &q.scales(h, first + t, 0));
+        }
+      }
+      return;
+    }
+    if (params_.role == QuantRole::kKeys) {
+      for (std::int64_t g = 0; g < count / G; ++g) {
+        tok.template gather<Backend>(h, g * G, G, d, x);
+        Backend::kivi_quantize_keys(x, d, G, b, &q.codes(h, first / G + g, 0), &q.scales(h, first / G + g, 0));
+      }
     } else {
-      for (std::int64_t t = 0; t < count; ++t) {
-        for (std::int64_t c = 0; c < d; ++c) x[c] = tok(h, t, c);
-        kivi::quantize_value_row(x, d, G, b, &q.codes(h, first + t, 0), &q.scales(h, first + t, 0));
+      const std::int64_t chunk = kScratch / d;
+      for (std::int64_t t0 = 0; t0 < count; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, count - t0);
+        tok.template gather<Backend>(h, t0, m, d, x);
+        Backend::kivi_quantize_value_rows(x, m, d, G, b, &q.codes(h, first + t0, 0), q.codes.stride(1), &q.scales(h, first + t0, 0),
+                                          q.scales.stride(1));
       }
     }
   }

@@ -1,0 +1,867 @@
+// SPDX-License-Identifier: Apache-2.0
+// Row codecs of the non-ggml formats (Hadamard rotation, token-wise INT4 /
+// INT8, fp8, KIVI), written with AVX2 / AVX-512 intrinsics (internal; included
+// by quant_kernels_impl.hpp, so compiled per ISA with -ffp-contract=off).
+//
+// Every kernel performs the reference's operations (ops/quant_scalar.hpp) in
+// the reference's order, one IEEE fp32 operation per step, so its results are
+// bit-identical:
+//   - lane-wise min / max use MINPS / MAXPS, whose result is (a < b ? a : b)
+//     and (a > b ? a : b): the reference's comparisons exactly; a minimum or
+//     maximum reduced across lanes is unique up to the sign of zero, and when
+//     it is zero the kernel takes the first zero of the row, as the
+//     reference's sequential scan does;
+//   - a Hadamard butterfly stage computes the same a + c and a - c per pair
+//     whatever the vector width, stages in the reference's order;
+//   - fp16 rounding (KIVI) is F16C's round-to-nearest-even narrowing;
+//   - fp8 encoding rounds the fp32 mantissa to nearest even with integer
+//     arithmetic on the bits (normal binades) or by rounding value * 2^k
+//     (subnormal binade), which is what the reference's floor / compare does.
+// Each kernel returns false for a shape it does not vectorise (head_dim not a
+// multiple of its vector width, a rotation block smaller than one vector);
+// the entry point (cpu_quant_ops.cpp) then runs the reference. The SSE2 level
+// vectorises none of them.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+KVP_NAMESPACE_BEGIN
+namespace cpu_detail::KVP_CPU_ISA_NS {
+
+#if KVP_CPU_TU_ISA >= 1
+
+constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+#if KVP_CPU_TU_ISA == 2
+constexpr std::int64_t kW = 16;
+using vf = __m512;
+using vi = __m512i;
+using vm = __mmask16;
+inline vf ld(const float* p) noexcept { return _mm512_loadu_ps(p); }
+inline void st(float* p, vf v) noexcept { _mm512_storeu_ps(p, v); }
+inline vf ld(const half* p) noexcept { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void st(half* p, vf v) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRne)); }
+inline vf ld_h16(const std::uint8_t* p) noexcept { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void st_h16(std::uint8_t* p, vf v) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRne)); }
+inline vf r16(vf v) noexcept { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRne)); }
+inline vf set1(float x) noexcept { return _mm512_set1_ps(x); }
+inline vi set1i(std::int32_t x) noexcept { return _mm512_set1_epi32(x); }
+inline vf add(vf a, vf b) noexcept { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) noexcept { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) noexcept { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) noexcept { return _mm512_div_ps(a, b); }
+inline vf vmin(vf a, vf b) noexcept { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) noexcept { return _mm512_max_ps(a, b); }
+inline vf vtrunc(vf v) noexcept { return _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
+inline vf vrint(vf v) noexcept { return _mm512_roundscale_ps(v, kRne); }
+inline vm lt(vf a, vf b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+inline vm gt(vf a, vf b) noexcept { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline vm unord(vf a) noexcept { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+inline vf sel(vm m, vf yes, vf no) noexcept { return _mm512_mask_blend_ps(m, no, yes); }
+inline vi seli(vm m, vi yes, vi no) noexcept { return _mm512_mask_blend_epi32(m, no, yes); }
+inline vm eqi(vi a, vi b) noexcept { return _mm512_cmpeq_epi32_mask(a, b); }
+inline vm mand(vm a, vm b) noexcept { return static_cast<vm>(a & b); }
+inline vm mnot(vm a) noexcept { return static_cast<vm>(~a); }
+inline vi toi(vf v) noexcept { return _mm512_cvttps_epi32(v); }
+inline vf tof(vi v) noexcept { return _mm512_cvtepi32_ps(v); }
+inline vf asf(vi v) noexcept { return _mm512_castsi512_ps(v); }
+inline vi asi(vf v) noexcept { return _mm512_castps_si512(v); }
+inline vi iand(vi a, vi b) noexcept { return _mm512_and_si512(a, b); }
+inline vi ior(vi a, vi b) noexcept { return _mm512_or_si512(a, b); }
+inline vi iadd(vi a, vi b) noexcept { return _mm512_add_epi32(a, b); }
+inline vi isub(vi a, vi b) noexcept { return _mm512_sub_epi32(a, b); }
+inline vi imin(vi a, vi b) noexcept { return _mm512_min_epi32(a, b); }
+inline vi sllv(vi a, vi n) noexcept { return _mm512_sllv_epi32(a, n); }
+inline vi srlv(vi a, vi n) noexcept { return _mm512_srlv_epi32(a, n); }
+inline vi sll(vi a, int n) noexcept { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline vi srl(vi a, int n) noexcept { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline vi ldi(const std::uint8_t* p) noexcept { return _mm512_loadu_si512(p); }
+inline void sti(std::uint8_t* p, vi v) noexcept { _mm512_storeu_si512(p, v); }
+/// kW bytes zero-extended to lanes / the low byte of each lane stored.
+inline vi ld_u8(const std::uint8_t* p) noexcept { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void st_u8(std::uint8_t* p, vi v) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
+inline float hmin(vf v) noexcept { return _mm512_reduce_min_ps(v); }
+/// Lane l <- word idx[l] of the two little-endian words at p (idx < 2).
+inline vi spread_words(const std::uint8_t* p, vi idx) noexcept {
+  return _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
+  return (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q)) != 0;
+}
+inline float hmax(vf v) noexcept { return _mm512_reduce_max_ps(v); }
+inline std::uint32_t hor(vi v) noexcept { return static_cast<std::uint32_t>(_mm512_reduce_or_epi32(v)); }
+/// Lane indices 0 .. kW-1.
+inline vi iota() noexcept { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/// Lanes holding len-apart partners swapped (len < kW, a power of two); the mask of the upper partners.
+inline vf swap_lanes(vf x, int len) noexcept {
+  switch (len) {
+    case 1: return _mm512_permute_ps(x, 0xB1);
+    case 2: return _mm512_permute_ps(x, 0x4E);
+    case 4: return _mm512_shuffle_f32x4(x, x, 0xB1);
+    default: return _mm512_shuffle_f32x4(x, x, 0x4E);
+  }
+}
+inline vm upper_mask(int len) noexcept {
+  switch (len) {
+    case 1: return 0xAAAA;
+    case 2: return 0xCCCC;
+    case 4: return 0xF0F0;
+    default: return 0xFF00;
+  }
+}
+#else
+constexpr std::int64_t kW = 8;
+using vf = __m256;
+using vi = __m256i;
+using vm = __m256;  // all-ones / all-zeros lanes
+inline vf ld(const float* p) noexcept { return _mm256_loadu_ps(p); }
+inline void st(float* p, vf v) noexcept { _mm256_storeu_ps(p, v); }
+inline vf ld(const half* p) noexcept { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void st(half* p, vf v) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRne)); }
+inline vf ld_h16(const std::uint8_t* p) noexcept { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void st_h16(std::uint8_t* p, vf v) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRne)); }
+inline vf r16(vf v) noexcept { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, kRne)); }
+inline vf set1(float x) noexcept { return _mm256_set1_ps(x); }
+inline vi set1i(std::int32_t x) noexcept { return _mm256_set1_epi32(x); }
+inline vf add(vf a, vf b) noexcept { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) noexcept { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) noexcept { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) noexcept { return _mm256_div_ps(a, b); }
+inline vf vmin(vf a, vf b) noexcept { return _mm256_min_ps(a, b); }
+inline vf vmax(vf a, vf b) noexcept { return _mm256_max_ps(a, b); }
+inline vf vtrunc(vf v) noexcept { return _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
+inline vf vrint(vf v) noexcept { return _mm256_round_ps(v, kRne); }
+inline vm lt(vf a, vf b) noexcept { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+inline vm gt(vf a, vf b) noexcept { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline vm unord(vf a) noexcept { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+inline vf sel(vm m, vf yes, vf no) noexcept { return _mm256_blendv_ps(no, yes, m); }
+inline vi seli(vm m, vi yes, vi no) noexcept {
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(no), _mm256_castsi256_ps(yes), m));
+}
+inline vm eqi(vi a, vi b) noexcept { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
+inline vm mand(vm a, vm b) noexcept { return _mm256_and_ps(a, b); }
+inline vm mnot(vm a) noexcept { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(-1))); }
+inline vi toi(vf v) noexcept { return _mm256_cvttps_epi32(v); }
+inline vf tof(vi v) noexcept { return _mm256_cvtepi32_ps(v); }
+inline vf asf(vi v) noexcept { return _mm256_castsi256_ps(v); }
+inline vi asi(vf v) noexcept { return _mm256_castps_si256(v); }
+inline vi iand(vi a, vi b) noexcept { return _mm256_and_si256(a, b); }
+inline vi ior(vi a, vi b) noexcept { return _mm256_or_si256(a, b); }
+inline vi iadd(vi a, vi b) noexcept { return _mm256_add_epi32(a, b); }
+inline vi isub(vi a, vi b) noexcept { return _mm256_sub_epi32(a, b); }
+inline vi imin(vi a, vi b) noexcept { return _mm256_min_epi32(a, b); }
+inline vi sllv(vi a, vi n) noexcept { return _mm256_sllv_epi32(a, n); }
+inline vi srlv(vi a, vi n) noexcept { return _mm256_srlv_epi32(a, n); }
+inline vi sll(vi a, int n) noexcept { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline vi srl(vi a, int n) noexcept { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline vi ldi(const std::uint8_t* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void sti(std::uint8_t* p, vi v) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline vi ld_u8(const std::uint8_t* p) noexcept { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline void st_u8(std::uint8_t* p, vi v) noexcept {  // lanes hold 0..255
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+}
+inline vi spread_words(const std::uint8_t* p, vi idx) noexcept {
+  return _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), idx);
+}
+inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q))) != 0;
+}
+inline float hmin(vf v) noexcept {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float hmax(vf v) noexcept {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline std::uint32_t hor(vi v) noexcept {
+  __m128i m = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_or_si128(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_or_si128(m, _mm_shuffle_epi32(m, 0xB1));
+  return static_cast<std::uint32_t>(_mm_cvtsi128_si32(m));
+}
+inline vi iota() noexcept { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+inline vf swap_lanes(vf x, int len) noexcept {
+  switch (len) {
+    case 1: return _mm256_permute_ps(x, 0xB1);
+    case 2: return _mm256_permute_ps(x, 0x4E);
+    default: return _mm256_permute2f128_ps(x, x, 0x01);
+  }
+}
+inline vm upper_mask(int len) noexcept {
+  const vi lane = iota(), bit = _mm256_set1_epi32(len);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lane, bit), bit));
+}
+#endif
+
+inline float as_float(std::uint32_t u) noexcept {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline std::uint32_t as_bits(float f) noexcept {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/// The reference's sequential minimum / maximum of x[0, n) given the value m of a lane-parallel one: m, or
+/// when m is zero the first zero of x (the scan keeps the first of equal values, and -0 == +0).
+inline float first_equal_zero(const float* x, std::int64_t n, float m) noexcept {
+  if (m != 0.0f) return m;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (x[i] == 0.0f) return x[i];
+  return m;
+}
+
+// ---- Hadamard ---------------------------------------------------------------------------------------
+
+/// One butterfly stage of partners len apart inside each vector.
+inline vf butterfly_in_lanes(vf x, int len) noexcept {
+  const vf p = swap_lanes(x, len);
+  return sel(upper_mask(len), sub(p, x), add(x, p));
+}
+
+/// The block of n = NV * kW floats at b rotated in registers.
+template <int NV>
+inline void fwht_regs(float* b, vf s) noexcept {
+  vf v[NV];
+  for (int i = 0; i < NV; ++i) v[i] = ld(b + i * kW);
+  for (int len = 1; len < kW; len <<= 1)
+    for (int i = 0; i < NV; ++i) v[i] = butterfly_in_lanes(v[i], len);
+  for (int step = 1; step < NV; step <<= 1)
+    for (int i = 0; i < NV; i += 2 * step)
+      for (int j = i; j < i + step; ++j) {
+        const vf a = v[j], c = v[j + step];
+        v[j] = add(a, c);
+        v[j + step] = sub(a, c);
+      }
+  for (int i = 0; i < NV; ++i) st(b + i * kW, mul(v[i], s));
+}
+/// The block of n >= kW floats at b rotated in memory, stage by stage (blocks beyond the register tiles).
+inline void fwht_memory(float* b, std::int64_t n, vf s) noexcept {
+  for (std::int64_t i = 0; i < n; i += kW) {
+    vf x = ld(b + i);
+    for (int len = 1; len < kW; len <<= 1) x = butterfly_in_lanes(x, len);
+    st(b + i, x);
+  }
+  for (std::int64_t len = kW; len < n; len <<= 1)
+    for (std::int64_t i = 0; i < n; i += 2 * len)
+      for (std::int64_t j = i; j < i + len; j += kW) {
+        const vf a = ld(b + j), c = ld(b + j + len);
+        st(b + j, add(a, c));
+        st(b + j + len, sub(a, c));
+      }
+  for (std::int64_t i = 0; i < n; i += kW) st(b + i, mul(ld(b + i), s));
+}
+/// x[0, d) <- R x with blocks of n (kW <= n, n | d) — quant/hadamard.hpp's hadamard_rotate.
+inline void fwht_row(float* x, std::int64_t d, std::int64_t n) noexcept {
+  const vf s = set1(static_cast<float>(1.0 / __builtin_sqrt(static_cast<double>(n))));
+  for (std::int64_t base = 0; base < d; base += n) {
+    float* b = x + base;
+    switch (n / kW) {
+      case 1: fwht_regs<1>(b, s); break;
+      case 2: fwht_regs<2>(b, s); break;
+      case 4: fwht_regs<4>(b, s); break;
+      case 8: fwht_regs<8>(b, s); break;
+      default: fwht_memory(b, n, s); break;
+    }
+  }
+}
+inline bool rotation_ok(std::int64_t d, std::int64_t n) noexcept { return d % kW == 0 && (n <= 1 || (n >= kW && d % n == 0)); }
+
+template <class T>
+inline bool rotate_in(const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, std::int64_t n, float* y) noexcept {
+  if (!rotation_ok(d, n)) return false;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    float* yr = y + r * d;
+    for (std::int64_t c = 0; c < d; c += kW) st(yr + c, ld(xr + c));
+    if (n > 1) fwht_row(yr, d, n);
+  }
+  return true;
+}
+template <class T>
+inline bool rotate_out(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, T* out, std::int64_t out_stride) noexcept {
+  if (!rotation_ok(d, n)) return false;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * d;
+    if (n > 1) fwht_row(yr, d, n);
+    T* o = out + r * out_stride;
+    for (std::int64_t c = 0; c < d; c += kW) st(o + c, ld(yr + c));
+  }
+  return true;
+}
+
+// ---- token-wise INT4 / INT8 -------------------------------------------------------------------------
+
+inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out, std::int64_t out_stride) noexcept {
+  const std::int64_t h = bits == 4 ? d / 2 : d;
+  if (h % kW != 0 || h == 0) return false;
+  const float top = static_cast<float>((1 << bits) - 1);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    std::uint8_t* o = out + r * out_stride;
+    vf mn = ld(xr), mx = mn;
+    for (std::int64_t c = kW; c < d; c += kW) {
+      const vf v = ld(xr + c);
+      mn = vmin(v, mn);
+      mx = vmax(v, mx);
+    }
+    const float lo = first_equal_zero(xr, d, hmin(mn)), hi = first_equal_zero(xr, d, hmax(mx));
+    const float range = hi - lo;
+    const float scale = (range > 1e-8f ? range : 1e-8f) / top;
+    const float zero = -lo / scale;
+    const vf vs = set1(scale), vz = set1(zero), half_ = set1(0.5f), vtop = set1(top), vzero = set1(0.0f);
+    auto code = [&](const float* p) {
+      vf t = vtrunc(add(add(div(ld(p), vs), vz), half_));
+      t = sel(lt(t, vzero), vzero, sel(gt(t, vtop), vtop, t));
+      return toi(t);
+    };
+    if (bits == 4) {
+      for (std::int64_t c = 0; c < h; c += kW) st_u8(o + c, ior(code(xr + c), sll(code(xr + c + h), 4)));
+    } else {
+      for (std::int64_t c = 0; c < d; c += kW) st_u8(o + c, code(xr + c));
+    }
+    std::memcpy(o + d * bits / 8, &scale, 4);
+    std::memcpy(o + d * bits / 8 + 4, &zero, 4);
+  }
+  return true;
+}
+inline bool int4_dequantize(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, float* y) noexcept {
+  const std::int64_t h = bits == 4 ? d / 2 : d;
+  if (h % kW != 0 || h == 0) return false;
+  const vi m4 = set1i(15);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::uint8_t* i = in + r * in_stride;
+    float* yr = y + r * d;
+    float scale, zero;
+    std::memcpy(&scale, i + d * bits / 8, 4);
+    std::memcpy(&zero, i + d * bits / 8 + 4, 4);
+    const vf vs = set1(scale), vz = set1(zero);
+    if (bits == 4) {
+      for (std::int64_t c = 0; c < h; c += kW) {
+        const vi b = ld_u8(i + c);
+        st(yr + c, mul(sub(tof(iand(b, m4)), vz), vs));
+        st(yr + c + h, mul(sub(tof(srl(b, 4)), vz), vs));
+      }
+    } else {
+      for (std::int64_t c = 0; c < d; c += kW) st(yr + c, mul(sub(tof(ld_u8(i + c)), vz), vs));
+    }
+  }
+  return true;
+}
+
+// ---- fp8 --------------------------------------------------------------------------------------------
+
+// quant/fp8.hpp's traits, restated here: a per-ISA unit calls only its own functions (isa_dispatch.hpp).
+struct Fp8Consts {
+  int mant_bits, bias, max_code, nan_code;
+  float max;
+};
+inline Fp8Consts fp8_consts(Fp8Format f) noexcept {
+  return f == Fp8Format::kE4M3 ? Fp8Consts{3, 7, 0x7e, 0x7f, 448.0f} : Fp8Consts{2, 15, 0x7b, 0x7e, 57344.0f};
+}
+
+/// Codes of v: quant/fp8.hpp's fp8_encode, lane-wise.
+inline vi fp8_encode_v(Fp8Format f, vf v) noexcept {
+  const Fp8Consts t = fp8_consts(f);
+  const int M = t.mant_bits;
+  const vi bits = asi(v);
+  const vi sign = srl(iand(bits, set1i(static_cast<std::int32_t>(0x80000000u))), 24);
+  const vi ab = iand(bits, set1i(0x7fffffff));
+  const vf a = asf(ab);
+  // Normal binades: round the mantissa to M bits, ties to even, on the bits (a carry moves to the next binade).
+  const int shift = 23 - M;
+  const vi lsb = iand(srl(ab, shift), set1i(1));
+  const vi rounded = srl(iadd(iadd(ab, set1i((1 << (shift - 1)) - 1)), lsb), shift);
+  const vi normal = isub(rounded, set1i((127 - t.bias) << M));
+  // The subnormal binade (a < 2^(1 - bias), zero included): a * 2^(M - 1 + bias) rounded to nearest even.
+  const vf scaled = mul(a, set1(as_float(static_cast<std::uint32_t>(127 + M - 1 + t.bias) << 23)));
+  const vi sub_code = toi(vrint(scaled));
+  const vf min_normal = set1(as_float(static_cast<std::uint32_t>(127 + 1 - t.bias) << 23));
+  vi code = seli(lt(a, min_normal), sub_code, normal);
+  code = imin(code, set1i(t.max_code));
+  code = seli(lt(a, set1(t.max)), code, set1i(t.max_code));  // >= max or infinite: saturate
+  code = seli(unord(v), set1i(t.nan_code), code);             // NaN: the canonical NaN code, sign kept
+  return ior(code, sign);
+}
+/// Values of codes c (lanes 0..255): quant/fp8.hpp's fp8_decode, lane-wise (NaN codes give the positive quiet NaN).
+inline vf fp8_decode_v(Fp8Format f, vi c) noexcept {
+  const Fp8Consts t = fp8_consts(f);
+  const int M = t.mant_bits;
+  const vi c7 = iand(c, set1i(0x7f));
+  const vi e = srl(c7, M), m = iand(c7, set1i((1 << M) - 1));
+  const vf normal = asf(iadd(sll(c7, 23 - M), set1i((127 - t.bias) << 23)));
+  const vf sub_v = mul(tof(m), set1(as_float(static_cast<std::uint32_t>(127 + 1 - t.bias - M) << 23)));
+  const vm is_sub = eqi(e, set1i(0));
+  vi val = asi(sel(is_sub, sub_v, normal));
+  const vi emax = set1i((1 << (7 - M)) - 1);
+  vm is_nan, is_inf;
+  if (f == Fp8Format::kE4M3) {
+    is_nan = eqi(c7, set1i(0x7f));
+    is_inf = mand(is_nan, mnot(is_nan));
+  } else {
+    const vm top = eqi(e, emax), m0 = eqi(m, set1i(0));
+    is_inf = mand(top, m0);
+    is_nan = mand(top, mnot(m0));
+  }
+  val = seli(is_inf, set1i(0x7f800000), val);
+  val = ior(val, sll(iand(c, set1i(0x80)), 24));
+  return sel(is_nan, asf(set1i(0x7fc00000)), asf(val));
+}
+
+template <class T>
+inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale, std::uint8_t* out,
+                         std::int64_t out_stride) noexcept {
+  if (d % kW != 0 || d == 0) return false;
+  const vf absmask = asf(set1i(0x7fffffff));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    std::uint8_t* o = out + r * out_stride;
+    float s = scale;
+    if (s <= 0.0f) {
+      vf am = set1(0.0f);
+      for (std::int64_t c = 0; c < d; c += kW) am = vmax(asf(iand(asi(ld(xr + c)), asi(absmask))), am);
+      const float amax = hmax(am);
+      s = amax > 0.0f ? amax / fp8_consts(f).max : 1.0f;
+      std::memcpy(o + d, &s, sizeof s);
+      std::memset(o + d + sizeof s, 0, 12);
+    }
+    const vf vs = set1(s);
+    for (std::int64_t c = 0; c < d; c += kW) st_u8(o + c, fp8_encode_v(f, div(ld(xr + c), vs)));
+  }
+  return true;
+}
+template <class T>
+inline bool fp8_dequantize(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale, T* y,
+                           std::int64_t y_stride) noexcept {
+  if (d % kW != 0 || d == 0) return false;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::uint8_t* i = in + r * in_stride;
+    float s = scale;
+    if (s <= 0.0f) std::memcpy(&s, i + d, sizeof s);
+    const vf vs = set1(s);
+    for (std::int64_t c = 0; c < d; c += kW) st(y + r * y_stride + c, mul(fp8_decode_v(f, ld_u8(i + c)), vs));
+  }
+  return true;
+}
+
+// ---- KIVI -------------------------------------------------------------------------------------------
+
+template <class T>
+inline bool kivi_r16(const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept {
+  if (d % kW != 0) return false;
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < d; c += kW) {
+      if constexpr (std::is_same_v<T, half>)
+        st(y + r * d + c, ld(x + r * x_stride + c));  // fp16 already
+      else
+        st(y + r * d + c, r16(ld(x + r * x_stride + c)));
+    }
+  return true;
+}
+
+/// KIVI's code of fp16-valued v in a group (mn, scale): nearbyint(clamp(NaN -> 0 of fp16(fp16(v - mn) / scale))).
+inline vi kivi_code(vf v, vf mn, vf scale, vf top) noexcept {
+  vf q = r16(div(r16(sub(v, mn)), scale));
+  const vf zero = set1(0.0f);
+  q = sel(unord(q), zero, q);
+  q = sel(lt(q, zero), zero, sel(gt(q, top), top, q));
+  return toi(vrint(q));
+}
+inline vf kivi_decode(vi q, vf scale, vf mn) noexcept { return r16(add(r16(mul(tof(q), scale)), mn)); }
+
+inline bool kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept {
+  if (d % kW != 0) return false;
+  const int f = 32 / bits;
+  const vf top = set1(static_cast<float>((1 << bits) - 1));
+  for (std::int64_t c = 0; c < d; c += kW) {
+    vf mn = ld(x + c), mx = mn;
+    for (int t = 1; t < group; ++t) {
+      const vf v = ld(x + t * d + c);
+      mn = vmin(v, mn);
+      mx = vmax(v, mx);
+    }
+    const vf scale = r16(div(r16(sub(mx, mn)), top));
+    st_h16(scales + 2 * c, scale);
+    st_h16(scales + 2 * (d + c), mn);
+    for (int w = 0; w < group / f; ++w) {
+      vi word = set1i(0);
+      for (int j = 0; j < f; ++j) word = ior(word, sll(kivi_code(ld(x + (w * f + j) * d + c), mn, scale, top), bits * j));
+      sti(codes + 4 * (w * d + c), word);
+    }
+  }
+  return true;
+}
+inline bool kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                 float* y) noexcept {
+  if (d % kW != 0) return false;
+  const int f = 32 / bits;
+  const vi mask = set1i((1 << bits) - 1);
+  for (std::int64_t c = 0; c < d; c += kW) {
+    const vf scale = ld_h16(scales + 2 * c), mn = ld_h16(scales + 2 * (d + c));
+    for (int w = 0; w < group / f; ++w) {
+      const vi word = ldi(codes + 4 * (w * d + c));
+      for (int j = 0; j < f; ++j) st(y + (w * f + j) * d + c, kivi_decode(iand(srl(word, bits * j), mask), scale, mn));
+    }
+  }
+  return true;
+}
+
+/// Shift of each lane's code inside its word when channel c0 + lane starts at a word boundary (c0 % f == 0
+/// for kW <= f; kW > f: several words per vector).
+inline vi kivi_lane_shifts(int bits, int first_in_word) noexcept {
+  const int f = 32 / bits;
+  const vi lane = iota();
+  // (first_in_word + lane) mod f, times bits
+  return sll(iand(iadd(lane, set1i(first_in_word)), set1i(f - 1)), bits == 2 ? 1 : (bits == 4 ? 2 : 3));
+}
+
+inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
+                                 std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+  if (group % kW != 0 || d % group != 0) return false;
+  const std::int64_t groups = d / group;
+  const int f = 32 / bits;
+  const vf top = set1(static_cast<float>((1 << bits) - 1));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    std::uint8_t* cw = codes + r * codes_stride;
+    std::uint8_t* sc = scales + r * scales_stride;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      const float* xg = xr + g * group;
+      vf mn = ld(xg), mx = mn;
+      for (int c = static_cast<int>(kW); c < group; c += static_cast<int>(kW)) {
+        const vf v = ld(xg + c);
+        mn = vmin(v, mn);
+        mx = vmax(v, mx);
+      }
+      const float lo = first_equal_zero(xg, group, hmin(mn)), hi = first_equal_zero(xg, group, hmax(mx));
+      // The reference's group_range: fp16(fp16(mx - mn) / top); both stored as fp16 (exact for lo).
+      const vf vlo = set1(lo);
+      const vf vscale = r16(div(r16(sub(set1(hi), vlo)), top));
+      alignas(64) float sv[kW];
+      st(sv, vscale);
+      const std::uint16_t sb = static_cast<std::uint16_t>(_cvtss_sh(sv[0], kRne)), mb = static_cast<std::uint16_t>(_cvtss_sh(lo, kRne));
+      std::memcpy(sc + 2 * g, &sb, 2);
+      std::memcpy(sc + 2 * (groups + g), &mb, 2);
+      for (std::int64_t c = 0; c < group; c += kW) {
+        const vi q = kivi_code(ld(xg + c), vlo, vscale, top);
+        const std::int64_t ch = g * group + c;  // first channel of the vector
+        if (bits == 8) {
+          st_u8(cw + ch, q);
+        } else if (kW >= f) {  // kW / f whole words
+          const vi sh = sllv(q, kivi_lane_shifts(bits, 0));
+          alignas(64) std::uint32_t lanes[kW];
+          sti(reinterpret_cast<std::uint8_t*>(lanes), sh);
+          for (std::int64_t w = 0; w < kW / f; ++w) {
+            std::uint32_t word = 0;
+            if (kW == f) {
+              word = hor(sh);
+            } else {
+              for (int j = 0; j < f; ++j) word |= lanes[w * f + j];
+            }
+            std::memcpy(cw + 4 * ((ch / f) + w), &word, 4);
+          }
+        } else {  // f > kW: this vector fills part of one word
+          const std::int64_t w = ch / f;
+          const vi sh = sllv(q, kivi_lane_shifts(bits, static_cast<int>(ch % f)));
+          std::uint32_t word;
+          std::memcpy(&word, cw + 4 * w, 4);
+          word = (ch % f == 0 ? 0u : word) | hor(sh);
+          std::memcpy(cw + 4 * w, &word, 4);
+        }
+      }
+    }
+  }
+  return true;
+}
+inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                   std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, float* y) noexcept {
+  if (group % kW != 0 || d % group != 0) return false;
+  const std::int64_t groups = d / group;
+  const int f = 32 / bits;
+  const std::int64_t nw = kW >= f ? kW / f : 1;
+  const vi mask = set1i((1 << bits) - 1), shifts0 = kivi_lane_shifts(bits, 0);
+  const vi word_of_lane = srl(iota(), bits == 2 ? 4 : (bits == 4 ? 3 : 2));  // l / f
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::uint8_t* cw = codes + r * codes_stride;
+    const std::uint8_t* sc = scales + r * scales_stride;
+    float* yr = y + r * d;
+    for (std::int64_t g = 0; g < groups; ++g) {
+      std::uint16_t sb, mb;
+      std::memcpy(&sb, sc + 2 * g, 2);
+      std::memcpy(&mb, sc + 2 * (groups + g), 2);
+      const vf scale = set1(_cvtsh_ss(sb)), mn = set1(_cvtsh_ss(mb));
+      for (std::int64_t c = 0; c < group; c += kW) {
+        const std::int64_t ch = g * group + c;
+        vi q;
+        if (bits == 8) {
+          q = ld_u8(cw + ch);
+        } else {
+          // Lane l holds channel ch + l: word ch / f + l / f (the vector spans kW / f words, or part of one),
+          // shifted by bits * ((ch + l) % f).
+          const std::uint8_t* wp = cw + 4 * (ch / f);
+          vi w;
+          if (nw == 1) {
+            std::uint32_t one;
+            std::memcpy(&one, wp, 4);
+            w = set1i(static_cast<std::int32_t>(one));
+          } else {
+            w = spread_words(wp, word_of_lane);
+          }
+          q = iand(srlv(w, ch % f == 0 ? shifts0 : kivi_lane_shifts(bits, static_cast<int>(ch % f))), mask);
+        }
+        st(yr + ch, kivi_decode(q, scale, mn));
+      }
+    }
+  }
+  return true;
+}
+
+// ---- ggml block quantizers --------------------------------------------------------------------------
+// quant/ggml_blocks.inl's algorithms on one block of 32 values held in 32 / kW vectors: the same fp32
+// operations in the same order (products rounded, never fused), the same tie rules: abs_max is exact in
+// any order, signed_absmax takes the first element of largest |x|, and min_max keeps the reference's eight
+// lanes (x[l], x[l + 8], x[l + 16], x[l + 24]) reduced in lane order, so a signed-zero minimum is the same.
+
+constexpr int kBlockVecs = static_cast<int>(32 / kW);
+
+inline vf vabs(vf v) noexcept { return asf(iand(asi(v), set1i(0x7fffffff))); }
+inline vf vfloor(vf v) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  return _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#endif
+}
+/// Lane bits of v == x (bit l of vector i at bit i * kW + l).
+inline std::uint32_t eq_bits(const vf* v, vf x) noexcept {
+  std::uint32_t m = 0;
+  for (int i = 0; i < kBlockVecs; ++i) {
+#if KVP_CPU_TU_ISA == 2
+    m |= static_cast<std::uint32_t>(_mm512_cmp_ps_mask(v[i], x, _CMP_EQ_OQ)) << (i * kW);
+#else
+    m |= static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v[i], x, _CMP_EQ_OQ))) << (i * kW);
+#endif
+  }
+  return m;
+}
+/// Bit 4 of each lane's code (q5 formats' qh), lane bits as eq_bits.
+inline std::uint32_t bit4_bits(const vi* q) noexcept {
+  std::uint32_t m = 0;
+  for (int i = 0; i < kBlockVecs; ++i) {
+#if KVP_CPU_TU_ISA == 2
+    m |= static_cast<std::uint32_t>(_mm512_test_epi32_mask(q[i], set1i(16))) << (i * kW);
+#else
+    m |= static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32(q[i], 27)))) << (i * kW);
+#endif
+  }
+  return m;
+}
+/// The low byte of each lane (two's complement), kW bytes.
+inline void st_i8(std::uint8_t* p, vi v) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+#else  // truncating, as the reference's cast (a NaN product converts to INT_MIN, whose low byte is 0)
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(v, pick);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+#endif
+}
+inline void put_f16(std::uint8_t* p, float v) noexcept {
+  const auto b = static_cast<std::uint16_t>(_cvtss_sh(v, kRne));
+  std::memcpy(p, &b, 2);
+}
+inline float block_abs_max(const vf* v) noexcept {
+  vf m = vabs(v[0]);
+  for (int i = 1; i < kBlockVecs; ++i) m = vmax(vabs(v[i]), m);
+  return hmax(m);
+}
+/// The reference's min_max: eight lanes over the block, then reduced in lane order.
+inline void block_min_max(const float* x, float* mn, float* mx) noexcept {
+  __m256 lo = _mm256_loadu_ps(x), hi = lo;
+  for (int j = 8; j < 32; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    lo = _mm256_min_ps(v, lo);
+    hi = _mm256_max_ps(v, hi);
+  }
+  alignas(32) float l[8], h[8];
+  _mm256_store_ps(l, lo);
+  _mm256_store_ps(h, hi);
+  float a = l[0], b = h[0];
+  for (int k = 1; k < 8; ++k) {
+    a = l[k] < a ? l[k] : a;
+    b = h[k] > b ? h[k] : b;
+  }
+  *mn = a, *mx = b;
+}
+/// Codes q (lanes < 16 after the mask) packed as ggml's nibbles: byte j = q[j] | q[j + 16] << 4.
+inline void st_nibbles(std::uint8_t* qs, const vi* q) noexcept {
+  const vi m = set1i(15);
+  for (int i = 0; i < kBlockVecs / 2; ++i) st_u8(qs + i * kW, ior(iand(q[i], m), sll(iand(q[i + kBlockVecs / 2], m), 4)));
+}
+inline void put_u32(std::uint8_t* p, std::uint32_t v) noexcept { std::memcpy(p, &v, 4); }
+
+/// One block of 32 finite values into ggml's bytes (q8_0, q4_0, q4_1, q5_0, q5_1; false for iq4_nl).
+inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out) noexcept {
+  vf v[kBlockVecs];
+  vi q[kBlockVecs];
+  for (int i = 0; i < kBlockVecs; ++i) v[i] = ld(x + i * kW);
+  switch (t) {
+    case GgmlType::kQ8_0: {
+      const float d = block_abs_max(v) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      put_f16(out, d);
+      const vf vid = set1(id), two = set1(2.0f), zero = set1(0.0f);
+      for (int i = 0; i < kBlockVecs; ++i) {  // round half away from zero, as the reference's round_away
+        const vf p = mul(v[i], vid), a = vabs(p), f = vfloor(a);
+        const vf r = add(f, vfloor(mul(two, sub(a, f))));
+        st_i8(out + 2 + i * kW, toi(sel(lt(p, zero), sub(zero, r), r)));
+      }
+      return true;
+    }
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ5_0: {
+      const int levels = t == GgmlType::kQ4_0 ? 8 : 16, top = 2 * levels - 1;
+      vf av[kBlockVecs];
+      for (int i = 0; i < kBlockVecs; ++i) av[i] = vabs(v[i]);
+      const float amax = block_abs_max(v);
+      const std::uint32_t at = eq_bits(av, set1(amax));
+      const float mxv = x[at ? __builtin_ctz(at) : 31];
+      const float d = mxv / static_cast<float>(-levels), id = d != 0.0f ? 1.0f / d : 0.0f;
+      const vf vid = set1(id), bias = set1(static_cast<float>(levels) + 0.5f);
+      for (int i = 0; i < kBlockVecs; ++i) q[i] = imin(toi(add(mul(v[i], vid), bias)), set1i(top));
+      put_f16(out, d);
+      if (t == GgmlType::kQ4_0) {
+        st_nibbles(out + 2, q);
+      } else {
+        put_u32(out + 2, bit4_bits(q));
+        st_nibbles(out + 6, q);
+      }
+      return true;
+    }
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1: {
+      const int top = t == GgmlType::kQ4_1 ? 15 : 31;
+      float mn, mx;
+      block_min_max(x, &mn, &mx);
+      const float d = (mx - mn) / static_cast<float>(top), id = d != 0.0f ? 1.0f / d : 0.0f;
+      const vf vid = set1(id), vmn = set1(mn), half_ = set1(0.5f);
+      for (int i = 0; i < kBlockVecs; ++i) q[i] = imin(toi(add(mul(sub(v[i], vmn), vid), half_)), set1i(top));
+      put_f16(out, d);
+      put_f16(out + 2, mn);
+      if (t == GgmlType::kQ4_1) {
+        st_nibbles(out + 4, q);
+      } else {
+        put_u32(out + 4, bit4_bits(q));
+        st_nibbles(out + 8, q);
+      }
+      return true;
+    }
+    default: return false;
+  }
+}
+
+#else  // SSE2: the reference runs every codec
+
+template <class T>
+inline bool rotate_in(const T*, std::int64_t, std::int64_t, std::int64_t, std::int64_t, float*) noexcept {
+  return false;
+}
+template <class T>
+inline bool rotate_out(float*, std::int64_t, std::int64_t, std::int64_t, T*, std::int64_t) noexcept {
+  return false;
+}
+inline bool int4_quantize(const float*, std::int64_t, std::int64_t, int, std::uint8_t*, std::int64_t) noexcept { return false; }
+inline bool int4_dequantize(const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int, float*) noexcept { return false; }
+template <class T>
+inline bool fp8_quantize(Fp8Format, const T*, std::int64_t, std::int64_t, std::int64_t, float, std::uint8_t*, std::int64_t) noexcept {
+  return false;
+}
+template <class T>
+inline bool fp8_dequantize(Fp8Format, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, float, T*, std::int64_t) noexcept {
+  return false;
+}
+template <class T>
+inline bool kivi_r16(const T*, std::int64_t, std::int64_t, std::int64_t, float*) noexcept {
+  return false;
+}
+inline bool kivi_quantize_keys(const float*, std::int64_t, int, int, std::uint8_t*, std::uint8_t*) noexcept { return false; }
+inline bool kivi_dequantize_keys(const std::uint8_t*, const std::uint8_t*, std::int64_t, int, int, float*) noexcept { return false; }
+inline bool kivi_quantize_values(const float*, std::int64_t, std::int64_t, int, int, std::uint8_t*, std::int64_t, std::uint8_t*,
+                                 std::int64_t) noexcept {
+  return false;
+}
+inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int, int,
+                                   float*) noexcept {
+  return false;
+}
+inline bool ggml_quantize_block_v(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
+
+#endif
+
+/// First index i of x[0, n) with !(|x[i]| < bound), NaN included; -1 if none.
+inline std::int64_t first_not_below(const float* x, std::int64_t n, float bound) noexcept {
+  std::int64_t i = 0;
+#if KVP_CPU_TU_ISA >= 1
+  const vf absmask = asf(set1i(0x7fffffff));
+  for (; i + 4 * kW <= n; i += 4 * kW) {
+    const vf a0 = asf(iand(asi(ld(x + i)), asi(absmask))), a1 = asf(iand(asi(ld(x + i + kW)), asi(absmask)));
+    const vf a2 = asf(iand(asi(ld(x + i + 2 * kW)), asi(absmask))), a3 = asf(iand(asi(ld(x + i + 3 * kW)), asi(absmask)));
+    const vf m = vmax(vmax(a0, a1), vmax(a2, a3));
+    // NaN lanes: MAXPS returns its second operand, so test each vector's own comparison as well.
+    if (!(hmax(m) < bound) || unord_any(a0, a1, a2, a3)) break;
+  }
+#endif
+  for (; i < n; ++i) {
+    float a = x[i];
+    a = a < 0.0f ? -a : a;
+    if (!(a < bound)) return i;
+  }
+  return -1;
+}
+
+// Typed entry points of the kernel table.
+inline bool rotate_in_f32(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept {
+  return rotate_in(x, rows, xs, d, n, y);
+}
+inline bool rotate_in_f16(const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept {
+  return rotate_in(x, rows, xs, d, n, y);
+}
+inline bool rotate_out_f32(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, float* o, std::int64_t os) noexcept {
+  return rotate_out(y, rows, d, n, o, os);
+}
+inline bool rotate_out_f16(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, half* o, std::int64_t os) noexcept {
+  return rotate_out(y, rows, d, n, o, os);
+}
+inline bool fp8_quantize_f32(Fp8Format f, const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float s, std::uint8_t* o,
+                             std::int64_t os) noexcept {
+  return fp8_quantize(f, x, rows, xs, d, s, o, os);
+}
+inline bool fp8_quantize_f16(Fp8Format f, const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float s, std::uint8_t* o,
+                             std::int64_t os) noexcept {
+  return fp8_quantize(f, x, rows, xs, d, s, o, os);
+}
+inline bool fp8_dequantize_f32(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, float s, float* y,
+                               std::int64_t ys) noexcept {
+  return fp8_dequantize(f, in, rows, is, d, s, y, ys);
+}
+inline bool fp8_dequantize_f16(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, float s, half* y,
+                               std::int64_t ys) noexcept {
+  return fp8_dequantize(f, in, rows, is, d, s, y, ys);
+}
+inline bool kivi_r16_f32(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept {
+  return kivi_r16(x, rows, xs, d, y);
+}
+inline bool kivi_r16_f16(const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept {
+  return kivi_r16(x, rows, xs, d, y);
+}
+
+}  // namespace cpu_detail::KVP_CPU_ISA_NS
+KVP_NAMESPACE_END

@@ -1,0 +1,369 @@
+// The row codecs of backend::Cpu (Hadamard rotation, token-wise INT4 / INT8,
+// fp8, KIVI) are bit-identical with backend::Scalar's reference on every ISA
+// level this machine has, for shapes the kernels vectorise and shapes they
+// hand back to the reference, on inputs built to hit the corner cases: rows
+// whose minimum or maximum is a signed zero (the reference keeps the first
+// of equal values), constant rows, subnormals, values at the fp16 and fp8
+// limits, every fp8 code. Then the same through the policies (Int4Quant,
+// GgmlQuant with rotation, Fp8Quant, KiviQuant one-shot and streaming).
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvpolicy/backends/cpu.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/kivi_quant.hpp"
+
+using namespace kvpolicy;
+
+namespace {
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+/// rows x d values: random normals with, per row, one of several corner patterns.
+std::vector<float> corner_rows(std::int64_t rows, std::int64_t d, std::uint32_t seed, bool fp16_valued) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(rows * d));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* v = x.data() + r * d;
+    const int kind = static_cast<int>(r % 9);
+    for (std::int64_t c = 0; c < d; ++c) v[c] = nd(rng) * (kind == 5 ? 3000.0f : 1.0f);
+    switch (kind) {
+      case 1:  // minimum is zero, -0 first
+        for (std::int64_t c = 0; c < d; ++c) v[c] = std::fabs(v[c]);
+        v[d / 3] = -0.0f;
+        v[d / 2] = 0.0f;
+        break;
+      case 2:  // minimum is zero, +0 first
+        for (std::int64_t c = 0; c < d; ++c) v[c] = std::fabs(v[c]);
+        v[d / 3] = 0.0f;
+        v[d / 2] = -0.0f;
+        break;
+      case 3:  // maximum is zero, mixed signs
+        for (std::int64_t c = 0; c < d; ++c) v[c] = -std::fabs(v[c]);
+        v[d / 4] = -0.0f;
+        v[d - 1] = 0.0f;
+        break;
+      case 4:  // constant
+        for (std::int64_t c = 0; c < d; ++c) v[c] = 0.75f;
+        break;
+      case 6:  // subnormal and tiny
+        for (std::int64_t c = 0; c < d; ++c) v[c] *= 1e-40f;
+        break;
+      case 7:  // all signed zeros
+        for (std::int64_t c = 0; c < d; ++c) v[c] = (c % 3) ? 0.0f : -0.0f;
+        break;
+      case 8:  // a few outliers
+        v[0] = 40.0f;
+        v[d - 1] = -25.0f;
+        break;
+      default: break;
+    }
+    if (fp16_valued)
+      for (std::int64_t c = 0; c < d; ++c) v[c] = to_float(to_half(v[c]));
+  }
+  return x;
+}
+std::vector<half> to_halves(const std::vector<float>& x) {
+  std::vector<half> h(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) h[i] = to_half(x[i]);
+  return h;
+}
+
+template <class T>
+void require_same(const std::vector<T>& a, const std::vector<T>& b, const std::string& what) {
+  REQUIRE(a.size() == b.size());
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    bool same;
+    if constexpr (std::is_same_v<T, float>)
+      same = bits_of(a[i]) == bits_of(b[i]);
+    else if constexpr (std::is_same_v<T, half>)
+      same = a[i].bits == b[i].bits;
+    else
+      same = a[i] == b[i];
+    if (!same && bad++ == 0) first = i;
+  }
+  INFO(what << ": " << bad << " of " << a.size() << " differ, first at " << first);
+  REQUIRE(bad == 0);
+}
+
+template <class Fn>
+void for_each_isa(Fn fn) {
+  const CpuIsa saved = backend::Cpu::isa();
+  for (CpuIsa isa : {CpuIsa::kSse2, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (!backend::Cpu::set_isa(isa)) continue;
+    fn(std::string(backend::Cpu::isa_name()));
+  }
+  backend::Cpu::set_isa(saved);
+}
+
+constexpr std::int64_t kRows = 45;
+
+}  // namespace
+
+TEST_CASE("codecs: Hadamard rotation on the CPU equals the reference", "[quant][codec][cpu]") {
+  for_each_isa([](const std::string& isa) {
+    for (std::int64_t d : {16, 32, 40, 64, 128, 256, 576})
+      for (std::int64_t n : {0, 8, 16, 32, 64, 128, 256}) {
+        if (n > 1 && (d % n != 0)) continue;
+        const std::string what = isa + " d=" + std::to_string(d) + " n=" + std::to_string(n);
+        const auto x = corner_rows(kRows, d, 7, false);
+        const auto xh = to_halves(x);
+        std::vector<float> a(x.size()), b(x.size());
+        backend::Scalar::rotate_rows_in(x.data(), kRows, d, d, n, a.data());
+        backend::Cpu::rotate_rows_in(x.data(), kRows, d, d, n, b.data());
+        require_same(a, b, what + " in f32");
+        backend::Scalar::rotate_rows_in(xh.data(), kRows, d, d, n, a.data());
+        backend::Cpu::rotate_rows_in(xh.data(), kRows, d, d, n, b.data());
+        require_same(a, b, what + " in f16");
+        std::vector<float> ya = x, yb = x, oa(x.size()), ob(x.size());
+        std::vector<half> ha(x.size()), hb(x.size());
+        backend::Scalar::rotate_rows_out(ya.data(), kRows, d, n, oa.data(), d);
+        backend::Cpu::rotate_rows_out(yb.data(), kRows, d, n, ob.data(), d);
+        require_same(oa, ob, what + " out f32");
+        ya = x, yb = x;
+        backend::Scalar::rotate_rows_out(ya.data(), kRows, d, n, ha.data(), d);
+        backend::Cpu::rotate_rows_out(yb.data(), kRows, d, n, hb.data(), d);
+        require_same(ha, hb, what + " out f16");
+      }
+  });
+}
+
+TEST_CASE("codecs: token-wise INT4 / INT8 on the CPU equals the reference", "[quant][codec][cpu]") {
+  for_each_isa([](const std::string& isa) {
+    for (int bits : {4, 8})
+      for (std::int64_t d : {2, 16, 24, 32, 64, 128, 256}) {
+        const std::string what = isa + " bits=" + std::to_string(bits) + " d=" + std::to_string(d);
+        const auto x = corner_rows(kRows, d, 11, false);
+        const std::int64_t rb = int4q::row_bytes(d, bits), stride = rb + 3;  // a row stride beyond the row
+        std::vector<std::uint8_t> ca(static_cast<std::size_t>(kRows * stride), 0xAB), cb = ca;
+        backend::Scalar::int4_quantize_rows(x.data(), kRows, d, bits, ca.data(), stride);
+        backend::Cpu::int4_quantize_rows(x.data(), kRows, d, bits, cb.data(), stride);
+        require_same(ca, cb, what + " codes");
+        std::vector<float> ya(x.size()), yb(x.size());
+        backend::Scalar::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, ya.data());
+        backend::Cpu::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, yb.data());
+        require_same(ya, yb, what + " decoded");
+      }
+  });
+}
+
+TEST_CASE("codecs: fp8 on the CPU equals the reference, every code decoded", "[quant][codec][cpu]") {
+  for_each_isa([](const std::string& isa) {
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      // Every code, every scale kind: decode.
+      std::vector<std::uint8_t> all(256 + 16);
+      for (int c = 0; c < 256; ++c) all[static_cast<std::size_t>(c)] = static_cast<std::uint8_t>(c);
+      const float trailer = 0.37f;
+      std::memcpy(all.data() + 256, &trailer, 4);
+      for (float s : {1.0f, 0.0f, 3.5e-3f}) {
+        std::vector<float> ya(256), yb(256);
+        std::vector<half> ha(256), hb(256);
+        backend::Scalar::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, ya.data(), 256);
+        backend::Cpu::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, yb.data(), 256);
+        require_same(ya, yb, isa + " fp8 all codes f32");
+        backend::Scalar::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, ha.data(), 256);
+        backend::Cpu::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, hb.data(), 256);
+        require_same(ha, hb, isa + " fp8 all codes f16");
+      }
+      // Encode: rows with corner values, plus every midpoint between neighbouring codes and values beyond the max.
+      for (std::int64_t d : {16, 40, 64, 128}) {
+        auto x = corner_rows(kRows, d, 13, false);
+        const float fmax = fp8_max(f);
+        for (std::int64_t i = 0; i < d; ++i) x[static_cast<std::size_t>(i)] = (i % 2 ? -1.0f : 1.0f) * fmax * (1.0f + 0.01f * static_cast<float>(i));
+        std::vector<float> mids;
+        for (int c = 0; c < 127; ++c) {
+          const float lo = fp8_decode(f, static_cast<std::uint8_t>(c)), hi = fp8_decode(f, static_cast<std::uint8_t>(c + 1));
+          if (std::isfinite(lo) && std::isfinite(hi)) mids.push_back(0.5f * (lo + hi)), mids.push_back(-0.5f * (lo + hi)), mids.push_back(lo);
+        }
+        for (std::size_t i = 0; i < mids.size() && i + 2 * static_cast<std::size_t>(d) < x.size(); ++i) x[2 * static_cast<std::size_t>(d) + i] = mids[i];
+        const auto xh = to_halves(x);
+        const std::int64_t stride = d + 16;
+        for (float s : {0.0f, 1.0f, 0.02f}) {
+          const std::string what = isa + " " + fp8_name(f) + " d=" + std::to_string(d) + " scale=" + std::to_string(s);
+          std::vector<std::uint8_t> ca(static_cast<std::size_t>(kRows * stride), 0xCD), cb = ca;
+          backend::Scalar::fp8_quantize_rows(f, x.data(), kRows, d, d, s, ca.data(), stride);
+          backend::Cpu::fp8_quantize_rows(f, x.data(), kRows, d, d, s, cb.data(), stride);
+          require_same(ca, cb, what + " f32 codes");
+          backend::Scalar::fp8_quantize_rows(f, xh.data(), kRows, d, d, s, ca.data(), stride);
+          backend::Cpu::fp8_quantize_rows(f, xh.data(), kRows, d, d, s, cb.data(), stride);
+          require_same(ca, cb, what + " f16 codes");
+        }
+      }
+    }
+  });
+}
+
+TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant][codec][cpu][kivi]") {
+  for_each_isa([](const std::string& isa) {
+    for (int bits : {2, 4, 8})
+      for (std::int64_t d : {16, 32, 48, 64, 128})
+        for (int group : {16, 32, 64}) {
+          const std::string what = isa + " bits=" + std::to_string(bits) + " d=" + std::to_string(d) + " G=" + std::to_string(group);
+          const auto raw = corner_rows(group, d, 17, false);
+          std::vector<float> x(raw.size()), xb(raw.size());
+          backend::Scalar::kivi_r16_rows(raw.data(), group, d, d, x.data());
+          backend::Cpu::kivi_r16_rows(raw.data(), group, d, d, xb.data());
+          require_same(x, xb, what + " r16");
+          if (group % (32 / bits) == 0) {  // keys pack tokens into words
+            const std::int64_t cbytes = kivi::key_group_code_bytes(d, group, bits), sbytes = kivi::key_group_scale_bytes(d);
+            std::vector<std::uint8_t> ca(static_cast<std::size_t>(cbytes), 0x11), cb = ca, sa(static_cast<std::size_t>(sbytes), 0x22), sb = sa;
+            backend::Scalar::kivi_quantize_keys(x.data(), d, group, bits, ca.data(), sa.data());
+            backend::Cpu::kivi_quantize_keys(x.data(), d, group, bits, cb.data(), sb.data());
+            require_same(ca, cb, what + " key codes");
+            require_same(sa, sb, what + " key scales");
+            std::vector<float> ya(x.size()), yb(x.size());
+            backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ya.data());
+            backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, yb.data());
+            require_same(ya, yb, what + " keys decoded");
+          }
+          if (d % group == 0 && d % (32 / bits) == 0) {
+            const std::int64_t rows = group, cs = kivi::value_row_code_bytes(d, bits) + 4, ss = kivi::value_row_scale_bytes(d, group) + 2;
+            std::vector<std::uint8_t> ca(static_cast<std::size_t>(rows * cs), 0x33), cb = ca, sa(static_cast<std::size_t>(rows * ss), 0x44),
+                sb = sa;
+            backend::Scalar::kivi_quantize_value_rows(x.data(), rows, d, group, bits, ca.data(), cs, sa.data(), ss);
+            backend::Cpu::kivi_quantize_value_rows(x.data(), rows, d, group, bits, cb.data(), cs, sb.data(), ss);
+            require_same(ca, cb, what + " value codes");
+            require_same(sa, sb, what + " value scales");
+            std::vector<float> ya(x.size()), yb(x.size());
+            backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ya.data());
+            backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, yb.data());
+            require_same(ya, yb, what + " values decoded");
+          }
+        }
+    // first_not_below: NaN, infinities and the bound itself, at every position of a long row.
+    std::vector<float> v(333, 1.0f);
+    for (std::size_t at : {0u, 17u, 64u, 200u, 332u})
+      for (float bad : {__builtin_nanf(""), __builtin_inff(), -__builtin_inff(), 32752.0f, -40000.0f}) {
+        v.assign(333, 1.0f);
+        v[at] = bad;
+        REQUIRE(backend::Cpu::first_not_below(v.data(), 333, 32752.0f) == static_cast<std::int64_t>(at));
+        REQUIRE(backend::Scalar::first_not_below(v.data(), 333, 32752.0f) == static_cast<std::int64_t>(at));
+      }
+    v.assign(333, -32751.0f);
+    REQUIRE(backend::Cpu::first_not_below(v.data(), 333, 32752.0f) == -1);
+  });
+}
+
+namespace {
+
+template <class P>
+std::vector<std::uint8_t> policy_codes(const P& p, const Context<backend::Cpu>* cpu, const std::vector<half>& x, std::int64_t H,
+                                       std::int64_t T, std::int64_t d, std::vector<half>* decoded) {
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(H * T * p.row_bytes(d)), 0);
+  QuantizedKV q{p.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, T, p.row_bytes(d)}), {}, T};
+  typename P::State st{};
+  const auto in = TensorView<const half, 3>::contiguous(x.data(), {H, T, d});
+  decoded->assign(x.size(), half{});
+  const auto out = TensorView<half, 3>::contiguous(decoded->data(), {H, T, d});
+  if (cpu != nullptr) {
+    REQUIRE(p.quantize(*cpu, in, st, q).is_ok());
+    REQUIRE(p.dequantize(*cpu, q, out).is_ok());
+  } else {
+    const Context<backend::Scalar> sc{};
+    REQUIRE(p.quantize(sc, in, st, q).is_ok());
+    REQUIRE(p.dequantize(sc, q, out).is_ok());
+  }
+  return codes;
+}
+
+}  // namespace
+
+TEST_CASE("codecs: the quantization policies give the same bytes on Scalar and Cpu", "[quant][codec][cpu]") {
+  const std::int64_t H = 3, T = 64, d = 128;
+  const auto x = to_halves(corner_rows(H * T, d, 23, false));
+  const Context<backend::Cpu> cpu{};
+  for_each_isa([&](const std::string& isa) {
+    std::vector<half> da, db;
+    for (HadamardMode rot : {HadamardMode::kNone, HadamardMode::kLlamaCpp, HadamardMode::kBlock}) {
+      for (int bits : {4, 8}) {
+        const Int4Quant p(Int4QuantParams{bits, rot, 32, QuantRole::kKeys});
+        require_same(policy_codes(p, nullptr, x, H, T, d, &da), policy_codes(p, &cpu, x, H, T, d, &db), isa + " int4 codes");
+        require_same(da, db, isa + " int4 decoded");
+      }
+      const GgmlQuant g(GgmlQuantParams{GgmlType::kQ4_0, rot, 64, QuantRole::kValues});
+      require_same(policy_codes(g, nullptr, x, H, T, d, &da), policy_codes(g, &cpu, x, H, T, d, &db), isa + " q4_0 codes");
+      require_same(da, db, isa + " q4_0 decoded");
+    }
+    for (Fp8Scale sc : {Fp8Scale::kPerTensor, Fp8Scale::kPerTokenHead}) {
+      const Fp8Quant p(Fp8QuantParams{Fp8Format::kE4M3, sc, 0.05f});
+      require_same(policy_codes(p, nullptr, x, H, T, d, &da), policy_codes(p, &cpu, x, H, T, d, &db), isa + " fp8 codes");
+      require_same(da, db, isa + " fp8 decoded");
+    }
+    // KIVI, streaming: the prompt then 40 single-token appends, K and V, 2 and 4 bits.
+    for (QuantRole role : {QuantRole::kKeys, QuantRole::kValues})
+      for (int bits : {2, 4}) {
+        const KiviQuant p(KiviQuantParams{role, bits, 32, 32});
+        const std::int64_t cap = T + 40, rows = p.code_rows(cap);
+        std::vector<std::uint8_t> c[2], s[2];
+        std::vector<half> res[2];
+        KiviState st[2];
+        QuantizedKV q[2];
+        for (int k = 0; k < 2; ++k) {
+          c[k].assign(static_cast<std::size_t>(H * rows * p.codes_row_bytes(d)), 0);
+          s[k].assign(static_cast<std::size_t>(H * rows * p.scales_row_bytes(d)), 0);
+          res[k].assign(static_cast<std::size_t>(H * 64 * d), half{});
+          st[k] = KiviState{TensorView<half, 3>::contiguous(res[k].data(), {H, 64, d}), 0};
+          q[k] = QuantizedKV{p.layout(), TensorView<std::uint8_t, 3>::contiguous(c[k].data(), {H, rows, p.codes_row_bytes(d)}),
+                             TensorView<std::uint8_t, 3>::contiguous(s[k].data(), {H, rows, p.scales_row_bytes(d)}), 0};
+        }
+        const auto stream = to_halves(corner_rows(H * 40, d, 29, false));
+        const auto prompt = TensorView<const half, 3>::contiguous(x.data(), {H, T, d});
+        const Context<backend::Scalar> scx{};
+        REQUIRE(p.append(scx, prompt, st[0], q[0]).is_ok());
+        REQUIRE(p.append(cpu, prompt, st[1], q[1]).is_ok());
+        for (std::int64_t t = 0; t < 40; ++t) {
+          const auto step = TensorView<const half, 3>::contiguous(stream.data(), {H, 40, d}).narrow(1, t, 1);
+          REQUIRE(p.append(scx, step, st[0], q[0]).is_ok());
+          REQUIRE(p.append(cpu, step, st[1], q[1]).is_ok());
+        }
+        REQUIRE(q[0].tokens == q[1].tokens);
+        REQUIRE(q[0].tokens > 0);
+        const std::string what = isa + " kivi role=" + std::to_string(static_cast<int>(role)) + " bits=" + std::to_string(bits);
+        require_same(c[0], c[1], what + " codes");
+        require_same(s[0], s[1], what + " scales");
+        require_same(res[0], res[1], what + " residual");
+        std::vector<float> ya(static_cast<std::size_t>(H * q[0].tokens * d)), yb(ya.size());
+        REQUIRE(p.dequantize(scx, q[0], TensorView<float, 3>::contiguous(ya.data(), {H, q[0].tokens, d})).is_ok());
+        REQUIRE(p.dequantize(cpu, q[1], TensorView<float, 3>::contiguous(yb.data(), {H, q[1].tokens, d})).is_ok());
+        require_same(ya, yb, what + " decoded");
+      }
+  });
+}
+
+TEST_CASE("codecs: ggml block quantizers on the CPU equal the reference on corner rows", "[quant][codec][cpu][ggml]") {
+  for_each_isa([](const std::string& isa) {
+    for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL})
+      for (std::int64_t d : {32, 64, 128}) {
+        auto x = corner_rows(kRows, d, 31, false);
+        // Ties of |x| with both signs (q4_0 / q5_0 keep the first), and exact .5 products for q8_0's rounding.
+        for (std::int64_t c = 0; c < d; ++c) x[static_cast<std::size_t>(d + c)] = (c % 5 == 0) ? ((c % 2) ? -2.0f : 2.0f) : 0.5f;
+        for (std::int64_t c = 0; c < d; ++c) x[static_cast<std::size_t>(2 * d + c)] = static_cast<float>(c % 17) * 0.5f - 4.0f;
+        const auto xh = to_halves(x);
+        const std::int64_t rb = d / 32 * ggml_block_bytes(t);
+        std::vector<std::uint8_t> ca(static_cast<std::size_t>(kRows * rb)), cb(ca.size());
+        for (std::int64_t r = 0; r < kRows; ++r) {
+          backend::Scalar::ggml_quantize_row(t, x.data() + r * d, d, ca.data() + r * rb);
+          backend::Cpu::ggml_quantize_row(t, x.data() + r * d, d, cb.data() + r * rb);
+        }
+        require_same(ca, cb, isa + " " + ggml_name(t) + " f32 d=" + std::to_string(d));
+        for (std::int64_t r = 0; r < kRows; ++r) {
+          backend::Scalar::ggml_quantize_row(t, xh.data() + r * d, d, ca.data() + r * rb);
+          backend::Cpu::ggml_quantize_row(t, xh.data() + r * d, d, cb.data() + r * rb);
+        }
+        require_same(ca, cb, isa + " " + ggml_name(t) + " f16 d=" + std::to_string(d));
+      }
+  });
+}
