@@ -182,13 +182,16 @@ TEST_CASE("codecs: fp8 on the CPU equals the reference, every code decoded", "[q
       for (std::int64_t d : {16, 40, 64, 128}) {
         auto x = corner_rows(kRows, d, 13, false);
         const float fmax = fp8_max(f);
-        for (std::int64_t i = 0; i < d; ++i) x[static_cast<std::size_t>(i)] = (i % 2 ? -1.0f : 1.0f) * fmax * (1.0f + 0.01f * static_cast<float>(i));
+        for (std::int64_t i = 0; i < d; ++i)
+          x[static_cast<std::size_t>(i)] = (i % 2 ? -1.0f : 1.0f) * fmax * (1.0f + 0.01f * static_cast<float>(i));
         std::vector<float> mids;
         for (int c = 0; c < 127; ++c) {
           const float lo = fp8_decode(f, static_cast<std::uint8_t>(c)), hi = fp8_decode(f, static_cast<std::uint8_t>(c + 1));
-          if (std::isfinite(lo) && std::isfinite(hi)) mids.push_back(0.5f * (lo + hi)), mids.push_back(-0.5f * (lo + hi)), mids.push_back(lo);
+          if (std::isfinite(lo) && std::isfinite(hi))
+            mids.push_back(0.5f * (lo + hi)), mids.push_back(-0.5f * (lo + hi)), mids.push_back(lo);
         }
-        for (std::size_t i = 0; i < mids.size() && i + 2 * static_cast<std::size_t>(d) < x.size(); ++i) x[2 * static_cast<std::size_t>(d) + i] = mids[i];
+        for (std::size_t i = 0; i < mids.size() && i + 2 * static_cast<std::size_t>(d) < x.size(); ++i)
+          x[2 * static_cast<std::size_t>(d) + i] = mids[i];
         const auto xh = to_halves(x);
         const std::int64_t stride = d + 16;
         for (float s : {0.0f, 1.0f, 0.02f}) {
@@ -219,7 +222,8 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
           require_same(x, xb, what + " r16");
           if (group % (32 / bits) == 0) {  // keys pack tokens into words
             const std::int64_t cbytes = kivi::key_group_code_bytes(d, group, bits), sbytes = kivi::key_group_scale_bytes(d);
-            std::vector<std::uint8_t> ca(static_cast<std::size_t>(cbytes), 0x11), cb = ca, sa(static_cast<std::size_t>(sbytes), 0x22), sb = sa;
+            std::vector<std::uint8_t> ca(static_cast<std::size_t>(cbytes), 0x11), cb = ca, sa(static_cast<std::size_t>(sbytes), 0x22),
+                                                                                  sb = sa;
             backend::Scalar::kivi_quantize_keys(x.data(), d, group, bits, ca.data(), sa.data());
             backend::Cpu::kivi_quantize_keys(x.data(), d, group, bits, cb.data(), sb.data());
             require_same(ca, cb, what + " key codes");
@@ -232,7 +236,7 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
           if (d % group == 0 && d % (32 / bits) == 0) {
             const std::int64_t rows = group, cs = kivi::value_row_code_bytes(d, bits) + 4, ss = kivi::value_row_scale_bytes(d, group) + 2;
             std::vector<std::uint8_t> ca(static_cast<std::size_t>(rows * cs), 0x33), cb = ca, sa(static_cast<std::size_t>(rows * ss), 0x44),
-                sb = sa;
+                                                                                     sb = sa;
             backend::Scalar::kivi_quantize_value_rows(x.data(), rows, d, group, bits, ca.data(), cs, sa.data(), ss);
             backend::Cpu::kivi_quantize_value_rows(x.data(), rows, d, group, bits, cb.data(), cs, sb.data(), ss);
             require_same(ca, cb, what + " value codes");

@@ -300,7 +300,8 @@ inline bool rotate_out(float* y, std::int64_t rows, std::int64_t d, std::int64_t
 
 // ---- token-wise INT4 / INT8 -------------------------------------------------------------------------
 
-inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out, std::int64_t out_stride) noexcept {
+inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out,
+                          std::int64_t out_stride) noexcept {
   const std::int64_t h = bits == 4 ? d / 2 : d;
   if (h % kW != 0 || h == 0) return false;
   const float top = static_cast<float>((1 << bits) - 1);
@@ -333,7 +334,8 @@ inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int
   }
   return true;
 }
-inline bool int4_dequantize(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, float* y) noexcept {
+inline bool int4_dequantize(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
+                            float* y) noexcept {
   const std::int64_t h = bits == 4 ? d / 2 : d;
   if (h % kW != 0 || h == 0) return false;
   const vi m4 = set1i(15);
@@ -388,7 +390,7 @@ inline vi fp8_encode_v(Fp8Format f, vf v) noexcept {
   vi code = seli(lt(a, min_normal), sub_code, normal);
   code = imin(code, set1i(t.max_code));
   code = seli(lt(a, set1(t.max)), code, set1i(t.max_code));  // >= max or infinite: saturate
-  code = seli(unord(v), set1i(t.nan_code), code);             // NaN: the canonical NaN code, sign kept
+  code = seli(unord(v), set1i(t.nan_code), code);            // NaN: the canonical NaN code, sign kept
   return ior(code, sign);
 }
 /// Values of codes c (lanes 0..255): quant/fp8.hpp's fp8_decode, lane-wise (NaN codes give the positive quiet NaN).
@@ -439,8 +441,8 @@ inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_
   return true;
 }
 template <class T>
-inline bool fp8_dequantize(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale, T* y,
-                           std::int64_t y_stride) noexcept {
+inline bool fp8_dequantize(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale,
+                           T* y, std::int64_t y_stride) noexcept {
   if (d % kW != 0 || d == 0) return false;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::uint8_t* i = in + r * in_stride;
@@ -669,8 +671,8 @@ inline void st_i8(std::uint8_t* p, vi v) noexcept {
 #if KVP_CPU_TU_ISA == 2
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
 #else  // truncating, as the reference's cast (a NaN product converts to INT_MIN, whose low byte is 0)
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, -1, -1, -1, -1);
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, -1, -1, -1, -1);
   const __m256i b = _mm256_shuffle_epi8(v, pick);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 #endif
@@ -798,8 +800,8 @@ inline bool kivi_quantize_values(const float*, std::int64_t, std::int64_t, int, 
                                  std::int64_t) noexcept {
   return false;
 }
-inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int, int,
-                                   float*) noexcept {
+inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int,
+                                   int, float*) noexcept {
   return false;
 }
 inline bool ggml_quantize_block_v(GgmlType, const float*, std::uint8_t*) noexcept { return false; }

@@ -106,7 +106,10 @@ inline void dequantize_block(GgmlType t, const std::uint8_t* in, float* y) noexc
 }
 
 inline void widen_block(const half* x, float* f) noexcept {
-#if KVP_CPU_TU_ISA >= 1
+#if KVP_CPU_TU_ISA == 2  // full-width stores, so the block kernels' 512-bit loads of f forward from them
+  for (int i = 0; i < kGgmlBlock; i += 16)
+    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))));
+#elif KVP_CPU_TU_ISA == 1
   for (int i = 0; i < kGgmlBlock; i += 8) widen8(reinterpret_cast<const std::uint16_t*>(x) + i, f + i);
 #else
   for (int i = 0; i < kGgmlBlock; ++i) f[i] = half_to_float(x[i].bits);

@@ -19,6 +19,9 @@
 // Validation before any write: finite input (the error names head, token and
 // channel; saturation handles finite values beyond fp8_max * scale), finite
 // positive scales, codes shaped (kv_heads, >= tokens, row_bytes).
+// Rows with contiguous channels go through Backend::fp8_quantize_rows /
+// fp8_dequantize_rows (vectorised on backend::Cpu, bit-identical with the
+// reference codec of quant/fp8.hpp).
 #pragma once
 
 #include <cmath>

@@ -28,7 +28,9 @@
 // Validation, before anything is written: head_dim a multiple of 32 (a
 // block never straddles two heads), codes shaped and contiguous along the
 // row bytes, every input value finite (the error names head, token, channel).
-// Thread-safety: const; heads are split over `ctx.exec`.
+// Thread-safety: const; heads are split over `ctx.exec`. The rotation runs
+// through Backend::rotate_rows_in / rotate_rows_out (vectorised on
+// backend::Cpu, bit-identical with the reference transform).
 #pragma once
 
 #include <algorithm>

@@ -33,6 +33,12 @@
 // every value finite and inside the fp16 range (KIVI computes in fp16);
 // no group range overflowing fp16; codes / scales / residual views shaped
 // for what the call writes. Thread-safety: const; heads split over ctx.exec.
+//
+// Speed: rows are converted to KIVI's fp16 values a chunk at a time
+// (Backend::kivi_r16_rows) and coded by the backend's kivi_*_keys /
+// kivi_*_value_rows (vectorised on backend::Cpu, bit-identical with
+// backend::Scalar). A quantize reads its input twice: once to validate every
+// value and group range before the first write, once to code it.
 #pragma once
 
 #include <algorithm>
@@ -148,7 +154,7 @@ class KiviQuant {
   template <class Backend, class Tk>
   Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State&, QuantizedKV q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows"));
+    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows", rows.extent(1)));  // shapes; values below, in one pass with the ranges
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     if (params_.role == QuantRole::kKeys)
       KVP_REQUIRE(T % params_.group == 0, "kivi: keys rows has %lld tokens, not a multiple of group %d", static_cast<long long>(T),
@@ -223,7 +229,7 @@ class KiviQuant {
   template <class Backend, class Tk>
   Status append(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State& st, QuantizedKV& q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows"));
+    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows", rows.extent(1)));  // shapes; values below
     const std::int64_t H = rows.extent(0), n = rows.extent(1), d = rows.extent(2), R = params_.residual;
     const std::int64_t len = st.residual_len;
     KVP_REQUIRE(len >= 0 && len <= (params_.role == QuantRole::kKeys ? R - 1 : R),
@@ -244,6 +250,8 @@ class KiviQuant {
     const std::int64_t L = len + n;
     const std::int64_t nq = params_.role == QuantRole::kKeys ? L / R * R : std::max<std::int64_t>(0, L - R);
     KVP_RETURN_IF_ERROR(check_region(q, H, q.tokens, nq, d));
+    // Rows that stay in the residual: finite in fp16; the quantized ones: finite with finite group ranges.
+    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows", std::clamp<std::int64_t>(nq - len, 0, n)));
     const LogicalRows<Tk> tok{rows, st.residual, len};
     KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, nq));
     const std::int64_t first = q.tokens;
@@ -316,8 +324,9 @@ class KiviQuant {
       for (std::int64_t c = 0; c < d; ++c) out(h, t0 + r, c) = from_float<Tk>(y[r * d + c]);
   }
 
+  /// Shapes of rows, and every value of its tokens [from, T) finite in fp16.
   template <class Backend, class Tk>
-  Status check_rows(TensorView<const Tk, 3> rows, const char* name) const noexcept {
+  Status check_rows(TensorView<const Tk, 3> rows, const char* name, std::int64_t from) const noexcept {
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, name));
     KVP_REQUIRE(rows.device().is_host(), "kivi: %s is a device tensor; this entry point reads host memory", name);
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
@@ -327,7 +336,7 @@ class KiviQuant {
     const std::int64_t chunk = kScratch / d;
     alignas(64) float x[kScratch];
     for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+      for (std::int64_t t0 = from; t0 < T; t0 += chunk) {
         const std::int64_t m = std::min(chunk, T - t0);
         src.template gather<Backend>(h, t0, m, d, x);
         const std::int64_t bad = Backend::first_not_below(x, m * d, __builtin_inff());  // fp16 overflow rounds to inf; or NaN
@@ -359,9 +368,9 @@ class KiviQuant {
     return Status::ok();
   }
 
-  /// Every group about to be quantized (logical tokens [0, nq)) has a finite fp16 range. Values below 32752
-  /// in magnitude cannot overflow a range (|mx - mn| < 65504), so a chunk whose values all are needs no
-  /// per-group check.
+  /// Every value about to be quantized (logical tokens [0, nq)) is finite in fp16 and every group's fp16
+  /// range is finite. Values below 32752 in magnitude cannot overflow a range (|mx - mn| < 65504), so a
+  /// chunk whose values all are needs no per-value or per-group check.
   template <class Backend, class Tk>
   Status check_ranges(const LogicalRows<Tk>& tok, std::int64_t H, std::int64_t d, std::int64_t nq) const noexcept {
     const int G = params_.group;
@@ -376,6 +385,16 @@ class KiviQuant {
           tok.template gather<Backend>(h, t0, m, d, x);
           if (Backend::first_not_below(x, m * d, 32752.0f) < 0) continue;
         }
+        for (std::int64_t t = t0; t < t0 + m; ++t)
+          for (std::int64_t c = 0; c < d; ++c) {
+            const float v = tok.value(h, t, c);
+            if (std::isfinite(v)) continue;
+            const bool in_rows = t >= tok.len;
+            return KVP_INVALID(
+                "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written",
+                in_rows ? "rows" : "state residual", static_cast<long long>(h), static_cast<long long>(in_rows ? t - tok.len : t),
+                static_cast<long long>(c), static_cast<double>(in_rows ? to_float(tok.rows(h, t - tok.len, c)) : v));
+          }
         if (keys) {
           for (std::int64_t c = 0; c < d; ++c) {
             for (int t = 0; t < G; ++t) col[t] = tok.value(h, t0 + t, c);

@@ -41,12 +41,13 @@
 KVP_NAMESPACE_BEGIN
 
 namespace detail {
-/// `rows` code rows starting at `first` (slot stride `stride` bytes) decoded into dst (rows x d).
-template <class Q>
+/// `rows` code rows starting at `first` (slot stride `stride` bytes) decoded into dst (rows x d) by the
+/// format's codecs on `Backend` (serially: one page of one head).
+template <class Backend = backend::Scalar, class Q>
 void decode_code_rows(const Q& q, const std::uint8_t* first, std::int64_t stride, std::int64_t rows, std::int64_t d, float* dst) noexcept {
   const QuantizedKV region{
       q.layout(), TensorView<std::uint8_t, 3>(const_cast<std::uint8_t*>(first), {1, rows, q.row_bytes(d)}, {0, stride, 1}), {}, rows};
-  (void)q.dequantize(Context<backend::Scalar>{}, region, TensorView<float, 3>::contiguous(dst, {1, rows, d}));
+  (void)q.dequantize(Context<Backend>{}, region, TensorView<float, 3>::contiguous(dst, {1, rows, d}));
 }
 
 template <class Q>
@@ -102,7 +103,7 @@ Status quantized_page_meta_append(const Context<Backend>& ctx, const Q& q, const
       const auto slot = static_cast<std::int32_t>(t % P);
       const std::int64_t rows = std::min<std::int64_t>(P - slot, len - t);
       const std::int32_t page = keys.table.page_of(b, t, P);
-      detail::decode_code_rows(q, keys.k_ptr(page, h, slot), keys.k_strides.slot, rows, head_dim, rows_buf);
+      detail::decode_code_rows<Backend>(q, keys.k_ptr(page, h, slot), keys.k_strides.slot, rows, head_dim, rows_buf);
       Backend::page_meta_fold(static_cast<const float*>(rows_buf), head_dim, rows, head_dim, meta.max_row(page, h), meta.min_row(page, h),
                               /*fresh=*/slot == 0);
       t += rows;
