@@ -368,6 +368,26 @@ TEST_CASE("codecs: ggml block quantizers on the CPU equal the reference on corne
           backend::Cpu::ggml_quantize_row(t, xh.data() + r * d, d, cb.data() + r * rb);
         }
         require_same(ca, cb, isa + " " + ggml_name(t) + " f16 d=" + std::to_string(d));
+        // Decoding: random bytes with their scales forced finite, and the codes just written.
+        std::mt19937 rng(37);
+        std::vector<std::uint8_t> any(ca.size());
+        for (auto& b : any) b = static_cast<std::uint8_t>(rng());
+        for (std::size_t blk = 0; blk < any.size(); blk += static_cast<std::size_t>(ggml_block_bytes(t))) {
+          any[blk + 1] &= 0x3b;  // d (and m) exponents below the fp16 maximum
+          if (t == GgmlType::kQ4_1 || t == GgmlType::kQ5_1) any[blk + 3] &= 0x3b;
+        }
+        for (const auto* codes : {&ca, &any}) {
+          std::vector<float> ya(x.size()), yb(x.size());
+          std::vector<half> ha(x.size()), hb(x.size());
+          for (std::int64_t r = 0; r < kRows; ++r) {
+            backend::Scalar::ggml_dequantize_row(t, codes->data() + r * rb, d, ya.data() + r * d);
+            backend::Cpu::ggml_dequantize_row(t, codes->data() + r * rb, d, yb.data() + r * d);
+            backend::Scalar::ggml_dequantize_row(t, codes->data() + r * rb, d, ha.data() + r * d);
+            backend::Cpu::ggml_dequantize_row(t, codes->data() + r * rb, d, hb.data() + r * d);
+          }
+          require_same(ya, yb, isa + " " + ggml_name(t) + " decoded f32 d=" + std::to_string(d));
+          require_same(ha, hb, isa + " " + ggml_name(t) + " decoded f16 d=" + std::to_string(d));
+        }
       }
   });
 }

@@ -94,23 +94,6 @@ inline float hmax(vf v) noexcept { return _mm512_reduce_max_ps(v); }
 inline std::uint32_t hor(vi v) noexcept { return static_cast<std::uint32_t>(_mm512_reduce_or_epi32(v)); }
 /// Lane indices 0 .. kW-1.
 inline vi iota() noexcept { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-/// Lanes holding len-apart partners swapped (len < kW, a power of two); the mask of the upper partners.
-inline vf swap_lanes(vf x, int len) noexcept {
-  switch (len) {
-    case 1: return _mm512_permute_ps(x, 0xB1);
-    case 2: return _mm512_permute_ps(x, 0x4E);
-    case 4: return _mm512_shuffle_f32x4(x, x, 0xB1);
-    default: return _mm512_shuffle_f32x4(x, x, 0x4E);
-  }
-}
-inline vm upper_mask(int len) noexcept {
-  switch (len) {
-    case 1: return 0xAAAA;
-    case 2: return 0xCCCC;
-    case 4: return 0xF0F0;
-    default: return 0xFF00;
-  }
-}
 #else
 constexpr std::int64_t kW = 8;
 using vf = __m256;
@@ -186,17 +169,6 @@ inline std::uint32_t hor(vi v) noexcept {
   return static_cast<std::uint32_t>(_mm_cvtsi128_si32(m));
 }
 inline vi iota() noexcept { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
-inline vf swap_lanes(vf x, int len) noexcept {
-  switch (len) {
-    case 1: return _mm256_permute_ps(x, 0xB1);
-    case 2: return _mm256_permute_ps(x, 0x4E);
-    default: return _mm256_permute2f128_ps(x, x, 0x01);
-  }
-}
-inline vm upper_mask(int len) noexcept {
-  const vi lane = iota(), bit = _mm256_set1_epi32(len);
-  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lane, bit), bit));
-}
 #endif
 
 inline float as_float(std::uint32_t u) noexcept {
@@ -221,35 +193,100 @@ inline float first_equal_zero(const float* x, std::int64_t n, float m) noexcept 
 
 // ---- Hadamard ---------------------------------------------------------------------------------------
 
-/// One butterfly stage of partners len apart inside each vector.
-inline vf butterfly_in_lanes(vf x, int len) noexcept {
-  const vf p = swap_lanes(x, len);
-  return sel(upper_mask(len), sub(p, x), add(x, p));
+/// One butterfly stage of partners L apart inside each vector: lower partners x + p, upper ones p - x,
+/// as one fused x * (+-1) + p (the product is exact, so the single rounding is the add's).
+template <int L>
+inline vf butterfly_in_lanes(vf x) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  vf p;
+  if constexpr (L == 1)
+    p = _mm512_permute_ps(x, 0xB1);
+  else if constexpr (L == 2)
+    p = _mm512_permute_ps(x, 0x4E);
+  else if constexpr (L == 4)
+    p = _mm512_shuffle_f32x4(x, x, 0xB1);
+  else
+    p = _mm512_shuffle_f32x4(x, x, 0x4E);
+  constexpr __mmask16 upper = L == 1 ? 0xAAAA : L == 2 ? 0xCCCC : L == 4 ? 0xF0F0 : 0xFF00;
+  const vf sign = _mm512_mask_blend_ps(upper, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+  return _mm512_fmadd_ps(x, sign, p);
+#else
+  vf p;
+  if constexpr (L == 1)
+    p = _mm256_permute_ps(x, 0xB1);
+  else if constexpr (L == 2)
+    p = _mm256_permute_ps(x, 0x4E);
+  else
+    p = _mm256_permute2f128_ps(x, x, 0x01);
+  constexpr int upper = L == 1 ? 0xAA : L == 2 ? 0xCC : 0xF0;
+  const vf sign = _mm256_blend_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f), upper);
+  return _mm256_fmadd_ps(x, sign, p);
+#endif
+}
+/// The in-vector stages (partners 1, 2, .. kW / 2 apart), in the reference's order.
+inline vf butterflies_in_lanes(vf x) noexcept {
+  x = butterfly_in_lanes<1>(x);
+  x = butterfly_in_lanes<2>(x);
+  x = butterfly_in_lanes<4>(x);
+#if KVP_CPU_TU_ISA == 2
+  x = butterfly_in_lanes<8>(x);
+#endif
+  return x;
 }
 
-/// The block of n = NV * kW floats at b rotated in registers.
+inline void butterfly(vf& a, vf& c) noexcept {
+  const vf t = a;
+  a = add(t, c);
+  c = sub(t, c);
+}
+/// The block of n = NV * kW floats at b rotated in registers (NV = 1, 2, 4 or 8; stages written out so
+/// that the vectors stay in registers).
 template <int NV>
 inline void fwht_regs(float* b, vf s) noexcept {
-  vf v[NV];
-  for (int i = 0; i < NV; ++i) v[i] = ld(b + i * kW);
-  for (int len = 1; len < kW; len <<= 1)
-    for (int i = 0; i < NV; ++i) v[i] = butterfly_in_lanes(v[i], len);
-  for (int step = 1; step < NV; step <<= 1)
-    for (int i = 0; i < NV; i += 2 * step)
-      for (int j = i; j < i + step; ++j) {
-        const vf a = v[j], c = v[j + step];
-        v[j] = add(a, c);
-        v[j + step] = sub(a, c);
-      }
-  for (int i = 0; i < NV; ++i) st(b + i * kW, mul(v[i], s));
+  vf v0 = butterflies_in_lanes(ld(b)), v1, v2, v3, v4, v5, v6, v7;
+  if constexpr (NV >= 2) v1 = butterflies_in_lanes(ld(b + kW));
+  if constexpr (NV >= 4) {
+    v2 = butterflies_in_lanes(ld(b + 2 * kW));
+    v3 = butterflies_in_lanes(ld(b + 3 * kW));
+  }
+  if constexpr (NV >= 8) {
+    v4 = butterflies_in_lanes(ld(b + 4 * kW));
+    v5 = butterflies_in_lanes(ld(b + 5 * kW));
+    v6 = butterflies_in_lanes(ld(b + 6 * kW));
+    v7 = butterflies_in_lanes(ld(b + 7 * kW));
+  }
+  if constexpr (NV >= 2) butterfly(v0, v1);  // partners kW apart
+  if constexpr (NV >= 4) {
+    butterfly(v2, v3);
+    butterfly(v0, v2);  // 2 kW apart
+    butterfly(v1, v3);
+  }
+  if constexpr (NV >= 8) {
+    butterfly(v4, v5);
+    butterfly(v6, v7);
+    butterfly(v4, v6);
+    butterfly(v5, v7);
+    butterfly(v0, v4);  // 4 kW apart
+    butterfly(v1, v5);
+    butterfly(v2, v6);
+    butterfly(v3, v7);
+  }
+  st(b, mul(v0, s));
+  if constexpr (NV >= 2) st(b + kW, mul(v1, s));
+  if constexpr (NV >= 4) {
+    st(b + 2 * kW, mul(v2, s));
+    st(b + 3 * kW, mul(v3, s));
+  }
+  if constexpr (NV >= 8) {
+    st(b + 4 * kW, mul(v4, s));
+    st(b + 5 * kW, mul(v5, s));
+    st(b + 6 * kW, mul(v6, s));
+    st(b + 7 * kW, mul(v7, s));
+  }
 }
 /// The block of n >= kW floats at b rotated in memory, stage by stage (blocks beyond the register tiles).
 inline void fwht_memory(float* b, std::int64_t n, vf s) noexcept {
-  for (std::int64_t i = 0; i < n; i += kW) {
-    vf x = ld(b + i);
-    for (int len = 1; len < kW; len <<= 1) x = butterfly_in_lanes(x, len);
-    st(b + i, x);
-  }
+  for (std::int64_t i = 0; i < n; i += kW) st(b + i, butterflies_in_lanes(ld(b + i)));
   for (std::int64_t len = kW; len < n; len <<= 1)
     for (std::int64_t i = 0; i < n; i += 2 * len)
       for (std::int64_t j = i; j < i + len; j += kW) {
@@ -770,6 +807,71 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
   }
 }
 
+inline float get_f16(const std::uint8_t* p) noexcept {
+  std::uint16_t b;
+  std::memcpy(&b, p, 2);
+  return _cvtsh_ss(b);
+}
+/// Codes of vector i of a 4-bit block (element j < 16: low nibble of qs[j], else high nibble of qs[j - 16]).
+inline vi block_nibbles(const std::uint8_t* qs, int i) noexcept {
+  const vi b = ld_u8(qs + (i % (kBlockVecs / 2)) * kW);
+  return i < kBlockVecs / 2 ? iand(b, set1i(15)) : srl(b, 4);
+}
+/// Bit 4 of the codes of vector i of a q5 block from its qh word.
+inline vi block_high(std::uint32_t h, int i) noexcept {
+  return sll(iand(srlv(set1i(static_cast<std::int32_t>(h)), iadd(iota(), set1i(i * static_cast<int>(kW)))), set1i(1)), 4);
+}
+
+/// One block's bytes decoded into y[0, 32) (q8_0, q4_0, q4_1, q5_0, q5_1; false for iq4_nl): the
+/// reference's products and sums, fp16 outputs rounded to nearest even.
+template <class T>
+inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) noexcept {
+  switch (t) {
+    case GgmlType::kQ8_0: {
+      const vf d = set1(get_f16(in));
+      for (int i = 0; i < kBlockVecs; ++i) {
+#if KVP_CPU_TU_ISA == 2
+        const vi q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 + i * kW)));
+#else
+        const vi q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + 2 + i * kW)));
+#endif
+        st(y + i * kW, mul(tof(q), d));
+      }
+      return true;
+    }
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ5_0: {
+      const bool five = t == GgmlType::kQ5_0;
+      const vf d = set1(get_f16(in));
+      const std::uint8_t* qs = in + (five ? 6 : 2);
+      std::uint32_t h = 0;
+      if (five) std::memcpy(&h, in + 2, 4);
+      const vi off = set1i(five ? 16 : 8);
+      for (int i = 0; i < kBlockVecs; ++i) {
+        vi q = block_nibbles(qs, i);
+        if (five) q = ior(q, block_high(h, i));
+        st(y + i * kW, mul(d, tof(isub(q, off))));
+      }
+      return true;
+    }
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1: {
+      const bool five = t == GgmlType::kQ5_1;
+      const vf d = set1(get_f16(in)), m = set1(get_f16(in + 2));
+      const std::uint8_t* qs = in + (five ? 8 : 4);
+      std::uint32_t h = 0;
+      if (five) std::memcpy(&h, in + 4, 4);
+      for (int i = 0; i < kBlockVecs; ++i) {
+        vi q = block_nibbles(qs, i);
+        if (five) q = ior(q, block_high(h, i));
+        st(y + i * kW, add(mul(d, tof(q)), m));
+      }
+      return true;
+    }
+    default: return false;
+  }
+}
+
 #else  // SSE2: the reference runs every codec
 
 template <class T>
@@ -805,6 +907,10 @@ inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std:
   return false;
 }
 inline bool ggml_quantize_block_v(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
+template <class T>
+inline bool ggml_dequantize_block_v(GgmlType, const std::uint8_t*, T*) noexcept {
+  return false;
+}
 
 #endif
 
