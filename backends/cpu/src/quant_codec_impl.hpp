@@ -748,7 +748,69 @@ inline void st_nibbles(std::uint8_t* qs, const vi* q) noexcept {
 }
 inline void put_u32(std::uint8_t* p, std::uint32_t v) noexcept { std::memcpy(p, &v, 4); }
 
-/// One block of 32 finite values into ggml's bytes (q8_0, q4_0, q4_1, q5_0, q5_1; false for iq4_nl).
+/// Lanes of idx (0..15) looked up in the 16 iq4_nl levels (as floats).
+inline vf iq4nl_lookup(vi idx) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  const vf table = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm512_permutexvar_ps(idx, table);
+#else
+  const vf lo = _mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10), hi = _mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113);
+  const vf a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7))));
+#endif
+}
+/// The reference's iq4nl_index of every lane: 0 at or below the first level, 15 at or above the last, else
+/// the nearer of the two levels around x, the upper one at an exact midpoint.
+inline vi iq4nl_index_v(vf x) noexcept {
+  vi below = set1i(0);  // levels 1..15 at or below x
+  for (int k = 1; k < 16; ++k) {
+    const vf level = set1(static_cast<float>(kIq4nlValues[k]));
+#if KVP_CPU_TU_ISA == 2
+    below = _mm512_mask_add_epi32(below, _mm512_cmp_ps_mask(level, x, _CMP_LE_OQ), below, set1i(1));
+#else
+    below = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(level, x, _CMP_LE_OQ)));
+#endif
+  }
+  const vi lo = imin(below, set1i(14)), hi = iadd(lo, set1i(1));
+  vi idx = seli(lt(sub(x, iq4nl_lookup(lo)), sub(iq4nl_lookup(hi), x)), lo, hi);
+  idx = seli(mnot(gt(x, set1(static_cast<float>(kIq4nlValues[0])))), set1i(0), idx);    // x <= first level
+  idx = seli(mnot(lt(x, set1(static_cast<float>(kIq4nlValues[15])))), set1i(15), idx);  // x >= last level
+  return idx;
+}
+/// iq4_nl: codes of the nearest levels to x / d0, then d from the least-squares sums, accumulated in the
+/// reference's element order (products vectorised, sums sequential).
+inline bool iq4nl_quantize_block_v(const float* x, const vf* v, std::uint8_t* out) noexcept {
+  vi q[kBlockVecs];
+  vf av[kBlockVecs];
+  for (int i = 0; i < kBlockVecs; ++i) av[i] = vabs(v[i]);
+  const float amax = block_abs_max(v);
+  float d = 0.0f;
+  if (!(amax < 1e-15f)) {
+    const std::uint32_t at = eq_bits(av, set1(amax));
+    const float mx = x[__builtin_ctz(at)];
+    const float d0 = mx / static_cast<float>(kIq4nlValues[0]), id = 1.0f / d0;
+    alignas(64) float tqx[32], tq2[32];
+    for (int i = 0; i < kBlockVecs; ++i) {
+      q[i] = iq4nl_index_v(mul(set1(id), v[i]));
+      const vf lv = iq4nl_lookup(q[i]), w = mul(v[i], v[i]), wl = mul(w, lv);
+      st(tqx + i * kW, mul(wl, v[i]));
+      st(tq2 + i * kW, mul(wl, lv));
+    }
+    float sumqx = 0.0f, sumq2 = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+      sumqx = sumqx + tqx[j];
+      sumq2 = sumq2 + tq2[j];
+    }
+    d = sumqx / sumq2;
+  } else {
+    for (int i = 0; i < kBlockVecs; ++i) q[i] = set1i(0);
+  }
+  put_f16(out, d);
+  st_nibbles(out + 2, q);
+  return true;
+}
+
+/// One block of 32 finite values into ggml's bytes (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl).
 inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out) noexcept {
   vf v[kBlockVecs];
   vi q[kBlockVecs];
@@ -803,6 +865,7 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
       }
       return true;
     }
+    case GgmlType::kIQ4_NL: return iq4nl_quantize_block_v(x, v, out);
     default: return false;
   }
 }
@@ -822,7 +885,7 @@ inline vi block_high(std::uint32_t h, int i) noexcept {
   return sll(iand(srlv(set1i(static_cast<std::int32_t>(h)), iadd(iota(), set1i(i * static_cast<int>(kW)))), set1i(1)), 4);
 }
 
-/// One block's bytes decoded into y[0, 32) (q8_0, q4_0, q4_1, q5_0, q5_1; false for iq4_nl): the
+/// One block's bytes decoded into y[0, 32) (every ggml format): the
 /// reference's products and sums, fp16 outputs rounded to nearest even.
 template <class T>
 inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) noexcept {
@@ -866,6 +929,11 @@ inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) no
         if (five) q = ior(q, block_high(h, i));
         st(y + i * kW, add(mul(d, tof(q)), m));
       }
+      return true;
+    }
+    case GgmlType::kIQ4_NL: {
+      const vf d = set1(get_f16(in));
+      for (int i = 0; i < kBlockVecs; ++i) st(y + i * kW, mul(d, iq4nl_lookup(block_nibbles(in + 2, i))));
       return true;
     }
     default: return false;

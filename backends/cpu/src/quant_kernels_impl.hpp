@@ -129,7 +129,7 @@ inline void quantize_f32(GgmlType t, const float* x, std::int64_t n, std::uint8_
 }
 inline void quantize_f16(GgmlType t, const half* x, std::int64_t n, std::uint8_t* out) noexcept {
   const std::int32_t bb = ggml_block_bytes(t);
-  alignas(64) float f[kGgmlBlock];
+  alignas(64) float f[kGgmlBlock] = {};
   for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) {
     widen_block(x + b * kGgmlBlock, f);
     quantize_block(t, f, out + b * bb);
@@ -145,7 +145,7 @@ inline void dequantize_f32(GgmlType t, const std::uint8_t* in, std::int64_t n, f
 }
 inline void dequantize_f16(GgmlType t, const std::uint8_t* in, std::int64_t n, half* y) noexcept {
   const std::int32_t bb = ggml_block_bytes(t);
-  alignas(64) float f[kGgmlBlock];
+  alignas(64) float f[kGgmlBlock] = {};
   for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) {
     if (ggml_dequantize_block_v(t, in + b * bb, y + b * kGgmlBlock)) continue;
     dequantize_block(t, in + b * bb, f);
