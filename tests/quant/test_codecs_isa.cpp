@@ -153,9 +153,13 @@ TEST_CASE("codecs: token-wise INT4 / INT8 on the CPU equals the reference", "[qu
         backend::Cpu::int4_quantize_rows(x.data(), kRows, d, bits, cb.data(), stride);
         require_same(ca, cb, what + " codes");
         std::vector<float> ya(x.size()), yb(x.size());
-        backend::Scalar::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, ya.data());
-        backend::Cpu::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, yb.data());
+        backend::Scalar::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, ya.data(), d);
+        backend::Cpu::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, yb.data(), d);
         require_same(ya, yb, what + " decoded");
+        std::vector<half> ha(x.size()), hb(x.size());
+        backend::Scalar::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, ha.data(), d);
+        backend::Cpu::int4_dequantize_rows(ca.data(), kRows, stride, d, bits, hb.data(), d);
+        require_same(ha, hb, what + " decoded f16");
       }
   });
 }

@@ -44,10 +44,13 @@ void CpuQuantOps::int4_quantize_rows(const float* x, std::int64_t rows, std::int
   if (!cpu_detail::quant_kernels().int4_quantize(x, rows, d, bits, out, out_stride))
     ScalarQuantOps::int4_quantize_rows(x, rows, d, bits, out, out_stride);
 }
-void CpuQuantOps::int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
-                                       float* y) noexcept {
-  if (!cpu_detail::quant_kernels().int4_dequantize(in, rows, in_stride, d, bits, y))
-    ScalarQuantOps::int4_dequantize_rows(in, rows, in_stride, d, bits, y);
+bool CpuQuantOps::int4_dequantize_kernel(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, float* y,
+                                         std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().int4_dequantize_f32(in, rows, is, d, bits, y, ys);
+}
+bool CpuQuantOps::int4_dequantize_kernel(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, half* y,
+                                         std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().int4_dequantize_f16(in, rows, is, d, bits, y, ys);
 }
 bool CpuQuantOps::fp8_quantize_kernel(Fp8Format f, const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float scale,
                                       std::uint8_t* out, std::int64_t os) noexcept {

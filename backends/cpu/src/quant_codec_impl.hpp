@@ -381,14 +381,15 @@ inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int
   }
   return true;
 }
-inline bool int4_dequantize(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
-                            float* y) noexcept {
+template <class T>
+inline bool int4_dequantize(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, T* y,
+                            std::int64_t y_stride) noexcept {
   const std::int64_t h = bits == 4 ? d / 2 : d;
   if (h % kW != 0 || h == 0) return false;
   const vi m4 = set1i(15);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::uint8_t* i = in + r * in_stride;
-    float* yr = y + r * d;
+    T* yr = y + r * y_stride;
     float scale, zero;
     std::memcpy(&scale, i + d * bits / 8, 4);
     std::memcpy(&zero, i + d * bits / 8 + 4, 4);
@@ -961,7 +962,10 @@ inline bool rotate_out(float*, std::int64_t, std::int64_t, std::int64_t, T*, std
   return false;
 }
 inline bool int4_quantize(const float*, std::int64_t, std::int64_t, int, std::uint8_t*, std::int64_t) noexcept { return false; }
-inline bool int4_dequantize(const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int, float*) noexcept { return false; }
+template <class T>
+inline bool int4_dequantize(const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int, T*, std::int64_t) noexcept {
+  return false;
+}
 template <class T>
 inline bool fp8_quantize(Fp8Format, const T*, std::int64_t, std::int64_t, std::int64_t, float, std::uint8_t*, std::int64_t) noexcept {
   return false;
@@ -1041,6 +1045,14 @@ inline bool fp8_dequantize_f32(Fp8Format f, const std::uint8_t* in, std::int64_t
 inline bool fp8_dequantize_f16(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, float s, half* y,
                                std::int64_t ys) noexcept {
   return fp8_dequantize(f, in, rows, is, d, s, y, ys);
+}
+inline bool int4_dequantize_f32(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, float* y,
+                                std::int64_t ys) noexcept {
+  return int4_dequantize(in, rows, is, d, bits, y, ys);
+}
+inline bool int4_dequantize_f16(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, half* y,
+                                std::int64_t ys) noexcept {
+  return int4_dequantize(in, rows, is, d, bits, y, ys);
 }
 inline bool kivi_r16_f32(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept {
   return kivi_r16(x, rows, xs, d, y);

@@ -30,7 +30,10 @@ struct QuantKernels {
   bool (*rotate_out_f32)(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, float* out, std::int64_t out_stride) noexcept;
   bool (*rotate_out_f16)(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, half* out, std::int64_t out_stride) noexcept;
   bool (*int4_quantize)(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out, std::int64_t out_stride) noexcept;
-  bool (*int4_dequantize)(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, float* y) noexcept;
+  bool (*int4_dequantize_f32)(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, float* y,
+                              std::int64_t y_stride) noexcept;
+  bool (*int4_dequantize_f16)(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, half* y,
+                              std::int64_t y_stride) noexcept;
   bool (*fp8_quantize_f32)(Fp8Format f, const float* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
                            std::uint8_t* out, std::int64_t out_stride) noexcept;
   bool (*fp8_quantize_f16)(Fp8Format f, const half* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,

@@ -95,10 +95,19 @@ struct ScalarQuantOps {
                                  std::int64_t out_stride) noexcept {
     for (std::int64_t r = 0; r < rows; ++r) int4q::quantize_row(x + r * d, d, bits, out + r * out_stride);
   }
-  /// Code rows in + r * in_stride decoded into y (contiguous rows of d).
-  static void int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
-                                   float* y) noexcept {
-    for (std::int64_t r = 0; r < rows; ++r) int4q::dequantize_row(in + r * in_stride, d, bits, y + r * d);
+  /// Code rows in + r * in_stride decoded into rows y + r * y_stride (fp16 / bf16 round to nearest even).
+  template <class T>
+  static void int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, T* y,
+                                   std::int64_t y_stride) noexcept {
+    float row[kMaxRotatedHeadDim];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if constexpr (std::is_same_v<T, float>) {
+        int4q::dequantize_row(in + r * in_stride, d, bits, y + r * y_stride);
+      } else {
+        int4q::dequantize_row(in + r * in_stride, d, bits, row);
+        for (std::int64_t c = 0; c < d; ++c) y[r * y_stride + c] = from_float<T>(row[c]);
+      }
+    }
   }
 
   // ---- fp8 ----------------------------------------------------------------------------------------

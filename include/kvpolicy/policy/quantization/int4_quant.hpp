@@ -159,7 +159,11 @@ class Int4Quant {
       alignas(64) float y[kScratch];
       for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
         const std::int64_t m = std::min(chunk, T - t0);
-        Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, y);
+        if (unit && n <= 1) {  // no rotation: decoded straight into out
+          Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, &out(h, t0, 0), out.stride(1));
+          continue;
+        }
+        Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, y, d);
         if (unit) {
           Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
         } else {

@@ -55,8 +55,13 @@ struct CpuQuantOps : ScalarQuantOps {
   }
   static void int4_quantize_rows(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out,
                                  std::int64_t out_stride) noexcept;
-  static void int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits,
-                                   float* y) noexcept;
+  template <class T>
+  static void int4_dequantize_rows(const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, int bits, T* y,
+                                   std::int64_t y_stride) noexcept {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half>)
+      if (int4_dequantize_kernel(in, rows, in_stride, d, bits, y, y_stride)) return;
+    ScalarQuantOps::int4_dequantize_rows(in, rows, in_stride, d, bits, y, y_stride);
+  }
   template <class T>
   static void fp8_quantize_rows(Fp8Format f, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
                                 std::uint8_t* out, std::int64_t out_stride) noexcept {
@@ -100,6 +105,10 @@ struct CpuQuantOps : ScalarQuantOps {
                                     float* y, std::int64_t ys) noexcept;
   static bool fp8_dequantize_kernel(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, float scale,
                                     half* y, std::int64_t ys) noexcept;
+  static bool int4_dequantize_kernel(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, float* y,
+                                     std::int64_t ys) noexcept;
+  static bool int4_dequantize_kernel(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, half* y,
+                                     std::int64_t ys) noexcept;
   static bool kivi_r16_kernel(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept;
   static bool kivi_r16_kernel(const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float* y) noexcept;
   static void quantize_row_kernel(GgmlType t, const float* x, std::int64_t n, std::uint8_t* out) noexcept;
