@@ -6,10 +6,13 @@
 // it, short code regions).
 // Contract: no crash or sanitizer report; on error nothing changed (codes,
 // scales, residual, token counts compared byte for byte); on success KIVI's
-// counts follow the residual rule and every decoded value is finite.
+// counts follow the residual rule and every decoded value is finite; backend::Cpu
+// (vectorised codecs) gives the same status and the same bytes as backend::Scalar.
 #include <cmath>
+#include <cstring>
 
 #include "fuzz_util.hpp"
+#include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
@@ -44,7 +47,18 @@ void fuzz_kivi(FuzzedDataProvider& fdp) {
   const auto c0 = codes, s0 = scales;
   const auto r0 = res;
   const std::int64_t t0 = q.tokens, l0 = st.residual_len;
+  // The same append on backend::Cpu, on copies: same status, same bytes (its codecs equal the reference's).
+  std::vector<std::uint8_t> codes_c = codes, scales_c = scales;
+  std::vector<half> res_c = res;
+  KiviState st_c{TensorView<half, 3>::contiguous(res_c.data(), {H, res_rows, d}), st.residual_len};
+  QuantizedKV q_c{q.layout, TensorView<std::uint8_t, 3>::contiguous(codes_c.data(), {H, rows, cb}),
+                  TensorView<std::uint8_t, 3>::contiguous(scales_c.data(), {H, rows, sb}), q.tokens};
+  const Status s_c = p.append(Context<backend::Cpu>{}, TensorView<const float, 3>::contiguous(x.data(), {H, n, d}), st_c, q_c);
   const Status s = p.append(Context<backend::Scalar>{}, TensorView<const float, 3>::contiguous(x.data(), {H, n, d}), st, q);
+  KVP_FUZZ_CHECK(s.is_ok() == s_c.is_ok(), "kivi append: scalar %s, cpu %s", s.message(), s_c.message());
+  KVP_FUZZ_CHECK(same_bytes(codes, codes_c) && same_bytes(scales, scales_c) && same_bytes(res, res_c) && q.tokens == q_c.tokens &&
+                     st.residual_len == st_c.residual_len,
+                 "kivi append: backend::Cpu wrote other bytes than backend::Scalar");
   if (!s.is_ok()) {
     KVP_FUZZ_CHECK(same_bytes(codes, c0) && same_bytes(scales, s0) && same_bytes(res, r0) && q.tokens == t0 && st.residual_len == l0,
                    "kivi append failed (%s) but wrote", s.message());
@@ -77,12 +91,23 @@ void fuzz_rows(FuzzedDataProvider& fdp, const P& p) {
   typename P::State st{};
   const auto c0 = codes;
   const Status s = p.quantize(Context<backend::Scalar>{}, TensorView<const float, 3>::contiguous(x.data(), {H, T, d}), st, q);
+  // backend::Cpu on a copy: the same status and the same bytes.
+  std::vector<std::uint8_t> codes_c = c0;
+  QuantizedKV q_c{p.layout(), TensorView<std::uint8_t, 3>::contiguous(codes_c.data(), {H, cap, rb}), {}, T};
+  typename P::State st_c{};
+  const Status s_c = p.quantize(Context<backend::Cpu>{}, TensorView<const float, 3>::contiguous(x.data(), {H, T, d}), st_c, q_c);
+  KVP_FUZZ_CHECK(s.is_ok() == s_c.is_ok() && same_bytes(codes, codes_c), "%s quantize: backend::Cpu differs from backend::Scalar (%s / %s)",
+                 P::kName, s.message(), s_c.message());
   if (!s.is_ok()) {
     KVP_FUZZ_CHECK(same_bytes(codes, c0), "quantize failed (%s) but wrote", s.message());
     return;
   }
-  std::vector<float> y(static_cast<std::size_t>(std::max<std::int64_t>(H * T * d, 1)));
+  std::vector<float> y(static_cast<std::size_t>(std::max<std::int64_t>(H * T * d, 1))), y_c(y.size());
   KVP_FUZZ_CHECK(p.dequantize(Context<backend::Scalar>{}, q, TensorView<float, 3>::contiguous(y.data(), {H, T, d})).is_ok(), "dequantize");
+  KVP_FUZZ_CHECK(p.dequantize(Context<backend::Cpu>{}, q, TensorView<float, 3>::contiguous(y_c.data(), {H, T, d})).is_ok(),
+                 "dequantize (cpu)");
+  KVP_FUZZ_CHECK(std::memcmp(y.data(), y_c.data(), y.size() * sizeof(float)) == 0,
+                 "%s dequantize: backend::Cpu differs from backend::Scalar", P::kName);
   // Finite decodes are promised while the stored scale / minimum fit fp16: |x| <= 1e4 for the element's own
   // value without rotation; with one, a rotation of n <= 64 values spreads up to 8x the row's largest
   // magnitude into every entry of its block (quant/ggml.hpp), so any |x| > 4e3 in the row voids the promise.
