@@ -11,6 +11,7 @@
 // per task instead of the whole evaluation set.
 #pragma once
 
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -63,6 +64,19 @@ inline std::vector<std::size_t> samples_of(const std::string& task, int per_task
 inline kvp_engine::CacheShape shape_for(std::int64_t capacity) {
   const auto& c = model().config();
   return kvp_engine::CacheShape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, capacity};
+}
+
+/// One row of a paged-cache run against the same row on the contiguous cache: the same policy, and
+/// bit-identical logits, answers, attention error and bytes (the same rows reached the attention).
+inline void check_paged_row(const kvp_engine::TaskEvalResult& contiguous, const kvp_engine::TaskEvalResult& paged) {
+  INFO(contiguous.policy << " @" << contiguous.budget);
+  REQUIRE(paged.policy == contiguous.policy);
+  CHECK(paged.mean_kl == contiguous.mean_kl);
+  CHECK(paged.max_kl == contiguous.max_kl);
+  CHECK(paged.correct == contiguous.correct);
+  CHECK(paged.identical_to_full == contiguous.identical_to_full);
+  CHECK(paged.mean_attn_err == contiguous.mean_attn_err);
+  CHECK(paged.mean_kept_bytes == contiguous.mean_kept_bytes);
 }
 
 }  // namespace engine_test

@@ -60,14 +60,8 @@ TEST_CASE("engine kivi: the paged cache gives the same logits, accuracy and byte
   REQUIRE(c.size() == 1 + 2 * policies.size());
   REQUIRE(p.size() == c.size());
   for (std::size_t i = 1; i < c.size(); ++i) {
+    engine_test::check_paged_row(c[i], p[i]);  // bit-identical: the same decoded rows reached the attention
     INFO(c[i].policy << " @" << c[i].budget);
-    REQUIRE(p[i].policy == c[i].policy);
-    CHECK(p[i].mean_kl == c[i].mean_kl);  // bit-identical logits: the same decoded rows reached the attention
-    CHECK(p[i].max_kl == c[i].max_kl);
-    CHECK(p[i].correct == c[i].correct);
-    CHECK(p[i].identical_to_full == c[i].identical_to_full);
-    CHECK(p[i].mean_attn_err == c[i].mean_attn_err);
-    CHECK(p[i].mean_kept_bytes == c[i].mean_kept_bytes);
     CHECK(c[i].mean_kl > 0.0);  // quantized (and, for the evicting ones, evicted) at these budgets
     CHECK(c[i].mean_kept_bytes < c[0].mean_kept_bytes * 0.4);
   }

@@ -73,13 +73,8 @@ TEST_CASE("engine merging: every merge gives the same logits on the paged cache 
   REQUIRE(c.size() == 1 + 2 * policies.size());
   REQUIRE(p.size() == c.size());
   for (std::size_t i = 1; i < c.size(); ++i) {
+    engine_test::check_paged_row(c[i], p[i]);  // bit-identical: the same merged rows reached the attention
     INFO(c[i].policy << " @" << c[i].budget);
-    REQUIRE(p[i].policy == c[i].policy);
-    CHECK(p[i].mean_kl == c[i].mean_kl);  // bit-identical logits: the same merged rows reached the attention
-    CHECK(p[i].max_kl == c[i].max_kl);
-    CHECK(p[i].correct == c[i].correct);
-    CHECK(p[i].mean_attn_err == c[i].mean_attn_err);
-    CHECK(p[i].mean_kept_bytes == c[i].mean_kept_bytes);
     CHECK(c[i].mean_kl > 0.0);  // something was evicted and merged at these budgets
   }
 }

@@ -176,11 +176,6 @@ inline float as_float(std::uint32_t u) noexcept {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-inline std::uint32_t as_bits(float f) noexcept {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 /// The reference's sequential minimum / maximum of x[0, n) given the value m of a lane-parallel one: m, or
 /// when m is zero the first zero of x (the scan keeps the first of equal values, and -0 == +0).
@@ -597,9 +592,8 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
       const vf vscale = r16(div(r16(sub(set1(hi), vlo)), top));
       alignas(64) float sv[kW];
       st(sv, vscale);
-      const std::uint16_t sb = static_cast<std::uint16_t>(_cvtss_sh(sv[0], kRne)), mb = static_cast<std::uint16_t>(_cvtss_sh(lo, kRne));
-      std::memcpy(sc + 2 * g, &sb, 2);
-      std::memcpy(sc + 2 * (groups + g), &mb, 2);
+      put_half(sc + 2 * g, sv[0]);
+      put_half(sc + 2 * (groups + g), lo);
       for (std::int64_t c = 0; c < group; c += kW) {
         const vi q = kivi_code(ld(xg + c), vlo, vscale, top);
         const std::int64_t ch = g * group + c;  // first channel of the vector
@@ -644,10 +638,7 @@ inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes
     const std::uint8_t* sc = scales + r * scales_stride;
     float* yr = y + r * d;
     for (std::int64_t g = 0; g < groups; ++g) {
-      std::uint16_t sb, mb;
-      std::memcpy(&sb, sc + 2 * g, 2);
-      std::memcpy(&mb, sc + 2 * (groups + g), 2);
-      const vf scale = set1(_cvtsh_ss(sb)), mn = set1(_cvtsh_ss(mb));
+      const vf scale = set1(get_half(sc + 2 * g)), mn = set1(get_half(sc + 2 * (groups + g)));
       for (std::int64_t c = 0; c < group; c += kW) {
         const std::int64_t ch = g * group + c;
         vi q;
@@ -724,10 +715,6 @@ inline void st_i8(std::uint8_t* p, vi v) noexcept {
   const __m256i b = _mm256_shuffle_epi8(v, pick);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 #endif
-}
-inline void put_f16(std::uint8_t* p, float v) noexcept {
-  const auto b = static_cast<std::uint16_t>(_cvtss_sh(v, kRne));
-  std::memcpy(p, &b, 2);
 }
 inline float block_abs_max(const vf* v) noexcept {
   vf m = vabs(v[0]);
@@ -816,7 +803,7 @@ inline bool iq4nl_quantize_block_v(const float* x, const vf* v, std::uint8_t* ou
   } else {
     for (int i = 0; i < kBlockVecs; ++i) q[i] = set1i(0);
   }
-  put_f16(out, d);
+  put_half(out, d);
   st_nibbles(out + 2, q);
   return true;
 }
@@ -829,7 +816,7 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
   switch (t) {
     case GgmlType::kQ8_0: {
       const float d = block_abs_max(v) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      put_f16(out, d);
+      put_half(out, d);
       const vf vid = set1(id), two = set1(2.0f), zero = set1(0.0f);
       for (int i = 0; i < kBlockVecs; ++i) {  // round half away from zero, as the reference's round_away
         const vf p = mul(v[i], vid), a = vabs(p), f = vfloor(a);
@@ -849,7 +836,7 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
       const float d = mxv / static_cast<float>(-levels), id = d != 0.0f ? 1.0f / d : 0.0f;
       const vf vid = set1(id), bias = set1(static_cast<float>(levels) + 0.5f);
       for (int i = 0; i < kBlockVecs; ++i) q[i] = imin(toi(add(mul(v[i], vid), bias)), set1i(top));
-      put_f16(out, d);
+      put_half(out, d);
       if (t == GgmlType::kQ4_0) {
         st_nibbles(out + 2, q);
       } else {
@@ -866,8 +853,8 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
       const float d = (mx - mn) / static_cast<float>(top), id = d != 0.0f ? 1.0f / d : 0.0f;
       const vf vid = set1(id), vmn = set1(mn), half_ = set1(0.5f);
       for (int i = 0; i < kBlockVecs; ++i) q[i] = imin(toi(add(mul(sub(v[i], vmn), vid), half_)), set1i(top));
-      put_f16(out, d);
-      put_f16(out + 2, mn);
+      put_half(out, d);
+      put_half(out + 2, mn);
       if (t == GgmlType::kQ4_1) {
         st_nibbles(out + 4, q);
       } else {
@@ -881,11 +868,6 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
   }
 }
 
-inline float get_f16(const std::uint8_t* p) noexcept {
-  std::uint16_t b;
-  std::memcpy(&b, p, 2);
-  return _cvtsh_ss(b);
-}
 /// Codes of vector i of a 4-bit block (element j < 16: low nibble of qs[j], else high nibble of qs[j - 16]).
 inline vi block_nibbles(const std::uint8_t* qs, int i) noexcept {
   const vi b = ld_u8(qs + (i % (kBlockVecs / 2)) * kW);
@@ -902,7 +884,7 @@ template <class T>
 inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) noexcept {
   switch (t) {
     case GgmlType::kQ8_0: {
-      const vf d = set1(get_f16(in));
+      const vf d = set1(get_half(in));
       for (int i = 0; i < kBlockVecs; ++i) {
 #if KVP_CPU_TU_ISA == 2
         const vi q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 + i * kW)));
@@ -916,7 +898,7 @@ inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) no
     case GgmlType::kQ4_0:
     case GgmlType::kQ5_0: {
       const bool five = t == GgmlType::kQ5_0;
-      const vf d = set1(get_f16(in));
+      const vf d = set1(get_half(in));
       const std::uint8_t* qs = in + (five ? 6 : 2);
       std::uint32_t h = 0;
       if (five) std::memcpy(&h, in + 2, 4);
@@ -931,7 +913,7 @@ inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) no
     case GgmlType::kQ4_1:
     case GgmlType::kQ5_1: {
       const bool five = t == GgmlType::kQ5_1;
-      const vf d = set1(get_f16(in)), m = set1(get_f16(in + 2));
+      const vf d = set1(get_half(in)), m = set1(get_half(in + 2));
       const std::uint8_t* qs = in + (five ? 8 : 4);
       std::uint32_t h = 0;
       if (five) std::memcpy(&h, in + 4, 4);
@@ -943,7 +925,7 @@ inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) no
       return true;
     }
     case GgmlType::kIQ4_NL: {
-      const vf d = set1(get_f16(in));
+      const vf d = set1(get_half(in));
       for (int i = 0; i < kBlockVecs; ++i) st(y + i * kW, mul(d, iq4nl_lookup(block_nibbles(in + 2, i))));
       return true;
     }
