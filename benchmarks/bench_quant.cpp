@@ -12,6 +12,13 @@
 //                          fp16 keys and, through QuantizedKeys, on the same keys stored in <format>:
 //                          GFLOP/s and pct_peak_fma over the window logits (2 Hq w T d), tokens/s
 //                          (kv heads x tokens scored per second), against score/snapkv_fp16
+//   paged_attention/<format>_<backend>  quantized_paged_decode_attention: one decode step of a 4-query GQA group
+//                          per kv head over a page pool of codes (8 kv heads x 16384 tokens, pages of 16 in
+//                          shuffled order, d = 128, K and V in <format>), backend::Scalar (the reference: scalar
+//                          codecs and attention) against backend::Cpu (vectorised codecs, the SIMD paged op,
+//                          pages merged by log-sum-exp); paged_attention/fp16_cpu: the same step on an fp16
+//                          pool through backend::Cpu::paged_decode_attention (no decoding), the speed of light
+//                          the codes are compared with. Bytes: the codes (or fp16 rows) read once.
 //
 // Each run reports GB/s and pct_peak_bw over the bytes a pass cannot avoid
 // (fp16 rows read or written once, codes written or read once) against the
@@ -19,7 +26,9 @@
 // >= 80 % of it. Times are CPU time, medians of 5 repetitions.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -30,6 +39,7 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/quantization/quantized_keys.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
 
 using namespace kvpolicy;
 
@@ -164,6 +174,85 @@ void score_quantized(benchmark::State& st, const P& p) {
   run_score(st, QuantizedKeys<SnapKV, P>(score_snapkv(), p), in);
 }
 
+// ---- paged decode attention over codes --------------------------------------------------------------
+
+constexpr std::int32_t kPP = 16, kPG = 4;  // page size, queries per kv head
+
+/// One sequence of kT tokens over kT / 16 pages in shuffled order.
+struct PagedTable {
+  std::vector<std::int32_t> indptr{0, static_cast<std::int32_t>(kT / kPP)}, indices, last{kPP};
+  PagedTable() : indices(static_cast<std::size_t>(kT / kPP)) {
+    for (std::size_t i = 0; i < indices.size(); ++i) indices[i] = static_cast<std::int32_t>(i);
+    std::shuffle(indices.begin(), indices.end(), std::mt19937(3));
+  }
+  PageTable view() const { return PageTable{indptr.data(), indices.data(), last.data(), 1}; }
+};
+const PagedTable& paged_table() {
+  static const PagedTable t;
+  return t;
+}
+
+template <class Backend, class P>
+void paged_attention(benchmark::State& st, const P& p) {
+  Cache& c = cache();
+  const PagedTable& tab = paged_table();
+  const std::int64_t rb = p.row_bytes(kD);
+  const auto np = static_cast<std::int32_t>(kT / kPP);
+  std::vector<std::uint8_t> kc(static_cast<std::size_t>(kH * kT * rb)), vc(kc.size());
+  const PageStrides ps = PageStrides::contiguous(PageLayout::kHND, static_cast<std::int32_t>(kH), kPP, rb);
+  const PagedKVView<std::uint8_t> pool{kc.data(),  vc.data(), ps, ps, np, static_cast<std::int32_t>(kH), kPP, static_cast<std::int32_t>(rb),
+                                       tab.view(), {}};
+  const auto rows = TensorView<const half, 3>::contiguous(c.rows.data(), {kH, kT, kD});
+  if (!quantize_paged_append(Context<backend::Cpu>{}, p, pool, 0, rows, false).is_ok() ||
+      !quantize_paged_append(Context<backend::Cpu>{}, p, pool, 0, rows, true).is_ok())
+    return st.SkipWithError("quantize failed");
+  const std::vector<float> q = kvp_bench::normal_values<float>(static_cast<std::size_t>(kH * kPG * kD), 9);
+  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(kH * kPG));
+  std::vector<std::byte> ws(quantized_paged_attention_workspace<Backend>(kPP, kD, kPG));
+  const Context<Backend> cx{Workspace{ws.data(), ws.size()}};
+  const PagedKVView<const std::uint8_t> cpool = pool;
+  for (auto _ : st) {
+    for (std::int32_t h = 0; h < kH; ++h) {
+      const Status e = quantized_paged_decode_attention(cx, p, p, cpool, h, tab.indices.data(), kT, q.data() + h * kPG * kD, kPG, kD,
+                                                        0.088f, out.data() + h * kPG * kD, lse.data() + h * kPG);
+      if (!e.is_ok()) return st.SkipWithError(e.message());
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  kvp_bench::report_bytes(st, static_cast<double>(kc.size() + vc.size()));
+  st.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kH * kT), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void paged_attention_fp16(benchmark::State& st) {
+  Cache& c = cache();
+  const PagedTable& tab = paged_table();
+  const auto np = static_cast<std::int32_t>(kT / kPP);
+  std::vector<half> kp(static_cast<std::size_t>(kH * kT * kD)), vp(kp.size());
+  const PageStrides ps = PageStrides::contiguous(PageLayout::kHND, static_cast<std::int32_t>(kH), kPP, kD);
+  const PagedKVView<half> wpool{kp.data(),  vp.data(), ps, ps, np, static_cast<std::int32_t>(kH), kPP, static_cast<std::int32_t>(kD),
+                                tab.view(), {}};
+  const PagedKVView<const half> pool = wpool;
+  for (std::int64_t h = 0; h < kH; ++h)
+    for (std::int64_t t = 0; t < kT; ++t) {
+      const half* src = c.rows.data() + (h * kT + t) * kD;
+      std::copy(src, src + kD, wpool.key(0, static_cast<std::int32_t>(h), t));
+      std::copy(src, src + kD, wpool.value(0, static_cast<std::int32_t>(h), t));
+    }
+  const std::vector<float> q = kvp_bench::normal_values<float>(static_cast<std::size_t>(kH * kPG * kD), 9);
+  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(kH * kPG));
+  const auto keys0 = Rows<half>::paged_keys(pool, 0, 0);
+  std::vector<std::byte> ws(backend::Cpu::paged_attention_workspace(kPG, backend::Cpu::attention_block(keys0), kD));
+  for (auto _ : st) {
+    for (std::int32_t h = 0; h < kH; ++h)
+      backend::Cpu::paged_decode_attention(q.data() + h * kPG * kD, kPG, kD, Rows<half>::paged_keys(pool, 0, h),
+                                           Rows<half>::paged_values(pool, 0, h), kT, 0.088f, out.data() + h * kPG * kD,
+                                           lse.data() + h * kPG, Workspace{ws.data(), ws.size()});
+    benchmark::DoNotOptimize(out.data());
+  }
+  kvp_bench::report_bytes(st, static_cast<double>((kp.size() + vp.size()) * sizeof(half)));
+  st.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kH * kT), benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void register_all() {
   for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
     for (bool quantize : {true, false}) {
@@ -216,6 +305,20 @@ void register_all() {
   reg_score("q4_0", [](benchmark::State& st) { score_quantized(st, GgmlQuant(GgmlQuantParams{GgmlType::kQ4_0})); });
   reg_score("int4_rot", [](benchmark::State& st) { score_quantized(st, Int4Quant{}); });
   reg_score("kivi_k2", [](benchmark::State& st) { score_quantized(st, KiviQuant(KiviQuantParams{QuantRole::kKeys, 2, 32, 128})); });
+  auto reg_att = [](const std::string& name, auto fn) {
+    benchmark::RegisterBenchmark(("paged_attention/" + name).c_str(), fn)
+        ->Unit(benchmark::kMillisecond)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly();
+  };
+  reg_att("fp16_cpu", paged_attention_fp16);
+  const GgmlQuant q8(GgmlQuantParams{GgmlType::kQ8_0}), q4(GgmlQuantParams{GgmlType::kQ4_0});
+  const Fp8Quant f8(Fp8QuantParams{Fp8Format::kE4M3, Fp8Scale::kPerTokenHead, 1.0f});
+  reg_att("q8_0_scalar", [q8](benchmark::State& st) { paged_attention<backend::Scalar>(st, q8); });
+  reg_att("q8_0_cpu", [q8](benchmark::State& st) { paged_attention<backend::Cpu>(st, q8); });
+  reg_att("q4_0_cpu", [q4](benchmark::State& st) { paged_attention<backend::Cpu>(st, q4); });
+  reg_att("fp8_e4m3_per_token_head_cpu", [f8](benchmark::State& st) { paged_attention<backend::Cpu>(st, f8); });
+  reg_att("int4_rot_cpu", [](benchmark::State& st) { paged_attention<backend::Cpu>(st, Int4Quant{}); });
 }
 
 }  // namespace

@@ -493,7 +493,7 @@ void quantize_paged_append_py(const Quantizer& q, nb::handle pages, nb::handle i
     KVP_RETURN_IF_ERROR((R.view.template as<const T_, 3>(&x, "rows")));
     return with_row_format(who, q, [&](const auto& p) {
       nb::gil_scoped_release nogil;
-      return kvpolicy::quantize_paged_append(p, pool, seq, x, /*values=*/false);
+      return kvpolicy::quantize_paged_append(Ctx{}, p, pool, seq, x, /*values=*/false);
     });
   }));
 }
@@ -581,7 +581,8 @@ nb::tuple quantized_paged_decode_attention_py(const Quantizer& qk, const Quantiz
     return v;
   }();
   const float sc = scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(std::max<std::int64_t>(d, 1)));
-  const std::size_t wsb = kvpolicy::quantized_paged_workspace(std::max(kc.page_size, 1), std::max<std::int64_t>(d, 1), G);
+  const std::size_t wsb =
+      kvpolicy::quantized_paged_attention_workspace<kvpolicy::backend::Cpu>(std::max(kc.page_size, 1), std::max<std::int64_t>(d, 1), G);
   std::unique_ptr<std::byte[]> ws(new std::byte[wsb + 1]);
   check(with_row_format(who, qk, [&](const auto& pk) {
     return with_row_format(who, qv, [&](const auto& pv) -> kvpolicy::Status {
@@ -591,8 +592,9 @@ nb::tuple quantized_paged_decode_attention_py(const Quantizer& qk, const Quantiz
         const std::int64_t n = pool.seq_len(static_cast<std::int32_t>(b));
         for (std::int32_t h = 0; h < kc.heads; ++h) {
           const std::int64_t row = b * Hq + h * G;
-          KVP_RETURN_IF_ERROR(kvpolicy::quantized_paged_decode_attention(pk, pv, pool, h, pages, n, qbuf.data() + row * d, G, d, sc,
-                                                                         tmp + row * d, lse + row, kvpolicy::Workspace{ws.get(), wsb + 1}));
+          KVP_RETURN_IF_ERROR(kvpolicy::quantized_paged_decode_attention(Ctx{kvpolicy::Workspace{ws.get(), wsb + 1}}, pk, pv, pool, h,
+                                                                         pages, n, qbuf.data() + row * d, G, d, sc, tmp + row * d,
+                                                                         lse + row));
         }
       }
       return kvpolicy::Status::ok();

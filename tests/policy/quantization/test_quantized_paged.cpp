@@ -4,6 +4,9 @@
 // scalar reference over the decoded pool), NHD and HND pools, bad input.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -54,6 +57,23 @@ void check_format(const Q& q, PageLayout layout, const char* name) {
     for (auto& x : v) x = nd(rng);
     REQUIRE(quantize_paged_append(q, codes, b, TensorView<const float, 3>::contiguous(k.data(), {H, lens[b], d}), false).is_ok());
     REQUIRE(quantize_paged_append(q, codes, b, TensorView<const float, 3>::contiguous(v.data(), {H, lens[b], d}), true).is_ok());
+    // On backend::Cpu the same bytes (into a second pool that starts equal).
+    std::vector<std::uint8_t> kc2(kc.size(), 0), vc2(kc.size(), 0);
+    PagedKVView<std::uint8_t> codes2 = codes;
+    codes2.k_data = kc2.data(), codes2.v_data = vc2.data();
+    REQUIRE(quantize_paged_append(Context<backend::Cpu>{}, q, codes2, b, TensorView<const float, 3>::contiguous(k.data(), {H, lens[b], d}),
+                                  false)
+                .is_ok());
+    REQUIRE(quantize_paged_append(Context<backend::Cpu>{}, q, codes2, b, TensorView<const float, 3>::contiguous(v.data(), {H, lens[b], d}),
+                                  true)
+                .is_ok());
+    for (std::int32_t t = 0; t < lens[b]; ++t)
+      for (std::int32_t h = 0; h < H; ++h) {
+        const std::int32_t page = tab.view().page_of(b, t, P);
+        const std::size_t at = static_cast<std::size_t>(codes.k_ptr(page, h, t % P) - kc.data());
+        REQUIRE(std::equal(kc.begin() + at, kc.begin() + at + rb, kc2.begin() + at));
+        REQUIRE(std::equal(vc.begin() + at, vc.begin() + at + rb, vc2.begin() + at));
+      }
   }
   // The decoded pool, fp32, same layout.
   std::vector<float> kf(static_cast<std::size_t>(kPages * H * P * d)), vf(kf.size());
@@ -98,7 +118,41 @@ void check_format(const Q& q, PageLayout layout, const char* name) {
                                               lens[b], 0.125f, o2.data(), l2.data(), Workspace{rws.data(), rws.size()});
       for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(o1[i] == Approx(o2[i]).epsilon(1e-6).margin(1e-7));
       for (std::size_t i = 0; i < l1.size(); ++i) REQUIRE(l1[i] == Approx(l2[i]).epsilon(1e-6));
+      // The Context overload: on Scalar the same bits; on Cpu (page-wise op + log-sum-exp merge) within 1e-5.
+      std::vector<float> o3(o1.size(), 9.0f), l3(4, 9.0f);
+      REQUIRE(quantized_paged_decode_attention(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, q, q, cc, h,
+                                               tab.indices.data() + tab.indptr[b], lens[b], qv.data(), 4, d, 0.125f, o3.data(), l3.data())
+                  .is_ok());
+      REQUIRE((o3 == o1 && l3 == l1));
+      std::vector<std::byte> cws(quantized_paged_attention_workspace<backend::Cpu>(P, d, 4));
+      REQUIRE_THAT(
+          quantized_paged_decode_attention(Context<backend::Cpu>{Workspace{cws.data(), cws.size() - 64}}, q, q, cc, h,
+                                           tab.indices.data() + tab.indptr[b], lens[b], qv.data(), 4, d, 0.125f, o3.data(), l3.data())
+              .message(),
+          Contains("workspace"));
+      REQUIRE((o3 == o1 && l3 == l1));
+      REQUIRE(quantized_paged_decode_attention(Context<backend::Cpu>{Workspace{cws.data(), cws.size()}}, q, q, cc, h,
+                                               tab.indices.data() + tab.indptr[b], lens[b], qv.data(), 4, d, 0.125f, o3.data(), l3.data())
+                  .is_ok());
+      for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(o3[i] == Approx(o1[i]).epsilon(1e-5).margin(1e-6));
+      for (std::size_t i = 0; i < l1.size(); ++i) REQUIRE(l3[i] == Approx(l1[i]).epsilon(1e-5));
     }
+  // Corner cases on Cpu, as the reference: no tokens gives 0 and -inf; a NaN query gives NaN output and lse.
+  std::vector<std::byte> cws(quantized_paged_attention_workspace<backend::Cpu>(P, d, 4));
+  std::vector<float> o(static_cast<std::size_t>(4 * d), 5.0f), l(4, 5.0f), qn = qv;
+  REQUIRE(quantized_paged_decode_attention(Context<backend::Cpu>{Workspace{cws.data(), cws.size()}}, q, q, cc, 0, tab.indices.data(), 0,
+                                           qv.data(), 4, d, 0.125f, o.data(), l.data())
+              .is_ok());
+  REQUIRE(std::all_of(o.begin(), o.end(), [](float x) { return x == 0.0f; }));
+  REQUIRE(std::all_of(l.begin(), l.end(), [](float x) { return x == -std::numeric_limits<float>::infinity(); }));
+  qn[static_cast<std::size_t>(d + 3)] = std::numeric_limits<float>::quiet_NaN();  // query head 1
+  REQUIRE(quantized_paged_decode_attention(Context<backend::Cpu>{Workspace{cws.data(), cws.size()}}, q, q, cc, 0, tab.indices.data(), 40,
+                                           qn.data(), 4, d, 0.125f, o.data(), l.data())
+              .is_ok());
+  for (std::int64_t g = 0; g < 4; ++g) {
+    REQUIRE(std::isnan(l[static_cast<std::size_t>(g)]) == (g == 1));
+    REQUIRE(std::isnan(o[static_cast<std::size_t>(g * d)]) == (g == 1));
+  }
 }
 
 }  // namespace

@@ -19,9 +19,22 @@
 //                                block, the scalar reference's order): equal
 //                                to backend::Scalar's paged_decode_attention
 //                                over the decoded pool (tested to 1e-6).
+//                                With a `Context<Backend>` first: the page is
+//                                decoded by the backend's codecs and attended
+//                                by `Backend::paged_decode_attention` (one
+//                                call per chunk of whole pages, >= 64 rows),
+//                                and the chunks' partial results are merged
+//                                by their log-sum-exp. On
+//                                backend::Scalar that is the overload above,
+//                                bit for bit; on backend::Cpu the output is
+//                                within 1e-5 relative of it (the op's own
+//                                contract: summation order, a polynomial exp),
+//                                with the same NaN / nothing-attended rules.
 //
 // Quantize-on-append is the format's own `quantize` on the appended rows
-// written at their slots (`quantize_paged_append`).
+// written at their slots (`quantize_paged_append`; with a `Context<Backend>`
+// first, the backend's quantizer, whose bytes equal backend::Scalar's for
+// every format here).
 // Formats whose rows are not self-contained (KIVI's per-channel key groups)
 // are not paged here. Validation before any write: the format's parameters
 // and row bytes, the pool and its table, the metadata shape, workspace size.
@@ -31,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kvpolicy/core/page_selection.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
@@ -48,6 +62,13 @@ void decode_code_rows(const Q& q, const std::uint8_t* first, std::int64_t stride
   const QuantizedKV region{
       q.layout(), TensorView<std::uint8_t, 3>(const_cast<std::uint8_t*>(first), {1, rows, q.row_bytes(d)}, {0, stride, 1}), {}, rows};
   (void)q.dequantize(Context<Backend>{}, region, TensorView<float, 3>::contiguous(dst, {1, rows, d}));
+}
+
+/// Rows a chunk of the backend attention path decodes before one op call: whole pages, at least 64 rows
+/// (the op's own block) so that short pages do not pay a call and a merge each.
+constexpr std::int64_t quantized_attention_chunk(std::int32_t page_size) noexcept {
+  const std::int64_t P = page_size < 1 ? 1 : page_size;
+  return P * ((64 + P - 1) / P);
 }
 
 template <class Q>
@@ -74,6 +95,28 @@ inline std::size_t quantized_paged_workspace(std::int32_t page_size, std::int64_
   const std::size_t per = align_up(static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) * sizeof(float)) * 2 +
                           align_up(static_cast<std::size_t>(group * page_size) * sizeof(float));
   return detail::WorkerSlices::bytes(per, workers < 1 ? 1 : workers);
+}
+
+/// Workspace of the `Context<Backend>` overload of quantized_paged_decode_attention (ctx.workspace): on
+/// backend::Scalar quantized_paged_workspace(page_size, head_dim, group); otherwise one page of decoded keys
+/// and values for a chunk of whole pages (>= 64 rows), the chunk's partial output and lse, and the backend
+/// op's own workspace.
+template <class Backend>
+std::size_t quantized_paged_attention_workspace(std::int32_t page_size, std::int64_t head_dim, std::int64_t group) noexcept {
+  if constexpr (std::is_same_v<Backend, backend::Scalar>) {
+    return quantized_paged_workspace(page_size, head_dim, group);
+  } else {
+    const auto R = static_cast<std::size_t>(detail::quantized_attention_chunk(page_size));
+    const auto d = static_cast<std::size_t>(head_dim < 1 ? 1 : head_dim), g = static_cast<std::size_t>(group < 1 ? 1 : group);
+    const Rows<float> run{nullptr, head_dim, nullptr, 0, 0};
+    return WorkspacePlan{}
+        .add<float>(R * d)
+        .add<float>(R * d)
+        .add<float>(g * d)
+        .add<float>(g)
+        .add_bytes(Backend::paged_attention_workspace(group, Backend::attention_block(run), head_dim))
+        .total();
+  }
 }
 
 /// Quest metadata of the tokens just appended to a quantized K pool (append_len[b] per sequence; nullptr:
@@ -193,11 +236,96 @@ Status quantized_paged_decode_attention(const Qk& qk, const Qv& qv, const PagedK
   return Status::ok();
 }
 
+/// quantized_paged_decode_attention on `Backend` (see the header): workspace from ctx.workspace,
+/// quantized_paged_attention_workspace<Backend>(page_size, head_dim, group). Same validation, nothing written
+/// on error.
+template <class Backend, class Qk, class Qv>
+Status quantized_paged_decode_attention(const Context<Backend>& ctx, const Qk& qk, const Qv& qv,
+                                        const PagedKVView<const std::uint8_t>& pool, std::int32_t h, const std::int32_t* pages,
+                                        std::int64_t num_tokens, const float* q, std::int64_t group, std::int64_t head_dim, float scale,
+                                        float* out, float* lse) noexcept {
+  if constexpr (std::is_same_v<Backend, backend::Scalar>) {
+    return quantized_paged_decode_attention(qk, qv, pool, h, pages, num_tokens, q, group, head_dim, scale, out, lse, ctx.workspace);
+  } else {
+    constexpr const char* who = "quantized_paged_attention";
+    KVP_RETURN_IF_ERROR(detail::check_code_pool(who, qk, pool, head_dim, /*need_values=*/true));
+    KVP_REQUIRE(qv.validate_params().is_ok() && qv.row_bytes(head_dim) == qk.row_bytes(head_dim),
+                "%s: the value format's rows (%lld bytes) differ from the keys' (%lld): one pool holds both", who,
+                static_cast<long long>(qv.row_bytes(head_dim)), static_cast<long long>(qk.row_bytes(head_dim)));
+    KVP_REQUIRE(h >= 0 && h < pool.num_kv_heads, "%s: kv head %d out of range [0, %d)", who, h, pool.num_kv_heads);
+    KVP_REQUIRE(num_tokens >= 0 && (num_tokens == 0 || pages != nullptr), "%s: %lld tokens with a null page list", who,
+                static_cast<long long>(num_tokens));
+    KVP_REQUIRE(q != nullptr && out != nullptr && group >= 1, "%s: queries / out are null or group < 1", who);
+    const std::int64_t P = pool.page_size;
+    for (std::int64_t i = 0; i * P < num_tokens; ++i)
+      KVP_REQUIRE(pages[i] >= 0 && pages[i] < pool.num_pages, "%s: page %lld of the list is %d, out of range [0, %d)", who,
+                  static_cast<long long>(i), pages[i], pool.num_pages);
+    KVP_RETURN_IF_ERROR(check_workspace(who, ctx.workspace, quantized_paged_attention_workspace<Backend>(pool.page_size, head_dim, group)));
+    WorkspaceCarver c(ctx.workspace);
+    const std::int64_t R = detail::quantized_attention_chunk(pool.page_size);
+    float* kb = c.take<float>(static_cast<std::size_t>(R * head_dim));
+    float* vb = c.take<float>(static_cast<std::size_t>(R * head_dim));
+    float* po = c.take<float>(static_cast<std::size_t>(group * head_dim));
+    float* pl = c.take<float>(static_cast<std::size_t>(group));
+    const Rows<float> run{nullptr, head_dim, nullptr, 0, 0};
+    const std::size_t op_ws = Backend::paged_attention_workspace(group, Backend::attention_block(run), head_dim);
+    const Workspace ows{c.take<std::byte>(op_ws), op_ws};
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+    // Running state per head: the largest chunk lse m, the sum of exp(lse_chunk - m) and out = the same
+    // weights times the chunks' normalised outputs (divided by the sum once at the end).
+    for (std::int64_t i = 0; i < group * head_dim; ++i) out[i] = 0.0f;
+    constexpr std::int64_t kHeads = 16;
+    for (std::int64_t g0 = 0; g0 < group; g0 += kHeads) {
+      const std::int64_t gn = std::min(kHeads, group - g0);
+      float m[kHeads], sum[kHeads];
+      for (std::int64_t g = 0; g < gn; ++g) m[g] = kNegInf, sum[g] = 0.0f;
+      for (std::int64_t j0 = 0; j0 < num_tokens; j0 += R) {
+        const std::int64_t bn = std::min(R, num_tokens - j0);
+        for (std::int64_t r = 0; r < bn; r += P) {  // the chunk's pages, decoded one after the other
+          const std::int32_t page = pages[(j0 + r) / P];
+          const std::int64_t n = std::min(P, bn - r);
+          detail::decode_code_rows<Backend>(qk, pool.k_ptr(page, h, 0), pool.k_strides.slot, n, head_dim, kb + r * head_dim);
+          detail::decode_code_rows<Backend>(qv, pool.v_ptr(page, h, 0), pool.v_strides.slot, n, head_dim, vb + r * head_dim);
+        }
+        Backend::paged_decode_attention(q + g0 * head_dim, gn, head_dim, Rows<float>{kb, head_dim, nullptr, 0, 0},
+                                        Rows<float>{vb, head_dim, nullptr, 0, 0}, bn, scale, po, pl, ows);
+        for (std::int64_t g = 0; g < gn; ++g) {
+          float* o = out + (g0 + g) * head_dim;
+          const float* op = po + g * head_dim;
+          if (sum[g] != sum[g]) continue;  // NaN already: stays NaN
+          if (pl[g] != pl[g]) {            // a NaN logit: output and lse NaN, as the reference
+            sum[g] = kNaN;
+            for (std::int64_t d = 0; d < head_dim; ++d) o[d] = kNaN;
+            continue;
+          }
+          if (pl[g] == kNegInf) continue;  // nothing attended in this chunk
+          const float nm = pl[g] > m[g] ? pl[g] : m[g];
+          const float a = std::exp(m[g] - nm), w = std::exp(pl[g] - nm);  // a = 0 on the first chunk
+          sum[g] = sum[g] * a + w;
+          for (std::int64_t d = 0; d < head_dim; ++d) o[d] = o[d] * a + w * op[d];
+          m[g] = nm;
+        }
+      }
+      for (std::int64_t g = 0; g < gn; ++g) {
+        float* o = out + (g0 + g) * head_dim;
+        const bool none = sum[g] == 0.0f;
+        const float inv = none ? 0.0f : 1.0f / sum[g];
+        for (std::int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+        if (lse != nullptr) lse[g0 + g] = none ? kNegInf : m[g] + std::log(sum[g]);
+      }
+    }
+    return Status::ok();
+  }
+}
+
 /// Quantize-on-append: rows (kv_heads, n, head_dim) of tokens [len_b - n, len_b) of sequence b written in
 /// format `q` at their slots of the code pool's keys (values = false) or values (values = true).
-template <class Q, class T>
-Status quantize_paged_append(const Q& q, const PagedKVView<std::uint8_t>& pool, std::int32_t b, TensorView<const T, 3> rows,
-                             bool values) noexcept {
+/// With a `Context<Backend>` first, the rows are quantized by the backend's codecs (the same bytes as
+/// backend::Scalar's for every format here; tests/quant pins that).
+template <class Backend, class Q, class T>
+Status quantize_paged_append(const Context<Backend>& ctx, const Q& q, const PagedKVView<std::uint8_t>& pool, std::int32_t b,
+                             TensorView<const T, 3> rows, bool values) noexcept {
   constexpr const char* who = "quantize_paged_append";
   const PagedKVView<const std::uint8_t> cpool = pool;
   const std::int64_t d = rows.extent(2), n = rows.extent(1);
@@ -217,7 +345,7 @@ Status quantize_paged_append(const Q& q, const PagedKVView<std::uint8_t>& pool, 
   for (std::int64_t h = 0; h < rows.extent(0); ++h)
     for (std::int64_t t = 0; t < n; ++t) {
       const QuantizedKV region{q.layout(), TensorView<std::uint8_t, 3>::contiguous(stage, {1, 1, rb}), {}, 1};
-      KVP_RETURN_IF_ERROR(q.quantize(Context<backend::Scalar>{}, rows.narrow(0, h, 1).narrow(1, t, 1), st, region));
+      KVP_RETURN_IF_ERROR(q.quantize(ctx, rows.narrow(0, h, 1).narrow(1, t, 1), st, region));
     }
   for (std::int64_t h = 0; h < rows.extent(0); ++h)
     for (std::int64_t t = 0; t < n; ++t) {
@@ -227,9 +355,16 @@ Status quantize_paged_append(const Q& q, const PagedKVView<std::uint8_t>& pool, 
       std::uint8_t* dst =
           values ? pool.v_ptr(page, static_cast<std::int32_t>(h), slot) : pool.k_ptr(page, static_cast<std::int32_t>(h), slot);
       const QuantizedKV region{q.layout(), TensorView<std::uint8_t, 3>::contiguous(dst, {1, 1, rb}), {}, 1};
-      (void)q.quantize(Context<backend::Scalar>{}, rows.narrow(0, h, 1).narrow(1, t, 1), st, region);
+      (void)q.quantize(ctx, rows.narrow(0, h, 1).narrow(1, t, 1), st, region);
     }
   return Status::ok();
+}
+
+/// quantize_paged_append on backend::Scalar.
+template <class Q, class T>
+Status quantize_paged_append(const Q& q, const PagedKVView<std::uint8_t>& pool, std::int32_t b, TensorView<const T, 3> rows,
+                             bool values) noexcept {
+  return quantize_paged_append(Context<backend::Scalar>{}, q, pool, b, rows, values);
 }
 
 KVP_NAMESPACE_END
