@@ -12,6 +12,11 @@
 //       registry spec string `name:key=value,...` (one-shot eviction after the prefill, configured by the
 //       spec alone; kvpolicy::describe_registry() lists the names and keys), whose errors are printed as
 //       the registry states them
+//   kvp_engine --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt "..." --tokens 8 --export-trace t.safetensors
+//              [--trace-layers 0,15,29] [--answer " 71234"]
+//       writes the attention trace of the prompt and of --tokens greedy decode steps on the full cache
+//       (trace_export.hpp; the format of include/kvpolicy/io/trace.hpp), which `kvpolicy-compare --trace`
+//       replays; --answer marks its tokens' occurrences in the prompt as the trace's needles
 //   kvp_engine --model models/kvp-tiny --eval tests/data/engine/eval_set.json [--cache paged] [--budgets 64,128,256] [--limit N]
 //       end-to-end task accuracy, logit KL vs the full cache, decision time and bytes kept for every
 //       policy of all_policies() that runs on the chosen cache layout, at each budget (eval.hpp)
@@ -27,6 +32,7 @@
 #include <vector>
 
 #include "engine/eval.hpp"
+#include "engine/trace_export.hpp"
 #include "kvpolicy/registry.hpp"
 
 using namespace kvp_engine;
@@ -34,7 +40,8 @@ using namespace kvp_engine;
 namespace {
 
 struct Args {
-  std::string model = "models/kvp-tiny", prompt, eval, policy = "full";
+  std::string model = "models/kvp-tiny", prompt, eval, policy = "full", export_trace, answer;
+  std::vector<int> trace_layers;
   CacheKind cache = CacheKind::kContiguous;
   int tokens = 16;
   std::int64_t budget = 128;
@@ -46,6 +53,8 @@ struct Args {
   std::fprintf(stderr,
                "error: %s\nusage: kvp_engine --model DIR (--prompt TEXT [--tokens N] [--policy full|NAME [--budget B]|SPEC]\n"
                "                                | --eval FILE [--budgets B1,B2,..] [--limit N]) [--cache contiguous|paged]\n"
+               "       kvp_engine --model DIR|FILE.gguf --prompt TEXT --tokens N --export-trace OUT.safetensors\n"
+               "                  [--trace-layers L1,L2,..] [--answer TEXT]\n"
                "  NAME: streaming_llm, h2o, tova, observed_attention, snapkv, adakv, pyramidkv, expected_attention, quest,\n"
                "        snapkv_original, laq, laq++, laq++_corrected\n"
                "  SPEC: a kvpolicy registry spec string name:key=value,... (one-shot eviction), e.g.\n"
@@ -74,7 +83,14 @@ Args parse(int argc, char** argv) {
       a.tokens = std::stoi(val());
     else if (k == "--budget")
       a.budget = std::stoll(val());
-    else if (k == "--limit")
+    else if (k == "--export-trace")
+      a.export_trace = val();
+    else if (k == "--answer")
+      a.answer = val();
+    else if (k == "--trace-layers") {
+      std::stringstream ss(val());
+      for (std::string tok; std::getline(ss, tok, ',');) a.trace_layers.push_back(std::stoi(tok));
+    } else if (k == "--limit")
       a.limit = std::stoll(val());
     else if (k == "--cache") {
       const std::string v = val();
@@ -93,6 +109,8 @@ Args parse(int argc, char** argv) {
     }
   }
   if (a.prompt.empty() == a.eval.empty()) usage("give exactly one of --prompt and --eval");
+  if (!a.export_trace.empty() && (a.prompt.empty() || a.policy != "full"))
+    usage("--export-trace records the full cache of one --prompt (no --policy)");
   return a;
 }
 
@@ -173,6 +191,18 @@ int main(int argc, char** argv) try {
     if (cap > c.max_seq_len)
       usage(("the prompt and --tokens need " + std::to_string(cap) + " positions, the model's context is " + std::to_string(c.max_seq_len))
                 .c_str());
+    if (!a.export_trace.empty()) {
+      TraceExportOptions to;
+      to.layers = a.trace_layers;
+      to.decode_steps = a.tokens;
+      if (!a.answer.empty()) to.answer = m.encode(a.answer);
+      to.metadata.emplace_back("prompt_source", "kvp_engine --prompt");
+      const TraceExportResult r = export_trace(m, prompt_tokens(m, a.prompt), to, a.export_trace);
+      std::printf("%s\n", m.decode(r.decoded).c_str());
+      std::fprintf(stderr, "[trace %s: %lld prompt tokens, %d decode steps, %zu needle tokens]\n", a.export_trace.c_str(),
+                   static_cast<long long>(r.prompt_tokens), a.tokens, r.needles.size());
+      return 0;
+    }
     const CacheShape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, cap};
     return a.cache == CacheKind::kPaged ? generate(m, a, PagedKVCache<float>(shape, 16)) : generate(m, a, ContiguousKVCache<float>(shape));
   }

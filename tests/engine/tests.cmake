@@ -12,7 +12,8 @@ if(TARGET kvp_engine_lib)
     ${CMAKE_CURRENT_LIST_DIR}/test_engine_smollm2.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test_engine_merging.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test_engine_kivi.cpp
-    ${CMAKE_CURRENT_LIST_DIR}/test_smollm2_kvpress.cpp)
+    ${CMAKE_CURRENT_LIST_DIR}/test_smollm2_kvpress.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/test_trace_export.cpp)
   target_include_directories(test_engine PRIVATE ${CMAKE_CURRENT_LIST_DIR} ${PROJECT_SOURCE_DIR}/tools/compare)
   target_link_libraries(test_engine PRIVATE kvp_engine_lib nlohmann_json::nlohmann_json)
   target_compile_definitions(test_engine PRIVATE KVP_ENGINE_DEFAULT_MODEL_DIR="${PROJECT_SOURCE_DIR}/models/kvp-tiny")

@@ -22,6 +22,7 @@
 #include "trace_cases.hpp"
 #ifdef KVP_COMPARE_WITH_ENGINE
 #include "prefetch_workload.hpp"
+#include "real_traces.hpp"
 #include "task_workload.hpp"
 #endif
 
@@ -45,7 +46,13 @@ const char* kUsage =
     "  --real-lengths LIST prompt lengths to run (default 512; the set has 512,1024,2048)\n"
     "  --real-ratios LIST  kvpress compression ratios for the real model (default 0.25,0.75)\n"
     "  --real-fillers LIST haystacks to run (default prose; the set has repeat,prose)\n"
-    "  --real-full         the whole real-model table: 6 samples per cell, every length and haystack\n"
+    "  --real-full         the whole real-model table: 6 samples per cell, every length and haystack, traces of\n"
+    "                      layers 0,5,10,15,20,25,29\n"
+    "  --real-traces N     trace workloads from the real model: the first N tasks of its set (default 3: passkey,\n"
+    "                      multikey, vartrack), one question-aware prompt each (first --real-fillers haystack,\n"
+    "                      first --real-lengths length), traced by the engine (written to OUT/traces/ with\n"
+    "                      --out-dir) and replayed as 'trace:SmolLM2-<task>-<haystack>-<length>'; 0 for none\n"
+    "  --real-trace-layers LIST  the model layers those traces record (default 0,15,29)\n"
     "  --prefetch-samples N  prefetch workload on kvp-tiny: N task prompts through the engine's prefetch loop\n"
     "                      (default 2; 0 for none)\n"
     "  --prefetch-steps N  decode steps per prompt (default 16)\n"
@@ -127,6 +134,8 @@ int main(int argc, char** argv) {
   int real_samples = 1;
   std::vector<double> real_lengths{512}, real_ratios{0.25, 0.75};
   std::vector<std::string> real_fillers{"prose"};
+  int real_traces = 3;
+  std::vector<double> real_trace_layers{0, 15, 29};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -200,6 +209,16 @@ int main(int argc, char** argv) {
       real_samples = 6;
       real_lengths = {512, 1024, 2048};
       real_fillers.clear();
+      real_trace_layers = {0, 5, 10, 15, 20, 25, 29};
+    } else if (a == "--real-traces") {
+      const char* v = next();
+      real_traces = std::atoi(v);
+      if (real_traces < 0) bad(v);
+    } else if (a == "--real-trace-layers") {
+      const char* v = next();
+      if (!parse_list(v, &real_trace_layers) || real_trace_layers.empty()) bad(v);
+      for (double l : real_trace_layers)
+        if (l < 0 || l != static_cast<double>(static_cast<long long>(l))) bad(v);
     } else if (a == "--budgets") {
       const char* v = next();
       if (!parse_list(v, &budgets)) bad(v);
@@ -267,6 +286,26 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+#ifdef KVP_COMPARE_WITH_ENGINE
+  if (!real_model.empty() && real_traces > 0) {
+    try {
+      RealTraceOptions ro;
+      ro.model = real_model;
+      ro.task_set = real_tasks;
+      ro.out_dir = out_dir;
+      ro.max_tasks = real_traces;
+      if (!real_fillers.empty()) ro.filler = real_fillers.front();
+      if (!real_lengths.empty()) ro.length = static_cast<std::int64_t>(real_lengths.front());
+      ro.layers.clear();
+      for (double l : real_trace_layers) ro.layers.push_back(static_cast<int>(l));
+      std::fprintf(stderr, "kvpolicy-compare: tracing %d prompts of the real model ...\n", real_traces);
+      for (const auto& t : load_real_traces(ro, &trace_cases)) traces.push_back(t);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kvpolicy-compare: real-model traces: %s\n", e.what());
+      return 1;
+    }
+  }
+#endif
 #ifndef KVP_COMPARE_WITH_ENGINE
   if (task_samples > 0 || prefetch_samples > 0) {
     std::fprintf(stderr, "kvpolicy-compare: built without the engine (Eigen 3.4 missing): no end-to-end tasks, no prefetch workload\n");

@@ -15,7 +15,9 @@
 // then skipped for it).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -51,14 +53,44 @@ kvpolicy::Status layer_cases(const kvpolicy::io::Trace& tr, const std::string& w
     for (std::int32_t i = 0; i < d / 2; ++i)
       inv[static_cast<std::size_t>(i)] = static_cast<float>(1.0 / std::pow(info.rope_theta, static_cast<double>(2 * i) / d));
   }
+  // A trace of some of a model's layers (the engine's exporter) names them: trace layer i is model layer
+  // source_layers[i] of source_num_layers (rows report the model's layer; PyramidKV's schedule uses both).
+  std::vector<std::int32_t> source_layers;
+  std::int32_t source_num_layers = 0;
+  if (auto it = tr.metadata().find("source_layers"); it != tr.metadata().end()) {
+    std::int32_t v = 0, top = -1;
+    bool in_number = false;
+    for (char ch : it->second + ",") {
+      if (ch >= '0' && ch <= '9') {
+        v = v * 10 + (ch - '0');
+        in_number = true;
+      } else {
+        KVP_REQUIRE(ch == ',' && in_number && v < (1 << 20), "compare: trace '%s' metadata source_layers '%.60s' is not a list of layers",
+                    workload.c_str(), it->second.c_str());
+        source_layers.push_back(v);
+        top = std::max(top, v);
+        v = 0;
+        in_number = false;
+      }
+    }
+    KVP_REQUIRE(static_cast<std::int32_t>(source_layers.size()) == info.num_layers,
+                "compare: trace '%s' lists %zu source_layers for %d layers", workload.c_str(), source_layers.size(), info.num_layers);
+    source_num_layers = top + 1;
+    if (auto n = tr.metadata().find("source_num_layers"); n != tr.metadata().end()) {
+      const long long x = std::atoll(n->second.c_str());
+      KVP_REQUIRE(x > top && x < (1 << 20), "compare: trace '%s' source_num_layers '%.20s' must exceed every source layer",
+                  workload.c_str(), n->second.c_str());
+      source_num_layers = static_cast<std::int32_t>(x);
+    }
+  }
   for (std::int32_t li = 0; li < info.num_layers; ++li) {
     io::TraceLayerView<E> lv;
     KVP_RETURN_IF_ERROR(tr.layer(li, &lv));
     LayerCase c;
     c.workload = workload;
     c.model = info.model;
-    c.layer = li;
-    c.num_layers = info.num_layers;
+    c.layer = li < static_cast<std::int32_t>(source_layers.size()) ? source_layers[static_cast<std::size_t>(li)] : li;
+    c.num_layers = source_num_layers > 0 ? source_num_layers : info.num_layers;
     c.num_q_heads = info.num_q_heads;
     c.num_kv_heads = info.num_kv_heads;
     c.head_dim = d;

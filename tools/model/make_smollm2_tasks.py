@@ -7,6 +7,13 @@ Plain-text completion prompts (no chat template: the instruct model answers them
             question " What is the pass key? The pass key is"                          answer " 71234"
   multikey  four needles "The pass key of Alice is 71234." (distinct names, 5-digit values);
             question " What is the pass key of Carol? The pass key of Carol is"        answer " 52817"
+  vartrack  RULER's variable tracking with chains of one hop: three chains "VAR QWERT = 71234." ... later
+            "VAR ZXCVB = VAR QWERT." (5-letter names, 5-digit values; within a chain the assignment comes
+            first, chains interleaved at random); question
+            " Question: Which variables are assigned the value 71234? Answer: VAR QWERT and VAR"  answer " ZXCVB"
+            (the chain's first variable is in the answer's lead-in: asked to list the chain unprompted,
+            the 135M model named it in 1-2 of 8 prompts even with the full cache; with the lead-in, in about
+            half, so the task still separates the policies from the full cache)
 Haystacks ("filler" field):
   repeat    the classic "The grass is green. The sky is blue. ..." sentences repeated (needle-in-a-haystack papers)
   prose     real English prose: the license texts Debian ships in /usr/share/common-licenses (package base-files,
@@ -81,7 +88,21 @@ def insert(rng, text, needles):
 
 def make(rng, tok, task, kind, length, paras):
     value = lambda: "".join(rng.choice("123456789") for _ in range(5))
-    if task == "passkey":
+    if task == "vartrack":
+        names = []
+        while len(names) < 6:
+            n = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+            if n not in names:
+                names.append(n)
+        vals = [value() for _ in range(3)]
+        chains = [[f"VAR {names[2 * c]} = {vals[c]}.", f"VAR {names[2 * c + 1]} = VAR {names[2 * c]}."] for c in range(3)]
+        order = [c for c in range(3) for _ in range(2)]
+        rng.shuffle(order)  # interleaved chains; each chain's assignments stay in order
+        needles = [chains[c].pop(0) for c in order]
+        k = rng.randrange(3)
+        question = f" Question: Which variables are assigned the value {vals[k]}? Answer: VAR {names[2 * k]} and VAR"
+        answer = " " + names[2 * k + 1]
+    elif task == "passkey":
         v = value()
         needles = [f"The pass key is {v}. Remember it. {v} is the pass key."]
         question, answer = " What is the pass key? The pass key is", " " + v
@@ -109,6 +130,11 @@ def main():
     paras = prose_paragraphs()
     samples = [make(rng, tok, task, kind, length, paras)
                for task in ("passkey", "multikey") for kind in ("repeat", "prose") for length in LENGTHS for _ in range(PER_CELL)]
+    # A generator of its own for the task added later, so that the passkey and multikey samples (and the kvpress
+    # fixtures made from them) are unchanged.
+    rng_vt = random.Random(2027)
+    samples += [make(rng_vt, tok, "vartrack", kind, length, paras)
+                for kind in ("repeat", "prose") for length in LENGTHS for _ in range(PER_CELL)]
     doc = {"generated_by": "tools/model/make_smollm2_tasks.py", "model": "SmolLM2-135M-Instruct.Q4_1.gguf",
            "format": "samples: task, filler, length, context, question, answer; prompt = context + question",
            "samples": samples}
