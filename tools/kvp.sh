@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${KVP_BUILD_DIR:-build}
 JOBS=${KVP_JOBS:-$(nproc)}
 
-packages=(cmake ninja-build g++ pkg-config ccache libeigen3-dev libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib python3-venv clang-format
+packages=(cmake ninja-build g++ pkg-config ccache libxsimd-dev catch2 libbenchmark-dev nlohmann-json3-dev python3-matplotlib python3-venv clang-format
   libopenmpi-dev openmpi-bin)
 
 install_missing() {

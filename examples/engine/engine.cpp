@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// engine.hpp compiled once (kvp_engine_lib): the prefill (Eigen) and Session
+// engine.hpp compiled once (kvp_engine_lib): the prefill (gemm.hpp) and Session
 // over the four caches the project uses.
 #include "engine.hpp"
 
@@ -7,7 +7,7 @@
 #include <cmath>
 #include <string>
 
-#include "linalg.hpp"
+#include "gemm.hpp"
 
 namespace kvp_engine {
 
@@ -31,7 +31,7 @@ PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const
   for (std::int64_t t = 0; t < T; ++t) rope_table(t, hd, c.rope_base, cos_t.data() + t * hd, sin_t.data() + t * hd);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   constexpr std::int64_t kBlock = 64;
-  RowMatrix s;
+  std::vector<float> s(static_cast<std::size_t>(std::min(kBlock, T) * T));  // one block's scores, rows of `cols` floats
   for (int l = 0; l < c.n_layers; ++l) {
     const Model::Layer& L = m.layer(l);
     auto& k = st.k.emplace_back(static_cast<std::size_t>(T * kvd));
@@ -47,28 +47,20 @@ PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const
     }
     for (int h = 0; h < Hq; ++h) {
       const int g = h / G;
-      const StridedConstMap Q(q.data() + h * hd, T, hd, Eigen::OuterStride<>(qd));
-      const StridedConstMap K(k.data() + g * hd, T, hd, Eigen::OuterStride<>(kvd));
-      const StridedConstMap V(v.data() + g * hd, T, hd, Eigen::OuterStride<>(kvd));
-      StridedMap O(attn.data() + h * hd, T, hd, Eigen::OuterStride<>(qd));
+      // Head h's rows: Q (T, hd) with stride qd, K and V (T, hd) with stride kvd, O (T, hd) with stride qd.
+      const float* Q = q.data() + h * hd;
+      const float* K = k.data() + g * hd;
+      const float* V = v.data() + g * hd;
+      float* O = attn.data() + h * hd;
       for (std::int64_t r0 = 0; r0 < T; r0 += kBlock) {
         const std::int64_t nb = std::min(kBlock, T - r0), cols = r0 + nb;  // keys [0, cols) cover the block's causal range
-        s.noalias() = Q.middleRows(r0, nb) * K.topRows(cols).transpose();
-        for (std::int64_t i = 0; i < nb; ++i) {
-          const std::int64_t n = r0 + i + 1;  // query r0+i sees keys [0, n)
-          float mx = -INFINITY;
-          for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, s(i, j) *= scale);
-          float sum = 0.0f;
-          for (std::int64_t j = 0; j < n; ++j) sum += (s(i, j) = std::exp(s(i, j) - mx));
-          const float inv = 1.0f / sum;
-          for (std::int64_t j = 0; j < n; ++j) s(i, j) *= inv;
-          for (std::int64_t j = n; j < cols; ++j) s(i, j) = 0.0f;
-        }
-        O.middleRows(r0, nb).noalias() = s * V.topRows(cols);
+        gemm_nt(Q + r0 * qd, qd, K, kvd, s.data(), cols, nb, cols, hd);    // S = Q_blk K^T
+        softmax_causal(s.data(), cols, nb, cols, r0 + 1, scale);           // query r0+i sees keys [0, r0+i]
+        gemm_nn(s.data(), cols, V, kvd, O + r0 * qd, qd, nb, hd, cols);    // O_blk = P V
         if (opt.column_sums) {  // the kernel's own probabilities, summed over the block's rows in order
           float* cs = st.column_sums.back().data() + h * T;
           for (std::int64_t i = 0; i < nb; ++i)
-            for (std::int64_t j = 0; j <= r0 + i; ++j) cs[j] += s(i, j);
+            for (std::int64_t j = 0; j <= r0 + i; ++j) cs[j] += s[static_cast<std::size_t>(i * cols + j)];
         }
       }
     }
@@ -77,7 +69,7 @@ PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const
     for (int h = 0; h < Hq; ++h)
       for (std::int64_t i = 0; i < st.window; ++i)
         std::copy_n(q.data() + (T - st.window + i) * qd + h * hd, hd, qw.data() + (h * st.window + i) * hd);
-    MatrixMap(x.data(), T, d).noalias() += ConstMatrixMap(attn.data(), T, qd) * ConstMatrixMap(L.wo, d, qd).transpose();
+    linear_add(attn.data(), L.wo, T, qd, d, x.data());
     mlp_block(m, L, x.data(), T, mlp_scratch);
   }
   // Logits at the requested positions; the last prompt position always comes last (last_logits()).

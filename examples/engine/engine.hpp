@@ -104,7 +104,7 @@ struct PrefillOptions {
 };
 
 /// Runs kvp-tiny over a prompt (positions 0..T-1). Causal attention per head in
-/// blocks of 64 query rows with Eigen; cost O(T * params + T^2 * d * heads).
+/// blocks of 64 query rows (gemm.hpp); cost O(T * params + T^2 * d * heads).
 PrefillState prefill(const Model& m, std::span<const std::int32_t> tokens, const PrefillOptions& opt = {});
 
 /// Time spent in hooks (the policies' decisions and metadata work), and what they did.

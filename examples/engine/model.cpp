@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // model.hpp and weights.hpp: the safetensors and config readers, the loader and
-// the fp32 matrix products (Eigen), compiled once into kvp_engine_lib; also
+// the fp32 matrix products (gemm.hpp), compiled once into kvp_engine_lib; also
 // the task-set reader (task_set.hpp), so that nlohmann-json is compiled in one
 // translation unit of the library.
 #include "model.hpp"
@@ -13,9 +13,9 @@
 #include <stdexcept>
 
 #include "bpe_tokenizer.hpp"
+#include "gemm.hpp"
 #include "kvpolicy/io/gguf.hpp"
 #include "kvpolicy/io/safetensors.hpp"
-#include "linalg.hpp"
 #include "task_set.hpp"
 #include "weights.hpp"
 
@@ -229,12 +229,11 @@ const float* Model::get(const std::string& name, std::vector<std::int64_t> shape
   return it->second.data.data();
 }
 
-void linear(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) {
-  MatrixMap(y, rows, out).noalias() = ConstMatrixMap(x, rows, in) * ConstMatrixMap(w, out, in).transpose();
-}
+// x and W both run along `in`: the NT product (a GEMV streaming W when rows = 1, in decode).
+void linear(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) { gemm_nt(x, in, w, in, y, out, rows, out, in); }
 
 void linear_add(const float* x, const float* w, std::int64_t rows, int in, int out, float* y) {
-  MatrixMap(y, rows, out).noalias() += ConstMatrixMap(x, rows, in) * ConstMatrixMap(w, out, in).transpose();
+  gemm_nt(x, in, w, in, y, out, rows, out, in, /*accumulate=*/true);
 }
 
 void mlp_block(const Model& m, const Model::Layer& L, float* x, std::int64_t rows, std::vector<float>& scratch) {
@@ -248,7 +247,7 @@ void mlp_block(const Model& m, const Model::Layer& L, float* x, std::int64_t row
   linear(xn, L.wg, rows, d, f, g);
   linear(xn, L.wu, rows, d, f, u);
   for (std::int64_t i = 0; i < rows * f; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-  MatrixMap(x, rows, d).noalias() += ConstMatrixMap(g, rows, f) * ConstMatrixMap(L.wd, d, f).transpose();
+  linear_add(g, L.wd, rows, f, d, x);
 }
 
 void final_logits(const Model& m, const float* x, std::int64_t rows, float* logits) {

@@ -4,12 +4,13 @@
 // Mirrors tools/model/model.py exactly (Llama-style: RMSNorm, RoPE half-split
 // with base 10000, grouped-query attention, SwiGLU MLP, tied embeddings; byte
 // tokenizer 0..255 + BOS 256, EOS 257, PAD 258). Matrices are torch Linear
-// weights, row-major (out_features, in_features), used through Eigen::Map;
-// everything is fp32. The KV cache and the policies live in engine.hpp.
+// weights, row-major (out_features, in_features), multiplied by the engine's
+// own kernels (gemm.hpp); everything is fp32. The KV cache and the policies
+// live in engine.hpp.
 //
-// Compiled once: the matrix products (Eigen), the config parser and the loader
-// are defined in model.cpp (kvp_engine_lib); this header includes neither
-// Eigen nor nlohmann-json. The element-wise helpers (rms_norm, RoPE) stay inline.
+// Compiled once: the matrix products, the config parser and the loader are
+// defined in model.cpp (kvp_engine_lib); this header includes no nlohmann-json.
+// The element-wise helpers (rms_norm, RoPE) stay inline.
 #pragma once
 
 #include <cmath>

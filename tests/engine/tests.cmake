@@ -1,11 +1,12 @@
 # engine: the minimal engine loop (examples/engine/, linked as kvp_engine_lib) on the committed kvp-tiny model
-# against the PyTorch fixtures (tests/data/engine/), task accuracy and policy behaviour end to end. Needs Eigen
-# 3.4 and nlohmann-json (for kvp_engine_lib).
+# against the PyTorch fixtures (tests/data/engine/), task accuracy and policy behaviour end to end, and the
+# engine's matrix products (test_gemm.cpp). Needs the CPU backend and nlohmann-json (for kvp_engine_lib).
 find_package(nlohmann_json 3 QUIET)
 include(${PROJECT_SOURCE_DIR}/examples/engine/engine_lib.cmake)
 if(TARGET kvp_engine_lib)
   kvp_add_test(test_engine
     ${CMAKE_CURRENT_LIST_DIR}/test_engine_logits.cpp
+    ${CMAKE_CURRENT_LIST_DIR}/test_gemm.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test_engine_tasks.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test_task_workload.cpp
     ${CMAKE_CURRENT_LIST_DIR}/test_engine_laq.cpp
@@ -22,5 +23,5 @@ if(TARGET kvp_engine_lib)
   kvp_add_test(test_tokenizer ${CMAKE_CURRENT_LIST_DIR}/test_bpe_tokenizer.cpp)
   target_link_libraries(test_tokenizer PRIVATE kvp_engine_lib nlohmann_json::nlohmann_json)
 else()
-  message(STATUS "kvpolicy: engine tests skipped (need the CPU backend, Eigen 3.4 and nlohmann-json)")
+  message(STATUS "kvpolicy: engine tests skipped (need the CPU backend and nlohmann-json)")
 endif()

@@ -8,7 +8,7 @@ if(TARGET kvpolicy_cpu AND TARGET nlohmann_json::nlohmann_json)
   target_link_libraries(kvpolicy-compare PRIVATE kvpolicy::kvpolicy nlohmann_json::nlohmann_json)
   kvp_set_warnings(kvpolicy-compare)
   # The end-to-end workload runs the engine loop on the committed model: kvp_engine_lib
-  # (examples/engine/CMakeLists.txt, Eigen 3.4), added by examples/CMakeLists.txt before this file.
+  # (examples/engine/CMakeLists.txt), added by examples/CMakeLists.txt before this file.
   if(TARGET kvp_engine_lib)
     target_link_libraries(kvpolicy-compare PRIVATE kvp_engine_lib)
     target_compile_definitions(kvpolicy-compare PRIVATE KVP_COMPARE_WITH_ENGINE=1
@@ -16,7 +16,7 @@ if(TARGET kvpolicy_cpu AND TARGET nlohmann_json::nlohmann_json)
       KVP_COMPARE_TASK_SET="${PROJECT_SOURCE_DIR}/tests/data/engine/eval_set.json"
       KVP_COMPARE_REAL_TASK_SET="${PROJECT_SOURCE_DIR}/tests/data/engine/smollm2_tasks.json")
   else()
-    message(STATUS "kvpolicy: kvpolicy-compare without end-to-end tasks (needs kvp_engine_lib: Eigen 3.4)")
+    message(STATUS "kvpolicy: kvpolicy-compare without end-to-end tasks (needs kvp_engine_lib: nlohmann-json)")
   endif()
 else()
   message(STATUS "kvpolicy: kvpolicy-compare skipped (needs the CPU backend and nlohmann-json)")
