@@ -308,7 +308,9 @@ int main(int argc, char** argv) {
 #endif
 #ifndef KVP_COMPARE_WITH_ENGINE
   if (task_samples > 0 || prefetch_samples > 0) {
-    std::fprintf(stderr, "kvpolicy-compare: built without the engine (kvp_engine_lib: nlohmann-json missing): no end-to-end tasks, no prefetch workload\n");
+    std::fprintf(
+        stderr,
+        "kvpolicy-compare: built without the engine (kvp_engine_lib: nlohmann-json missing): no end-to-end tasks, no prefetch workload\n");
     task_samples = 0;
     prefetch_samples = 0;
     real_samples = 0;
