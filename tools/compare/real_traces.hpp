@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Trace workloads from the real model: for each task of the real model's task
-// set (passkey, multikey, vartrack), the first question-aware prompt of the
+// set (passkey, multikey, quote), the first question-aware prompt of the
 // chosen haystack and length runs through the engine on the full cache, and
 // the engine writes its attention trace (examples/engine/trace_export.hpp:
 // post-RoPE queries, keys and values of the chosen layers, plus greedy decode
@@ -18,6 +18,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include "engine/task_set.hpp"

@@ -7,13 +7,14 @@ Plain-text completion prompts (no chat template: the instruct model answers them
             question " What is the pass key? The pass key is"                          answer " 71234"
   multikey  four needles "The pass key of Alice is 71234." (distinct names, 5-digit values);
             question " What is the pass key of Carol? The pass key of Carol is"        answer " 52817"
-  vartrack  RULER's variable tracking with chains of one hop: three chains "VAR QWERT = 71234." ... later
-            "VAR ZXCVB = VAR QWERT." (5-letter names, 5-digit values; within a chain the assignment comes
-            first, chains interleaved at random); question
-            " Question: Which variables are assigned the value 71234? Answer: VAR QWERT and VAR"  answer " ZXCVB"
-            (the chain's first variable is in the answer's lead-in: asked to list the chain unprompted,
-            the 135M model named it in 1-2 of 8 prompts even with the full cache; with the lead-in, in about
-            half, so the task still separates the policies from the full cache)
+  quote     a short question over the real document: a sentence of the context (prose haystack: one of the
+            text's own sentences at depth [5 %, 90 %]; repeat haystack: a prose sentence planted as the needle)
+            whose first 6 words occur once in the context is quoted, and the model must continue it;
+            question " The text above says: \"A suitable mechanism is one that"     answer " (a) uses at"
+            (its next 3 words). No planted digits: the needle is ordinary text, found by copying.
+            Variable tracking (RULER's VT) was tried first and dropped: this 135M model follows a one-hop chain
+            in 1 of 8 prompts with the full cache (the RULER question, two or three chains, prose haystack;
+            0-4 of 8 for easier phrasings), so every policy scored the same few percent.
 Haystacks ("filler" field):
   repeat    the classic "The grass is green. The sky is blue. ..." sentences repeated (needle-in-a-haystack papers)
   prose     real English prose: the license texts Debian ships in /usr/share/common-licenses (package base-files,
@@ -86,22 +87,39 @@ def insert(rng, text, needles):
     return "".join(out)
 
 
+def make_quote(rng, tok, kind, length, paras, words=6, answer_words=3):
+    n_chars = length * 4
+    for _ in range(30):  # fit the prompt to about `length` tokens
+        if kind == "prose":
+            context = haystack(rng, kind, paras, n_chars)
+        else:
+            p = paras[rng.randrange(len(paras))]
+            sents = [x for x in re.split(r"(?<=\.) ", p) if len(x.split()) >= words + answer_words + 2]
+            context = insert(rng, haystack(rng, kind, paras, n_chars), [rng.choice(sents) if sents else p])
+        cands = []
+        for m in re.finditer(r"(?<=\. )[A-Z][^.]*\.", context):
+            w = m.group(0).split()
+            if not 0.05 * len(context) <= m.start() <= 0.9 * len(context) or len(w) < words + answer_words + 1:
+                continue
+            pre = " ".join(w[:words])
+            if context.count(pre) == 1:
+                cands.append((pre, " " + " ".join(w[words:words + answer_words])))
+        if not cands:
+            continue
+        pre, answer = rng.choice(cands)
+        question = f' The text above says: "{pre}'
+        n = len(tok(context + question, add_special_tokens=False)["input_ids"])
+        if abs(n - length) <= length // 50:
+            break
+        n_chars = int(n_chars * length / n)
+    return {"task": "quote", "filler": kind, "length": length, "context": context, "question": question, "answer": answer,
+            "prompt_tokens": n}
+
+
 def make(rng, tok, task, kind, length, paras):
     value = lambda: "".join(rng.choice("123456789") for _ in range(5))
-    if task == "vartrack":
-        names = []
-        while len(names) < 6:
-            n = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
-            if n not in names:
-                names.append(n)
-        vals = [value() for _ in range(3)]
-        chains = [[f"VAR {names[2 * c]} = {vals[c]}.", f"VAR {names[2 * c + 1]} = VAR {names[2 * c]}."] for c in range(3)]
-        order = [c for c in range(3) for _ in range(2)]
-        rng.shuffle(order)  # interleaved chains; each chain's assignments stay in order
-        needles = [chains[c].pop(0) for c in order]
-        k = rng.randrange(3)
-        question = f" Question: Which variables are assigned the value {vals[k]}? Answer: VAR {names[2 * k]} and VAR"
-        answer = " " + names[2 * k + 1]
+    if task == "quote":
+        return make_quote(rng, tok, kind, length, paras)
     elif task == "passkey":
         v = value()
         needles = [f"The pass key is {v}. Remember it. {v} is the pass key."]
@@ -132,8 +150,8 @@ def main():
                for task in ("passkey", "multikey") for kind in ("repeat", "prose") for length in LENGTHS for _ in range(PER_CELL)]
     # A generator of its own for the task added later, so that the passkey and multikey samples (and the kvpress
     # fixtures made from them) are unchanged.
-    rng_vt = random.Random(2027)
-    samples += [make(rng_vt, tok, "vartrack", kind, length, paras)
+    rng_q = random.Random(2027)
+    samples += [make(rng_q, tok, "quote", kind, length, paras)
                 for kind in ("repeat", "prose") for length in LENGTHS for _ in range(PER_CELL)]
     doc = {"generated_by": "tools/model/make_smollm2_tasks.py", "model": "SmolLM2-135M-Instruct.Q4_1.gguf",
            "format": "samples: task, filler, length, context, question, answer; prompt = context + question",

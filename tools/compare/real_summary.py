@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Accuracy tables of the real model's task workloads from a kvpolicy-compare CSV (markdown on stdout).
+
+    real_summary.py results.csv
+
+Reads the rows of workloads `tasks-aware:<task>:<haystack>:<length>` and `tasks-agnostic:...` (metric
+`accuracy`, each the mean over `n` samples) and prints
+  1. policy x budget rows, one column per (setup, length): accuracy over every task and haystack, weighted by n;
+  2. the same per task (columns: setup x task, over every length and haystack);
+  3. logit KL vs the full cache per (setup, length), same rows.
+Standard library only.
+"""
+import csv
+import sys
+from collections import OrderedDict, defaultdict
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    acc = defaultdict(lambda: [0.0, 0])  # (policy, budget, column) -> [sum of value*n, n]
+    kl = defaultdict(lambda: [0.0, 0])
+    per_task = defaultdict(lambda: [0.0, 0])
+    rows, lengths, tasks = OrderedDict(), set(), OrderedDict()
+    with open(sys.argv[1], newline="") as f:
+        for r in csv.DictReader(f):
+            wl = r["workload"]
+            if not wl.startswith(("tasks-aware:", "tasks-agnostic:")) or r["layer"] != "all":
+                continue
+            parts = wl.split(":")
+            if len(parts) != 4:
+                continue
+            setup, task, _filler, length = parts[0].split("-")[1], parts[1], parts[2], int(parts[3])
+            budget = "full" if r["budget_kind"] == "full" else (f"r={float(r['budget_value']):g}" if r["budget_kind"].startswith("ratio")
+                                                                  else f"{r['budget_kind']} {r['budget_value']}")
+            key = (r["policy"], budget)
+            n = int(r["n"])
+            v = float(r["value"])
+            if r["metric"] == "accuracy":
+                rows.setdefault(key, None)
+                lengths.add(length)
+                tasks.setdefault(task, None)
+                a = acc[key + ((setup, length),)]
+                a[0] += v * n
+                a[1] += n
+                t = per_task[key + ((setup, task),)]
+                t[0] += v * n
+                t[1] += n
+            elif r["metric"] == "logit_kl":
+                k = kl[key + ((setup, length),)]
+                k[0] += v * n
+                k[1] += n
+    if not rows:
+        sys.exit("real_summary: no tasks-aware / tasks-agnostic accuracy rows in " + sys.argv[1])
+    setups = ["aware", "agnostic"]
+    cols = [(s, length) for s in setups for length in sorted(lengths)]
+
+    def table(title, store, columns, head, fmt):
+        print(f"### {title}\n")
+        print("| policy | budget | " + " | ".join(head(c) for c in columns) + " |")
+        print("|---|---|" + "---|" * len(columns))
+        for key in rows:
+            cells = []
+            for c in columns:
+                s, n = store.get(key + (c,), (0.0, 0))
+                cells.append(fmt(s / n, n) if n else "-")
+            print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+        print()
+
+    table("Accuracy by setup and prompt length (every task and haystack)", acc, cols, lambda c: f"{c[0]} {c[1]}",
+          lambda v, n: f"{v:.2f}")
+    table("Accuracy by setup and task (every length and haystack)", per_task, [(s, t) for s in setups for t in tasks],
+          lambda c: f"{c[0]} {c[1]}", lambda v, n: f"{v:.2f}")
+    table("Logit KL vs the full cache (nats) by setup and prompt length", kl, cols, lambda c: f"{c[0]} {c[1]}",
+          lambda v, n: f"{v:.3f}")
+    total = sum(n for (_, n) in acc.values()) // max(1, len(rows))
+    print(f"Samples per row: {total} (each the mean over its cells' samples).")
+
+
+if __name__ == "__main__":
+    main()
