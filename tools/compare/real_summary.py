@@ -74,8 +74,9 @@ def main():
           lambda c: f"{c[0]} {c[1]}", lambda v, n: f"{v:.2f}")
     table("Logit KL vs the full cache (nats) by setup and prompt length", kl, cols, lambda c: f"{c[0]} {c[1]}",
           lambda v, n: f"{v:.3f}")
-    total = sum(n for (_, n) in acc.values()) // max(1, len(rows))
-    print(f"Samples per row: {total} (each the mean over its cells' samples).")
+    first = next(iter(rows))
+    counts = ", ".join(f"{c[0]} {c[1]}: {acc[first + (c,)][1]}" for c in cols if acc[first + (c,)][1])
+    print(f"Samples per column of the first table (every task and haystack of that setup and length): {counts}.")
 
 
 if __name__ == "__main__":
