@@ -2,7 +2,8 @@
 # The whole real-model table (SmolLM2-135M-Instruct), resumable: one kvpolicy-compare run per (length, haystack)
 # cell, each into OUT/<length>-<haystack>/results.csv; a cell whose CSV exists is skipped, so an interrupted run
 # continues where it stopped. Then the cells' CSVs are merged into OUT/results.csv, plotted (plot.py) and
-# summarised as accuracy tables (real_summary.py -> OUT/accuracy.md: policy x ratio x setup x length).
+# summarised as accuracy tables and a plot (real_summary.py -> OUT/accuracy.md, OUT/accuracy.png: policy x ratio x
+# setup x length).
 #
 #   tools/compare/real_full.sh [OUT] [-- extra kvpolicy-compare options, e.g. --policies A,B --threads 1]
 # Environment: KVP_SMOLLM2_GGUF (tools/kvp.sh sets it), KVP_BUILD_DIR (default build), KVP_REAL_RATIOS
@@ -33,6 +34,6 @@ for f in "$out"/*/results.csv; do
   if [ $first = 1 ]; then cat "$f"; first=0; else tail -n +2 "$f"; fi
 done > "$out/results.csv"
 py=/usr/bin/python3; [ -x "$py" ] || py=python3
-"$py" tools/compare/real_summary.py "$out/results.csv" > "$out/accuracy.md"
+"$py" tools/compare/real_summary.py "$out/results.csv" --plot "$out/accuracy.png" > "$out/accuracy.md"
 "$py" tools/compare/plot.py "$out/results.csv" --out-dir "$out" > /dev/null || echo "real_full: plotting failed (needs python3-matplotlib)" >&2
 echo "real_full: $out/results.csv, $out/accuracy.md and the plots"

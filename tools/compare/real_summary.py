@@ -2,21 +2,71 @@
 # SPDX-License-Identifier: Apache-2.0
 """Accuracy tables of the real model's task workloads from a kvpolicy-compare CSV (markdown on stdout).
 
-    real_summary.py results.csv
+    real_summary.py results.csv [--plot FILE.png]
 
 Reads the rows of workloads `tasks-aware:<task>:<haystack>:<length>` and `tasks-agnostic:...` (metric
 `accuracy`, each the mean over `n` samples) and prints
   1. policy x budget rows, one column per (setup, length): accuracy over every task and haystack, weighted by n;
   2. the same per task (columns: setup x task, over every length and haystack);
   3. logit KL vs the full cache per (setup, length), same rows.
-Standard library only.
+--plot also draws accuracy vs compression ratio, question-aware and question-agnostic side by side, one line per
+policy (over every task, haystack and length; needs matplotlib). Standard library only otherwise.
 """
 import csv
+import re
 import sys
 from collections import OrderedDict, defaultdict
 
 
+def plot(path, rows, store, setups):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(setups), figsize=(12, 4.6), sharey=True)
+    colors = plt.get_cmap("tab20")
+    policies = OrderedDict()
+    for (pol, budget) in rows:
+        policies.setdefault(pol, []).append(budget)
+    for ax, setup in zip(axes, setups):
+        full = None
+        for pol, budgets in policies.items():
+            pts = []
+            for b in budgets:
+                s, n = [0.0, 0]
+                for (p2, b2, col), (v, m) in store.items():
+                    if p2 == pol and b2 == b and col[0] == setup:
+                        s += v
+                        n += m
+                if not n:
+                    continue
+                if b == "full":
+                    full = s / n
+                elif b.startswith("r="):
+                    pts.append((float(b[2:]), s / n))
+            if pts:
+                pts.sort()
+                quant = re.search(r"(^|\+)(q\d|KIVI|int4|fp8)", pol) is not None  # dashed: every token kept, quantized
+                ax.plot([x for x, _ in pts], [y for _, y in pts], "--" if quant else "-", marker="o", label=pol,
+                        color=colors(list(policies).index(pol) % 20))
+        if full is not None:
+            ax.axhline(full, color="black", linestyle=":", label="full cache")
+        ax.set_title(f"question-{setup}")
+        ax.set_xlabel("compression ratio (fraction of the prompt removed)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (all tasks, haystacks, lengths)")
+    axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
+    plot_path = None
+    if "--plot" in sys.argv:
+        i = sys.argv.index("--plot")
+        if i + 1 >= len(sys.argv):
+            sys.exit(__doc__)
+        plot_path = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     acc = defaultdict(lambda: [0.0, 0])  # (policy, budget, column) -> [sum of value*n, n]
@@ -77,6 +127,8 @@ def main():
     first = next(iter(rows))
     counts = ", ".join(f"{c[0]} {c[1]}: {acc[first + (c,)][1]}" for c in cols if acc[first + (c,)][1])
     print(f"Samples per column of the first table (every task and haystack of that setup and length): {counts}.")
+    if plot_path:
+        plot(plot_path, rows, acc, setups)
 
 
 if __name__ == "__main__":
