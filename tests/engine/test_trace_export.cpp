@@ -139,6 +139,17 @@ TEST_CASE("trace export: a subset of layers keeps the model's layer numbers thro
   CHECK(cases[1].layer == 1);
   CHECK(cases[0].num_layers == engine_test::model().config().n_layers);
   CHECK(cases[0].num_eval == 2);
+  // Malformed source_layers metadata is refused by name (no overflow on a long number).
+  for (const char* bad : {"3,,1", "3,x", "3,99999999999999999999", "3"}) {
+    INFO(bad);
+    o.layers = {3, 1};
+    o.metadata = {{"source_layers", bad}};
+    export_trace(engine_test::model(), prompt, o, path);
+    std::vector<kvp_compare::LayerCase> none;
+    const kvpolicy::Status st = kvp_compare::load_trace_cases(path, &none);
+    CHECK(!st.is_ok());
+    CHECK_THAT(st.message(), Catch::Contains("source_layers"));
+  }
   std::filesystem::remove(path);
   std::filesystem::remove(all);
 }

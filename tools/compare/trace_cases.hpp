@@ -62,6 +62,8 @@ kvpolicy::Status layer_cases(const kvpolicy::io::Trace& tr, const std::string& w
     bool in_number = false;
     for (char ch : it->second + ",") {
       if (ch >= '0' && ch <= '9') {
+        KVP_REQUIRE(v < (1 << 20), "compare: trace '%s' metadata source_layers '%.60s' names a layer beyond 2^20", workload.c_str(),
+                    it->second.c_str());
         v = v * 10 + (ch - '0');
         in_number = true;
       } else {
