@@ -11,6 +11,9 @@
 #include <string>
 
 #include "kvpolicy/backends/cuda.hpp"
+#include "kvpolicy/ops/contract.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/eviction/streaming_llm.hpp"
 
 #if defined(__CUDA_RUNTIME_H__) || defined(__CUDA_RUNTIME_API_H__) || defined(__CUDACC__)
 #error "kvpolicy/backends/cuda.hpp must not pull in CUDA headers"
@@ -246,4 +249,63 @@ TEST_CASE("cuda device_count: reports the runtime's answer as a Status", "[cuda]
     REQUIRE(n == 0);
     REQUIRE_FALSE(Cuda::device_available());
   }
+}
+
+// ---- the ops contract and policies on backend::Cuda (host side only) --------
+
+static_assert(kvpolicy::ScoreOps<Cuda, float> && kvpolicy::ScoreOps<Cuda, kvpolicy::half> && kvpolicy::ScoreOps<Cuda, kvpolicy::bfloat16>,
+              "backend::Cuda models the score-op family for every key dtype");
+
+namespace {
+void pool_fn(void*, std::int64_t, kvpolicy::ParallelBody, void*) {}
+}  // namespace
+
+TEST_CASE("cuda policies: a context with several host workers is refused before anything is written", "[cuda][policy]") {
+  using namespace kvpolicy;
+  // Pointers are never dereferenced: the call must fail on the host first.
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const ScoreInput<float, half> in{TensorView<const float, 3>(fake<const float>(1), {8, 64, 64}, {64 * 64, 64, 1}, gpu),
+                                   KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {2, 1000, 64}, {64000, 64, 1}, gpu))};
+  std::int32_t indptr[3] = {-7, -7, -7};
+  const KeepSet out{indptr, fake<std::int32_t>(3), 2, 1000};
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  const Context<Cuda> cx{Workspace{fake<void>(4), std::size_t{1} << 30}, two_workers, nullptr};
+  const Status s = SnapKV(SnapKVParams::kvpress(0.5)).evict(cx, in, out);
+  REQUIRE(s.code() == StatusCode::kUnsupported);
+  REQUIRE(mentions(s, "2 workers"));
+  REQUIRE((indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7));
+  const Status t = StreamingLLM(StreamingLLMParams{4, Budget::tokens(100), 0}).evict(cx, in, out);
+  REQUIRE(t.code() == StatusCode::kUnsupported);
+  REQUIRE((indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7));
+
+  // Host views handed to the device backend, and paged keys, are refused by name.
+  const Context<Cuda> one{Workspace{fake<void>(4), std::size_t{1} << 30}, {}, nullptr};
+  ScoreInput<float, half> host_q = in;
+  host_q.queries = TensorView<const float, 3>(fake<const float>(1), {8, 64, 64}, {64 * 64, 64, 1});
+  const Status h = SnapKV(SnapKVParams::kvpress(0.5)).evict(one, host_q, out);
+  REQUIRE(h.code() == StatusCode::kInvalidArgument);
+  REQUIRE(mentions(h, "queries is a host tensor"));
+  ScoreInput<float, half> host_k = in;
+  host_k.keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {2, 1000, 64}, {64000, 64, 1}));
+  REQUIRE(mentions(SnapKV(SnapKVParams::kvpress(0.5)).evict(one, host_k, out), "keys is a host tensor"));
+  REQUIRE((indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7));
+}
+
+TEST_CASE("cuda policies: the call scope binds the context's stream and restores the previous one", "[cuda][policy]") {
+  REQUIRE(Cuda::current_stream() == nullptr);
+  {
+    const Cuda::CallScope outer(fake<void>(5), 1);
+    REQUIRE(Cuda::current_stream() == fake<void>(5));
+    {
+      const Cuda::CallScope inner(fake<void>(6), 1);
+      REQUIRE(Cuda::current_stream() == fake<void>(6));
+      REQUIRE(inner.end().is_ok());
+      // An op rejected on the host records its error for the enclosing call.
+      Cuda::pool1d(fake<const float>(7), 10, 4, kvpolicy::Pooling::kAvg, fake<float>(8));
+      REQUIRE(mentions(inner.end(), "kernel is 4"));
+    }
+    REQUIRE(Cuda::current_stream() == fake<void>(5));
+    REQUIRE(mentions(outer.end(), "kernel is 4"));  // first error wins, kept for the outer call
+  }
+  REQUIRE(Cuda::current_stream() == nullptr);
 }

@@ -14,3 +14,24 @@ if(TARGET kvpolicy_cuda)
   add_test(NAME test_cuda_ops COMMAND test_cuda_ops)
   set_tests_properties(test_cuda_ops PROPERTIES SKIP_RETURN_CODE 77 LABELS cuda TIMEOUT 600)
 endif()
+
+# Policies on backend::Cuda vs backend::Scalar (SnapKV, StreamingLLM, a graph capture); exits 77 without a device.
+if(TARGET kvpolicy_cuda)
+  add_executable(test_cuda_policies ${CMAKE_CURRENT_LIST_DIR}/test_cuda_policies.cpp)
+  target_link_libraries(test_cuda_policies PRIVATE Catch2::Catch2 kvpolicy::kvpolicy kvpolicy::cuda)
+  target_compile_features(test_cuda_policies PRIVATE cxx_std_20)
+  kvp_set_warnings(test_cuda_policies)
+  add_test(NAME test_cuda_policies COMMAND test_cuda_policies)
+  set_tests_properties(test_cuda_policies PROPERTIES SKIP_RETURN_CODE 77 LABELS cuda TIMEOUT 600)
+endif()
+
+# The PageOps family (Quest's metadata fold, bounds, decode attention over pages) on backend::Cuda vs
+# backend::Scalar; exits 77 without a device.
+if(TARGET kvpolicy_cuda AND EXISTS ${CMAKE_CURRENT_LIST_DIR}/test_cuda_page_ops.cpp)
+  add_executable(test_cuda_page_ops ${CMAKE_CURRENT_LIST_DIR}/test_cuda_page_ops.cpp)
+  target_link_libraries(test_cuda_page_ops PRIVATE Catch2::Catch2 kvpolicy::kvpolicy kvpolicy::cuda)
+  target_compile_features(test_cuda_page_ops PRIVATE cxx_std_20)
+  kvp_set_warnings(test_cuda_page_ops)
+  add_test(NAME test_cuda_page_ops COMMAND test_cuda_page_ops)
+  set_tests_properties(test_cuda_page_ops PROPERTIES SKIP_RETURN_CODE 77 LABELS cuda TIMEOUT 600)
+endif()

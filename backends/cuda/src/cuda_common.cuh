@@ -30,6 +30,10 @@ inline Status launch_status(const char* who) noexcept {
 
 inline cudaStream_t as_stream(void* stream) noexcept { return static_cast<cudaStream_t>(stream); }
 
+/// Records `s` in the calling thread's error slot (the first error of a policy
+/// call wins; `Cuda::CallScope::end` returns it). Defined in contract_ops.cu.
+void record_error(const Status& s) noexcept;
+
 /// Exact widening loads (every half / bfloat16 is a float).
 __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const half* p) { return __half2float(__ushort_as_half(p->bits)); }

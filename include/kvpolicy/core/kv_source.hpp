@@ -50,13 +50,24 @@ struct KVSource {
   }
 
   /// Structure checks (the paged table itself is validated once per batch by the caller).
-  Status validate(const char* who, const char* name) const noexcept {
+  /// `on_device`: the call runs on a device backend, which reads dense views
+  /// tagged `DeviceType::kCUDA` and refuses paged ones (their lengths live in
+  /// the page table, which the host cannot read without a synchronisation).
+  Status validate(const char* who, const char* name, bool on_device = false) const noexcept {
     if (paged != nullptr) {
+      if (on_device) {
+        return Status::error(StatusCode::kUnsupported,
+                             "%s: %s is paged; policies on a device backend take dense (contiguous or strided) views only", who, name);
+      }
       KVP_REQUIRE(seq >= 0 && seq < paged->table.batch, "%s: %s sequence %d out of range [0, %d)", who, name, seq, paged->table.batch);
       return Status::ok();
     }
     KVP_RETURN_IF_ERROR(dense.check_basic(who, name));
-    KVP_REQUIRE(dense.device().is_host(), "%s: %s is a device tensor; this entry point reads host memory", who, name);
+    if (on_device) {
+      KVP_REQUIRE(!dense.device().is_host(), "%s: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", who, name);
+    } else {
+      KVP_REQUIRE(dense.device().is_host(), "%s: %s is a device tensor; this entry point reads host memory", who, name);
+    }
     KVP_REQUIRE(dense.extent(2) == 0 || dense.stride(2) == 1 || dense.extent(2) == 1,
                 "%s: %s has head_dim stride %lld, must be 1 (rows are read as contiguous vectors)", who, name,
                 static_cast<long long>(dense.stride(2)));

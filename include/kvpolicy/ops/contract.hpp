@@ -29,7 +29,9 @@
 KVP_NAMESPACE_BEGIN
 
 /// Window attention, pooling, group reduction, top-k, gather (SnapKV, TOVA,
-/// ObservedAttention, H2O from queries, Ada-KV, PyramidKV, Expected Attention).
+/// ObservedAttention, H2O from queries, Ada-KV, PyramidKV, Expected Attention),
+/// and the writes into outputs (iota, fill, copy_strided) that let a policy's
+/// outputs live in device memory.
 template <class B, class Tk = float>
 concept ScoreOps = requires(const WindowScoreShape& s, const float* q, const float* in, float* out, Rows<Tk> rows, Workspace ws,
                             std::int64_t n, std::int32_t* idx, const std::int32_t* cidx, Tk* dst) {
@@ -40,6 +42,9 @@ concept ScoreOps = requires(const WindowScoreShape& s, const float* q, const flo
   { B::topk_workspace(n) } -> std::same_as<std::size_t>;
   B::topk(in, n, n, idx, ws);
   B::gather_rows(rows, cidx, n, n, dst, n);
+  B::iota(idx, n, n);
+  B::fill(out, n, n, 1.0f);
+  B::copy_strided(in, n, out, n);
 };
 
 /// Page metadata fold, upper-bound estimate, decode attention over pages (Quest).

@@ -228,6 +228,60 @@ struct ScalarScoreOps {
                           std::int64_t dst_row_stride) noexcept {
     for (std::int64_t r = 0; r < n; ++r) std::memcpy(dst + r * dst_row_stride, src.row(idx[r]), static_cast<std::size_t>(dim) * sizeof(T));
   }
+
+  // ---- writes into outputs ------------------------------------------------
+  // Policies write every output element through these (never a host loop),
+  // so an output in device memory is written by the device on `backend::Cuda`.
+
+  /// dst[i] = first + i for i < n (kept-token and page ids).
+  static void iota(std::int32_t* dst, std::int64_t first, std::int64_t n) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<std::int32_t>(first + i);
+  }
+
+  /// dst[i * dst_stride] = value for i < n.
+  static void fill(float* dst, std::int64_t n, std::int64_t dst_stride, float value) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) dst[i * dst_stride] = value;
+  }
+
+  /// dst[i * dst_stride] = src[i] for i < n.
+  static void copy_strided(const float* src, std::int64_t n, float* dst, std::int64_t dst_stride) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) dst[i * dst_stride] = src[i];
+  }
+
+  // ---- row edits of the online policies (device-friendly forms) --------------
+  // H2O's and TOVA's decode-step edits as ops that write memory and return
+  // nothing, so a device backend runs them without a host round trip.
+
+  /// dst[i] += src[i] for i < n.
+  static void add_rows(float* dst, const float* src, std::int64_t n) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
+  }
+
+  /// Removes the lowest slot x of row[0..cand) under `score_order_key` (ties:
+  /// the lowest slot; NaN ranks lowest) from row[0..n): row[x..n-1) = row[x+1..n),
+  /// and ids[0..n-1) = the kept slots 0..n-1 except x, ascending.
+  /// 1 <= cand <= n.
+  static void evict_lowest(float* row, std::int64_t cand, std::int64_t n, std::int32_t* ids) noexcept {
+    std::int64_t x = 0;
+    std::uint32_t best = score_order_key(row[0]);
+    for (std::int64_t j = 1; j < cand; ++j) {
+      const std::uint32_t k = score_order_key(row[j]);
+      if (k < best) best = k, x = j;
+    }
+    for (std::int64_t r = 0; r < n - 1; ++r) ids[r] = static_cast<std::int32_t>(r < x ? r : r + 1);
+    for (std::int64_t r = x; r + 1 < n; ++r) row[r] = row[r + 1];
+  }
+
+  /// row[r] = row[ids[r]] for r < keep; ids ascending with ids[r] >= r (a
+  /// top-k's kept slots), so a forward sweep is in place.
+  static std::size_t compact_row_workspace(std::int64_t keep) noexcept {
+    (void)keep;
+    return 0;
+  }
+  static void compact_row(float* row, const std::int32_t* ids, std::int64_t keep, Workspace ws) noexcept {
+    (void)ws;
+    for (std::int64_t r = 0; r < keep; ++r) row[r] = row[ids[r]];
+  }
 };
 
 /// The scalar reference backend: the union of every op family.

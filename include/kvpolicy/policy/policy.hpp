@@ -66,8 +66,18 @@ Status write_uniform_indptr(const char* who, KeepSet& out, std::int64_t batch, s
 /// its memory; the queries' structure and memory; GQA; equal head_dim > 0.
 template <class Tq, class Tk>
 Status check_queries_and_keys(const char* who, const TensorView<const Tq, 3>& q, const KVSource<Tk>& keys,
-                              const PagedKVView<const Tk>** last_paged = nullptr) noexcept {
-  KVP_RETURN_IF_ERROR(keys.validate(who, "keys"));
+                              const PagedKVView<const Tk>** last_paged = nullptr, bool on_device = false) noexcept {
+  KVP_RETURN_IF_ERROR(keys.validate(who, "keys", on_device));
+  if (on_device) {
+    // Shapes only: a scan of the values would need a device read and a synchronisation.
+    KVP_RETURN_IF_ERROR(q.check_basic(who, "queries"));
+    KVP_REQUIRE(!q.device().is_host(), "%s: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)", who);
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(q.extent(0), keys.kv_heads(), who, &gqa));
+    KVP_REQUIRE(q.extent(2) == keys.head_dim() && keys.head_dim() > 0, "%s: queries head_dim %lld differs from keys head_dim %lld", who,
+                static_cast<long long>(q.extent(2)), static_cast<long long>(keys.head_dim()));
+    return Status::ok();
+  }
   if (keys.paged != nullptr && (last_paged == nullptr || keys.paged != *last_paged)) {
     KVP_RETURN_IF_ERROR(keys.paged->validate(who, /*need_values=*/false));
     KVP_REQUIRE(keys.paged->device.is_host(), "%s: paged keys live on a device; this entry point reads host memory", who);

@@ -62,6 +62,45 @@ struct Context {
   Context with_workspace(Workspace ws) const noexcept { return Context{ws, exec, stream}; }
 };
 
+/// True for backends whose ops read and write device memory (they carry a
+/// `CallScope`, e.g. `backend::Cuda`). Policies validate shapes only on them:
+/// views must be tagged `DeviceType::kCUDA`, values are not scanned on the
+/// host (NaN/Inf are not rejected; a NaN score orders below every number,
+/// `score_order_key`, so decisions stay deterministic), and row offsets of
+/// outputs (`KeepSet::indptr`) are host memory, written from the shapes.
+template <class B>
+inline constexpr bool kDeviceBackend = requires { typename B::CallScope; };
+
+namespace detail {
+
+/// The backend's state for one policy call. Host backends have none. A
+/// device backend (one with a nested `CallScope`, e.g. `backend::Cuda`) binds
+/// `Context::stream` as the stream its ops enqueue on for the call, refuses a
+/// context with more than one host worker (`begin`), and reports the first
+/// error its ops recorded (`end`): a policy returns `end()` once its ops are
+/// enqueued.
+template <class B>
+class BackendCall {
+ public:
+  explicit BackendCall(const Context<B>&) noexcept {}
+  Status begin() const noexcept { return Status::ok(); }
+  Status end() const noexcept { return Status::ok(); }
+};
+
+template <class B>
+  requires requires { typename B::CallScope; }
+class BackendCall<B> {
+ public:
+  explicit BackendCall(const Context<B>& cx) noexcept : scope_(cx.stream, cx.exec.workers()) {}
+  Status begin() const noexcept { return scope_.begin(); }
+  Status end() const noexcept { return scope_.end(); }
+
+ private:
+  typename B::CallScope scope_;
+};
+
+}  // namespace detail
+
 /// The largest problem a call will see. Fields keep the order of the former
 /// positional `{num_q_heads, num_kv_heads, head_dim, max_kv_len, q_len}`
 /// initialisers; prefer designated initialisers.

@@ -191,19 +191,24 @@ class H2O {
   /// For the first two, `obs.keys` may be empty (only the probabilities are read).
   template <class Backend, class Tq, class Tk, class Tp>
   Status update(const Context<Backend>& cx, State& state, const ScoreInput<Tq, Tk, Tp>& obs) const noexcept {
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     if (obs.has_attention()) {
       const auto& probs = obs.attention;
       KVP_RETURN_IF_ERROR(probs.check_basic(kName, "probabilities"));
       KVP_REQUIRE(probs.extent(1) >= 1, "h2o: probabilities has %lld query rows, must be >= 1", static_cast<long long>(probs.extent(1)));
-      return update_impl<Backend>(state, probs, probs.extent(1), "probabilities", cx.exec);
+      KVP_RETURN_IF_ERROR(update_impl<Backend>(state, probs, probs.extent(1), "probabilities", cx.exec));
+      return call.end();
     }
     if (obs.has_column_sums()) {
       const auto& col = obs.column_sums;
       KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
       const TensorView<const Tp, 3> as3(col.data(), {col.extent(0), 1, col.extent(1)}, {col.stride(0), 0, col.stride(1)}, col.device());
-      return update_impl<Backend>(state, as3, col.extent(1) - state.length, "column sums", cx.exec);
+      KVP_RETURN_IF_ERROR(update_impl<Backend>(state, as3, col.extent(1) - state.length, "column sums", cx.exec));
+      return call.end();
     }
-    return update_from_queries<Backend>(state, obs, cx.workspace, cx.exec);
+    KVP_RETURN_IF_ERROR(update_from_queries<Backend>(state, obs, cx.workspace, cx.exec));
+    return call.end();
   }
 
   // ---- evict ----------------------------------------------------------------
@@ -218,17 +223,21 @@ class H2O {
   /// Evict so that `num_coming` more tokens fit in hh + recent.
   template <class Backend>
   Status evict_for_space(const Context<Backend>& cx, State& state, std::int64_t num_coming, KeepSet out) const noexcept {
-    return evict_impl<Backend>(state, num_coming, out, cx.workspace, cx.exec);
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    KVP_RETURN_IF_ERROR(evict_impl<Backend>(state, num_coming, out, cx.workspace, cx.exec));
+    return call.end();
   }
 
  private:
   template <class Backend, class Tq, class Tk, class Tp>
   Status update_from_queries(H2OState& state, const ScoreInput<Tq, Tk, Tp>& step, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(state));
+    KVP_RETURN_IF_ERROR(check_state(state, kDeviceBackend<Backend>));
     KVP_REQUIRE(step.lookahead == 0, "h2o: lookahead is %lld; H2O accumulates the attention of real queries only",
                 static_cast<long long>(step.lookahead));
-    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, step.queries, step.keys));
+    const PagedKVView<const Tk>** no_paged = nullptr;
+    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, step.queries, step.keys, no_paged, kDeviceBackend<Backend>));
     const std::int64_t Hq = step.queries.extent(0), Hkv = step.keys.kv_heads(), Hs = state.scores.extent(0);
     const std::int64_t q = step.queries.extent(1), n = step.keys.kv_len(), d = step.keys.head_dim();
     KVP_REQUIRE(Hkv == Hs, "h2o: keys has %lld kv heads, the state has %lld rows", static_cast<long long>(Hkv), static_cast<long long>(Hs));
@@ -257,8 +266,7 @@ class H2O {
         float* out = q0 == 0 ? col : blk;
         Backend::window_scores(WindowScoreShape{G, bw, d, n, n, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out,
                                c.rest());
-        if (q0 > 0)
-          for (std::int64_t j = 0; j < G * n; ++j) col[j] += blk[j];
+        if (q0 > 0) Backend::add_rows(col, blk, G * n);
       }
       Backend::accumulate_column_sums(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G,
                                       mean_groups());
@@ -270,14 +278,51 @@ class H2O {
 
   template <class Backend>
   std::size_t evict_workspace_bytes(std::int64_t state_heads, std::int64_t max_len, const ExecContext& ctx) const noexcept {
+    if constexpr (kDeviceBackend<Backend>) {
+      const std::int64_t n = std::max<std::int64_t>(max_len, 1);
+      return WorkspacePlan{}.add_bytes(Backend::topk_workspace(n)).add_bytes(Backend::compact_row_workspace(n)).total();
+    }
     return WorkspacePlan{}.add<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(state_heads, 1))).total() +
            detail::WorkerSlices::bytes(Backend::topk_workspace(std::max<std::int64_t>(max_len, 1)), ctx.workers());
+  }
+
+  /// The decisions of `evict_impl` on a device backend (arguments validated):
+  /// every state row edited in place by device ops, one (sequence, head) row
+  /// after another on the context's stream. The host reads nothing of the
+  /// state, so a state holding NaN is not refused here: a NaN slot ranks
+  /// lowest under `score_order_key` and is evicted first.
+  template <class Backend>
+  Status evict_on_device(H2OState& state, std::int64_t num_coming, std::int64_t keep, KeepSet out, Workspace ws) const noexcept {
+    const std::int64_t prompt = state.prompt_len > 0 ? state.prompt_len : state.length;
+    const std::int64_t Hs = state.scores.extent(0), n = state.length;
+    const std::int64_t recent = std::max<std::int64_t>(recent_size(prompt) - num_coming, 0);
+    const std::int64_t heavy = keep - std::min(recent, keep), cand = n - recent;
+    const std::int64_t nn = std::max<std::int64_t>(n, 1);
+    WorkspaceCarver carve(ws);
+    const Workspace topk_ws{carve.take<std::byte>(Backend::topk_workspace(nn)), Backend::topk_workspace(nn)};
+    const Workspace compact_ws{carve.take<std::byte>(Backend::compact_row_workspace(nn)), Backend::compact_row_workspace(nn)};
+    KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, 1, Hs, [&](std::int64_t) { return keep; }));
+    for (std::int64_t s = 0; s < Hs; ++s) {
+      float* row = state.scores.data() + s * state.scores.stride(0);
+      std::int32_t* ids = out.indices + out.indptr[s];
+      if (keep == n) {
+        Backend::iota(ids, 0, n);
+      } else if (n - keep == 1) {
+        Backend::evict_lowest(row, cand, n, ids);
+      } else {
+        Backend::topk(row, cand, heavy, ids, topk_ws);
+        Backend::iota(ids + heavy, n - keep + heavy, keep - heavy);
+        Backend::compact_row(row, ids, keep, compact_ws);
+      }
+    }
+    state.length = keep;
+    return Status::ok();
   }
 
   template <class Backend>
   Status evict_impl(H2OState& state, std::int64_t num_coming, KeepSet out, Workspace ws, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(state));
+    KVP_RETURN_IF_ERROR(check_state(state, kDeviceBackend<Backend>));
     const std::int64_t prompt = state.prompt_len > 0 ? state.prompt_len : state.length, cache = cache_size(prompt);
     KVP_REQUIRE(num_coming >= 0 && num_coming <= cache, "h2o: num_coming %lld out of range [0, hh_size + recent_size = %lld]",
                 static_cast<long long>(num_coming), static_cast<long long>(cache));
@@ -285,6 +330,18 @@ class H2O {
     KVP_RETURN_IF_ERROR(out.check_output(kName, Hs, Hs * keep));
     KVP_REQUIRE(Hs * keep <= INT32_MAX, "h2o: %lld kept slots overflow the int32 keep-set indices", static_cast<long long>(Hs * keep));
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, evict_workspace_bytes<Backend>(Hs, n, ctx)));
+    if constexpr (kDeviceBackend<Backend>) {
+      return evict_on_device<Backend>(state, num_coming, keep, out, ws);
+    } else {
+      return evict_on_host<Backend>(state, num_coming, keep, out, ws, ctx);
+    }
+  }
+
+  template <class Backend>
+  Status evict_on_host(H2OState& state, std::int64_t num_coming, std::int64_t keep, KeepSet out, Workspace ws,
+                       const ExecContext& ctx) const noexcept {
+    const std::int64_t prompt = state.prompt_len > 0 ? state.prompt_len : state.length;
+    const std::int64_t Hs = state.scores.extent(0), n = state.length;
     WorkspaceCarver carve(ws);
     std::int64_t* nan_at = carve.take<std::int64_t>(static_cast<std::size_t>(2 * std::max<std::int64_t>(Hs, 1)));
     std::int64_t* victim = nan_at + Hs;
@@ -327,9 +384,13 @@ class H2O {
     return Status::ok();
   }
 
-  Status check_state(const H2OState& st) const noexcept {
+  Status check_state(const H2OState& st, bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(st.scores.check_basic(kName, "state scores"));
-    KVP_REQUIRE(st.scores.device().is_host(), "h2o: state scores is a device tensor; this entry point uses host memory");
+    if (on_device) {
+      KVP_REQUIRE(!st.scores.device().is_host(), "h2o: state scores is a host tensor; a device backend keeps the state in device memory");
+    } else {
+      KVP_REQUIRE(st.scores.device().is_host(), "h2o: state scores is a device tensor; this entry point uses host memory");
+    }
     KVP_REQUIRE(st.scores.extent(0) >= 1, "h2o: state scores has %lld rows, must be >= 1", static_cast<long long>(st.scores.extent(0)));
     KVP_REQUIRE(st.scores.stride(1) == 1 || st.scores.extent(1) <= 1, "h2o: state scores has slot stride %lld, must be 1",
                 static_cast<long long>(st.scores.stride(1)));
@@ -356,8 +417,12 @@ class H2O {
   template <class Backend, class Tp>
   Status update_impl(H2OState& st, TensorView<const Tp, 3> p, std::int64_t fresh, const char* name, const ExecContext& ctx) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st));
-    KVP_REQUIRE(p.device().is_host(), "h2o: %s is a device tensor; this entry point reads host memory", name);
+    KVP_RETURN_IF_ERROR(check_state(st, kDeviceBackend<Backend>));
+    if constexpr (kDeviceBackend<Backend>) {
+      KVP_REQUIRE(!p.device().is_host(), "h2o: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", name);
+    } else {
+      KVP_REQUIRE(p.device().is_host(), "h2o: %s is a device tensor; this entry point reads host memory", name);
+    }
     const std::int64_t Hq = p.extent(0), Hs = st.scores.extent(0), n = p.extent(2);
     if (params_.granularity == H2OGranularity::kQueryHead) {
       KVP_REQUIRE(Hq == Hs, "h2o: %s has %lld query heads, the per-query-head state has %lld rows", name, static_cast<long long>(Hq),

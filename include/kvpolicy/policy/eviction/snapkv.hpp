@@ -158,7 +158,7 @@ class SnapKV {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(validate_batch(std::span<const ScoreInput<Tq, Tk>>(&in, 1), &shape, /*scoring=*/true));
+    KVP_RETURN_IF_ERROR(validate_batch(std::span<const ScoreInput<Tq, Tk>>(&in, 1), &shape, /*scoring=*/true, kDeviceBackend<Backend>));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == in.keys.kv_len(),
                 "snapkv: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)", static_cast<long long>(out.extent(0)),
@@ -166,15 +166,22 @@ class SnapKV {
                 static_cast<long long>(in.keys.kv_len()));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     const auto slices = detail::WorkerSlices::carve(ws, per);
     const std::int64_t T = in.keys.kv_len(), w = params_.window, L = T - w;
     ctx.parallel_for(shape.num_kv_heads, [&](std::int64_t h, int worker) {
       WorkspaceCarver c(slices.slice(worker));
       float* s = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(L, 1)));
-      if (L > 0) score_head<Backend>(in, shape, h, s, c);
-      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : kProtectedScore;
+      float* row = out.data() + h * out.stride(0);
+      const std::int64_t past = std::max<std::int64_t>(L, 0);
+      if (L > 0) {
+        score_head<Backend>(in, shape, h, s, c);
+        Backend::copy_strided(s, L, row, out.stride(1));
+      }
+      Backend::fill(row + past * out.stride(1), T - past, out.stride(1), kProtectedScore);
     });
-    return Status::ok();
+    return call.end();
   }
 
   /// Eviction decision for a batch: keep row `b * num_kv_heads + h`. The
@@ -186,10 +193,12 @@ class SnapKV {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(validate_batch(batch, &shape));
+    KVP_RETURN_IF_ERROR(validate_batch(batch, &shape, /*scoring=*/false, kDeviceBackend<Backend>));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
     const std::int64_t H = shape.num_kv_heads;
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
     const auto slices = detail::WorkerSlices::carve(ws, per);
@@ -199,7 +208,7 @@ class SnapKV {
       std::int32_t* dst = out.indices + out.indptr[row];
       const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
       if (n_keep >= T) {
-        for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+        Backend::iota(dst, 0, T);
         return;
       }
       const std::int64_t n_win = std::min(n_keep, w), n_past = n_keep - n_win, L = T - w;
@@ -209,9 +218,9 @@ class SnapKV {
         score_head<Backend>(in, shape, h, s, c);
         Backend::topk(s, L, n_past, dst, c.rest());
       }
-      for (std::int64_t j = 0; j < n_win; ++j) dst[n_past + j] = static_cast<std::int32_t>(T - n_win + j);
+      Backend::iota(dst + n_past, T - n_win, n_win);
     });
-    return Status::ok();
+    return call.end();
   }
 
   /// Single-sequence convenience.
@@ -234,7 +243,8 @@ class SnapKV {
     const std::int64_t T = in.keys.kv_len(), L = T - params_.window;
     WorkspaceCarver c(ws);
     if (L > 0) score_head<Backend>(in, shape, h, row, c);
-    for (std::int64_t j = std::max<std::int64_t>(L, 0); j < T; ++j) row[j] = kProtectedScore;
+    const std::int64_t past = std::max<std::int64_t>(L, 0);
+    Backend::fill(row + past, T - past, 1, kProtectedScore);
   }
 
   /// The input checks of `evict` / `score` alone (params, shapes, budget), and
@@ -267,13 +277,14 @@ class SnapKV {
   }
 
   template <class Tq, class Tk>
-  Status validate_batch(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape, bool scoring = false) const noexcept {
+  Status validate_batch(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape, bool scoring = false,
+                        bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "snapkv: batch is empty");
     const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const auto& in = batch[b];
-      KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys, &last_paged));
+      KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys, &last_paged, on_device));
       KVP_REQUIRE(in.lookahead >= 0, "snapkv: lookahead is %lld, must be >= 0 (sequence %zu)", static_cast<long long>(in.lookahead), b);
       KVP_REQUIRE(in.queries.extent(1) == params_.window + in.lookahead,
                   "snapkv: queries has %lld rows per head, expected window=%d + lookahead=%lld (sequence %zu)",

@@ -102,7 +102,7 @@ class StreamingLLM {
     KVP_REQUIRE(n == 0 || out.data() != nullptr, "streaming_llm: output is null");
     KVP_REQUIRE(static_cast<std::int64_t>(out.size()) >= n, "streaming_llm: output capacity %zu < %lld kept tokens", out.size(),
                 static_cast<long long>(n));
-    write_row(kv_len, n, out.data());
+    write_row<backend::Scalar>(kv_len, n, out.data());
     return Status::ok();
   }
 
@@ -120,7 +120,7 @@ class StreamingLLM {
     const std::int64_t H = batch[0].keys.kv_heads();
     const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      KVP_RETURN_IF_ERROR(batch[b].keys.validate(kName, "keys"));
+      KVP_RETURN_IF_ERROR(batch[b].keys.validate(kName, "keys", kDeviceBackend<Backend>));
       if (const PagedKVView<const Tk>* paged = batch[b].keys.paged; paged != nullptr && paged != last_paged) {
         KVP_RETURN_IF_ERROR(paged->validate(kName, /*need_values=*/false));
         last_paged = paged;
@@ -132,18 +132,20 @@ class StreamingLLM {
       std::int64_t n = 0;
       KVP_RETURN_IF_ERROR(params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.sinks, T), &n));
     }
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
     const std::int64_t rows = static_cast<std::int64_t>(batch.size()) * H;
     auto one_row = [&](std::int64_t row, int) {
-      write_row(batch[static_cast<std::size_t>(row / H)].keys.kv_len(), out.row_size(row), out.indices + out.indptr[row]);
+      write_row<Backend>(batch[static_cast<std::size_t>(row / H)].keys.kv_len(), out.row_size(row), out.indices + out.indptr[row]);
     };
     if (out.indptr[rows] >= kParallelEntries) {
       cx.exec.parallel_for(rows, one_row);
     } else {  // a few ids: cheaper than waking the pool
       for (std::int64_t row = 0; row < rows; ++row) one_row(row, 0);
     }
-    return Status::ok();
+    return call.end();
   }
 
   /// Single-sequence convenience.
@@ -155,12 +157,13 @@ class StreamingLLM {
  private:
   static constexpr std::int64_t kParallelEntries = std::int64_t{1} << 16;
 
+  template <class Backend>
   void write_row(std::int64_t kv_len, std::int64_t n, std::int32_t* out) const noexcept {
     const std::int64_t s = std::min<std::int64_t>(params_.sinks, n);
-    for (std::int64_t j = 0; j < s; ++j) out[j] = static_cast<std::int32_t>(j);
+    Backend::iota(out, 0, s);
     // Recent part: the last (n - s) tokens, never overlapping the sinks.
     const std::int64_t recent = n - s;
-    for (std::int64_t j = 0; j < recent; ++j) out[s + j] = static_cast<std::int32_t>(kv_len - recent + j);
+    Backend::iota(out + s, kv_len - recent, recent);
   }
 
   Params params_{};

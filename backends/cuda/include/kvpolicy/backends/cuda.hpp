@@ -28,7 +28,9 @@
 #include <cstdint>
 
 #include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/page_selection.hpp"
 #include "kvpolicy/core/rows.hpp"
+#include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/scalar.hpp"
@@ -47,6 +49,23 @@ struct Cuda {
 
   /// True when at least one CUDA device is usable.
   static bool device_available() noexcept;
+
+  // ---- physical limits ----------------------------------------------------
+
+  /// The current device's limits, measured by running kernels (not read from
+  /// a data sheet), for benchmarks that report fractions of peak.
+  struct Peaks {
+    double read_bytes_per_s = 0.0;   ///< streaming read of a 2 GiB buffer (HBM)
+    double fp32_flops_per_s = 0.0;   ///< dependent FMA chains on every SM (CUDA cores)
+    double fp16_tc_flops_per_s = 0.0;  ///< fp16 tensor cores through mma.sync m16n8k16, fp32 accumulate (not wgmma)
+    char name[96] = {};              ///< device name
+    int sm_count = 0;
+  };
+
+  /// Measures `Peaks` on the current device: allocates and synchronises (a
+  /// tool for benchmarks, never called by a policy). Each figure is the best
+  /// of several timed runs after a warm-up.
+  static Status measure_peaks(Peaks* out) noexcept;
 
   // ---- window attention -------------------------------------------------
 
@@ -112,6 +131,145 @@ struct Cuda {
   /// the 32-bit order key, one ordered compaction), no sort.
   static Status topk_rows(const float* scores_device, std::int64_t rows, std::int64_t n, std::int64_t ld, std::int64_t k,
                           std::int32_t* out_device, std::int64_t out_ld, Workspace ws_device, void* stream) noexcept;
+
+  // ---- the ops contract (ops/contract.hpp) ------------------------------
+  //
+  // The members below have the signatures of `backend::Scalar`, so policies
+  // instantiate with `Context<backend::Cuda>`. They differ from the entry
+  // points above in two ways only:
+  // - the stream is the calling thread's *current stream* (`current_stream`),
+  //   which a policy call sets from `Context::stream` for its duration
+  //   (`CallScope`), as PyTorch's current stream works;
+  // - they return void. A rejected argument or a launch error is recorded in
+  //   the calling thread's error slot; the policy call returns the first one
+  //   recorded (`CallScope::end`). Nothing is enqueued for a rejected op.
+  // Like every op they only enqueue: no allocation, no synchronisation, no
+  // copies, so a whole policy call can be captured in a CUDA graph.
+
+  /// The stream contract-form ops enqueue on in this thread (nullptr: the
+  /// legacy default stream).
+  static void* current_stream() noexcept;
+
+  /// A policy call on `Context<Cuda>`: sets the thread's current stream to
+  /// `stream` and clears its error slot; the destructor restores the previous
+  /// stream (nesting is allowed). Device ops run in the calling thread, so a
+  /// call with more than one host worker is refused by `begin`.
+  class CallScope {
+   public:
+    CallScope(void* stream, int workers) noexcept;
+    ~CallScope();
+    CallScope(const CallScope&) = delete;
+    CallScope& operator=(const CallScope&) = delete;
+    /// kUnsupported when the context's ExecContext has more than one worker.
+    Status begin() const noexcept;
+    /// The first error an op recorded since `begin` (ok when none).
+    Status end() const noexcept;
+
+   private:
+    void* previous_stream_ = nullptr;
+    Status previous_error_{};  // an enclosing call's first error, restored (first error wins)
+    int workers_ = 1;
+  };
+
+  static void window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device, float* out_device,
+                            Workspace ws_device) noexcept;
+  static void window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device, float* out_device,
+                            Workspace ws_device) noexcept;
+  static void window_scores(const WindowScoreShape& s, const float* q_device, Rows<bfloat16> keys_device, float* out_device,
+                            Workspace ws_device) noexcept;
+
+  /// `Scalar::pool1d` on the device, bit-identical (kAvg sums each window in
+  /// ascending order of value, as the reference does). `in` and `out` must
+  /// not overlap unless kind is kNone or kernel <= 1.
+  static void pool1d(const float* in_device, std::int64_t n, int kernel, Pooling kind, float* out_device) noexcept;
+
+  /// `Scalar::group_reduce` on the device, bit-identical (same order of adds).
+  static void group_reduce(const float* in_device, std::int64_t group, std::int64_t n, std::int64_t ld, GroupReduce kind,
+                           float* out_device) noexcept;
+
+  /// `Scalar::topk` on the device (radix select, identical indices).
+  static void topk(const float* scores_device, std::int64_t n, std::int64_t k, std::int32_t* out_device, Workspace ws_device) noexcept;
+
+  /// `Scalar::gather_rows` on the device: dst row r = src row idx[r].
+  static void gather_rows(Rows<float> src, const std::int32_t* idx_device, std::int64_t n, std::int64_t dim, float* dst_device,
+                          std::int64_t dst_row_stride) noexcept;
+  static void gather_rows(Rows<half> src, const std::int32_t* idx_device, std::int64_t n, std::int64_t dim, half* dst_device,
+                          std::int64_t dst_row_stride) noexcept;
+  static void gather_rows(Rows<bfloat16> src, const std::int32_t* idx_device, std::int64_t n, std::int64_t dim, bfloat16* dst_device,
+                          std::int64_t dst_row_stride) noexcept;
+
+  /// `Scalar::widen_queries` on the device (exact widening, any strides).
+  static void widen_queries(const TensorView<const float, 3>& q_device, std::int64_t h0, std::int64_t group, std::int64_t i0,
+                            std::int64_t rows, float* dst_device) noexcept;
+  static void widen_queries(const TensorView<const half, 3>& q_device, std::int64_t h0, std::int64_t group, std::int64_t i0,
+                            std::int64_t rows, float* dst_device) noexcept;
+  static void widen_queries(const TensorView<const bfloat16, 3>& q_device, std::int64_t h0, std::int64_t group, std::int64_t i0,
+                            std::int64_t rows, float* dst_device) noexcept;
+
+  /// `Scalar::iota`: dst[i] = first + i for i < n.
+  static void iota(std::int32_t* dst_device, std::int64_t first, std::int64_t n) noexcept;
+
+  /// `Scalar::fill`: dst[i * dst_stride] = value for i < n.
+  static void fill(float* dst_device, std::int64_t n, std::int64_t dst_stride, float value) noexcept;
+
+  /// `Scalar::copy_strided`: dst[i * dst_stride] = src[i] for i < n.
+  static void copy_strided(const float* src_device, std::int64_t n, float* dst_device, std::int64_t dst_stride) noexcept;
+
+  // ---- row kernels of the online policies (H2O, TOVA) ---------------------
+
+  /// `Scalar::add_rows`: dst[i] += src[i] for i < n.
+  static void add_rows(float* dst_device, const float* src_device, std::int64_t n) noexcept;
+
+  /// `Scalar::evict_lowest`: removes the lowest slot of row[0..cand) under
+  /// `score_order_key` (ties: the lowest slot) from row[0..n), shifting the
+  /// tail down, and writes the n - 1 kept slots (ascending) to ids.
+  static void evict_lowest(float* row_device, std::int64_t cand, std::int64_t n, std::int32_t* ids_device) noexcept;
+
+  /// `Scalar::compact_row`: row[r] = row[ids[r]] for r < keep (ids ascending).
+  static std::size_t compact_row_workspace(std::int64_t keep) noexcept;
+  static void compact_row(float* row_device, const std::int32_t* ids_device, std::int64_t keep, Workspace ws_device) noexcept;
+
+  /// `Scalar::accumulate_column_sums` on the device, bit-identical (same
+  /// order of adds): H2O's per-call column sums folded into its state row.
+  static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const float, 3>& p_device,
+                                     std::int64_t h0, std::int64_t group, bool mean_over_group) noexcept;
+  static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const half, 3>& p_device,
+                                     std::int64_t h0, std::int64_t group, bool mean_over_group) noexcept;
+  static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const bfloat16, 3>& p_device,
+                                     std::int64_t h0, std::int64_t group, bool mean_over_group) noexcept;
+
+  /// `Scalar::mean_rows` on the device, bit-identical (heads in ascending order).
+  static void mean_rows(const TensorView<const float, 2> rows_device, float* mean_device) noexcept;
+  static void mean_rows(const TensorView<const half, 2> rows_device, float* mean_device) noexcept;
+  static void mean_rows(const TensorView<const bfloat16, 2> rows_device, float* mean_device) noexcept;
+
+  // ---- pages (Quest): the PageOps family of ops/paged_scalar.hpp ----------
+  //
+  // Same semantics as `ScalarPageOps`; defined in src/page_ops.cu for every
+  // (Tk, Tm) pair of {float, half, bfloat16} that `PageMetaStorableFrom`
+  // allows, and every (Tk, Tv) pair of the same three types.
+
+  template <class Tk, class Tm>
+  static void page_meta_fold(const Tk* rows_device, std::int64_t row_stride, std::int64_t num_rows, std::int64_t head_dim, Tm* max_device,
+                             Tm* min_device, bool fresh) noexcept;
+
+  static std::size_t page_bounds_workspace(std::int64_t num_q_rows, std::int64_t head_dim) noexcept;
+
+  template <class Tm>
+  static void page_bounds(const float* q_device, std::int64_t group, std::int64_t head_dim, PageMetaView<const Tm> meta_device,
+                          const std::int32_t* pages_device, std::int64_t n, float* out_device, std::int64_t ld_out, Workspace ws_device) noexcept;
+
+  template <class T>
+  static std::int64_t attention_block(const Rows<T>& keys) noexcept {
+    return keys.pages != nullptr ? keys.page_size : 64;
+  }
+
+  static std::size_t paged_attention_workspace(std::int64_t group, std::int64_t block, std::int64_t head_dim) noexcept;
+
+  template <class Tk, class Tv>
+  static void paged_decode_attention(const float* q_device, std::int64_t group, std::int64_t head_dim, Rows<Tk> keys_device,
+                                     Rows<Tv> values_device, std::int64_t num_tokens, float scale, float* out_device, float* lse_device,
+                                     Workspace ws_device) noexcept;
 };
 
 }  // namespace backend

@@ -1,0 +1,218 @@
+// Policies on backend::Cuda (Google Benchmark, manual time from CUDA events).
+//
+// Every figure is reported against this device's limits measured in the same
+// process (`Cuda::measure_peaks`: streaming read bandwidth, fp32 FMA rate,
+// fp16 mma.sync rate), printed in the benchmark context and as counters:
+//
+//   CudaSnapKV/T        one layer's SnapKV decision (kvpress defaults: window
+//                       64, avg pool 5, ratio 0.5), 32 query heads, 8 kv heads,
+//                       head_dim 128, fp16 keys: the whole policy call as an
+//                       engine makes it (launches enqueued one by one).
+//   CudaSnapKVGraph/T   the same call captured once in a CUDA graph and replayed.
+//   CudaTopk/n/k_pct    exact top-k of 8 rows of n fp32 scores (radix select).
+//
+// Counters: `fp32_frac` = logit flops (2*Hq*w*T*d) per second / fp32 peak
+// (the window-score kernel runs on CUDA cores in fp32, like the scalar
+// reference); `hbm_frac` = bytes the op must read (keys, or scores) per
+// second / read bandwidth; `tokens_per_s` = prompt tokens decided per second.
+// tools/gpu/torch_reference.py times kvpress's SnapKV formula and torch.topk
+// on the same shapes for the ratio.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvpolicy/backends/cuda.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
+
+namespace kvp = kvpolicy;
+using kvp::backend::Cuda;
+
+namespace {
+
+kvp::backend::Cuda::Peaks g_peaks;
+bool g_have_device = false;
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  bool ok = false;
+  explicit DeviceBuffer(std::size_t bytes) { ok = bytes == 0 || cudaMalloc(&ptr, bytes) == cudaSuccess; }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+};
+
+/// Times `enqueue` on `stream` with events, one sample per iteration.
+template <class F>
+void timed_loop(benchmark::State& state, cudaStream_t stream, F&& enqueue) {
+  cudaEvent_t a = nullptr, b = nullptr;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (auto _ : state) {
+    cudaEventRecord(a, stream);
+    const kvp::Status st = enqueue();
+    cudaEventRecord(b, stream);
+    if (cudaEventSynchronize(b) != cudaSuccess || !st.is_ok()) {
+      state.SkipWithError(st.is_ok() ? cudaGetErrorString(cudaGetLastError()) : st.message());
+      break;
+    }
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, a, b);
+    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+}
+
+struct SnapKVCase {
+  static constexpr std::int64_t Hq = 32, Hkv = 8, d = 128, w = 64;
+  std::int64_t T;
+  kvp::SnapKV policy{kvp::SnapKVParams::kvpress(0.5, 64, 5)};
+  kvp::Requirements req;
+  DeviceBuffer dq, dk, dws, dind;
+  std::vector<std::int32_t> indptr;
+  explicit SnapKVCase(std::int64_t t)
+      : T(t),
+        req(policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{Hq, Hkv, d, t, w})),
+        dq(static_cast<std::size_t>(Hq * w * d) * sizeof(float)),
+        dk(static_cast<std::size_t>(Hkv * t * d) * sizeof(kvp::half)),
+        dws(req.workspace_bytes),
+        dind(static_cast<std::size_t>(req.output.capacity) * sizeof(std::int32_t)),
+        indptr(static_cast<std::size_t>(req.output.rows + 1), 0) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd;
+    std::vector<float> q(static_cast<std::size_t>(Hq * w * d));
+    std::vector<kvp::half> k(static_cast<std::size_t>(Hkv * T * d));
+    for (auto& x : q) x = nd(rng);
+    for (auto& x : k) x = kvp::to_half(nd(rng));
+    if (dq.ok && dk.ok) {
+      cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
+      cudaMemcpy(dk.ptr, k.data(), k.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+    }
+  }
+  bool ok() const { return req.status.is_ok() && dq.ok && dk.ok && dws.ok && dind.ok; }
+  kvp::ScoreInput<float, kvp::half> input() const {
+    constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+    return {kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {Hq, w, d}, gpu),
+            kvp::KVSource<kvp::half>::from(kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dk.ptr), {Hkv, T, d}, gpu))};
+  }
+  kvp::Status evict(cudaStream_t s) {
+    const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+    return policy.evict(cx, input(), kvp::KeepSet{indptr.data(), static_cast<std::int32_t*>(dind.ptr), req.output.rows, req.output.capacity});
+  }
+  void counters(benchmark::State& state) const {
+    const double flops = 2.0 * Hq * w * static_cast<double>(T) * d;
+    const double bytes = static_cast<double>(Hkv * T * d) * sizeof(kvp::half);
+    state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+    if (g_peaks.fp32_flops_per_s > 0)
+      state.counters["fp32_frac"] = benchmark::Counter(flops / g_peaks.fp32_flops_per_s, benchmark::Counter::kIsIterationInvariantRate);
+    if (g_peaks.read_bytes_per_s > 0)
+      state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  }
+};
+
+void CudaSnapKV(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  SnapKVCase c(state.range(0));
+  if (!c.ok()) return state.SkipWithError(c.req.status.is_ok() ? "cudaMalloc failed" : c.req.status.message());
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (const kvp::Status st = c.evict(s); !st.is_ok()) {
+    state.SkipWithError(st.message());
+  } else {
+    cudaStreamSynchronize(s);
+    timed_loop(state, s, [&] { return c.evict(s); });
+    c.counters(state);
+  }
+  cudaStreamDestroy(s);
+}
+
+void CudaSnapKVGraph(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  SnapKVCase c(state.range(0));
+  if (!c.ok()) return state.SkipWithError(c.req.status.is_ok() ? "cudaMalloc failed" : c.req.status.message());
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+  const kvp::Status st = c.evict(s);
+  const cudaError_t e = cudaStreamEndCapture(s, &graph);
+  if (!st.is_ok() || e != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    state.SkipWithError(st.is_ok() ? "graph capture failed" : st.message());
+  } else {
+    cudaGraphLaunch(exec, s);
+    cudaStreamSynchronize(s);
+    timed_loop(state, s, [&] {
+      return cudaGraphLaunch(exec, s) == cudaSuccess ? kvp::Status::ok()
+                                                     : kvp::Status::error(kvp::StatusCode::kDeviceError, "cudaGraphLaunch failed");
+    });
+    c.counters(state);
+    std::size_t nodes = 0;
+    cudaGraphGetNodes(graph, nullptr, &nodes);
+    state.counters["graph_nodes"] = static_cast<double>(nodes);
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+void CudaTopk(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  const std::int64_t rows = 8, n = state.range(0), k = std::max<std::int64_t>(1, n * state.range(1) / 100);
+  std::vector<float> h(static_cast<std::size_t>(rows * n));
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (auto& x : h) x = u(rng);
+  DeviceBuffer ds(h.size() * sizeof(float)), dout(static_cast<std::size_t>(rows * k) * sizeof(std::int32_t));
+  if (!ds.ok || !dout.ok) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(ds.ptr, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  auto call = [&] {
+    return Cuda::topk_rows(static_cast<const float*>(ds.ptr), rows, n, n, k, static_cast<std::int32_t*>(dout.ptr), k, kvp::Workspace{}, s);
+  };
+  if (const kvp::Status st = call(); !st.is_ok()) {
+    state.SkipWithError(st.message());
+  } else {
+    cudaStreamSynchronize(s);
+    timed_loop(state, s, call);
+    const double bytes = static_cast<double>(rows * n) * sizeof(float);
+    if (g_peaks.read_bytes_per_s > 0)
+      state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["k"] = static_cast<double>(k);
+  }
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+
+BENCHMARK(CudaSnapKV)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaSnapKVGraph)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  g_have_device = Cuda::device_count(&devices).is_ok() && devices > 0;
+  if (g_have_device) {
+    if (const kvp::Status st = Cuda::measure_peaks(&g_peaks); !st.is_ok()) std::fprintf(stderr, "measure_peaks: %s\n", st.message());
+    benchmark::AddCustomContext("device", g_peaks.name);
+    benchmark::AddCustomContext("sm_count", std::to_string(g_peaks.sm_count));
+    benchmark::AddCustomContext("peak_read_GBps", std::to_string(g_peaks.read_bytes_per_s * 1e-9));
+    benchmark::AddCustomContext("peak_fp32_TFLOPs", std::to_string(g_peaks.fp32_flops_per_s * 1e-12));
+    benchmark::AddCustomContext("peak_fp16_mma_TFLOPs", std::to_string(g_peaks.fp16_tc_flops_per_s * 1e-12));
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

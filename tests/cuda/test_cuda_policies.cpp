@@ -1,0 +1,575 @@
+// Policies on `backend::Cuda` against the same policies on `backend::Scalar`,
+// on a GPU: the contract-form ops (pool1d, group_reduce, widen_queries,
+// gather_rows, iota, fill, copy_strided) bit-identical, SnapKV's scores within
+// 1e-5 relative and its kept sets exact (a difference is accepted only between
+// tokens whose reference scores tie to 1e-5), StreamingLLM exact, and SnapKV
+// captured in a CUDA graph and replayed on changed keys.
+//
+// Own main: without a usable CUDA device the program prints "SKIPPED: ..."
+// and exits with 77, which ctest reports as skipped.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "kvpolicy/backends/cuda.hpp"
+#include "kvpolicy/kvpolicy.hpp"
+#include "../policy/keep_set_buffer.hpp"
+
+namespace kvp = kvpolicy;
+using kvp::backend::Cuda;
+using kvp::backend::Scalar;
+
+static_assert(kvp::ScoreOps<Cuda, float> && kvp::ScoreOps<Cuda, kvp::half> && kvp::ScoreOps<Cuda, kvp::bfloat16>,
+              "backend::Cuda models the score-op family for every key dtype");
+
+namespace {
+
+#define CUDA_REQUIRE(expr)                         \
+  do {                                             \
+    const cudaError_t e_ = (expr);                 \
+    INFO(#expr << ": " << cudaGetErrorString(e_)); \
+    REQUIRE(e_ == cudaSuccess);                    \
+  } while (0)
+
+#define KVP_REQUIRE_OK(expr)       \
+  do {                             \
+    const kvp::Status s_ = (expr); \
+    INFO(s_.message());            \
+    REQUIRE(s_.is_ok());           \
+  } while (0)
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, bytes_));
+  }
+  template <class T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    upload(host);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  template <class T>
+  void upload(const std::vector<T>& host) {
+    REQUIRE(host.size() * sizeof(T) <= bytes_);
+    if (!host.empty()) CUDA_REQUIRE(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  template <class T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  kvp::Workspace workspace() const { return kvp::Workspace{ptr_, bytes_}; }
+  template <class T>
+  std::vector<T> download(std::size_t n) const {
+    std::vector<T> host(n);
+    if (n > 0) CUDA_REQUIRE(cudaMemcpy(host.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+template <class T>
+std::vector<T> random_vector(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<T> v(n);
+  for (auto& x : v) x = T(nd(rng));
+  return v;
+}
+
+/// Scores with exact ties, zeros, infinities and NaN: the pooling / reduction edge cases.
+std::vector<float> edge_scores(std::size_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> pick(0, 15);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    const int p = pick(rng);
+    x = p < 10   ? static_cast<float>(rng() % 1000) * 1e-3f
+        : p < 13 ? 0.25f
+        : p < 14 ? -0.0f
+        : p < 15 ? std::numeric_limits<float>::infinity()
+                 : std::numeric_limits<float>::quiet_NaN();
+  }
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return false;
+  }
+  return true;
+}
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(s); }
+  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(s)); }
+};
+
+/// Runs `f` as a policy call would: inside a CallScope on `st`, then checks the recorded status.
+template <class F>
+void run_ops(const Stream& st, F&& f) {
+  const Cuda::CallScope scope(st.s, 1);
+  f();
+  KVP_REQUIRE_OK(scope.end());
+  st.sync();
+}
+
+}  // namespace
+
+TEST_CASE("cuda contract ops: pool1d and group_reduce are bit-identical to Scalar", "[cuda][ops]") {
+  Stream st;
+  for (const std::int64_t n : {1, 2, 7, 100, 1031}) {
+    const auto in = edge_scores(static_cast<std::size_t>(4 * n), static_cast<std::uint32_t>(n));
+    DeviceBuffer din(in), dout(in.size() * sizeof(float));
+    for (const kvp::Pooling kind : {kvp::Pooling::kNone, kvp::Pooling::kAvg, kvp::Pooling::kMax})
+      for (const int kernel : {1, 3, 5, 7, 65, 129}) {
+        INFO("n=" << n << " kind=" << static_cast<int>(kind) << " kernel=" << kernel);
+        std::vector<float> want(static_cast<std::size_t>(n));
+        Scalar::pool1d(in.data(), n, kernel, kind, want.data());
+        run_ops(st, [&] { Cuda::pool1d(din.get<float>(), n, kernel, kind, dout.get<float>()); });
+        REQUIRE(same_bits(dout.download<float>(static_cast<std::size_t>(n)), want));
+      }
+    for (const kvp::GroupReduce kind : {kvp::GroupReduce::kMean, kvp::GroupReduce::kMax, kvp::GroupReduce::kSum})
+      for (const std::int64_t g : {1, 2, 4}) {
+        INFO("n=" << n << " group=" << g << " kind=" << static_cast<int>(kind));
+        std::vector<float> want(static_cast<std::size_t>(n));
+        Scalar::group_reduce(in.data(), g, n, n, kind, want.data());
+        run_ops(st, [&] { Cuda::group_reduce(din.get<float>(), g, n, n, kind, dout.get<float>()); });
+        REQUIRE(same_bits(dout.download<float>(static_cast<std::size_t>(n)), want));
+      }
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda contract ops: widen_queries and gather_rows are exact", "[cuda][ops]", float, kvp::half, kvp::bfloat16) {
+  Stream st;
+  // Queries (H=6, q_len=9, d=40) stored with padded strides.
+  const std::int64_t H = 6, Q = 9, d = 40, s1 = 48, s0 = Q * s1;
+  const auto q = random_vector<TestType>(static_cast<std::size_t>(H * s0), 7);
+  DeviceBuffer dq(q);
+  const kvp::TensorView<const TestType, 3> hv(q.data(), {H, Q, d}, {s0, s1, 1}), dv(dq.get<const TestType>(), {H, Q, d}, {s0, s1, 1});
+  std::vector<float> want(static_cast<std::size_t>(3 * 5 * d));
+  Scalar::widen_queries(hv, 2, 3, 3, 5, want.data());
+  DeviceBuffer dout(want.size() * sizeof(float));
+  run_ops(st, [&] { Cuda::widen_queries(dv, 2, 3, 3, 5, dout.get<float>()); });
+  REQUIRE(same_bits(dout.download<float>(want.size()), want));
+
+  const std::vector<std::int32_t> idx{5, 0, 53, 5, 17};
+  DeviceBuffer didx(idx);
+  const kvp::Rows<TestType> hrows{q.data(), s1}, drows{dq.get<const TestType>(), s1};
+  std::vector<TestType> gwant(idx.size() * 64);
+  Scalar::gather_rows(hrows, idx.data(), 5, d, gwant.data(), 64);
+  DeviceBuffer dg(gwant);  // same padding contents
+  run_ops(st, [&] { Cuda::gather_rows(drows, didx.get<const std::int32_t>(), 5, d, dg.get<TestType>(), 64); });
+  const auto got = dg.download<TestType>(gwant.size());
+  REQUIRE(std::memcmp(got.data(), gwant.data(), gwant.size() * sizeof(TestType)) == 0);
+}
+
+TEST_CASE("cuda contract ops: iota, fill and copy_strided write exactly their elements", "[cuda][ops]") {
+  Stream st;
+  DeviceBuffer di(std::vector<std::int32_t>(64, -7));
+  DeviceBuffer df(std::vector<float>(64, -7.0f));
+  run_ops(st, [&] {
+    Cuda::iota(di.get<std::int32_t>() + 3, 100, 20);
+    Cuda::fill(df.get<float>() + 1, 10, 3, std::numeric_limits<float>::infinity());
+    Cuda::copy_strided(df.get<float>() + 40, 5, df.get<float>() + 2, 3);
+  });
+  const auto gi = di.download<std::int32_t>(64);
+  for (int i = 0; i < 64; ++i) REQUIRE(gi[i] == (i >= 3 && i < 23 ? 100 + i - 3 : -7));
+  const auto gf = df.download<float>(64);
+  for (int i = 0; i < 64; ++i) {
+    INFO(i);
+    if (i >= 1 && i < 31 && (i - 1) % 3 == 0)
+      REQUIRE(std::isinf(gf[i]));
+    else if (i >= 2 && i < 17 && (i - 2) % 3 == 0)
+      REQUIRE(gf[i] == -7.0f);  // copied from the untouched tail
+    else
+      REQUIRE(gf[i] == -7.0f);
+  }
+}
+
+namespace {
+
+constexpr kvp::Device kGpu{kvp::DeviceType::kCUDA, 0};
+
+/// One SnapKV problem: queries (Hq, w, d) fp32 and keys (Hkv, T, d) of type Tk, on host and device.
+template <class Tk>
+struct SnapProblem {
+  std::int64_t Hq, Hkv, d, T, w;
+  std::vector<float> q;
+  std::vector<Tk> k;
+  DeviceBuffer dq, dk;
+  SnapProblem(std::int64_t hq, std::int64_t hkv, std::int64_t dd, std::int64_t t, std::int64_t ww, std::uint32_t seed)
+      : Hq(hq),
+        Hkv(hkv),
+        d(dd),
+        T(t),
+        w(ww),
+        q(random_vector<float>(static_cast<std::size_t>(hq * ww * dd), seed)),
+        k(random_vector<Tk>(static_cast<std::size_t>(hkv * t * dd), seed + 1)),
+        dq(q),
+        dk(k) {}
+  kvp::ScoreInput<float, Tk> host() const {
+    return {kvp::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}),
+            kvp::KVSource<Tk>::from(kvp::TensorView<const Tk, 3>::contiguous(k.data(), {Hkv, T, d}))};
+  }
+  kvp::ScoreInput<float, Tk> device() const {
+    return {kvp::TensorView<const float, 3>::contiguous(dq.get<const float>(), {Hq, w, d}, kGpu),
+            kvp::KVSource<Tk>::from(kvp::TensorView<const Tk, 3>::contiguous(dk.get<const Tk>(), {Hkv, T, d}, kGpu))};
+  }
+};
+
+/// Kept sets equal, or differing only between tokens whose reference scores tie within 1e-5 relative.
+void require_same_keep(const std::vector<std::int32_t>& got, const std::vector<std::int32_t>& want, const std::vector<float>& ref_scores) {
+  REQUIRE(got.size() == want.size());
+  if (got == want) return;
+  std::set<std::int32_t> g(got.begin(), got.end()), w(want.begin(), want.end());
+  REQUIRE(g.size() == got.size());
+  std::vector<std::int32_t> only_g, only_w;
+  std::set_difference(g.begin(), g.end(), w.begin(), w.end(), std::back_inserter(only_g));
+  std::set_difference(w.begin(), w.end(), g.begin(), g.end(), std::back_inserter(only_w));
+  REQUIRE(only_g.size() == only_w.size());
+  for (std::size_t i = 0; i < only_g.size(); ++i) {
+    const float a = ref_scores[static_cast<std::size_t>(only_g[i])], b = ref_scores[static_cast<std::size_t>(only_w[i])];
+    INFO("token " << only_g[i] << " kept on the device, " << only_w[i] << " by the reference: " << a << " vs " << b);
+    REQUIRE(std::fabs(a - b) <= 1e-5f * std::max(std::fabs(a), std::fabs(b)));
+  }
+}
+
+template <class Tk>
+void check_snapkv(const kvp::SnapKVParams& params, std::int64_t Hq, std::int64_t Hkv, std::int64_t d, std::int64_t T, std::uint32_t seed) {
+  const kvp::SnapKV policy(params);
+  const std::int64_t w = params.window;
+  SnapProblem<Tk> p(Hq, Hkv, d, T, w, seed);
+  const kvp::ProblemShape shape{Hq, Hkv, d, T, w};
+  // Reference: Scalar on the host.
+  const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
+  KVP_REQUIRE_OK(hreq.status);
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  const kvp::Context<Scalar> hcx{kvp::Workspace{hws.data(), hws.size()}};
+  std::vector<float> ref_scores(static_cast<std::size_t>(Hkv * T));
+  KVP_REQUIRE_OK(policy.score(hcx, p.host(), kvp::TensorView<float, 2>::contiguous(ref_scores.data(), {Hkv, T})));
+  kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
+  KVP_REQUIRE_OK(policy.evict(hcx, p.host(), want.view()));
+
+  // Device: workspace and outputs in device memory, row offsets on the host.
+  Stream st;
+  const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(dreq.status);
+  DeviceBuffer dws(dreq.workspace_bytes), dscores(ref_scores.size() * sizeof(float));
+  const kvp::Context<Cuda> dcx{dws.workspace(), {}, st.s};
+  KVP_REQUIRE_OK(policy.score(dcx, p.device(), kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
+  DeviceBuffer dind(static_cast<std::size_t>(dreq.output.capacity) * sizeof(std::int32_t));
+  const kvp::KeepSet dkeep{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity};
+  KVP_REQUIRE_OK(policy.evict(dcx, p.device(), dkeep));
+  st.sync();
+
+  const auto got_scores = dscores.download<float>(ref_scores.size());
+  for (std::size_t i = 0; i < ref_scores.size(); ++i) {
+    INFO("score " << i << ": " << got_scores[i] << " vs " << ref_scores[i]);
+    if (std::isinf(ref_scores[i])) {
+      REQUIRE(got_scores[i] == ref_scores[i]);
+    } else {
+      REQUIRE(std::fabs(got_scores[i] - ref_scores[i]) <= 1e-5f * std::max(std::fabs(ref_scores[i]), 1e-30f) + 1e-12f);
+    }
+  }
+  const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(dreq.output.capacity));
+  const kvp::KeepSet wv = want.view();
+  for (std::int64_t r = 0; r < Hkv; ++r) {
+    INFO("kv head " << r);
+    REQUIRE(indptr[static_cast<std::size_t>(r + 1)] == wv.indptr[r + 1]);
+    const std::vector<std::int32_t> grow(got.begin() + indptr[static_cast<std::size_t>(r)], got.begin() + indptr[static_cast<std::size_t>(r + 1)]);
+    const auto wrow = want.row(r);
+    std::vector<float> head_scores(ref_scores.begin() + r * T, ref_scores.begin() + (r + 1) * T);
+    require_same_keep(grow, std::vector<std::int32_t>(wrow.begin(), wrow.end()), head_scores);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda SnapKV: scores and kept sets match Scalar", "[cuda][snapkv]", float, kvp::half, kvp::bfloat16) {
+  // kvpress defaults (window 64, avg pool 5, pool-then-group mean) on a GQA-4 shape.
+  check_snapkv<TestType>(kvp::SnapKVParams::kvpress(0.5, 64, 5), 8, 2, 64, 700, 11);
+  // The original (window 32, max pool 7, group mean first, sum over the window), capacity 128.
+  check_snapkv<TestType>(kvp::SnapKVParams::original(128, 32, 7), 4, 4, 128, 513, 12);
+  // Keep everything: the kept rows are plain iota on the device.
+  check_snapkv<TestType>(kvp::SnapKVParams::kvpress(0.0, 16, 5), 2, 1, 32, 40, 13);
+}
+
+TEST_CASE("cuda StreamingLLM: kept sets are exact", "[cuda][streaming]") {
+  const kvp::StreamingLLM policy(kvp::StreamingLLMParams{4, kvp::Budget::tokens(100), 0});
+  const std::int64_t H = 3, T = 1000, d = 8;
+  std::vector<float> k(static_cast<std::size_t>(H * T * d), 0.0f);
+  DeviceBuffer dk(k);
+  const kvp::ScoreInput<float, float> din{{}, kvp::KVSource<float>::from(kvp::TensorView<const float, 3>::contiguous(dk.get<const float>(), {H, T, d}, kGpu))};
+  const kvp::ScoreInput<float, float> hin{{}, kvp::KVSource<float>::from(kvp::TensorView<const float, 3>::contiguous(k.data(), {H, T, d}))};
+  kvp_test::KeepSetBuffer want(H, H * 100);
+  KVP_REQUIRE_OK(policy.evict(kvp::Context<Scalar>{}, hin, want.view()));
+  Stream st;
+  std::vector<std::int32_t> indptr(H + 1);
+  DeviceBuffer dind(static_cast<std::size_t>(H * 100) * sizeof(std::int32_t));
+  KVP_REQUIRE_OK(policy.evict(kvp::Context<Cuda>{{}, {}, st.s}, din, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), H, H * 100}));
+  st.sync();
+  const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(H * 100));
+  for (std::int64_t r = 0; r < H; ++r) {
+    const auto wrow = want.row(r);
+    REQUIRE(std::vector<std::int32_t>(got.begin() + r * 100, got.begin() + (r + 1) * 100) == std::vector<std::int32_t>(wrow.begin(), wrow.end()));
+  }
+}
+
+TEST_CASE("cuda SnapKV: a policy call is captured in a CUDA graph and replayed on new keys", "[cuda][graph]") {
+  const kvp::SnapKV policy(kvp::SnapKVParams::kvpress(0.75, 32, 5));
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 600, w = 32;
+  SnapProblem<kvp::half> p(Hq, Hkv, d, T, w, 21);
+  const auto req = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{Hq, Hkv, d, T, w});
+  KVP_REQUIRE_OK(req.status);
+  DeviceBuffer dws(req.workspace_bytes);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(req.output.rows + 1));
+  DeviceBuffer dind(static_cast<std::size_t>(req.output.capacity) * sizeof(std::int32_t));
+  const kvp::KeepSet dkeep{indptr.data(), dind.get<std::int32_t>(), req.output.rows, req.output.capacity};
+  Stream st;
+  const kvp::Context<Cuda> cx{dws.workspace(), {}, st.s};
+
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+  const kvp::Status captured = policy.evict(cx, p.device(), dkeep);
+  CUDA_REQUIRE(cudaStreamEndCapture(st.s, &graph));
+  KVP_REQUIRE_OK(captured);
+  std::size_t nodes = 0;
+  CUDA_REQUIRE(cudaGraphGetNodes(graph, nullptr, &nodes));
+  REQUIRE(nodes > 0);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (int round = 0; round < 3; ++round) {
+    INFO("replay " << round);
+    if (round > 0) {  // new keys in the same device buffer: the replay must see them
+      p.k = random_vector<kvp::half>(p.k.size(), static_cast<std::uint32_t>(100 + round));
+      p.dk.upload(p.k);
+    }
+    CUDA_REQUIRE(cudaGraphLaunch(exec, st.s));
+    st.sync();
+    const kvp::Context<Scalar> hcx{};
+    const auto hreq = policy.requirements(hcx, kvp::ProblemShape{Hq, Hkv, d, T, w});
+    std::vector<std::byte> hws(hreq.workspace_bytes);
+    const kvp::Context<Scalar> hcx2{kvp::Workspace{hws.data(), hws.size()}};
+    kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
+    KVP_REQUIRE_OK(policy.evict(hcx2, p.host(), want.view()));
+    std::vector<float> ref_scores(static_cast<std::size_t>(Hkv * T));
+    KVP_REQUIRE_OK(policy.score(hcx2, p.host(), kvp::TensorView<float, 2>::contiguous(ref_scores.data(), {Hkv, T})));
+    const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(req.output.capacity));
+    for (std::int64_t r = 0; r < Hkv; ++r) {
+      const auto wrow = want.row(r);
+      std::vector<float> head_scores(ref_scores.begin() + r * T, ref_scores.begin() + (r + 1) * T);
+      require_same_keep(std::vector<std::int32_t>(got.begin() + indptr[static_cast<std::size_t>(r)], got.begin() + indptr[static_cast<std::size_t>(r + 1)]),
+                        std::vector<std::int32_t>(wrow.begin(), wrow.end()), head_scores);
+    }
+  }
+  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  CUDA_REQUIRE(cudaGraphDestroy(graph));
+}
+
+namespace {
+
+/// Random attention probabilities (rows sum to about 1) of shape (H, q, n), fp32.
+std::vector<float> random_probs(std::int64_t H, std::int64_t q, std::int64_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> p(static_cast<std::size_t>(H * q * n));
+  for (auto& x : p) x = u(rng) * u(rng) / static_cast<float>(n);
+  return p;
+}
+
+/// One H2O state on the host (Scalar) and its twin on the device (Cuda), stepped together.
+struct H2OTwin {
+  kvp::H2O policy;
+  std::int64_t Hs, cap;
+  std::vector<float> host_scores;
+  DeviceBuffer dev_scores;
+  kvp::H2OState host, dev;
+  DeviceBuffer dws;
+  std::vector<std::byte> hws;
+  H2OTwin(const kvp::H2OParams& p, std::int64_t hs, std::int64_t capacity, std::size_t ws_bytes)
+      : policy(p),
+        Hs(hs),
+        cap(capacity),
+        host_scores(static_cast<std::size_t>(hs * capacity), -1.0f),
+        dev_scores(host_scores),
+        dws(ws_bytes),
+        hws(ws_bytes) {
+    host.scores = kvp::TensorView<float, 2>::contiguous(host_scores.data(), {Hs, cap});
+    dev.scores = kvp::TensorView<float, 2>::contiguous(dev_scores.get<float>(), {Hs, cap}, kGpu);
+  }
+  kvp::Context<Scalar> hcx() { return kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}; }
+  kvp::Context<Cuda> dcx(cudaStream_t s) const { return kvp::Context<Cuda>{dws.workspace(), {}, s}; }
+
+  /// States equal bit for bit over the slots in use.
+  void require_same_state() const {
+    REQUIRE(host.length == dev.length);
+    REQUIRE(host.prompt_len == dev.prompt_len);
+    const auto got = dev_scores.download<float>(host_scores.size());
+    for (std::int64_t h = 0; h < Hs; ++h)
+      for (std::int64_t j = 0; j < host.length; ++j) {
+        INFO("head " << h << " slot " << j);
+        REQUIRE(got[static_cast<std::size_t>(h * cap + j)] == host_scores[static_cast<std::size_t>(h * cap + j)]);
+      }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cuda H2O: prefill and a decode loop from probabilities match Scalar bit for bit", "[cuda][h2o]") {
+  const std::int64_t Hq = 8, Hkv = 2, T0 = 300, steps = 24;
+  H2OTwin t(kvp::H2OParams::original(32, 64), Hkv, 512, std::size_t{1} << 20);
+  Stream st;
+  for (std::int64_t step = 0; step <= steps; ++step) {
+    INFO("step " << step);
+    const std::int64_t q = step == 0 ? T0 : 1, n = t.host.length + q;
+    const auto probs = random_probs(Hq, q, n, static_cast<std::uint32_t>(1000 + step));
+    DeviceBuffer dprobs(probs);
+    if (step % 3 == 2) {  // column sums in half precision, as an engine's kernel may give them
+      std::vector<kvp::half> col(static_cast<std::size_t>(Hq * n));
+      for (std::size_t i = 0; i < col.size(); ++i) col[i] = kvp::to_half(probs[i] * 3.0f);
+      DeviceBuffer dcol(col);
+      kvp::ScoreInput<float, float, kvp::half> hin, din;
+      hin.column_sums = kvp::TensorView<const kvp::half, 2>::contiguous(col.data(), {Hq, n});
+      din.column_sums = kvp::TensorView<const kvp::half, 2>::contiguous(dcol.get<const kvp::half>(), {Hq, n}, kGpu);
+      KVP_REQUIRE_OK(t.policy.update(t.hcx(), t.host, hin));
+      KVP_REQUIRE_OK(t.policy.update(t.dcx(st.s), t.dev, din));
+    } else {
+      kvp::ScoreInput<float, float, float> hin, din;
+      hin.attention = kvp::TensorView<const float, 3>::contiguous(probs.data(), {Hq, q, n});
+      din.attention = kvp::TensorView<const float, 3>::contiguous(dprobs.get<const float>(), {Hq, q, n}, kGpu);
+      KVP_REQUIRE_OK(t.policy.update(t.hcx(), t.host, hin));
+      KVP_REQUIRE_OK(t.policy.update(t.dcx(st.s), t.dev, din));
+    }
+    st.sync();
+    t.require_same_state();
+    kvp_test::KeepSetBuffer want(Hkv, Hkv * t.host.length);
+    KVP_REQUIRE_OK(t.policy.evict(t.hcx(), t.host, want.view()));
+    std::vector<std::int32_t> indptr(static_cast<std::size_t>(Hkv + 1));
+    DeviceBuffer dind(static_cast<std::size_t>(Hkv * n) * sizeof(std::int32_t));
+    KVP_REQUIRE_OK(t.policy.evict(t.dcx(st.s), t.dev, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), Hkv, Hkv * n}));
+    st.sync();
+    REQUIRE(indptr == want.indptr);
+    const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+    REQUIRE(std::equal(got.begin(), got.end(), want.indices.begin()));
+    t.require_same_state();
+  }
+  REQUIRE(t.host.length == 96);
+}
+
+TEST_CASE("cuda H2O: one decode step (update + evict) captured in a CUDA graph and replayed", "[cuda][h2o][graph]") {
+  const std::int64_t Hq = 4, Hkv = 4, C = 48;
+  H2OTwin t(kvp::H2OParams::original(16, 32), Hkv, 64, std::size_t{1} << 20);
+  Stream st;
+  // Prefill to the steady state: the cache holds C = hh + recent slots.
+  const auto p0 = random_probs(Hq, 100, 100, 7);
+  DeviceBuffer dp0(p0);
+  kvp::ScoreInput<float, float, float> h0, d0;
+  h0.attention = kvp::TensorView<const float, 3>::contiguous(p0.data(), {Hq, 100, 100});
+  d0.attention = kvp::TensorView<const float, 3>::contiguous(dp0.get<const float>(), {Hq, 100, 100}, kGpu);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(Hkv + 1));
+  DeviceBuffer dind(static_cast<std::size_t>(Hkv * 100) * sizeof(std::int32_t));
+  kvp_test::KeepSetBuffer want(Hkv, Hkv * 100);
+  KVP_REQUIRE_OK(t.policy.update(t.hcx(), t.host, h0));
+  KVP_REQUIRE_OK(t.policy.evict(t.hcx(), t.host, want.view()));
+  KVP_REQUIRE_OK(t.policy.update(t.dcx(st.s), t.dev, d0));
+  KVP_REQUIRE_OK(t.policy.evict(t.dcx(st.s), t.dev, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), Hkv, Hkv * 100}));
+  st.sync();
+  REQUIRE(t.dev.length == C);
+  t.require_same_state();
+
+  // One decode step: probabilities (Hq, 1, C + 1) in a fixed device buffer.
+  DeviceBuffer dstep(static_cast<std::size_t>(Hq * (C + 1)) * sizeof(float));
+  kvp::ScoreInput<float, float, float> dstep_in;
+  dstep_in.attention = kvp::TensorView<const float, 3>::contiguous(dstep.get<const float>(), {Hq, 1, C + 1}, kGpu);
+  const kvp::KeepSet dkeep{indptr.data(), dind.get<std::int32_t>(), Hkv, Hkv * 100};
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+  const kvp::Status su = t.policy.update(t.dcx(st.s), t.dev, dstep_in);
+  const kvp::Status se = t.policy.evict(t.dcx(st.s), t.dev, dkeep);
+  CUDA_REQUIRE(cudaStreamEndCapture(st.s, &graph));
+  KVP_REQUIRE_OK(su);
+  KVP_REQUIRE_OK(se);
+  REQUIRE(t.dev.length == C);  // host bookkeeping of one step: C -> C + 1 -> C
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  for (int step = 0; step < 6; ++step) {
+    INFO("replay " << step);
+    const auto p = random_probs(Hq, 1, C + 1, static_cast<std::uint32_t>(50 + step));
+    dstep.upload(p);
+    CUDA_REQUIRE(cudaGraphLaunch(exec, st.s));
+    st.sync();
+    kvp::ScoreInput<float, float, float> hin;
+    hin.attention = kvp::TensorView<const float, 3>::contiguous(p.data(), {Hq, 1, C + 1});
+    KVP_REQUIRE_OK(t.policy.update(t.hcx(), t.host, hin));
+    kvp_test::KeepSetBuffer w(Hkv, Hkv * C);
+    KVP_REQUIRE_OK(t.policy.evict(t.hcx(), t.host, w.view()));
+    t.require_same_state();
+    const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(Hkv * C));
+    REQUIRE(std::equal(got.begin(), got.end(), w.indices.begin()));
+  }
+  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  CUDA_REQUIRE(cudaGraphDestroy(graph));
+}
+
+TEST_CASE("cuda H2O: attention recomputed from queries and keys matches Scalar", "[cuda][h2o]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 200;
+  H2OTwin t(kvp::H2OParams::original(24, 40), Hkv, 256, std::size_t{8} << 20);
+  SnapProblem<kvp::half> p(Hq, Hkv, d, T, T, 31);  // T queries: the whole prompt
+  Stream st;
+  KVP_REQUIRE_OK(t.policy.update(t.hcx(), t.host, p.host()));
+  KVP_REQUIRE_OK(t.policy.update(t.dcx(st.s), t.dev, p.device()));
+  st.sync();
+  const auto got = t.dev_scores.download<float>(t.host_scores.size());
+  for (std::int64_t h = 0; h < Hkv; ++h)
+    for (std::int64_t j = 0; j < T; ++j) {
+      const float a = got[static_cast<std::size_t>(h * t.cap + j)], b = t.host_scores[static_cast<std::size_t>(h * t.cap + j)];
+      INFO("head " << h << " slot " << j << ": " << a << " vs " << b);
+      REQUIRE(std::fabs(a - b) <= 1e-5f * std::fabs(b) + 1e-7f);
+    }
+  kvp_test::KeepSetBuffer want(Hkv, Hkv * 64);
+  KVP_REQUIRE_OK(t.policy.evict(t.hcx(), t.host, want.view()));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(Hkv + 1));
+  DeviceBuffer dind(static_cast<std::size_t>(Hkv * 64) * sizeof(std::int32_t));
+  // The host's pre-eviction scores decide ties: compare against them.
+  const std::vector<float> before = got;
+  KVP_REQUIRE_OK(t.policy.evict(t.dcx(st.s), t.dev, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), Hkv, Hkv * 64}));
+  st.sync();
+  const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(Hkv * 64));
+  for (std::int64_t h = 0; h < Hkv; ++h) {
+    const auto wrow = want.row(h);
+    std::vector<float> head(before.begin() + h * t.cap, before.begin() + h * t.cap + T);
+    require_same_keep(std::vector<std::int32_t>(ids.begin() + h * 64, ids.begin() + (h + 1) * 64), wrow, head);
+  }
+}
+
+int main(int argc, char** argv) {
+  int count = 0;
+  const kvp::Status st = Cuda::device_count(&count);
+  if (!st.is_ok() || count == 0) {
+    std::printf("SKIPPED: no CUDA device (%s)\n", st.is_ok() ? "cudaGetDeviceCount: 0 devices" : st.message());
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}

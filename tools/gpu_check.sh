@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The device check of the CUDA backend: builds (or takes prebuilt binaries),
+# runs every CUDA test and benchmark once, times PyTorch on the same shapes,
+# and writes one JSON summary. Sized for one H200 from a cold start: about
+# 3 minutes with prebuilt binaries, 6 with the build.
+#
+#   tools/gpu_check.sh [--prebuilt DIR] [--out DIR]
+#
+#   --prebuilt DIR  DIR/bin holds test_cuda_{args,ops,policies} and
+#                   bench_cuda{,_policies}; DIR/lib the shared libraries they
+#                   need (tools/gpu/stage_prebuilt.sh makes it). Without it
+#                   the script configures build-gpu/ for sm_90 (override with
+#                   CUDAARCHS) and builds those targets; that needs Catch2 and
+#                   Google Benchmark where CMake finds them.
+#   --out DIR       results (default: $OUT when set, else build-gpu/check):
+#                   gpu_check.json (the summary), tests.log, tests.tsv,
+#                   bench_cuda.json, bench_cuda_policies.json,
+#                   torch_reference.json.
+# Exit status: 0 when every test passed, 1 otherwise (benchmarks never fail it).
+set -u
+cd "$(dirname "$0")/.."
+prebuilt="" out="${OUT:-build-gpu/check}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prebuilt) prebuilt="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+tests="test_cuda_args test_cuda_ops test_cuda_policies"
+benches="bench_cuda bench_cuda_policies"
+
+if [ -n "$prebuilt" ]; then
+  bin="$prebuilt/bin"
+  export LD_LIBRARY_PATH="$prebuilt/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVP_WITH_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="${CUDAARCHS:-90}" >"$out/build.log" 2>&1 &&
+    cmake --build build-gpu --target $tests $benches >>"$out/build.log" 2>&1 ||
+    { echo "gpu_check: build failed, see $out/build.log" >&2; tail -30 "$out/build.log" >&2; exit 1; }
+  bin="$(pwd)/build-gpu/bin-gpu"
+  mkdir -p "$bin"
+  for t in $tests $benches; do cp "$(find build-gpu -name "$t" -type f -perm -u+x | head -1)" "$bin/"; done
+fi
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/nvidia-smi.csv" 2>&1 || true
+: >"$out/tests.tsv"
+: >"$out/tests.log"
+for t in $tests; do
+  start=$(date +%s%N)
+  timeout 300 "$bin/$t" >"$out/$t.log" 2>&1
+  rc=$?
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
+  summary=$(grep -E "All tests passed|test cases:|SKIPPED" "$out/$t.log" | tail -1)
+  printf '%s\t%s\t%s\t%s\n' "$t" "$rc" "$secs" "$summary" >>"$out/tests.tsv"
+  { echo "==== $t (exit $rc)"; cat "$out/$t.log"; } >>"$out/tests.log"
+  rm -f "$out/$t.log"
+  echo "gpu_check: $t exit $rc: $summary"
+done
+for b in $benches; do
+  timeout 240 "$bin/$b" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/$b.json" --benchmark_out_format=json 2>&1 | tail -40
+done
+timeout 240 python3 tools/gpu/torch_reference.py "$out/torch_reference.json" >/dev/null 2>"$out/torch_reference.err" ||
+  { echo "gpu_check: torch reference failed:"; tail -5 "$out/torch_reference.err"; }
+[ -s "$out/torch_reference.err" ] || rm -f "$out/torch_reference.err"
+python3 tools/gpu/summarize.py "$out" >/dev/null
+python3 - "$out/gpu_check.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+for t in s["tests"]:
+    print(f"{t['status']:5} {t['test']}: {t['summary']}")
+print("peaks:", s["context"])
+for k, v in s["benchmarks"].items():
+    print(k, v)
+for k, v in s["vs_torch"].items():
+    print(f"vs torch {k}: kvpolicy {v['kvpolicy_us']:.1f} us, torch {v['torch_us']:.1f} us, speedup {v['speedup']:.2f}x")
+PY
+python3 -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["all_tests_passed"] else 1)' "$out/gpu_check.json"
