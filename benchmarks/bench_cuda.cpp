@@ -1,10 +1,13 @@
 // kvpolicy::cuda benchmarks (Google Benchmark, manual time from cudaEvents).
 //
-// CudaWindowScores/SnapKV: one kv head of a SnapKV prefill step, G=4 query
-// heads per kv head, observation window w=32, head_dim 128, T=32768 fp16 keys.
-// Reported: time per call (GPU time between two events on the stream), key
-// bytes read per second, and that rate as a fraction of this device's
-// measured device-to-device copy bandwidth (read + write, measured in-process).
+// CudaWindowScores_SnapKV<T>/w/exact: one kv head of a SnapKV prefill step,
+// G=4 query heads per kv head, observation window w (32 or 64), head_dim 128,
+// T=32768 fp16 or bf16 keys. exact=0: the default logits kernel (tensor cores
+// on sm_80+), exact=1: the exact CUDA-core kernel (internal switch), for
+// comparison. Reported: time per call (GPU time between two events on the
+// stream), key bytes read per second, that rate as a fraction of this
+// device's measured device-to-device copy bandwidth (read + write, measured
+// in-process), and the logits' dot-product rate (2*G*w*T*d flop per call).
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
@@ -18,6 +21,16 @@
 
 namespace kvp = kvpolicy;
 using kvp::backend::Cuda;
+
+// Internal hook of window_scores.cu (not in the public header): -1 default,
+// 0 tensor cores (sm_80+), 1 exact kernel for the fp16 / bf16 logits.
+namespace kvpolicy {
+inline namespace v0 {
+namespace cuda_detail {
+void set_window_logits_mode(int mode) noexcept;
+}  // namespace cuda_detail
+}  // namespace v0
+}  // namespace kvpolicy
 
 namespace {
 
@@ -60,6 +73,7 @@ double copy_bandwidth() {
   return best_ms > 0.0f ? 2.0 * static_cast<double>(kBytes) / (best_ms * 1e-3) : 0.0;
 }
 
+template <class Tk>
 void CudaWindowScores_SnapKV(benchmark::State& state) {
   int devices = 0;
   if (const kvp::Status st = Cuda::device_count(&devices); !st.is_ok() || devices == 0) {
@@ -68,7 +82,7 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
   }
   kvp::WindowScoreShape s;
   s.group = 4;
-  s.window = 32;
+  s.window = state.range(0);
   s.head_dim = 128;
   s.kv_len = 32768;
   s.num_cols = s.kv_len - s.window;
@@ -79,11 +93,11 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<std::size_t>(s.group * s.window * s.head_dim));
-  std::vector<kvp::half> k(static_cast<std::size_t>(s.kv_len * s.head_dim));
+  std::vector<Tk> k(static_cast<std::size_t>(s.kv_len * s.head_dim));
   for (auto& x : q) x = nd(rng);
-  for (auto& x : k) x = kvp::to_half(nd(rng));
+  for (auto& x : k) x = kvp::from_float<Tk>(nd(rng));
 
-  DeviceBuffer dq(q.size() * sizeof(float)), dk(k.size() * sizeof(kvp::half));
+  DeviceBuffer dq(q.size() * sizeof(float)), dk(k.size() * sizeof(Tk));
   DeviceBuffer dout(static_cast<std::size_t>(s.group * s.num_cols) * sizeof(float));
   const std::size_t ws_bytes = Cuda::window_scores_workspace(s);
   DeviceBuffer dws(ws_bytes);
@@ -92,7 +106,7 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
     return;
   }
   cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
-  cudaMemcpy(dk.ptr, k.data(), k.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dk.ptr, k.data(), k.size() * sizeof(Tk), cudaMemcpyHostToDevice);
 
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
@@ -102,10 +116,11 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
   }
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  const kvp::Rows<kvp::half> keys{static_cast<const kvp::half*>(dk.ptr), s.head_dim};
+  const kvp::Rows<Tk> keys{static_cast<const Tk*>(dk.ptr), s.head_dim};
   const kvp::Workspace ws{dws.ptr, ws_bytes};
   auto call = [&] { return Cuda::window_scores(s, static_cast<const float*>(dq.ptr), keys, static_cast<float*>(dout.ptr), ws, stream); };
 
+  kvp::cuda_detail::set_window_logits_mode(state.range(1) != 0 ? 1 : -1);
   if (const kvp::Status st = call(); !st.is_ok()) {  // warm-up, and surfaces argument errors
     state.SkipWithError(st.message());
   } else if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
@@ -124,14 +139,17 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
       cudaEventElapsedTime(&ms, start, stop);
       state.SetIterationTime(static_cast<double>(ms) * 1e-3);
     }
-    const double key_bytes = static_cast<double>(k.size() * sizeof(kvp::half));
+    const double key_bytes = static_cast<double>(k.size() * sizeof(Tk));
     state.SetBytesProcessed(static_cast<std::int64_t>(key_bytes) * state.iterations());
     state.counters["ws_MiB"] = static_cast<double>(ws_bytes) / (1 << 20);
+    const double logit_flop = 2.0 * static_cast<double>(s.group * s.window) * static_cast<double>(s.kv_len * s.head_dim);
+    state.counters["logit_flop/s"] = benchmark::Counter(logit_flop, benchmark::Counter::kIsIterationInvariantRate);
     if (const double peak = copy_bandwidth(); peak > 0.0) {
       state.counters["key_bw_frac_of_copy"] =
           benchmark::Counter(key_bytes / peak, benchmark::Counter::kIsIterationInvariantRate);  // (key bytes/s) / peak
     }
   }
+  kvp::cuda_detail::set_window_logits_mode(-1);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
@@ -139,6 +157,19 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(CudaWindowScores_SnapKV)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaWindowScores_SnapKV<kvp::half>)
+    ->ArgNames({"w", "exact"})
+    ->Args({32, 0})
+    ->Args({64, 0})
+    ->Args({32, 1})
+    ->Args({64, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaWindowScores_SnapKV<kvp::bfloat16>)
+    ->ArgNames({"w", "exact"})
+    ->Args({64, 0})
+    ->Args({64, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK_MAIN();

@@ -10,6 +10,14 @@
 //                       engine makes it (launches enqueued one by one).
 //   CudaSnapKVGraph/T   the same call captured once in a CUDA graph and replayed.
 //   CudaTopk/n/k_pct    exact top-k of 8 rows of n fp32 scores (radix select).
+//   CudaH2OStep/C       one H2O decode step of a layer (32 query heads, 8 kv
+//                       heads, cache of C slots): fold the step's attention
+//                       probabilities into the state, evict one slot per head;
+//                       captured once in a CUDA graph and replayed.
+//   CudaQuestSelect/B   one Quest decode step of a layer for B sequences of
+//                       32K tokens (page 16, fp16 metadata, budget 2048
+//                       tokens, kPerQueryHead), graph-replayed; hbm_frac counts
+//                       the metadata bytes the bounds must read.
 //
 // Counters: `fp32_frac` = logit flops (2*Hq*w*T*d) per second / fp32 peak
 // (the window-score kernel runs on CUDA cores in fp32, like the scalar
@@ -29,7 +37,9 @@
 #include <vector>
 
 #include "kvpolicy/backends/cuda.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
 
 namespace kvp = kvpolicy;
 using kvp::backend::Cuda;
@@ -102,11 +112,13 @@ struct SnapKVCase {
   kvp::ScoreInput<float, kvp::half> input() const {
     constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
     return {kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {Hq, w, d}, gpu),
-            kvp::KVSource<kvp::half>::from(kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dk.ptr), {Hkv, T, d}, gpu))};
+            kvp::KVSource<kvp::half>::from(
+                kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dk.ptr), {Hkv, T, d}, gpu))};
   }
   kvp::Status evict(cudaStream_t s) {
     const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
-    return policy.evict(cx, input(), kvp::KeepSet{indptr.data(), static_cast<std::int32_t*>(dind.ptr), req.output.rows, req.output.capacity});
+    return policy.evict(cx, input(),
+                        kvp::KeepSet{indptr.data(), static_cast<std::int32_t*>(dind.ptr), req.output.rows, req.output.capacity});
   }
   void counters(benchmark::State& state) const {
     const double flops = 2.0 * Hq * w * static_cast<double>(T) * d;
@@ -193,11 +205,128 @@ void CudaTopk(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+/// Runs `enqueue` once under stream capture and times graph replays.
+template <class F>
+void graph_loop(benchmark::State& state, cudaStream_t s, F&& enqueue) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+  const kvp::Status st = enqueue();
+  const cudaError_t e = cudaStreamEndCapture(s, &graph);
+  if (!st.is_ok() || e != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    state.SkipWithError(st.is_ok() ? "graph capture failed" : st.message());
+  } else {
+    timed_loop(state, s, [&] {
+      return cudaGraphLaunch(exec, s) == cudaSuccess ? kvp::Status::ok()
+                                                     : kvp::Status::error(kvp::StatusCode::kDeviceError, "cudaGraphLaunch failed");
+    });
+    std::size_t nodes = 0;
+    cudaGraphGetNodes(graph, nullptr, &nodes);
+    state.counters["graph_nodes"] = static_cast<double>(nodes);
+  }
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+}
+
+void CudaH2OStep(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t Hq = 32, Hkv = 8;
+  const std::int64_t C = state.range(0), cap = C + 1;
+  const kvp::H2O policy(kvp::H2OParams::original(C / 2, C - C / 2));
+  DeviceBuffer dstate(static_cast<std::size_t>(Hkv * cap) * sizeof(float)), dprobs(static_cast<std::size_t>(Hq * cap) * sizeof(float));
+  DeviceBuffer dws(std::size_t{16} << 20), dind(static_cast<std::size_t>(Hkv * cap) * sizeof(std::int32_t));
+  if (!dstate.ok || !dprobs.ok || !dws.ok || !dind.ok) return state.SkipWithError("cudaMalloc failed");
+  std::vector<float> h(static_cast<std::size_t>(Hq * cap));
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f / static_cast<float>(C));
+  for (auto& x : h) x = u(rng);
+  cudaMemcpy(dprobs.ptr, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaMemset(dstate.ptr, 0, static_cast<std::size_t>(Hkv * cap) * sizeof(float));
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  kvp::H2OState st;
+  st.scores = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(dstate.ptr), {Hkv, cap}, gpu);
+  st.length = C;
+  st.prompt_len = C;
+  kvp::ScoreInput<float, float, float> in;
+  in.attention = kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dprobs.ptr), {Hq, 1, cap}, gpu);
+  std::vector<std::int32_t> indptr(Hkv + 1);
+  const kvp::KeepSet out{indptr.data(), static_cast<std::int32_t*>(dind.ptr), Hkv, Hkv * cap};
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, std::size_t{16} << 20}, {}, s};
+  graph_loop(state, s, [&] {
+    KVP_RETURN_IF_ERROR(policy.update(cx, st, in));
+    return policy.evict(cx, st, out);
+  });
+  const double bytes = static_cast<double>(Hq * cap + 2 * Hkv * cap) * sizeof(float);  // probabilities once, state read + written
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
+void CudaQuestSelect(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int32_t P = 16, Hq = 32, Hkv = 8, d = 128;
+  constexpr std::int64_t T = 32768;
+  const auto batch = static_cast<std::int32_t>(state.range(0));
+  const std::int32_t pages_per_seq = static_cast<std::int32_t>(T / P), pool = batch * pages_per_seq;
+  const std::int64_t meta_elems = kvp::PageMetaView<kvp::half>::contiguous_size(pool, Hkv, d);
+  DeviceBuffer dmeta(static_cast<std::size_t>(meta_elems) * sizeof(kvp::half)), dids(static_cast<std::size_t>(pool) * sizeof(std::int32_t));
+  DeviceBuffer dq(static_cast<std::size_t>(batch * Hq * d) * sizeof(float));
+  if (!dmeta.ok || !dids.ok || !dq.ok) return state.SkipWithError("cudaMalloc failed");
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  {
+    std::vector<kvp::half> m(static_cast<std::size_t>(meta_elems));
+    for (auto& x : m) x = kvp::to_half(nd(rng));
+    cudaMemcpy(dmeta.ptr, m.data(), m.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(pool));
+    for (std::int32_t i = 0; i < pool; ++i) ids[static_cast<std::size_t>(i)] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    cudaMemcpy(dids.ptr, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+    std::vector<float> q(static_cast<std::size_t>(batch * Hq * d));
+    for (auto& x : q) x = nd(rng);
+    cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
+  }
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(batch + 1)), last(static_cast<std::size_t>(batch), P);
+  for (std::int32_t b = 0; b <= batch; ++b) indptr[static_cast<std::size_t>(b)] = b * pages_per_seq;
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  const kvp::PageTable table{indptr.data(), static_cast<const std::int32_t*>(dids.ptr), last.data(), batch};
+  const kvp::DecodeInput<float> in{kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {batch, Hq, d}, gpu),
+                                   table, P, 5};
+  kvp::QuestParams qp;
+  qp.budget = kvp::Budget::tokens(2048);
+  const kvp::Quest quest(qp);
+  kvp::Quest::Plan plan;
+  if (const kvp::Status st =
+          quest.plan(kvp::Context<Cuda>{}, in, kvp::ProblemShape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d}, plan);
+      !st.is_ok())
+    return state.SkipWithError(st.message());
+  DeviceBuffer dws(plan.requirements.workspace_bytes),
+      dout(static_cast<std::size_t>(plan.requirements.output.capacity) * sizeof(std::int32_t));
+  if (!dws.ok || !dout.ok) return state.SkipWithError("cudaMalloc failed");
+  std::vector<std::int32_t> oindptr(static_cast<std::size_t>(plan.requirements.output.rows + 1)),
+      olast(static_cast<std::size_t>(plan.requirements.output.rows));
+  const kvp::PageSelection out{oindptr.data(), static_cast<std::int32_t*>(dout.ptr), olast.data(),
+                               nullptr,        plan.requirements.output.rows,        plan.requirements.output.capacity};
+  const auto meta = kvp::PageMetaView<const kvp::half>::contiguous(static_cast<const kvp::half*>(dmeta.ptr), pool, Hkv, d, gpu);
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, plan.requirements.workspace_bytes}, {}, s};
+  graph_loop(state, s, [&] { return quest.select(cx, plan, in, meta, out); });
+  const double bytes = static_cast<double>(meta_elems) * sizeof(kvp::half);
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
 }  // namespace
 
 BENCHMARK(CudaSnapKV)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaSnapKVGraph)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {
   int devices = 0;

@@ -6,7 +6,7 @@
 #
 #   tools/gpu_check.sh [--prebuilt DIR] [--out DIR]
 #
-#   --prebuilt DIR  DIR/bin holds test_cuda_{args,ops,policies} and
+#   --prebuilt DIR  DIR/bin holds test_cuda_{args,ops,page_ops,policies} and
 #                   bench_cuda{,_policies}; DIR/lib the shared libraries they
 #                   need (tools/gpu/stage_prebuilt.sh makes it). Without it
 #                   the script configures build-gpu/ for sm_90 (override with
@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 mkdir -p "$out"
-tests="test_cuda_args test_cuda_ops test_cuda_policies"
+tests="test_cuda_args test_cuda_ops test_cuda_page_ops test_cuda_policies"
 benches="bench_cuda bench_cuda_policies"
 
 if [ -n "$prebuilt" ]; then
@@ -47,17 +47,23 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/nvidia-smi.csv" 2>&1 || true
 : >"$out/tests.tsv"
 : >"$out/tests.log"
-for t in $tests; do
+# Each test once as built, and the score-dependent ones again on the exact fp32
+# logits kernel (KVP_CUDA_EXACT_SCORES=1; the default uses tensor cores for fp16 / bf16 keys).
+runs="$tests test_cuda_ops:exact test_cuda_policies:exact"
+for r in $runs; do
+  t="${r%%:*}" name="$r" env=()
+  if [ "$r" != "$t" ]; then env=(KVP_CUDA_EXACT_SCORES=1) name="${t}[exact]"; fi
+  log="$out/run.log"
   start=$(date +%s%N)
-  timeout 300 "$bin/$t" >"$out/$t.log" 2>&1
+  env "${env[@]}" timeout 300 "$bin/$t" >"$log" 2>&1
   rc=$?
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
-  summary=$(grep -E "All tests passed|test cases:|SKIPPED" "$out/$t.log" | tail -1)
-  printf '%s\t%s\t%s\t%s\n' "$t" "$rc" "$secs" "$summary" >>"$out/tests.tsv"
-  { echo "==== $t (exit $rc)"; cat "$out/$t.log"; } >>"$out/tests.log"
-  rm -f "$out/$t.log"
-  echo "gpu_check: $t exit $rc: $summary"
+  summary=$(grep -E "All tests passed|test cases:|SKIPPED" "$log" | tail -1)
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$summary" >>"$out/tests.tsv"
+  { echo "==== $name (exit $rc)"; cat "$log"; } >>"$out/tests.log"
+  rm -f "$log"
+  echo "gpu_check: $name exit $rc: $summary"
 done
 for b in $benches; do
   timeout 240 "$bin/$b" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \

@@ -264,8 +264,9 @@ TEST_CASE("cuda policies: a context with several host workers is refused before 
   using namespace kvpolicy;
   // Pointers are never dereferenced: the call must fail on the host first.
   constexpr Device gpu{DeviceType::kCUDA, 0};
-  const ScoreInput<float, half> in{TensorView<const float, 3>(fake<const float>(1), {8, 64, 64}, {64 * 64, 64, 1}, gpu),
-                                   KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {2, 1000, 64}, {64000, 64, 1}, gpu))};
+  const ScoreInput<float, half> in{
+      TensorView<const float, 3>(fake<const float>(1), {8, 64, 64}, {64 * 64, 64, 1}, gpu),
+      KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {2, 1000, 64}, {64000, 64, 1}, gpu))};
   std::int32_t indptr[3] = {-7, -7, -7};
   const KeepSet out{indptr, fake<std::int32_t>(3), 2, 1000};
   ExecContext two_workers{pool_fn, nullptr, 2};

@@ -23,6 +23,7 @@
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/kvpolicy.hpp"
 #include "../policy/keep_set_buffer.hpp"
+#include "../policy/selection/quest_fixture.hpp"
 
 namespace kvp = kvpolicy;
 using kvp::backend::Cuda;
@@ -88,7 +89,7 @@ std::vector<T> random_vector(std::size_t n, std::uint32_t seed, float scale = 1.
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, scale);
   std::vector<T> v(n);
-  for (auto& x : v) x = T(nd(rng));
+  for (auto& x : v) x = kvp::from_float<T>(nd(rng));  // half / bfloat16: round to nearest even
   return v;
 }
 
@@ -297,7 +298,8 @@ void check_snapkv(const kvp::SnapKVParams& params, std::int64_t Hq, std::int64_t
   for (std::int64_t r = 0; r < Hkv; ++r) {
     INFO("kv head " << r);
     REQUIRE(indptr[static_cast<std::size_t>(r + 1)] == wv.indptr[r + 1]);
-    const std::vector<std::int32_t> grow(got.begin() + indptr[static_cast<std::size_t>(r)], got.begin() + indptr[static_cast<std::size_t>(r + 1)]);
+    const std::vector<std::int32_t> grow(got.begin() + indptr[static_cast<std::size_t>(r)],
+                                         got.begin() + indptr[static_cast<std::size_t>(r + 1)]);
     const auto wrow = want.row(r);
     std::vector<float> head_scores(ref_scores.begin() + r * T, ref_scores.begin() + (r + 1) * T);
     require_same_keep(grow, std::vector<std::int32_t>(wrow.begin(), wrow.end()), head_scores);
@@ -320,7 +322,8 @@ TEST_CASE("cuda StreamingLLM: kept sets are exact", "[cuda][streaming]") {
   const std::int64_t H = 3, T = 1000, d = 8;
   std::vector<float> k(static_cast<std::size_t>(H * T * d), 0.0f);
   DeviceBuffer dk(k);
-  const kvp::ScoreInput<float, float> din{{}, kvp::KVSource<float>::from(kvp::TensorView<const float, 3>::contiguous(dk.get<const float>(), {H, T, d}, kGpu))};
+  const kvp::ScoreInput<float, float> din{
+      {}, kvp::KVSource<float>::from(kvp::TensorView<const float, 3>::contiguous(dk.get<const float>(), {H, T, d}, kGpu))};
   const kvp::ScoreInput<float, float> hin{{}, kvp::KVSource<float>::from(kvp::TensorView<const float, 3>::contiguous(k.data(), {H, T, d}))};
   kvp_test::KeepSetBuffer want(H, H * 100);
   KVP_REQUIRE_OK(policy.evict(kvp::Context<Scalar>{}, hin, want.view()));
@@ -332,7 +335,8 @@ TEST_CASE("cuda StreamingLLM: kept sets are exact", "[cuda][streaming]") {
   const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(H * 100));
   for (std::int64_t r = 0; r < H; ++r) {
     const auto wrow = want.row(r);
-    REQUIRE(std::vector<std::int32_t>(got.begin() + r * 100, got.begin() + (r + 1) * 100) == std::vector<std::int32_t>(wrow.begin(), wrow.end()));
+    REQUIRE(std::vector<std::int32_t>(got.begin() + r * 100, got.begin() + (r + 1) * 100) ==
+            std::vector<std::int32_t>(wrow.begin(), wrow.end()));
   }
 }
 
@@ -380,7 +384,8 @@ TEST_CASE("cuda SnapKV: a policy call is captured in a CUDA graph and replayed o
     for (std::int64_t r = 0; r < Hkv; ++r) {
       const auto wrow = want.row(r);
       std::vector<float> head_scores(ref_scores.begin() + r * T, ref_scores.begin() + (r + 1) * T);
-      require_same_keep(std::vector<std::int32_t>(got.begin() + indptr[static_cast<std::size_t>(r)], got.begin() + indptr[static_cast<std::size_t>(r + 1)]),
+      require_same_keep(std::vector<std::int32_t>(got.begin() + indptr[static_cast<std::size_t>(r)],
+                                                  got.begin() + indptr[static_cast<std::size_t>(r + 1)]),
                         std::vector<std::int32_t>(wrow.begin(), wrow.end()), head_scores);
     }
   }
@@ -561,6 +566,290 @@ TEST_CASE("cuda H2O: attention recomputed from queries and keys matches Scalar",
     const auto wrow = want.row(h);
     std::vector<float> head(before.begin() + h * t.cap, before.begin() + h * t.cap + T);
     require_same_keep(std::vector<std::int32_t>(ids.begin() + h * 64, ids.begin() + (h + 1) * 64), wrow, head);
+  }
+}
+
+namespace {
+
+/// Any scorer + evictor on Cuda vs Scalar: scores within 1e-5 relative (bit-identical when `exact`),
+/// kept sets exact up to reference-score ties.
+template <class Policy, class Tq, class Tk, class Tp>
+void check_scorer(const Policy& policy, const kvp::ScoreInput<Tq, Tk, Tp>& hin, const kvp::ScoreInput<Tq, Tk, Tp>& din,
+                  const kvp::ProblemShape& shape, bool exact) {
+  const std::int64_t Hkv = shape.num_kv_heads, T = shape.max_kv_len;
+  const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
+  KVP_REQUIRE_OK(hreq.status);
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  const kvp::Context<Scalar> hcx{kvp::Workspace{hws.data(), hws.size()}};
+  std::vector<float> ref(static_cast<std::size_t>(Hkv * T));
+  KVP_REQUIRE_OK(policy.score(hcx, hin, kvp::TensorView<float, 2>::contiguous(ref.data(), {Hkv, T})));
+  kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
+  KVP_REQUIRE_OK(policy.evict(hcx, hin, want.view()));
+
+  Stream st;
+  const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(dreq.status);
+  DeviceBuffer dws(dreq.workspace_bytes), dscores(ref.size() * sizeof(float));
+  const kvp::Context<Cuda> dcx{dws.workspace(), {}, st.s};
+  KVP_REQUIRE_OK(policy.score(dcx, din, kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
+  DeviceBuffer dind(static_cast<std::size_t>(std::max<std::int64_t>(dreq.output.capacity, 1)) * sizeof(std::int32_t));
+  KVP_REQUIRE_OK(policy.evict(dcx, din, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity}));
+  st.sync();
+  const auto got = dscores.download<float>(ref.size());
+  if (exact) {
+    REQUIRE(same_bits(got, ref));
+  } else {
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      INFO("score " << i << ": " << got[i] << " vs " << ref[i]);
+      if (std::isinf(ref[i]))
+        REQUIRE(got[i] == ref[i]);
+      else
+        REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-12f);
+    }
+  }
+  REQUIRE(indptr == want.indptr);
+  const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+  for (std::int64_t r = 0; r < dreq.output.rows; ++r) {
+    INFO("row " << r);
+    std::vector<float> head(ref.begin() + (r % Hkv) * T, ref.begin() + (r % Hkv + 1) * T);
+    require_same_keep(
+        std::vector<std::int32_t>(ids.begin() + indptr[static_cast<std::size_t>(r)], ids.begin() + indptr[static_cast<std::size_t>(r + 1)]),
+        want.row(r), head);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda TOVA: from queries and from probabilities, one-shot and one-token steps", "[cuda][tova]", float, kvp::half) {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 500, q = 4;
+  SnapProblem<TestType> p(Hq, Hkv, d, T, q, 41);
+  for (const double r : {0.5, 1.0 / static_cast<double>(T)}) {  // a half, then the online step's single eviction
+    INFO("compression ratio " << r);
+    const kvp::TOVA policy(kvp::TOVAParams{kvp::Budget::compression_ratio(r)});
+    check_scorer(policy, p.host(), p.device(), kvp::ProblemShape{Hq, Hkv, d, T, q}, false);
+    // The engine's probabilities (Hq, q, T): bit-identical scores.
+    const auto probs = random_probs(Hq, q, T, 43);
+    DeviceBuffer dp(probs);
+    kvp::ScoreInput<float, TestType, float> hin{
+        {}, kvp::KVSource<TestType>::from(kvp::TensorView<const TestType, 3>::contiguous(p.k.data(), {Hkv, T, d}))};
+    kvp::ScoreInput<float, TestType, float> din{{}, p.device().keys};
+    hin.attention = kvp::TensorView<const float, 3>::contiguous(probs.data(), {Hq, q, T});
+    din.attention = kvp::TensorView<const float, 3>::contiguous(dp.get<const float>(), {Hq, q, T}, kGpu);
+    check_scorer(policy, hin, din, kvp::ProblemShape{Hq, Hkv, 0, T, 1}, true);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda ObservedAttention: from the prompt's queries and from column sums", "[cuda][observed]", float, kvp::bfloat16) {
+  const std::int64_t Hq = 4, Hkv = 2, d = 32, T = 300;
+  SnapProblem<TestType> p(Hq, Hkv, d, T, T, 51);
+  const kvp::ObservedAttention policy(kvp::ObservedAttentionParams{});
+  check_scorer(policy, p.host(), p.device(), kvp::ProblemShape{Hq, Hkv, d, T, T}, false);
+  std::vector<kvp::half> col(static_cast<std::size_t>(Hq * T));
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(0.0f, 4.0f);
+  for (auto& x : col) x = kvp::to_half(u(rng));
+  DeviceBuffer dcol(col);
+  kvp::ScoreInput<float, TestType, kvp::half> hin{{}, p.host().keys}, din{{}, p.device().keys};
+  hin.column_sums = kvp::TensorView<const kvp::half, 2>::contiguous(col.data(), {Hq, T});
+  din.column_sums = kvp::TensorView<const kvp::half, 2>::contiguous(dcol.get<const kvp::half>(), {Hq, T}, kGpu);
+  check_scorer(policy, hin, din, kvp::ProblemShape{Hq, Hkv, 0, T, 0}, true);
+}
+
+TEMPLATE_TEST_CASE("cuda Knorm: key-norm scores bit-identical, kept sets exact", "[cuda][knorm]", float, kvp::half, kvp::bfloat16) {
+  const std::int64_t Hkv = 3, d = 128, T = 777;
+  SnapProblem<TestType> p(Hkv, Hkv, d, T, 1, 61);
+  const kvp::Knorm policy(kvp::KnormParams{kvp::Budget::compression_ratio(0.3)});
+  kvp::ScoreInput<float, TestType> hin{{}, p.host().keys}, din{{}, p.device().keys};
+  check_scorer(policy, hin, din, kvp::ProblemShape{Hkv, Hkv, d, T, 0}, true);
+}
+
+namespace {
+
+/// A Quest decode step on the host (Scalar) and its device twin: the pool's
+/// metadata, the page ids and the queries on the device; table lengths and
+/// the selection's row offsets on the host.
+template <class Tk, class Tq>
+struct QuestTwin {
+  quest_test::PagedCache<Tk> cache;
+  quest_test::MetaBuffer<Tk> meta;
+  std::int32_t Hq;
+  std::vector<Tq> q;
+  DeviceBuffer dmeta, dq, dids;
+  QuestTwin(std::int32_t page_size, std::int32_t Hkv, std::int32_t G, std::int32_t d, const std::vector<std::int64_t>& lens, unsigned seed)
+      : cache(pool(lens, page_size), Hkv, page_size, d, kvp::PageLayout::kHND, static_cast<std::int32_t>(lens.size()), seed),
+        meta(pool(lens, page_size), Hkv, d),
+        Hq(Hkv * G),
+        dmeta(meta.data.size() * sizeof(Tk)),
+        dq(lens.size() * static_cast<std::size_t>(Hkv * G * d) * sizeof(Tq)),
+        dids(std::max<std::size_t>(1, static_cast<std::size_t>(pool(lens, page_size))) * sizeof(std::int32_t)) {
+    std::vector<std::int32_t> append;
+    for (std::size_t b = 0; b < lens.size(); ++b) {
+      cache.append_normal(static_cast<std::int32_t>(b), lens[b]);
+      append.push_back(static_cast<std::int32_t>(lens[b]));
+    }
+    KVP_REQUIRE_OK(kvp::Quest{}.on_append(kvp::Context<Scalar>{}, kvp::AppendInput<Tk>{cache.view(), append.data()}, meta.view()));
+    dmeta.upload(meta.data);
+    dids.upload(cache.indices);
+    new_queries(seed);
+  }
+  static std::int32_t pool(const std::vector<std::int64_t>& lens, std::int32_t P) {
+    std::int64_t n = 2;
+    for (auto l : lens) n += (l + P - 1) / P;
+    return static_cast<std::int32_t>(n);
+  }
+  void new_queries(unsigned seed) {
+    q = random_vector<Tq>(static_cast<std::size_t>(cache.batch()) * static_cast<std::size_t>(Hq * cache.head_dim), seed * 7 + 1);
+    dq.upload(q);
+  }
+  kvp::DecodeInput<Tq> host_in(int layer) const {
+    return {kvp::TensorView<const Tq, 3>::contiguous(q.data(), {cache.batch(), Hq, cache.head_dim}), cache.table(), cache.page_size, layer};
+  }
+  kvp::DecodeInput<Tq> dev_in(int layer) const {
+    kvp::PageTable t = cache.table();
+    t.indices = dids.template get<const std::int32_t>();
+    return {kvp::TensorView<const Tq, 3>::contiguous(dq.template get<const Tq>(), {cache.batch(), Hq, cache.head_dim}, kGpu), t,
+            cache.page_size, layer};
+  }
+  kvp::PageMetaView<const Tk> dev_meta() const {
+    return kvp::PageMetaView<const Tk>::contiguous(dmeta.template get<const Tk>(), cache.num_pages, cache.kv_heads, cache.head_dim, kGpu);
+  }
+};
+
+/// One selection on each side; rows, last-page lengths, ids and logical ids equal.
+template <class Tk, class Tq>
+void check_quest(const kvp::Quest& quest, QuestTwin<Tk, Tq>& tw, int layer) {
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = tw.cache.kv_heads, .head_dim = tw.cache.head_dim};
+  kvp::Quest::Plan hplan, dplan;
+  KVP_REQUIRE_OK(quest.plan(kvp::Context<Scalar>{}, tw.host_in(layer), shape, hplan));
+  KVP_REQUIRE_OK(quest.plan(kvp::Context<Cuda>{}, tw.dev_in(layer), shape, dplan));
+  REQUIRE(dplan.requirements.output.capacity == hplan.requirements.output.capacity);
+  quest_test::SelectionBuffer want(hplan.requirements.output.rows, hplan.requirements.output.capacity);
+  std::vector<std::byte> hws(hplan.requirements.workspace_bytes);
+  KVP_REQUIRE_OK(
+      quest.select(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, hplan, tw.host_in(layer), tw.meta.cview(), want.view()));
+  Stream st;
+  const std::int64_t cap = std::max<std::int64_t>(dplan.requirements.output.capacity, 1);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(dplan.requirements.output.rows + 1), -7),
+      last(static_cast<std::size_t>(dplan.requirements.output.rows), -7);
+  DeviceBuffer dind(static_cast<std::size_t>(cap) * sizeof(std::int32_t)), dlog(static_cast<std::size_t>(cap) * sizeof(std::int32_t));
+  DeviceBuffer dws(dplan.requirements.workspace_bytes);
+  const kvp::PageSelection dout{indptr.data(),
+                                dind.get<std::int32_t>(),
+                                last.data(),
+                                dlog.get<std::int32_t>(),
+                                dplan.requirements.output.rows,
+                                dplan.requirements.output.capacity};
+  KVP_REQUIRE_OK(quest.select(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, dplan, tw.dev_in(layer), tw.dev_meta(), dout));
+  st.sync();
+  REQUIRE(indptr == want.indptr);
+  REQUIRE(last == want.last);
+  const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+  const auto lg = dlog.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+  REQUIRE(std::equal(ids.begin(), ids.end(), want.indices.begin()));
+  REQUIRE(std::equal(lg.begin(), lg.end(), want.logical.begin()));
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda Quest: page selection matches Scalar for every GQA mode but union", "[cuda][quest]", float, kvp::half) {
+  QuestTwin<TestType, TestType> tw(16, 2, 4, 64, {1000, 37, 513, 16, 2000}, 3);
+  for (const kvp::QuestGqa mode : {kvp::QuestGqa::kPerQueryHead, kvp::QuestGqa::kGroupMax, kvp::QuestGqa::kGroupSum}) {
+    INFO("gqa mode " << static_cast<int>(mode));
+    kvp::QuestParams qp;
+    qp.budget = kvp::Budget::tokens(256);
+    qp.gqa = mode;
+    const kvp::Quest quest(qp);
+    check_quest(quest, tw, 5);  // a sparse layer
+    check_quest(quest, tw, 0);  // a dense layer: every page
+  }
+  kvp::QuestParams un;
+  un.gqa = kvp::QuestGqa::kUnion;
+  const kvp::Quest quest(un);
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = tw.cache.kv_heads, .head_dim = tw.cache.head_dim};
+  kvp::Quest::Plan plan;
+  KVP_REQUIRE_OK(quest.plan(kvp::Context<Cuda>{}, tw.dev_in(5), shape, plan));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(plan.requirements.output.rows + 1), -7), last(indptr.size() - 1, -7);
+  const kvp::PageSelection out{
+      indptr.data(), nullptr, last.data(), nullptr, plan.requirements.output.rows, plan.requirements.output.capacity};
+  REQUIRE(quest.select(kvp::Context<Cuda>{}, plan, tw.dev_in(5), tw.dev_meta(), out).code() == kvp::StatusCode::kUnsupported);
+  REQUIRE(std::all_of(indptr.begin(), indptr.end(), [](std::int32_t v) { return v == -7; }));
+}
+
+TEST_CASE("cuda Quest: a select captured in a CUDA graph and replayed on new queries", "[cuda][quest][graph]") {
+  QuestTwin<kvp::half, float> tw(16, 4, 2, 128, {3000, 777}, 9);
+  kvp::QuestParams qp;
+  qp.budget = kvp::Budget::tokens(512);
+  const kvp::Quest quest(qp);
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = tw.cache.kv_heads, .head_dim = tw.cache.head_dim};
+  kvp::Quest::Plan plan;
+  KVP_REQUIRE_OK(quest.plan(kvp::Context<Cuda>{}, tw.dev_in(3), shape, plan));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(plan.requirements.output.rows + 1)), last(indptr.size() - 1);
+  DeviceBuffer dind(static_cast<std::size_t>(plan.requirements.output.capacity) * sizeof(std::int32_t));
+  DeviceBuffer dws(plan.requirements.workspace_bytes);
+  const kvp::PageSelection out{indptr.data(), dind.get<std::int32_t>(),      last.data(),
+                               nullptr,       plan.requirements.output.rows, plan.requirements.output.capacity};
+  Stream st;
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+  const kvp::Status captured = quest.select(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, plan, tw.dev_in(3), tw.dev_meta(), out);
+  CUDA_REQUIRE(cudaStreamEndCapture(st.s, &graph));
+  KVP_REQUIRE_OK(captured);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  for (unsigned round = 0; round < 4; ++round) {
+    INFO("replay " << round);
+    tw.new_queries(100 + round);
+    CUDA_REQUIRE(cudaGraphLaunch(exec, st.s));
+    st.sync();
+    kvp::Quest::Plan hplan;
+    KVP_REQUIRE_OK(quest.plan(kvp::Context<Scalar>{}, tw.host_in(3), shape, hplan));
+    quest_test::SelectionBuffer want(hplan.requirements.output.rows, hplan.requirements.output.capacity);
+    std::vector<std::byte> hws(hplan.requirements.workspace_bytes);
+    KVP_REQUIRE_OK(quest.select(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, hplan, tw.host_in(3), tw.meta.cview(),
+                                want.view(false)));
+    REQUIRE(indptr == want.indptr);
+    const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+    REQUIRE(std::equal(ids.begin(), ids.end(), want.indices.begin()));
+  }
+  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  CUDA_REQUIRE(cudaGraphDestroy(graph));
+}
+
+TEST_CASE("cuda PyramidKV: per-layer budgets over SnapKV scores match Scalar", "[cuda][pyramidkv]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 1024, w = 64;
+  SnapProblem<kvp::half> p(Hq, Hkv, d, T, w, 71);
+  for (const int layer : {0, 13, 31}) {
+    INFO("layer " << layer);
+    const kvp::PyramidKV policy(kvp::PyramidKVParams::kvpress(0.5, layer, 32));
+    const kvp::ProblemShape shape{Hq, Hkv, d, T, w};
+    const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
+    KVP_REQUIRE_OK(hreq.status);
+    std::vector<std::byte> hws(hreq.workspace_bytes);
+    kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
+    KVP_REQUIRE_OK(policy.evict(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, p.host(), want.view()));
+    std::vector<float> ref(static_cast<std::size_t>(Hkv * T));
+    const kvp::SnapKV scorer(kvp::SnapKVParams::kvpress(0.0, 64, 5));
+    const auto sreq = scorer.requirements(kvp::Context<Scalar>{}, shape);
+    std::vector<std::byte> sws(sreq.workspace_bytes);
+    KVP_REQUIRE_OK(scorer.score(kvp::Context<Scalar>{kvp::Workspace{sws.data(), sws.size()}}, p.host(),
+                                kvp::TensorView<float, 2>::contiguous(ref.data(), {Hkv, T})));
+    Stream st;
+    const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
+    KVP_REQUIRE_OK(dreq.status);
+    DeviceBuffer dws(dreq.workspace_bytes), dind(static_cast<std::size_t>(dreq.output.capacity) * sizeof(std::int32_t));
+    std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
+    KVP_REQUIRE_OK(policy.evict(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, p.device(),
+                                kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity}));
+    st.sync();
+    REQUIRE(indptr == want.indptr);
+    const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+    for (std::int64_t r = 0; r < Hkv; ++r) {
+      std::vector<float> head(ref.begin() + r * T, ref.begin() + (r + 1) * T);
+      require_same_keep(std::vector<std::int32_t>(ids.begin() + indptr[static_cast<std::size_t>(r)],
+                                                  ids.begin() + indptr[static_cast<std::size_t>(r + 1)]),
+                        want.row(r), head);
+    }
   }
 }
 

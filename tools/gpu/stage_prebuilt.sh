@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir="$1" arch="${2:-90}"
-targets="test_cuda_args test_cuda_ops test_cuda_policies bench_cuda bench_cuda_policies"
+targets="test_cuda_args test_cuda_ops test_cuda_page_ops test_cuda_policies bench_cuda bench_cuda_policies"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVP_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" >/dev/null
 cmake --build build-gpu --target $targets -j2
 rm -rf "$dir"

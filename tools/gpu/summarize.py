@@ -50,6 +50,10 @@ def main():
         for n in (8192, 32768, 131072):
             for pct in (1, 50):
                 pairs[f"topk/{n}/{pct}"] = f"CudaTopk/{n}/{pct}"
+        for c in (4096, 32768):
+            pairs[f"h2o_step/{c}"] = f"CudaH2OStep/{c}"
+        for b in (1, 16):
+            pairs[f"quest/{b}"] = f"CudaQuestSelect/{b}"
         for tk, ours in pairs.items():
             t = ref.get("cases", {}).get(tk, {}).get("median_ms")
             b = out["benchmarks"].get(ours, {})

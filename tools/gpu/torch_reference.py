@@ -8,6 +8,13 @@
   the window is padded with +inf instead of kvpress's `scores.max().item()`,
   which would synchronise the stream.
 - topk/n/pct: torch.topk(sorted=False) of 8 rows of n fp32 scores.
+- h2o_step/C: one H2O decode step (32 query heads, 8 kv heads, C slots):
+  group sums of the step's probabilities added to the state, the lowest slot
+  of the candidates dropped per head and the state re-packed (a gather, no
+  boolean mask, so no synchronisation); CUDA-graph replay.
+- quest/B: Quest's bounds for B sequences of 32K tokens (page 16, fp16
+  metadata gathered through a shuffled page table, fp32 products, max of
+  q*M and q*m summed over head_dim) and topk(127) per query head; graph replay.
 
 Times are medians of CUDA-event timings after warm-up. Writes JSON to argv[1].
 """
@@ -33,6 +40,20 @@ def median_ms(fn, reps=30, warmup=5):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def graph_ms(fn):
+    """Median time of a CUDA-graph replay of fn (captured after warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return median_ms(g.replay)
 
 
 def snapkv_kvpress(q, k, window, kernel, n_keep):
@@ -72,6 +93,35 @@ def main():
         with torch.cuda.graph(g):
             snapkv_kvpress(q, k, w, 5, n_keep)
         res["cases"][f"snapkv_graph/{t}"] = {"median_ms": median_ms(g.replay)}
+    for c in (4096, 32768):
+        state = torch.rand(8, c + 1, device=dev, generator=gen)
+        probs = torch.rand(32, 1, c + 1, device=dev, generator=gen)
+        recent = c - c // 2
+        ar = torch.arange(c, device=dev)[None, :]
+
+        def h2o_step():
+            col = probs[:, 0, :].view(8, 4, c + 1).sum(1)
+            state[:, :c] += col[:, :c]
+            state[:, c] = col[:, c]
+            victim = state[:, : c + 1 - recent].argmin(-1)
+            idx = ar + (ar >= victim[:, None]).to(ar.dtype)
+            state[:, :c] = torch.gather(state, 1, idx)
+
+        res["cases"][f"h2o_step/{c}"] = {"median_ms": graph_ms(h2o_step)}
+    for b in (1, 16):
+        pages, hkv, g, d = 2048, 8, 4, 128
+        meta = torch.randn(b * pages, hkv, 2, d, device=dev, generator=gen).half()
+        ids = torch.randperm(b * pages, device=dev, generator=gen).view(b, pages)
+        q = torch.randn(b, hkv, g, d, device=dev, generator=gen)
+
+        def quest():
+            m = meta[ids[:, :-1]].float()  # (b, n-1, hkv, 2, d)
+            mx, mn = m[..., 0, :].permute(0, 2, 1, 3), m[..., 1, :].permute(0, 2, 1, 3)  # (b, hkv, n-1, d)
+            qq = q[:, :, :, None, :]
+            bound = torch.maximum(qq * mx[:, :, None], qq * mn[:, :, None]).sum(-1)  # (b, hkv, g, n-1)
+            return bound.topk(127, dim=-1, sorted=False).indices
+
+        res["cases"][f"quest/{b}"] = {"median_ms": graph_ms(quest)}
     for n in (8192, 32768, 131072):
         x = torch.rand(8, n, device=dev, generator=gen)
         for pct in (1, 50):

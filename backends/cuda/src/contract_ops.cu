@@ -119,8 +119,8 @@ __global__ void group_reduce_kernel(const float* __restrict__ in, std::int64_t g
 // ---- widen_queries / gather / fills ---------------------------------------------
 
 template <class Tq>
-__global__ void widen_kernel(const Tq* __restrict__ q, std::int64_t s0, std::int64_t s1, std::int64_t s2, std::int64_t h0, std::int64_t rows,
-                             std::int64_t i0, std::int64_t d, std::int64_t total, float* __restrict__ dst) {
+__global__ void widen_kernel(const Tq* __restrict__ q, std::int64_t s0, std::int64_t s1, std::int64_t s2, std::int64_t h0,
+                             std::int64_t rows, std::int64_t i0, std::int64_t d, std::int64_t total, float* __restrict__ dst) {
   for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t k = e % d, gi = e / d, i = gi % rows, g = gi / rows;
@@ -151,15 +151,14 @@ __global__ void fill_kernel(float* __restrict__ dst, std::int64_t n, std::int64_
     dst[i * stride] = value;
 }
 
-
 template <class Tq>
 void widen_impl(const TensorView<const Tq, 3>& q, std::int64_t h0, std::int64_t group, std::int64_t i0, std::int64_t rows,
                 float* dst) noexcept {
   const std::int64_t d = q.extent(2), total = group * rows * d;
   if (total <= 0) return;
   if (q.data() == nullptr || dst == nullptr) return record(KVP_INVALID("cuda widen_queries: queries or dst is null"));
-  widen_kernel<Tq><<<blocks_for(total), kThreads, 0, current()>>>(q.data(), q.stride(0), q.stride(1), q.stride(2), h0, rows, i0, d, total,
-                                                                     dst);
+  widen_kernel<Tq>
+      <<<blocks_for(total), kThreads, 0, current()>>>(q.data(), q.stride(0), q.stride(1), q.stride(2), h0, rows, i0, d, total, dst);
   record_launch("cuda widen_queries");
 }
 
@@ -170,7 +169,6 @@ void gather_impl(Rows<T> src, const std::int32_t* idx, std::int64_t n, std::int6
   gather_kernel<T><<<blocks_for(n * dim), kThreads, 0, current()>>>(src, idx, n, dim, dst, dst_stride);
   record_launch("cuda gather_rows");
 }
-
 
 // ---- row edits of the online policies -------------------------------------------
 
@@ -185,8 +183,8 @@ constexpr int kEvictThreads = 1024;
 /// One block: the lowest (order key, slot) of row[0..cand), then the kept ids,
 /// then the tail shifted down one slot in ascending chunks (each chunk reads
 /// before any thread writes, and writes only below what later chunks read).
-__global__ void __launch_bounds__(kEvictThreads) evict_lowest_kernel(float* __restrict__ row, std::int64_t cand, std::int64_t n,
-                                                                      std::int32_t* __restrict__ ids) {
+__global__ void __launch_bounds__(kEvictThreads)
+    evict_lowest_kernel(float* __restrict__ row, std::int64_t cand, std::int64_t n, std::int32_t* __restrict__ ids) {
   __shared__ unsigned long long best[kEvictThreads / 32];
   unsigned long long mine = ~0ull;
   for (std::int64_t j = threadIdx.x; j < cand; j += blockDim.x) {
@@ -217,6 +215,25 @@ __global__ void __launch_bounds__(kEvictThreads) evict_lowest_kernel(float* __re
     if (r < n - 1) row[r] = v;
     __syncthreads();
   }
+}
+
+__global__ void divide_by_tail_kernel(float* __restrict__ s, std::int64_t n) {
+  for (std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    s[j] = __fdiv_rn(s[j], static_cast<float>(n - j));
+}
+
+__global__ void copy_ids_kernel(const std::int32_t* __restrict__ src, std::int64_t n, std::int32_t* __restrict__ dst) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+__global__ void gather_ids_kernel(const std::int32_t* __restrict__ table, const std::int32_t* __restrict__ sel, std::int64_t n,
+                                  std::int32_t* __restrict__ dst) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = table[sel != nullptr ? sel[i] : i];
 }
 
 __global__ void gather_floats_kernel(const float* __restrict__ row, const std::int32_t* __restrict__ ids, std::int64_t keep,
@@ -260,14 +277,36 @@ __global__ void mean_rows_kernel(const Tp* __restrict__ base, std::int64_t H, st
   }
 }
 
+template <class T>
+__global__ void neg_row_norms_kernel(Rows<T> rows, std::int64_t n, std::int64_t d, float* __restrict__ out, std::int64_t stride) {
+  for (std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const T* r = rows.row(j);
+    double ss = 0.0;
+    for (std::int64_t i = 0; i < d; ++i) {
+      const double x = load_f32(r + i);
+      ss = __dadd_rn(ss, __dmul_rn(x, x));
+    }
+    out[j * stride] = -static_cast<float>(sqrt(ss));
+  }
+}
+
+template <class T>
+void neg_row_norms_impl(const Rows<T>& rows, std::int64_t n, std::int64_t d, float* out, std::int64_t stride) noexcept {
+  if (n <= 0) return;
+  if (rows.base == nullptr || out == nullptr) return record(KVP_INVALID("cuda neg_row_norms: rows or out is null"));
+  neg_row_norms_kernel<T><<<blocks_for(n), kThreads, 0, current()>>>(rows, n, d, out, stride);
+  record_launch("cuda neg_row_norms");
+}
+
 template <class Tp>
 void column_sums_impl(float* state, std::int64_t len_prev, const TensorView<const Tp, 3>& p, std::int64_t h0, std::int64_t G,
                       bool mean_over_group) noexcept {
   const std::int64_t n = p.extent(2);
   if (n <= 0) return;
   if (state == nullptr || p.data() == nullptr) return record(KVP_INVALID("cuda accumulate_column_sums: state or p is null"));
-  column_sums_kernel<Tp><<<blocks_for(n), kThreads, 0, current()>>>(state, len_prev, p.data(), p.stride(0), p.stride(1), p.extent(1), n,
-                                                                       h0, G, mean_over_group && G > 1);
+  column_sums_kernel<Tp><<<blocks_for(n), kThreads, 0, current()>>>(state, len_prev, p.data(), p.stride(0), p.stride(1), p.extent(1), n, h0,
+                                                                    G, mean_over_group && G > 1);
   record_launch("cuda accumulate_column_sums");
 }
 
@@ -405,12 +444,37 @@ void Cuda::add_rows(float* dst, const float* src, std::int64_t n) noexcept {
   record_launch("cuda add_rows");
 }
 
+void Cuda::divide_by_tail(float* s, std::int64_t n) noexcept {
+  using namespace cuda_detail;
+  if (n <= 0) return;
+  if (s == nullptr) return record(KVP_INVALID("cuda divide_by_tail: s is null"));
+  divide_by_tail_kernel<<<blocks_for(n), kThreads, 0, current()>>>(s, n);
+  record_launch("cuda divide_by_tail");
+}
+
+void Cuda::gather_ids(const std::int32_t* table, const std::int32_t* sel, std::int64_t n, std::int32_t* dst) noexcept {
+  using namespace cuda_detail;
+  if (n <= 0) return;
+  if (table == nullptr || dst == nullptr) return record(KVP_INVALID("cuda gather_ids: table or dst is null"));
+  gather_ids_kernel<<<blocks_for(n), kThreads, 0, current()>>>(table, sel, n, dst);
+  record_launch("cuda gather_ids");
+}
+
+void Cuda::copy_ids(const std::int32_t* src, std::int64_t n, std::int32_t* dst) noexcept {
+  using namespace cuda_detail;
+  if (n <= 0) return;
+  if (src == nullptr || dst == nullptr) return record(KVP_INVALID("cuda copy_ids: src or dst is null"));
+  copy_ids_kernel<<<blocks_for(n), kThreads, 0, current()>>>(src, n, dst);
+  record_launch("cuda copy_ids");
+}
+
 void Cuda::evict_lowest(float* row, std::int64_t cand, std::int64_t n, std::int32_t* ids) noexcept {
   using namespace cuda_detail;
   if (n <= 0) return;
   if (row == nullptr || ids == nullptr) return record(KVP_INVALID("cuda evict_lowest: row or ids is null"));
   if (cand < 1 || cand > n || n > 2147483647) {
-    return record(KVP_INVALID("cuda evict_lowest: cand %lld out of range [1, n=%lld]", static_cast<long long>(cand), static_cast<long long>(n)));
+    return record(
+        KVP_INVALID("cuda evict_lowest: cand %lld out of range [1, n=%lld]", static_cast<long long>(cand), static_cast<long long>(n)));
   }
   evict_lowest_kernel<<<1, kEvictThreads, 0, current()>>>(row, cand, n, ids);
   record_launch("cuda evict_lowest");
@@ -426,8 +490,9 @@ void Cuda::compact_row(float* row, const std::int32_t* ids, std::int64_t keep, W
   if (row == nullptr || ids == nullptr) return record(KVP_INVALID("cuda compact_row: row or ids is null"));
   WorkspaceCarver carve(ws);
   float* tmp = carve.take<float>(static_cast<std::size_t>(keep));
-  if (tmp == nullptr) return record(Status::error(StatusCode::kWorkspaceTooSmall, "cuda compact_row: workspace holds fewer than %lld floats",
-                                                  static_cast<long long>(keep)));
+  if (tmp == nullptr)
+    return record(Status::error(StatusCode::kWorkspaceTooSmall, "cuda compact_row: workspace holds fewer than %lld floats",
+                                static_cast<long long>(keep)));
   gather_floats_kernel<<<blocks_for(keep), kThreads, 0, current()>>>(row, ids, keep, tmp);
   copy_kernel<<<blocks_for(keep), kThreads, 0, current()>>>(tmp, keep, row, 1);
   record_launch("cuda compact_row");
@@ -444,6 +509,16 @@ void Cuda::accumulate_column_sums(float* state, std::int64_t len_prev, const Ten
 void Cuda::accumulate_column_sums(float* state, std::int64_t len_prev, const TensorView<const bfloat16, 3>& p, std::int64_t h0,
                                   std::int64_t G, bool mean_over_group) noexcept {
   cuda_detail::column_sums_impl(state, len_prev, p, h0, G, mean_over_group);
+}
+
+void Cuda::neg_row_norms(const Rows<float>& rows, std::int64_t n, std::int64_t d, float* out, std::int64_t stride) noexcept {
+  cuda_detail::neg_row_norms_impl(rows, n, d, out, stride);
+}
+void Cuda::neg_row_norms(const Rows<half>& rows, std::int64_t n, std::int64_t d, float* out, std::int64_t stride) noexcept {
+  cuda_detail::neg_row_norms_impl(rows, n, d, out, stride);
+}
+void Cuda::neg_row_norms(const Rows<bfloat16>& rows, std::int64_t n, std::int64_t d, float* out, std::int64_t stride) noexcept {
+  cuda_detail::neg_row_norms_impl(rows, n, d, out, stride);
 }
 
 void Cuda::mean_rows(const TensorView<const float, 2> rows, float* mean) noexcept { cuda_detail::mean_rows_impl(rows, mean); }

@@ -1,24 +1,81 @@
 // SPDX-License-Identifier: Apache-2.0
 // `Cuda::window_scores`: SnapKV-style window attention scores on the device.
 //
-// Three kernels, mirroring the scalar reference step by step so the two agree
-// to expf rounding:
-//   1. logits  L[r, j] = scale * <q_r, k_j>       tiled over (64 keys) x (64 query rows)
+// Three kernels, mirroring the scalar reference step by step:
+//   1. logits  L[r, j] = scale * <q_r, k_j>       (two implementations, below)
 //   2. per-row max and 1/sum(exp(L - max)) (fp64 sum), times 1/window for kMean
 //   3. out[g, j] = sum_i exp(L[g*w+i, j] - max) * inv   in window order i = 0..w-1
 // Keeping the logits in the workspace (rather than an online softmax fused
 // with the reduction) makes the softmax the exact two-pass one and the
 // window sum order fixed, so results are bitwise reproducible run to run.
+//
+// Pass 1 has two kernels:
+//  - exact (`window_logits_kernel`; fp32 keys always, fp16 / bf16 keys on
+//    request or below sm_80): CUDA cores, separately rounded multiply and add
+//    in ascending head_dim order, bit-identical to the scalar loop. Results
+//    then differ from `backend::Scalar` only by expf rounding (a few ulp).
+//  - tensor cores (`window_logits_mma_kernel`; fp16 / bf16 keys, default on
+//    sm_80+): keys are used as stored; each fp32 query element is split into
+//    low-precision parts whose sum represents it (fp16: hi + lo, 22 bits;
+//    bf16: hi + mid + lo, 24 bits), after an exact per-row power-of-two
+//    pre-scaling for fp16 (largest |q| of the row in [2^14, 2^15): no fp16
+//    overflow, parts stay clear of the subnormal range). Every part x key
+//    product is exact in the fp32 mma accumulator. Each 16-wide head_dim step
+//    starts from a zero accumulator (smallest part first) and is added to a
+//    running fp32 sum with a round-to-nearest add, so the tensor core's
+//    truncating accumulation only ever sees a 16-term partial sum.
+//
+// Accuracy of the tensor-core path. The split represents q to 2^-22
+// relative (fp16; bf16: exactly in practice) and every product is exact. The
+// mma's fp32 accumulation is not IEEE (measured on V100 / A100: terms aligned
+// to the largest with truncation, result rounded toward zero), but it only
+// ever sums one 16-wide step of all parts, so per logit, worst case,
+//   |L_tc - L_exact| <~ 2^-17 * |scale| * sum_c |q_c k_c|  (+ 2^-24 per step add),
+// the order of the sequential scalar loop's own bound d * 2^-24 * (same sum)
+// at d = 128. Both errors are random-walk in practice. A host emulation of
+// that pessimistic model (no guard bits, truncation, round toward zero, 8- or
+// 16-term blocks) against `backend::Scalar` for unit-normal q and k,
+// scale = 1/sqrt(d), d <= 256, T <= 4099 put the final scores within 2.6e-6
+// relative (a logit error e changes a softmax probability by at most ~2e
+// relative); one accumulator chained over all of head_dim gave 8e-6, hence
+// the per-step restart. The tests keep their 1e-5 relative tolerance for
+// fp16 / bf16 keys. The accumulation order differs from the sequential
+// reference, so fp16 / bf16 results are no longer bitwise equal to
+// `backend::Scalar`; they are deterministic (fixed mma order, no atomics):
+// bitwise equal run to run. Non-finite inputs still give non-finite logits,
+// though inf and NaN may differ from the reference's (an inf key times a
+// zero lo part is NaN).
+//
+// Switch: the environment variable KVP_CUDA_EXACT_SCORES (read once per
+// process; set and not "0") selects the exact kernel for fp16 / bf16 keys as
+// well; devices below compute capability 8.0 always use it. Tests and
+// benchmarks override the choice through `cuda_detail::set_window_logits_mode`.
 #include <cub/block/block_reduce.cuh>
 
+#include <cuda_bf16.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "kvpolicy/backends/cuda.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace cuda_detail {
+
+// Internal hooks, not part of the public API (tests declare them themselves).
+/// Pass-1 kernel choice for fp16 / bf16 keys: -1 = default (exact when
+/// KVP_CUDA_EXACT_SCORES is set and not "0", else tensor cores on sm_80+),
+/// 0 = tensor cores where the device has them, 1 = exact kernel.
+void set_window_logits_mode(int mode) noexcept;
+/// Whether a call with fp16 / bf16 keys on the current device uses the
+/// tensor-core logits kernel under the present mode.
+bool window_logits_use_tensor_cores() noexcept;
+
 namespace {
 
 constexpr int kTile = 64;           // query rows and keys per logits block
@@ -112,6 +169,235 @@ __global__ void __launch_bounds__(kLogitThreads)
       if (j < vis) lr[j] = __fmul_rn(acc[a][b], p.scale);  // vis <= ld: in bounds
     }
   }
+}
+
+// ---- pass 1 on tensor cores (fp16 / bf16 keys, sm_80+) --------------------
+//
+// Block: 64 query rows x 128 keys, 8 warps in a 2 (rows) x 4 (keys) grid, each
+// warp a 32 x 32 tile = 2 x 4 mma tiles of m16n8. head_dim is staged through
+// shared memory 32 elements (two k16 steps) at a time, zero-padded past
+// head_dim, past the last query row and past the last key, so any head_dim,
+// row count and key count work. Keys are fetched row by row through
+// `Rows::row(j)` (one page lookup per key row and block), so a page boundary
+// may fall anywhere in a tile.
+constexpr int kMmaRows = 64;                         // query rows per block
+constexpr int kMmaKeys = 128;                        // keys per block
+constexpr int kMmaChunk = 32;                        // head_dim elements staged per step
+constexpr int kMmaPitch = kMmaChunk + 8;             // 16-bit elements per smem row: 20 words (see below)
+constexpr int kMmaThreads = 256;                     // 8 warps
+constexpr int kMmaWarpRows = 32, kMmaWarpKeys = 32;  // warp tile
+constexpr int kMmaMTiles = kMmaWarpRows / 16;        // m16 tiles per warp
+constexpr int kMmaNTiles = kMmaWarpKeys / 8;         // n8 tiles per warp
+constexpr std::int64_t kMmaMaxKeyBlocks = 65535;     // grid.y; more key tiles loop in the block
+static_assert((kMmaRows / kMmaWarpRows) * (kMmaKeys / kMmaWarpKeys) * 32 == kMmaThreads, "warp grid must cover the block tile");
+static_assert(kMmaChunk % 16 == 0 && kMmaKeys <= kMmaThreads, "chunk = whole k16 steps; one thread per key row pointer");
+static_assert(kMmaThreads % kMmaChunk == 0 && kMmaRows % (kMmaThreads / kMmaChunk) == 0 && kMmaKeys % (kMmaThreads / kMmaChunk) == 0,
+              "staging: each thread owns one column of the chunk");
+// Fragment loads read one 32-bit word per lane at word (row * 20 + t + const)
+// for rows g = 0..7 and t = 0..3: 20 * g mod 32 = {0,20,8,28,16,4,24,12}
+// plus t covers all 32 banks once, so the loads are conflict-free.
+static_assert((kMmaPitch / 2) % 32 == 20 && kMmaPitch % 2 == 0, "pitch chosen for conflict-free fragment loads");
+
+/// Element type specifics: how many parts a query is split into, the
+/// narrowing / widening of one part, and the mma instruction.
+template <class Tk>
+struct MmaKeys;
+
+template <>
+struct MmaKeys<half> {
+  static constexpr int kParts = 2;             // q = hi + lo
+  static constexpr bool kScaleQueries = true;  // fp16 range is narrow: pre-scale rows by a power of two
+  static __device__ __forceinline__ std::uint16_t narrow(float x) { return __half_as_ushort(__float2half_rn(x)); }
+  static __device__ __forceinline__ float widen(std::uint16_t b) { return __half2float(__ushort_as_half(b)); }
+  /// c += a * b, m16n8k16, fp16 inputs, fp32 accumulate.
+  static __device__ __forceinline__ void mma(float (&c)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+template <>
+struct MmaKeys<bfloat16> {
+  static constexpr int kParts = 3;              // q = hi + mid + lo
+  static constexpr bool kScaleQueries = false;  // bf16 has the fp32 exponent range: no scaling needed
+  static __device__ __forceinline__ std::uint16_t narrow(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+  static __device__ __forceinline__ float widen(std::uint16_t b) { return __uint_as_float(static_cast<unsigned int>(b) << 16); }
+  /// c += a * b, m16n8k16, bf16 inputs, fp32 accumulate.
+  static __device__ __forceinline__ void mma(float (&c)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+/// 2^k as a float, for k in [-126, 127] (exact).
+__device__ __forceinline__ float pow2(int k) { return __uint_as_float(static_cast<unsigned int>(k + 127) << 23); }
+
+/// Exponent shift that puts a row's largest |q| (m) into [2^14, 2^15): the
+/// fp16 hi part of every element is then finite (< 65504) and the fp16 lo
+/// part of the large elements is normal. 0 for an all-zero or non-finite
+/// row; at most 126 (rows with m < 2^-112 keep a few subnormal parts, a
+/// negligible absolute error), so 2^shift and 2^-shift are normal floats.
+__device__ __forceinline__ int row_shift(float m) {
+  if (!(m > 0.0f) || !(m <= 3.402823466e38f)) return 0;
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // floor(log2 m); -127 for subnormal m
+  const int shift = 14 - e;
+  return shift < 126 ? shift : 126;
+}
+
+/// Loads a 32-bit word (two consecutive 16-bit elements, the lower index in
+/// the low half) from shared memory.
+__device__ __forceinline__ std::uint32_t lds32(const std::uint16_t* p) { return *reinterpret_cast<const std::uint32_t*>(p); }
+
+/// Pass 1 on tensor cores. Grid (row tiles, min(key tiles, 65535)); a block
+/// loops over key tiles blockIdx.y, +gridDim.y, ... Row tiles are the fast
+/// grid dimension, so the blocks sharing one key tile run back to back and
+/// the tile is read from DRAM once.
+///
+/// Fragment layouts of mma.m16n8k16 with .f16 / .bf16 inputs and .f32
+/// accumulators (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating
+/// point type"), with g = lane >> 2 and t = lane % 4; registers hold two
+/// 16-bit elements, the lower-numbered in the low half:
+///   A (16 x 16, row): a0,a1: (g,   2t..2t+1)   a2,a3: (g+8, 2t..2t+1)
+///                     a4,a5: (g,   2t+8..+9)   a6,a7: (g+8, 2t+8..+9)
+///   B (16 x 8,  col): b0,b1: (k = 2t..2t+1,   n = g)
+///                     b2,b3: (k = 2t+8..+9,   n = g)
+///   C (16 x 8, f32):  c0,c1: (g,   2t..2t+1)   c2,c3: (g+8, 2t..2t+1)
+/// Here A = query parts (row = query row, k = head_dim), stored [row][k] in
+/// shared memory, and B = keys (n = key, k = head_dim), stored [key][k]:
+/// "col" B is exactly key rows with head_dim contiguous. So each A / B
+/// register is one 32-bit load of two consecutive head_dim elements.
+template <class Tk>
+__global__ void __launch_bounds__(kMmaThreads)
+    window_logits_mma_kernel(WindowParams p, const float* __restrict__ q, Rows<Tk> keys, float* __restrict__ logits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // never launched there: the host dispatch requires compute capability >= 8.0
+#else
+  using K = MmaKeys<Tk>;
+  constexpr int P = K::kParts;
+  __shared__ __align__(16) std::uint16_t qs[P][kMmaRows][kMmaPitch];  // query parts, part 0 = hi
+  __shared__ __align__(16) std::uint16_t ks[kMmaKeys][kMmaPitch];     // key bits
+  __shared__ const Tk* krow[kMmaKeys];                                // key row pointers (nullptr past ld)
+  __shared__ float q_up[kMmaRows], q_down[kMmaRows];                  // 2^shift, 2^-shift per query row
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wm0 = (warp / (kMmaKeys / kMmaWarpKeys)) * kMmaWarpRows;  // warp's first row in the tile
+  const int wn0 = (warp % (kMmaKeys / kMmaWarpKeys)) * kMmaWarpKeys;  // warp's first key in the tile
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.x) * kMmaRows;
+
+  // Per-row power-of-two scale (fp16): one warp per row, max |q| over head_dim.
+  for (int i = warp; i < kMmaRows; i += kMmaThreads / 32) {
+    const std::int64_t r = r0 + i;
+    float m = 0.0f;
+    if (K::kScaleQueries && r < p.rows) {
+      for (std::int64_t c = lane; c < p.head_dim; c += 32) m = fmaxf(m, fabsf(q[r * p.head_dim + c]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) {
+      const int shift = row_shift(m);
+      q_up[i] = pow2(shift);
+      q_down[i] = pow2(-shift);
+    }
+  }
+
+  for (std::int64_t kt = blockIdx.y; kt * kMmaKeys < p.ld; kt += gridDim.y) {
+    const std::int64_t j0 = kt * kMmaKeys;
+    __syncthreads();  // q_up ready (first tile) / previous tile done with krow
+    if (tid < kMmaKeys) krow[tid] = (j0 + tid < p.ld) ? keys.row(j0 + tid) : nullptr;
+
+    float acc[kMmaMTiles][kMmaNTiles][4];  // running fp32 sums, one m16n8 C fragment per tile
+#pragma unroll
+    for (int mi = 0; mi < kMmaMTiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kMmaNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+
+    for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kMmaChunk) {
+      __syncthreads();  // krow ready / previous chunk consumed
+      // Staging: thread tid owns head_dim column c0 + tid % 32 of rows / keys
+      // tid / 32, +8, +16, ... (a warp reads 32 consecutive elements of one row).
+      const int c = tid % kMmaChunk;
+      const std::int64_t col = c0 + c;
+      const bool in_dim = col < p.head_dim;
+      // Query parts: x = q * 2^shift (exact), part 0 = narrow(x), part n = narrow(x - sum of parts < n).
+#pragma unroll
+      for (int i = tid / kMmaChunk; i < kMmaRows; i += kMmaThreads / kMmaChunk) {
+        const std::int64_t r = r0 + i;
+        float x = (in_dim && r < p.rows) ? __fmul_rn(q[r * p.head_dim + col], q_up[i]) : 0.0f;
+#pragma unroll
+        for (int part = 0; part < P; ++part) {
+          const std::uint16_t b = K::narrow(x);
+          qs[part][i][c] = b;
+          x = isfinite(x) ? __fsub_rn(x, K::widen(b)) : 0.0f;  // exact remainder; inf / NaN go whole into part 0
+        }
+      }
+      // Keys as stored (bits), zero past head_dim and past ld.
+#pragma unroll
+      for (int n = tid / kMmaChunk; n < kMmaKeys; n += kMmaThreads / kMmaChunk) {
+        const Tk* kr = krow[n];
+        ks[n][c] = (in_dim && kr != nullptr) ? kr[col].bits : std::uint16_t{0};
+      }
+      __syncthreads();
+
+#pragma unroll 1
+      for (int kk = 0; kk < kMmaChunk; kk += 16) {
+        std::uint32_t b[kMmaNTiles][2];
+#pragma unroll
+        for (int ni = 0; ni < kMmaNTiles; ++ni) {
+          const std::uint16_t* kp = &ks[wn0 + 8 * ni + g][kk + 2 * t];  // key n = g, k = 2t, 2t+1
+          b[ni][0] = lds32(kp);
+          b[ni][1] = lds32(kp + 8);  // k = 2t+8, 2t+9
+        }
+#pragma unroll
+        for (int mi = 0; mi < kMmaMTiles; ++mi) {
+          std::uint32_t a[P][4];
+#pragma unroll
+          for (int part = 0; part < P; ++part) {
+            const std::uint16_t* qp = &qs[part][wm0 + 16 * mi + g][kk + 2 * t];  // row g, k = 2t, 2t+1
+            a[part][0] = lds32(qp);
+            a[part][1] = lds32(qp + 8 * kMmaPitch);      // row g+8, k = 2t, 2t+1
+            a[part][2] = lds32(qp + 8);                  // row g,   k = 2t+8, 2t+9
+            a[part][3] = lds32(qp + 8 * kMmaPitch + 8);  // row g+8, k = 2t+8, 2t+9
+          }
+#pragma unroll
+          for (int ni = 0; ni < kMmaNTiles; ++ni) {
+            float step[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // this k16 step alone, smallest part first
+#pragma unroll
+            for (int part = P - 1; part >= 0; --part) K::mma(step, a[part], b[ni]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][ni][e] = __fadd_rn(acc[mi][ni][e], step[e]);
+          }
+        }
+      }
+    }
+
+    // C fragment element e of tile (mi, ni): row g + 8*(e/2), key 2t + (e%2).
+#pragma unroll
+    for (int mi = 0; mi < kMmaMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = wm0 + 16 * mi + g + 8 * h;
+        const std::int64_t r = r0 + i;
+        if (r >= p.rows) continue;
+        const std::int64_t vis = visible(p, r % p.window);
+        if (vis <= j0) continue;  // no visible key in this tile
+        float* lr = logits + r * p.ld;
+        const float down = q_down[i];
+#pragma unroll
+        for (int ni = 0; ni < kMmaNTiles; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const std::int64_t j = j0 + wn0 + 8 * ni + 2 * t + e;
+            if (j < vis) lr[j] = __fmul_rn(__fmul_rn(acc[mi][ni][2 * h + e], p.scale), down);  // vis <= ld
+          }
+      }
+  }
+#endif
 }
 
 /// std::max(m, x) as the reference uses it: a NaN x never replaces m.
@@ -257,15 +543,65 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> ke
   }
 
   const cudaStream_t st = as_stream(stream);
-  const dim3 logit_grid(static_cast<unsigned>((p.ld + kTile - 1) / kTile), static_cast<unsigned>((p.rows + kTile - 1) / kTile));
-  window_logits_kernel<Tk><<<logit_grid, kLogitThreads, 0, st>>>(p, q, keys, logits);
+  const auto exact_logits = [&] {
+    const dim3 grid(static_cast<unsigned>((p.ld + kTile - 1) / kTile), static_cast<unsigned>((p.rows + kTile - 1) / kTile));
+    window_logits_kernel<Tk><<<grid, kLogitThreads, 0, st>>>(p, q, keys, logits);
+  };
+  if constexpr (std::is_same_v<Tk, float>) {
+    exact_logits();
+  } else if (window_logits_use_tensor_cores()) {
+    const std::int64_t key_tiles = (p.ld + kMmaKeys - 1) / kMmaKeys;
+    const dim3 grid(static_cast<unsigned>((p.rows + kMmaRows - 1) / kMmaRows),
+                    static_cast<unsigned>(key_tiles < kMmaMaxKeyBlocks ? key_tiles : kMmaMaxKeyBlocks));
+    window_logits_mma_kernel<Tk><<<grid, kMmaThreads, 0, st>>>(p, q, keys, logits);
+  } else {
+    exact_logits();
+  }
   window_row_stats_kernel<<<static_cast<unsigned>(p.rows), kStatThreads, 0, st>>>(p, logits, row_max, row_scale);
   const dim3 reduce_grid(static_cast<unsigned>((p.num_cols + kReduceThreads - 1) / kReduceThreads), static_cast<unsigned>(s.group));
   window_reduce_kernel<<<reduce_grid, kReduceThreads, 0, st>>>(p, logits, row_max, row_scale, out);
   return launch_status(who);
 }
 
+/// The mode set by `set_window_logits_mode` (-1: none).
+std::atomic<int> g_logits_mode{-1};
+
+/// KVP_CUDA_EXACT_SCORES set and not "0" (read once per process).
+bool exact_scores_from_env() noexcept {
+  static const bool exact = [] {
+    const char* v = std::getenv("KVP_CUDA_EXACT_SCORES");
+    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return exact;
+}
+
+/// Compute capability >= 8.0 (mma.sync m16n8k16 with fp16 / bf16 inputs) for
+/// the current device. Host-only queries, cached per device (no
+/// synchronisation, safe during stream capture).
+bool device_has_mma() noexcept {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cached_major[kCachedDevices];  // 0: not queried yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;  // the launch that follows reports the error
+  if (dev >= 0 && dev < kCachedDevices) {
+    if (const int m = cached_major[dev].load(std::memory_order_relaxed); m > 0) return m >= 8;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major <= 0) return false;
+  if (dev >= 0 && dev < kCachedDevices) cached_major[dev].store(major, std::memory_order_relaxed);
+  return major >= 8;
+}
+
 }  // namespace
+
+void set_window_logits_mode(int mode) noexcept { g_logits_mode.store(mode < 0 ? -1 : (mode == 0 ? 0 : 1), std::memory_order_relaxed); }
+
+bool window_logits_use_tensor_cores() noexcept {
+  const int mode = g_logits_mode.load(std::memory_order_relaxed);
+  const bool exact = mode < 0 ? exact_scores_from_env() : mode == 1;
+  return !exact && device_has_mma();
+}
+
 }  // namespace cuda_detail
 
 namespace backend {

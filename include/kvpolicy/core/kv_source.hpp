@@ -64,7 +64,8 @@ struct KVSource {
     }
     KVP_RETURN_IF_ERROR(dense.check_basic(who, name));
     if (on_device) {
-      KVP_REQUIRE(!dense.device().is_host(), "%s: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", who, name);
+      KVP_REQUIRE(!dense.device().is_host(), "%s: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", who,
+                  name);
     } else {
       KVP_REQUIRE(dense.device().is_host(), "%s: %s is a device tensor; this entry point reads host memory", who, name);
     }

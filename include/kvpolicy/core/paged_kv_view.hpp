@@ -63,7 +63,11 @@ struct PageTable {
   /// sequence's last_page_len is in [1, page_size], every id is in
   /// [0, num_pool_pages). Page ids are not required to be distinct here (a
   /// read-only consumer may share pages); writers check that themselves.
-  Status validate(const char* who, std::int32_t num_pool_pages, std::int32_t page_size) const noexcept {
+  /// CSR structure (indptr, last_page_len) and, with `check_ids`, every page
+  /// id in [0, num_pool_pages). `check_ids = false` is for a table whose
+  /// `indices` live in device memory (a device backend's call): the host reads
+  /// only indptr and last_page_len.
+  Status validate(const char* who, std::int32_t num_pool_pages, std::int32_t page_size, bool check_ids = true) const noexcept {
     KVP_REQUIRE(num_pool_pages >= 0, "%s: num_pages is %d, must be >= 0", who, num_pool_pages);
     KVP_REQUIRE(page_size >= 1, "%s: page_size is %d, must be >= 1", who, page_size);
     KVP_REQUIRE(batch >= 0, "%s: page table batch is %d, must be >= 0", who, batch);
@@ -80,6 +84,7 @@ struct PageTable {
       }
     }
     KVP_REQUIRE(indptr[batch] == 0 || indices != nullptr, "%s: page table indices is null with %d pages", who, indptr[batch]);
+    if (!check_ids) return Status::ok();
     for (std::int32_t i = 0; i < indptr[batch]; ++i) {
       KVP_REQUIRE(indices[i] >= 0 && indices[i] < num_pool_pages, "%s: page table indices[%d] is %d, out of range [0, %d)", who, i,
                   indices[i], num_pool_pages);

@@ -162,6 +162,13 @@ struct ScalarReduceOps {
     return static_cast<float>(std::sqrt(ss));
   }
 
+  /// out[j * stride] = -row_norm(rows.row(j), d) for j < n: Knorm's scores,
+  /// written straight into a score row.
+  template <class T>
+  static void neg_row_norms(const Rows<T>& rows, std::int64_t n, std::int64_t d, float* out, std::int64_t stride) noexcept {
+    for (std::int64_t j = 0; j < n; ++j) out[j * stride] = -row_norm(rows.row(j), d);
+  }
+
   /// out[i] = x[i] widened to fp32 (exact), i < n.
   template <class T>
   static void widen_row(const T* x, std::int64_t n, float* out) noexcept {

@@ -257,6 +257,23 @@ struct ScalarScoreOps {
     for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
   }
 
+  /// s[j] /= (n - j) for j < n: a column sum over the n - j queries that see
+  /// token j, made a mean (ObservedAttention's normalisation).
+  static void divide_by_tail(float* s, std::int64_t n) noexcept {
+    for (std::int64_t j = 0; j < n; ++j) s[j] /= static_cast<float>(n - j);
+  }
+
+  /// dst[i] = table[sel[i]] for i < n (table[i] when sel is null): selected
+  /// slots mapped to the ids of a page table row.
+  static void gather_ids(const std::int32_t* table, const std::int32_t* sel, std::int64_t n, std::int32_t* dst) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = table[sel != nullptr ? sel[i] : i];
+  }
+
+  /// dst[i] = src[i] for i < n (a kept-id row repeated for another head).
+  static void copy_ids(const std::int32_t* src, std::int64_t n, std::int32_t* dst) noexcept {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i];
+  }
+
   /// Removes the lowest slot x of row[0..cand) under `score_order_key` (ties:
   /// the lowest slot; NaN ranks lowest) from row[0..n): row[x..n-1) = row[x+1..n),
   /// and ids[0..n-1) = the kept slots 0..n-1 except x, ascending.

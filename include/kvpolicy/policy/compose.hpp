@@ -150,7 +150,13 @@ class Budgeted {
   Status evict(const char* who, const Context<B>& cx, std::span<const In> batch, KeepSet out) const noexcept {
     KVP_RETURN_IF_ERROR(validate(who));
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape));
+    if constexpr (kDeviceBackend<B>) {
+      static_assert(
+          requires { scorer_.validate(batch, &shape, true); }, "this scorer has no device-aware validate (views in device memory)");
+      KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape, true));
+    } else {
+      KVP_RETURN_IF_ERROR(scorer_.validate(batch, &shape));
+    }
     for (std::size_t b = 0; b < batch.size(); ++b) {
       std::int64_t n = 0;
       const std::int64_t T = batch[b].keys.kv_len();
@@ -158,6 +164,8 @@ class Budgeted {
     }
     const auto nb = static_cast<std::int64_t>(batch.size());
     const std::int64_t H = shape.num_kv_heads;
+    const detail::BackendCall<B> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     if constexpr (RowScorer<S, B>) {
       const std::size_t per = row_slot<B>(shape).bytes;
       KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, detail::WorkerSlices::bytes(per, cx.exec.workers())));
@@ -169,7 +177,7 @@ class Budgeted {
         const std::int64_t T = in.keys.kv_len(), k = out.row_size(row);
         std::int32_t* dst = out.indices + out.indptr[row];
         if (k >= T) {  // nothing to evict: no scoring
-          for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+          B::iota(dst, 0, T);
           return;
         }
         WorkspaceCarver c(slices.slice(worker));
@@ -177,7 +185,7 @@ class Budgeted {
         scorer_.template score_row<B>(in, shape, row % H, s, Workspace{c.take<std::byte>(scorer_bytes), scorer_bytes});
         B::topk(s, T, k, dst, c.rest());
       });
-      return Status::ok();
+      return call.end();
     } else {
       const std::size_t scorer_bytes = scorer_.requirements(cx, shape).workspace_bytes;
       const std::size_t per = sequence_slot<B>(shape).bytes;
@@ -195,14 +203,14 @@ class Budgeted {
         const In& in = batch[b];
         const std::int64_t T = in.keys.kv_len(), row0 = static_cast<std::int64_t>(b) * H;
         if (out.row_size(row0) >= T) {  // nothing to evict: no scoring
-          fill_all(T, H, row0, out);
+          fill_all<B>(T, H, row0, out);
           continue;
         }
         const ScoreMap map = TensorView<float, 2>::contiguous(scores, {H, T});
         KVP_RETURN_IF_ERROR(scorer_.score(scorer_cx, in, map));
         ops::topk_rows<B>(scores, T, H, T, out, row0, topk_ws, cx.exec);
       }
-      return Status::ok();
+      return call.end();
     }
   }
 
@@ -213,9 +221,9 @@ class Budgeted {
                                         [&](std::int64_t b) { return kept_count(who, batch[b].keys.kv_len()); });
   }
 
+  template <class B>
   static void fill_all(std::int64_t T, std::int64_t H, std::int64_t row0, KeepSet& out) noexcept {
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t j = 0; j < T; ++j) out.indices[out.indptr[row0 + h] + j] = static_cast<std::int32_t>(j);
+    for (std::int64_t h = 0; h < H; ++h) B::iota(out.indices + out.indptr[row0 + h], 0, T);
   }
 
   /// One item per sequence (scorers without the per-head hook): worker `w`
@@ -231,7 +239,7 @@ class Budgeted {
       const In& in = batch[static_cast<std::size_t>(b)];
       const std::int64_t T = in.keys.kv_len(), row0 = b * H;
       if (out.row_size(row0) >= T) {
-        fill_all(T, H, row0, out);
+        fill_all<B>(T, H, row0, out);
         return;
       }
       WorkspaceCarver c(slices.slice(worker));

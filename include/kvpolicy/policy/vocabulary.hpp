@@ -69,7 +69,9 @@ struct Context {
 /// `score_order_key`, so decisions stay deterministic), and row offsets of
 /// outputs (`KeepSet::indptr`) are host memory, written from the shapes.
 template <class B>
-inline constexpr bool kDeviceBackend = requires { typename B::CallScope; };
+inline constexpr bool kDeviceBackend = requires {
+  typename B::CallScope;
+};
 
 namespace detail {
 

@@ -81,19 +81,19 @@ class Knorm {
   /// Scores of one sequence, out (num_kv_heads, kv_len): -||key||_2 per token
   /// and kv head. No workspace; runs on the calling thread.
   template <class Backend, class Tq, class Tk, class Tp>
-  Status score(const Context<Backend>&, const ScoreInput<Tq, Tk, Tp>& in, ScoreMap out) const noexcept {
-    KVP_RETURN_IF_ERROR(validate_input(in, 0));
+  Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, ScoreMap out) const noexcept {
+    const PagedKVView<const Tk>** no_paged = nullptr;
+    KVP_RETURN_IF_ERROR(validate_input(in, 0, no_paged, kDeviceBackend<Backend>));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     const std::int64_t H = in.keys.kv_heads(), n = in.keys.kv_len();
     KVP_REQUIRE(out.extent(0) == H && out.extent(1) == n, "knorm: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
                 static_cast<long long>(out.extent(0)), static_cast<long long>(out.extent(1)), static_cast<long long>(H),
                 static_cast<long long>(n));
-    for (std::int64_t h = 0; h < H; ++h) {
-      const Rows<Tk> rows = in.keys.rows(h);
-      const std::int64_t d = in.keys.head_dim();
-      for (std::int64_t j = 0; j < n; ++j) out(h, j) = -Backend::row_norm(rows.row(j), d);
-    }
-    return Status::ok();
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    for (std::int64_t h = 0; h < H; ++h)
+      Backend::neg_row_norms(in.keys.rows(h), n, in.keys.head_dim(), out.data() + h * out.stride(0), out.stride(1));
+    return call.end();
   }
 
   /// Eviction decision for a batch: rows `b * num_kv_heads + h`, each the
@@ -106,7 +106,7 @@ class Knorm {
     std::int64_t max_len = 0;
     const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      KVP_RETURN_IF_ERROR(validate_input(batch[b], b, &last_paged));
+      KVP_RETURN_IF_ERROR(validate_input(batch[b], b, &last_paged, kDeviceBackend<Backend>));
       KVP_REQUIRE(batch[b].keys.kv_heads() == H, "knorm: sequence %zu has %lld kv heads, sequence 0 has %lld", b,
                   static_cast<long long>(batch[b].keys.kv_heads()), static_cast<long long>(H));
       max_len = std::max(max_len, batch[b].keys.kv_len());
@@ -114,6 +114,8 @@ class Knorm {
     const ExecContext& ctx = cx.exec;
     const std::size_t per = per_worker<Backend>(max_len);
     KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     const auto nb = static_cast<std::int64_t>(batch.size());
     KVP_RETURN_IF_ERROR(
         detail::write_uniform_indptr(kName, out, nb, H, [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
@@ -123,16 +125,15 @@ class Knorm {
       const std::int64_t h = row % H, n = in.keys.kv_len(), k = out.row_size(row), d = in.keys.head_dim();
       std::int32_t* dst = out.indices + out.indptr[row];
       if (k >= n) {  // kept whole: no scores needed
-        for (std::int64_t j = 0; j < n; ++j) dst[j] = static_cast<std::int32_t>(j);
+        Backend::iota(dst, 0, n);
         return;
       }
       WorkspaceCarver c(slices.slice(worker));
       float* s = c.take<float>(static_cast<std::size_t>(n));
-      const Rows<Tk> rows = in.keys.rows(h);
-      for (std::int64_t j = 0; j < n; ++j) s[j] = -Backend::row_norm(rows.row(j), d);
+      Backend::neg_row_norms(in.keys.rows(h), n, d, s, 1);
       Backend::topk(s, n, k, dst, c.rest());
     });
-    return Status::ok();
+    return call.end();
   }
 
   template <class Backend, class Tq, class Tk, class Tp>
@@ -148,10 +149,10 @@ class Knorm {
   }
 
   template <class Tq, class Tk, class Tp>
-  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b,
-                        const PagedKVView<const Tk>** last_paged = nullptr) const noexcept {
+  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b, const PagedKVView<const Tk>** last_paged = nullptr,
+                        bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys", on_device));
     KVP_REQUIRE(!in.keys.empty(), "knorm: keys has no data (sequence %zu); Knorm scores the keys themselves", b);
     if (const PagedKVView<const Tk>* paged = in.keys.paged; paged != nullptr && (last_paged == nullptr || paged != *last_paged)) {
       KVP_RETURN_IF_ERROR(paged->validate(kName, /*need_values=*/false));

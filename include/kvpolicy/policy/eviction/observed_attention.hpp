@@ -116,7 +116,7 @@ class ObservedAttention {
   Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, ScoreMap out) const noexcept {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
-    KVP_RETURN_IF_ERROR(validate_input(in, 0));
+    KVP_RETURN_IF_ERROR(validate_input(in, 0, kDeviceBackend<Backend>));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     const ProblemShape shape = shape_of(in);
     const std::int64_t H = shape.num_kv_heads, T = shape.max_kv_len, L = T - std::min<std::int64_t>(params_.window, T);
@@ -126,13 +126,17 @@ class ObservedAttention {
                 static_cast<long long>(T));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     const auto slices = detail::WorkerSlices::carve(ws, per);
     ctx.parallel_for(H, [&](std::int64_t h, int worker) {
       WorkspaceCarver c(slices.slice(worker));
       const float* s = score_head<Backend>(in, h, c);
-      for (std::int64_t j = 0; j < T; ++j) out(h, j) = j < L ? s[j] : kProtectedScore;
+      float* row = out.data() + h * out.stride(0);
+      Backend::copy_strided(s, L, row, out.stride(1));
+      Backend::fill(row + L * out.stride(1), T - L, out.stride(1), kProtectedScore);
     });
-    return Status::ok();
+    return call.end();
   }
 
   /// Eviction decision for a batch: keep row `b * num_kv_heads + h`. Each
@@ -147,12 +151,14 @@ class ObservedAttention {
     KVP_REQUIRE(!batch.empty(), "observed_attention: batch is empty");
     ProblemShape shape;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
+      KVP_RETURN_IF_ERROR(validate_input(batch[b], b, kDeviceBackend<Backend>));
       KVP_RETURN_IF_ERROR(detail::check_same_heads(kName, b, shape_of(batch[b]), &shape));
       shape.q_len = shape.head_dim > 0 ? shape.max_kv_len : 0;
     }
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     const std::int64_t H = shape.num_kv_heads;
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
@@ -164,7 +170,7 @@ class ObservedAttention {
       const float* s = out.row_size(row) < T ? score_head<Backend>(in, row % H, c) : nullptr;
       choose<Backend>(s, T, out, row, c);
     });
-    return Status::ok();
+    return call.end();
   }
 
   template <class Backend, class Tq, class Tk, class Tp>
@@ -196,7 +202,7 @@ class ObservedAttention {
   }
 
   template <class Tq, class Tk, class Tp>
-  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b) const noexcept {
+  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b, bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(in.lookahead == 0,
                 "observed_attention: lookahead is %lld; it sums the prompt's own attention and takes no lookahead queries",
@@ -204,8 +210,14 @@ class ObservedAttention {
     if (in.has_column_sums()) {
       const auto& col = in.column_sums;
       KVP_RETURN_IF_ERROR(col.check_basic(kName, "column sums"));
-      KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
-      KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+      if (on_device) {
+        KVP_REQUIRE(!col.device().is_host(),
+                    "observed_attention: column sums is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+        KVP_REQUIRE(in.keys.paged == nullptr, "observed_attention: keys is paged; policies on a device backend take dense views only");
+      } else {
+        KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
+        KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
+      }
       if (in.keys.paged != nullptr)  // lengths come from the page table: validate it before reading them
         KVP_RETURN_IF_ERROR(in.keys.paged->table.validate(kName, in.keys.paged->num_pages, in.keys.paged->page_size));
       GqaMap gqa;
@@ -217,7 +229,8 @@ class ObservedAttention {
       std::int64_t n = 0;
       return params_.budget.resolve(kName, T, std::min<std::int64_t>(params_.window, T), &n);
     }
-    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys));
+    const PagedKVView<const Tk>** no_paged = nullptr;
+    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys, no_paged, on_device));
     const std::int64_t T = in.keys.kv_len();
     KVP_REQUIRE(in.queries.extent(1) == T,
                 "observed_attention: queries has %lld rows per head, expected one per prompt token (kv_len=%lld, sequence %zu)",
@@ -234,8 +247,9 @@ class ObservedAttention {
       const std::int64_t G = in.column_sums.extent(0) / in.keys.kv_heads(), T = in.keys.kv_len();
       float* acc = c.take<float>(static_cast<std::size_t>(G * T));
       float* s = c.take<float>(static_cast<std::size_t>(T));
-      for (std::int64_t g = 0; g < G; ++g)
-        for (std::int64_t j = 0; j < T; ++j) acc[g * T + j] = to_float(in.column_sums(h * G + g, j));
+      const auto& col = in.column_sums;  // as (Hq, 1, T): the engine's sums of kv head h's G query heads, widened
+      Backend::widen_queries(TensorView<const Tp, 3>(col.data(), {col.extent(0), 1, T}, {col.stride(0), 0, col.stride(1)}, col.device()),
+                             h * G, G, 0, 1, acc);
       finish<Backend>(acc, G, T, s);
       return s;
     }
@@ -245,14 +259,13 @@ class ObservedAttention {
     float* s = c.take<float>(static_cast<std::size_t>(T));
     float* q = c.take<float>(static_cast<std::size_t>(G * B * d));
     float* blk = c.take<float>(static_cast<std::size_t>(G * T));
-    std::fill(acc, acc + G * T, 0.0f);
+    Backend::fill(acc, G * T, 1, 0.0f);
     const float scale = params_.scale > 0.0f ? params_.scale : 1.0f / std::sqrt(static_cast<float>(d));
     for (std::int64_t q0 = 0; q0 < T; q0 += B) {
       const std::int64_t bw = std::min(B, T - q0), cols = q0 + bw;  // keys visible to the block
       Backend::widen_queries(in.queries, h * G, G, q0, bw, q);
       Backend::window_scores(WindowScoreShape{G, bw, d, T, cols, q0, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk, c.rest());
-      for (std::int64_t g = 0; g < G; ++g)
-        for (std::int64_t j = 0; j < cols; ++j) acc[g * T + j] += blk[g * cols + j];
+      for (std::int64_t g = 0; g < G; ++g) Backend::add_rows(acc + g * T, blk + g * cols, cols);
     }
     finish<Backend>(acc, G, T, s);
     return s;
@@ -262,8 +275,7 @@ class ObservedAttention {
   template <class Backend>
   void finish(const float* acc, std::int64_t G, std::int64_t T, float* s) const noexcept {
     Backend::group_reduce(acc, G, T, T, params_.group_reduce, s);
-    if (params_.normalize)
-      for (std::int64_t j = 0; j < T; ++j) s[j] /= static_cast<float>(T - j);
+    if (params_.normalize) Backend::divide_by_tail(s, T);
   }
 
   /// Keep row `row`: top (n - window part) past tokens + the most recent window tokens.
@@ -272,12 +284,12 @@ class ObservedAttention {
     std::int32_t* dst = out.indices + out.indptr[row];
     const std::int64_t n = out.row_size(row);
     if (n >= T) {
-      for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+      Backend::iota(dst, 0, T);
       return;
     }
     const std::int64_t w = std::min<std::int64_t>(params_.window, T), n_win = std::min(n, w), n_past = n - n_win;
     if (n_past > 0) Backend::topk(s, T - w, n_past, dst, c.rest());
-    for (std::int64_t j = 0; j < n_win; ++j) dst[n_past + j] = static_cast<std::int32_t>(T - n_win + j);
+    Backend::iota(dst + n_past, T - n_win, n_win);
   }
 
   Params params_{};

@@ -251,8 +251,8 @@ class SnapKV {
   /// the batch's shape: lets policies that compose `score` (Ada-KV, PyramidKV)
   /// reject a bad batch before writing any output.
   template <class Tq, class Tk>
-  Status validate(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
-    return validate_batch(batch, shape, /*scoring=*/true);
+  Status validate(std::span<const ScoreInput<Tq, Tk>> batch, ProblemShape* shape, bool on_device = false) const noexcept {
+    return validate_batch(batch, shape, /*scoring=*/true, on_device);
   }
 
  private:

@@ -112,7 +112,7 @@ class TOVA {
   Status score(const Context<Backend>& cx, const ScoreInput<Tq, Tk, Tp>& in, ScoreMap out) const noexcept {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
-    KVP_RETURN_IF_ERROR(validate_input(in, 0));
+    KVP_RETURN_IF_ERROR(validate_input(in, 0, kDeviceBackend<Backend>));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     const std::int64_t H = in.keys.kv_heads(), n = in.keys.kv_len();
     KVP_REQUIRE(out.extent(0) == H && out.extent(1) == n, "tova: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
@@ -120,14 +120,19 @@ class TOVA {
                 static_cast<long long>(n));
     const ProblemShape shape = shape_of(in);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     const Slots sl = carve<Backend>(ws, shape, ctx.workers(), 1);
     const Blocks blk = sl.block(0);
     wave_rows<Backend>(std::span<const ScoreInput<Tq, Tk, Tp>>(&in, 1), sl, ctx, [](std::int64_t) { return true; });
     head_mean<Backend>(in, blk);
-    const float* s = blk.mean;
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t j = 0; j < n; ++j) out(h, j) = (params_.protect_last && j == n - 1) ? kProtectedScore : s[j];
-    return Status::ok();
+    const std::int64_t last = params_.protect_last ? n - 1 : n;
+    for (std::int64_t h = 0; h < H; ++h) {
+      float* row = out.data() + h * out.stride(0);
+      Backend::copy_strided(blk.mean, last, row, out.stride(1));
+      Backend::fill(row + last * out.stride(1), n - last, out.stride(1), kProtectedScore);
+    }
+    return call.end();
   }
 
   /// Eviction decision for a batch: rows `b * num_kv_heads + h`, equal per
@@ -142,13 +147,15 @@ class TOVA {
     KVP_REQUIRE(!batch.empty(), "tova: batch is empty");
     ProblemShape shape;
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      KVP_RETURN_IF_ERROR(validate_input(batch[b], b));
+      KVP_RETURN_IF_ERROR(validate_input(batch[b], b, kDeviceBackend<Backend>));
       KVP_RETURN_IF_ERROR(detail::check_same_heads(kName, b, shape_of(batch[b]), &shape));
     }
     // One sequence slot at least; as many as the workspace holds, up to min(batch, workers).
     const int W = ctx.workers();
     const auto nb = static_cast<std::int64_t>(batch.size());
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, workspace_bytes<Backend>(shape, ctx)));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     const Slots sl = carve<Backend>(ws, shape, W, std::min<std::int64_t>(nb, W));
     const std::int64_t H = shape.num_kv_heads;
     KVP_RETURN_IF_ERROR(
@@ -164,7 +171,7 @@ class TOVA {
         }
         choose<Backend>(blk, n, out, row0, H);
       });
-      return Status::ok();
+      return call.end();
     }
     for (std::int64_t b0 = 0; b0 < nb; b0 += sl.count) {  // waves of sl.count sequences: (sequence, head) items, then one per sequence
       const std::int64_t m = std::min<std::int64_t>(sl.count, nb - b0);
@@ -177,7 +184,7 @@ class TOVA {
         choose<Backend>(blk, part[i].keys.kv_len(), out, (b0 + i) * H, H);
       });
     }
-    return Status::ok();
+    return call.end();
   }
 
   template <class Backend, class Tq, class Tk, class Tp>
@@ -265,14 +272,20 @@ class TOVA {
   }
 
   template <class Tq, class Tk, class Tp>
-  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b) const noexcept {
+  Status validate_input(const ScoreInput<Tq, Tk, Tp>& in, std::size_t b, bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(in.lookahead == 0, "tova: lookahead is %lld; TOVA scores with the current query only, it takes no lookahead queries",
                 static_cast<long long>(in.lookahead));
     if (in.has_attention()) {
       const auto& p = in.attention;
       KVP_RETURN_IF_ERROR(p.check_basic(kName, "probabilities"));
-      KVP_REQUIRE(p.device().is_host(), "tova: probabilities is a device tensor; this entry point reads host memory");
+      if (on_device) {
+        KVP_REQUIRE(!p.device().is_host(),
+                    "tova: probabilities is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+        KVP_REQUIRE(in.keys.paged == nullptr, "tova: keys is paged; policies on a device backend take dense views only");
+      } else {
+        KVP_REQUIRE(p.device().is_host(), "tova: probabilities is a device tensor; this entry point reads host memory");
+      }
       KVP_REQUIRE(p.extent(1) >= 1, "tova: probabilities has %lld query rows, must be >= 1", static_cast<long long>(p.extent(1)));
       GqaMap gqa;
       KVP_RETURN_IF_ERROR(GqaMap::make(p.extent(0), in.keys.kv_heads(), kName, &gqa));
@@ -283,7 +296,8 @@ class TOVA {
       std::int64_t k = 0;
       return params_.budget.resolve(kName, n, params_.protect_last ? 1 : 0, &k);
     }
-    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys));
+    const PagedKVView<const Tk>** no_paged = nullptr;
+    KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, in.queries, in.keys, no_paged, on_device));
     KVP_REQUIRE(in.queries.extent(1) >= 1, "tova: queries has %lld rows per head, must be >= 1 (the last is used)",
                 static_cast<long long>(in.queries.extent(1)));
     const std::int64_t n = in.keys.kv_len();
@@ -341,23 +355,26 @@ class TOVA {
     std::int32_t* dst = out.indices + out.indptr[row0];
     const std::int64_t k = out.row_size(row0);
     if (k >= n) {
-      for (std::int64_t j = 0; j < n; ++j) dst[j] = static_cast<std::int32_t>(j);
+      Backend::iota(dst, 0, n);
     } else if (k == n - 1 && (k >= 1 || !params_.protect_last)) {
       // The online steady state evicts one token: an argmin under the same order (NaN lowest, first NaN).
       const std::int64_t cand = params_.protect_last ? n - 1 : n;
-      std::int64_t x = 0;
-      if (Backend::argmin_or_nan(blk.mean, cand, &x) >= 0) x = Backend::first_nan(blk.mean, cand);
-      for (std::int64_t j = 0; j < x; ++j) dst[j] = static_cast<std::int32_t>(j);
-      for (std::int64_t j = x; j < k; ++j) dst[j] = static_cast<std::int32_t>(j + 1);
+      if constexpr (kDeviceBackend<Backend>) {
+        Backend::evict_lowest(blk.mean, cand, n, dst);  // same victim; blk.mean is scratch from here on
+      } else {
+        std::int64_t x = 0;
+        if (Backend::argmin_or_nan(blk.mean, cand, &x) >= 0) x = Backend::first_nan(blk.mean, cand);
+        for (std::int64_t j = 0; j < x; ++j) dst[j] = static_cast<std::int32_t>(j);
+        for (std::int64_t j = x; j < k; ++j) dst[j] = static_cast<std::int32_t>(j + 1);
+      }
     } else if (params_.protect_last && k >= 1) {
       Backend::topk(blk.mean, n - 1, k - 1, dst, blk.topk);
-      dst[k - 1] = static_cast<std::int32_t>(n - 1);
+      Backend::iota(dst + k - 1, n - 1, 1);
     } else {
       Backend::topk(blk.mean, n, k, dst, blk.topk);
     }
     if (k > 0)  // k == 0: indices may be null (an empty KeepSet)
-      for (std::int64_t h = 1; h < H; ++h)
-        std::memcpy(out.indices + out.indptr[row0 + h], dst, static_cast<std::size_t>(k) * sizeof(std::int32_t));
+      for (std::int64_t h = 1; h < H; ++h) Backend::copy_ids(dst, k, out.indices + out.indptr[row0 + h]);
   }
 
   Params params_{};

@@ -222,8 +222,9 @@ class Quest {
     KVP_REQUIRE(in.queries.extent(2) >= 1 && in.queries.extent(2) <= INT32_MAX, "quest: queries head_dim is %lld, must be >= 1",
                 static_cast<long long>(in.queries.extent(2)));
     // The pool size is not known here: ids are checked against it by `select`, here only for >= 0.
-    KVP_RETURN_IF_ERROR(in.table.validate(kName, INT32_MAX, in.page_size));
-    KVP_RETURN_IF_ERROR(check_no_repeated_page(in.table));
+    // On a device backend the ids are device memory: only the CSR structure is checked.
+    KVP_RETURN_IF_ERROR(in.table.validate(kName, INT32_MAX, in.page_size, !kDeviceBackend<Backend>));
+    if constexpr (!kDeviceBackend<Backend>) KVP_RETURN_IF_ERROR(check_no_repeated_page(in.table));
     Plan p;
     p.layer = in.layer;
     p.page_size = in.page_size;
@@ -287,7 +288,14 @@ class Quest {
     KVP_REQUIRE(plan.layer == in.layer && plan.page_size == in.page_size && plan.batch == in.table.batch,
                 "quest: the step (layer %d, page_size %d, batch %d) does not match the plan (layer %d, page_size %d, batch %d); re-plan",
                 in.layer, in.page_size, in.table.batch, plan.layer, plan.page_size, plan.batch);
-    return select_impl<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace, cx.exec);
+    if constexpr (kDeviceBackend<Backend>) {
+      const detail::BackendCall<Backend> call(cx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      KVP_RETURN_IF_ERROR(select_on_device<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace));
+      return call.end();
+    } else {
+      return select_impl<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace, cx.exec);
+    }
   }
 
  private:
@@ -399,6 +407,70 @@ class Quest {
       select_item<Backend>(layer, page_budget(table, b, page_size), gqa, table, b, g, sc.scores + sc.score_start[b], out, c);
     });
     if (params_.gqa == QuestGqa::kUnion) compact_rows(out);
+    return Status::ok();
+  }
+
+  /// `select_impl` on a device backend. The queries, the metadata, the page
+  /// ids (`table.indices`), the selection's ids (`out.indices`, `out.logical`)
+  /// and the workspace are device memory; `table.indptr`,
+  /// `table.last_page_len`, `out.indptr` and `out.last_page_len` are host
+  /// arrays (lengths the engine's scheduler knows; FlashInfer's plan takes
+  /// them on the host too). Checked on the host: shapes and the CSR
+  /// structure; not checked (they would need a device read): page ids in
+  /// range, repeated ids, non-finite queries. kUnion (a data-dependent row
+  /// length) is not offered on a device. Sequences are scored one after
+  /// another, each with one bounds launch over all its pages.
+  template <class Backend, class Tq, class Tm>
+  Status select_on_device(int layer, TensorView<const Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
+                          PageSelection out, Workspace ws) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params(page_size));
+    if (params_.gqa == QuestGqa::kUnion)
+      return Status::error(StatusCode::kUnsupported, "quest: gqa=union (rows of data-dependent length) is not offered on a device backend");
+    KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
+    KVP_REQUIRE(!queries.device().is_host(), "quest: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+    KVP_RETURN_IF_ERROR(meta.check_basic(kName));
+    KVP_REQUIRE(!meta.device.is_host(), "quest: metadata is a host buffer; a device backend reads device memory (tag the view kCUDA)");
+    GqaMap gqa;
+    KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));
+    KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
+                static_cast<long long>(queries.extent(2)), meta.head_dim);
+    KVP_REQUIRE(queries.extent(0) == table.batch, "quest: queries has %lld sequences, the page table has batch %d",
+                static_cast<long long>(queries.extent(0)), table.batch);
+    KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size, /*check_ids=*/false));
+    const std::int64_t H = heads_per_seq(gqa);
+    KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
+    const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table),
+                                       max_page_budget(table, page_size), gqa, meta.head_dim, 1);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
+    std::int64_t pos = 0;
+    out.indptr[0] = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_budget(table, b, page_size), gqa);
+      for (std::int64_t h = 0; h < H; ++h) {
+        pos += cap;
+        out.indptr[b * H + h + 1] = static_cast<std::int32_t>(pos);
+        out.last_page_len[b * H + h] = cap == 0 ? 0 : table.last_page_len[b];
+      }
+    }
+    const Scratch sc = carve(lay, ws);  // score_start / chunk_start (device memory) stay unused: offsets are kept on the host
+    const std::int32_t d = meta.head_dim;
+    const std::int64_t Hq = gqa.num_q_heads;
+    const PageMetaView<const Tm> cmeta = meta;
+    std::int64_t score_pos = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int32_t B = page_budget(table, b, page_size);
+      const std::int64_t m = scored(layer, table.num_pages(b), B) ? table.num_pages(b) - 1 : 0;
+      if (m > 0) {
+        Backend::widen_queries(queries, b, 1, 0, Hq, sc.q + b * Hq * d);  // (batch, Hq, d) read as (heads, rows, d)
+        Backend::page_bounds(sc.q + b * Hq * d, gqa.group_size(), d, cmeta, table.indices + table.indptr[b], m, sc.scores + score_pos, m,
+                             sc.worker(0));
+      }
+      for (std::int32_t g = 0; g < gqa.num_kv_heads; ++g) {
+        WorkspaceCarver c(sc.worker(0));
+        select_item<Backend>(layer, B, gqa, table, b, g, sc.scores + score_pos, out, c);
+      }
+      score_pos += m * Hq;
+    }
     return Status::ok();
   }
 
@@ -519,16 +591,19 @@ class Quest {
                                          : static_cast<std::int64_t>(b) * gqa.num_kv_heads + g;
     const std::int32_t rows = per_q ? G : 1;
     auto write_row = [&](std::int64_t row, const std::int32_t* sel, std::int32_t k, bool add_last) {
+      // Through ops, so the ids are written where they live (device memory on a device backend).
       std::int32_t* dst = out.indices + out.indptr[row];
       std::int32_t* lg = out.logical ? out.logical + out.indptr[row] : nullptr;
-      for (std::int32_t i = 0; i < k; ++i) {
-        const std::int32_t p = sel ? sel[i] : i;
-        dst[i] = pages[p];
-        if (lg) lg[i] = p;
+      Backend::gather_ids(pages, sel, k, dst);
+      if (lg) {
+        if (sel)
+          Backend::copy_ids(sel, k, lg);
+        else
+          Backend::iota(lg, 0, k);
       }
       if (add_last) {
-        dst[k] = pages[n - 1];
-        if (lg) lg[k] = n - 1;
+        Backend::gather_ids(pages + (n - 1), nullptr, 1, dst + k);
+        if (lg) Backend::iota(lg + k, n - 1, 1);
       }
       return k + (add_last ? 1 : 0);
     };

@@ -55,10 +55,10 @@ struct Cuda {
   /// The current device's limits, measured by running kernels (not read from
   /// a data sheet), for benchmarks that report fractions of peak.
   struct Peaks {
-    double read_bytes_per_s = 0.0;   ///< streaming read of a 2 GiB buffer (HBM)
-    double fp32_flops_per_s = 0.0;   ///< dependent FMA chains on every SM (CUDA cores)
+    double read_bytes_per_s = 0.0;     ///< streaming read of a 2 GiB buffer (HBM)
+    double fp32_flops_per_s = 0.0;     ///< dependent FMA chains on every SM (CUDA cores)
     double fp16_tc_flops_per_s = 0.0;  ///< fp16 tensor cores through mma.sync m16n8k16, fp32 accumulate (not wgmma)
-    char name[96] = {};              ///< device name
+    char name[96] = {};                ///< device name
     int sm_count = 0;
   };
 
@@ -96,6 +96,7 @@ struct Cuda {
   /// Accuracy: dot products and the window sum are accumulated in the same
   /// order as the scalar reference, the denominator in fp64; results differ
   /// from `backend::Scalar` only by expf rounding (a few ulp).
+  /// Except fp16/bf16 keys on sm_80+: tensor-core logits (split fp32 q, ~fp32 accurate, see window_scores.cu), not bitwise Scalar.
   /// Complexity: 3 kernels; O(group*window*kv_len*head_dim) work, keys are
   /// read once per 64 query rows.
   static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device, float* out_device,
@@ -220,6 +221,16 @@ struct Cuda {
   /// `Scalar::add_rows`: dst[i] += src[i] for i < n.
   static void add_rows(float* dst_device, const float* src_device, std::int64_t n) noexcept;
 
+  /// `Scalar::divide_by_tail`: s[j] /= (n - j) for j < n.
+  static void divide_by_tail(float* s_device, std::int64_t n) noexcept;
+
+  /// `Scalar::gather_ids`: dst[i] = table[sel[i]] (table[i] when sel is null) for i < n.
+  static void gather_ids(const std::int32_t* table_device, const std::int32_t* sel_device, std::int64_t n,
+                         std::int32_t* dst_device) noexcept;
+
+  /// `Scalar::copy_ids`: dst[i] = src[i] for i < n.
+  static void copy_ids(const std::int32_t* src_device, std::int64_t n, std::int32_t* dst_device) noexcept;
+
   /// `Scalar::evict_lowest`: removes the lowest slot of row[0..cand) under
   /// `score_order_key` (ties: the lowest slot) from row[0..n), shifting the
   /// tail down, and writes the n - 1 kept slots (ascending) to ids.
@@ -233,10 +244,18 @@ struct Cuda {
   /// order of adds): H2O's per-call column sums folded into its state row.
   static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const float, 3>& p_device,
                                      std::int64_t h0, std::int64_t group, bool mean_over_group) noexcept;
-  static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const half, 3>& p_device,
-                                     std::int64_t h0, std::int64_t group, bool mean_over_group) noexcept;
+  static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const half, 3>& p_device, std::int64_t h0,
+                                     std::int64_t group, bool mean_over_group) noexcept;
   static void accumulate_column_sums(float* state_device, std::int64_t len_prev, const TensorView<const bfloat16, 3>& p_device,
                                      std::int64_t h0, std::int64_t group, bool mean_over_group) noexcept;
+
+  /// `Scalar::neg_row_norms` on the device, bit-identical (one thread per row,
+  /// the squares summed in fp64 in ascending order as the reference does).
+  static void neg_row_norms(const Rows<float>& rows_device, std::int64_t n, std::int64_t d, float* out_device,
+                            std::int64_t stride) noexcept;
+  static void neg_row_norms(const Rows<half>& rows_device, std::int64_t n, std::int64_t d, float* out_device, std::int64_t stride) noexcept;
+  static void neg_row_norms(const Rows<bfloat16>& rows_device, std::int64_t n, std::int64_t d, float* out_device,
+                            std::int64_t stride) noexcept;
 
   /// `Scalar::mean_rows` on the device, bit-identical (heads in ascending order).
   static void mean_rows(const TensorView<const float, 2> rows_device, float* mean_device) noexcept;
@@ -257,7 +276,8 @@ struct Cuda {
 
   template <class Tm>
   static void page_bounds(const float* q_device, std::int64_t group, std::int64_t head_dim, PageMetaView<const Tm> meta_device,
-                          const std::int32_t* pages_device, std::int64_t n, float* out_device, std::int64_t ld_out, Workspace ws_device) noexcept;
+                          const std::int32_t* pages_device, std::int64_t n, float* out_device, std::int64_t ld_out,
+                          Workspace ws_device) noexcept;
 
   template <class T>
   static std::int64_t attention_block(const Rows<T>& keys) noexcept {
