@@ -13,9 +13,9 @@
 #                   CUDAARCHS) and builds those targets; that needs Catch2 and
 #                   Google Benchmark where CMake finds them.
 #   --out DIR       results (default: $OUT when set, else build-gpu/check):
-#                   gpu_check.json (the summary), tests.log, tests.tsv,
-#                   bench_cuda.json, bench_cuda_policies.json,
-#                   torch_reference.json.
+#                   gpu_check.json (the summary), tests.log (nvidia-smi, then
+#                   every test's output), tests.tsv, bench_cuda.json,
+#                   bench_cuda_policies.json, torch_reference.json.
 # Exit status: 0 when every test passed, 1 otherwise (benchmarks never fail it).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,22 +44,23 @@ else
   for t in $tests $benches; do cp "$(find build-gpu -name "$t" -type f -perm -u+x | head -1)" "$bin/"; done
 fi
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/nvidia-smi.csv" 2>&1 || true
 : >"$out/tests.tsv"
-: >"$out/tests.log"
-# Each test once as built, and the score-dependent ones again on the exact fp32
-# logits kernel (KVP_CUDA_EXACT_SCORES=1; the default uses tensor cores for fp16 / bf16 keys).
-runs="$tests test_cuda_ops:exact test_cuda_policies:exact"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/tests.log" 2>&1 || true
+# Each test once as built (exact fp32 logits kernel), and the policy tests again
+# with the tensor-core logits kernel for fp16 / bf16 keys (KVP_CUDA_TENSOR_CORE_SCORES=1;
+# test_cuda_ops forces both kernels itself).
+runs="$tests test_cuda_policies:tc"
+[ -x "$bin/readme_cuda" ] && runs="$runs readme_cuda"
 for r in $runs; do
   t="${r%%:*}" name="$r" env=()
-  if [ "$r" != "$t" ]; then env=(KVP_CUDA_EXACT_SCORES=1) name="${t}[exact]"; fi
+  if [ "$r" != "$t" ]; then env=(KVP_CUDA_TENSOR_CORE_SCORES=1) name="${t}[tensor_cores]"; fi
   log="$out/run.log"
   start=$(date +%s%N)
   env "${env[@]}" timeout 300 "$bin/$t" >"$log" 2>&1
   rc=$?
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
-  summary=$(grep -E "All tests passed|test cases:|SKIPPED" "$log" | tail -1)
+  summary=$(grep -E "All tests passed|test cases:|SKIPPED|kv head 0 keeps|nothing to run" "$log" | tail -1)
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$summary" >>"$out/tests.tsv"
   { echo "==== $name (exit $rc)"; cat "$log"; } >>"$out/tests.log"
   rm -f "$log"

@@ -255,6 +255,9 @@ TEST_CASE("cuda device_count: reports the runtime's answer as a Status", "[cuda]
 
 static_assert(kvpolicy::ScoreOps<Cuda, float> && kvpolicy::ScoreOps<Cuda, kvpolicy::half> && kvpolicy::ScoreOps<Cuda, kvpolicy::bfloat16>,
               "backend::Cuda models the score-op family for every key dtype");
+static_assert(kvpolicy::PageOps<Cuda, float, float> && kvpolicy::PageOps<Cuda, kvpolicy::half, kvpolicy::half> &&
+                  kvpolicy::PageOps<Cuda, kvpolicy::bfloat16, kvpolicy::bfloat16>,
+              "backend::Cuda models the page-op family (Quest) for every key dtype");
 
 namespace {
 void pool_fn(void*, std::int64_t, kvpolicy::ParallelBody, void*) {}

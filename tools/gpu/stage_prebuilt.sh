@@ -13,6 +13,13 @@ cmake --build build-gpu --target $targets -j2
 rm -rf "$dir"
 mkdir -p "$dir/bin" "$dir/lib"
 for t in $targets; do cp "$(find build-gpu -name "$t" -type f -perm -u+x | head -1)" "$dir/bin/"; done
+# The README's CUDA example, run on the device as the test `readme_cuda`.
+block=$(grep -l "KVP_WITH_CUDA, on by default" build-gpu/tests/readme/readme_block_*.cpp | head -1)
+if [ -n "$block" ]; then
+  name=$(basename "$block" .cpp)
+  cmake --build build-gpu --target "$name" -j2
+  cp "$(find build-gpu -name "$name" -type f -perm -u+x | head -1)" "$dir/bin/readme_cuda"
+fi
 for t in $targets; do ldd "$dir/bin/$t"; done | awk '/=> \// {print $3}' | sort -u | grep -E 'libcudart|libbenchmark' |
   while read -r lib; do cp -L "$lib" "$dir/lib/"; done
 ls -la "$dir/bin" "$dir/lib"

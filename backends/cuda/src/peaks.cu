@@ -54,10 +54,9 @@ __global__ void mma_kernel(float* __restrict__ sink) {
   for (int i = 0; i < kMmaIters; ++i) {
 #pragma unroll
     for (int ch = 0; ch < 4; ++ch) {
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-          : "+f"(c[ch][0]), "+f"(c[ch][1]), "+f"(c[ch][2]), "+f"(c[ch][3])
-          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                   : "+f"(c[ch][0]), "+f"(c[ch][1]), "+f"(c[ch][2]), "+f"(c[ch][3])
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
   }
   float s = 0.0f;
@@ -107,7 +106,8 @@ Status Cuda::measure_peaks(Peaks* out) noexcept {
   int dev = 0;
   cudaDeviceProp prop{};
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return device_error("cuda measure_peaks", "cudaGetDevice", e);
-  if (cudaError_t e = cudaGetDeviceProperties(&prop, dev); e != cudaSuccess) return device_error("cuda measure_peaks", "cudaGetDeviceProperties", e);
+  if (cudaError_t e = cudaGetDeviceProperties(&prop, dev); e != cudaSuccess)
+    return device_error("cuda measure_peaks", "cudaGetDeviceProperties", e);
   for (std::size_t i = 0; i + 1 < sizeof(out->name) && prop.name[i] != '\0'; ++i) out->name[i] = prop.name[i];
   out->sm_count = prop.multiProcessorCount;
 

@@ -96,7 +96,8 @@ struct Cuda {
   /// Accuracy: dot products and the window sum are accumulated in the same
   /// order as the scalar reference, the denominator in fp64; results differ
   /// from `backend::Scalar` only by expf rounding (a few ulp).
-  /// Except fp16/bf16 keys on sm_80+: tensor-core logits (split fp32 q, ~fp32 accurate, see window_scores.cu), not bitwise Scalar.
+  /// Opt-in (KVP_CUDA_TENSOR_CORE_SCORES=1) for fp16/bf16 keys on sm_80+: tensor-core logits
+  /// (split fp32 queries, within 1e-5 relative, see window_scores.cu), not bitwise Scalar.
   /// Complexity: 3 kernels; O(group*window*kv_len*head_dim) work, keys are
   /// read once per 64 query rows.
   static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device, float* out_device,
