@@ -12,8 +12,13 @@
 
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/ops/contract.hpp"
+#include "kvpolicy/policy/eviction/knorm.hpp"
+#include "kvpolicy/policy/eviction/observed_attention.hpp"
+#include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
+#include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/selection/quest.hpp"
 
 #if defined(__CUDA_RUNTIME_H__) || defined(__CUDA_RUNTIME_API_H__) || defined(__CUDACC__)
 #error "kvpolicy/backends/cuda.hpp must not pull in CUDA headers"
@@ -312,4 +317,69 @@ TEST_CASE("cuda policies: the call scope binds the context's stream and restores
     REQUIRE(mentions(outer.end(), "kernel is 4"));  // first error wins, kept for the outer call
   }
   REQUIRE(Cuda::current_stream() == nullptr);
+}
+
+// Every device-capable policy takes device-tagged views through all of its host checks: with a context of two
+// host workers the first thing refused is the worker count (checked after validation, before anything is
+// written or enqueued), so a check that wrongly demands host memory would show here as another error. Runs
+// without a GPU; the pointers are never dereferenced.
+TEST_CASE("cuda policies: device views pass every policy's host checks", "[cuda][policy]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  const Context<Cuda> cx{Workspace{fake<void>(4), std::size_t{1} << 34}, two_workers, nullptr};
+  auto refused_for_workers = [](const Status& s) {
+    INFO(s.message());
+    return s.code() == StatusCode::kUnsupported && mentions(s, "2 workers");
+  };
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 1000;
+  const KVSource<half> keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {Hkv, T, d}, {T * d, d, 1}, gpu));
+  std::int32_t indptr[3] = {-7, -7, -7};
+  const KeepSet out{indptr, fake<std::int32_t>(3), Hkv, Hkv * T};
+  auto untouched = [&] { return indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7; };
+
+  const ScoreInput<float, half> last_query{TensorView<const float, 3>(fake<const float>(1), {Hq, 1, d}, {d, d, 1}, gpu), keys};
+  CHECK(refused_for_workers(TOVA(TOVAParams{Budget::compression_ratio(0.5)}).evict(cx, last_query, out)));
+  const ScoreInput<float, half> prompt{TensorView<const float, 3>(fake<const float>(1), {Hq, T, d}, {T * d, d, 1}, gpu), keys};
+  CHECK(refused_for_workers(ObservedAttention(ObservedAttentionParams{}).evict(cx, prompt, out)));
+  CHECK(refused_for_workers(Knorm(KnormParams{Budget::compression_ratio(0.5)}).evict(cx, ScoreInput<float, half>{{}, keys}, out)));
+  const ScoreInput<float, half> window{TensorView<const float, 3>(fake<const float>(1), {Hq, 64, d}, {64 * d, d, 1}, gpu), keys};
+  CHECK(refused_for_workers(PyramidKV(PyramidKVParams::kvpress(0.5, 3, 32)).evict(cx, window, out)));
+  CHECK(untouched());
+
+  // Quest: plan, select and on_append with device page ids, metadata, queries and pool; host lengths.
+  const std::int32_t P = 16, pages = 63, batch = 1;
+  std::int32_t t_indptr[2] = {0, pages}, t_last[1] = {7};
+  const PageTable table{t_indptr, fake<const std::int32_t>(5), t_last, batch};
+  const DecodeInput<float> step{TensorView<const float, 3>(fake<const float>(1), {batch, Hq, d}, {Hq * d, d, 1}, gpu), table, P, 5};
+  const auto meta = PageMetaView<half>::contiguous(fake<half>(6), pages, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d), gpu);
+  QuestParams qp;
+  qp.budget = Budget::tokens(256);
+  const Quest quest(qp);
+  Quest::Plan plan;
+  const Status ps = quest.plan(cx, step, ProblemShape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d}, plan);
+  INFO(ps.message());
+  REQUIRE(ps.is_ok());
+  std::int32_t s_indptr[9], s_last[8];
+  std::fill(s_indptr, s_indptr + 9, -7);
+  std::fill(s_last, s_last + 8, -7);
+  const PageSelection sel{s_indptr, fake<std::int32_t>(7),         s_last,
+                          nullptr,  plan.requirements.output.rows, plan.requirements.output.capacity};
+  CHECK(refused_for_workers(quest.select(cx, plan, step, PageMetaView<const half>(meta), sel)));
+  CHECK(std::all_of(s_indptr, s_indptr + 9, [](std::int32_t v) { return v == -7; }));
+  PagedKVView<const half> pool{fake<const half>(8),
+                               nullptr,
+                               PageStrides::contiguous(PageLayout::kHND, Hkv, P, d),
+                               PageStrides::contiguous(PageLayout::kHND, Hkv, P, d),
+                               pages,
+                               static_cast<std::int32_t>(Hkv),
+                               P,
+                               static_cast<std::int32_t>(d),
+                               table,
+                               gpu};
+  const std::int32_t append_len[1] = {1};
+  CHECK(refused_for_workers(quest.on_append(cx, AppendInput<half>{pool, append_len}, meta)));
+  // Host memory handed to a device call is refused by name.
+  const auto host_meta = PageMetaView<half>::contiguous(fake<half>(6), pages, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d));
+  CHECK(mentions(quest.on_append(cx, AppendInput<half>{pool, append_len}, host_meta), "metadata is host memory"));
 }

@@ -776,6 +776,51 @@ TEMPLATE_TEST_CASE("cuda Quest: page selection matches Scalar for every GQA mode
   REQUIRE(std::all_of(indptr.begin(), indptr.end(), [](std::int32_t v) { return v == -7; }));
 }
 
+TEMPLATE_TEST_CASE("cuda Quest: on_append on the device builds the metadata bit for bit", "[cuda][quest]", float, kvp::half,
+                   kvp::bfloat16) {
+  // A prefill of ragged sequences, then decode appends of one token and a chunk straddling pages.
+  QuestTwin<TestType, float> tw(16, 2, 2, 40, {100, 16, 37}, 13);
+  DeviceBuffer dk(tw.cache.k), dmeta2(tw.meta.data.size() * sizeof(TestType));
+  dmeta2.upload(std::vector<TestType>(tw.meta.data.size(), kvp::from_float<TestType>(12345.0f)));
+  Stream st;
+  auto device_pool = [&] {
+    kvp::PagedKVView<const TestType> v = tw.cache.view();
+    v.k_data = dk.get<const TestType>();
+    v.v_data = nullptr;
+    v.table.indices = tw.dids.template get<const std::int32_t>();
+    v.device = kGpu;
+    return v;
+  };
+  const auto dmeta =
+      kvp::PageMetaView<TestType>::contiguous(dmeta2.get<TestType>(), tw.cache.num_pages, tw.cache.kv_heads, tw.cache.head_dim, kGpu);
+  std::vector<std::int32_t> all(static_cast<std::size_t>(tw.cache.batch()));
+  for (std::int32_t b = 0; b < tw.cache.batch(); ++b)
+    all[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(tw.cache.seq_len[static_cast<std::size_t>(b)]);
+  KVP_REQUIRE_OK(kvp::Quest{}.on_append(kvp::Context<Cuda>{{}, {}, st.s}, kvp::AppendInput<TestType>{device_pool(), all.data()}, dmeta));
+  st.sync();
+  auto same_meta = [&] {
+    const auto got = dmeta2.download<TestType>(tw.meta.data.size());
+    REQUIRE(std::memcmp(got.data(), tw.meta.data.data(), got.size() * sizeof(TestType)) == 0);
+  };
+  same_meta();
+  for (const std::int64_t n : {1, 1, 21, 3}) {
+    INFO("append " << n);
+    std::vector<std::int32_t> app(static_cast<std::size_t>(tw.cache.batch()), 0);
+    for (std::int32_t b = 0; b < tw.cache.batch(); b += 2) {
+      tw.cache.append_normal(b, n);
+      app[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(n);
+    }
+    KVP_REQUIRE_OK(kvp::Quest{}.on_append(kvp::Context<Scalar>{}, kvp::AppendInput<TestType>{tw.cache.view(), app.data()}, tw.meta.view()));
+    dk.upload(tw.cache.k);
+    DeviceBuffer ids(tw.cache.indices);
+    kvp::PagedKVView<const TestType> v = device_pool();
+    v.table.indices = ids.get<const std::int32_t>();
+    KVP_REQUIRE_OK(kvp::Quest{}.on_append(kvp::Context<Cuda>{{}, {}, st.s}, kvp::AppendInput<TestType>{v, app.data()}, dmeta));
+    st.sync();
+    same_meta();
+  }
+}
+
 TEST_CASE("cuda Quest: a select captured in a CUDA graph and replayed on new queries", "[cuda][quest][graph]") {
   QuestTwin<kvp::half, float> tw(16, 4, 2, 128, {3000, 777}, 9);
   kvp::QuestParams qp;

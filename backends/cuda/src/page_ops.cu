@@ -133,6 +133,38 @@ __global__ void __launch_bounds__(kFoldChannels* kFoldSlices)
   }
 }
 
+// ---- page_meta_append ------------------------------------------------------------
+
+constexpr int kAppendThreads = 128;
+
+/// Block (x, y): logical page t0 / P + x of the sequence, kv head y. Each thread folds its channels over the
+/// page's rows in row order, as the reference's `page_meta_fold` does.
+template <class Tk, class Tm>
+__global__ void __launch_bounds__(kAppendThreads)
+    page_meta_append_kernel(const Tk* __restrict__ k_data, std::int64_t s_page, std::int64_t s_head, std::int64_t s_slot, std::int32_t P,
+                            std::int64_t head_dim, const std::int32_t* __restrict__ pages, std::int64_t t0, std::int64_t t1, Tm* max_data,
+                            Tm* min_data, std::int64_t m_page, std::int64_t m_head) {
+  const std::int64_t lp = t0 / P + blockIdx.x, h = blockIdx.y;
+  const std::int64_t a = t0 > lp * P ? t0 : lp * P, b = t1 < (lp + 1) * P ? t1 : (lp + 1) * P;
+  const std::int64_t slot0 = a - lp * P, rows = b - a;
+  const std::int64_t page = pages[lp];
+  const Tk* base = k_data + page * s_page + h * s_head + slot0 * s_slot;
+  Tm* mx = max_data + page * m_page + h * m_head;
+  Tm* mn = min_data + page * m_page + h * m_head;
+  const bool fresh = slot0 == 0;
+  for (std::int64_t c = threadIdx.x; c < head_dim; c += blockDim.x) {
+    float hi = fresh ? f32_neg_inf() : exact_f32(mx + c);
+    float lo = fresh ? f32_pos_inf() : exact_f32(mn + c);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float v = load_f32(base + r * s_slot + c);
+      hi = v > hi ? v : hi;
+      lo = v < lo ? v : lo;
+    }
+    store_exact(mx + c, hi);
+    store_exact(mn + c, lo);
+  }
+}
+
 // ---- page_bounds ----------------------------------------------------------------
 
 constexpr int kBoundPages = 32;  // blockDim.x: pages of a tile (one per lane)
@@ -527,6 +559,30 @@ void Cuda::page_meta_fold(const Tk* rows, std::int64_t row_stride, std::int64_t 
   record_error(launch_status("cuda page_meta_fold"));
 }
 
+// ---- page_meta_append ------------------------------------------------------------
+
+template <class Tk, class Tm>
+void Cuda::page_meta_append(const Tk* k_data, const PageStrides& strides, std::int32_t page_size, std::int32_t num_kv_heads,
+                            std::int64_t head_dim, const std::int32_t* pages, std::int64_t t0, std::int64_t t1,
+                            PageMetaView<Tm> meta) noexcept {
+  static_assert(PageMetaStorableFrom<Tk, Tm>, "metadata is stored in the key type or in float");
+  using namespace cuda_detail;
+  if (t1 <= t0 || head_dim <= 0 || num_kv_heads <= 0) return;
+  if (page_size < 1 || t0 < 0)
+    return record_error(KVP_INVALID("cuda page_meta_append: page_size %d or t0 %lld out of range", page_size, static_cast<long long>(t0)));
+  if (k_data == nullptr || pages == nullptr || meta.max_data == nullptr || meta.min_data == nullptr)
+    return record_error(KVP_INVALID("cuda page_meta_append: keys, page ids or metadata is null"));
+  const std::int64_t first = t0 / page_size, last = (t1 - 1) / page_size, n = last - first + 1;
+  if (n > 2147483647 || num_kv_heads > 65535)
+    return record_error(Status::error(StatusCode::kUnsupported, "cuda page_meta_append: %lld pages x %d kv heads is too large",
+                                      static_cast<long long>(n), num_kv_heads));
+  page_meta_append_kernel<Tk, Tm>
+      <<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(num_kv_heads)), kAppendThreads, 0, as_stream(current_stream())>>>(
+          k_data, strides.page, strides.head, strides.slot, page_size, head_dim, pages, t0, t1, meta.max_data, meta.min_data,
+          meta.page_stride, meta.head_stride);
+  record_error(launch_status("cuda page_meta_append"));
+}
+
 // ---- page_bounds ----------------------------------------------------------------
 
 std::size_t Cuda::page_bounds_workspace(std::int64_t num_q_rows, std::int64_t head_dim) noexcept {
@@ -618,8 +674,10 @@ void Cuda::paged_decode_attention(const float* q, std::int64_t group, std::int64
 
 // ---- explicit instantiations ------------------------------------------------------
 
-#define KVP_CUDA_PAGE_META_FOLD(TK, TM) \
-  template void Cuda::page_meta_fold<TK, TM>(const TK*, std::int64_t, std::int64_t, std::int64_t, TM*, TM*, bool) noexcept;
+#define KVP_CUDA_PAGE_META_FOLD(TK, TM)                                                                                     \
+  template void Cuda::page_meta_fold<TK, TM>(const TK*, std::int64_t, std::int64_t, std::int64_t, TM*, TM*, bool) noexcept; \
+  template void Cuda::page_meta_append<TK, TM>(const TK*, const PageStrides&, std::int32_t, std::int32_t, std::int64_t,     \
+                                               const std::int32_t*, std::int64_t, std::int64_t, PageMetaView<TM>) noexcept;
 KVP_CUDA_PAGE_META_FOLD(float, float)
 KVP_CUDA_PAGE_META_FOLD(half, half)
 KVP_CUDA_PAGE_META_FOLD(half, float)

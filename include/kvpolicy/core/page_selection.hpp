@@ -96,8 +96,8 @@ struct PageMetaView {
   /// The view on its own: extents positive (num_pages >= 0), a stride that
   /// separates rows along every axis with more than one entry (a zero stride
   /// would make distinct pages or heads share one row), data present, host
-  /// memory.
-  Status check_basic(const char* who) const noexcept {
+  /// memory (device memory with `on_device`, for a device backend's call).
+  Status check_basic(const char* who, bool on_device = false) const noexcept {
     KVP_REQUIRE(num_pages >= 0, "%s: metadata num_pages is %d, must be >= 0", who, num_pages);
     KVP_REQUIRE(num_kv_heads > 0, "%s: metadata num_kv_heads is %d, must be > 0", who, num_kv_heads);
     KVP_REQUIRE(head_dim > 0, "%s: metadata head_dim is %d, must be > 0", who, head_dim);
@@ -106,17 +106,22 @@ struct PageMetaView {
                 num_kv_heads);
     KVP_REQUIRE(num_pages == 0 || (max_data != nullptr && min_data != nullptr), "%s: metadata max/min data is null with %d pages", who,
                 num_pages);
-    KVP_REQUIRE(device.is_host(), "%s: metadata is on a CUDA device; this entry point reads it on the host", who);
+    if (on_device) {
+      KVP_REQUIRE(!device.is_host(), "%s: metadata is host memory; a device backend reads device memory (tag the view kCUDA)", who);
+    } else {
+      KVP_REQUIRE(device.is_host(), "%s: metadata is on a CUDA device; this entry point reads it on the host", who);
+    }
     return Status::ok();
   }
 
   /// The metadata must describe exactly the pool it summarises (and pass `check_basic`).
-  Status validate(const char* who, std::int32_t pool_pages, std::int32_t pool_kv_heads, std::int32_t pool_head_dim) const noexcept {
+  Status validate(const char* who, std::int32_t pool_pages, std::int32_t pool_kv_heads, std::int32_t pool_head_dim,
+                  bool on_device = false) const noexcept {
     KVP_REQUIRE(num_pages == pool_pages, "%s: metadata has %d pages, the page pool has %d (one metadata entry per pool page)", who,
                 num_pages, pool_pages);
     KVP_REQUIRE(num_kv_heads == pool_kv_heads, "%s: metadata has %d kv heads, the page pool has %d", who, num_kv_heads, pool_kv_heads);
     KVP_REQUIRE(head_dim == pool_head_dim, "%s: metadata head_dim is %d, the keys have %d", who, head_dim, pool_head_dim);
-    return check_basic(who);
+    return check_basic(who, on_device);
   }
 };
 

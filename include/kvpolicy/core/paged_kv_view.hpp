@@ -127,7 +127,9 @@ struct PagedKVView {
     return PagedKVView<const T>{k_data, v_data, k_strides, v_strides, num_pages, num_kv_heads, page_size, head_dim, table, device};
   }
 
-  Status validate(const char* who, bool need_values = true) const noexcept {
+  /// Pool structure and the page table; `check_ids = false` leaves the page
+  /// ids unread (a device backend's call: `table.indices` is device memory).
+  Status validate(const char* who, bool need_values = true, bool check_ids = true) const noexcept {
     KVP_REQUIRE(page_size > 0, "%s: page_size is %d, must be > 0", who, page_size);
     KVP_REQUIRE(head_dim > 0, "%s: head_dim is %d, must be > 0", who, head_dim);
     KVP_REQUIRE(num_kv_heads > 0, "%s: num_kv_heads is %d, must be > 0", who, num_kv_heads);
@@ -140,7 +142,7 @@ struct PagedKVView {
     KVP_REQUIRE(k_strides.dim == 1, "%s: key dim stride is %lld, must be 1 (rows are read as contiguous vectors)", who,
                 static_cast<long long>(k_strides.dim));
     KVP_REQUIRE(!need_values || v_strides.dim == 1, "%s: value dim stride is %lld, must be 1", who, static_cast<long long>(v_strides.dim));
-    return table.validate(who, num_pages, page_size);
+    return table.validate(who, num_pages, page_size, check_ids);
   }
 
   /// `validate` for a pool written through (compaction, merging): each pool's

@@ -20,6 +20,7 @@
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/page_selection.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/workspace.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -61,6 +62,29 @@ struct ScalarPageOps {
       }
       max[c] = from_float<Tm>(hi);
       min[c] = from_float<Tm>(lo);
+    }
+  }
+
+  /// Tokens [t0, t1) of one sequence folded into its pages' metadata for every
+  /// kv head: `pages` is the sequence's page list (logical page i is pool page
+  /// pages[i]), keys at `k_data + page * strides.page + head * strides.head +
+  /// slot * strides.slot`; each page run is one `page_meta_fold`, fresh when it
+  /// starts at slot 0 (Quest's `on_append`, as one op so a device backend
+  /// reads the page ids on the device). 0 <= t0 <= t1.
+  template <class Tk, class Tm>
+    requires PageMetaStorableFrom<Tk, Tm>
+  static void page_meta_append(const Tk* k_data, const PageStrides& strides, std::int32_t page_size, std::int32_t num_kv_heads,
+                               std::int64_t head_dim, const std::int32_t* pages, std::int64_t t0, std::int64_t t1,
+                               PageMetaView<Tm> meta) noexcept {
+    for (std::int32_t h = 0; h < num_kv_heads; ++h) {
+      for (std::int64_t t = t0; t < t1;) {
+        const auto slot = static_cast<std::int32_t>(t % page_size);
+        const std::int64_t rows = std::min<std::int64_t>(page_size - slot, t1 - t);
+        const std::int32_t page = pages[t / page_size];
+        page_meta_fold(k_data + page * strides.page + h * strides.head + slot * strides.slot, strides.slot, rows, head_dim,
+                       meta.max_row(page, h), meta.min_row(page, h), /*fresh=*/slot == 0);
+        t += rows;
+      }
     }
   }
 

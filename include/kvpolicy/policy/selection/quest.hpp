@@ -254,7 +254,8 @@ class Quest {
     requires PageMetaStorableFrom<Tk, Tm> Status on_append(const Context<Backend>& ctx, const AppendInput<Tk>& app, State<Tm> meta)
   const noexcept {
     const PagedKVView<const Tk>& keys = app.kv;
-    KVP_RETURN_IF_ERROR(validate_keys(keys, meta));
+    constexpr bool on_device = kDeviceBackend<Backend>;
+    KVP_RETURN_IF_ERROR(validate_keys(keys, meta, on_device));
     if (app.append_len != nullptr) {
       for (std::int32_t b = 0; b < keys.table.batch; ++b) {
         KVP_REQUIRE(app.append_len[b] >= 0 && app.append_len[b] <= keys.seq_len(b),
@@ -262,8 +263,21 @@ class Quest {
                     static_cast<long long>(keys.seq_len(b)));
       }
     }
-    fold_tokens<Backend>(keys, meta, app.append_len, ctx.exec);
-    return Status::ok();
+    if constexpr (on_device) {
+      // The page pool, the page ids and the metadata are device memory; the table's lengths and
+      // `append_len` are host arrays. One op per sequence: its page runs for every kv head.
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int32_t b = 0; b < keys.table.batch; ++b) {
+        const std::int64_t len = keys.seq_len(b), t0 = app.append_len != nullptr ? len - app.append_len[b] : 0;
+        Backend::page_meta_append(keys.k_data, keys.k_strides, keys.page_size, keys.num_kv_heads, keys.head_dim,
+                                  keys.table.indices + keys.table.indptr[b], t0, len, meta);
+      }
+      return call.end();
+    } else {
+      fold_tokens<Backend>(keys, meta, app.append_len, ctx.exec);
+      return Status::ok();
+    }
   }
 
   /// Page selection for one decode step planned by `plan`.
@@ -290,8 +304,7 @@ class Quest {
                 in.layer, in.page_size, in.table.batch, plan.layer, plan.page_size, plan.batch);
     if constexpr (kDeviceBackend<Backend>) {
       const detail::BackendCall<Backend> call(cx);
-      KVP_RETURN_IF_ERROR(call.begin());
-      KVP_RETURN_IF_ERROR(select_on_device<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace));
+      KVP_RETURN_IF_ERROR(select_on_device<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace, call));
       return call.end();
     } else {
       return select_impl<Backend>(in.layer, in.queries, in.table, in.page_size, meta, out, cx.workspace, cx.exec);
@@ -422,14 +435,13 @@ class Quest {
   /// another, each with one bounds launch over all its pages.
   template <class Backend, class Tq, class Tm>
   Status select_on_device(int layer, TensorView<const Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
-                          PageSelection out, Workspace ws) const noexcept {
+                          PageSelection out, Workspace ws, const detail::BackendCall<Backend>& call) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params(page_size));
     if (params_.gqa == QuestGqa::kUnion)
       return Status::error(StatusCode::kUnsupported, "quest: gqa=union (rows of data-dependent length) is not offered on a device backend");
     KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
     KVP_REQUIRE(!queries.device().is_host(), "quest: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)");
-    KVP_RETURN_IF_ERROR(meta.check_basic(kName));
-    KVP_REQUIRE(!meta.device.is_host(), "quest: metadata is a host buffer; a device backend reads device memory (tag the view kCUDA)");
+    KVP_RETURN_IF_ERROR(meta.check_basic(kName, /*on_device=*/true));
     GqaMap gqa;
     KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));
     KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
@@ -442,6 +454,7 @@ class Quest {
     const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table),
                                        max_page_budget(table, page_size), gqa, meta.head_dim, 1);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
+    KVP_RETURN_IF_ERROR(call.begin());  // after every check, before anything is written
     std::int64_t pos = 0;
     out.indptr[0] = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) {
@@ -551,10 +564,14 @@ class Quest {
   }
 
   template <class Tk, class Tm>
-  static Status validate_keys(const PagedKVView<const Tk>& keys, const PageMetaView<Tm>& meta) noexcept {
-    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false));
-    KVP_REQUIRE(keys.device.is_host(), "quest: keys are on a device; this entry point reads host memory");
-    return meta.validate(kName, keys.num_pages, keys.num_kv_heads, keys.head_dim);
+  static Status validate_keys(const PagedKVView<const Tk>& keys, const PageMetaView<Tm>& meta, bool on_device = false) noexcept {
+    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false, /*check_ids=*/!on_device));
+    if (on_device) {
+      KVP_REQUIRE(!keys.device.is_host(), "quest: keys are host memory; a device backend reads device memory (tag the view kCUDA)");
+    } else {
+      KVP_REQUIRE(keys.device.is_host(), "quest: keys are on a device; this entry point reads host memory");
+    }
+    return meta.validate(kName, keys.num_pages, keys.num_kv_heads, keys.head_dim, on_device);
   }
 
   /// Folds tokens [len - append, len) of every (sequence, kv head) page by

@@ -29,6 +29,7 @@
 
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/page_selection.hpp"
+#include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/status.hpp"
@@ -272,6 +273,13 @@ struct Cuda {
   template <class Tk, class Tm>
   static void page_meta_fold(const Tk* rows_device, std::int64_t row_stride, std::int64_t num_rows, std::int64_t head_dim, Tm* max_device,
                              Tm* min_device, bool fresh) noexcept;
+
+  /// `Scalar::page_meta_append` on the device, bit-identical: one block per
+  /// (page touched, kv head); the page ids are read on the device.
+  template <class Tk, class Tm>
+  static void page_meta_append(const Tk* k_data_device, const PageStrides& strides, std::int32_t page_size, std::int32_t num_kv_heads,
+                               std::int64_t head_dim, const std::int32_t* pages_device, std::int64_t t0, std::int64_t t1,
+                               PageMetaView<Tm> meta_device) noexcept;
 
   static std::size_t page_bounds_workspace(std::int64_t num_q_rows, std::int64_t head_dim) noexcept;
 
