@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 
 namespace kvp = kvpolicy;
@@ -34,17 +35,7 @@ void set_window_logits_mode(int mode) noexcept;
 
 namespace {
 
-/// Device buffer that frees itself; `ok` is false when cudaMalloc failed.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  bool ok = false;
-  explicit DeviceBuffer(std::size_t bytes) { ok = bytes == 0 || cudaMalloc(&ptr, bytes) == cudaSuccess; }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-};
+using kvp_cuda_bench::DeviceBuffer;
 
 std::string cuda_message(const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); }
 

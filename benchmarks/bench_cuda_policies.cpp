@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
@@ -49,16 +50,7 @@ namespace {
 kvp::backend::Cuda::Peaks g_peaks;
 bool g_have_device = false;
 
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  bool ok = false;
-  explicit DeviceBuffer(std::size_t bytes) { ok = bytes == 0 || cudaMalloc(&ptr, bytes) == cudaSuccess; }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) cudaFree(ptr);
-  }
-};
+using kvp_cuda_bench::DeviceBuffer;
 
 /// Times `enqueue` on `stream` with events, one sample per iteration.
 template <class F>

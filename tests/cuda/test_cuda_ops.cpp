@@ -27,12 +27,15 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 
 namespace kvp = kvpolicy;
 using kvp::backend::Cuda;
 using kvp::backend::Scalar;
+using kvp_cuda_test::DeviceBuffer;
+using kvp_cuda_test::Stream;
 
 // Internal hooks of window_scores.cu (not in the public header).
 namespace kvpolicy {
@@ -48,53 +51,6 @@ namespace {
 
 template <class T>
 using Rows = kvp::Rows<T>;
-
-#define CUDA_REQUIRE(expr)                         \
-  do {                                             \
-    const cudaError_t e_ = (expr);                 \
-    INFO(#expr << ": " << cudaGetErrorString(e_)); \
-    REQUIRE(e_ == cudaSuccess);                    \
-  } while (0)
-
-#define KVP_REQUIRE_OK(expr)       \
-  do {                             \
-    const kvp::Status s_ = (expr); \
-    INFO(s_.message());            \
-    REQUIRE(s_.is_ok());           \
-  } while (0)
-
-/// Device allocation owned by the test.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, bytes_));
-  }
-  template <class T>
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
-    if (bytes_ > 0) CUDA_REQUIRE(cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice));
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  template <class T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-  std::size_t bytes() const { return bytes_; }
-  kvp::Workspace workspace() const { return kvp::Workspace{ptr_, bytes_}; }
-  template <class T>
-  std::vector<T> download(std::size_t n) const {
-    std::vector<T> host(n);
-    if (n > 0) CUDA_REQUIRE(cudaMemcpy(host.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 bool close_rel(float got, float want, float rel) {
   if (got == want) return true;
@@ -432,12 +388,7 @@ TEST_CASE("cuda topk_rows: every row as the scalar topk, padding untouched, on a
 }
 
 int main(int argc, char** argv) {
-  int count = 0;
-  const kvp::Status st = Cuda::device_count(&count);
-  if (!st.is_ok() || count == 0) {
-    std::printf("SKIPPED: no CUDA device (%s)\n", st.is_ok() ? "cudaGetDeviceCount: 0 devices" : st.message());
-    return 77;
-  }
+  if (!kvp_cuda_test::have_device()) return 77;
   std::printf("window_scores logits for fp16/bf16 keys by default: %s\n",
               kvp::cuda_detail::window_logits_use_tensor_cores() ? "tensor cores (mma.sync, split queries)" : "exact fp32 kernel");
   return Catch::Session().run(argc, argv);

@@ -26,6 +26,7 @@
 #include <random>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/kvpolicy.hpp"
 
@@ -34,6 +35,8 @@ using kvp::bfloat16;
 using kvp::half;
 using kvp::backend::Cuda;
 using kvp::backend::Scalar;
+using kvp_cuda_test::DeviceBuffer;
+using kvp_cuda_test::Stream;
 
 static_assert(kvp::PageOps<Cuda, float, float> && kvp::PageOps<Cuda, half, half> && kvp::PageOps<Cuda, bfloat16, bfloat16>,
               "backend::Cuda models the page-op family for every key dtype");
@@ -48,64 +51,6 @@ constexpr double kAttnRel = 2e-5;
 constexpr double kAttnAbsPerValue = 2e-5;  // times max |v|
 constexpr double kLseAbs = 2e-5;
 double g_worst_ratio = 0.0;  // largest |err| / tolerance seen by check_attention (printed by main)
-
-#define CUDA_REQUIRE(expr)                         \
-  do {                                             \
-    const cudaError_t e_ = (expr);                 \
-    INFO(#expr << ": " << cudaGetErrorString(e_)); \
-    REQUIRE(e_ == cudaSuccess);                    \
-  } while (0)
-
-#define KVP_REQUIRE_OK(expr)       \
-  do {                             \
-    const kvp::Status s_ = (expr); \
-    INFO(s_.message());            \
-    REQUIRE(s_.is_ok());           \
-  } while (0)
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, bytes_));
-  }
-  template <class T>
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
-    upload(host);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  template <class T>
-  void upload(const std::vector<T>& host) {
-    REQUIRE(host.size() * sizeof(T) <= bytes_);
-    if (!host.empty()) CUDA_REQUIRE(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  template <class T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-  template <class T>
-  std::vector<T> download(std::size_t n) const {
-    REQUIRE(n * sizeof(T) <= bytes_);
-    std::vector<T> host(n);
-    if (n > 0) CUDA_REQUIRE(cudaMemcpy(host.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s); }
-  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(s)); }
-};
 
 /// Runs `f` as a policy call would: inside a CallScope on `st`, then checks the recorded status.
 template <class F>
@@ -717,12 +662,7 @@ TEST_CASE("cuda page ops can be captured in a CUDA graph", "[cuda][pages][graph]
 }
 
 int main(int argc, char** argv) {
-  int count = 0;
-  const kvp::Status st = Cuda::device_count(&count);
-  if (!st.is_ok() || count == 0) {
-    std::printf("SKIPPED: no CUDA device (%s)\n", st.is_ok() ? "cudaGetDeviceCount: 0 devices" : st.message());
-    return 77;
-  }
+  if (!kvp_cuda_test::have_device()) return 77;
   const int rc = Catch::Session().run(argc, argv);
   std::printf("paged_decode_attention: largest |cuda - scalar| / tolerance seen: %.3g\n", g_worst_ratio);
   return rc;

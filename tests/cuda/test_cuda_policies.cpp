@@ -20,6 +20,7 @@
 #include <set>
 #include <vector>
 
+#include "cuda_test_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/kvpolicy.hpp"
 #include "../policy/keep_set_buffer.hpp"
@@ -28,61 +29,13 @@
 namespace kvp = kvpolicy;
 using kvp::backend::Cuda;
 using kvp::backend::Scalar;
+using kvp_cuda_test::DeviceBuffer;
+using kvp_cuda_test::Stream;
 
 static_assert(kvp::ScoreOps<Cuda, float> && kvp::ScoreOps<Cuda, kvp::half> && kvp::ScoreOps<Cuda, kvp::bfloat16>,
               "backend::Cuda models the score-op family for every key dtype");
 
 namespace {
-
-#define CUDA_REQUIRE(expr)                         \
-  do {                                             \
-    const cudaError_t e_ = (expr);                 \
-    INFO(#expr << ": " << cudaGetErrorString(e_)); \
-    REQUIRE(e_ == cudaSuccess);                    \
-  } while (0)
-
-#define KVP_REQUIRE_OK(expr)       \
-  do {                             \
-    const kvp::Status s_ = (expr); \
-    INFO(s_.message());            \
-    REQUIRE(s_.is_ok());           \
-  } while (0)
-
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, bytes_));
-  }
-  template <class T>
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
-    upload(host);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  template <class T>
-  void upload(const std::vector<T>& host) {
-    REQUIRE(host.size() * sizeof(T) <= bytes_);
-    if (!host.empty()) CUDA_REQUIRE(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  template <class T = void>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-  kvp::Workspace workspace() const { return kvp::Workspace{ptr_, bytes_}; }
-  template <class T>
-  std::vector<T> download(std::size_t n) const {
-    std::vector<T> host(n);
-    if (n > 0) CUDA_REQUIRE(cudaMemcpy(host.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 template <class T>
 std::vector<T> random_vector(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
@@ -117,13 +70,6 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   }
   return true;
 }
-
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { CUDA_REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s); }
-  void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(s)); }
-};
 
 /// Runs `f` as a policy call would: inside a CallScope on `st`, then checks the recorded status.
 template <class F>
@@ -899,11 +845,6 @@ TEST_CASE("cuda PyramidKV: per-layer budgets over SnapKV scores match Scalar", "
 }
 
 int main(int argc, char** argv) {
-  int count = 0;
-  const kvp::Status st = Cuda::device_count(&count);
-  if (!st.is_ok() || count == 0) {
-    std::printf("SKIPPED: no CUDA device (%s)\n", st.is_ok() ? "cudaGetDeviceCount: 0 devices" : st.message());
-    return 77;
-  }
+  if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);
 }

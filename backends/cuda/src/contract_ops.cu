@@ -40,53 +40,13 @@ unsigned blocks_for(std::int64_t n) noexcept {
 
 // ---- pool1d -----------------------------------------------------------------
 
-/// `detail::ascending_sum` on the device: the window's values added in
-/// ascending order (insertion sort into a register-backed buffer up to
-/// kPoolSortBuffer values; beyond, each distinct value ascending, as often
-/// as it occurs: the same sequence of additions).
-__device__ float ascending_sum_device(const float* in, std::int64_t lo, std::int64_t hi) {
-  const std::int64_t n = hi - lo + 1;
-  for (std::int64_t u = lo; u <= hi; ++u)
-    if (in[u] != in[u]) return __int_as_float(0x7fc00000);
-  float acc = 0.0f;
-  if (n <= detail::kPoolSortBuffer) {
-    float b[detail::kPoolSortBuffer];
-    for (std::int64_t i = 0; i < n; ++i) {
-      const float x = in[lo + i];
-      std::int64_t j = i;
-      for (; j > 0 && b[j - 1] > x; --j) b[j] = b[j - 1];
-      b[j] = x;
-    }
-    for (std::int64_t i = 0; i < n; ++i) acc = __fadd_rn(acc, b[i]);
-    return acc;
-  }
-  bool first = true;
-  float prev = 0.0f;
-  for (;;) {
-    bool found = false;
-    float cur = 0.0f;
-    for (std::int64_t u = lo; u <= hi; ++u) {
-      const float x = in[u];
-      if ((first || x > prev) && (!found || x < cur)) {
-        cur = x;
-        found = true;
-      }
-    }
-    if (!found) return acc;
-    for (std::int64_t u = lo; u <= hi; ++u)
-      if (in[u] == cur) acc = __fadd_rn(acc, cur);
-    prev = cur;
-    first = false;
-  }
-}
-
 __global__ void pool1d_kernel(const float* __restrict__ in, std::int64_t n, int kernel, Pooling kind, float* __restrict__ out) {
   const std::int64_t r = kernel / 2;
   for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t lo = t - r > 0 ? t - r : 0, hi = t + r < n - 1 ? t + r : n - 1;
     if (kind == Pooling::kAvg) {
-      out[t] = __fdiv_rn(ascending_sum_device(in, lo, hi), static_cast<float>(kernel));
+      out[t] = __fdiv_rn(detail::ascending_sum(in, lo, hi), static_cast<float>(kernel));  // the reference's own sum
     } else {
       float m = in[lo];
       for (std::int64_t u = lo + 1; u <= hi; ++u) m = (in[u] > m || m != m) ? in[u] : m;

@@ -41,10 +41,17 @@ inline constexpr std::int64_t kPoolSortBuffer = 64;
 /// same values in different positions pool to bit-identical scores on every
 /// backend (the CPU kernels sort the same way; see `pool1d`). Equal values
 /// are interchangeable, and -0 / +0 add alike to a sum that starts at +0.
-inline float ascending_sum(const float* in, std::int64_t lo, std::int64_t hi) noexcept {
+/// Host and device: `backend::Cuda::pool1d` runs this same function.
+KVP_HOST_DEVICE inline float ascending_sum(const float* in, std::int64_t lo, std::int64_t hi) noexcept {
   const std::int64_t n = hi - lo + 1;
   for (std::int64_t u = lo; u <= hi; ++u)
-    if (in[u] != in[u]) return std::numeric_limits<float>::quiet_NaN();
+    if (in[u] != in[u]) {
+#if defined(__CUDA_ARCH__)
+      return __int_as_float(0x7fc00000);  // the host's quiet_NaN
+#else
+      return std::numeric_limits<float>::quiet_NaN();
+#endif
+    }
   float acc = 0.0f;
   if (n <= kPoolSortBuffer) {
     float b[kPoolSortBuffer];

@@ -359,36 +359,11 @@ class Quest {
   template <class Backend, class Tq, class Tm>
   Status select_impl(int layer, TensorView<const Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
                      PageSelection out, Workspace ws, const ExecContext& ctx) const noexcept {
-    KVP_RETURN_IF_ERROR(validate_params(page_size));
-    KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
-    KVP_REQUIRE(queries.device().is_host(), "quest: queries is a device tensor; this entry point reads host memory");
-    KVP_RETURN_IF_ERROR(detail::check_finite_3d(kName, "queries", queries));
-    KVP_RETURN_IF_ERROR(meta.check_basic(kName));
     GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));
-    KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
-                static_cast<long long>(queries.extent(2)), meta.head_dim);
-    KVP_REQUIRE(queries.extent(0) == table.batch, "quest: queries has %lld sequences, the page table has batch %d",
-                static_cast<long long>(queries.extent(0)), table.batch);
-    KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size));
-    KVP_RETURN_IF_ERROR(check_no_repeated_page(table));
-    const std::int64_t H = heads_per_seq(gqa);
-    KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
-    const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table),
-                                       max_page_budget(table, page_size), gqa, meta.head_dim, ctx.workers());
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
-
+    Layout lay;
+    KVP_RETURN_IF_ERROR(check_select<Backend>(layer, queries, table, page_size, meta, out, ws, ctx.workers(), false, &gqa, &lay));
     // Rows reserve row_capacity() entries at fixed offsets, so items write independently.
-    std::int64_t pos = 0;
-    out.indptr[0] = 0;
-    for (std::int32_t b = 0; b < table.batch; ++b) {
-      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_budget(table, b, page_size), gqa);
-      for (std::int64_t h = 0; h < H; ++h) {
-        pos += cap;
-        out.indptr[b * H + h + 1] = static_cast<std::int32_t>(pos);
-        out.last_page_len[b * H + h] = cap == 0 ? 0 : table.last_page_len[b];
-      }
-    }
+    write_row_offsets(layer, table, page_size, gqa, out);
     Scratch sc = carve(lay, ws);
     const std::int32_t d = meta.head_dim;
     const std::int64_t Hq = gqa.num_q_heads;
@@ -436,35 +411,11 @@ class Quest {
   template <class Backend, class Tq, class Tm>
   Status select_on_device(int layer, TensorView<const Tq, 3> queries, const PageTable& table, std::int32_t page_size, PageMetaView<Tm> meta,
                           PageSelection out, Workspace ws, const detail::BackendCall<Backend>& call) const noexcept {
-    KVP_RETURN_IF_ERROR(validate_params(page_size));
-    if (params_.gqa == QuestGqa::kUnion)
-      return Status::error(StatusCode::kUnsupported, "quest: gqa=union (rows of data-dependent length) is not offered on a device backend");
-    KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
-    KVP_REQUIRE(!queries.device().is_host(), "quest: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)");
-    KVP_RETURN_IF_ERROR(meta.check_basic(kName, /*on_device=*/true));
     GqaMap gqa;
-    KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, &gqa));
-    KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
-                static_cast<long long>(queries.extent(2)), meta.head_dim);
-    KVP_REQUIRE(queries.extent(0) == table.batch, "quest: queries has %lld sequences, the page table has batch %d",
-                static_cast<long long>(queries.extent(0)), table.batch);
-    KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size, /*check_ids=*/false));
-    const std::int64_t H = heads_per_seq(gqa);
-    KVP_RETURN_IF_ERROR(out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, gqa)));
-    const Layout lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table),
-                                       max_page_budget(table, page_size), gqa, meta.head_dim, 1);
-    KVP_RETURN_IF_ERROR(check_workspace(kName, ws, lay.total()));
+    Layout lay;
+    KVP_RETURN_IF_ERROR(check_select<Backend>(layer, queries, table, page_size, meta, out, ws, 1, true, &gqa, &lay));
     KVP_RETURN_IF_ERROR(call.begin());  // after every check, before anything is written
-    std::int64_t pos = 0;
-    out.indptr[0] = 0;
-    for (std::int32_t b = 0; b < table.batch; ++b) {
-      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_budget(table, b, page_size), gqa);
-      for (std::int64_t h = 0; h < H; ++h) {
-        pos += cap;
-        out.indptr[b * H + h + 1] = static_cast<std::int32_t>(pos);
-        out.last_page_len[b * H + h] = cap == 0 ? 0 : table.last_page_len[b];
-      }
-    }
+    write_row_offsets(layer, table, page_size, gqa, out);
     const Scratch sc = carve(lay, ws);  // score_start / chunk_start (device memory) stay unused: offsets are kept on the host
     const std::int32_t d = meta.head_dim;
     const std::int64_t Hq = gqa.num_q_heads;
@@ -561,6 +512,55 @@ class Quest {
     s.workers = c.take<std::byte>(l.per_worker * static_cast<std::size_t>(l.workers));
     s.per_worker = l.per_worker;
     return s;
+  }
+
+  /// Every check of `select` before anything is written (on a device: shapes and
+  /// the CSR structure only, see `select_on_device`); the GQA map and workspace
+  /// layout for `workers` workers.
+  template <class Backend, class Tq, class Tm>
+  Status check_select(int layer, const TensorView<const Tq, 3>& queries, const PageTable& table, std::int32_t page_size,
+                      const PageMetaView<Tm>& meta, const PageSelection& out, Workspace ws, int workers, bool on_device, GqaMap* gqa,
+                      Layout* lay) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params(page_size));
+    if (on_device && params_.gqa == QuestGqa::kUnion)
+      return Status::error(StatusCode::kUnsupported, "quest: gqa=union (rows of data-dependent length) is not offered on a device backend");
+    KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
+    if (on_device) {
+      KVP_REQUIRE(!queries.device().is_host(),
+                  "quest: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+    } else {
+      KVP_REQUIRE(queries.device().is_host(), "quest: queries is a device tensor; this entry point reads host memory");
+      KVP_RETURN_IF_ERROR(detail::check_finite_3d(kName, "queries", queries));
+    }
+    KVP_RETURN_IF_ERROR(meta.check_basic(kName, on_device));
+    KVP_RETURN_IF_ERROR(GqaMap::make(queries.extent(1), meta.num_kv_heads, kName, gqa));
+    KVP_REQUIRE(queries.extent(2) == meta.head_dim, "quest: queries head_dim is %lld, the metadata has %d",
+                static_cast<long long>(queries.extent(2)), meta.head_dim);
+    KVP_REQUIRE(queries.extent(0) == table.batch, "quest: queries has %lld sequences, the page table has batch %d",
+                static_cast<long long>(queries.extent(0)), table.batch);
+    KVP_RETURN_IF_ERROR(table.validate(kName, meta.num_pages, page_size, /*check_ids=*/!on_device));
+    if (!on_device) KVP_RETURN_IF_ERROR(check_no_repeated_page(table));
+    const std::int64_t H = heads_per_seq(*gqa);
+    KVP_RETURN_IF_ERROR(
+        out.check_output(kName, static_cast<std::int64_t>(table.batch) * H, output_capacity(layer, table, page_size, *gqa)));
+    *lay = layout<Backend>(table.batch, scored_pages(layer, table, page_size), max_pages(table), max_page_budget(table, page_size), *gqa,
+                           meta.head_dim, workers);
+    return check_workspace(kName, ws, lay->total());
+  }
+
+  /// The selection's row offsets and last-page lengths (host arrays on every backend).
+  void write_row_offsets(int layer, const PageTable& table, std::int32_t page_size, const GqaMap& gqa, PageSelection& out) const noexcept {
+    const std::int64_t H = heads_per_seq(gqa);
+    std::int64_t pos = 0;
+    out.indptr[0] = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int64_t cap = row_capacity(layer, table.num_pages(b), page_budget(table, b, page_size), gqa);
+      for (std::int64_t h = 0; h < H; ++h) {
+        pos += cap;
+        out.indptr[b * H + h + 1] = static_cast<std::int32_t>(pos);
+        out.last_page_len[b * H + h] = cap == 0 ? 0 : table.last_page_len[b];
+      }
+    }
   }
 
   template <class Tk, class Tm>
