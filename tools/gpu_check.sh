@@ -56,7 +56,7 @@ for r in $runs; do
   if [ "$r" != "$t" ]; then env=(KVP_CUDA_TENSOR_CORE_SCORES=1) name="${t}[tensor_cores]"; fi
   log="$out/run.log"
   start=$(date +%s%N)
-  env "${env[@]}" timeout 300 "$bin/$t" >"$log" 2>&1
+  env "${env[@]}" timeout 100 "$bin/$t" >"$log" 2>&1
   rc=$?
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
@@ -67,10 +67,10 @@ for r in $runs; do
   echo "gpu_check: $name exit $rc: $summary"
 done
 for b in $benches; do
-  timeout 240 "$bin/$b" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+  timeout 150 "$bin/$b" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_out="$out/$b.json" --benchmark_out_format=json 2>&1 | tail -40
 done
-timeout 240 python3 tools/gpu/torch_reference.py "$out/torch_reference.json" >/dev/null 2>"$out/torch_reference.err" ||
+timeout 120 python3 tools/gpu/torch_reference.py "$out/torch_reference.json" >/dev/null 2>"$out/torch_reference.err" ||
   { echo "gpu_check: torch reference failed:"; tail -5 "$out/torch_reference.err"; }
 [ -s "$out/torch_reference.err" ] || rm -f "$out/torch_reference.err"
 python3 tools/gpu/summarize.py "$out" >/dev/null

@@ -12,6 +12,7 @@
 
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/ops/contract.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
@@ -382,4 +383,21 @@ TEST_CASE("cuda policies: device views pass every policy's host checks", "[cuda]
   // Host memory handed to a device call is refused by name.
   const auto host_meta = PageMetaView<half>::contiguous(fake<half>(6), pages, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d));
   CHECK(mentions(quest.on_append(cx, AppendInput<half>{pool, append_len}, host_meta), "metadata is host memory"));
+}
+
+TEST_CASE("cuda policies: the workspace a policy asks for covers window_scores at its last query block", "[cuda][policy]") {
+  // H2O and ObservedAttention score the prompt's queries in blocks of 64 at growing causal
+  // offsets; Cuda's window_scores scratch grows with the offset (the logits tile holds
+  // q_pos0 + window columns), so the request must cover the last block (q_pos0 = T - 64).
+  // The H200 check found both sized for the first block.
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 200, G = Hq / Hkv, B = 64;
+  const kvpolicy::ProblemShape shape{Hq, Hkv, d, T, T};
+  const std::size_t last_block = Cuda::window_scores_workspace(WindowScoreShape{G, B, d, T, T, T - B, 1.0f, WindowReduce::kSum});
+  REQUIRE(last_block > Cuda::window_scores_workspace(WindowScoreShape{G, B, d, T, T, 0, 1.0f, WindowReduce::kSum}));
+  const auto h2o = kvpolicy::H2O(kvpolicy::H2OParams::original(24, 40)).requirements(kvpolicy::Context<Cuda>{}, shape);
+  REQUIRE(h2o.status.is_ok());
+  CHECK(h2o.workspace_bytes >= last_block);
+  const auto obs = kvpolicy::ObservedAttention(kvpolicy::ObservedAttentionParams{}).requirements(kvpolicy::Context<Cuda>{}, shape);
+  REQUIRE(obs.status.is_ok());
+  CHECK(obs.workspace_bytes >= last_block);
 }

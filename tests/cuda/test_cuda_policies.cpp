@@ -431,7 +431,7 @@ TEST_CASE("cuda H2O: prefill and a decode loop from probabilities match Scalar b
 
 TEST_CASE("cuda H2O: one decode step (update + evict) captured in a CUDA graph and replayed", "[cuda][h2o][graph]") {
   const std::int64_t Hq = 4, Hkv = 4, C = 48;
-  H2OTwin t(kvp::H2OParams::original(16, 32), Hkv, 64, std::size_t{1} << 20);
+  H2OTwin t(kvp::H2OParams::original(16, 32), Hkv, 128, std::size_t{1} << 20);  // capacity >= the 100-token prefill
   Stream st;
   // Prefill to the steady state: the cache holds C = hh + recent slots.
   const auto p0 = random_probs(Hq, 100, 100, 7);

@@ -338,3 +338,19 @@ TEST_CASE("safetensors: an empty tensor whose strides overflow int64 is rejected
   CHECK(v.stride(0) == 4096);
   CHECK(v.size() == 0);
 }
+
+TEST_CASE("safetensors: an empty tensor whose offset falls inside another tensor is accepted (it occupies no bytes)") {
+  // Found by fuzz_safetensors: the reader's rule is that empty tensors occupy
+  // no bytes, so [4, 4) inside 'a' = [0, 8) is not an overlap.
+  SafetensorsFile f;
+  const Status s = SafetensorsFile::from_bytes(
+      raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})", 8), &f);
+  INFO(s.message());
+  REQUIRE(s.is_ok());
+  REQUIRE(f.tensors().size() == 2);
+  CHECK(f.find("e") != nullptr);
+  CHECK(f.find("e")->begin == 4);
+  // A non-empty tensor in the same place still overlaps.
+  CHECK_THAT(open_error(raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8)),
+             Catch::Contains("overlap"));
+}

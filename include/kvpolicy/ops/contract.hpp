@@ -35,6 +35,8 @@ KVP_NAMESPACE_BEGIN
 template <class B, class Tk = float>
 concept ScoreOps = requires(const WindowScoreShape& s, const float* q, const float* in, float* out, Rows<Tk> rows, Workspace ws,
                             std::int64_t n, std::int32_t* idx, const std::int32_t* cidx, Tk* dst) {
+  // window_scores_workspace may grow with s.q_pos0 (Cuda's logits tile holds q_pos0 + window
+  // columns); a caller that makes several calls sizes the workspace for the largest q_pos0.
   { B::window_scores_workspace(s) } -> std::same_as<std::size_t>;
   B::window_scores(s, q, rows, out, ws);
   B::pool1d(in, n, 5, Pooling::kAvg, out);

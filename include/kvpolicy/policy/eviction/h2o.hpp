@@ -451,7 +451,9 @@ class H2O {
     WorkspacePlan plan;
     plan.add<float>(static_cast<std::size_t>(G * B * s.head_dim)).add<float>(static_cast<std::size_t>(G * n));
     if (q > B) plan.add<float>(static_cast<std::size_t>(G * n));
-    plan.add_bytes(Backend::window_scores_workspace(WindowScoreShape{G, B, s.head_dim, n, n, n - q, 1.0f, WindowReduce::kSum}));
+    // Sized for the last query block (q_pos0 = n - B): a backend's scratch may grow with
+    // the causal offset (Cuda's logits tile holds q_pos0 + window columns).
+    plan.add_bytes(Backend::window_scores_workspace(WindowScoreShape{G, B, s.head_dim, n, n, n - B, 1.0f, WindowReduce::kSum}));
     return plan.bytes;
   }
 

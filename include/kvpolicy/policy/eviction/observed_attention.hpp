@@ -195,7 +195,9 @@ class ObservedAttention {
     std::size_t op = Backend::topk_workspace(T);
     if (s.head_dim > 0) {
       plan.add<float>(static_cast<std::size_t>(G * B * s.head_dim)).add<float>(static_cast<std::size_t>(G * T));  // queries, block output
-      op = std::max(op, Backend::window_scores_workspace(WindowScoreShape{G, B, s.head_dim, T, T, 0, 1.0f, WindowReduce::kSum}));
+      // Sized for the last query block (q_pos0 = T - B): a backend's scratch may grow with
+      // the causal offset (Cuda's logits tile holds q_pos0 + window columns).
+      op = std::max(op, Backend::window_scores_workspace(WindowScoreShape{G, B, s.head_dim, T, T, T - B, 1.0f, WindowReduce::kSum}));
     }
     plan.add_bytes(op);
     return plan.bytes;
