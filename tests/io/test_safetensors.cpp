@@ -351,6 +351,7 @@ TEST_CASE("safetensors: an empty tensor whose offset falls inside another tensor
   CHECK(f.find("e") != nullptr);
   CHECK(f.find("e")->begin == 4);
   // A non-empty tensor in the same place still overlaps.
-  CHECK_THAT(open_error(raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8)),
-             Catch::Contains("overlap"));
+  CHECK_THAT(
+      open_error(raw(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8)),
+      Catch::Contains("overlap"));
 }
