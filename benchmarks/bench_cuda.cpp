@@ -111,7 +111,7 @@ void CudaWindowScores_SnapKV(benchmark::State& state) {
   const kvp::Workspace ws{dws.ptr, ws_bytes};
   auto call = [&] { return Cuda::window_scores(s, static_cast<const float*>(dq.ptr), keys, static_cast<float*>(dout.ptr), ws, stream); };
 
-  kvp::cuda_detail::set_window_logits_mode(state.range(1) != 0 ? 1 : -1);
+  kvp::cuda_detail::set_window_logits_mode(state.range(1) != 0 ? 1 : 0);
   if (const kvp::Status st = call(); !st.is_ok()) {  // warm-up, and surfaces argument errors
     state.SkipWithError(st.message());
   } else if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {

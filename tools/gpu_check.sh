@@ -46,14 +46,14 @@ fi
 
 : >"$out/tests.tsv"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/tests.log" 2>&1 || true
-# Each test once as built (exact fp32 logits kernel), and the policy tests again
-# with the tensor-core logits kernel for fp16 / bf16 keys (KVP_CUDA_TENSOR_CORE_SCORES=1;
+# Each test once as built (tensor-core logits for fp16 / bf16 keys on sm_80+),
+# and the policy tests again with the exact logits kernel (KVP_CUDA_EXACT_SCORES=1;
 # test_cuda_ops forces both kernels itself).
-runs="$tests test_cuda_policies:tc"
+runs="$tests test_cuda_policies:exact"
 [ -x "$bin/readme_cuda" ] && runs="$runs readme_cuda"
 for r in $runs; do
   t="${r%%:*}" name="$r" env=()
-  if [ "$r" != "$t" ]; then env=(KVP_CUDA_TENSOR_CORE_SCORES=1) name="${t}[tensor_cores]"; fi
+  if [ "$r" != "$t" ]; then env=(KVP_CUDA_EXACT_SCORES=1) name="${t}[exact_scores]"; fi
   log="$out/run.log"
   start=$(date +%s%N)
   env "${env[@]}" timeout 100 "$bin/$t" >"$log" 2>&1

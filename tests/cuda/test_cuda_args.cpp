@@ -142,9 +142,14 @@ TEST_CASE("cuda window_scores: null pointers and bad key strides", "[cuda][args]
 TEST_CASE("cuda window_scores: workspace size is checked before launching", "[cuda][args]") {
   const WindowScoreShape s = snapkv_shape();
   const std::size_t need = Cuda::window_scores_workspace(s);
-  // (G*w) x min(T, q_pos0 + w) logits plus two floats per row, 64-byte blocks, plus alignment slack.
+  // (G*w) x min(T, q_pos0 + w) logits, two floats per row, and per (row, chunk of
+  // keys) a float max and a double sum (one chunk at this length), 64-byte blocks,
+  // plus alignment slack.
   const std::size_t rows = 32, ld = 100;
-  REQUIRE(need == kvpolicy::WorkspacePlan{}.add<float>(rows * ld).add<float>(rows).add<float>(rows).total());
+  const auto plan = [&](std::size_t cols) {
+    return kvpolicy::WorkspacePlan{}.add<float>(rows * cols).add<float>(rows).add<float>(rows).add<float>(rows).add<double>(rows).total();
+  };
+  REQUIRE(need == plan(ld));
 
   Status st = scores_call(s, fake<const float>(1), contiguous_keys(64), fake<float>(3), Workspace{});
   REQUIRE(st.code() == StatusCode::kWorkspaceTooSmall);
@@ -155,8 +160,18 @@ TEST_CASE("cuda window_scores: workspace size is checked before launching", "[cu
   // The logits only span the keys the last window query sees.
   WindowScoreShape early = s;
   early.q_pos0 = 10;  // ld = min(100, 10 + 8) = 18
-  REQUIRE(Cuda::window_scores_workspace(early) ==
-          kvpolicy::WorkspacePlan{}.add<float>(rows * 18).add<float>(rows).add<float>(rows).total());
+  REQUIRE(Cuda::window_scores_workspace(early) == plan(18));
+  // Chunks of 2048 keys: a 5000-key row has 3 per row.
+  WindowScoreShape longer = s;
+  longer.kv_len = longer.num_cols = 5000;
+  longer.q_pos0 = 5000 - longer.window;
+  REQUIRE(Cuda::window_scores_workspace(longer) == kvpolicy::WorkspacePlan{}
+                                                       .add<float>(rows * 5000)
+                                                       .add<float>(rows)
+                                                       .add<float>(rows)
+                                                       .add<float>(rows * 3)
+                                                       .add<double>(rows * 3)
+                                                       .total());
 }
 
 TEST_CASE("cuda window_scores: empty problems succeed without touching the device", "[cuda][args]") {

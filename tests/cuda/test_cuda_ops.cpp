@@ -1,7 +1,7 @@
 // kvpolicy::cuda against the scalar reference (backend::Scalar), on a GPU.
 // Indices must match exactly; floats within 1e-5 relative. For fp16 / bf16
-// keys window_scores can compute the logits on tensor cores (opt-in with
-// KVP_CUDA_TENSOR_CORE_SCORES=1; the [mma] cases below force it; split
+// keys window_scores computes the logits on tensor cores by default on sm_80+
+// (KVP_CUDA_EXACT_SCORES=1 selects the exact kernel; the [mma] cases below force tensor cores; split
 // fp32 queries, see window_scores.cu): no longer bitwise equal to the scalar
 // reference, but within 1e-5 relative for the data used here (host emulation
 // of the pessimistic tensor-core rounding model: <= 2.6e-6), and still

@@ -196,6 +196,27 @@ __global__ void gather_ids_kernel(const std::int32_t* __restrict__ table, const 
     dst[i] = table[sel != nullptr ? sel[i] : i];
 }
 
+__global__ void gather_page_rows_kernel(const std::int32_t* __restrict__ pages, const std::int32_t* __restrict__ sel, std::int64_t sel_ld,
+                                        std::int64_t rows, std::int64_t k, std::int64_t last, std::int32_t* __restrict__ dst,
+                                        std::int32_t* __restrict__ logical, std::int64_t dst_ld) {
+  const std::int64_t width = k + (last >= 0 ? 1 : 0), total = rows * width;
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = e / width, i = e % width;
+    const std::int64_t s = i == k ? last : (sel != nullptr ? sel[r * sel_ld + i] : i);
+    dst[r * dst_ld + i] = pages[s];
+    if (logical != nullptr) logical[r * dst_ld + i] = static_cast<std::int32_t>(s);
+  }
+}
+
+__global__ void iota_rows_kernel(std::int32_t* __restrict__ dst, std::int64_t dst_ld, std::int64_t rows, std::int64_t first,
+                                 std::int64_t n) {
+  const std::int64_t total = rows * n;
+  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    dst[(e / n) * dst_ld + e % n] = static_cast<std::int32_t>(first + e % n);
+}
+
 __global__ void gather_floats_kernel(const float* __restrict__ row, const std::int32_t* __restrict__ ids, std::int64_t keep,
                                      float* __restrict__ tmp) {
   for (std::int64_t r = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; r < keep;
@@ -418,6 +439,35 @@ void Cuda::gather_ids(const std::int32_t* table, const std::int32_t* sel, std::i
   if (table == nullptr || dst == nullptr) return record(KVP_INVALID("cuda gather_ids: table or dst is null"));
   gather_ids_kernel<<<blocks_for(n), kThreads, 0, current()>>>(table, sel, n, dst);
   record_launch("cuda gather_ids");
+}
+
+void Cuda::topk_rows_strided(const float* scores, std::int64_t ld, std::int64_t rows, std::int64_t n, std::int64_t k, std::int32_t* out,
+                             std::int64_t out_ld, Workspace ws) noexcept {
+  if (rows <= 0 || k <= 0) return;
+  cuda_detail::record(topk_rows(scores, rows, n, ld, k, out, out_ld, ws, cuda_detail::tl_stream));
+}
+
+void Cuda::gather_page_rows(const std::int32_t* pages, const std::int32_t* sel, std::int64_t sel_ld, std::int64_t rows, std::int64_t k,
+                            std::int64_t last, std::int32_t* dst, std::int32_t* logical, std::int64_t dst_ld) noexcept {
+  using namespace cuda_detail;
+  const std::int64_t width = k + (last >= 0 ? 1 : 0);
+  if (rows <= 0 || width <= 0) return;
+  if (pages == nullptr || dst == nullptr) return record(KVP_INVALID("cuda gather_page_rows: pages or dst is null"));
+  if (k < 0 || (rows > 1 && dst_ld < width) || (sel != nullptr && rows > 1 && sel_ld < k))
+    return record(KVP_INVALID("cuda gather_page_rows: k=%lld, dst_ld=%lld, sel_ld=%lld: rows would overlap", static_cast<long long>(k),
+                              static_cast<long long>(dst_ld), static_cast<long long>(sel_ld)));
+  gather_page_rows_kernel<<<blocks_for(rows * width), kThreads, 0, current()>>>(pages, sel, sel_ld, rows, k, last, dst, logical, dst_ld);
+  record_launch("cuda gather_page_rows");
+}
+
+void Cuda::iota_rows(std::int32_t* dst, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept {
+  using namespace cuda_detail;
+  if (rows <= 0 || n <= 0) return;
+  if (dst == nullptr) return record(KVP_INVALID("cuda iota_rows: dst is null"));
+  if (rows > 1 && dst_ld < n)
+    return record(KVP_INVALID("cuda iota_rows: dst_ld %lld < n %lld", static_cast<long long>(dst_ld), static_cast<long long>(n)));
+  iota_rows_kernel<<<blocks_for(rows * n), kThreads, 0, current()>>>(dst, dst_ld, rows, first, n);
+  record_launch("cuda iota_rows");
 }
 
 void Cuda::copy_ids(const std::int32_t* src, std::int64_t n, std::int32_t* dst) noexcept {

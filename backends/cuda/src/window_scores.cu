@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // `Cuda::window_scores`: SnapKV-style window attention scores on the device.
 //
-// Three kernels, mirroring the scalar reference step by step:
+// Three passes, mirroring the scalar reference step by step:
 //   1. logits  L[r, j] = scale * <q_r, k_j>       (two implementations, below)
-//   2. per-row max and 1/sum(exp(L - max)) (fp64 sum), times 1/window for kMean
+//   2. per-row max and 1/sum(exp(L - max)) (fp64 sum), times 1/window for kMean,
+//      over (row, chunk of keys) blocks with a per-row combine (see pass 2)
 //   3. out[g, j] = sum_i exp(L[g*w+i, j] - max) * inv   in window order i = 0..w-1
 // Keeping the logits in the workspace (rather than an online softmax fused
 // with the reduction) makes the softmax the exact two-pass one and the
@@ -13,7 +14,8 @@
 //  - exact (`window_logits_kernel`; fp32 keys always, fp16 / bf16 keys on
 //    request or below sm_80): CUDA cores, separately rounded multiply and add
 //    in ascending head_dim order, bit-identical to the scalar loop. Results
-//    then differ from `backend::Scalar` only by expf rounding (a few ulp).
+//    then differ from `backend::Scalar` only by expf rounding and pass 2's
+//    chunked denominator (a few ulp).
 //  - tensor cores (`window_logits_mma_kernel`; fp16 / bf16 keys, default on
 //    sm_80+): keys are used as stored; each fp32 query element is split into
 //    low-precision parts whose sum represents it (fp16: hi + lo, 22 bits;
@@ -46,15 +48,15 @@
 // though inf and NaN may differ from the reference's (an inf key times a
 // zero lo part is NaN).
 //
-// Switch: the exact kernel is the default for every key type. The
-// environment variable KVP_CUDA_TENSOR_CORE_SCORES (read once per process; set
-// and not "0") selects the tensor-core kernel for fp16 / bf16 keys on devices
-// of compute capability 8.0 and up. It is opt-in because it has not yet run on
-// a GPU in this project's device checks (the kernel was verified by a host
-// simulation of its fragment mapping and error model only); the next device
-// check (tools/gpu_check.sh runs the score tests both ways) decides whether it
-// becomes the default. Tests and benchmarks override the choice through
-// `cuda_detail::set_window_logits_mode`.
+// Switch: the tensor-core kernel is the default for fp16 / bf16 keys on
+// devices of compute capability 8.0 and up (fp32 keys always take the exact
+// kernel). It became the default after the H200 device check of 2026-12-04
+// passed every score test with it (test_cuda_ops' [mma] cases and all of
+// test_cuda_policies, 1e-5 relative against backend::Scalar). The
+// environment variable KVP_CUDA_EXACT_SCORES (read once per process; set and
+// not "0") selects the exact kernel instead, for bitwise-reproducible logits
+// against the scalar reference. Tests and benchmarks override the choice
+// through `cuda_detail::set_window_logits_mode`.
 #include <cub/block/block_reduce.cuh>
 
 #include <cuda_bf16.h>
@@ -74,7 +76,7 @@ namespace cuda_detail {
 
 // Internal hooks, not part of the public API (tests declare them themselves).
 /// Pass-1 kernel choice for fp16 / bf16 keys: -1 = default (tensor cores on
-/// sm_80+ when KVP_CUDA_TENSOR_CORE_SCORES is set and not "0", else exact),
+/// sm_80+ unless KVP_CUDA_EXACT_SCORES is set and not "0"),
 /// 0 = tensor cores where the device has them, 1 = exact kernel.
 void set_window_logits_mode(int mode) noexcept;
 /// Whether a call with fp16 / bf16 keys on the current device uses the
@@ -135,19 +137,38 @@ __global__ void __launch_bounds__(kLogitThreads)
 #pragma unroll
     for (int b = 0; b < 4; ++b) acc[a][b] = 0.0f;
 
-  for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kChunk) {
-    __syncthreads();  // krow ready (first step) / previous tiles consumed
-    for (int e = tid; e < kTile * kChunk; e += kLogitThreads) {
-      const int t = e / kChunk;  // row (query) or key within the tile
-      const int c = e % kChunk;  // consecutive threads read consecutive elements
-      const std::int64_t col = c0 + c;
-      const bool in_dim = col < p.head_dim;
+  // Staging through registers, the next chunk loaded during this one's
+  // products (see window_logits_mma_kernel: interleaved global loads and
+  // shared stores serialise). Element e = tid + 256 u of the 64 x 32 chunk is
+  // row / key e / 32, column e % 32: consecutive threads read consecutive elements.
+  constexpr int kPerThread = kTile * kChunk / kLogitThreads;
+  static_assert(kLogitThreads % kChunk == 0, "each thread keeps one column of the chunk");
+  const int c_own = tid % kChunk, t0 = tid / kChunk;
+  float qv[kPerThread], kv[kPerThread];
+  const auto load_chunk = [&](std::int64_t c0) {
+    const std::int64_t col = c0 + c_own;
+    const bool in_dim = col < p.head_dim;
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int t = t0 + u * (kLogitThreads / kChunk);
       const std::int64_t r = r0 + t;
-      qs[c][t] = (in_dim && r < p.rows) ? q[r * p.head_dim + col] : 0.0f;
+      qv[u] = (in_dim && r < p.rows) ? __ldg(q + r * p.head_dim + col) : 0.0f;
       const Tk* kr = krow[t];
-      ks[c][t] = (in_dim && kr != nullptr) ? load_f32(kr + col) : 0.0f;
+      kv[u] = (in_dim && kr != nullptr) ? load_f32(kr + col) : 0.0f;
+    }
+  };
+  __syncthreads();  // krow ready
+  load_chunk(0);
+  for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kChunk) {
+    __syncthreads();  // previous tiles consumed
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int t = t0 + u * (kLogitThreads / kChunk);
+      qs[c_own][t] = qv[u];
+      ks[c_own][t] = kv[u];
     }
     __syncthreads();
+    if (c0 + kChunk < p.head_dim) load_chunk(c0 + kChunk);  // in flight during the products
 #pragma unroll 4
     for (int c = 0; c < kChunk; ++c) {
       float qa[4], kb[4];
@@ -322,18 +343,39 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
 
-    for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kMmaChunk) {
-      __syncthreads();  // krow ready / previous chunk consumed
-      // Staging: thread tid owns head_dim column c0 + tid % 32 of rows / keys
-      // tid / 32, +8, +16, ... (a warp reads 32 consecutive elements of one row).
-      const int c = tid % kMmaChunk;
+    // Staging goes through registers: a chunk's global loads are all issued
+    // before any shared-memory store (a load through a key row pointer read
+    // from shared memory may not be moved past a shared store, so interleaving
+    // them serialised every load: ncu on the H200 showed the kernel stalled on
+    // L1TEX half the time). Loading the next chunk during the multiplies was
+    // tried: 142 registers, one block per SM. Thread tid owns head_dim column c0 + tid % 32 of query rows /
+    // keys tid / 32, +8, +16, ... (a warp reads 32 consecutive elements of one row).
+    constexpr int kRowsPerThread = kMmaRows / (kMmaThreads / kMmaChunk), kKeysPerThread = kMmaKeys / (kMmaThreads / kMmaChunk);
+    const int c = tid % kMmaChunk, i0 = tid / kMmaChunk;
+    float qv[kRowsPerThread];
+    std::uint16_t kv[kKeysPerThread];
+    const auto load_chunk = [&](std::int64_t c0) {
       const std::int64_t col = c0 + c;
       const bool in_dim = col < p.head_dim;
+#pragma unroll
+      for (int u = 0; u < kRowsPerThread; ++u) {
+        const std::int64_t r = r0 + i0 + u * (kMmaThreads / kMmaChunk);
+        qv[u] = (in_dim && r < p.rows) ? __ldg(q + r * p.head_dim + col) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kKeysPerThread; ++u) {
+        const Tk* kr = krow[i0 + u * (kMmaThreads / kMmaChunk)];
+        kv[u] = (in_dim && kr != nullptr) ? kr[col].bits : std::uint16_t{0};
+      }
+    };
+    for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kMmaChunk) {
+      __syncthreads();  // krow ready / previous chunk consumed
+      load_chunk(c0);
       // Query parts: x = q * 2^shift (exact), part 0 = narrow(x), part n = narrow(x - sum of parts < n).
 #pragma unroll
-      for (int i = tid / kMmaChunk; i < kMmaRows; i += kMmaThreads / kMmaChunk) {
-        const std::int64_t r = r0 + i;
-        float x = (in_dim && r < p.rows) ? __fmul_rn(q[r * p.head_dim + col], q_up[i]) : 0.0f;
+      for (int u = 0; u < kRowsPerThread; ++u) {
+        const int i = i0 + u * (kMmaThreads / kMmaChunk);
+        float x = __fmul_rn(qv[u], q_up[i]);
 #pragma unroll
         for (int part = 0; part < P; ++part) {
           const std::uint16_t b = K::narrow(x);
@@ -343,10 +385,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       }
       // Keys as stored (bits), zero past head_dim and past ld.
 #pragma unroll
-      for (int n = tid / kMmaChunk; n < kMmaKeys; n += kMmaThreads / kMmaChunk) {
-        const Tk* kr = krow[n];
-        ks[n][c] = (in_dim && kr != nullptr) ? kr[col].bits : std::uint16_t{0};
-      }
+      for (int u = 0; u < kKeysPerThread; ++u) ks[i0 + u * (kMmaThreads / kMmaChunk)][c] = kv[u];
       __syncthreads();
 
 #pragma unroll 1
@@ -410,31 +449,94 @@ struct MaxIgnoringNaN {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
-/// Pass 2. One block per query row: max over the visible logits, then the
-/// softmax denominator summed in fp64 (the reference's `double denom`).
+/// Pass 2 runs over (row, chunk of keys) blocks so a layer's few hundred rows
+/// still fill the device (a block per row left a 32K-key row latency-bound).
+/// 2a: block (r, c) writes its chunk's max m_c and fp64 sum of exp(L - m_c)
+/// (a second read of the same 8 KB, from cache); 2b: per row, M = max m_c and
+/// sum = sum_c s_c * exp(m_c - M) (fp64, fixed order). The reference sums
+/// exp(L - M) directly; the rescaling differs from it by expf's rounding at a
+/// shifted argument (~1 ulp per term), inside the tests' 1e-5. Chunks are at
+/// least kStatChunk keys and at most kMaxStatChunks per row (`stat_chunk`).
+constexpr std::int64_t kStatChunk = 2048;
+constexpr int kMaxStatChunks = 64;
+
+/// Keys per pass-2 chunk for logits rows of length ld.
+__host__ __device__ inline std::int64_t stat_chunk(std::int64_t ld) {
+  std::int64_t c = kStatChunk;
+  while ((ld + c - 1) / c > kMaxStatChunks) c *= 2;
+  return c;
+}
+
+/// Pass 2a. Block (r, c): chunk c of row r's visible logits. An empty chunk
+/// (past the row's visible keys) contributes 0.
 __global__ void __launch_bounds__(kStatThreads)
-    window_row_stats_kernel(WindowParams p, const float* __restrict__ logits, float* __restrict__ row_max, float* __restrict__ row_scale) {
+    window_chunk_stats_kernel(WindowParams p, std::int64_t chunk, const float* __restrict__ logits, float* __restrict__ part_max,
+                              double* __restrict__ part_sum) {
   using MaxReduce = cub::BlockReduce<float, kStatThreads>;
   using SumReduce = cub::BlockReduce<double, kStatThreads>;
   __shared__ typename MaxReduce::TempStorage max_tmp;
   __shared__ typename SumReduce::TempStorage sum_tmp;
   __shared__ float s_max;
-
-  const std::int64_t r = blockIdx.x;
+  const std::int64_t r = blockIdx.x, c = blockIdx.y;
   const std::int64_t vis = visible(p, r % p.window);
+  const std::int64_t j1 = (c + 1) * chunk < vis ? (c + 1) * chunk : vis;
   const float* lr = logits + r * p.ld;
-
   float m = -INFINITY;
-  for (std::int64_t j = threadIdx.x; j < vis; j += kStatThreads) m = fmaxf(m, lr[j]);
+#pragma unroll 8
+  for (std::int64_t j = c * chunk + threadIdx.x; j < j1; j += kStatThreads) m = fmaxf(m, lr[j]);
   m = MaxReduce(max_tmp).Reduce(m, MaxIgnoringNaN{});  // valid in thread 0
   if (threadIdx.x == 0) s_max = m;
   __syncthreads();
   m = s_max;
-
+  if (m == -INFINITY) {
+    // Empty, or every logit -inf or NaN: for a finite row max M the -inf terms
+    // add exactly 0, a NaN term makes the sum NaN (as in the reference).
+    bool nan = false;
+    for (std::int64_t j = c * chunk + threadIdx.x; j < j1; j += kStatThreads) nan = nan || lr[j] != lr[j];
+    nan = __syncthreads_or(nan) != 0;
+    if (threadIdx.x == 0) {
+      part_max[r * gridDim.y + c] = m;
+      part_sum[r * gridDim.y + c] = nan ? __longlong_as_double(0x7ff8000000000000LL) : 0.0;
+    }
+    return;
+  }
   double sum = 0.0;
-  for (std::int64_t j = threadIdx.x; j < vis; j += kStatThreads) sum += static_cast<double>(expf(__fsub_rn(lr[j], m)));
+#pragma unroll 8
+  for (std::int64_t j = c * chunk + threadIdx.x; j < j1; j += kStatThreads) sum += static_cast<double>(expf(__fsub_rn(lr[j], m)));
   sum = SumReduce(sum_tmp).Sum(sum);  // valid in thread 0
   if (threadIdx.x == 0) {
+    part_max[r * gridDim.y + c] = m;
+    part_sum[r * gridDim.y + c] = sum;
+  }
+}
+
+/// Pass 2b. Warp per row (a thread per row left one block of serial fp64
+/// exps: 9 us under ncu): M = max of the chunk maxima (NaN ignored, as the
+/// reference's std::max), sum = sum_c s_c * exp(m_c - M) (fp64, lane c, c+32
+/// then a fixed shuffle tree), then row_scale = (float)(1 / sum) * inv_w as
+/// the reference rounds it. A row whose max is -inf gets NaN, as the
+/// reference's exp(-inf - -inf) gives.
+constexpr int kScaleRowsPerBlock = 8;
+static_assert(kMaxStatChunks <= 64, "two chunks per lane");
+__global__ void __launch_bounds__(32 * kScaleRowsPerBlock)
+    window_row_scale_kernel(WindowParams p, int nchunks, const float* __restrict__ part_max, const double* __restrict__ part_sum,
+                            float* __restrict__ row_max, float* __restrict__ row_scale) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * kScaleRowsPerBlock + threadIdx.x / 32;
+  if (r >= p.rows) return;  // whole warps leave together
+  const float* pm = part_max + r * nchunks;
+  const double* ps = part_sum + r * nchunks;
+  const float m0 = lane < nchunks ? pm[lane] : -INFINITY, m1 = lane + 32 < nchunks ? pm[lane + 32] : -INFINITY;
+  float m = fmaxf(m0, m1);
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const auto term = [&](int c, float mc) -> double {
+    if (c >= nchunks) return 0.0;
+    return mc == -INFINITY ? ps[c] : ps[c] * exp(static_cast<double>(mc) - static_cast<double>(m));  // -inf chunk: 0 or NaN
+  };
+  double sum = term(lane, m0) + term(lane + 32, m1);
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (m == -INFINITY) sum = __longlong_as_double(0x7ff8000000000000LL);  // NaN
+  if (lane == 0) {
     row_max[r] = m;
     row_scale[r] = __fmul_rn(static_cast<float>(1.0 / sum), p.inv_w);
   }
@@ -513,8 +615,15 @@ std::size_t workspace_bytes(const WindowScoreShape& s) noexcept {
   // Shapes the entry point rejects need nothing; the call fails before the check.
   if (s.group < 1 || s.window < 1 || s.kv_len < 1 || s.num_cols < 1 || !within_launch_limits(s)) return 0;
   const auto rows = static_cast<std::size_t>(s.group * s.window);
-  const auto ld = static_cast<std::size_t>(logits_ld(s));
-  return WorkspacePlan{}.add<float>(rows * ld).add<float>(rows).add<float>(rows).total();
+  const std::int64_t ld = logits_ld(s);
+  const auto parts = rows * static_cast<std::size_t>((ld + stat_chunk(ld) - 1) / stat_chunk(ld));
+  return WorkspacePlan{}
+      .add<float>(rows * static_cast<std::size_t>(ld))
+      .add<float>(rows)
+      .add<float>(rows)
+      .add<float>(parts)
+      .add<double>(parts)
+      .total();
 }
 
 template <class Tk>
@@ -542,7 +651,11 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> ke
   float* logits = carve.take<float>(static_cast<std::size_t>(p.rows * p.ld));
   float* row_max = carve.take<float>(static_cast<std::size_t>(p.rows));
   float* row_scale = carve.take<float>(static_cast<std::size_t>(p.rows));
-  if (logits == nullptr || row_max == nullptr || row_scale == nullptr) {
+  const std::int64_t chunk = stat_chunk(p.ld);
+  const int nchunks = static_cast<int>((p.ld + chunk - 1) / chunk);
+  float* part_max = carve.take<float>(static_cast<std::size_t>(p.rows * nchunks));
+  double* part_sum = carve.take<double>(static_cast<std::size_t>(p.rows * nchunks));
+  if (logits == nullptr || row_max == nullptr || row_scale == nullptr || part_max == nullptr || part_sum == nullptr) {
     // Unreachable after check_workspace (same plan); kept so a mismatch can never launch on null.
     return Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace could not be carved", who);
   }
@@ -562,7 +675,10 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> ke
   } else {
     exact_logits();
   }
-  window_row_stats_kernel<<<static_cast<unsigned>(p.rows), kStatThreads, 0, st>>>(p, logits, row_max, row_scale);
+  const dim3 stat_grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(nchunks));
+  window_chunk_stats_kernel<<<stat_grid, kStatThreads, 0, st>>>(p, chunk, logits, part_max, part_sum);
+  window_row_scale_kernel<<<static_cast<unsigned>((p.rows + kScaleRowsPerBlock - 1) / kScaleRowsPerBlock), 32 * kScaleRowsPerBlock, 0,
+                            st>>>(p, nchunks, part_max, part_sum, row_max, row_scale);
   const dim3 reduce_grid(static_cast<unsigned>((p.num_cols + kReduceThreads - 1) / kReduceThreads), static_cast<unsigned>(s.group));
   window_reduce_kernel<<<reduce_grid, kReduceThreads, 0, st>>>(p, logits, row_max, row_scale, out);
   return launch_status(who);
@@ -571,11 +687,11 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> ke
 /// The mode set by `set_window_logits_mode` (-1: none).
 std::atomic<int> g_logits_mode{-1};
 
-/// Exact kernel unless KVP_CUDA_TENSOR_CORE_SCORES is set and not "0" (read once per process).
+/// Exact kernel when KVP_CUDA_EXACT_SCORES is set and not "0" (read once per process).
 bool exact_scores_from_env() noexcept {
   static const bool exact = [] {
-    const char* v = std::getenv("KVP_CUDA_TENSOR_CORE_SCORES");
-    return !(v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0);
+    const char* v = std::getenv("KVP_CUDA_EXACT_SCORES");
+    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
   }();
   return exact;
 }

@@ -201,6 +201,34 @@ class SnapKV {
     KVP_RETURN_IF_ERROR(call.begin());
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
+    if constexpr (kDeviceBackend<Backend>) {
+      // One sequence at a time (a device context has one worker): every kv head
+      // scored into one (H, L) block, then one top-k launch and one iota launch
+      // for all its heads. Same ids as the per-head path.
+      WorkspaceCarver base(ws);
+      float* s_all = base.take<float>(static_cast<std::size_t>(H * std::max<std::int64_t>(shape.max_kv_len - params_.window, 1)));
+      const Workspace rest = base.rest();
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const auto& in = batch[b];
+        const std::int64_t row0 = static_cast<std::int64_t>(b) * H, T = in.keys.kv_len(), w = params_.window;
+        std::int32_t* dst0 = out.indices + out.indptr[row0];
+        const std::int64_t n_keep = out.indptr[row0 + 1] - out.indptr[row0];  // uniform over the sequence's rows
+        if (n_keep >= T) {
+          Backend::iota_rows(dst0, n_keep, H, 0, T);
+          continue;
+        }
+        const std::int64_t n_win = std::min(n_keep, w), n_past = n_keep - n_win, L = T - w;
+        if (n_past > 0) {
+          for (std::int64_t h = 0; h < H; ++h) {
+            WorkspaceCarver c(rest);  // reused per head: the stream orders the launches
+            score_head<Backend>(in, shape, h, s_all + h * L, c);
+          }
+          Backend::topk_rows_strided(s_all, L, H, L, n_past, dst0, n_keep, rest);
+        }
+        Backend::iota_rows(dst0 + n_past, n_keep, H, T - n_win, n_win);
+      }
+      return call.end();
+    }
     const auto slices = detail::WorkerSlices::carve(ws, per);
     ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
       const auto& in = batch[static_cast<std::size_t>(row / H)];
@@ -273,6 +301,8 @@ class SnapKV {
     plan.add<float>(static_cast<std::size_t>(G * L));                  // raw window scores
     plan.add<float>(static_cast<std::size_t>(G * L));                  // pooled / reduced
     plan.add_bytes(std::max(Backend::window_scores_workspace(ws), Backend::topk_workspace(L)));
+    // A device backend scores every kv head of a sequence before one batched top-k.
+    if constexpr (kDeviceBackend<Backend>) plan.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(s.num_kv_heads - 1, 0) * L));
     return plan.bytes;
   }
 

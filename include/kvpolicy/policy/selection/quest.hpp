@@ -429,13 +429,45 @@ class Quest {
         Backend::page_bounds(sc.q + b * Hq * d, gqa.group_size(), d, cmeta, table.indices + table.indptr[b], m, sc.scores + score_pos, m,
                              sc.worker(0));
       }
-      for (std::int32_t g = 0; g < gqa.num_kv_heads; ++g) {
-        WorkspaceCarver c(sc.worker(0));
-        select_item<Backend>(layer, B, gqa, table, b, g, sc.scores + score_pos, out, c);
-      }
+      select_sequence_on_device<Backend>(layer, B, gqa, table, b, sc.scores + score_pos, out, sc.worker(0));
       score_pos += m * Hq;
     }
     return Status::ok();
+  }
+
+  /// `select_item` for every kv head of sequence b at once, in batched ops:
+  /// one top-k launch over the sequence's rows (query heads, or kv heads
+  /// after the group reduction) and one launch writing every row's page ids
+  /// and logical indices. The sequence's rows are consecutive with the same
+  /// capacity (`write_row_offsets`). Same ids as `select_item`.
+  template <class Backend>
+  void select_sequence_on_device(int layer, std::int32_t B, const GqaMap& gqa, const PageTable& table, std::int32_t b, const float* scores,
+                                 PageSelection& out, Workspace ws) const noexcept {
+    const std::int32_t n = table.num_pages(b), G = gqa.group_size();
+    if (n == 0) return;
+    const std::int32_t* pages = table.indices + table.indptr[b];
+    const bool per_q = params_.gqa == QuestGqa::kPerQueryHead;
+    const std::int64_t rows = heads_per_seq(gqa), row0 = static_cast<std::int64_t>(b) * rows;
+    std::int32_t* dst = out.indices + out.indptr[row0];
+    std::int32_t* lg = out.logical ? out.logical + out.indptr[row0] : nullptr;
+    const std::int64_t dst_ld = out.indptr[row0 + 1] - out.indptr[row0];
+    if (!scored(layer, n, B)) {
+      Backend::gather_page_rows(pages, nullptr, 0, rows, n, -1, dst, lg, dst_ld);
+      return;
+    }
+    const std::int64_t m = n - 1, k = B - 1;
+    WorkspaceCarver c(ws);
+    float* reduced = per_q ? nullptr : c.take<float>(static_cast<std::size_t>(gqa.num_kv_heads * m));
+    std::int32_t* sel = c.take<std::int32_t>(static_cast<std::size_t>(rows * std::max<std::int64_t>(k, 1)));
+    const float* ranked = scores;  // (rows, m)
+    if (!per_q) {
+      const GroupReduce kind = params_.gqa == QuestGqa::kGroupMax ? GroupReduce::kMax : GroupReduce::kSum;
+      for (std::int32_t g = 0; g < gqa.num_kv_heads; ++g)
+        Backend::group_reduce(scores + static_cast<std::int64_t>(g) * G * m, G, m, m, kind, reduced + g * m);
+      ranked = reduced;
+    }
+    Backend::topk_rows_strided(ranked, m, rows, m, k, sel, std::max<std::int64_t>(k, 1), c.rest());
+    Backend::gather_page_rows(pages, sel, std::max<std::int64_t>(k, 1), rows, k, n - 1, dst, lg, dst_ld);
   }
 
   /// Whether a sequence of n pages is scored (not dense, longer than the budget).
@@ -499,6 +531,13 @@ class Quest {
     l.scores = static_cast<std::size_t>(total_pages) * static_cast<std::size_t>(gqa.num_q_heads);
     l.offsets = static_cast<std::size_t>(batch) + 1;
     l.per_worker = align_up(std::max(topk.bytes, align_up(Backend::page_bounds_workspace(gqa.num_q_heads, head_dim))));
+    if constexpr (kDeviceBackend<Backend>) {
+      // select_sequence_on_device: group-reduced bounds of every kv head, the selection of every row.
+      WorkspacePlan dev;
+      dev.add<float>(static_cast<std::size_t>(gqa.num_kv_heads) * n).add<std::int32_t>(static_cast<std::size_t>(gqa.num_q_heads) * budget);
+      dev.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(n)));
+      l.per_worker = std::max(l.per_worker, align_up(dev.bytes));
+    }
     l.workers = workers;
     return l;
   }

@@ -94,13 +94,15 @@ struct Cuda {
   /// Preconditions (checked): group, window, head_dim >= 1; 0 <= num_cols <=
   /// kv_len; q_pos0 >= 0; row_stride >= head_dim; for paged keys page_size >= 1
   /// and page_stride >= 1; pointers non-null when there is work.
-  /// Accuracy: dot products and the window sum are accumulated in the same
-  /// order as the scalar reference, the denominator in fp64; results differ
-  /// from `backend::Scalar` only by expf rounding (a few ulp).
-  /// Opt-in (KVP_CUDA_TENSOR_CORE_SCORES=1) for fp16/bf16 keys on sm_80+: tensor-core logits
-  /// (split fp32 queries, within 1e-5 relative, see window_scores.cu), not bitwise Scalar.
-  /// Complexity: 3 kernels; O(group*window*kv_len*head_dim) work, keys are
-  /// read once per 64 query rows.
+  /// Accuracy: fp16/bf16 keys on sm_80+ take tensor-core logits (split fp32
+  /// queries; within 1e-5 relative of `backend::Scalar`, deterministic run to
+  /// run, see window_scores.cu). fp32 keys, older devices, or
+  /// KVP_CUDA_EXACT_SCORES=1 take the exact kernel: dot products and the
+  /// window sum in the scalar reference's order, so results differ from
+  /// `backend::Scalar` only by expf rounding and the fp64 denominator's
+  /// summation order (a few ulp).
+  /// Complexity: 6 small launches; O(group*window*kv_len*head_dim) work, keys
+  /// are read once per 64 query rows.
   static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<float> keys_device, float* out_device,
                               Workspace ws_device, void* stream) noexcept;
   static Status window_scores(const WindowScoreShape& s, const float* q_device, Rows<half> keys_device, float* out_device,
@@ -232,6 +234,28 @@ struct Cuda {
 
   /// `Scalar::copy_ids`: dst[i] = src[i] for i < n.
   static void copy_ids(const std::int32_t* src_device, std::int64_t n, std::int32_t* dst_device) noexcept;
+
+  // Batched forms the device paths of the policies use, so a step over all
+  // heads of a sequence is one launch instead of one per head.
+
+  /// `topk` on `rows` rows in one launch (a thread block per row): row r reads
+  /// scores[r*ld .. r*ld + n) and writes its k best, ascending, to
+  /// out[r*out_ld .. r*out_ld + k); identical to `rows` calls of `topk`.
+  /// Needs ld >= n and out_ld >= k when rows > 1.
+  static void topk_rows_strided(const float* scores_device, std::int64_t ld, std::int64_t rows, std::int64_t n, std::int64_t k,
+                                std::int32_t* out_device, std::int64_t out_ld, Workspace ws_device) noexcept;
+
+  /// Page-selection rows in one launch. For r < rows and i < k:
+  /// dst[r*dst_ld + i] = pages[s] with s = sel[r*sel_ld + i] (s = i when sel
+  /// is null), and logical[r*dst_ld + i] = s when logical is non-null; then,
+  /// when last >= 0, dst[r*dst_ld + k] = pages[last] and logical[...] = last.
+  /// The same writes as `gather_ids` + `copy_ids` / `iota` row by row.
+  static void gather_page_rows(const std::int32_t* pages_device, const std::int32_t* sel_device, std::int64_t sel_ld, std::int64_t rows,
+                               std::int64_t k, std::int64_t last, std::int32_t* dst_device, std::int32_t* logical_device,
+                               std::int64_t dst_ld) noexcept;
+
+  /// `iota` on `rows` rows in one launch: dst[r*dst_ld + i] = first + i for i < n.
+  static void iota_rows(std::int32_t* dst_device, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept;
 
   /// `Scalar::evict_lowest`: removes the lowest slot of row[0..cand) under
   /// `score_order_key` (ties: the lowest slot) from row[0..n), shifting the
