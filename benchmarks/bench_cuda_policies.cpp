@@ -20,8 +20,8 @@
 //                       the metadata bytes the bounds must read.
 //
 // Counters: `fp32_frac` = logit flops (2*Hq*w*T*d) per second / fp32 peak
-// (the window-score kernel runs on CUDA cores in fp32, like the scalar
-// reference); `hbm_frac` = bytes the op must read (keys, or scores) per
+// (kept against the fp32 peak although fp16 keys now take the tensor-core
+// logits kernel by default); `hbm_frac` = bytes the op must read (keys, or scores) per
 // second / read bandwidth; `tokens_per_s` = prompt tokens decided per second.
 // tools/gpu/torch_reference.py times kvpress's SnapKV formula and torch.topk
 // on the same shapes for the ratio.

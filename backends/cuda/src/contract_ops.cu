@@ -40,7 +40,11 @@ unsigned blocks_for(std::int64_t n) noexcept {
 
 // ---- pool1d -----------------------------------------------------------------
 
-__global__ void pool1d_kernel(const float* __restrict__ in, std::int64_t n, int kernel, Pooling kind, float* __restrict__ out) {
+/// Row blockIdx.y of (rows, ld) `in` into the same row of `out`.
+__global__ void pool1d_kernel(const float* __restrict__ in, std::int64_t n, int kernel, Pooling kind, float* __restrict__ out,
+                              std::int64_t ld) {
+  in += static_cast<std::int64_t>(blockIdx.y) * ld;
+  out += static_cast<std::int64_t>(blockIdx.y) * ld;
   const std::int64_t r = kernel / 2;
   for (std::int64_t t = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; t < n;
        t += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -352,8 +356,24 @@ void Cuda::pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, flo
     return;
   }
   if (kernel % 2 == 0) return record(KVP_INVALID("cuda pool1d: kernel is %d, must be odd", kernel));
-  pool1d_kernel<<<blocks_for(n), kThreads, 0, current()>>>(in, n, kernel, kind, out);
+  pool1d_kernel<<<blocks_for(n), kThreads, 0, current()>>>(in, n, kernel, kind, out, 0);
   record_launch("cuda pool1d");
+}
+
+void Cuda::pool1d_rows(const float* in, std::int64_t rows, std::int64_t n, std::int64_t ld, int kernel, Pooling kind, float* out) noexcept {
+  using namespace cuda_detail;
+  if (rows <= 0 || n <= 0) return;
+  if (in == nullptr || out == nullptr) return record(KVP_INVALID("cuda pool1d_rows: in or out is null"));
+  if (rows > 1 && ld < n) return record(KVP_INVALID("cuda pool1d_rows: ld %lld < n %lld", static_cast<long long>(ld), static_cast<long long>(n)));
+  if (rows > 65535) return record(Status::error(StatusCode::kUnsupported, "cuda pool1d_rows: %lld rows, at most 65535", static_cast<long long>(rows)));
+  if (kind == Pooling::kNone || kernel <= 1) {
+    if (in != out)
+      for (std::int64_t r = 0; r < rows; ++r) pool1d(in + r * ld, n, kernel, kind, out + r * ld);
+    return;
+  }
+  if (kernel % 2 == 0) return record(KVP_INVALID("cuda pool1d_rows: kernel is %d, must be odd", kernel));
+  pool1d_kernel<<<dim3(blocks_for(n), static_cast<unsigned>(rows)), kThreads, 0, current()>>>(in, n, kernel, kind, out, ld);
+  record_launch("cuda pool1d_rows");
 }
 
 void Cuda::group_reduce(const float* in, std::int64_t group, std::int64_t n, std::int64_t ld, GroupReduce kind, float* out) noexcept {

@@ -104,6 +104,7 @@ struct WindowParams {
   std::int64_t num_cols;  // L
   float scale;
   float inv_w;  // 1/w for kMean, 1 for kSum (computed as the scalar reference does)
+  bool vec;     // tensor-core kernel<Tk, true>: staging in 16-byte vectors: head_dim % 8 == 0, every key row 16-byte aligned
 };
 
 /// Keys visible to window query i: [0, min(T, q_pos0 + i + 1)).
@@ -294,7 +295,7 @@ __device__ __forceinline__ std::uint32_t lds32(const std::uint16_t* p) { return 
 /// shared memory, and B = keys (n = key, k = head_dim), stored [key][k]:
 /// "col" B is exactly key rows with head_dim contiguous. So each A / B
 /// register is one 32-bit load of two consecutive head_dim elements.
-template <class Tk>
+template <class Tk, bool kVec>
 __global__ void __launch_bounds__(kMmaThreads)
     window_logits_mma_kernel(WindowParams p, const float* __restrict__ q, Rows<Tk> keys, float* __restrict__ logits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -368,9 +369,53 @@ __global__ void __launch_bounds__(kMmaThreads)
         kv[u] = (in_dim && kr != nullptr) ? kr[col].bits : std::uint16_t{0};
       }
     };
-    for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kMmaChunk) {
-      __syncthreads();  // krow ready / previous chunk consumed
-      load_chunk(c0);
+    // The same staging in 16-byte vectors when every key row is 16-byte aligned
+    // and head_dim % 8 == 0 (the usual case): thread tid loads keys' 8-element
+    // pieces v = tid, tid + 256 (key v / 4, columns (v % 4) * 8 ..) and query
+    // float4 pieces (row v / 8, columns (v % 8) * 4 ..): 4 loads instead of 24.
+    constexpr int kKeyVecs = kMmaKeys * kMmaChunk / 8 / kMmaThreads, kQueryVecs = kMmaRows * kMmaChunk / 4 / kMmaThreads;
+    static_assert(kKeyVecs * 8 * kMmaThreads == kMmaKeys * kMmaChunk && kQueryVecs * 4 * kMmaThreads == kMmaRows * kMmaChunk,
+                  "vector staging covers the chunk exactly");
+    uint4 kv8[kKeyVecs];
+    float4 qv4[kQueryVecs];
+    const auto load_chunk_vec = [&](std::int64_t c0) {
+#pragma unroll
+      for (int u = 0; u < kKeyVecs; ++u) {
+        const int v = tid + u * kMmaThreads, n = v / (kMmaChunk / 8), cc = (v % (kMmaChunk / 8)) * 8;
+        const Tk* kr = krow[n];
+        kv8[u] = (kr != nullptr && c0 + cc < p.head_dim) ? __ldg(reinterpret_cast<const uint4*>(kr + c0 + cc)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kQueryVecs; ++u) {
+        const int v = tid + u * kMmaThreads, i = v / (kMmaChunk / 4), cc = (v % (kMmaChunk / 4)) * 4;
+        const std::int64_t r = r0 + i;
+        qv4[u] = (r < p.rows && c0 + cc < p.head_dim) ? __ldg(reinterpret_cast<const float4*>(q + r * p.head_dim + c0 + cc))
+                                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    };
+    const auto store_chunk_vec = [&] {
+#pragma unroll
+      for (int u = 0; u < kKeyVecs; ++u) {
+        const int v = tid + u * kMmaThreads, n = v / (kMmaChunk / 8), cc = (v % (kMmaChunk / 8)) * 8;
+        *reinterpret_cast<uint4*>(&ks[n][cc]) = kv8[u];  // pitch 80 bytes: 16-byte aligned
+      }
+#pragma unroll
+      for (int u = 0; u < kQueryVecs; ++u) {
+        const int v = tid + u * kMmaThreads, i = v / (kMmaChunk / 4), cc = (v % (kMmaChunk / 4)) * 4;
+        float x[4] = {__fmul_rn(qv4[u].x, q_up[i]), __fmul_rn(qv4[u].y, q_up[i]), __fmul_rn(qv4[u].z, q_up[i]), __fmul_rn(qv4[u].w, q_up[i])};
+#pragma unroll
+        for (int part = 0; part < P; ++part) {
+          std::uint16_t b[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            b[e] = K::narrow(x[e]);
+            x[e] = isfinite(x[e]) ? __fsub_rn(x[e], K::widen(b[e])) : 0.0f;  // as below
+          }
+          *reinterpret_cast<uint2*>(&qs[part][i][cc]) = make_uint2(b[0] | (static_cast<unsigned>(b[1]) << 16), b[2] | (static_cast<unsigned>(b[3]) << 16));
+        }
+      }
+    };
+    const auto store_chunk = [&] {
       // Query parts: x = q * 2^shift (exact), part 0 = narrow(x), part n = narrow(x - sum of parts < n).
 #pragma unroll
       for (int u = 0; u < kRowsPerThread; ++u) {
@@ -386,6 +431,16 @@ __global__ void __launch_bounds__(kMmaThreads)
       // Keys as stored (bits), zero past head_dim and past ld.
 #pragma unroll
       for (int u = 0; u < kKeysPerThread; ++u) ks[i0 + u * (kMmaThreads / kMmaChunk)][c] = kv[u];
+    };
+    for (std::int64_t c0 = 0; c0 < p.head_dim; c0 += kMmaChunk) {
+      __syncthreads();  // krow ready / previous chunk consumed
+      if constexpr (kVec) {
+        load_chunk_vec(c0);
+        store_chunk_vec();
+      } else {
+        load_chunk(c0);
+        store_chunk();
+      }
       __syncthreads();
 
 #pragma unroll 1
@@ -646,6 +701,16 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> ke
   p.num_cols = s.num_cols;
   p.scale = s.scale;
   p.inv_w = s.reduce == WindowReduce::kMean ? 1.0f / static_cast<float>(s.window) : 1.0f;
+  // 16-byte staging of the tensor-core kernel: the queries are the caller's dense
+  // (rows, head_dim) fp32 buffer; every key row address base + page * page_stride +
+  // slot * row_stride must be 16-byte aligned.
+  if constexpr (sizeof(Tk) == 2) {
+    const auto aligned16 = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
+    p.vec = s.head_dim % 8 == 0 && aligned16(q) && aligned16(keys.base) && (s.kv_len <= 1 || keys.row_stride % 8 == 0) &&
+            (keys.pages == nullptr || keys.page_stride % 8 == 0);
+  } else {
+    p.vec = false;
+  }
 
   WorkspaceCarver carve(ws);
   float* logits = carve.take<float>(static_cast<std::size_t>(p.rows * p.ld));
@@ -671,7 +736,10 @@ Status window_scores_impl(const WindowScoreShape& s, const float* q, Rows<Tk> ke
     const std::int64_t key_tiles = (p.ld + kMmaKeys - 1) / kMmaKeys;
     const dim3 grid(static_cast<unsigned>((p.rows + kMmaRows - 1) / kMmaRows),
                     static_cast<unsigned>(key_tiles < kMmaMaxKeyBlocks ? key_tiles : kMmaMaxKeyBlocks));
-    window_logits_mma_kernel<Tk><<<grid, kMmaThreads, 0, st>>>(p, q, keys, logits);
+    if (p.vec)
+      window_logits_mma_kernel<Tk, true><<<grid, kMmaThreads, 0, st>>>(p, q, keys, logits);
+    else
+      window_logits_mma_kernel<Tk, false><<<grid, kMmaThreads, 0, st>>>(p, q, keys, logits);
   } else {
     exact_logits();
   }

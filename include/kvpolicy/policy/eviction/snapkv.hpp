@@ -351,7 +351,10 @@ class SnapKV {
     const WindowScoreShape ss{G, rows, d, T, L, lookahead_query_pos0(params_.lookahead_mask, T, w, rows), scale, params_.window_reduce};
     Backend::window_scores(ss, q, in.keys.rows(h), raw, c.rest());
     if (params_.order == ReduceOrder::kPoolThenGroup) {
-      for (std::int64_t g = 0; g < G; ++g) Backend::pool1d(raw + g * L, L, params_.kernel, params_.pooling, tmp + g * L);
+      if constexpr (kDeviceBackend<Backend>)
+        Backend::pool1d_rows(raw, G, L, L, params_.kernel, params_.pooling, tmp);  // one launch
+      else
+        for (std::int64_t g = 0; g < G; ++g) Backend::pool1d(raw + g * L, L, params_.kernel, params_.pooling, tmp + g * L);
       Backend::group_reduce(tmp, G, L, L, params_.group_reduce, s);
     } else {
       Backend::group_reduce(raw, G, L, L, params_.group_reduce, tmp);

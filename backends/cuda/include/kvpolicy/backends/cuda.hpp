@@ -254,6 +254,10 @@ struct Cuda {
                                std::int64_t k, std::int64_t last, std::int32_t* dst_device, std::int32_t* logical_device,
                                std::int64_t dst_ld) noexcept;
 
+  /// `pool1d` on `rows` rows of (rows, ld) `in` into the same rows of `out`, in one launch.
+  static void pool1d_rows(const float* in_device, std::int64_t rows, std::int64_t n, std::int64_t ld, int kernel, Pooling kind,
+                          float* out_device) noexcept;
+
   /// `iota` on `rows` rows in one launch: dst[r*dst_ld + i] = first + i for i < n.
   static void iota_rows(std::int32_t* dst_device, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept;
 
