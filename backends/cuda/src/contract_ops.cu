@@ -364,8 +364,10 @@ void Cuda::pool1d_rows(const float* in, std::int64_t rows, std::int64_t n, std::
   using namespace cuda_detail;
   if (rows <= 0 || n <= 0) return;
   if (in == nullptr || out == nullptr) return record(KVP_INVALID("cuda pool1d_rows: in or out is null"));
-  if (rows > 1 && ld < n) return record(KVP_INVALID("cuda pool1d_rows: ld %lld < n %lld", static_cast<long long>(ld), static_cast<long long>(n)));
-  if (rows > 65535) return record(Status::error(StatusCode::kUnsupported, "cuda pool1d_rows: %lld rows, at most 65535", static_cast<long long>(rows)));
+  if (rows > 1 && ld < n)
+    return record(KVP_INVALID("cuda pool1d_rows: ld %lld < n %lld", static_cast<long long>(ld), static_cast<long long>(n)));
+  if (rows > 65535)
+    return record(Status::error(StatusCode::kUnsupported, "cuda pool1d_rows: %lld rows, at most 65535", static_cast<long long>(rows)));
   if (kind == Pooling::kNone || kernel <= 1) {
     if (in != out)
       for (std::int64_t r = 0; r < rows; ++r) pool1d(in + r * ld, n, kernel, kind, out + r * ld);

@@ -402,7 +402,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
       for (int u = 0; u < kQueryVecs; ++u) {
         const int v = tid + u * kMmaThreads, i = v / (kMmaChunk / 4), cc = (v % (kMmaChunk / 4)) * 4;
-        float x[4] = {__fmul_rn(qv4[u].x, q_up[i]), __fmul_rn(qv4[u].y, q_up[i]), __fmul_rn(qv4[u].z, q_up[i]), __fmul_rn(qv4[u].w, q_up[i])};
+        float x[4] = {__fmul_rn(qv4[u].x, q_up[i]), __fmul_rn(qv4[u].y, q_up[i]), __fmul_rn(qv4[u].z, q_up[i]),
+                      __fmul_rn(qv4[u].w, q_up[i])};
 #pragma unroll
         for (int part = 0; part < P; ++part) {
           std::uint16_t b[4];
@@ -411,12 +412,13 @@ __global__ void __launch_bounds__(kMmaThreads)
             b[e] = K::narrow(x[e]);
             x[e] = isfinite(x[e]) ? __fsub_rn(x[e], K::widen(b[e])) : 0.0f;  // as below
           }
-          *reinterpret_cast<uint2*>(&qs[part][i][cc]) = make_uint2(b[0] | (static_cast<unsigned>(b[1]) << 16), b[2] | (static_cast<unsigned>(b[3]) << 16));
+          *reinterpret_cast<uint2*>(&qs[part][i][cc]) =
+              make_uint2(b[0] | (static_cast<unsigned>(b[1]) << 16), b[2] | (static_cast<unsigned>(b[3]) << 16));
         }
       }
     };
     const auto store_chunk = [&] {
-      // Query parts: x = q * 2^shift (exact), part 0 = narrow(x), part n = narrow(x - sum of parts < n).
+    // Query parts: x = q * 2^shift (exact), part 0 = narrow(x), part n = narrow(x - sum of parts < n).
 #pragma unroll
       for (int u = 0; u < kRowsPerThread; ++u) {
         const int i = i0 + u * (kMmaThreads / kMmaChunk);
