@@ -416,3 +416,39 @@ TEST_CASE("cuda policies: the workspace a policy asks for covers window_scores a
   REQUIRE(obs.status.is_ok());
   CHECK(obs.workspace_bytes >= last_block);
 }
+
+TEST_CASE("cuda batched ops: bad arguments are recorded for the call, nothing is launched", "[cuda][args]") {
+  // Each check runs on the host before any launch, so no device is needed.
+  const auto rejected = [](auto&& op, const char* what) {
+    const Cuda::CallScope scope(nullptr, 1);
+    op();
+    const Status s = scope.end();
+    INFO(s.message());
+    CHECK_FALSE(s.is_ok());
+    CHECK(mentions(s, what));
+  };
+  rejected([] { Cuda::gather_page_rows(nullptr, nullptr, 0, 2, 3, -1, fake<std::int32_t>(1), nullptr, 3); }, "pages or dst is null");
+  rejected([] { Cuda::gather_page_rows(fake<const std::int32_t>(1), nullptr, 0, 2, 3, 5, fake<std::int32_t>(2), nullptr, 3); },
+           "rows would overlap");  // 3 ids + the last page = 4 per row > dst_ld 3
+  rejected(
+      [] {
+        Cuda::gather_page_rows(fake<const std::int32_t>(1), fake<const std::int32_t>(3), 2, 2, 3, -1, fake<std::int32_t>(2), nullptr, 4);
+      },
+      "rows would overlap");  // sel_ld 2 < k 3
+  rejected([] { Cuda::iota_rows(nullptr, 4, 2, 0, 4); }, "dst is null");
+  rejected([] { Cuda::iota_rows(fake<std::int32_t>(1), 3, 2, 0, 4); }, "dst_ld 3 < n 4");
+  rejected([] { Cuda::pool1d_rows(fake<const float>(1), 2, 10, 8, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "ld 8 < n 10");
+  rejected([] { Cuda::pool1d_rows(fake<const float>(1), 2, 10, 10, 4, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "kernel is 4");
+  rejected([] { Cuda::pool1d_rows(nullptr, 2, 10, 10, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "in or out is null");
+  rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 5, 2, 10, 3, fake<std::int32_t>(2), 3, Workspace{}); },
+           "ld is 5, less than n=10");
+  rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, 11, fake<std::int32_t>(2), 11, Workspace{}); },
+           "k is 11, larger than n=10");
+  // Empty work is no error and enqueues nothing.
+  const Cuda::CallScope scope(nullptr, 1);
+  Cuda::gather_page_rows(nullptr, nullptr, 0, 0, 3, -1, nullptr, nullptr, 3);
+  Cuda::iota_rows(nullptr, 0, 2, 0, 0);
+  Cuda::pool1d_rows(nullptr, 0, 10, 10, 5, kvpolicy::Pooling::kAvg, nullptr);
+  Cuda::topk_rows_strided(nullptr, 10, 2, 10, 0, nullptr, 0, Workspace{});
+  CHECK(scope.end().is_ok());
+}
