@@ -10,7 +10,11 @@
 # Environment: KVP_BENCH_REPS (default 5), KVP_BENCH_FILTER (a regex passed as
 # --benchmark_filter), KVP_BENCH_PROGRAMS (space-separated subset of the
 # programs, default: every bench_* target that was built), KVP_BENCH_JOBS
-# (build parallelism, default 2). JSON results are kept in <build>/bench-results/.
+# (build parallelism, default 2), KVP_KVPRESS_PYTHON (a Python with PyPI torch
+# and kvpress 0.5.5, outside the repository: when set, the table ends with
+# kvpress side by side on identical shapes, tools/compare_kvpress_speed.py,
+# one thread, 32K tokens, with the #15 goal of >= 10x; KVP_KVPRESS_ARGS adds
+# flags to it). JSON results are kept in <build>/bench-results/.
 # Times are CPU time of the benchmark thread (process CPU time for the pool
 # runs; wall time for the /real_time ones), see benchmarks/bench_util.hpp.
 set -euo pipefail
@@ -49,6 +53,19 @@ for p in "${targets[@]}"; do
   "$exe" --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
     --benchmark_out="$out/$p.json" --benchmark_out_format=json "${filter[@]}" "$@" >/dev/null
 done
+
+rm -f "$out/kvpress.jsonl"
+if [[ -n "${KVP_KVPRESS_PYTHON:-}" ]]; then
+  driver="$(find "$build" -type f -name kvp_speed_driver -perm -u+x | head -n1)"
+  if [[ -z "$driver" ]]; then
+    cmake --build "$build" --parallel "$jobs" --target kvp_speed_driver
+    driver="$(find "$build" -type f -name kvp_speed_driver -perm -u+x | head -n1)"
+  fi
+  echo "== kvpress side by side ($KVP_KVPRESS_PYTHON)" >&2
+  # shellcheck disable=SC2086
+  "$KVP_KVPRESS_PYTHON" "$root/tools/compare_kvpress_speed.py" --driver "$driver" --json ${KVP_KVPRESS_ARGS:-} >"$out/kvpress.jsonl" ||
+    echo "run_all.sh: the kvpress comparison failed; its rows are left out" >&2
+fi
 
 python3 - "$out" "${targets[@]}" <<'EOF'
 import json, os, sys
@@ -131,6 +148,17 @@ fp16 = next((b for n, b in by_name.items() if n.startswith("score/snapkv_fp16"))
 for n, b in by_name.items():
     if fp16 is not None and n.startswith("score/snapkv_") and not n.startswith("score/snapkv_fp16"):
         print(f"ratio {n} / score/snapkv_fp16 (time): {b['cpu_time'] / fp16['cpu_time']:.2f}x")
+kvpress = os.path.join(out, "kvpress.jsonl")
+if os.path.exists(kvpress) and os.path.getsize(kvpress) > 0:
+    print()
+    print("side by side with kvpress (same shapes and threads; median wall time per decision; goal #15.7: >= 10x)")
+    print(f'{"policy":<19} {"tokens":>6} {"threads":>7} {"kvpress":>11} {"kvpolicy":>11} {"ratio":>8}  goal')
+    with open(kvpress) as f:
+        for line in f:
+            r = json.loads(line)
+            met = "met" if r["speedup"] >= 10 else "not"
+            print(f'{r["policy"]:<19} {r["tokens"]:>6} {r["threads"]:>7} {r["kvpress_median_ms"]:>8.1f} ms {r["kvpolicy_median_ms"]:>8.1f} ms '
+                  f'{r["speedup"]:>7.2f}x  >=10x #15.7 {met}')
 for n, b in by_name.items():
     if n.startswith("topk/") and "/scalar" not in n:
         shape = n[n.index("/n:"):]

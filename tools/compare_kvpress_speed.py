@@ -15,6 +15,19 @@ on a shared machine shows how much of the wall time each process actually ran):
              kvpolicy: AdaKV<SnapKV>::select with AdaKVParams::kvpress.
   pyramidkv  kvpress: PyramidKVPress.score(...) then topk(get_layer_budget(module, T)) at --layer;
              kvpolicy: PyramidKV::select with PyramidKVParams::kvpress.
+  tova       kvpress: TOVAPress.score(...) (the last query's attention, recomputed) then topk(n_kept);
+             kvpolicy: TOVA with TOVAParams::kvpress (registry spec tova:compression_ratio=r,protect_last=true).
+  expected_attention
+             kvpress: ExpectedAttentionPress.score(...) (query statistics over all T pre-RoPE queries, averaged
+             RoPE over 512 future positions, covariance and value norms) then topk(n_kept);
+             kvpolicy: ExpectedAttention with its kvpress defaults, from the same T pre-RoPE queries and the values.
+  observed_attention
+             kvpress: ObservedAttentionPress needs the prompt's attention matrix (attn_implementation="eager"):
+             its timed work here is what eager attention must produce for it, softmax(Q K^T / sqrt(d) + causal
+             mask) in fp32 cast to the model dtype as HF's eager path does, then .score(...) and topk(n_kept);
+             kvpolicy: ObservedAttention::kvpress from the T post-RoPE queries (blocked, no T x T matrix).
+             Run at --obs-tokens (default 4096): the (q_heads, T, T) matrix takes 6 bytes per entry (fp32
+             softmax + fp16 copy), 192 GiB at 32K tokens, which no machine here holds.
 
 kvpress runs its recompute path (attentions=None, as with SDPA/flash attention): the stub module's
 q_proj is the identity, so `hidden_states` carries the pre-RoPE queries of the window; RoPE of the 64
@@ -84,9 +97,67 @@ def kvpress_decision(policy: str, args, torch, presses):
         def run():
             scores = press.score(module, hidden, keys, values, None, kwargs)
             return scores.topk(press.get_layer_budget(module, T), dim=-1).indices
+    elif policy == "tova":
+        press = presses.TOVAPress(compression_ratio=args.ratio)
+        n_kept = int(T * (1 - args.ratio))
+
+        def run():
+            scores = press.score(module, hidden, keys, values, None, kwargs)
+            return scores.topk(n_kept, dim=-1).indices
+    elif policy == "expected_attention":
+        # Every prompt row is a pre-RoPE query (q_proj = identity); the averaged RoPE needs module.rotary_emb.
+        hidden_all = torch.randn(1, T, hq * d, generator=gen).to(dtype)
+        module.rotary_emb = HfRotary(d, torch)
+        press = presses.ExpectedAttentionPress(compression_ratio=args.ratio)
+        n_kept = int(T * (1 - args.ratio))
+
+        def run():
+            scores = press.score(module, hidden_all, keys, values, None, kwargs)
+            return scores.topk(n_kept, dim=-1).indices
+    elif policy == "observed_attention":
+        q_all = torch.randn(1, hq, T, d, generator=gen).to(dtype)  # post-RoPE queries of every prompt position
+        press = presses.ObservedAttentionPress(compression_ratio=args.ratio)
+        n_kept = int(T * (1 - args.ratio))
+        mask = torch.full((T, T), float("-inf")).triu(1)
+
+        def run():
+            # What HF's eager attention computes for the press: repeat_kv, scaled logits + causal mask,
+            # softmax in fp32, cast back to the model dtype.
+            k = keys.repeat_interleave(hq // hkv, dim=1)
+            logits = torch.matmul(q_all, k.transpose(2, 3)) / math.sqrt(d) + mask
+            attentions = torch.softmax(logits, dim=-1, dtype=torch.float32).to(dtype)
+            del logits
+            scores = press.score(module, None, keys, values, attentions, kwargs)
+            return scores.topk(n_kept, dim=-1).indices
     else:
         raise SystemExit(f"unknown policy {policy}")
     return run
+
+
+class HfRotary:
+    """module.rotary_emb as HF's default RoPE computes it (fp32 angles, cos / sin cast to the input dtype)."""
+
+    def __init__(self, d: int, torch, base: float = 10000.0):
+        self.torch = torch
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+    def __call__(self, x, position_ids):
+        t = self.torch
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = t.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def driver_policy(policy: str, args) -> tuple[str, int, int]:
+    """kvp_speed_driver's --policy, --tokens and --window for a comparison row."""
+    r = args.ratio
+    if policy == "tova":
+        return f"tova:compression_ratio={r},protect_last=true", args.tokens, args.window
+    if policy == "expected_attention":
+        return f"expected_attention:compression_ratio={r}", args.tokens, args.tokens  # every prompt query
+    if policy == "observed_attention":
+        return f"observed_attention:compression_ratio={r}", args.obs_tokens, args.obs_tokens
+    return policy, args.tokens, args.window
 
 
 def time_calls(fn, reps: int, warmup: int) -> tuple[list[float], list[float]]:
@@ -105,7 +176,8 @@ def time_calls(fn, reps: int, warmup: int) -> tuple[list[float], list[float]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--driver", required=True, help="path to the kvp_speed_driver executable")
-    ap.add_argument("--policies", default="snapkv,adakv,pyramidkv")
+    ap.add_argument("--policies", default="snapkv,adakv,pyramidkv,tova,expected_attention,observed_attention")
+    ap.add_argument("--obs-tokens", type=int, default=4096, help="prompt length of the observed_attention row")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -131,18 +203,21 @@ def main() -> int:
 
     results = []
     for policy in [p for p in args.policies.split(",") if p]:
+        spec, tokens, window = driver_policy(policy, args)
+        row_args = argparse.Namespace(**{**vars(args), "tokens": tokens})
         with torch.inference_mode():
-            fn = kvpress_decision(policy, args, torch, presses)
+            fn = kvpress_decision(policy, row_args, torch, presses)
             kv_ms, kv_cpu = time_calls(fn, args.reps, args.warmup)
-        cmd = [args.driver, "--policy", policy, "--tokens", str(args.tokens), "--q-heads", str(args.q_heads),
-               "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--window", str(args.window),
+            del fn
+        cmd = [args.driver, "--policy", spec, "--tokens", str(tokens), "--q-heads", str(args.q_heads),
+               "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--window", str(window),
                "--kernel", str(args.kernel), "--ratio", str(args.ratio), "--alpha", str(args.alpha),
                "--layer", str(args.layer), "--num-layers", str(args.num_layers), "--threads", str(args.threads),
                "--reps", str(args.reps), "--warmup", str(args.warmup)]
         ours = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
         kv_med = statistics.median(kv_ms)
-        row = {"policy": policy, "tokens": args.tokens, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
-               "head_dim": args.head_dim, "window": args.window, "threads": args.threads, "reps": args.reps,
+        row = {"policy": policy, "tokens": tokens, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
+               "head_dim": args.head_dim, "window": window, "threads": args.threads, "reps": args.reps,
                "kvpress_dtype": args.torch_dtype, "torch": torch.__version__,
                "kvpress_median_ms": round(kv_med, 3), "kvpress_min_ms": round(min(kv_ms), 3),
                "kvpress_cpu_median_ms": round(statistics.median(kv_cpu), 3),
@@ -158,10 +233,10 @@ def main() -> int:
         print(f"shapes: T={args.tokens}, {args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, window {args.window}, "
               f"r={args.ratio}; threads={args.threads}; kvpress on torch {torch.__version__} ({args.torch_dtype}); "
               f"median of {args.reps} calls after {args.warmup} warm-up")
-        print(f"{'policy':<11} {'kvpress ms':>11} {'kvpolicy ms':>12} {'speedup':>8}   {'cpu-time ms: kvpress':>21} "
+        print(f"{'policy':<19} {'tokens':>6} {'kvpress ms':>11} {'kvpolicy ms':>12} {'speedup':>8}   {'cpu-time ms: kvpress':>21} "
               f"{'kvpolicy':>9} {'ratio':>7}  (kvpolicy ISA)")
         for r in results:
-            print(f"{r['policy']:<11} {r['kvpress_median_ms']:>11.1f} {r['kvpolicy_median_ms']:>12.1f} {r['speedup']:>7.2f}x   "
+            print(f"{r['policy']:<19} {r['tokens']:>6} {r['kvpress_median_ms']:>11.1f} {r['kvpolicy_median_ms']:>12.1f} {r['speedup']:>7.2f}x   "
                   f"{r['kvpress_cpu_median_ms']:>21.1f} {r['kvpolicy_cpu_median_ms']:>9.1f} {r['speedup_cpu_time']:>6.2f}x"
                   f"  ({r['kvpolicy_isa']})")
     return 0

@@ -17,8 +17,9 @@
 // the registry states them); it reads fp32 queries (the fp16 queries below,
 // widened), the last min(--window, its query window) of them, and refuses to
 // run when it needs more than --window. Queries are the last `window`
-// post-RoPE queries in fp16, keys (kv_heads, tokens, head_dim) fp16, both
-// N(0, 1) from a fixed seed, plus a few heavy keys. Workspace and output are
+// post-RoPE queries in fp16, keys and values (kv_heads, tokens, head_dim) fp16,
+// all N(0, 1) from a fixed seed, plus a few heavy keys (values are read by the
+// policies that need them: Expected Attention's value norms). Workspace and output are
 // sized by the policy's `requirements` and allocated once, outside the timed
 // region (as an engine would). Prints one
 // JSON object: the median, min and max wall time per call in milliseconds,
@@ -198,7 +199,8 @@ int dispatch_policy(const Options& o, const ScoreInput<half, half>& in) {
     for (std::int64_t t = 0; t < qw; ++t)
       for (std::int64_t c = 0; c < o.head_dim; ++c)
         qf[static_cast<std::size_t>((h * qw + t) * o.head_dim + c)] = to_float(in.queries(h, o.window - qw + t, c));
-  const ScoreInput<float, half> fin{TensorView<const float, 3>::contiguous(qf.data(), {o.q_heads, qw, o.head_dim}), in.keys};
+  ScoreInput<float, half> fin{TensorView<const float, 3>::contiguous(qf.data(), {o.q_heads, qw, o.head_dim}), in.keys};
+  fin.values = in.values;  // Expected Attention scales by the value norms
   return run<Backend>(o, p, fin);
 }
 
@@ -222,9 +224,11 @@ int main(int argc, char** argv) {
         x = to_half(to_float(x) + qf[static_cast<std::size_t>(c)]);
       }
   }
-  const ScoreInput<half, half> in{
-      TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
-      KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {o.kv_heads, o.tokens, o.head_dim}))};
+  std::vector<half> values(keys.size());
+  for (auto& x : values) x = to_half(nd(rng));
+  ScoreInput<half, half> in{TensorView<const half, 3>::contiguous(q.data(), {o.q_heads, o.window, o.head_dim}),
+                            KVSource<half>::from(TensorView<const half, 3>::contiguous(keys.data(), {o.kv_heads, o.tokens, o.head_dim}))};
+  in.values = KVSource<half>::from(TensorView<const half, 3>::contiguous(values.data(), {o.kv_heads, o.tokens, o.head_dim}));
   if (o.backend == "cpu") return dispatch_policy<backend::Cpu>(o, in);
   if (o.backend == "scalar") return dispatch_policy<backend::Scalar>(o, in);
   usage(("unknown backend " + o.backend).c_str());

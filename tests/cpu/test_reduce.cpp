@@ -117,3 +117,67 @@ TEST_CASE("CpuReduceOps: mean_rows == the scalar reference bit for bit (fp32 con
     REQUIRE(a == b);
   }
 }
+
+TEST_CASE("CpuReduceOps: expected_logits == the scalar reference bit for bit (fp32 / fp16 / bf16 keys, paged, any head_dim)",
+          "[cpu][reduce][expected_attention]") {
+  IsaGuard guard;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const auto check = [&](auto tag, std::int64_t d, std::int64_t T, std::int64_t j0, bool with_cov, bool paged, bool special) {
+    using Tk = decltype(tag);
+    std::vector<Tk> k(static_cast<std::size_t>((T + 7) * (d + 3)));
+    for (auto& v : k) v = from_float<Tk>(nd(rng));
+    if (special) {  // a NaN key element and an infinite one: the lanes must not leak into their neighbours
+      k[static_cast<std::size_t>(1 * (d + 3))] = from_float<Tk>(nan);
+      k[static_cast<std::size_t>(std::min<std::int64_t>(T - 1, 5) * (d + 3) + d - 1)] = from_float<Tk>(inf);
+    }
+    std::vector<float> mean(static_cast<std::size_t>(d)), cov(static_cast<std::size_t>(d * d));
+    for (auto& v : mean) v = nd(rng);
+    for (auto& v : cov) v = nd(rng) * 0.1f;  // not symmetric: the kernel must read rows as the reference does
+    // Contiguous rows of stride d + 3, or pages of 4 slots in reversed order.
+    std::vector<std::int32_t> pages(static_cast<std::size_t>((T + 3) / 4));
+    for (std::size_t p = 0; p < pages.size(); ++p) pages[p] = static_cast<std::int32_t>(pages.size() - 1 - p);
+    const Rows<Tk> rows = paged ? Rows<Tk>{k.data(), d + 3, pages.data(), 4 * (d + 3), 4} : Rows<Tk>{k.data(), d + 3};
+    std::vector<float> za(static_cast<std::size_t>(T), -7.0f), zb(za), sa(static_cast<std::size_t>(2 * d)), sb(sa);
+    const float* c = with_cov ? cov.data() : nullptr;
+    const float ma = Cpu::expected_logits(mean.data(), c, d, rows, j0, T, za.data(), sa.data());
+    const float mb = Scalar::expected_logits(mean.data(), c, d, rows, j0, T, zb.data(), sb.data());
+    INFO("isa " << Cpu::isa_name() << " d " << d << " T " << T << " j0 " << j0 << " cov " << with_cov << " paged " << paged);
+    REQUIRE(std::memcmp(za.data(), zb.data(), za.size() * sizeof(float)) == 0);  // untouched before j0 too
+    REQUIRE(std::memcmp(&ma, &mb, sizeof ma) == 0);
+  };
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t d : {1, 2, 7, 8, 9, 16, 31, 64, 100, 128, 256, 260})
+      for (std::int64_t T : {1, 5, 16, 17, 33}) {
+        for (bool cov : {true, false}) {
+          check(float{}, d, T, 0, cov, false, false);
+          check(half{}, d, T, T > 4 ? 4 : 0, cov, true, T > 5);
+          check(bfloat16{}, d, T, 0, cov, T % 2 == 1, false);
+        }
+      }
+  }
+}
+
+TEST_CASE("CpuReduceOps: outer_upper_accumulate == the scalar reference bit for bit", "[cpu][reduce][expected_attention]") {
+  IsaGuard guard;
+  std::mt19937 rng(22);
+  std::normal_distribution<float> nd;
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t d : {1, 3, 4, 5, 8, 15, 16, 17, 33, 64, 100, 128})
+      for (std::int64_t n : {1, 2, 7, 64}) {
+        std::vector<float> c(static_cast<std::size_t>(n * d));
+        for (auto& v : c) v = nd(rng);
+        std::vector<float> a(static_cast<std::size_t>(d * d)), b;
+        for (auto& v : a) v = nd(rng);  // accumulates onto what is there
+        b = a;
+        Cpu::outer_upper_accumulate(c.data(), n, d, a.data());
+        Scalar::outer_upper_accumulate(c.data(), n, d, b.data());
+        INFO("isa " << Cpu::isa_name() << " d " << d << " n " << n);
+        for (std::int64_t i = 0; i < d; ++i)
+          for (std::int64_t j = i; j < d; ++j) REQUIRE(std::memcmp(&a[i * d + j], &b[i * d + j], sizeof(float)) == 0);
+      }
+  }
+}

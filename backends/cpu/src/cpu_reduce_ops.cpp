@@ -19,6 +19,18 @@ void CpuReduceOps::widen_f16(const std::uint16_t* x, std::int64_t n, float* out)
   cpu_detail::reduce_kernels().widen_f16(x, n, out);
 }
 
+std::int64_t CpuReduceOps::expected_lanes() noexcept { return cpu_detail::reduce_kernels().lanes; }
+
+void CpuReduceOps::expected_block(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+                                  float* z) noexcept {
+  cpu_detail::reduce_kernels().expected_logits_block(mean, cov, d, kT, nk, sqrt_d, z);
+}
+
+void CpuReduceOps::outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+  if (n <= 0 || d <= 0) return;
+  cpu_detail::reduce_kernels().outer_upper_accumulate(c, n, d, block);
+}
+
 void CpuReduceOps::row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept {
   if (n <= 0) return;
   cpu_detail::reduce_kernels().row_dots_f32(q, rows, n, d, out);

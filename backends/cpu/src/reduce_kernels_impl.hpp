@@ -205,5 +205,88 @@ inline void row_dots_f32(const float* q, const float* rows, std::int64_t n, std:
   }
 }
 
+/// expected_logits_block (reduce_kernels.hpp): lanes across keys, so every key keeps the
+/// reference's sequential order; 8 columns of the quadratic form at a time (independent chains).
+inline void expected_logits_block(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+                                  float* z) noexcept {
+  RF dot(0.0f);
+  for (std::int64_t i = 0; i < d; ++i) dot = dot + RF(mean[i]) * RF::load_unaligned(kT + i * kRL);
+  RF zv = dot / RF(sqrt_d);
+  if (cov != nullptr) {
+    constexpr std::int64_t kC = 8;
+    RF quad(0.0f);
+    std::int64_t k0 = 0;
+    for (; k0 + kC <= d; k0 += kC) {
+      RF acc[kC];
+      for (std::int64_t c = 0; c < kC; ++c) acc[c] = RF(0.0f);
+      for (std::int64_t i = 0; i < d; ++i) {
+        const RF ki = RF::load_unaligned(kT + i * kRL);
+        const float* row = cov + i * d + k0;
+        for (std::int64_t c = 0; c < kC; ++c) acc[c] = acc[c] + ki * RF(row[c]);
+      }
+      for (std::int64_t c = 0; c < kC; ++c) quad = quad + acc[c] * RF::load_unaligned(kT + (k0 + c) * kRL);
+    }
+    for (; k0 < d; ++k0) {
+      RF acc(0.0f);
+      for (std::int64_t i = 0; i < d; ++i) acc = acc + RF::load_unaligned(kT + i * kRL) * RF(cov[i * d + k0]);
+      quad = quad + acc * RF::load_unaligned(kT + k0 * kRL);
+    }
+    zv = zv + quad / RF(static_cast<float>(d)) / RF(2.0f);
+  }
+  alignas(64) float t[kRL];
+  zv.store_aligned(t);
+  for (std::int64_t l = 0; l < nk; ++l) z[l] = t[l];
+}
+
+/// outer_upper_accumulate (reduce_kernels.hpp): register tiles of 4 rows x 2 vectors of
+/// columns held across all n tokens, so each entry adds its products in token order.
+inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+  constexpr std::int64_t kR = 4, kV = 2;
+  const std::int64_t dv = d / kRL * kRL;
+  std::int64_t i0 = 0;
+  for (; i0 + kR <= d; i0 += kR) {
+    // Columns from the vector holding column i0 (earlier lanes are entries j < i: don't-care).
+    std::int64_t j0 = i0 / kRL * kRL;
+    for (; j0 + kV * kRL <= dv; j0 += kV * kRL) {
+      RF acc[kR][kV];
+      for (std::int64_t r = 0; r < kR; ++r)
+        for (std::int64_t v = 0; v < kV; ++v) acc[r][v] = RF::load_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+      for (std::int64_t t = 0; t < n; ++t) {
+        const float* ct = c + t * d;
+        RF cj[kV];
+        for (std::int64_t v = 0; v < kV; ++v) cj[v] = RF::load_unaligned(ct + j0 + v * kRL);
+        for (std::int64_t r = 0; r < kR; ++r) {
+          const RF ci(ct[i0 + r]);
+          for (std::int64_t v = 0; v < kV; ++v) acc[r][v] = acc[r][v] + ci * cj[v];
+        }
+      }
+      for (std::int64_t r = 0; r < kR; ++r)
+        for (std::int64_t v = 0; v < kV; ++v) acc[r][v].store_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+    }
+    for (; j0 + kRL <= dv; j0 += kRL) {
+      RF acc[kR];
+      for (std::int64_t r = 0; r < kR; ++r) acc[r] = RF::load_unaligned(block + (i0 + r) * d + j0);
+      for (std::int64_t t = 0; t < n; ++t) {
+        const RF cj = RF::load_unaligned(c + t * d + j0);
+        for (std::int64_t r = 0; r < kR; ++r) acc[r] = acc[r] + RF(c[t * d + i0 + r]) * cj;
+      }
+      for (std::int64_t r = 0; r < kR; ++r) acc[r].store_unaligned(block + (i0 + r) * d + j0);
+    }
+    // Columns past the last whole vector, element by element in token order.
+    for (std::int64_t r = 0; r < kR; ++r)
+      for (std::int64_t j = dv > i0 + r ? dv : i0 + r; j < d; ++j) {
+        float a = block[(i0 + r) * d + j];
+        for (std::int64_t t = 0; t < n; ++t) a = a + c[t * d + i0 + r] * c[t * d + j];
+        block[(i0 + r) * d + j] = a;
+      }
+  }
+  for (; i0 < d; ++i0)
+    for (std::int64_t j = i0; j < d; ++j) {
+      float a = block[i0 * d + j];
+      for (std::int64_t t = 0; t < n; ++t) a = a + c[t * d + i0] * c[t * d + j];
+      block[i0 * d + j] = a;
+    }
+}
+
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
 KVP_NAMESPACE_END

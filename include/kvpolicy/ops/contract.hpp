@@ -63,7 +63,7 @@ concept PageOps = requires(const Tk* krows, Tm* mx, Tm* mn, const float* q, Page
 
 /// Row kernels shared by the policies: query widening, NaN scans, the
 /// one-victim argmin, protected counts, head means, column-sum accumulation
-/// (H2O), expected logits / softmax / value norms (Expected Attention), row
+/// (H2O), expected logits / covariance products / softmax / value norms (Expected Attention), row
 /// dot products in a fixed order (the merging policies' cosine searches).
 template <class B, class Tq = float>
 concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<const Tq, 2>& rows, const float* x, float* out,
@@ -71,6 +71,7 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
   B::accumulate_column_sums(out, n, q, n, n, true);
   { B::expected_logits(x, x, n, krows, n, n, out, out) } -> std::same_as<float>;
   B::softmax_accumulate(out, n, n, 1.0f, out);
+  B::outer_upper_accumulate(x, n, n, out);
   { B::row_norm(v, n) } -> std::same_as<float>;
   B::widen_queries(q, n, n, n, n, out);
   { B::has_nan(x, n) } -> std::same_as<bool>;

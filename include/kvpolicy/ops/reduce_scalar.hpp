@@ -139,6 +139,19 @@ struct ScalarReduceOps {
     return mx;
   }
 
+  /// Covariance products of n centred rows c (n x d, row-major): for t < n in order,
+  /// block[i * d + j] += c[t * d + i] * c[t * d + j] for j >= i (fp32, product rounded, then added).
+  static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+    for (std::int64_t t = 0; t < n; ++t) {
+      const float* ct = c + t * d;
+      for (std::int64_t i = 0; i < d; ++i) {
+        const float ci = ct[i];
+        float* row = block + i * d;
+        for (std::int64_t j = i; j < d; ++j) row[j] += ci * ct[j];
+      }
+    }
+  }
+
   /// Softmax of z[j0, j1) given its max, accumulated: z[j] = exp(z[j] - mx)
   /// (the denominator summed in double), s[j] += z[j] / denominator.
   static void softmax_accumulate(float* z, std::int64_t j0, std::int64_t j1, float mx, float* s) noexcept {

@@ -343,6 +343,7 @@ class ExpectedAttention {
     p.add<double>(d * d);             // covariance accumulator
     p.add<float>(d * d);              // block accumulator / rotated covariance
     p.add<float>(5 * d);              // rbar cos, rbar sin, key, rotated mean, quadratic-form temp
+    p.add<float>(kStatBlock * d);     // centred queries of one covariance block
     p.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(T)));
     return p.bytes;
   }
@@ -383,8 +384,11 @@ class ExpectedAttention {
     }
   }
 
+  static constexpr std::int64_t kStatBlock = 64;  ///< tokens whose fp32 products are summed before the double accumulator
+
   /// Mean and (optionally) population covariance of query head q, pre-RoPE, in double.
-  template <class Tq, class Tk>
+  /// `c`: kStatBlock * d floats (the centred queries of one block).
+  template <class Backend, class Tq, class Tk>
   void query_statistics(const ExpectedAttentionInput<Tq, Tk>& in, std::int64_t q, std::int64_t d, double* mu, double* cov, float* block,
                         float* c) const noexcept {
     if (in.queries.empty()) {
@@ -400,19 +404,16 @@ class ExpectedAttention {
       for (std::int64_t i = 0; i < d; ++i) mu[i] += to_float(in.queries(q, t, i));
     for (std::int64_t i = 0; i < d; ++i) mu[i] /= static_cast<double>(N);
     if (!params_.use_covariance) return;
-    // Upper triangle, fp32 products summed in blocks of 64 tokens, blocks summed in double.
+    // Upper triangle, fp32 products summed in blocks of 64 tokens (token order, the backend's
+    // outer_upper_accumulate), blocks summed in double.
     std::fill(cov, cov + d * d, 0.0);
-    constexpr std::int64_t kBlock = 64;
-    for (std::int64_t tb = t0; tb < t1; tb += kBlock) {
+    for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {
       std::fill(block, block + d * d, 0.0f);
-      for (std::int64_t t = tb; t < std::min(t1, tb + kBlock); ++t) {
-        for (std::int64_t i = 0; i < d; ++i) c[i] = static_cast<float>(static_cast<double>(to_float(in.queries(q, t, i))) - mu[i]);
-        for (std::int64_t i = 0; i < d; ++i) {
-          const float ci = c[i];
-          float* row = block + i * d;
-          for (std::int64_t j = i; j < d; ++j) row[j] += ci * c[j];
-        }
-      }
+      const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
+      for (std::int64_t t = 0; t < nt; ++t)
+        for (std::int64_t i = 0; i < d; ++i)
+          c[t * d + i] = static_cast<float>(static_cast<double>(to_float(in.queries(q, tb + t, i))) - mu[i]);
+      Backend::outer_upper_accumulate(c, nt, d, block);
       for (std::int64_t i = 0; i < d; ++i)
         for (std::int64_t j = i; j < d; ++j) cov[i * d + j] += block[i * d + j];
     }
@@ -433,6 +434,7 @@ class ExpectedAttention {
     float* covf = c.take<float>(static_cast<std::size_t>(d * d));
     float* cb = c.take<float>(static_cast<std::size_t>(5 * d));
     float *sb = cb + d, *mf = cb + 2 * d, *kf = cb + 3 * d;  // kf: 2 d floats of op scratch (key, quadratic-form row)
+    float* centred = c.take<float>(static_cast<std::size_t>(kStatBlock * d));
     averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
     auto partner = [h](std::int64_t i) { return i < h ? i + h : i - h; };
     auto off = [&](std::int64_t i) { return i < h ? -static_cast<double>(sb[i + h]) : static_cast<double>(sb[i - h]); };
@@ -440,7 +442,7 @@ class ExpectedAttention {
     std::fill(s, s + T, 0.0f);
     for (std::int64_t qq = 0; qq < G; ++qq) {
       const std::int64_t q = g * G + qq;
-      query_statistics(in, q, d, mu, cov, covf, kf);
+      query_statistics<Backend>(in, q, d, mu, cov, covf, centred);
       for (std::int64_t i = 0; i < d; ++i) mur[i] = static_cast<double>(cb[i]) * mu[i] + off(i) * mu[partner(i)];
       for (std::int64_t i = 0; i < d; ++i) mf[i] = static_cast<float>(mur[i]);
       if (params_.use_covariance) {

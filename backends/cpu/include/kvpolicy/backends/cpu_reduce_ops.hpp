@@ -8,7 +8,10 @@
 // reduction falls back to it by inheritance.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/ops/reduce_scalar.hpp"
@@ -31,6 +34,35 @@ struct CpuReduceOps : ScalarReduceOps {
   /// `ScalarReduceOps::row_dots`, bit for bit (16 partial sums, no fused multiply-add).
   static void row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept;
 
+  /// `ScalarReduceOps::expected_logits`, bit for bit: keys in blocks of the level's lane count
+  /// (lanes run across keys, so each key's sums keep the reference's order); head_dim > 256: the reference.
+  template <class Tk>
+  static float expected_logits(const float* mean, const float* cov, std::int64_t d, const Rows<Tk>& keys, std::int64_t j0, std::int64_t j1,
+                               float* z, float* scratch) noexcept {
+    constexpr std::int64_t kMaxDim = 256, kMaxLanes = 16;
+    const std::int64_t L = expected_lanes();
+    if (d > kMaxDim || L > kMaxLanes || d < 1) return ScalarReduceOps::expected_logits(mean, cov, d, keys, j0, j1, z, scratch);
+    alignas(64) float kT[kMaxDim * kMaxLanes];
+    const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
+    float mx = -std::numeric_limits<float>::infinity();
+    for (std::int64_t j = j0; j < j1; j += L) {
+      const std::int64_t nk = j1 - j < L ? j1 - j : L;
+      for (std::int64_t l = 0; l < L; ++l) {
+        if (l < nk) {
+          widen_row(keys.row(j + l), d, scratch);  // scratch: 2 d floats
+          for (std::int64_t i = 0; i < d; ++i) kT[i * L + l] = scratch[i];
+        } else {
+          for (std::int64_t i = 0; i < d; ++i) kT[i * L + l] = 0.0f;
+        }
+      }
+      expected_block(mean, cov, d, kT, nk, sqrt_d, z + j);
+      for (std::int64_t l = 0; l < nk; ++l) mx = std::max(mx, z[j + l]);
+    }
+    return mx;
+  }
+  /// `ScalarReduceOps::outer_upper_accumulate`, bit for bit (register tiles held across the tokens).
+  static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept;
+
   /// fp32 rows contiguous along j: the vectorised kernel; other dtypes / strides: the reference.
   template <class Tp>
   static void mean_rows(const TensorView<const Tp, 2> rows, float* mean) noexcept {
@@ -44,6 +76,9 @@ struct CpuReduceOps : ScalarReduceOps {
   }
 
  private:
+  static std::int64_t expected_lanes() noexcept;
+  static void expected_block(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+                             float* z) noexcept;
   static void widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept;
   static void mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept;
 };
