@@ -399,9 +399,21 @@ class ExpectedAttention {
       return;
     }
     const std::int64_t t0 = params_.n_sink, t1 = in.queries.extent(1), N = t1 - t0;
+    // Query row t of head q as fp32 (exactly to_float of each element) into dst: the backend's
+    // widening when the row is contiguous.
+    const bool contiguous = in.queries.stride(2) == 1;
+    const auto widen = [&](std::int64_t t, float* dst) {
+      if (contiguous) {
+        Backend::widen_row(&in.queries(q, t, 0), d, dst);
+      } else {
+        for (std::int64_t i = 0; i < d; ++i) dst[i] = to_float(in.queries(q, t, i));
+      }
+    };
     std::fill(mu, mu + d, 0.0);
-    for (std::int64_t t = t0; t < t1; ++t)
-      for (std::int64_t i = 0; i < d; ++i) mu[i] += to_float(in.queries(q, t, i));
+    for (std::int64_t t = t0; t < t1; ++t) {
+      widen(t, c);
+      for (std::int64_t i = 0; i < d; ++i) mu[i] += c[i];
+    }
     for (std::int64_t i = 0; i < d; ++i) mu[i] /= static_cast<double>(N);
     if (!params_.use_covariance) return;
     // Upper triangle, fp32 products summed in blocks of 64 tokens (token order, the backend's
@@ -410,9 +422,11 @@ class ExpectedAttention {
     for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {
       std::fill(block, block + d * d, 0.0f);
       const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
-      for (std::int64_t t = 0; t < nt; ++t)
-        for (std::int64_t i = 0; i < d; ++i)
-          c[t * d + i] = static_cast<float>(static_cast<double>(to_float(in.queries(q, tb + t, i))) - mu[i]);
+      for (std::int64_t t = 0; t < nt; ++t) {
+        float* ct = c + t * d;
+        widen(tb + t, ct);
+        for (std::int64_t i = 0; i < d; ++i) ct[i] = static_cast<float>(static_cast<double>(ct[i]) - mu[i]);
+      }
       Backend::outer_upper_accumulate(c, nt, d, block);
       for (std::int64_t i = 0; i < d; ++i)
         for (std::int64_t j = i; j < d; ++j) cov[i * d + j] += block[i * d + j];
