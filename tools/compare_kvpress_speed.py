@@ -77,13 +77,19 @@ def kvpress_decision(policy: str, args, torch, presses):
                                    _attn_implementation="sdpa")
     module = types.SimpleNamespace(config=config, head_dim=d, layer_idx=args.layer, q_proj=torch.nn.Identity())
 
-    if policy == "snapkv":
-        press = presses.SnapKVPress(compression_ratio=args.ratio, window_size=w, kernel_size=args.kernel)
-        n_kept = int(T * (1 - args.ratio))
+    n_kept = int(T * (1 - args.ratio))
+
+    def score_then_topk(press, hidden_states, k):
+        """What ScorerPress.compress does before gathering keys and values: the press's scores, then the k best per head."""
 
         def run():
-            scores = press.score(module, hidden, keys, values, None, kwargs)
-            return scores.topk(n_kept, dim=-1).indices
+            scores = press.score(module, hidden_states, keys, values, None, kwargs)
+            return scores.topk(k, dim=-1).indices
+
+        return run
+
+    if policy == "snapkv":
+        run = score_then_topk(presses.SnapKVPress(compression_ratio=args.ratio, window_size=w, kernel_size=args.kernel), hidden, n_kept)
     elif policy == "adakv":
         press = presses.AdaKVPress(presses.SnapKVPress(compression_ratio=args.ratio, window_size=w, kernel_size=args.kernel),
                                    alpha_safeguard=args.alpha)
@@ -93,31 +99,17 @@ def kvpress_decision(policy: str, args, torch, presses):
             return module.masked_key_indices
     elif policy == "pyramidkv":
         press = presses.PyramidKVPress(compression_ratio=args.ratio, window_size=w, kernel_size=args.kernel)
-
-        def run():
-            scores = press.score(module, hidden, keys, values, None, kwargs)
-            return scores.topk(press.get_layer_budget(module, T), dim=-1).indices
+        run = score_then_topk(press, hidden, press.get_layer_budget(module, T))
     elif policy == "tova":
-        press = presses.TOVAPress(compression_ratio=args.ratio)
-        n_kept = int(T * (1 - args.ratio))
-
-        def run():
-            scores = press.score(module, hidden, keys, values, None, kwargs)
-            return scores.topk(n_kept, dim=-1).indices
+        run = score_then_topk(presses.TOVAPress(compression_ratio=args.ratio), hidden, n_kept)
     elif policy == "expected_attention":
         # Every prompt row is a pre-RoPE query (q_proj = identity); the averaged RoPE needs module.rotary_emb.
         hidden_all = torch.randn(1, T, hq * d, generator=gen).to(dtype)
         module.rotary_emb = HfRotary(d, torch)
-        press = presses.ExpectedAttentionPress(compression_ratio=args.ratio)
-        n_kept = int(T * (1 - args.ratio))
-
-        def run():
-            scores = press.score(module, hidden_all, keys, values, None, kwargs)
-            return scores.topk(n_kept, dim=-1).indices
+        run = score_then_topk(presses.ExpectedAttentionPress(compression_ratio=args.ratio), hidden_all, n_kept)
     elif policy == "observed_attention":
         q_all = torch.randn(1, hq, T, d, generator=gen).to(dtype)  # post-RoPE queries of every prompt position
         press = presses.ObservedAttentionPress(compression_ratio=args.ratio)
-        n_kept = int(T * (1 - args.ratio))
         mask = torch.full((T, T), float("-inf")).triu(1)
 
         def run():

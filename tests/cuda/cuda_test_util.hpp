@@ -75,6 +75,15 @@ struct Stream {
   void sync() const { CUDA_REQUIRE(cudaStreamSynchronize(s)); }
 };
 
+/// Runs `f` as a policy call would: inside a CallScope on `st`, then checks the recorded status.
+template <class F>
+void run_ops(const Stream& st, F&& f) {
+  const ::kvpolicy::backend::Cuda::CallScope scope(st.s, 1);
+  f();
+  KVP_REQUIRE_OK(scope.end());
+  st.sync();
+}
+
 /// True when a CUDA device is usable; otherwise prints "SKIPPED: no CUDA device (<why>)" for the caller to
 /// return 77 (ctest's SKIP_RETURN_CODE).
 inline bool have_device() {

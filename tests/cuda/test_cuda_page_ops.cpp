@@ -36,6 +36,7 @@ using kvp::half;
 using kvp::backend::Cuda;
 using kvp::backend::Scalar;
 using kvp_cuda_test::DeviceBuffer;
+using kvp_cuda_test::run_ops;
 using kvp_cuda_test::Stream;
 
 static_assert(kvp::PageOps<Cuda, float, float> && kvp::PageOps<Cuda, half, half> && kvp::PageOps<Cuda, bfloat16, bfloat16>,
@@ -51,15 +52,6 @@ constexpr double kAttnRel = 2e-5;
 constexpr double kAttnAbsPerValue = 2e-5;  // times max |v|
 constexpr double kLseAbs = 2e-5;
 double g_worst_ratio = 0.0;  // largest |err| / tolerance seen by check_attention (printed by main)
-
-/// Runs `f` as a policy call would: inside a CallScope on `st`, then checks the recorded status.
-template <class F>
-void run_ops(const Stream& st, F&& f) {
-  const Cuda::CallScope scope(st.s, 1);
-  f();
-  KVP_REQUIRE_OK(scope.end());
-  st.sync();
-}
 
 /// The status `f` records (the ops themselves return void).
 template <class F>
@@ -456,34 +448,29 @@ void check_attention(const Stream& st, const AttnCase& tc) {
   for (std::size_t i = static_cast<std::size_t>(G); i < lse.size(); ++i) REQUIRE(std::isnan(lse[i]));
 
   const double abs_tol = kAttnAbsPerValue * std::max(1.0f, vmax);
+  // NaN and inf as the reference has them; finite values within kAttnRel relative + `abs`.
+  const auto require_close = [](float x, float r, double abs) {
+    if (std::isnan(r)) {
+      REQUIRE(std::isnan(x));
+    } else if (std::isinf(r)) {
+      REQUIRE(x == r);
+    } else {
+      REQUIRE(std::isfinite(x));
+      const double tol = kAttnRel * std::fabs(r) + abs;
+      g_worst_ratio = std::max(g_worst_ratio, std::fabs(static_cast<double>(x) - r) / tol);
+      REQUIRE(std::fabs(static_cast<double>(x) - r) <= tol);
+    }
+  };
   for (std::int64_t g = 0; g < G; ++g) {
     for (std::int64_t c = 0; c < d; ++c) {
       const float r = ref_out[static_cast<std::size_t>(g * d + c)], x = out[static_cast<std::size_t>(g * d + c)];
       INFO("out[" << g << "][" << c << "]: cuda " << x << ", scalar " << r);
-      if (std::isnan(r)) {
-        REQUIRE(std::isnan(x));
-      } else if (std::isinf(r)) {
-        REQUIRE(x == r);
-      } else {
-        REQUIRE(std::isfinite(x));
-        const double tol = kAttnRel * std::fabs(r) + abs_tol;
-        g_worst_ratio = std::max(g_worst_ratio, std::fabs(static_cast<double>(x) - r) / tol);
-        REQUIRE(std::fabs(static_cast<double>(x) - r) <= tol);
-      }
+      require_close(x, r, abs_tol);
     }
     if (tc.with_lse) {
       const float r = ref_lse[static_cast<std::size_t>(g)], x = lse[static_cast<std::size_t>(g)];
       INFO("lse[" << g << "]: cuda " << x << ", scalar " << r);
-      if (std::isnan(r)) {
-        REQUIRE(std::isnan(x));
-      } else if (std::isinf(r)) {
-        REQUIRE(x == r);
-      } else {
-        REQUIRE(std::isfinite(x));
-        const double tol = kAttnRel * std::fabs(r) + kLseAbs;
-        g_worst_ratio = std::max(g_worst_ratio, std::fabs(static_cast<double>(x) - r) / tol);
-        REQUIRE(std::fabs(static_cast<double>(x) - r) <= tol);
-      }
+      require_close(x, r, kLseAbs);
     }
   }
 }

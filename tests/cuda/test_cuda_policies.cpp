@@ -30,6 +30,7 @@ namespace kvp = kvpolicy;
 using kvp::backend::Cuda;
 using kvp::backend::Scalar;
 using kvp_cuda_test::DeviceBuffer;
+using kvp_cuda_test::run_ops;
 using kvp_cuda_test::Stream;
 
 static_assert(kvp::ScoreOps<Cuda, float> && kvp::ScoreOps<Cuda, kvp::half> && kvp::ScoreOps<Cuda, kvp::bfloat16>,
@@ -69,15 +70,6 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
     if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return false;
   }
   return true;
-}
-
-/// Runs `f` as a policy call would: inside a CallScope on `st`, then checks the recorded status.
-template <class F>
-void run_ops(const Stream& st, F&& f) {
-  const Cuda::CallScope scope(st.s, 1);
-  f();
-  KVP_REQUIRE_OK(scope.end());
-  st.sync();
 }
 
 }  // namespace
