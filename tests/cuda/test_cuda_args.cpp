@@ -444,6 +444,11 @@ TEST_CASE("cuda batched ops: bad arguments are recorded for the call, nothing is
            "ld is 5, less than n=10");
   rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, 11, fake<std::int32_t>(2), 11, Workspace{}); },
            "k is 11, larger than n=10");
+  // Negative counts are errors, not empty work.
+  rejected([] { Cuda::gather_page_rows(fake<const std::int32_t>(1), nullptr, 0, 2, -1, 5, fake<std::int32_t>(2), nullptr, 3); }, "k=-1");
+  rejected([] { Cuda::iota_rows(fake<std::int32_t>(1), 4, -2, 0, 4); }, "rows=-2");
+  rejected([] { Cuda::pool1d_rows(fake<const float>(1), -1, 10, 10, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "rows=-1");
+  rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, -3, fake<std::int32_t>(2), 3, Workspace{}); }, "k is -3");
   // Empty work is no error and enqueues nothing.
   const Cuda::CallScope scope(nullptr, 1);
   Cuda::gather_page_rows(nullptr, nullptr, 0, 0, 3, -1, nullptr, nullptr, 3);

@@ -362,7 +362,8 @@ void Cuda::pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, flo
 
 void Cuda::pool1d_rows(const float* in, std::int64_t rows, std::int64_t n, std::int64_t ld, int kernel, Pooling kind, float* out) noexcept {
   using namespace cuda_detail;
-  if (rows <= 0 || n <= 0) return;
+  if (rows < 0) return record(KVP_INVALID("cuda pool1d_rows: rows=%lld, must be >= 0", static_cast<long long>(rows)));
+  if (rows == 0 || n <= 0) return;  // n <= 0: nothing, as `pool1d`
   if (in == nullptr || out == nullptr) return record(KVP_INVALID("cuda pool1d_rows: in or out is null"));
   if (rows > 1 && ld < n)
     return record(KVP_INVALID("cuda pool1d_rows: ld %lld < n %lld", static_cast<long long>(ld), static_cast<long long>(n)));
@@ -465,17 +466,20 @@ void Cuda::gather_ids(const std::int32_t* table, const std::int32_t* sel, std::i
 
 void Cuda::topk_rows_strided(const float* scores, std::int64_t ld, std::int64_t rows, std::int64_t n, std::int64_t k, std::int32_t* out,
                              std::int64_t out_ld, Workspace ws) noexcept {
-  if (rows <= 0 || k <= 0) return;
+  // topk_rows checks rows, n, k and the strides first, and enqueues nothing for empty work.
   cuda_detail::record(topk_rows(scores, rows, n, ld, k, out, out_ld, ws, cuda_detail::tl_stream));
 }
 
 void Cuda::gather_page_rows(const std::int32_t* pages, const std::int32_t* sel, std::int64_t sel_ld, std::int64_t rows, std::int64_t k,
                             std::int64_t last, std::int32_t* dst, std::int32_t* logical, std::int64_t dst_ld) noexcept {
   using namespace cuda_detail;
+  if (rows < 0 || k < 0)
+    return record(
+        KVP_INVALID("cuda gather_page_rows: rows=%lld, k=%lld, must be >= 0", static_cast<long long>(rows), static_cast<long long>(k)));
   const std::int64_t width = k + (last >= 0 ? 1 : 0);
-  if (rows <= 0 || width <= 0) return;
+  if (rows == 0 || width == 0) return;
   if (pages == nullptr || dst == nullptr) return record(KVP_INVALID("cuda gather_page_rows: pages or dst is null"));
-  if (k < 0 || (rows > 1 && dst_ld < width) || (sel != nullptr && rows > 1 && sel_ld < k))
+  if ((rows > 1 && dst_ld < width) || (sel != nullptr && rows > 1 && sel_ld < k))
     return record(KVP_INVALID("cuda gather_page_rows: k=%lld, dst_ld=%lld, sel_ld=%lld: rows would overlap", static_cast<long long>(k),
                               static_cast<long long>(dst_ld), static_cast<long long>(sel_ld)));
   gather_page_rows_kernel<<<blocks_for(rows * width), kThreads, 0, current()>>>(pages, sel, sel_ld, rows, k, last, dst, logical, dst_ld);
@@ -484,7 +488,8 @@ void Cuda::gather_page_rows(const std::int32_t* pages, const std::int32_t* sel, 
 
 void Cuda::iota_rows(std::int32_t* dst, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept {
   using namespace cuda_detail;
-  if (rows <= 0 || n <= 0) return;
+  if (rows < 0) return record(KVP_INVALID("cuda iota_rows: rows=%lld, must be >= 0", static_cast<long long>(rows)));
+  if (rows == 0 || n <= 0) return;  // n <= 0: nothing, as `iota`
   if (dst == nullptr) return record(KVP_INVALID("cuda iota_rows: dst is null"));
   if (rows > 1 && dst_ld < n)
     return record(KVP_INVALID("cuda iota_rows: dst_ld %lld < n %lld", static_cast<long long>(dst_ld), static_cast<long long>(n)));
