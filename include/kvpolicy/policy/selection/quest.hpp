@@ -647,7 +647,7 @@ class Quest {
                                          : static_cast<std::int64_t>(b) * gqa.num_kv_heads + g;
     const std::int32_t rows = per_q ? G : 1;
     auto write_row = [&](std::int64_t row, const std::int32_t* sel, std::int32_t k, bool add_last) {
-      // Through ops, so the ids are written where they live (device memory on a device backend).
+      // Through the backend's id ops (a device backend writes whole sequences in select_sequence_on_device).
       std::int32_t* dst = out.indices + out.indptr[row];
       std::int32_t* lg = out.logical ? out.logical + out.indptr[row] : nullptr;
       Backend::gather_ids(pages, sel, k, dst);
