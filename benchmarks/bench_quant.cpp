@@ -5,6 +5,9 @@
 // through the policies on backend::Cpu, one thread.
 //
 //   quantize/<format>    GgmlQuant / Fp8Quant / Int4Quant / KiviQuant::quantize: fp16 rows -> codes
+//                        (the policy: its finiteness check reads the rows once before the codes are written)
+//   quantize_op/<format> backend::Cpu::ggml_quantize_row on the same rows, one call per head (no check)
+//   check_finite/fp16    backend::Cpu::first_nonfinite over the same rows (the policies' check alone)
 //   dequantize/<format>  ::dequantize: codes -> fp16 rows
 //   (<format>_rot: the Hadamard rotation of llama.cpp's rule in front, n = 128 keys / 64 values;
 //   kivi_<k|v><bits>: codes plus the separate scale rows)
@@ -100,6 +103,32 @@ void run_kivi(benchmark::State& st, const KiviQuant& policy, bool quantize) {
     benchmark::ClobberMemory();
   }
   kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size() + scales.size()));
+}
+
+/// The backend op alone on the same layer (backend::Cpu::ggml_quantize_row, one call per head): what an
+/// engine that has checked its rows calls; the policy's quantize adds the finiteness check, a read of the
+/// rows of its own, before anything is written.
+void quantize_op(benchmark::State& st, GgmlType t) {
+  Cache& c = cache();
+  const std::int64_t rb = kD / kGgmlBlock * ggml_block_bytes(t);
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(kH * kT * rb));
+  for (auto _ : st) {
+    for (std::int64_t h = 0; h < kH; ++h)
+      backend::Cpu::ggml_quantize_row(t, c.rows.data() + h * kT * kD, kT * kD, codes.data() + h * kT * rb);
+    benchmark::DoNotOptimize(codes.data());
+    benchmark::ClobberMemory();
+  }
+  kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size()));
+}
+/// The policies' finiteness check alone (backend::Cpu::first_nonfinite over each head's rows): one read.
+void check_finite(benchmark::State& st) {
+  Cache& c = cache();
+  for (auto _ : st) {
+    std::int64_t bad = 0;
+    for (std::int64_t h = 0; h < kH; ++h) bad += backend::Cpu::first_nonfinite(c.rows.data() + h * kT * kD, kT * kD);
+    benchmark::DoNotOptimize(bad);
+  }
+  kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half)));
 }
 
 // ---- fused quantized scoring -----------------------------------------------------------------------
@@ -264,6 +293,12 @@ void register_all() {
           ->ReportAggregatesOnly();
     }
   }
+  for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1})
+    benchmark::RegisterBenchmark((std::string("quantize_op/") + ggml_name(t)).c_str(), [t](benchmark::State& st) { quantize_op(st, t); })
+        ->Unit(benchmark::kMillisecond)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly();
+  benchmark::RegisterBenchmark("check_finite/fp16", check_finite)->Unit(benchmark::kMillisecond)->Repetitions(5)->ReportAggregatesOnly();
   for (Fp8Scale s : {Fp8Scale::kPerTensor, Fp8Scale::kPerTokenHead}) {
     for (bool quantize : {true, false}) {
       const Fp8Quant p(Fp8QuantParams{Fp8Format::kE4M3, s, 1.0f});

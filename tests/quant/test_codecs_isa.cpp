@@ -198,7 +198,7 @@ TEST_CASE("codecs: fp8 on the CPU equals the reference, every code decoded", "[q
           x[2 * static_cast<std::size_t>(d) + i] = mids[i];
         const auto xh = to_halves(x);
         const std::int64_t stride = d + 16;
-        for (float s : {0.0f, 1.0f, 0.02f}) {
+        for (float s : {0.0f, 1.0f, 0.02f, 0.25f, 4096.0f, 0x1p-120f, 0x1p-126f}) {  // powers of two: the product path
           const std::string what = isa + " " + fp8_name(f) + " d=" + std::to_string(d) + " scale=" + std::to_string(s);
           std::vector<std::uint8_t> ca(static_cast<std::size_t>(kRows * stride), 0xCD), cb = ca;
           backend::Scalar::fp8_quantize_rows(f, x.data(), kRows, d, d, s, ca.data(), stride);
@@ -367,11 +367,18 @@ TEST_CASE("codecs: ggml block quantizers on the CPU equal the reference on corne
           backend::Cpu::ggml_quantize_row(t, x.data() + r * d, d, cb.data() + r * rb);
         }
         require_same(ca, cb, isa + " " + ggml_name(t) + " f32 d=" + std::to_string(d));
+        // All rows in one call: the AVX-512 level's 16-block group kernel (and the block kernel for the tail).
+        std::fill(cb.begin(), cb.end(), std::uint8_t{0xAA});
+        backend::Cpu::ggml_quantize_row(t, x.data(), kRows * d, cb.data());
+        require_same(ca, cb, isa + " " + ggml_name(t) + " f32 one call d=" + std::to_string(d));
         for (std::int64_t r = 0; r < kRows; ++r) {
           backend::Scalar::ggml_quantize_row(t, xh.data() + r * d, d, ca.data() + r * rb);
           backend::Cpu::ggml_quantize_row(t, xh.data() + r * d, d, cb.data() + r * rb);
         }
         require_same(ca, cb, isa + " " + ggml_name(t) + " f16 d=" + std::to_string(d));
+        std::fill(cb.begin(), cb.end(), std::uint8_t{0xAA});
+        backend::Cpu::ggml_quantize_row(t, xh.data(), kRows * d, cb.data());
+        require_same(ca, cb, isa + " " + ggml_name(t) + " f16 one call d=" + std::to_string(d));
         // Decoding: random bytes with their scales forced finite, and the codes just written.
         std::mt19937 rng(37);
         std::vector<std::uint8_t> any(ca.size());

@@ -469,6 +469,7 @@ inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
     std::uint8_t* o = out + r * out_stride;
+    prefetch_row(x + (r + kPrefetchRows) * x_stride, d, r + kPrefetchRows < rows);
     float s = scale;
     if (s <= 0.0f) {
       vf am = set1(0.0f);
@@ -477,6 +478,19 @@ inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_
       s = amax > 0.0f ? amax / fp8_consts(f).max : 1.0f;
       std::memcpy(o + d, &s, sizeof s);
       std::memset(o + d + sizeof s, 0, 12);
+    }
+    // A power-of-two scale (1.0, the engines' default, included) divides exactly as a product with its
+    // reciprocal: both are the correctly rounded value of the same real number.
+    const std::uint32_t sb = [&] {
+      std::uint32_t u;
+      std::memcpy(&u, &s, sizeof u);
+      return u;
+    }();
+    const std::uint32_t se = (sb >> 23) & 0xffu;
+    if ((sb & 0x807fffffu) == 0 && se > 1 && se < 253) {
+      const vf inv = set1(as_float((254u - se) << 23));
+      for (std::int64_t c = 0; c < d; c += kW) st_u8(o + c, fp8_encode_v(f, mul(ld(xr + c), inv)));
+      continue;
     }
     const vf vs = set1(s);
     for (std::int64_t c = 0; c < d; c += kW) st_u8(o + c, fp8_encode_v(f, div(ld(xr + c), vs)));
@@ -868,6 +882,151 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
   }
 }
 
+#if KVP_CPU_TU_ISA == 2
+// ---- 16 ggml blocks at once (AVX-512) ------------------------------------------------------------------
+// A group of 16 blocks (512 values) runs each step over all 16 before the next: the block statistics reduce
+// through one transposing tree into one vector (lane b = block b), the scales divide as one vector, and the
+// codes follow with the scales broadcast from their lanes. Every value is the reference's: the reductions are
+// exact (abs-max in any order; a signed min / max only differs by the sign of a zero, and such blocks take the
+// per-block kernel, which keeps the reference's lane order), and the rounding steps are the same IEEE
+// operations. q8_0's round-half-away-from-zero of p is trunc(p + copysign(0.49999997, p)): the sum rounds
+// to nearest even, and this equals the reference's floor form for every float of magnitude below 2^31
+// (checked exhaustively; q8_0's products are at most 127 in magnitude).
+
+/// Lane b <- the maximum (Max) or minimum of the 16 lanes of m[b]. The tree leaves the lanes in block order.
+template <bool Max>
+inline vf reduce16(const vf* m) noexcept {
+  const auto op = [](vf a, vf b) { return Max ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b); };
+  vf t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) t[i] = op(_mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    w[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+inline vf lane_of(vf v, int b) noexcept { return _mm512_permutexvar_ps(_mm512_set1_epi32(b), v); }
+/// The 16 scales as fp16 into each block's first two bytes (and, with m, the min into the next two).
+inline void put_scales16(std::uint8_t* out, std::int32_t bb, vf d, const vf* m) noexcept {
+  alignas(32) std::uint16_t h[16], hm[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtps_ph(d, kRne));
+  if (m) _mm256_store_si256(reinterpret_cast<__m256i*>(hm), _mm512_cvtps_ph(*m, kRne));
+  for (int b = 0; b < 16; ++b) {
+    std::memcpy(out + b * bb, h + b, 2);
+    if (m) std::memcpy(out + b * bb + 2, hm + b, 2);
+  }
+}
+/// 4-bit codes q0 (elements 0..15) and q1 (16..31), each < 16, as ggml's nibbles (byte j = q[j] | q[j + 16] << 4).
+inline void st_nibbles16(std::uint8_t* qs, vi q0, vi q1) noexcept {
+  const vi m = set1i(15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qs),
+                   _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_and_si512(q0, m), _mm512_slli_epi32(_mm512_and_si512(q1, m), 4))));
+}
+/// Bit 4 of the 32 codes (q5 formats' qh word).
+inline void put_bit4(std::uint8_t* p, vi q0, vi q1) noexcept {
+  const std::uint32_t h = static_cast<std::uint32_t>(_mm512_test_epi32_mask(q0, set1i(16))) |
+                          static_cast<std::uint32_t>(_mm512_test_epi32_mask(q1, set1i(16))) << 16;
+  std::memcpy(p, &h, 4);
+}
+
+/// Blocks [0, 16) of f (512 finite floats) into out (16 blocks of ggml_block_bytes(t)); false for iq4_nl
+/// (its search runs block by block).
+inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out) noexcept {
+  const std::int32_t bb = ggml_block_bytes(t);
+  const vf absmask = asf(set1i(0x7fffffff)), zero = _mm512_setzero_ps(), one = set1(1.0f);
+  switch (t) {
+    case GgmlType::kQ8_0: {
+      vf m[16];
+      for (int b = 0; b < 16; ++b) m[b] = vmax(_mm512_and_ps(ld(f + 32 * b), absmask), _mm512_and_ps(ld(f + 32 * b + 16), absmask));
+      const vf d = div(reduce16<true>(m), set1(127.0f));
+      const vf id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, zero, _CMP_NEQ_UQ), one, d);
+      put_scales16(out, bb, d, nullptr);
+      const vi half_ = set1i(0x3effffff), sign = set1i(static_cast<std::int32_t>(0x80000000u));  // 0.49999997f
+      for (int b = 0; b < 16; ++b) {
+        const vf s = lane_of(id, b);
+        for (int i = 0; i < 2; ++i) {
+          const vf p = mul(ld(f + 32 * b + 16 * i), s);
+          const vf c = asf(_mm512_ternarylogic_epi32(half_, asi(p), sign, 0xD8));  // sign of p, magnitude 0.49999997
+          st_i8(out + b * bb + 2 + 16 * i, toi(add(p, c)));
+        }
+      }
+      return true;
+    }
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ5_0: {
+      const int levels = t == GgmlType::kQ4_0 ? 8 : 16, top = 2 * levels - 1;
+      // The reference's signed maximum is the first element of largest magnitude. With the block's maximum
+      // hi and minimum lo, it is hi when hi > -lo and lo when -lo > hi; a block where both signs reach the
+      // largest magnitude (or every value is zero) takes the block kernel, which finds the first.
+      vf lo[16], hi[16];
+      for (int b = 0; b < 16; ++b) {
+        const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
+        lo[b] = vmin(v0, v1);
+        hi[b] = vmax(v0, v1);
+      }
+      const vf mn = reduce16<false>(lo), mxv = reduce16<true>(hi), nmn = sub(zero, mn);
+      const std::uint32_t ties = static_cast<std::uint32_t>(_mm512_cmp_ps_mask(mxv, nmn, _CMP_EQ_OQ));
+      const vf mx = sel(gt(nmn, mxv), mn, mxv);
+      const vf d = div(mx, set1(static_cast<float>(-levels)));
+      const vf id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, zero, _CMP_NEQ_UQ), one, d);
+      put_scales16(out, bb, d, nullptr);
+      const vf bias = set1(static_cast<float>(levels) + 0.5f);
+      const vi vtop = set1i(top);
+      for (int b = 0; b < 16; ++b) {
+        const vf s = lane_of(id, b);
+        const vi q0 = imin(toi(add(mul(ld(f + 32 * b), s), bias)), vtop), q1 = imin(toi(add(mul(ld(f + 32 * b + 16), s), bias)), vtop);
+        if (t == GgmlType::kQ4_0) {
+          st_nibbles16(out + b * bb + 2, q0, q1);
+        } else {
+          put_bit4(out + b * bb + 2, q0, q1);
+          st_nibbles16(out + b * bb + 6, q0, q1);
+        }
+      }
+      for (std::uint32_t z = ties; z; z &= z - 1) {
+        const int b = __builtin_ctz(z);
+        ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
+      }
+      return true;
+    }
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1: {
+      const int top = t == GgmlType::kQ4_1 ? 15 : 31;
+      vf lo[16], hi[16];
+      for (int b = 0; b < 16; ++b) {
+        const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
+        lo[b] = vmin(v0, v1);
+        hi[b] = vmax(v0, v1);
+      }
+      const vf mn = reduce16<false>(lo), mx = reduce16<true>(hi);
+      // A zero minimum or maximum carries the sign the reference's lane order gives it: those blocks take the
+      // per-block kernel (after the group's own stores, so theirs are the bytes that stay).
+      const std::uint32_t zeros =
+          static_cast<std::uint32_t>(_mm512_cmp_ps_mask(mn, zero, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(mx, zero, _CMP_EQ_OQ));
+      const vf d = div(sub(mx, mn), set1(static_cast<float>(top)));
+      const vf id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, zero, _CMP_NEQ_UQ), one, d);
+      put_scales16(out, bb, d, &mn);
+      const vf half_ = set1(0.5f);
+      const vi vtop = set1i(top);
+      const int qs = t == GgmlType::kQ4_1 ? 4 : 8;
+      for (int b = 0; b < 16; ++b) {
+        const vf s = lane_of(id, b), m0 = lane_of(mn, b);
+        const vi q0 = imin(toi(add(mul(sub(ld(f + 32 * b), m0), s), half_)), vtop);
+        const vi q1 = imin(toi(add(mul(sub(ld(f + 32 * b + 16), m0), s), half_)), vtop);
+        if (t == GgmlType::kQ5_1) put_bit4(out + b * bb + 4, q0, q1);
+        st_nibbles16(out + b * bb + qs, q0, q1);
+      }
+      for (std::uint32_t z = zeros; z; z &= z - 1) {
+        const int b = __builtin_ctz(z);
+        ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
+      }
+      return true;
+    }
+    default: return false;
+  }
+}
+#else
+inline bool ggml_quantize_group16(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
+#endif
+
 /// Codes of vector i of a 4-bit block (element j < 16: low nibble of qs[j], else high nibble of qs[j - 16]).
 inline vi block_nibbles(const std::uint8_t* qs, int i) noexcept {
   const vi b = ld_u8(qs + (i % (kBlockVecs / 2)) * kW);
@@ -971,6 +1130,7 @@ inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std:
   return false;
 }
 inline bool ggml_quantize_block_v(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
+inline bool ggml_quantize_group16(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
 template <class T>
 inline bool ggml_dequantize_block_v(GgmlType, const std::uint8_t*, T*) noexcept {
   return false;

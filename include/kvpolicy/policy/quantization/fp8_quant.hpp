@@ -115,7 +115,7 @@ class Fp8Quant {
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows));
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
     const float fmax = fp8_max(params_.format);
     if (rows.stride(2) == 1 || d == 1) {
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {

@@ -42,6 +42,7 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/quant_checks.hpp"
 #include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/ggml.hpp"
 #include "kvpolicy/quant/hadamard.hpp"
@@ -115,17 +116,14 @@ class GgmlQuant {
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(rows.stride(2) == 1 || d <= 1, "ggml: rows has channel stride %lld, must be 1", static_cast<long long>(rows.stride(2)));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d, "codes"));
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t = 0; t < T; ++t) {
-        const Tk* x = &rows(h, t, 0);
-        const std::int64_t c = Backend::first_nonfinite(x, d);
-        KVP_REQUIRE(c < 0, "ggml: rows head %lld token %lld channel %lld is not finite (%g); nothing was written",
-                    static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c),
-                    c < 0 ? 0.0 : static_cast<double>(to_float(x[c])));
-      }
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
     const std::int64_t n = rotation_block(d);
     if (n == 0) {
+      // A head whose rows and codes are both contiguous goes to the backend in one call (the row kernel then
+      // sees all of its blocks and prefetches ahead), else row by row.
+      const bool flat = (rows.stride(1) == d || T == 1) && (q.codes.stride(1) == row_bytes(d) || T == 1);
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        if (flat && T > 0) return Backend::ggml_quantize_row(params_.type, &rows(h, 0, 0), T * d, &q.codes(h, 0, 0));
         for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));
       });
       return Status::ok();
@@ -136,6 +134,10 @@ class GgmlQuant {
       for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
         const std::int64_t m = std::min(chunk, T - t0);
         Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
+        if (q.codes.stride(1) == row_bytes(d)) {  // one call: the kernel sees all m rows' blocks
+          Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x), m * d, &q.codes(h, t0, 0));
+          continue;
+        }
         for (std::int64_t r = 0; r < m; ++r)
           Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x + r * d), d, &q.codes(h, t0 + r, 0));
       }

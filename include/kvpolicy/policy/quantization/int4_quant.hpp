@@ -120,7 +120,7 @@ class Int4Quant {
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows));
+    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
     const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
     const bool unit = rows.stride(2) == 1 || d == 1;
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
