@@ -516,13 +516,15 @@ inline bool fp8_dequantize(Fp8Format f, const std::uint8_t* in, std::int64_t row
 template <class T>
 inline bool kivi_r16(const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept {
   if (d % kW != 0) return false;
-  for (std::int64_t r = 0; r < rows; ++r)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    prefetch_row(x + (r + kPrefetchRows) * x_stride, d, r + kPrefetchRows < rows);
     for (std::int64_t c = 0; c < d; c += kW) {
       if constexpr (std::is_same_v<T, half>)
         st(y + r * d + c, ld(x + r * x_stride + c));  // fp16 already
       else
         st(y + r * d + c, r16(ld(x + r * x_stride + c)));
     }
+  }
   return true;
 }
 
