@@ -307,7 +307,7 @@ inline void fwht_row(float* x, std::int64_t d, std::int64_t n) noexcept {
 }
 /// Rows a streaming codec prefetches ahead of the one it reads (the hardware prefetcher alone keeps one core
 /// well below the read bandwidth on these row-at-a-time loops).
-constexpr std::int64_t kPrefetchRows = 8;
+constexpr std::int64_t kPrefetchRows = 24;
 template <class T>
 inline void prefetch_row(const T* p, std::int64_t d, bool valid) noexcept {
   if (!valid) return;
@@ -342,25 +342,22 @@ inline bool rotate_out(float* y, std::int64_t rows, std::int64_t d, std::int64_t
 
 // ---- token-wise INT4 / INT8 -------------------------------------------------------------------------
 
+/// Lane b <- the maximum (Max) or minimum of the 16 lanes of m[b] (AVX-512; defined with the ggml group
+/// kernels below).
+template <bool Max>
+inline vf reduce16(const vf* m) noexcept;
+
 inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out,
                           std::int64_t out_stride) noexcept {
   const std::int64_t h = bits == 4 ? d / 2 : d;
   if (h % kW != 0 || h == 0) return false;
   const float top = static_cast<float>((1 << bits) - 1);
-  for (std::int64_t r = 0; r < rows; ++r) {
+  const vf half_ = set1(0.5f), vtop = set1(top), vzero = set1(0.0f);
+  // Row r's codes and trailer with its scale and zero point.
+  const auto codes = [&](std::int64_t r, float scale, float zero) {
     const float* xr = x + r * d;
     std::uint8_t* o = out + r * out_stride;
-    vf mn = ld(xr), mx = mn;
-    for (std::int64_t c = kW; c < d; c += kW) {
-      const vf v = ld(xr + c);
-      mn = vmin(v, mn);
-      mx = vmax(v, mx);
-    }
-    const float lo = first_equal_zero(xr, d, hmin(mn)), hi = first_equal_zero(xr, d, hmax(mx));
-    const float range = hi - lo;
-    const float scale = (range > 1e-8f ? range : 1e-8f) / top;
-    const float zero = -lo / scale;
-    const vf vs = set1(scale), vz = set1(zero), half_ = set1(0.5f), vtop = set1(top), vzero = set1(0.0f);
+    const vf vs = set1(scale), vz = set1(zero);
     auto code = [&](const float* p) {
       vf t = vtrunc(add(add(div(ld(p), vs), vz), half_));
       t = sel(lt(t, vzero), vzero, sel(gt(t, vtop), vtop, t));
@@ -373,7 +370,55 @@ inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int
     }
     std::memcpy(o + d * bits / 8, &scale, 4);
     std::memcpy(o + d * bits / 8 + 4, &zero, 4);
+  };
+  // The reference's range, scale and zero point of one row (its first zero where a minimum or maximum is 0).
+  const auto row = [&](std::int64_t r) {
+    const float* xr = x + r * d;
+    vf mn = ld(xr), mx = mn;
+    for (std::int64_t c = kW; c < d; c += kW) {
+      const vf v = ld(xr + c);
+      mn = vmin(v, mn);
+      mx = vmax(v, mx);
+    }
+    const float lo = first_equal_zero(xr, d, hmin(mn)), hi = first_equal_zero(xr, d, hmax(mx));
+    const float range = hi - lo;
+    const float scale = (range > 1e-8f ? range : 1e-8f) / top;
+    codes(r, scale, -lo / scale);
+  };
+  std::int64_t r = 0;
+#if KVP_CPU_TU_ISA == 2
+  // 16 rows at once: their minima and maxima reduce through one tree, scales and zero points divide as one
+  // vector (the per-row scalar divisions were a serial chain). A row whose minimum or maximum is zero takes
+  // the per-row path, which finds the reference's signed zero.
+  for (; r + 16 <= rows; r += 16) {
+    vf lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+      const float* xr = x + (r + i) * d;
+      vf mn = ld(xr), mx = mn;
+      for (std::int64_t c = kW; c < d; c += kW) {
+        const vf v = ld(xr + c);
+        mn = vmin(v, mn);
+        mx = vmax(v, mx);
+      }
+      lo[i] = mn, hi[i] = mx;
+    }
+    const vf vlo = reduce16<false>(lo), vhi = reduce16<true>(hi), range = sub(vhi, vlo);
+    const vf scale = div(sel(gt(range, set1(1e-8f)), range, set1(1e-8f)), vtop);
+    const vf zero = div(asf(_mm512_xor_si512(asi(vlo), set1i(static_cast<std::int32_t>(0x80000000u)))), scale);
+    const std::uint32_t zeros =
+        static_cast<std::uint32_t>(_mm512_cmp_ps_mask(vlo, vzero, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(vhi, vzero, _CMP_EQ_OQ));
+    alignas(64) float sc[16], zp[16];
+    st(sc, scale);
+    st(zp, zero);
+    for (int i = 0; i < 16; ++i) {
+      if (zeros >> i & 1u)
+        row(r + i);
+      else
+        codes(r + i, sc[i], zp[i]);
+    }
   }
+#endif
+  for (; r < rows; ++r) row(r);
   return true;
 }
 template <class T>
@@ -466,7 +511,35 @@ inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_
                          std::int64_t out_stride) noexcept {
   if (d % kW != 0 || d == 0) return false;
   const vf absmask = asf(set1i(0x7fffffff));
-  for (std::int64_t r = 0; r < rows; ++r) {
+  std::int64_t r = 0;
+#if KVP_CPU_TU_ISA == 2
+  // Per-row scales, 16 rows at once: their absolute maxima reduce through one tree and the scales divide as
+  // one vector (per row, the reduction and the scalar division were a serial chain in front of the codes).
+  if (scale <= 0.0f)
+    for (; r + 16 <= rows; r += 16) {
+      vf am[16];
+      for (int i = 0; i < 16; ++i) {
+        const T* xr = x + (r + i) * x_stride;
+        prefetch_row(x + (r + i + kPrefetchRows) * x_stride, d, r + i + kPrefetchRows < rows);
+        vf m = set1(0.0f);
+        for (std::int64_t c = 0; c < d; c += kW) m = vmax(asf(iand(asi(ld(xr + c)), asi(absmask))), m);
+        am[i] = m;
+      }
+      const vf amax = reduce16<true>(am);
+      const vf s16 = sel(gt(amax, set1(0.0f)), div(amax, set1(fp8_consts(f).max)), set1(1.0f));
+      alignas(64) float sv[16];
+      st(sv, s16);
+      for (int i = 0; i < 16; ++i) {
+        const T* xr = x + (r + i) * x_stride;
+        std::uint8_t* o = out + (r + i) * out_stride;
+        std::memcpy(o + d, sv + i, sizeof(float));
+        std::memset(o + d + sizeof(float), 0, 12);
+        const vf vs = set1(sv[i]);
+        for (std::int64_t c = 0; c < d; c += kW) st_u8(o + c, fp8_encode_v(f, div(ld(xr + c), vs)));
+      }
+    }
+#endif
+  for (; r < rows; ++r) {
     const T* xr = x + r * x_stride;
     std::uint8_t* o = out + r * out_stride;
     prefetch_row(x + (r + kPrefetchRows) * x_stride, d, r + kPrefetchRows < rows);
