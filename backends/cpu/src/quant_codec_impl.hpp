@@ -849,15 +849,19 @@ inline vf iq4nl_lookup(vi idx) noexcept {
 /// The reference's iq4nl_index of every lane: 0 at or below the first level, 15 at or above the last, else
 /// the nearer of the two levels around x, the upper one at an exact midpoint.
 inline vi iq4nl_index_v(vf x) noexcept {
-  vi below = set1i(0);  // levels 1..15 at or below x
+  vi below = set1i(0);  // levels 1..15 at or below x (the levels are sorted: the last one at or below x)
+#if KVP_CPU_TU_ISA == 2
+  const vf table = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  for (int step = 8; step > 0; step /= 2) {  // binary search: 4 lookups instead of 15 comparisons
+    const vi cand = iadd(below, set1i(step));
+    below = _mm512_mask_mov_epi32(below, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(cand, table), x, _CMP_LE_OQ), cand);
+  }
+#else
   for (int k = 1; k < 16; ++k) {
     const vf level = set1(static_cast<float>(kIq4nlValues[k]));
-#if KVP_CPU_TU_ISA == 2
-    below = _mm512_mask_add_epi32(below, _mm512_cmp_ps_mask(level, x, _CMP_LE_OQ), below, set1i(1));
-#else
     below = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(level, x, _CMP_LE_OQ)));
-#endif
   }
+#endif
   const vi lo = imin(below, set1i(14)), hi = iadd(lo, set1i(1));
   vi idx = seli(lt(sub(x, iq4nl_lookup(lo)), sub(iq4nl_lookup(hi), x)), lo, hi);
   idx = seli(mnot(gt(x, set1(static_cast<float>(kIq4nlValues[0])))), set1i(0), idx);    // x <= first level
@@ -979,6 +983,29 @@ inline vf reduce16(const vf* m) noexcept {
     w[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
+/// c[j] lane i <- r[i] lane j (a 16 x 16 transpose in registers).
+inline void transpose16(const vf* r, vf* c) noexcept {
+  vf t[16], u[16], v[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int i = 0; i < 4; ++i) {
+      v[8 * g + i] = _mm512_shuffle_f32x4(u[8 * g + i], u[8 * g + i + 4], 0x88);
+      v[8 * g + i + 4] = _mm512_shuffle_f32x4(u[8 * g + i], u[8 * g + i + 4], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    c[i] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0x88);
+    c[i + 8] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0xDD);
+  }
+}
 inline vf lane_of(vf v, int b) noexcept { return _mm512_permutexvar_ps(_mm512_set1_epi32(b), v); }
 /// The 16 scales as fp16 into each block's first two bytes (and, with m, the min into the next two).
 inline void put_scales16(std::uint8_t* out, std::int32_t bb, vf d, const vf* m) noexcept {
@@ -1003,8 +1030,7 @@ inline void put_bit4(std::uint8_t* p, vi q0, vi q1) noexcept {
   std::memcpy(p, &h, 4);
 }
 
-/// Blocks [0, 16) of f (512 finite floats) into out (16 blocks of ggml_block_bytes(t)); false for iq4_nl
-/// (its search runs block by block).
+/// Blocks [0, 16) of f (512 finite floats) into out (16 blocks of ggml_block_bytes(t)).
 inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out) noexcept {
   const std::int32_t bb = ggml_block_bytes(t);
   const vf absmask = asf(set1i(0x7fffffff)), zero = _mm512_setzero_ps(), one = set1(1.0f);
@@ -1090,6 +1116,54 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
         st_nibbles16(out + b * bb + qs, q0, q1);
       }
       for (std::uint32_t z = zeros; z; z &= z - 1) {
+        const int b = __builtin_ctz(z);
+        ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
+      }
+      return true;
+    }
+    case GgmlType::kIQ4_NL: {
+      // As q4_0, the signed maximum from the block's extremes (ties of both signs, and blocks below the
+      // reference's 1e-15, take the block kernel). The least-squares sums run with lane b = block b, each
+      // lane adding its block's products in the reference's element order (the products, stored by block, are
+      // transposed into columns in registers).
+      vf lo[16], hi[16];
+      for (int b = 0; b < 16; ++b) {
+        const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
+        lo[b] = vmin(v0, v1);
+        hi[b] = vmax(v0, v1);
+      }
+      const vf mn = reduce16<false>(lo), mxv = reduce16<true>(hi), nmn = sub(zero, mn);
+      const vf amax = vmax(mxv, nmn);
+      const std::uint32_t slow =
+          static_cast<std::uint32_t>(_mm512_cmp_ps_mask(mxv, nmn, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(amax, set1(1e-15f), _CMP_LT_OQ));
+      const vf mx = sel(gt(nmn, mxv), mn, mxv);
+      const vf d0 = div(mx, set1(static_cast<float>(kIq4nlValues[0])));
+      const vf id = div(one, d0);
+      alignas(64) float tqx[16 * 32], tq2[16 * 32];
+      for (int b = 0; b < 16; ++b) {
+        const vf s = lane_of(id, b);
+        vi q[2];
+        for (int i = 0; i < 2; ++i) {
+          const vf v = ld(f + 32 * b + 16 * i);
+          q[i] = iq4nl_index_v(mul(s, v));
+          const vf lv = iq4nl_lookup(q[i]), w = mul(v, v), wl = mul(w, lv);
+          st(tqx + 32 * b + 16 * i, mul(wl, v));
+          st(tq2 + 32 * b + 16 * i, mul(wl, lv));
+        }
+        st_nibbles16(out + b * bb + 2, q[0], q[1]);
+      }
+      vf sqx = zero, sq2 = zero;
+      for (int h = 0; h < 2; ++h) {  // elements 16 h .. 16 h + 15 of every block, as columns
+        vf r[16], c[16];
+        for (int b = 0; b < 16; ++b) r[b] = ld(tqx + 32 * b + 16 * h);
+        transpose16(r, c);
+        for (int j = 0; j < 16; ++j) sqx = add(sqx, c[j]);
+        for (int b = 0; b < 16; ++b) r[b] = ld(tq2 + 32 * b + 16 * h);
+        transpose16(r, c);
+        for (int j = 0; j < 16; ++j) sq2 = add(sq2, c[j]);
+      }
+      put_scales16(out, bb, div(sqx, sq2), nullptr);
+      for (std::uint32_t z = slow; z; z &= z - 1) {
         const int b = __builtin_ctz(z);
         ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
       }
