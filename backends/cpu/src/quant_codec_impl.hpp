@@ -186,6 +186,22 @@ inline float first_equal_zero(const float* x, std::int64_t n, float m) noexcept 
   return m;
 }
 
+#if KVP_CPU_TU_ISA == 2
+/// Lane b <- the maximum (Max) or minimum of the 16 lanes of m[b]. The tree leaves the lanes in block order.
+template <bool Max>
+inline vf reduce16(const vf* m) noexcept {
+  const auto op = [](vf a, vf b) { return Max ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b); };
+  vf t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) t[i] = op(_mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    w[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+/// Lane b of v in every lane.
+inline vf lane_of(vf v, int b) noexcept { return _mm512_permutexvar_ps(_mm512_set1_epi32(b), v); }
+#endif
+
 // ---- Hadamard ---------------------------------------------------------------------------------------
 
 /// One butterfly stage of partners L apart inside each vector: lower partners x + p, upper ones p - x,
@@ -341,11 +357,6 @@ inline bool rotate_out(float* y, std::int64_t rows, std::int64_t d, std::int64_t
 }
 
 // ---- token-wise INT4 / INT8 -------------------------------------------------------------------------
-
-/// Lane b <- the maximum (Max) or minimum of the 16 lanes of m[b] (AVX-512; defined with the ggml group
-/// kernels below).
-template <bool Max>
-inline vf reduce16(const vf* m) noexcept;
 
 inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int bits, std::uint8_t* out,
                           std::int64_t out_stride) noexcept {
@@ -663,55 +674,133 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
   const std::int64_t groups = d / group;
   const int f = 32 / bits;
   const vf top = set1(static_cast<float>((1 << bits) - 1));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * d;
+  // The packed codes of group g of row r with its minimum and fp16 scale (broadcast).
+  const auto codes_of = [&](std::int64_t r, std::int64_t g, vf vlo, vf vscale) {
+    const float* xg = x + r * d + g * group;
     std::uint8_t* cw = codes + r * codes_stride;
+    for (std::int64_t c = 0; c < group; c += kW) {
+      const vi q = kivi_code(ld(xg + c), vlo, vscale, top);
+      const std::int64_t ch = g * group + c;  // first channel of the vector
+#if KVP_CPU_TU_ISA == 2
+      // 16 codes as bytes, combined pairwise by multiply-adds: lane j lands at bit bits * j of the little-endian
+      // words, as the shifts below would put it.
+      if (bits != 8) {
+        const __m128i b8 = _mm512_cvtepi32_epi8(q);
+        if (bits == 4) {
+          const __m128i u = _mm_maddubs_epi16(b8, _mm_set1_epi16(0x1001));  // b_2k + 16 b_2k+1
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(cw + ch / 2), _mm_packus_epi16(u, u));
+        } else {
+          const __m128i u = _mm_maddubs_epi16(b8, _mm_set1_epi16(0x0401));                  // b_2k + 4 b_2k+1
+          const __m128i v = _mm_madd_epi16(u, _mm_set1_epi32(0x00100001));                  // u_2m + 16 u_2m+1
+          const __m128i w = _mm_packus_epi16(_mm_packus_epi32(v, v), _mm_setzero_si128());  // four bytes
+          const std::uint32_t word = static_cast<std::uint32_t>(_mm_cvtsi128_si32(w));
+          std::memcpy(cw + ch / 4, &word, 4);
+        }
+        continue;
+      }
+#endif
+      if (bits == 8) {
+        st_u8(cw + ch, q);
+      } else if (kW >= f) {  // kW / f whole words
+        const vi sh = sllv(q, kivi_lane_shifts(bits, 0));
+        alignas(64) std::uint32_t lanes[kW];
+        sti(reinterpret_cast<std::uint8_t*>(lanes), sh);
+        for (std::int64_t w = 0; w < kW / f; ++w) {
+          std::uint32_t word = 0;
+          if (kW == f) {
+            word = hor(sh);
+          } else {
+            for (int j = 0; j < f; ++j) word |= lanes[w * f + j];
+          }
+          std::memcpy(cw + 4 * ((ch / f) + w), &word, 4);
+        }
+      } else {  // f > kW: this vector fills part of one word
+        const std::int64_t w = ch / f;
+        const vi sh = sllv(q, kivi_lane_shifts(bits, static_cast<int>(ch % f)));
+        std::uint32_t word;
+        std::memcpy(&word, cw + 4 * w, 4);
+        word = (ch % f == 0 ? 0u : word) | hor(sh);
+        std::memcpy(cw + 4 * w, &word, 4);
+      }
+    }
+  };
+  // Group g of row r with its minimum lo and its fp16 scale: scale row, then the codes.
+  const auto code_group = [&](std::int64_t r, std::int64_t g, float lo, float scale) {
     std::uint8_t* sc = scales + r * scales_stride;
-    for (std::int64_t g = 0; g < groups; ++g) {
-      const float* xg = xr + g * group;
+    put_half(sc + 2 * g, scale);
+    put_half(sc + 2 * (groups + g), lo);
+    codes_of(r, g, set1(lo), set1(scale));
+  };
+  // The reference's minimum, maximum (its first zero where one is zero) and fp16 range of one group.
+  const auto one_group = [&](std::int64_t r, std::int64_t g) {
+    const float* xg = x + r * d + g * group;
+    vf mn = ld(xg), mx = mn;
+    for (int c = static_cast<int>(kW); c < group; c += static_cast<int>(kW)) {
+      const vf v = ld(xg + c);
+      mn = vmin(v, mn);
+      mx = vmax(v, mx);
+    }
+    const float lo = first_equal_zero(xg, group, hmin(mn)), hi = first_equal_zero(xg, group, hmax(mx));
+    // The reference's group_range: fp16(fp16(mx - mn) / top); both stored as fp16 (exact for lo).
+    alignas(64) float sv[kW];
+    st(sv, r16(div(r16(sub(set1(hi), set1(lo))), top)));
+    code_group(r, g, lo, sv[0]);
+  };
+  const std::int64_t total = rows * groups;  // groups in row order: group k is row k / groups, group k % groups
+  std::int64_t k = 0;
+#if KVP_CPU_TU_ISA == 2
+  // 16 groups at once: minima and maxima through one reduction tree each, the ranges and scales as one
+  // vector (per group, the reductions and the scale were a serial chain in front of the codes). A group
+  // whose minimum or maximum is zero takes the per-group path, which finds the reference's signed zero.
+  std::int64_t gr = 0, gg = 0;  // row and group of group k
+  for (; k + 16 <= total; k += 16) {
+    vf lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+      const float* xg = x + k * group + i * group;  // groups are contiguous, rows of d = groups * group
       vf mn = ld(xg), mx = mn;
       for (int c = static_cast<int>(kW); c < group; c += static_cast<int>(kW)) {
         const vf v = ld(xg + c);
         mn = vmin(v, mn);
         mx = vmax(v, mx);
       }
-      const float lo = first_equal_zero(xg, group, hmin(mn)), hi = first_equal_zero(xg, group, hmax(mx));
-      // The reference's group_range: fp16(fp16(mx - mn) / top); both stored as fp16 (exact for lo).
-      const vf vlo = set1(lo);
-      const vf vscale = r16(div(r16(sub(set1(hi), vlo)), top));
-      alignas(64) float sv[kW];
-      st(sv, vscale);
-      put_half(sc + 2 * g, sv[0]);
-      put_half(sc + 2 * (groups + g), lo);
-      for (std::int64_t c = 0; c < group; c += kW) {
-        const vi q = kivi_code(ld(xg + c), vlo, vscale, top);
-        const std::int64_t ch = g * group + c;  // first channel of the vector
-        if (bits == 8) {
-          st_u8(cw + ch, q);
-        } else if (kW >= f) {  // kW / f whole words
-          const vi sh = sllv(q, kivi_lane_shifts(bits, 0));
-          alignas(64) std::uint32_t lanes[kW];
-          sti(reinterpret_cast<std::uint8_t*>(lanes), sh);
-          for (std::int64_t w = 0; w < kW / f; ++w) {
-            std::uint32_t word = 0;
-            if (kW == f) {
-              word = hor(sh);
-            } else {
-              for (int j = 0; j < f; ++j) word |= lanes[w * f + j];
-            }
-            std::memcpy(cw + 4 * ((ch / f) + w), &word, 4);
-          }
-        } else {  // f > kW: this vector fills part of one word
-          const std::int64_t w = ch / f;
-          const vi sh = sllv(q, kivi_lane_shifts(bits, static_cast<int>(ch % f)));
-          std::uint32_t word;
-          std::memcpy(&word, cw + 4 * w, 4);
-          word = (ch % f == 0 ? 0u : word) | hor(sh);
-          std::memcpy(cw + 4 * w, &word, 4);
-        }
+      lo[i] = mn, hi[i] = mx;
+    }
+    const vf vlo = reduce16<false>(lo), vhi = reduce16<true>(hi);
+    const std::uint32_t zeros =
+        static_cast<std::uint32_t>(_mm512_cmp_ps_mask(vlo, set1(0.0f), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(vhi, set1(0.0f), _CMP_EQ_OQ));
+    const vf vsc = r16(div(r16(sub(vhi, vlo)), top));
+    if (16 % groups == 0) {  // whole rows: each row's scales and minima as fp16 runs of `groups`
+      alignas(32) std::uint16_t hs[16], hl[16];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hs), _mm512_cvtps_ph(vsc, kRne));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hl), _mm512_cvtps_ph(vlo, kRne));
+      for (std::int64_t i = 0; i < 16; i += groups) {
+        std::uint8_t* sc = scales + (gr + i / groups) * scales_stride;
+        std::memcpy(sc, hs + i, static_cast<std::size_t>(2 * groups));
+        std::memcpy(sc + 2 * groups, hl + i, static_cast<std::size_t>(2 * groups));
       }
+      for (int i = 0; i < 16; ++i) {
+        codes_of(gr, gg, lane_of(vlo, i), lane_of(vsc, i));
+        if (++gg == groups) gg = 0, ++gr;
+      }
+      for (std::uint32_t z = zeros; z; z &= z - 1) {  // after the group's own stores, so these bytes stay
+        const std::int64_t kz = k + __builtin_ctz(z);
+        one_group(kz / groups, kz % groups);
+      }
+      continue;
+    }
+    alignas(64) float lv[16], sv[16];
+    st(lv, vlo);
+    st(sv, vsc);
+    for (int i = 0; i < 16; ++i) {
+      if (zeros >> i & 1u)
+        one_group(gr, gg);
+      else
+        code_group(gr, gg, lv[i], sv[i]);
+      if (++gg == groups) gg = 0, ++gr;
     }
   }
+#endif
+  for (; k < total; ++k) one_group(k / groups, k % groups);
   return true;
 }
 inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
@@ -972,17 +1061,6 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
 // to nearest even, and this equals the reference's floor form for every float of magnitude below 2^31
 // (checked exhaustively; q8_0's products are at most 127 in magnitude).
 
-/// Lane b <- the maximum (Max) or minimum of the 16 lanes of m[b]. The tree leaves the lanes in block order.
-template <bool Max>
-inline vf reduce16(const vf* m) noexcept {
-  const auto op = [](vf a, vf b) { return Max ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b); };
-  vf t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i) t[i] = op(_mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)
-    w[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  return op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
 /// c[j] lane i <- r[i] lane j (a 16 x 16 transpose in registers).
 inline void transpose16(const vf* r, vf* c) noexcept {
   vf t[16], u[16], v[16];
@@ -1006,7 +1084,6 @@ inline void transpose16(const vf* r, vf* c) noexcept {
     c[i + 8] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0xDD);
   }
 }
-inline vf lane_of(vf v, int b) noexcept { return _mm512_permutexvar_ps(_mm512_set1_epi32(b), v); }
 /// The 16 scales as fp16 into each block's first two bytes (and, with m, the min into the next two).
 inline void put_scales16(std::uint8_t* out, std::int32_t bb, vf d, const vf* m) noexcept {
   alignas(32) std::uint16_t h[16], hm[16];
