@@ -21,9 +21,9 @@ void CpuReduceOps::widen_f16(const std::uint16_t* x, std::int64_t n, float* out)
 
 std::int64_t CpuReduceOps::expected_lanes() noexcept { return cpu_detail::reduce_kernels().lanes; }
 
-void CpuReduceOps::expected_block(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+void CpuReduceOps::expected_block(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                                   float* z) noexcept {
-  cpu_detail::reduce_kernels().expected_logits_block(mean, cov, d, kT, nk, sqrt_d, z);
+  cpu_detail::reduce_kernels().expected_logits_block(mean, cov, d, keys, nk, sqrt_d, z);
 }
 
 void CpuReduceOps::outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {

@@ -50,6 +50,30 @@ namespace cpu_detail::KVP_CPU_ISA_NS {
 #if KVP_CPU_TU_ISA == 2
 using Arch = xsimd::avx512bw;
 inline constexpr CpuIsa kIsa = CpuIsa::kAvx512;
+/// c[j] lane i <- r[i] lane j (a 16 x 16 transpose in registers).
+inline void transpose16(const __m512* r, __m512* c) noexcept {
+  __m512 t[16], u[16], v[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int i = 0; i < 4; ++i) {
+      v[8 * g + i] = _mm512_shuffle_f32x4(u[8 * g + i], u[8 * g + i + 4], 0x88);
+      v[8 * g + i + 4] = _mm512_shuffle_f32x4(u[8 * g + i], u[8 * g + i + 4], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    c[i] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0x88);
+    c[i + 8] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0xDD);
+  }
+}
+
 #elif KVP_CPU_TU_ISA == 1
 using Arch = xsimd::fma3<xsimd::avx2>;
 inline constexpr CpuIsa kIsa = CpuIsa::kAvx2;

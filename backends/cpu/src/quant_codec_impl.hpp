@@ -1061,29 +1061,6 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
 // to nearest even, and this equals the reference's floor form for every float of magnitude below 2^31
 // (checked exhaustively; q8_0's products are at most 127 in magnitude).
 
-/// c[j] lane i <- r[i] lane j (a 16 x 16 transpose in registers).
-inline void transpose16(const vf* r, vf* c) noexcept {
-  vf t[16], u[16], v[16];
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
-    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
-    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
-    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
-  }
-  for (int g = 0; g < 2; ++g)
-    for (int i = 0; i < 4; ++i) {
-      v[8 * g + i] = _mm512_shuffle_f32x4(u[8 * g + i], u[8 * g + i + 4], 0x88);
-      v[8 * g + i + 4] = _mm512_shuffle_f32x4(u[8 * g + i], u[8 * g + i + 4], 0xDD);
-    }
-  for (int i = 0; i < 8; ++i) {
-    c[i] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0x88);
-    c[i + 8] = _mm512_shuffle_f32x4(v[i], v[i + 8], 0xDD);
-  }
-}
 /// The 16 scales as fp16 into each block's first two bytes (and, with m, the min into the next two).
 inline void put_scales16(std::uint8_t* out, std::int32_t bb, vf d, const vf* m) noexcept {
   alignas(32) std::uint16_t h[16], hm[16];

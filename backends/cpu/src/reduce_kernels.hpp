@@ -24,11 +24,10 @@ struct ReduceKernels {
   void (*widen_f16)(const std::uint16_t* x, std::int64_t n, float* out) noexcept;
   /// `ScalarReduceOps::row_dots`: out[i] = <q, rows + i * d>, 16 partial sums over c mod 16, then sum16. n >= 1.
   void (*row_dots_f32)(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept;
-  /// `ScalarReduceOps::expected_logits` for one lane-block of keys: kT holds d rows of `lanes` fp32
-  /// values (row i, lane l = element i of key l; lanes past the block's keys hold 0); z[l] for
-  /// l < nk. Each key's sums run in the reference's order (mean dot over i, t[k] over i, the
-  /// quadratic form over k; products rounded, then added). cov: nullptr drops the term.
-  void (*expected_logits_block)(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+  /// `ScalarReduceOps::expected_logits` for one lane-block of keys: `keys` holds `lanes` rows of d fp32
+  /// values (row l = key l, d <= 256; rows past the block's keys hold 0); z[l] for l < nk. Each key's sums run in the reference's order
+  /// (mean dot over i, t[k] over i, the quadratic form over k; products rounded, then added). cov: nullptr drops the term.
+  void (*expected_logits_block)(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                                 float* z) noexcept;
   /// `ScalarReduceOps::outer_upper_accumulate`: block[i * d + j] += c[t * d + i] * c[t * d + j] for
   /// t < n in order, j >= i (entries j < i of a row may be written; the reference leaves them alone).

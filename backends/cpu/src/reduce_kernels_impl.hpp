@@ -205,10 +205,24 @@ inline void row_dots_f32(const float* q, const float* rows, std::int64_t n, std:
   }
 }
 
-/// expected_logits_block (reduce_kernels.hpp): lanes across keys, so every key keeps the
+/// expected_logits_block (reduce_kernels.hpp): keys transposed in registers (AVX-512) or element by element,
+/// then lanes across keys, so every key keeps the
 /// reference's sequential order; 8 columns of the quadratic form at a time (independent chains).
-inline void expected_logits_block(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+inline void expected_logits_block(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                                   float* z) noexcept {
+  // The block's keys (row l = key l) into kT (row i = element i of every key, lane l = key l).
+  alignas(64) float kT[256 * kRL];
+  std::int64_t i0 = 0;
+#if KVP_CPU_TU_ISA == 2
+  for (; i0 + 16 <= d; i0 += 16) {
+    __m512 r[16], c[16];
+    for (int l = 0; l < 16; ++l) r[l] = _mm512_loadu_ps(keys + l * d + i0);
+    transpose16(r, c);
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(kT + (i0 + j) * 16, c[j]);
+  }
+#endif
+  for (; i0 < d; ++i0)
+    for (std::int64_t l = 0; l < kRL; ++l) kT[i0 * kRL + l] = keys[l * d + i0];
   RF dot(0.0f);
   for (std::int64_t i = 0; i < d; ++i) dot = dot + RF(mean[i]) * RF::load_unaligned(kT + i * kRL);
   RF zv = dot / RF(sqrt_d);

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <type_traits>
 
 #include "kvpolicy/core/checked.hpp"
@@ -197,6 +198,30 @@ class TensorView {
 
 namespace detail {
 
+/// Whether any of n contiguous values is a NaN or an infinity: an all-ones exponent, tested on the bits with
+/// one OR-reduced pass the compiler vectorises (types other than fp32 / fp16 / bf16 convert each value).
+template <class T>
+bool any_nonfinite(const T* x, std::int64_t n) noexcept {
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, float>) {
+    std::uint32_t bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint32_t u;
+      std::memcpy(&u, x + i, sizeof u);
+      bad |= static_cast<std::uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad != 0;
+  } else if constexpr (std::is_same_v<std::remove_cv_t<T>, half> || std::is_same_v<std::remove_cv_t<T>, bfloat16>) {
+    constexpr std::uint16_t e = std::is_same_v<std::remove_cv_t<T>, half> ? 0x7c00 : 0x7f80;
+    std::uint32_t bad = 0;
+    for (std::int64_t i = 0; i < n; ++i) bad |= static_cast<std::uint32_t>((x[i].bits & e) == e);
+    return bad != 0;
+  } else {
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(to_float(x[i]))) return true;
+    return false;
+  }
+}
+
 /// Every element of a (host) 3-D view is finite; the message names the view
 /// and the first bad element. Queries are small (a window or a decode step),
 /// so scorers check them; keys are not scanned (a pass over the cache): a
@@ -204,13 +229,15 @@ namespace detail {
 template <class T>
 Status check_finite_3d(const char* who, const char* name, const TensorView<const T, 3>& v) noexcept {
   for (std::int64_t a = 0; a < v.extent(0); ++a)
-    for (std::int64_t b = 0; b < v.extent(1); ++b)
+    for (std::int64_t b = 0; b < v.extent(1); ++b) {
+      if (v.stride(2) == 1 && !any_nonfinite(&v(a, b, 0), v.extent(2))) continue;  // the usual case, one branch-free pass
       for (std::int64_t c = 0; c < v.extent(2); ++c) {
         const float x = to_float(v(a, b, c));
         if (!std::isfinite(x))
           return KVP_INVALID("%s: %s[%lld, %lld, %lld] is %g, must be finite", who, name, static_cast<long long>(a),
                              static_cast<long long>(b), static_cast<long long>(c), static_cast<double>(x));
       }
+    }
   return Status::ok();
 }
 

@@ -42,20 +42,15 @@ struct CpuReduceOps : ScalarReduceOps {
     constexpr std::int64_t kMaxDim = 256, kMaxLanes = 16;
     const std::int64_t L = expected_lanes();
     if (d > kMaxDim || L > kMaxLanes || d < 1) return ScalarReduceOps::expected_logits(mean, cov, d, keys, j0, j1, z, scratch);
-    alignas(64) float kT[kMaxDim * kMaxLanes];
+    (void)scratch;
+    alignas(64) float kr[kMaxDim * kMaxLanes];  // the block's keys as fp32 rows (the kernel transposes them)
     const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
     float mx = -std::numeric_limits<float>::infinity();
     for (std::int64_t j = j0; j < j1; j += L) {
       const std::int64_t nk = j1 - j < L ? j1 - j : L;
-      for (std::int64_t l = 0; l < L; ++l) {
-        if (l < nk) {
-          widen_row(keys.row(j + l), d, scratch);  // scratch: 2 d floats
-          for (std::int64_t i = 0; i < d; ++i) kT[i * L + l] = scratch[i];
-        } else {
-          for (std::int64_t i = 0; i < d; ++i) kT[i * L + l] = 0.0f;
-        }
-      }
-      expected_block(mean, cov, d, kT, nk, sqrt_d, z + j);
+      for (std::int64_t l = 0; l < nk; ++l) widen_row(keys.row(j + l), d, kr + l * d);
+      if (nk < L) std::fill(kr + nk * d, kr + L * d, 0.0f);
+      expected_block(mean, cov, d, kr, nk, sqrt_d, z + j);
       for (std::int64_t l = 0; l < nk; ++l) mx = std::max(mx, z[j + l]);
     }
     return mx;
@@ -77,7 +72,7 @@ struct CpuReduceOps : ScalarReduceOps {
 
  private:
   static std::int64_t expected_lanes() noexcept;
-  static void expected_block(const float* mean, const float* cov, std::int64_t d, const float* kT, std::int64_t nk, float sqrt_d,
+  static void expected_block(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                              float* z) noexcept;
   static void widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept;
   static void mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept;
