@@ -181,3 +181,41 @@ TEST_CASE("CpuReduceOps: outer_upper_accumulate == the scalar reference bit for 
       }
   }
 }
+
+TEST_CASE("CpuReduceOps: Expected Attention's double accumulations == the scalar reference bit for bit",
+          "[cpu][reduce][expected_attention]") {
+  IsaGuard guard;
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd;
+  const auto same = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t d : {1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 64, 100, 128, 260})
+      for (std::int64_t n : {0, 1, 2, 7, 64}) {
+        INFO("isa " << Cpu::isa_name() << " d " << d << " n " << n);
+        std::vector<float> x(static_cast<std::size_t>(n * d));
+        for (auto& v : x) v = nd(rng) * 1000.0f;
+        if (!x.empty()) x[0] = -0.0f, x.back() = 1e-30f;
+        std::vector<double> a(static_cast<std::size_t>(d)), b;
+        for (auto& v : a) v = nd(rng);  // accumulates onto what is there
+        b = a;
+        Cpu::accumulate_rows_f64(x.data(), n, d, a.data());
+        Scalar::accumulate_rows_f64(x.data(), n, d, b.data());
+        REQUIRE(same(a, b));
+        std::vector<float> ca = x, cb = x;
+        Cpu::centre_rows(ca.data(), n, d, a.data());
+        Scalar::centre_rows(cb.data(), n, d, a.data());
+        REQUIRE(same(ca, cb));
+        std::vector<float> block(static_cast<std::size_t>(d * d));
+        for (auto& v : block) v = nd(rng);
+        std::vector<double> ua(static_cast<std::size_t>(d * d)), ub;
+        for (auto& v : ua) v = nd(rng);
+        ub = ua;
+        Cpu::add_upper_f64(block.data(), d, ua.data());
+        Scalar::add_upper_f64(block.data(), d, ub.data());
+        REQUIRE(same(ua, ub));  // the lower triangle too: neither writes it
+      }
+  }
+}

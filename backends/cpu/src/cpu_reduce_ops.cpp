@@ -31,6 +31,21 @@ void CpuReduceOps::outer_upper_accumulate(const float* c, std::int64_t n, std::i
   cpu_detail::reduce_kernels().outer_upper_accumulate(c, n, d, block);
 }
 
+void CpuReduceOps::accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept {
+  if (n <= 0 || d <= 0) return;
+  cpu_detail::reduce_kernels().accumulate_rows_f64(x, n, d, acc);
+}
+
+void CpuReduceOps::centre_rows(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept {
+  if (n <= 0 || d <= 0) return;
+  cpu_detail::reduce_kernels().centre_rows(x, n, d, mu);
+}
+
+void CpuReduceOps::add_upper_f64(const float* block, std::int64_t d, double* acc) noexcept {
+  if (d <= 0) return;
+  cpu_detail::reduce_kernels().add_upper_f64(block, d, acc);
+}
+
 void CpuReduceOps::row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept {
   if (n <= 0) return;
   cpu_detail::reduce_kernels().row_dots_f32(q, rows, n, d, out);

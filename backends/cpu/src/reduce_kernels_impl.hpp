@@ -302,5 +302,72 @@ inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t 
     }
 }
 
+// ---- double accumulation (Expected Attention's query statistics) --------------------------------------
+// Each element's operations are the reference's (exact widening, one IEEE double add or subtract, nearest
+// rounding back to fp32), so any vector width gives the same bits.
+#if KVP_CPU_TU_ISA == 2
+using VD = __m512d;
+inline constexpr std::int64_t kDL = 8;
+inline VD ld_dx(const float* p) noexcept { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+inline VD ld_d(const double* p) noexcept { return _mm512_loadu_pd(p); }
+inline void st_d(double* p, VD v) noexcept { _mm512_storeu_pd(p, v); }
+inline void st_dx(float* p, VD v) noexcept { _mm256_storeu_ps(p, _mm512_cvtpd_ps(v)); }
+inline VD add_d(VD a, VD b) noexcept { return _mm512_add_pd(a, b); }
+inline VD sub_d(VD a, VD b) noexcept { return _mm512_sub_pd(a, b); }
+#elif KVP_CPU_TU_ISA == 1
+using VD = __m256d;
+inline constexpr std::int64_t kDL = 4;
+inline VD ld_dx(const float* p) noexcept { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+inline VD ld_d(const double* p) noexcept { return _mm256_loadu_pd(p); }
+inline void st_d(double* p, VD v) noexcept { _mm256_storeu_pd(p, v); }
+inline void st_dx(float* p, VD v) noexcept { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
+inline VD add_d(VD a, VD b) noexcept { return _mm256_add_pd(a, b); }
+inline VD sub_d(VD a, VD b) noexcept { return _mm256_sub_pd(a, b); }
+#else
+using VD = __m128d;
+inline constexpr std::int64_t kDL = 2;
+inline VD ld_dx(const float* p) noexcept { return _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline VD ld_d(const double* p) noexcept { return _mm_loadu_pd(p); }
+inline void st_d(double* p, VD v) noexcept { _mm_storeu_pd(p, v); }
+inline void st_dx(float* p, VD v) noexcept { _mm_storel_pi(reinterpret_cast<__m64*>(p), _mm_cvtpd_ps(v)); }
+inline VD add_d(VD a, VD b) noexcept { return _mm_add_pd(a, b); }
+inline VD sub_d(VD a, VD b) noexcept { return _mm_sub_pd(a, b); }
+#endif
+
+/// accumulate_rows_f64 (reduce_kernels.hpp): 4 vectors of columns held across all n rows.
+inline void accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept {
+  constexpr std::int64_t kV = 4;
+  std::int64_t i = 0;
+  for (; i + kV * kDL <= d; i += kV * kDL) {
+    VD a[kV];
+    for (std::int64_t v = 0; v < kV; ++v) a[v] = ld_d(acc + i + v * kDL);
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t v = 0; v < kV; ++v) a[v] = add_d(a[v], ld_dx(x + r * d + i + v * kDL));
+    for (std::int64_t v = 0; v < kV; ++v) st_d(acc + i + v * kDL, a[v]);
+  }
+  for (; i < d; ++i) {
+    double a = acc[i];
+    for (std::int64_t r = 0; r < n; ++r) a += static_cast<double>(x[r * d + i]);
+    acc[i] = a;
+  }
+}
+/// centre_rows (reduce_kernels.hpp).
+inline void centre_rows(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept {
+  for (std::int64_t r = 0; r < n; ++r) {
+    float* xr = x + r * d;
+    std::int64_t i = 0;
+    for (; i + kDL <= d; i += kDL) st_dx(xr + i, sub_d(ld_dx(xr + i), ld_d(mu + i)));
+    for (; i < d; ++i) xr[i] = static_cast<float>(static_cast<double>(xr[i]) - mu[i]);
+  }
+}
+/// add_upper_f64 (reduce_kernels.hpp): each row from its diagonal.
+inline void add_upper_f64(const float* block, std::int64_t d, double* acc) noexcept {
+  for (std::int64_t i = 0; i < d; ++i) {
+    std::int64_t j = i;
+    for (; j + kDL <= d; j += kDL) st_d(acc + i * d + j, add_d(ld_d(acc + i * d + j), ld_dx(block + i * d + j)));
+    for (; j < d; ++j) acc[i * d + j] += static_cast<double>(block[i * d + j]);
+  }
+}
+
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
 KVP_NAMESPACE_END

@@ -67,11 +67,14 @@ concept PageOps = requires(const Tk* krows, Tm* mx, Tm* mn, const float* q, Page
 /// dot products in a fixed order (the merging policies' cosine searches).
 template <class B, class Tq = float>
 concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<const Tq, 2>& rows, const float* x, float* out,
-                             std::int64_t n, std::int64_t* at, Rows<Tq> krows, const Tq* v) {
+                             std::int64_t n, std::int64_t* at, Rows<Tq> krows, const Tq* v, double* dacc, const double* cdacc) {
   B::accumulate_column_sums(out, n, q, n, n, true);
   { B::expected_logits(x, x, n, krows, n, n, out, out) } -> std::same_as<float>;
   B::softmax_accumulate(out, n, n, 1.0f, out);
   B::outer_upper_accumulate(x, n, n, out);
+  B::accumulate_rows_f64(x, n, n, dacc);
+  B::centre_rows(out, n, n, cdacc);
+  B::add_upper_f64(x, n, dacc);
   { B::row_norm(v, n) } -> std::same_as<float>;
   B::widen_queries(q, n, n, n, n, out);
   { B::has_nan(x, n) } -> std::same_as<bool>;

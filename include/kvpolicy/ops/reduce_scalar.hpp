@@ -139,6 +139,22 @@ struct ScalarReduceOps {
     return mx;
   }
 
+  /// Column sums in double: for rows r < n in order, acc[i] += double(x[r * d + i]) (i < d).
+  static void accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept {
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t i = 0; i < d; ++i) acc[i] += static_cast<double>(x[r * d + i]);
+  }
+  /// Rows centred in double and rounded back: x[r * d + i] = float(double(x[r * d + i]) - mu[i]) (r < n).
+  static void centre_rows(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept {
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t i = 0; i < d; ++i) x[r * d + i] = static_cast<float>(static_cast<double>(x[r * d + i]) - mu[i]);
+  }
+  /// The upper triangle of a d x d fp32 block added to a double one: acc[i * d + j] += block[i * d + j], j >= i.
+  static void add_upper_f64(const float* block, std::int64_t d, double* acc) noexcept {
+    for (std::int64_t i = 0; i < d; ++i)
+      for (std::int64_t j = i; j < d; ++j) acc[i * d + j] += static_cast<double>(block[i * d + j]);
+  }
+
   /// Covariance products of n centred rows c (n x d, row-major): for t < n in order,
   /// block[i * d + j] += c[t * d + i] * c[t * d + j] for j >= i (fp32, product rounded, then added).
   static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {

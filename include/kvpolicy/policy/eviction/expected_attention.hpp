@@ -410,9 +410,10 @@ class ExpectedAttention {
       }
     };
     std::fill(mu, mu + d, 0.0);
-    for (std::int64_t t = t0; t < t1; ++t) {
-      widen(t, c);
-      for (std::int64_t i = 0; i < d; ++i) mu[i] += c[i];
+    for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {  // sums over the tokens in order, per channel
+      const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
+      for (std::int64_t t = 0; t < nt; ++t) widen(tb + t, c + t * d);
+      Backend::accumulate_rows_f64(c, nt, d, mu);
     }
     for (std::int64_t i = 0; i < d; ++i) mu[i] /= static_cast<double>(N);
     if (!params_.use_covariance) return;
@@ -422,14 +423,10 @@ class ExpectedAttention {
     for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {
       std::fill(block, block + d * d, 0.0f);
       const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
-      for (std::int64_t t = 0; t < nt; ++t) {
-        float* ct = c + t * d;
-        widen(tb + t, ct);
-        for (std::int64_t i = 0; i < d; ++i) ct[i] = static_cast<float>(static_cast<double>(ct[i]) - mu[i]);
-      }
+      for (std::int64_t t = 0; t < nt; ++t) widen(tb + t, c + t * d);
+      Backend::centre_rows(c, nt, d, mu);
       Backend::outer_upper_accumulate(c, nt, d, block);
-      for (std::int64_t i = 0; i < d; ++i)
-        for (std::int64_t j = i; j < d; ++j) cov[i * d + j] += block[i * d + j];
+      Backend::add_upper_f64(block, d, cov);
     }
     for (std::int64_t i = 0; i < d; ++i)
       for (std::int64_t j = i; j < d; ++j) cov[j * d + i] = cov[i * d + j] = cov[i * d + j] / static_cast<double>(N);

@@ -57,6 +57,10 @@ struct CpuReduceOps : ScalarReduceOps {
   }
   /// `ScalarReduceOps::outer_upper_accumulate`, bit for bit (register tiles held across the tokens).
   static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept;
+  /// `ScalarReduceOps::accumulate_rows_f64`, `centre_rows` and `add_upper_f64`, bit for bit (vectors of doubles).
+  static void accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept;
+  static void centre_rows(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept;
+  static void add_upper_f64(const float* block, std::int64_t d, double* acc) noexcept;
 
   /// fp32 rows contiguous along j: the vectorised kernel; other dtypes / strides: the reference.
   template <class Tp>
