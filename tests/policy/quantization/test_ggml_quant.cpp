@@ -103,6 +103,21 @@ TEST_CASE("ggml quant policy: bad input gets a clear message and writes nothing"
     k[static_cast<std::size_t>((1 * T + 3) * d + 17)] = 0.5f;
   }
   {
+    // Heads checked in parallel: the message still names the first bad value in (head, token, channel)
+    // order, for contiguous rows (one scan per head) and for rows with a token stride (one scan per row).
+    ThreadPool pool(2);
+    const Context<backend::Cpu> cx2{{}, pool.context()};
+    std::vector<float> big(static_cast<std::size_t>(4 * 40 * d * 2), 0.25f);
+    big[static_cast<std::size_t>(((3 * 40 + 1) * d) * 2 + 5)] = std::numeric_limits<float>::infinity();
+    big[static_cast<std::size_t>(((2 * 40 + 9) * d) * 2 + 7)] = std::numeric_limits<float>::quiet_NaN();
+    big[static_cast<std::size_t>(((2 * 40 + 9) * d) * 2 + 70)] = std::numeric_limits<float>::quiet_NaN();
+    Region r(policy, 4, 80, d), rs(policy, 4, 40, d);
+    expect(policy.quantize(cx2, TensorView<const float, 3>::contiguous(big.data(), {4, 80, d}), st, r.q),
+           "rows head 2 token 18 channel 7 is not finite", r);
+    expect(policy.quantize(cx2, TensorView<const float, 3>(big.data(), {4, 40, d}, {80 * d, 2 * d, 1}), st, rs.q),
+           "rows head 2 token 9 channel 7 is not finite", rs);
+  }
+  {
     Region r(policy, H, T, 48);
     expect(policy.quantize(cx, TensorView<const float, 3>(k.data(), {H, T, 48}, {T * d, d, 1}), st, r.q),
            "head_dim 48 is not a multiple of the q4_0 block (32 values)", r);

@@ -28,6 +28,11 @@
 // Validation, before anything is written: head_dim a multiple of 32 (a
 // block never straddles two heads), codes shaped and contiguous along the
 // row bytes, every input value finite (the error names head, token, channel).
+// The finiteness check is a read of the rows of its own before the codes are
+// written (heads in parallel over `ctx.exec`); the codes then come from one
+// Backend::ggml_quantize_row call per head when rows and codes are contiguous
+// along tokens (the CPU kernel then works on 16 blocks at a time), row by row
+// otherwise. Code that guarantees finite rows may call that op directly.
 // Thread-safety: const; heads are split over `ctx.exec`. The rotation runs
 // through Backend::rotate_rows_in / rotate_rows_out (vectorised on
 // backend::Cpu, bit-identical with the reference transform).
