@@ -219,3 +219,30 @@ TEST_CASE("CpuReduceOps: Expected Attention's double accumulations == the scalar
       }
   }
 }
+
+TEST_CASE("CpuReduceOps: neg_row_norms == the scalar reference bit for bit", "[cpu][reduce][expected_attention]") {
+  IsaGuard guard;
+  std::mt19937 rng(24);
+  std::normal_distribution<float> nd;
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t d : {1, 5, 15, 16, 17, 64, 100, 128, 256, 300})
+      for (std::int64_t n : {1, 15, 16, 17, 40}) {
+        INFO("isa " << Cpu::isa_name() << " d " << d << " n " << n);
+        std::vector<float> x(static_cast<std::size_t>(2 * n * d));
+        for (auto& v : x) v = nd(rng) * 100.0f;
+        x[0] = 0.0f;
+        std::vector<half> xh(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) xh[i] = from_float<half>(x[i]);
+        for (std::int64_t stride : {d, 2 * d}) {  // contiguous rows, then every other row
+          std::vector<float> a(static_cast<std::size_t>(3 * n), 7.0f), b = a;
+          Cpu::neg_row_norms(Rows<float>{x.data(), stride, nullptr, 0, 0}, n, d, a.data(), 3);
+          Scalar::neg_row_norms(Rows<float>{x.data(), stride, nullptr, 0, 0}, n, d, b.data(), 3);
+          REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+          Cpu::neg_row_norms(Rows<half>{xh.data(), stride, nullptr, 0, 0}, n, d, a.data(), 3);
+          Scalar::neg_row_norms(Rows<half>{xh.data(), stride, nullptr, 0, 0}, n, d, b.data(), 3);
+          REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+        }
+      }
+  }
+}

@@ -46,6 +46,10 @@ void CpuReduceOps::add_upper_f64(const float* block, std::int64_t d, double* acc
   cpu_detail::reduce_kernels().add_upper_f64(block, d, acc);
 }
 
+void CpuReduceOps::neg_norms16(const float* rows, std::int64_t d, float* out) noexcept {
+  cpu_detail::reduce_kernels().neg_norms16(rows, d, out);
+}
+
 void CpuReduceOps::row_dots(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept {
   if (n <= 0) return;
   cpu_detail::reduce_kernels().row_dots_f32(q, rows, n, d, out);

@@ -36,6 +36,10 @@ struct ReduceKernels {
   void (*accumulate_rows_f64)(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept;
   void (*centre_rows)(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept;
   void (*add_upper_f64)(const float* block, std::int64_t d, double* acc) noexcept;
+  /// `ScalarReduceOps::row_norm` of 16 rows (rows: 16 x d fp32, d <= 256; rows past the caller's count
+  /// hold 0): out[l] = -float(sqrt(sum over i ascending of double(x)^2)), each row's sum in the reference's
+  /// order (lanes run across rows).
+  void (*neg_norms16)(const float* rows, std::int64_t d, float* out) noexcept;
   /// Lanes of one expected_logits_block (the SIMD width in floats).
   std::int64_t lanes;
 };

@@ -369,5 +369,34 @@ inline void add_upper_f64(const float* block, std::int64_t d, double* acc) noexc
   }
 }
 
+/// neg_norms16 (reduce_kernels.hpp): on AVX-512, 16 x 16 blocks transposed in registers so that lane l
+/// sums row l's squares in column order; elsewhere (and past the last whole block) element by element.
+inline void neg_norms16(const float* rows, std::int64_t d, float* out) noexcept {
+  alignas(64) double acc[16] = {};
+  std::int64_t i0 = 0;
+#if KVP_CPU_TU_ISA == 2
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  for (; i0 + 16 <= d; i0 += 16) {
+    __m512 r[16], c[16];
+    for (int l = 0; l < 16; ++l) r[l] = _mm512_loadu_ps(rows + l * d + i0);
+    transpose16(r, c);
+    for (int j = 0; j < 16; ++j) {
+      const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(c[j]));
+      const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[j]), 1)));
+      lo = _mm512_add_pd(lo, _mm512_mul_pd(a, a));
+      hi = _mm512_add_pd(hi, _mm512_mul_pd(b, b));
+    }
+  }
+  _mm512_store_pd(acc, lo);
+  _mm512_store_pd(acc + 8, hi);
+#endif
+  for (; i0 < d; ++i0)
+    for (int l = 0; l < 16; ++l) {
+      const double x = rows[l * d + i0];
+      acc[l] += x * x;
+    }
+  for (int l = 0; l < 16; ++l) out[l] = -static_cast<float>(__builtin_sqrt(acc[l]));
+}
+
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
 KVP_NAMESPACE_END

@@ -76,6 +76,7 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
   B::centre_rows(out, n, n, cdacc);
   B::add_upper_f64(x, n, dacc);
   { B::row_norm(v, n) } -> std::same_as<float>;
+  B::neg_row_norms(krows, n, n, out, n);
   B::widen_queries(q, n, n, n, n, out);
   { B::has_nan(x, n) } -> std::same_as<bool>;
   { B::first_nan(x, n) } -> std::same_as<std::int64_t>;

@@ -409,10 +409,16 @@ class ExpectedAttention {
         for (std::int64_t i = 0; i < d; ++i) dst[i] = to_float(in.queries(q, t, i));
       }
     };
+    // Tokens [tb, tb + nt) into c (nt rows of d): one widening call when the rows are contiguous.
+    const bool packed = contiguous && in.queries.stride(1) == d;
+    const auto widen_block = [&](std::int64_t tb, std::int64_t nt) {
+      if (packed) return Backend::widen_row(&in.queries(q, tb, 0), nt * d, c);
+      for (std::int64_t t = 0; t < nt; ++t) widen(tb + t, c + t * d);
+    };
     std::fill(mu, mu + d, 0.0);
     for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {  // sums over the tokens in order, per channel
       const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
-      for (std::int64_t t = 0; t < nt; ++t) widen(tb + t, c + t * d);
+      widen_block(tb, nt);
       Backend::accumulate_rows_f64(c, nt, d, mu);
     }
     for (std::int64_t i = 0; i < d; ++i) mu[i] /= static_cast<double>(N);
@@ -423,7 +429,7 @@ class ExpectedAttention {
     for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {
       std::fill(block, block + d * d, 0.0f);
       const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
-      for (std::int64_t t = 0; t < nt; ++t) widen(tb + t, c + t * d);
+      widen_block(tb, nt);
       Backend::centre_rows(c, nt, d, mu);
       Backend::outer_upper_accumulate(c, nt, d, block);
       Backend::add_upper_f64(block, d, cov);
@@ -472,12 +478,10 @@ class ExpectedAttention {
       const float mx = Backend::expected_logits(mf, params_.use_covariance ? covf : nullptr, d, keys, n0, T, z, kf);
       Backend::softmax_accumulate(z, n0, T, mx, s);
     }
-    const Rows<Tk> values = in.values.rows(g);
+    if (params_.use_vnorm) Backend::neg_row_norms(in.values.rows(g), T, d, z, 1);  // z[j] = -|v_j| (z is free now)
     for (std::int64_t j = n0; j < T; ++j) {
       float v = s[j] / static_cast<float>(G);
-      if (params_.use_vnorm) {
-        v = (v + params_.epsilon) * Backend::row_norm(values.row(j), d);
-      }
+      if (params_.use_vnorm) v = (v + params_.epsilon) * -z[j];
       s[j] = v;
     }
     for (std::int64_t j = 0; j < std::min(n0, T); ++j) s[j] = INFINITY;

@@ -48,12 +48,41 @@ struct CpuReduceOps : ScalarReduceOps {
     float mx = -std::numeric_limits<float>::infinity();
     for (std::int64_t j = j0; j < j1; j += L) {
       const std::int64_t nk = j1 - j < L ? j1 - j : L;
-      for (std::int64_t l = 0; l < nk; ++l) widen_row(keys.row(j + l), d, kr + l * d);
+      if (keys.pages == nullptr && keys.row_stride == d) {  // contiguous rows: one widening call
+        widen_row(keys.row(j), nk * d, kr);
+      } else {
+        for (std::int64_t l = 0; l < nk; ++l) widen_row(keys.row(j + l), d, kr + l * d);
+      }
       if (nk < L) std::fill(kr + nk * d, kr + L * d, 0.0f);
       expected_block(mean, cov, d, kr, nk, sqrt_d, z + j);
       for (std::int64_t l = 0; l < nk; ++l) mx = std::max(mx, z[j + l]);
     }
     return mx;
+  }
+  /// `ScalarReduceOps::neg_row_norms`, bit for bit: fp32 / fp16 rows (d <= 256) 16 at a time, lanes across
+  /// rows, so each row's double sum keeps the reference's order; other dtypes and widths: the reference.
+  template <class T>
+  static void neg_row_norms(const Rows<T>& rows, std::int64_t n, std::int64_t d, float* out, std::int64_t stride) noexcept {
+    constexpr std::int64_t kMaxDim = 256;
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half>) {
+      if (d >= 1 && d <= kMaxDim) {
+        alignas(64) float kr[kMaxDim * 16];
+        float nrm[16];
+        for (std::int64_t j = 0; j < n; j += 16) {
+          const std::int64_t nb = n - j < 16 ? n - j : 16;
+          if (rows.pages == nullptr && rows.row_stride == d) {
+            widen_row(rows.row(j), nb * d, kr);
+          } else {
+            for (std::int64_t l = 0; l < nb; ++l) widen_row(rows.row(j + l), d, kr + l * d);
+          }
+          if (nb < 16) std::fill(kr + nb * d, kr + 16 * d, 0.0f);
+          neg_norms16(kr, d, nrm);
+          for (std::int64_t l = 0; l < nb; ++l) out[(j + l) * stride] = nrm[l];
+        }
+        return;
+      }
+    }
+    ScalarReduceOps::neg_row_norms(rows, n, d, out, stride);
   }
   /// `ScalarReduceOps::outer_upper_accumulate`, bit for bit (register tiles held across the tokens).
   static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept;
@@ -79,6 +108,7 @@ struct CpuReduceOps : ScalarReduceOps {
   static void expected_block(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                              float* z) noexcept;
   static void widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept;
+  static void neg_norms16(const float* rows, std::int64_t d, float* out) noexcept;
   static void mean_rows_f32(const float* rows, std::int64_t H, std::int64_t ld, std::int64_t n, float* mean) noexcept;
 };
 
