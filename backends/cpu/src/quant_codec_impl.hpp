@@ -1084,6 +1084,26 @@ inline void put_bit4(std::uint8_t* p, vi q0, vi q1) noexcept {
   std::memcpy(p, &h, 4);
 }
 
+/// Lane b <- the minimum (mn) and maximum (mx) of block b of f's 16 blocks.
+inline void block_extremes16(const float* f, vf& mn, vf& mx) noexcept {
+  vf lo[16], hi[16];
+  for (int b = 0; b < 16; ++b) {
+    const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
+    lo[b] = vmin(v0, v1);
+    hi[b] = vmax(v0, v1);
+  }
+  mn = reduce16<false>(lo);
+  mx = reduce16<true>(hi);
+}
+/// The blocks whose bits are set in `mask` again through the per-block kernel (after the group's own stores,
+/// so these bytes are the ones that stay).
+inline void requantize_blocks(GgmlType t, const float* f, std::uint8_t* out, std::int32_t bb, std::uint32_t mask) noexcept {
+  for (; mask; mask &= mask - 1) {
+    const int b = __builtin_ctz(mask);
+    ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
+  }
+}
+
 /// Blocks [0, 16) of f (512 finite floats) into out (16 blocks of ggml_block_bytes(t)).
 inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out) noexcept {
   const std::int32_t bb = ggml_block_bytes(t);
@@ -1112,13 +1132,9 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
       // The reference's signed maximum is the first element of largest magnitude. With the block's maximum
       // hi and minimum lo, it is hi when hi > -lo and lo when -lo > hi; a block where both signs reach the
       // largest magnitude (or every value is zero) takes the block kernel, which finds the first.
-      vf lo[16], hi[16];
-      for (int b = 0; b < 16; ++b) {
-        const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
-        lo[b] = vmin(v0, v1);
-        hi[b] = vmax(v0, v1);
-      }
-      const vf mn = reduce16<false>(lo), mxv = reduce16<true>(hi), nmn = sub(zero, mn);
+      vf mn, mxv;
+      block_extremes16(f, mn, mxv);
+      const vf nmn = sub(zero, mn);
       const std::uint32_t ties = static_cast<std::uint32_t>(_mm512_cmp_ps_mask(mxv, nmn, _CMP_EQ_OQ));
       const vf mx = sel(gt(nmn, mxv), mn, mxv);
       const vf d = div(mx, set1(static_cast<float>(-levels)));
@@ -1136,22 +1152,14 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
           st_nibbles16(out + b * bb + 6, q0, q1);
         }
       }
-      for (std::uint32_t z = ties; z; z &= z - 1) {
-        const int b = __builtin_ctz(z);
-        ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
-      }
+      requantize_blocks(t, f, out, bb, ties);
       return true;
     }
     case GgmlType::kQ4_1:
     case GgmlType::kQ5_1: {
       const int top = t == GgmlType::kQ4_1 ? 15 : 31;
-      vf lo[16], hi[16];
-      for (int b = 0; b < 16; ++b) {
-        const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
-        lo[b] = vmin(v0, v1);
-        hi[b] = vmax(v0, v1);
-      }
-      const vf mn = reduce16<false>(lo), mx = reduce16<true>(hi);
+      vf mn, mx;
+      block_extremes16(f, mn, mx);
       // A zero minimum or maximum carries the sign the reference's lane order gives it: those blocks take the
       // per-block kernel (after the group's own stores, so theirs are the bytes that stay).
       const std::uint32_t zeros =
@@ -1169,10 +1177,7 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
         if (t == GgmlType::kQ5_1) put_bit4(out + b * bb + 4, q0, q1);
         st_nibbles16(out + b * bb + qs, q0, q1);
       }
-      for (std::uint32_t z = zeros; z; z &= z - 1) {
-        const int b = __builtin_ctz(z);
-        ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
-      }
+      requantize_blocks(t, f, out, bb, zeros);
       return true;
     }
     case GgmlType::kIQ4_NL: {
@@ -1180,13 +1185,9 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
       // reference's 1e-15, take the block kernel). The least-squares sums run with lane b = block b, each
       // lane adding its block's products in the reference's element order (the products, stored by block, are
       // transposed into columns in registers).
-      vf lo[16], hi[16];
-      for (int b = 0; b < 16; ++b) {
-        const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 16);
-        lo[b] = vmin(v0, v1);
-        hi[b] = vmax(v0, v1);
-      }
-      const vf mn = reduce16<false>(lo), mxv = reduce16<true>(hi), nmn = sub(zero, mn);
+      vf mn, mxv;
+      block_extremes16(f, mn, mxv);
+      const vf nmn = sub(zero, mn);
       const vf amax = vmax(mxv, nmn);
       const std::uint32_t slow =
           static_cast<std::uint32_t>(_mm512_cmp_ps_mask(mxv, nmn, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(amax, set1(1e-15f), _CMP_LT_OQ));
@@ -1217,10 +1218,7 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
         for (int j = 0; j < 16; ++j) sq2 = add(sq2, c[j]);
       }
       put_scales16(out, bb, div(sqx, sq2), nullptr);
-      for (std::uint32_t z = slow; z; z &= z - 1) {
-        const int b = __builtin_ctz(z);
-        ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
-      }
+      requantize_blocks(t, f, out, bb, slow);
       return true;
     }
     default: return false;
