@@ -100,6 +100,10 @@ TEST_CASE("topk: NaN and infinities", "[cpu][topk]") {
     check_all_k(generate(n, [&](std::int64_t i) { return i % 5 == 0 ? nd(rng) : nan; }), "mostly NaN");
     check_all_k(generate(n, [&](std::int64_t) { return nan; }), "all NaN");
     check_all_k(generate(n, [&](std::int64_t i) { return i % 2 ? -inf : nan; }), "-inf and NaN");
+    // Whole SIMD lanes of NaN (short rows' threshold blocks are lanes of runs of vectors: a block of NaN alone
+    // must not count as a score), next to lanes of numbers and of -inf.
+    check_all_k(generate(n, [&](std::int64_t i) { return i % 16 < 8 ? nan : nd(rng); }), "NaN lanes");
+    check_all_k(generate(n, [&](std::int64_t i) { return i % 16 < 12 ? nan : (i % 16 < 14 ? -inf : nd(rng)); }), "NaN and -inf lanes");
   }
 }
 

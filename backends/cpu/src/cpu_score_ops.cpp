@@ -271,13 +271,14 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
     select_exact(kern, n, k, lo, hi, out, t);
   };
   if (n >= kBlockRowMin && n <= kBlockRowMax && k <= n / 8) {
-    // Short rows: the k-th largest of 2k block maxima (distinct scores, so at least k scores reach it)
-    // is the threshold, found from one SIMD pass instead of a sample and its histogram.
-    const std::int64_t target = std::min<std::int64_t>(2 * k, n), block = (n + target - 1) / target, nb = (n + block - 1) / block;
-    kern.block_max_keys(scores, n, block, nb, t.set_key);
+    // Short rows: the k-th largest of about 2k block maxima (maxima of disjoint blocks, so at least k scores
+    // reach it) is the threshold, found from one SIMD pass instead of a sample and its histogram. A cut at
+    // -inf may come from blocks of NaN alone (see block_max_keys): every score is then a candidate.
+    const std::int64_t nb = kern.block_max_keys(scores, n, std::min<std::int64_t>(2 * k, n), t.set_key);
+    if (nb < k) return all_candidates();
     std::nth_element(t.set_key, t.set_key + (k - 1), t.set_key + nb, std::greater<std::int32_t>());
     const std::int32_t cut = t.set_key[k - 1];
-    if (cut == std::numeric_limits<std::int32_t>::min()) return all_candidates();  // fewer than k numbers among the maxima
+    if (cut <= signed_key(-std::numeric_limits<float>::infinity())) return all_candidates();
     const std::int64_t m = kern.collect_at_least(scores, n, key_float(cut), t.candidates);
     std::int32_t lo = 0, hi = 0;
     kern.gather_keys(scores, t.candidates, m, t.keys, &lo, &hi);

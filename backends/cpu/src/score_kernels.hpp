@@ -90,8 +90,10 @@ struct ScoreKernels {
                                 std::int32_t* out_idx) noexcept;
   /// keys[i] = signed order key of scores[i] for i < n, and their min / max (gather_keys over 0..n-1).
   void (*load_keys)(const float* scores, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept;
-  /// out[j] = max signed order key of scores[j * block, min(n, (j + 1) * block)) for j < nblocks.
-  void (*block_max_keys)(const float* scores, std::int64_t n, std::int64_t block, std::int64_t nblocks, std::int32_t* out) noexcept;
+  /// Signed order keys of the maxima of about `target` disjoint blocks covering scores[0, n) (runs of whole
+  /// vectors, one block per (run, lane), plus the trailing scores): a block maximum is a number of the row,
+  /// except that a block of NaN alone reports -inf's key. Returns the block count (<= min(target + 16, n + 1)).
+  std::int64_t (*block_max_keys)(const float* scores, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept;
   // The outputs of collect_at_least, gather_keys, keep_in_key_range and keep_at_least need kCollectSlack entries of slack (whole
   // vectors are stored) and may alias their inputs.
 };

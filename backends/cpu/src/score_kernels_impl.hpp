@@ -667,34 +667,71 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
       [&](std::int64_t i) { return s[i]; }, keys, lo, hi);
 }
 
-// out[j] = the largest order key of scores[j * block, min(n, (j + 1) * block)), j < nblocks (top-k's
-// threshold for short rows: the k-th largest block maximum bounds the k-th largest score from below).
-inline void block_max_keys(const float* s, std::int64_t n, std::int64_t block, std::int64_t nblocks, std::int32_t* out) noexcept {
-  for (std::int64_t j = 0; j < nblocks; ++j) {
-    const std::int64_t b0 = j * block, b1 = b0 + block < n ? b0 + block : n;
-    std::int64_t i = b0;
-    std::int32_t best = kNanKey;
+// Top-k's threshold for short rows: the maxima of disjoint blocks that cover scores[0, n). The row's whole
+// vectors split into runs of consecutive vectors, one block per (run, lane), about `target` blocks in all (at
+// least one run, at most one vector per run), plus one block for the < kLanes trailing scores. Writes the
+// signed order key of each block's largest number and returns the block count (at most target + kLanes).
+// A block maximum is a score of the row, except for a block of NaN alone, which reports -inf's key: the caller
+// takes a threshold above -inf only. One max per loaded vector, four runs of them in flight (the max returns
+// its second operand when the first is NaN, so NaN is skipped), so the pass runs at the speed of a read pass.
 #if KVP_CPU_TU_ISA == 2
-    if (b1 - b0 >= 16) {
-      __m512i m = _mm512_set1_epi32(kNanKey);
-      for (; i + 16 <= b1; i += 16) m = _mm512_max_epi32(m, order_keys(_mm512_loadu_ps(s + i)));
-      best = _mm512_reduce_max_epi32(m);
-    }
+using RawF = __m512;
+inline RawF raw_load(const float* p) noexcept { return _mm512_loadu_ps(p); }
+inline RawF raw_max(RawF x, RawF acc) noexcept { return _mm512_max_ps(x, acc); }
+inline RawF raw_set1(float f) noexcept { return _mm512_set1_ps(f); }
+inline void raw_store(float* p, RawF v) noexcept { _mm512_storeu_ps(p, v); }
 #elif KVP_CPU_TU_ISA == 1
-    if (b1 - b0 >= 8) {
-      __m256i m = _mm256_set1_epi32(kNanKey);
-      for (; i + 8 <= b1; i += 8) m = _mm256_max_epi32(m, order_keys(_mm256_loadu_ps(s + i)));
-      alignas(32) std::int32_t l[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(l), m);
-      for (int q = 0; q < 8; ++q) best = l[q] > best ? l[q] : best;
-    }
+using RawF = __m256;
+inline RawF raw_load(const float* p) noexcept { return _mm256_loadu_ps(p); }
+inline RawF raw_max(RawF x, RawF acc) noexcept { return _mm256_max_ps(x, acc); }
+inline RawF raw_set1(float f) noexcept { return _mm256_set1_ps(f); }
+inline void raw_store(float* p, RawF v) noexcept { _mm256_storeu_ps(p, v); }
+#else
+using RawF = __m128;
+inline RawF raw_load(const float* p) noexcept { return _mm_loadu_ps(p); }
+inline RawF raw_max(RawF x, RawF acc) noexcept { return _mm_max_ps(x, acc); }
+inline RawF raw_set1(float f) noexcept { return _mm_set1_ps(f); }
+inline void raw_store(float* p, RawF v) noexcept { _mm_storeu_ps(p, v); }
 #endif
-    for (; i < b1; ++i) {
-      const std::int32_t k = order_key(s[i]);
-      best = k > best ? k : best;
+static_assert(sizeof(RawF) == kLanes * sizeof(float), "one raw vector per batch");
+
+inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept {
+  const std::int64_t nvec = n / kLanes;
+  std::int64_t nb = 0;
+  if (nvec > 0) {
+    std::int64_t groups = (target + kLanes - 1) / kLanes;
+    groups = groups < 1 ? 1 : (groups > nvec ? nvec : groups);
+    const std::int64_t per = (nvec + groups - 1) / groups;  // vectors per run
+    [[maybe_unused]] alignas(64) float lane[kLanes];
+    for (std::int64_t v0 = 0; v0 < nvec; v0 += per) {
+      const std::int64_t v1 = v0 + per < nvec ? v0 + per : nvec;
+      RawF a0 = raw_set1(-kInf), a1 = a0, a2 = a0, a3 = a0;
+      std::int64_t v = v0;
+      for (; v + 4 <= v1; v += 4) {
+        a0 = raw_max(raw_load(s + v * kLanes), a0);
+        a1 = raw_max(raw_load(s + (v + 1) * kLanes), a1);
+        a2 = raw_max(raw_load(s + (v + 2) * kLanes), a2);
+        a3 = raw_max(raw_load(s + (v + 3) * kLanes), a3);
+      }
+      for (; v < v1; ++v) a0 = raw_max(raw_load(s + v * kLanes), a0);
+      const RawF m = raw_max(raw_max(a0, a1), raw_max(a2, a3));  // no NaN left: operand order is free
+#if KVP_CPU_TU_ISA == 2
+      _mm512_storeu_si512(out + nb, order_keys(m));
+#elif KVP_CPU_TU_ISA == 1
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + nb), order_keys(m));
+#else
+      raw_store(lane, m);
+      for (std::int64_t l = 0; l < kLanes; ++l) out[nb + l] = order_key(lane[l]);
+#endif
+      nb += kLanes;
     }
-    out[j] = best;
   }
+  if (n > nvec * kLanes) {
+    float m = -kInf;
+    for (std::int64_t i = nvec * kLanes; i < n; ++i) m = s[i] > m ? s[i] : m;  // NaN compares false
+    out[nb++] = order_key(m);
+  }
+  return nb;
 }
 
 // Stable compaction of (idx, key) pairs: keeps pair i when
