@@ -279,7 +279,7 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
     std::nth_element(t.set_key, t.set_key + (k - 1), t.set_key + nb, std::greater<std::int32_t>());
     const std::int32_t cut = t.set_key[k - 1];
     if (cut <= signed_key(-std::numeric_limits<float>::infinity())) return all_candidates();
-    const std::int64_t m = kern.collect_at_least(scores, n, key_float(cut), t.candidates);
+    const std::int64_t m = kern.collect_at_least(scores, n, key_float(cut), 2 * k, t.candidates);
     std::int32_t lo = 0, hi = 0;
     kern.gather_keys(scores, t.candidates, m, t.keys, &lo, &hi);
     return select_exact(kern, m, k, lo, hi, out, t);
@@ -302,7 +302,7 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
   // A NaN-level floor admits every number (-inf and up); NaN never passes.
   const auto floor_key =
       static_cast<std::int32_t>(std::max<std::int64_t>(rb.floor_key(), signed_key(-std::numeric_limits<float>::infinity())));
-  const std::int64_t m = kern.collect_at_least(scores, n, key_float(floor_key), t.candidates);
+  const std::int64_t m = kern.collect_at_least(scores, n, key_float(floor_key), rank * n / kSample, t.candidates);
   if (m < k) return all_candidates();  // the sample did not bound the k-th score
   kern.gather_keys(scores, t.candidates, m, t.keys, &lo, &hi);
   select_exact(kern, m, k, lo, hi, out, t);

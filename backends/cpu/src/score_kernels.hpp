@@ -76,8 +76,9 @@ struct ScoreKernels {
   /// pool1d outputs t in [t0, t1), all with complete windows (t0 >= k/2, t1 + k/2 <= n).
   void (*pool1d_full)(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept;
   /// Writes the indices i < n with scores[i] >= threshold (ordered compare:
-  /// NaN never qualifies), ascending, and returns their count.
-  std::int64_t (*collect_at_least)(const float* scores, std::int64_t n, float threshold, std::int32_t* out) noexcept;
+  /// NaN never qualifies), ascending, and returns their count. `expected` (about how many pass) picks the
+  /// faster scan for sparse or dense results; the output never depends on it.
+  std::int64_t (*collect_at_least)(const float* scores, std::int64_t n, float threshold, std::int64_t expected, std::int32_t* out) noexcept;
   /// keys[i] = signed order key of scores[idx[i]] (`score_order_key` ^ 2^31 as int32); *lo / *hi get
   /// their min and max (INT32_MAX / INT32_MIN when m == 0).
   void (*gather_keys)(const float* scores, const std::int32_t* idx, std::int64_t m, std::int32_t* keys, std::int32_t* lo,

@@ -525,11 +525,12 @@ inline constexpr std::int64_t kCollectBlock = 4096;
 
 #if KVP_CPU_TU_ISA == 2
 inline std::uint64_t ge_word(const float* s, __m512 thr) noexcept {
-  const std::uint64_t k0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s), thr, _CMP_GE_OQ);
-  const std::uint64_t k1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 16), thr, _CMP_GE_OQ);
-  const std::uint64_t k2 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 32), thr, _CMP_GE_OQ);
-  const std::uint64_t k3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 48), thr, _CMP_GE_OQ);
-  return k0 | (k1 << 16) | (k2 << 32) | (k3 << 48);
+  // The four masks joined in mask registers: one move to a general register per word instead of four.
+  const __mmask16 k0 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s), thr, _CMP_GE_OQ);
+  const __mmask16 k1 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 16), thr, _CMP_GE_OQ);
+  const __mmask16 k2 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 32), thr, _CMP_GE_OQ);
+  const __mmask16 k3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 48), thr, _CMP_GE_OQ);
+  return _cvtmask64_u64(_mm512_kunpackd(_mm512_kunpackw(k3, k2), _mm512_kunpackw(k1, k0)));
 }
 inline __m512 broadcast_threshold(float t) noexcept { return _mm512_set1_ps(t); }
 #elif KVP_CPU_TU_ISA == 1
@@ -556,10 +557,34 @@ inline std::uint64_t ge_word(const float* s, __m128 thr) noexcept {
 inline __m128 broadcast_threshold(float t) noexcept { return _mm_set1_ps(t); }
 #endif
 
-inline std::int64_t collect_at_least(const float* s, std::int64_t n, float threshold, std::int32_t* out) noexcept {
+// Sparse rows (the caller expects at most 1 score in kSparse to pass) test each 64-score word through the
+// max of its four vectors first (NaN skipped; NaN never passes the ordered compare): one compare instead of
+// four, and the word's four masks only when some score passes. Dense rows take every word's masks.
+inline constexpr std::int64_t kSparse = 20;
+
+inline std::int64_t collect_at_least(const float* s, std::int64_t n, float threshold, std::int64_t expected, std::int32_t* out) noexcept {
   const auto thr = broadcast_threshold(threshold);
-  std::uint64_t words[kCollectBlock / 64];
   std::int64_t m = 0, i0 = 0;
+#if KVP_CPU_TU_ISA == 2
+  if (expected * kSparse <= n) {
+    const __m512 ninf = _mm512_set1_ps(-kInf);
+    for (; i0 + 64 <= n; i0 += 64) {
+      const __m512 a = _mm512_loadu_ps(s + i0), b = _mm512_loadu_ps(s + i0 + 16);
+      const __m512 c = _mm512_loadu_ps(s + i0 + 32), d = _mm512_loadu_ps(s + i0 + 48);
+      // max(x, acc) returns acc when x is NaN: a chain from -inf skips NaN.
+      const __m512 mx = _mm512_max_ps(d, _mm512_max_ps(c, _mm512_max_ps(b, _mm512_max_ps(a, ninf))));
+      if (_mm512_cmp_ps_mask(mx, thr, _CMP_GE_OQ) == 0) continue;
+      const __mmask32 lo = _mm512_kunpackw(_mm512_cmp_ps_mask(b, thr, _CMP_GE_OQ), _mm512_cmp_ps_mask(a, thr, _CMP_GE_OQ));
+      const __mmask32 hi = _mm512_kunpackw(_mm512_cmp_ps_mask(d, thr, _CMP_GE_OQ), _mm512_cmp_ps_mask(c, thr, _CMP_GE_OQ));
+      const auto base = static_cast<std::int32_t>(i0);
+      for (std::uint64_t bits = _cvtmask64_u64(_mm512_kunpackd(hi, lo)); bits != 0; bits &= bits - 1)
+        out[m++] = base + __builtin_ctzll(bits);
+    }
+  }
+#else
+  (void)expected;
+#endif
+  std::uint64_t words[kCollectBlock / 64];
   for (; i0 + 64 <= n; i0 += kCollectBlock) {
     const std::int64_t nw = (n - i0 < kCollectBlock ? n - i0 : kCollectBlock) / 64;
     for (std::int64_t w = 0; w < nw; ++w) words[w] = ge_word(s + i0 + 64 * w, thr);
