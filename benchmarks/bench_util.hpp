@@ -29,6 +29,17 @@ inline void report_flops(benchmark::State& st, double flops_per_iteration, int c
   st.counters["pct_peak_fma"] = benchmark::Counter(100.0 * total / (peak().fma_flops_per_second * cores), benchmark::Counter::kIsRate);
 }
 
+/// report_flops for a kernel run at a given level; a row at the AVX2 level also reports pct_peak_fma_avx2,
+/// its share of the AVX2 FMA kernel's rate (the peak of an AVX2 machine with this core's pipes).
+inline void report_flops_at(benchmark::State& st, double flops_per_iteration, kvpolicy::CpuIsa isa, int cores = 1) {
+  report_flops(st, flops_per_iteration, cores);
+  if (isa == kvpolicy::CpuIsa::kAvx2 && peak().fma_avx2_flops_per_second > 0) {
+    const double total = flops_per_iteration * static_cast<double>(st.iterations());
+    st.counters["pct_peak_fma_avx2"] =
+        benchmark::Counter(100.0 * total / (peak().fma_avx2_flops_per_second * cores), benchmark::Counter::kIsRate);
+  }
+}
+
 /// GB/s and pct_peak_bw (percent of the single-core read bandwidth probe; data
 /// resident in a cache can exceed 100).
 inline void report_bytes(benchmark::State& st, double bytes_per_iteration) {
@@ -43,6 +54,7 @@ inline void add_peak_context() {
   const Peak& p = peak();
   benchmark::AddCustomContext("peak_fma_gflops", std::to_string(p.fma_flops_per_second * 1e-9));
   benchmark::AddCustomContext("peak_fma_isa", p.fma_isa);
+  benchmark::AddCustomContext("peak_fma_avx2_gflops", std::to_string(p.fma_avx2_flops_per_second * 1e-9));
   benchmark::AddCustomContext("peak_read_gbps", std::to_string(p.read_bytes_per_second * 1e-9));
   benchmark::AddCustomContext("kvpolicy_cpu_best_isa", kvpolicy::cpu_isa_name(kvpolicy::backend::Cpu::best_isa()));
 }
