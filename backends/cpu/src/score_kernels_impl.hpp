@@ -341,6 +341,12 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
         widen_row(key_row(keys, j0 + r), d, ws.key_buf + r * d);
       }
     }
+    // The next chunk's keys are requested now, so that its widening finds them in cache instead of waiting
+    // on memory (the tiles of this chunk take far longer than the requests).
+    for (std::int64_t r = j0 + kChunk, r1 = std::min(T, j0 + 2 * kChunk); r < r1; ++r) {
+      const auto* row = reinterpret_cast<const char*>(key_row(keys, r));
+      for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(Tk)); b += 64) __builtin_prefetch(row + b);
+    }
     float* cref = ws.chunk_ref + ch * qpad;
     float* csum = ws.chunk_sum + ch * qpad;
     bool two_step = ch == 0;
@@ -407,7 +413,8 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     }
     if (whole_vectors) {
       const std::int64_t vph = w / kLanes;  // vectors per head
-      for (std::int64_t j = j0; j < j1; ++j) {
+      std::int64_t j = j0;
+      for (; j < j1; ++j) {
         const float* pr = ws.p + j * qpad;
         for (std::int64_t g = 0; g < G; ++g) {
           const float* pg = pr + g * w;

@@ -260,13 +260,19 @@ class H2O {
       float* qf = c.take<float>(static_cast<std::size_t>(G * B * d));
       float* col = c.take<float>(static_cast<std::size_t>(G * n));
       float* blk = q > B ? c.take<float>(static_cast<std::size_t>(G * n)) : col;
+      // Keys after a block's last query are masked for all of its queries: each block runs over its visible
+      // keys only (the causal triangle, not the square; the masked keys' exp(-inf) = 0 terms changed no sum),
+      // into blk as (G, visible), added row by row into col (zeroed first: 0 + p is p, bit for bit).
+      if (q > B) Backend::fill(col, G * n, 1, 0.0f);
       for (std::int64_t q0 = 0; q0 < q; q0 += B) {
-        const std::int64_t bw = std::min(B, q - q0);
+        const std::int64_t bw = std::min(B, q - q0), vis = n - q + q0 + bw;
         Backend::widen_queries(step.queries, s * G, G, q0, bw, qf);
-        float* out = q0 == 0 ? col : blk;
-        Backend::window_scores(WindowScoreShape{G, bw, d, n, n, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out,
+        float* out = q > B ? blk : col;  // a single block sees every key: straight into col
+        Backend::window_scores(WindowScoreShape{G, bw, d, vis, vis, n - q + q0, scale, WindowReduce::kSum}, qf, step.keys.rows(s), out,
                                c.rest());
-        if (q0 > 0) Backend::add_rows(col, blk, G * n);
+        if (q > B) {
+          for (std::int64_t g = 0; g < G; ++g) Backend::add_rows(col + g * n, blk + g * vis, vis);
+        }
       }
       Backend::accumulate_column_sums(&state.scores(s, 0), len_prev, TensorView<const float, 3>(col, {G, 1, n}, {n, 0, 1}), 0, G,
                                       mean_groups());

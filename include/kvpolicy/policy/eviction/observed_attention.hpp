@@ -266,7 +266,9 @@ class ObservedAttention {
     for (std::int64_t q0 = 0; q0 < T; q0 += B) {
       const std::int64_t bw = std::min(B, T - q0), cols = q0 + bw;  // keys visible to the block
       Backend::widen_queries(in.queries, h * G, G, q0, bw, q);
-      Backend::window_scores(WindowScoreShape{G, bw, d, T, cols, q0, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk, c.rest());
+      // Keys from `cols` on are masked for every query of the block: the op runs over the visible keys only
+      // (the causal triangle, not the square; their exp(-inf) = 0 terms changed no sum, so no bit changes).
+      Backend::window_scores(WindowScoreShape{G, bw, d, cols, cols, q0, scale, WindowReduce::kSum}, q, in.keys.rows(h), blk, c.rest());
       for (std::int64_t g = 0; g < G; ++g) Backend::add_rows(acc + g * T, blk + g * cols, cols);
     }
     finish<Backend>(acc, G, T, s);
