@@ -14,18 +14,28 @@
 
 namespace kvp_engine {
 
-PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window, const std::string& name) {
+namespace {
+/// The registry policy of `spec` with the request's budget appended (tokens=min(budget, prompt_len)); the spec
+/// itself is checked at once, so a bad one fails here, not at the first request.
+auto registry_maker(const std::string& spec) {
   kvpolicy::PolicySpec parsed;
   kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
-  kvpolicy::AnyEvictionPolicy check;  // a bad spec fails here, not at the first request
+  kvpolicy::AnyEvictionPolicy check;
   kvpolicy::throw_if_error(kvpolicy::make_eviction_policy(spec, &check));
-  auto make = [spec](std::int64_t prompt_len, std::int64_t budget) {
+  return [spec](std::int64_t prompt_len, std::int64_t budget) {
     const std::string s =
         spec + (spec.find(':') == std::string::npos ? ":" : ",") + "tokens=" + std::to_string(std::min(budget, prompt_len));
     kvpolicy::AnyEvictionPolicy p;
     kvpolicy::throw_if_error(kvpolicy::make_eviction_policy(s, &p));
     return p;
   };
+}
+}  // namespace
+
+PolicyUnderTest registry_policy(const std::string& spec, std::int64_t query_window, const std::string& name) {
+  kvpolicy::PolicySpec parsed;
+  kvpolicy::throw_if_error(kvpolicy::parse_policy_spec(spec, &parsed));
+  auto make = registry_maker(spec);
   PolicyUnderTest p;
   p.name = name.empty() ? parsed.name : name;
   p.query_window = query_window;
@@ -61,6 +71,22 @@ PolicyUnderTest h2o_policy(bool from_column_sums) {
     return h2o_hooks<Cache>(kvpolicy::H2O(kvpolicy::H2OParams::original(budget / 2, budget - budget / 2)));
   });
   p.column_sums = from_column_sums;
+  return p;
+}
+
+PolicyUnderTest observed_attention_policy(bool from_column_sums) {
+  if (!from_column_sums) return registry_policy("observed_attention", PolicyUnderTest::kWholePrompt);
+  auto make = registry_maker("observed_attention");
+  PolicyUnderTest p;
+  p.name = "observed_attention";
+  p.query_window = 1;  // the sums replace the prompt's queries
+  p.column_sums = true;
+  p.contiguous = [make](std::int64_t prompt_len, std::int64_t budget) {
+    return column_sum_eviction_hooks<ContiguousKVCache<float>>(ErasedEvictionPolicy{make(prompt_len, budget)});
+  };
+  p.paged = [make](std::int64_t prompt_len, std::int64_t budget) {
+    return column_sum_eviction_hooks<PagedKVCache<float>>(ErasedEvictionPolicy{make(prompt_len, budget)});
+  };
   return p;
 }
 
@@ -374,8 +400,8 @@ PolicyUnderTest d2o_policy(bool protect_edge_layers) {
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c) {
   // One-shot eviction the registry builds from a spec string (the budget is appended), and the policies with
   // their own hooks (see the header comment).
-  return {registry_policy("streaming_llm:sinks=4"), h2o_policy(), tova_policy(),
-          registry_policy("observed_attention", PolicyUnderTest::kWholePrompt), registry_policy("snapkv:window=32,kernel=5"),
+  return {registry_policy("streaming_llm:sinks=4"), h2o_policy(), tova_policy(), observed_attention_policy(),
+          registry_policy("snapkv:window=32,kernel=5"),
           // The two settings that decide retrieval on SmolLM2: an observation window about the question's length,
           // and more protected leading tokens (the chat template and system prompt of instruct models).
           registry_policy("snapkv:window=16,kernel=5", 64, "snapkv_w16"),

@@ -158,6 +158,11 @@ PolicyUnderTest adakv_policy(std::int32_t window = 32, std::int32_t kernel = 5);
 /// attention kernel keeps no probabilities must do).
 PolicyUnderTest h2o_policy(bool from_column_sums = true);
 
+/// kvpress ObservedAttentionPress (every prompt query's attention summed per key, normalised by the queries that
+/// see it): from the prefill's column sums (Hooks::on_prefill_attention, as an engine whose attention kernel keeps
+/// them pays nothing more), or, with `from_column_sums` false, recomputed from every prompt query inside the hook.
+PolicyUnderTest observed_attention_policy(bool from_column_sums = true);
+
 /// kvpress ExpectedAttentionPress defaults (512 future positions, 4 sinks, covariance, value norm).
 PolicyUnderTest expected_attention_policy(double rope_base);
 
@@ -227,7 +232,7 @@ PolicyUnderTest kvpress_cam_policy(std::int64_t interval = 1, std::int32_t merge
 PolicyUnderTest d2o_policy(bool protect_edge_layers = true);
 
 /// Every policy the engine runs, in the comparison's order (Ada-KV: contiguous cache only; Quest: paged only).
-/// ObservedAttention, H2O and Expected Attention read the whole prompt's queries.
+/// Expected Attention reads the whole prompt's queries; ObservedAttention and H2O the prefill's column sums.
 std::vector<PolicyUnderTest> all_policies(const ModelConfig& c);
 /// The policy of all_policies(c) named `name`; throws naming the known ones.
 PolicyUnderTest find_policy(const ModelConfig& c, const std::string& name);

@@ -160,6 +160,57 @@ Hooks<Cache> eviction_hooks(kvpolicy::AnyEvictionPolicy policy, kvpolicy::ExecCo
   return eviction_hooks<Cache, ErasedEvictionPolicy, Backend>(ErasedEvictionPolicy{std::move(policy)}, ctx, query_window);
 }
 
+/// After-prefill eviction scored from the prompt's attention column sums that the engine's prefill kept
+/// (Hooks::on_prefill_attention, PrefillOptions::column_sums) instead of from the prompt's queries: any policy
+/// that reads ScoreInput::column_sums (ObservedAttention). A layer's sums are copied when they arrive and used
+/// by that layer's after_prefill once; an after_prefill without them fails, naming the option.
+template <class Cache, class Policy, class Backend = kvpolicy::backend::Cpu>
+Hooks<Cache> column_sum_eviction_hooks(Policy policy, kvpolicy::ExecContext ctx = {}) {
+  using T = typename Cache::element_type;
+  struct State {
+    std::vector<std::vector<float>> sums;  // per layer: (Hq, n), row-major
+    std::vector<std::int64_t> heads;       // per layer: Hq of the pending sums, 0 when none
+    std::vector<std::byte> ws;
+  };
+  auto S = std::make_shared<State>();
+  Hooks<Cache> h;
+  h.on_prefill_attention = [S](Cache&, int layer, TensorView<const float, 2> column_sums) -> Status {
+    const auto l = static_cast<std::size_t>(layer);
+    if (S->sums.size() <= l) {
+      S->sums.resize(l + 1);
+      S->heads.resize(l + 1, 0);
+    }
+    const std::int64_t H = column_sums.extent(0), n = column_sums.extent(1);
+    auto& buf = S->sums[l];
+    buf.resize(static_cast<std::size_t>(H * n));
+    for (std::int64_t i = 0; i < H; ++i)
+      for (std::int64_t j = 0; j < n; ++j) buf[static_cast<std::size_t>(i * n + j)] = column_sums(i, j);
+    S->heads[l] = H;
+    return Status::ok();
+  };
+  h.after_prefill = [policy, ctx, S](Cache& cache, int layer, TensorView<const float, 3>, KeepBuffer& keep) -> Status {
+    const auto l = static_cast<std::size_t>(layer);
+    if (l >= S->heads.size() || S->heads[l] == 0)
+      return KVP_INVALID("engine: layer %d has no prompt attention column sums (PrefillOptions::column_sums)", layer);
+    const std::int64_t H = S->heads[l];
+    S->heads[l] = 0;  // used once
+    kvpolicy::ScoreInput<float, T> in;
+    in.keys = cache.key_source(layer);
+    const std::int64_t n = in.keys.kv_len();
+    if (static_cast<std::int64_t>(S->sums[l].size()) != H * n)
+      return KVP_INVALID("engine: layer %d's column sums cover %lld tokens, the cache holds %lld", layer,
+                         static_cast<long long>(static_cast<std::int64_t>(S->sums[l].size()) / H), static_cast<long long>(n));
+    in.column_sums = TensorView<const float, 2>::contiguous(S->sums[l].data(), {H, n});
+    const kvpolicy::ProblemShape shape{H, in.keys.kv_heads(), 0, n, 0};  // no queries: head_dim and q_len 0
+    const kvpolicy::Requirements r = policy.requirements(policy_context<Backend>(ctx), shape);
+    KVP_RETURN_IF_ERROR(r.status);
+    grow_workspace(S->ws, r);
+    keep.reserve(r.output.rows, r.output.capacity);
+    return policy.evict(policy_context<Backend>(ctx, &S->ws), in, keep.set);
+  };
+  return h;
+}
+
 /// As eviction_hooks, with the policy of each layer built by `make(layer)`.
 template <class Cache, class MakePolicy, class Backend = kvpolicy::backend::Cpu>
 Hooks<Cache> eviction_hooks_by_layer(MakePolicy make, kvpolicy::ExecContext ctx = {}) {

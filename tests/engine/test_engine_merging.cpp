@@ -224,7 +224,8 @@ TEST_CASE("engine merging: evict, merge and quantize as one composed policy hold
                     Catch::Matchers::Contains("one format"));
 }
 
-TEST_CASE("engine: H2O from the prefill's column sums keeps what H2O recomputing them from every query keeps", "[engine][merging]") {
+TEST_CASE("engine: H2O and ObservedAttention from the prefill's column sums keep what they keep recomputing them from every query",
+          "[engine][merging]") {
   const TaskSample& s = engine_test::eval_samples()[engine_test::samples_of("passkey", 1)[0]];
   const auto& cfg = model().config();
   const std::int64_t T = static_cast<std::int64_t>(s.prompt.size());
@@ -248,9 +249,27 @@ TEST_CASE("engine: H2O from the prefill's column sums keeps what H2O recomputing
         for (std::int64_t j = 0; j < sess.cache().length(l, static_cast<int>(h)); ++j) pos.push_back(sess.cache().positions(l)(h, j));
     return pos;
   };
-  const auto a = kept(h2o_policy(true)), b = kept(h2o_policy(false));
-  REQUIRE(a.size() == b.size());
-  std::size_t same = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) same += a[i] == b[i] ? 1 : 0;
-  CHECK(same >= a.size() * 99 / 100);  // fp32 sums in another order may swap a near-tie
+  for (const auto& [with_sums, recomputed] :
+       {std::pair{h2o_policy(true), h2o_policy(false)}, std::pair{observed_attention_policy(true), observed_attention_policy(false)}}) {
+    INFO(with_sums.name);
+    REQUIRE(with_sums.column_sums);
+    REQUIRE(with_sums.query_window == 1);
+    const auto a = kept(with_sums), b = kept(recomputed);
+    REQUIRE(a.size() == b.size());
+    REQUIRE(a.size() == static_cast<std::size_t>(cfg.n_layers * cfg.n_kv_heads * 64));
+    std::size_t same = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) same += a[i] == b[i] ? 1 : 0;
+    CHECK(same >= a.size() * 99 / 100);  // fp32 sums in another order may swap a near-tie
+  }
+}
+
+TEST_CASE("engine: ObservedAttention from column sums fails clearly when the prefill kept none", "[engine][merging]") {
+  const TaskSample& s = engine_test::eval_samples()[engine_test::samples_of("passkey", 1)[0]];
+  const std::int64_t T = static_cast<std::int64_t>(s.prompt.size());
+  PrefillOptions po;  // no column sums
+  po.query_window = 1;
+  const PrefillState pre = prefill(model(), s.prompt, po);
+  using C = ContiguousKVCache<float>;
+  Session<C> sess(model(), C(engine_test::shape_for(T + 4)), observed_attention_policy(true).contiguous(T, 64));
+  CHECK_THROWS_WITH(sess.load(pre), Catch::Matchers::Contains("column sums"));
 }
