@@ -413,8 +413,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     }
     if (whole_vectors) {
       const std::int64_t vph = w / kLanes;  // vectors per head
-      std::int64_t j = j0;
-      for (; j < j1; ++j) {
+      for (std::int64_t j = j0; j < j1; ++j) {
         const float* pr = ws.p + j * qpad;
         for (std::int64_t g = 0; g < G; ++g) {
           const float* pg = pr + g * w;
