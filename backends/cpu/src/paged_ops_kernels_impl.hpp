@@ -244,40 +244,47 @@ inline F hsum_lanes(const F* acc) noexcept {
 #endif
 }
 
-/// Sums of kLanes pages (rows of `buf`, 2*dpad floats each: max then min)
-/// for one query: kFast with (qa, qb) = (q+, q-), else (q, unused).
+// The chunk's widened rows of one kv head, channel block major: block c / kLanes holds, for each of the
+// kLanes pages, its max vector then its min vector (2 kLanes floats per page). A channel block's 2 kLanes
+// vectors are then at fixed offsets from one pointer, so the sweep below keeps no per-page pointers (a
+// page-major buffer needed 2 kLanes of them, more than the registers, and they spilled).
+inline constexpr std::int64_t kPageVec = 2 * kLanes;  // floats per page in a channel block
+
+/// Sums of kLanes pages (`buf` as above) for one query: kFast with (qa, qb) = (q+, q-), else (q, unused).
 template <bool kFast>
 inline F chunk_sums(const float* qa, const float* qb, const float* buf, std::int64_t dpad) noexcept {
   F acc[kLanes];
   for (std::int64_t p = 0; p < kLanes; ++p) acc[p] = F(0.0f);
   for (std::int64_t c = 0; c < dpad; c += kLanes) {
     const F a = F::load_unaligned(qa + c);
+    const float* blk = buf + c * kPageVec;
     if constexpr (kFast) {
       const F b = F::load_unaligned(qb + c);
+#pragma GCC unroll 16
       for (std::int64_t p = 0; p < kLanes; ++p) {
-        const float* r = buf + p * 2 * dpad + c;
-        acc[p] = xsimd::fma(a, F::load_unaligned(r), xsimd::fma(b, F::load_unaligned(r + dpad), acc[p]));
+        const float* r = blk + p * kPageVec;
+        acc[p] = xsimd::fma(a, F::load_aligned(r), xsimd::fma(b, F::load_aligned(r + kLanes), acc[p]));
       }
     } else {
       for (std::int64_t p = 0; p < kLanes; ++p) {
-        const float* r = buf + p * 2 * dpad + c;
-        acc[p] = max_ab(xsimd::fma(a, F::load_unaligned(r), acc[p]), xsimd::fma(a, F::load_unaligned(r + dpad), acc[p]));
+        const float* r = blk + p * kPageVec;
+        acc[p] = max_ab(xsimd::fma(a, F::load_aligned(r), acc[p]), xsimd::fma(a, F::load_aligned(r + kLanes), acc[p]));
       }
     }
   }
   return hsum_lanes(acc);
 }
 
-/// Widens d values of Tm into dst (dpad floats, zero padded).
+/// Widens d values of Tm into the vectors dst, dst + stride, ... (dpad floats in all, zero padded).
 template <class Tm>
-inline void widen_meta_row(const Tm* src, std::int64_t d, std::int64_t dpad, float* dst) noexcept {
+inline void widen_meta_row(const Tm* src, std::int64_t d, std::int64_t dpad, float* dst, std::int64_t stride) noexcept {
   std::int64_t c = 0;
-  for (; c + kLanes <= d; c += kLanes) load_lanes(src + c).store_unaligned(dst + c);
+  for (; c + kLanes <= d; c += kLanes) load_lanes(src + c).store_aligned(dst + (c / kLanes) * stride);
   if (c < d) {
-    load_partial(src + c, d - c).store_unaligned(dst + c);
+    load_partial(src + c, d - c).store_aligned(dst + (c / kLanes) * stride);
     c += kLanes;
   }
-  for (; c < dpad; c += kLanes) F(0.0f).store_unaligned(dst + c);
+  for (; c < dpad; c += kLanes) F(0.0f).store_aligned(dst + (c / kLanes) * stride);
 }
 
 template <class Tm>
@@ -285,7 +292,7 @@ void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const T
             float* out, std::int64_t ld, float* scratch) noexcept {
   const std::int64_t H = meta.num_kv_heads, R = H * G, dpad = bounds_dpad(d);
   const std::int64_t row_bytes = d * static_cast<std::int64_t>(sizeof(Tm));
-  float* buf = scratch;                 // (kLanes, 2, dpad): the chunk's rows of one kv head
+  float* buf = scratch;                 // (dpad / kLanes, kLanes, 2, kLanes): the chunk's rows of one kv head
   float* qz = buf + kLanes * 2 * dpad;  // (R, dpad): q, zero padded
   float* qp = qz + R * dpad;            // (R, dpad): q+ = max(q, 0)
   float* qn = qp + R * dpad;            // (R, dpad): q- = min(q, 0)
@@ -315,14 +322,18 @@ void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const T
     const std::int64_t cnt = imin(kLanes, n - i0);
     prefetch_chunk(i0 + kLanes);
     for (std::int64_t g = 0; g < H; ++g) {
+      const std::int64_t stride = kLanes * kPageVec;  // floats per channel block
       for (std::int64_t p = 0; p < kLanes; ++p) {
-        float* r = buf + p * 2 * dpad;
+        float* r = buf + p * kPageVec;
         if (p < cnt) {
           const std::int64_t off = page_at(i0 + p) * meta.page_stride + g * meta.head_stride;
-          widen_meta_row(meta.max_data + off, d, dpad, r);
-          widen_meta_row(meta.min_data + off, d, dpad, r + dpad);
+          widen_meta_row(meta.max_data + off, d, dpad, r, stride);
+          widen_meta_row(meta.min_data + off, d, dpad, r + kLanes, stride);
         } else {
-          for (std::int64_t c = 0; c < 2 * dpad; c += kLanes) F(0.0f).store_unaligned(r + c);
+          for (std::int64_t c = 0; c < dpad; c += kLanes) {
+            F(0.0f).store_aligned(r + (c / kLanes) * stride);
+            F(0.0f).store_aligned(r + (c / kLanes) * stride + kLanes);
+          }
         }
       }
       for (std::int64_t j = 0; j < G; ++j) {
