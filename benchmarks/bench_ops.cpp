@@ -5,7 +5,8 @@
 //    window queries, d=128, T=32768 keys (fp16, bf16, fp32); and the whole
 //    8-kv-head layer through ExecContext on 1 and 2 threads. Flops counted:
 //    2*G*w*T*d (the logits); reported as GFLOP/s and pct_peak_fma (the rows
-//    at the AVX2 level also as pct_peak_fma_avx2, against the AVX2 kernel).
+//    at the AVX2 level also as pct_peak_fma_avx2, against the AVX2 kernel);
+//    bf16 keys also through the bf16 dot form (window_scores/cpu/avx512/bf16_dot).
 //  * topk — keep 1% of 131072 scores, for one row (cache resident) and for 32
 //    rows (one per query head, 16 MiB: streamed), next to a read pass over the
 //    same rows (the lower bound of any top-k); GB/s and pct_peak_bw.
@@ -59,6 +60,17 @@ void bm_window_scores(benchmark::State& st, CpuIsa isa) {
     benchmark::ClobberMemory();
   }
   report_flops_at(st, 2.0 * kG * kW * kT * kD, isa);
+}
+
+// bf16 keys through the bf16 dot form (Cpu::set_bf16_dot; AVX-512 with AVX512_BF16), same shape and flops.
+void bm_window_scores_bf16_dot(benchmark::State& st) {
+  if (!kvp_bench::use_isa(st, CpuIsa::kAvx512)) return;
+  if (!backend::Cpu::set_bf16_dot(true)) {
+    st.SkipWithError("no AVX512_BF16 on this machine");
+    return;
+  }
+  bm_window_scores<backend::Cpu, bfloat16>(st, CpuIsa::kAvx512);
+  backend::Cpu::set_bf16_dot(false);
 }
 
 // The whole layer: 8 kv heads (32 query heads), one window_scores per kv head.
@@ -178,6 +190,7 @@ void register_all() {
   register_window<half>("f16");
   register_window<bfloat16>("bf16");
   register_window<float>("f32");
+  benchmark::RegisterBenchmark("window_scores/cpu/avx512/bf16_dot", bm_window_scores_bf16_dot)->Unit(benchmark::kMillisecond);
   // The reference takes about a second per call: one iteration per repetition.
   benchmark::RegisterBenchmark("window_scores/scalar/f16", bm_window_scores<backend::Scalar, half>, CpuIsa::kSse2)
       ->Iterations(1)

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstddef>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -30,8 +31,10 @@ std::string describe(const Case& c, const char* dtype, CpuIsa isa, Layout layout
 /// Runs one case on the scalar reference (contiguous keys, L = T) and on Cpu
 /// for every ISA, rotating the layouts across ISAs and the two column counts
 /// (L = T and L = T - w); returns the number of compared elements.
+/// `bf16_dot`: Cpu runs the bf16 dot form (AVX-512 only, set by the caller) and the reference gets the queries
+/// rounded to bf16, the form's one approximation.
 template <class Tk>
-std::int64_t check_case(const Case& c, const char* dtype, std::mt19937& rng) {
+std::int64_t check_case(const Case& c, const char* dtype, std::mt19937& rng, bool bf16_dot = false) {
   std::normal_distribution<float> nd;
   const std::int64_t Q = c.G * c.w;
   std::vector<float> q(static_cast<std::size_t>(Q * c.d));
@@ -40,16 +43,20 @@ std::int64_t check_case(const Case& c, const char* dtype, std::mt19937& rng) {
   for (auto& x : keys) x = from_float<Tk>(nd(rng));
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
 
+  std::vector<float> q_ref = q;
+  if (bf16_dot)
+    for (auto& x : q_ref) x = to_float(to_bfloat16(x));
   WindowScoreShape ref_shape{c.G, c.w, c.d, c.T, c.T, c.q_pos0, scale, c.reduce};
   std::vector<float> ref(static_cast<std::size_t>(c.G * c.T));
   std::vector<std::byte> ref_ws(Scalar::window_scores_workspace(ref_shape));
-  Scalar::window_scores(ref_shape, q.data(), Rows<Tk>{keys.data(), c.d}, ref.data(), Workspace{ref_ws.data(), ref_ws.size()});
+  Scalar::window_scores(ref_shape, q_ref.data(), Rows<Tk>{keys.data(), c.d}, ref.data(), Workspace{ref_ws.data(), ref_ws.size()});
 
   std::int64_t compared = 0;
   const Layout layouts[] = {Layout::kContiguous, Layout::kStrided, Layout::kPaged16, Layout::kPaged1};
   int rot = 0;
   IsaGuard guard;
   for (CpuIsa isa : available_isas()) {
+    if (bf16_dot && isa != CpuIsa::kAvx512) continue;
     REQUIRE(Cpu::set_isa(isa));
     for (Layout layout : layouts) {
       const std::int64_t L = (rot++ % 2 == 0) ? c.T : c.T - c.w;
@@ -180,4 +187,43 @@ TEST_CASE("window_scores: a workspace sized for the reference op falls back to i
   Scalar::window_scores(s, q.data(), Rows<float>{keys.data(), d}, ref.data(), Workspace{small.data(), small.size()});
   Cpu::window_scores(s, q.data(), Rows<float>{keys.data(), d}, out.data(), Workspace{small.data(), small.size()});
   REQUIRE(out == ref);
+}
+
+namespace {
+/// Sets Cpu's bf16 dot form for a scope and restores the previous setting.
+struct Bf16DotGuard {
+  bool before = Cpu::bf16_dot();
+  explicit Bf16DotGuard(bool on) { REQUIRE(Cpu::set_bf16_dot(on)); }
+  ~Bf16DotGuard() { Cpu::set_bf16_dot(before); }
+};
+}  // namespace
+
+TEST_CASE("window_scores: the bf16 dot form equals the fp32 form on bf16-rounded queries", "[cpu][window_scores]") {
+  if (std::getenv("KVP_CPU_BF16_DOT") == nullptr) CHECK_FALSE(Cpu::bf16_dot());  // off by default
+  REQUIRE(Cpu::set_bf16_dot(false));
+  if (!Cpu::has_bf16_dot()) {
+    REQUIRE_FALSE(Cpu::set_bf16_dot(true));  // refused, nothing changed
+    REQUIRE_FALSE(Cpu::bf16_dot());
+    SUCCEED("no AVX512_BF16 on this machine: the form is never used");
+    return;
+  }
+  Bf16DotGuard on(true);
+  REQUIRE(Cpu::bf16_dot());
+  std::mt19937 rng(17);
+  std::int64_t compared = 0;
+  int variant = 0;
+  for (std::int64_t G : {1, 4})
+    for (std::int64_t d : {2, 34, 64, 128})
+      for (std::int64_t T : {1, 7, 100, 1000})
+        for (std::int64_t w : {1, 8, 32}) {
+          if (w > T) continue;
+          ++variant;
+          const WindowReduce red = variant % 2 == 0 ? WindowReduce::kSum : WindowReduce::kMean;
+          compared += check_case<bfloat16>(Case{G, d, T, w, T - w, red, 1.0f + static_cast<float>(variant % 3)}, "bf16 dot", rng, true);
+        }
+  REQUIRE(compared > 0);
+  // Odd head_dim, fp16 and fp32 keys: the fp32 form whatever the setting.
+  check_case<bfloat16>(Case{3, 33, 150, 17, 133, WindowReduce::kMean, 1.0f}, "bf16 odd d", rng);
+  check_case<half>(Case{3, 64, 150, 17, 133, WindowReduce::kMean, 1.0f}, "fp16", rng);
+  check_case<float>(Case{3, 64, 150, 17, 133, WindowReduce::kSum, 1.0f}, "fp32", rng);
 }

@@ -106,6 +106,35 @@ bool set_active_isa(CpuIsa isa) noexcept {
   return true;
 }
 
+bool detected_bf16_dot() noexcept {
+  static const bool has = [] {
+    CpuidRegs r0, r71;
+    if (detected_isa() != CpuIsa::kAvx512 || !cpuid(0, 0, &r0) || r0.a < 7 || !cpuid(7, 1, &r71)) return false;
+    return ((r71.a >> 5) & 1u) != 0;  // CPUID.(EAX=7,ECX=1):EAX[5] AVX512_BF16
+  }();
+  return has;
+}
+
+namespace {
+std::atomic<int> g_bf16_dot{kUnset};
+}  // namespace
+
+bool bf16_dot_active() noexcept {
+  int v = g_bf16_dot.load(std::memory_order_relaxed);
+  if (v != kUnset) return v != 0;
+  const char* env = std::getenv("KVP_CPU_BF16_DOT");
+  static const int first = (env != nullptr && std::strcmp(env, "1") == 0 && detected_bf16_dot()) ? 1 : 0;
+  int expected = kUnset;
+  g_bf16_dot.compare_exchange_strong(expected, first, std::memory_order_relaxed);
+  return g_bf16_dot.load(std::memory_order_relaxed) != 0;
+}
+
+bool set_bf16_dot_active(bool on) noexcept {
+  if (on && !detected_bf16_dot()) return false;
+  g_bf16_dot.store(on ? 1 : 0, std::memory_order_relaxed);
+  return true;
+}
+
 namespace {
 std::atomic<std::uint64_t> g_reference_fallbacks{0};
 }  // namespace
@@ -120,6 +149,9 @@ const char* Cpu::isa_name() noexcept { return cpu_isa_name(cpu_detail::active_is
 CpuIsa Cpu::isa() noexcept { return cpu_detail::active_isa(); }
 CpuIsa Cpu::best_isa() noexcept { return cpu_detail::detected_isa(); }
 bool Cpu::set_isa(CpuIsa isa) noexcept { return cpu_detail::set_active_isa(isa); }
+bool Cpu::has_bf16_dot() noexcept { return cpu_detail::detected_bf16_dot(); }
+bool Cpu::bf16_dot() noexcept { return cpu_detail::bf16_dot_active(); }
+bool Cpu::set_bf16_dot(bool on) noexcept { return cpu_detail::set_bf16_dot_active(on); }
 }  // namespace backend
 
 KVP_NAMESPACE_END

@@ -214,7 +214,10 @@ void CpuScoreOps::window_scores<half>(const WindowScoreShape& s, const float* q,
 template <>
 void CpuScoreOps::window_scores<bfloat16>(const WindowScoreShape& s, const float* q, Rows<bfloat16> keys, float* out,
                                           Workspace ws) noexcept {
-  run_window_scores(s, q, keys, out, ws, &cpu_detail::ScoreKernels::window_scores_bf16);
+  const cpu_detail::ScoreKernels& kern = cpu_detail::score_kernels();
+  const bool dot = kern.window_scores_bf16_dot != nullptr && s.head_dim % 2 == 0 && cpu_detail::bf16_dot_active();
+  run_window_scores(s, q, keys, out, ws,
+                    dot ? &cpu_detail::ScoreKernels::window_scores_bf16_dot : &cpu_detail::ScoreKernels::window_scores_bf16);
 }
 
 void CpuScoreOps::pool1d(const float* in, std::int64_t n, int kernel, Pooling kind, float* out) noexcept {

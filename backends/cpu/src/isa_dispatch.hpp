@@ -48,6 +48,14 @@ CpuIsa active_isa() noexcept;
 /// Switch the level in use; false (no change) when the machine lacks it.
 bool set_active_isa(CpuIsa isa) noexcept;
 
+/// Whether the machine has AVX512_BF16 (on top of the AVX-512 level; computed once).
+bool detected_bf16_dot() noexcept;
+
+/// Whether window_scores on bf16 keys uses the bf16 dot form (Cpu::set_bf16_dot; at first use the environment
+/// variable KVP_CPU_BF16_DOT=1 turns it on where the machine has it). Only the AVX-512 level acts on it.
+bool bf16_dot_active() noexcept;
+bool set_bf16_dot_active(bool on) noexcept;
+
 template <class Table>
 using KernelTableFn = const Table& (*)() noexcept;
 

@@ -73,6 +73,9 @@ struct ScoreKernels {
   void (*window_scores_f32)(const WindowScoreShape&, const float*, Rows<float>, float*, const WindowScratch&) noexcept;
   void (*window_scores_f16)(const WindowScoreShape&, const float*, Rows<half>, float*, const WindowScratch&) noexcept;
   void (*window_scores_bf16)(const WindowScoreShape&, const float*, Rows<bfloat16>, float*, const WindowScratch&) noexcept;
+  /// bf16 keys through the CPU's bf16 dot product (queries rounded to bf16; head_dim even): null on the levels
+  /// without it (AVX2, SSE2); the AVX-512 one needs AVX512_BF16 too (checked by the caller).
+  void (*window_scores_bf16_dot)(const WindowScoreShape&, const float*, Rows<bfloat16>, float*, const WindowScratch&) noexcept;
   /// pool1d outputs t in [t0, t1), all with complete windows (t0 >= k/2, t1 + k/2 <= n).
   void (*pool1d_full)(const float* in, int kernel, Pooling kind, float* out, std::int64_t t0, std::int64_t t1) noexcept;
   /// Writes the indices i < n with scores[i] >= threshold (ordered compare:

@@ -193,13 +193,14 @@ inline constexpr float kHeadroom = 32.0f;
 enum class TileMode { kLogits, kExp };
 
 struct TileArgs {
-  const float* key_buf;              // (kChunk, d): the chunk's keys in fp32
-  const float* qt;                   // (d, qpad)
-  const std::int32_t* last_visible;  // (qpad)
-  float* p;                          // (kv_len, qpad)
-  float* cur_max;                    // (qpad): max of the current chunk
-  const float* ref;                  // (qpad): reference of the current chunk (kExp)
-  float* sum;                        // (qpad): sums of the current chunk (kExp)
+  const float* key_buf;                   // (kChunk, d): the chunk's keys in fp32
+  const float* qt;                        // (d, qpad); bf16 dot: (d / 2, qpad) bf16 pairs
+  const std::uint16_t* const* key_pairs;  // bf16 dot: (kChunk) the chunk's key rows (bf16 bits, read in pairs)
+  const std::int32_t* last_visible;       // (qpad)
+  float* p;                               // (kv_len, qpad)
+  float* cur_max;                         // (qpad): max of the current chunk
+  const float* ref;                       // (qpad): reference of the current chunk (kExp)
+  float* sum;                             // (qpad): sums of the current chunk (kExp)
   std::int64_t qpad, d, q_pos0;
   std::int64_t j;  // absolute index of the tile's first key
   std::int64_t r;  // row of the tile's first key in key_buf
@@ -214,6 +215,9 @@ struct TileArgs {
 // keys, the last of a short chunk) repeats its last key in the spare rows and
 // drops their results: one instantiation per V keeps the code size (and the
 // compile time) small.
+template <TileMode kMode, int V>
+inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcept;
+
 template <TileMode kMode, int V>
 inline void logit_tile(const TileArgs& a, int rc) noexcept {
   constexpr int R = kRows;
@@ -237,6 +241,50 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
       for (int v = 0; v < V; ++v) acc[r][v] = fmadd(k, qv[v], acc[r][v]);
     }
   }
+  tile_epilogue<kMode, V>(a, rc, acc);
+}
+
+#if KVP_CPU_TU_ISA == 2
+// The bf16 dot form (AVX512_BF16, compiled for that extension only here and run only where the CPU has it):
+// per step one pair of channels, vdpbf16ps adding q[2c] k[2c] and q[2c+1] k[2c+1] (exact bf16 products, fp32
+// adds) to each accumulator, the key pair broadcast straight from the bf16 row. Same register tile, half the
+// steps; the epilogue is the fp32 form's.
+template <TileMode kMode, int V>
+__attribute__((target("avx512bf16"))) void logit_tile_dot(const TileArgs& a, int rc) noexcept {
+  constexpr int R = kRows;
+  __m512 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  const std::uint16_t* rows[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) rows[r] = a.key_pairs[a.r + (r < rc ? r : rc - 1)];
+  const auto* qt = reinterpret_cast<const std::uint32_t*>(a.qt) + a.v * kLanes;
+  const std::int64_t pairs = a.d / 2;
+  for (std::int64_t c = 0; c < pairs; ++c) {
+    __m512bh qv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_load_si512(qt + c * a.qpad + v * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const auto k = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(rows[r] + 2 * c));  // rows need no alignment
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k, qv[v]);
+    }
+  }
+  F out[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) out[r][v] = F(acc[r][v]);
+  tile_epilogue<kMode, V>(a, rc, out);
+}
+#endif
+
+template <TileMode kMode, int V>
+inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcept {
+  constexpr int R = kRows;
   const F scale(a.scale);
   F m[V], base[V], sum[V];
 #pragma GCC unroll 8
@@ -280,16 +328,19 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
 }
 
 // Picks the tile instantiation for the last query vectors (vc <= V).
-template <TileMode kMode, int V>
+template <TileMode kMode, bool kDot, int V>
 inline void dispatch_tile(int vc, int rc, const TileArgs& a) noexcept {
   if constexpr (V > 1) {
-    if (vc < V) return dispatch_tile<kMode, V - 1>(vc, rc, a);
+    if (vc < V) return dispatch_tile<kMode, kDot, V - 1>(vc, rc, a);
   }
+#if KVP_CPU_TU_ISA == 2
+  if constexpr (kDot) return logit_tile_dot<kMode, V>(a, rc);
+#endif
   logit_tile<kMode, V>(a, rc);
 }
 
-// All tiles of one chunk (nr keys starting at key j0, already in key_buf).
-template <TileMode kMode>
+// All tiles of one chunk (nr keys starting at key j0, already in key_buf; bf16 dot: their rows in key_pairs).
+template <TileMode kMode, bool kDot>
 inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int64_t nv) noexcept {
   for (std::int64_t i = 0; i < a.qpad; ++i) a.cur_max[i] = -kInf;
   if constexpr (kMode == TileMode::kExp) {
@@ -302,12 +353,21 @@ inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int6
       a.r = r0;
       a.j = j0 + r0;
       const int rc = static_cast<int>(nr - r0 < kRows ? nr - r0 : kRows);
-      dispatch_tile<kMode, kVecs>(vc, rc, a);
+      dispatch_tile<kMode, kDot, kVecs>(vc, rc, a);
     }
   }
 }
 
-template <class Tk>
+// bf16 bits of f, rounded to nearest even (NaN stays a quiet NaN): the queries of the bf16 dot form.
+inline std::uint32_t bf16_bits_rne(float f) noexcept {
+  std::uint32_t x = 0;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (x >> 16) | 0x40u;
+  return (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+}
+
+// kDot: bf16 keys through logit_tile_dot (AVX-512 with AVX512_BF16 only; d even), the queries rounded to bf16.
+template <class Tk, bool kDot = false>
 void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, const WindowScratch& ws) noexcept {
   const std::int64_t G = s.group, w = s.window, d = s.head_dim, T = s.kv_len, L = s.num_cols;
   const std::int64_t Q = ws.layout.num_q, qpad = ws.layout.qpad, nv = qpad / kLanes;
@@ -315,11 +375,21 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
   for (std::int64_t i = 0; i < G * L; ++i) out[i] = 0.0f;
   if (Q <= 0 || T <= 0) return;
 
-  // Queries transposed to (d, qpad): one query row per SIMD lane.
-  for (std::int64_t c = 0; c < d; ++c) {
-    float* dst = ws.qt + c * qpad;
-    for (std::int64_t r = 0; r < Q; ++r) dst[r] = q[r * d + c];
-    for (std::int64_t r = Q; r < qpad; ++r) dst[r] = 0.0f;
+  if constexpr (kDot) {
+    // Queries as bf16 pairs, transposed to (d / 2, qpad) in the fp32 query buffer (half of it).
+    auto* qt2 = reinterpret_cast<std::uint32_t*>(ws.qt);
+    for (std::int64_t c = 0; c < d / 2; ++c) {
+      std::uint32_t* dst = qt2 + c * qpad;
+      for (std::int64_t r = 0; r < Q; ++r) dst[r] = bf16_bits_rne(q[r * d + 2 * c]) | (bf16_bits_rne(q[r * d + 2 * c + 1]) << 16);
+      for (std::int64_t r = Q; r < qpad; ++r) dst[r] = 0u;
+    }
+  } else {
+    // Queries transposed to (d, qpad): one query row per SIMD lane.
+    for (std::int64_t c = 0; c < d; ++c) {
+      float* dst = ws.qt + c * qpad;
+      for (std::int64_t r = 0; r < Q; ++r) dst[r] = q[r * d + c];
+      for (std::int64_t r = Q; r < qpad; ++r) dst[r] = 0.0f;
+    }
   }
   // Causal visibility: window query i of every head sees keys j <= q_pos0 + i.
   for (std::int64_t r = 0; r < qpad; ++r) {
@@ -331,11 +401,15 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
 
   // Pass 1, chunk by chunk: keys widened (or copied) into an L1-resident
   // buffer, then p = exp(logit - ref) with the chunk sums (see kHeadroom).
-  TileArgs a{ws.key_buf, ws.qt, ws.last_visible, ws.p, ws.cur_max, nullptr, nullptr, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
+  // bf16 dot: the chunk's key row pointers in the key buffer's place (kChunk pointers fit in kChunk x d floats).
+  auto* key_pairs = reinterpret_cast<const std::uint16_t**>(ws.key_buf);
+  TileArgs a{ws.key_buf, ws.qt, key_pairs, ws.last_visible, ws.p, ws.cur_max, nullptr, nullptr, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
   for (std::int64_t ch = 0; ch * kChunk < T; ++ch) {
     const std::int64_t j0 = ch * kChunk, nr = T - j0 < kChunk ? T - j0 : kChunk;
     for (std::int64_t r = 0; r < nr; ++r) {
-      if constexpr (std::is_same_v<Tk, float>) {
+      if constexpr (kDot) {
+        key_pairs[r] = reinterpret_cast<const std::uint16_t*>(key_row(keys, j0 + r));
+      } else if constexpr (std::is_same_v<Tk, float>) {
         std::memcpy(ws.key_buf + r * d, key_row(keys, j0 + r), static_cast<std::size_t>(d) * sizeof(float));
       } else {
         widen_row(key_row(keys, j0 + r), d, ws.key_buf + r * d);
@@ -353,7 +427,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     if (!two_step) {
       a.ref = ws.row_max;
       a.sum = csum;
-      chunk_tiles<TileMode::kExp>(a, j0, nr, nv);
+      chunk_tiles<TileMode::kExp, kDot>(a, j0, nr, nv);
       for (std::int64_t v = 0; v < nv && !two_step; ++v) {
         const F ref = F::load_aligned(ws.row_max + v * kLanes);
         two_step = xsimd::any(F::load_aligned(ws.cur_max + v * kLanes) > ref + F(kHeadroom));
@@ -361,7 +435,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
       if (!two_step) std::memcpy(cref, ws.row_max, static_cast<std::size_t>(qpad) * sizeof(float));
     }
     if (two_step) {
-      chunk_tiles<TileMode::kLogits>(a, j0, nr, nv);
+      chunk_tiles<TileMode::kLogits, kDot>(a, j0, nr, nv);
       for (std::int64_t v = 0; v < nv; ++v) {
         const F m = F::load_aligned(ws.cur_max + v * kLanes);
         const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
