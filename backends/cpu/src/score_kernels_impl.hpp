@@ -779,26 +779,16 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
 // A block maximum is a score of the row, except for a block of NaN alone, which reports -inf's key: the caller
 // takes a threshold above -inf only. One max per loaded vector, four runs of them in flight (the max returns
 // its second operand when the first is NaN, so NaN is skipped), so the pass runs at the speed of a read pass.
+// max(x, acc) that returns acc where x is NaN: the max instruction's operand rule (xsimd::max does not promise it).
+inline F max_skip_nan(F x, F acc) noexcept {
 #if KVP_CPU_TU_ISA == 2
-using RawF = __m512;
-inline RawF raw_load(const float* p) noexcept { return _mm512_loadu_ps(p); }
-inline RawF raw_max(RawF x, RawF acc) noexcept { return _mm512_max_ps(x, acc); }
-inline RawF raw_set1(float f) noexcept { return _mm512_set1_ps(f); }
-inline void raw_store(float* p, RawF v) noexcept { _mm512_storeu_ps(p, v); }
+  return F(_mm512_max_ps(x, acc));
 #elif KVP_CPU_TU_ISA == 1
-using RawF = __m256;
-inline RawF raw_load(const float* p) noexcept { return _mm256_loadu_ps(p); }
-inline RawF raw_max(RawF x, RawF acc) noexcept { return _mm256_max_ps(x, acc); }
-inline RawF raw_set1(float f) noexcept { return _mm256_set1_ps(f); }
-inline void raw_store(float* p, RawF v) noexcept { _mm256_storeu_ps(p, v); }
+  return F(_mm256_max_ps(x, acc));
 #else
-using RawF = __m128;
-inline RawF raw_load(const float* p) noexcept { return _mm_loadu_ps(p); }
-inline RawF raw_max(RawF x, RawF acc) noexcept { return _mm_max_ps(x, acc); }
-inline RawF raw_set1(float f) noexcept { return _mm_set1_ps(f); }
-inline void raw_store(float* p, RawF v) noexcept { _mm_storeu_ps(p, v); }
+  return F(_mm_max_ps(x, acc));
 #endif
-static_assert(sizeof(RawF) == kLanes * sizeof(float), "one raw vector per batch");
+}
 
 inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept {
   const std::int64_t nvec = n / kLanes;
@@ -810,22 +800,22 @@ inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t 
     [[maybe_unused]] alignas(64) float lane[kLanes];
     for (std::int64_t v0 = 0; v0 < nvec; v0 += per) {
       const std::int64_t v1 = v0 + per < nvec ? v0 + per : nvec;
-      RawF a0 = raw_set1(-kInf), a1 = a0, a2 = a0, a3 = a0;
+      F a0(-kInf), a1 = a0, a2 = a0, a3 = a0;
       std::int64_t v = v0;
       for (; v + 4 <= v1; v += 4) {
-        a0 = raw_max(raw_load(s + v * kLanes), a0);
-        a1 = raw_max(raw_load(s + (v + 1) * kLanes), a1);
-        a2 = raw_max(raw_load(s + (v + 2) * kLanes), a2);
-        a3 = raw_max(raw_load(s + (v + 3) * kLanes), a3);
+        a0 = max_skip_nan(F::load_unaligned(s + v * kLanes), a0);
+        a1 = max_skip_nan(F::load_unaligned(s + (v + 1) * kLanes), a1);
+        a2 = max_skip_nan(F::load_unaligned(s + (v + 2) * kLanes), a2);
+        a3 = max_skip_nan(F::load_unaligned(s + (v + 3) * kLanes), a3);
       }
-      for (; v < v1; ++v) a0 = raw_max(raw_load(s + v * kLanes), a0);
-      const RawF m = raw_max(raw_max(a0, a1), raw_max(a2, a3));  // no NaN left: operand order is free
+      for (; v < v1; ++v) a0 = max_skip_nan(F::load_unaligned(s + v * kLanes), a0);
+      const F m = max_skip_nan(max_skip_nan(a0, a1), max_skip_nan(a2, a3));  // no NaN left: operand order is free
 #if KVP_CPU_TU_ISA == 2
       _mm512_storeu_si512(out + nb, order_keys(m));
 #elif KVP_CPU_TU_ISA == 1
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + nb), order_keys(m));
 #else
-      raw_store(lane, m);
+      m.store_aligned(lane);
       for (std::int64_t l = 0; l < kLanes; ++l) out[nb + l] = order_key(lane[l]);
 #endif
       nb += kLanes;
