@@ -44,9 +44,16 @@ struct AttnScratch {
 /// Scratch floats of the bounds kernels, the same for every level: a chunk of
 /// 16 pages (the widest vector) of max + min rows padded to 16 floats, and
 /// three padded copies (q, q+, q-) of the `rows` query rows.
+/// Query rows rounded up to whole reductions of 16 vectors (the widest level's lanes).
+inline std::int64_t bounds_rows_pad(std::int64_t rows) noexcept { return (rows + 15) / 16 * 16; }
+/// Pages the bounds kernels score at once (each q vector loaded once for them).
+inline constexpr std::int64_t kBoundsPages = 2;  // 4 measured slower (accumulators spill)
+/// Scratch of the bounds kernels: q, q+ and q- zero padded to whole vectors
+/// (3 rows dpad), two accumulator vectors per padded row and the sums of 16
+/// pages (16 floats per vector at the widest level).
 inline std::size_t bounds_scratch_floats(std::int64_t rows, std::int64_t head_dim) noexcept {
-  const std::int64_t dpad = (head_dim + 15) / 16 * 16;
-  return static_cast<std::size_t>(16 * 2 * dpad + 3 * rows * dpad);
+  const std::int64_t dpad = (head_dim + 15) / 16 * 16, rpad = bounds_rows_pad(rows);
+  return static_cast<std::size_t>(3 * rows * dpad + kBoundsPages * rpad * 16 + 16 * rpad);
 }
 
 /// Page-op kernels of one ISA level. Arguments as the `CpuPageOps` ops; the

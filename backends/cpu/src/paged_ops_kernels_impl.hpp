@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "isa_arch.hpp"
 #include "paged_ops_kernels.hpp"
@@ -197,15 +198,28 @@ void fold(const Tk* rows, std::int64_t stride, std::int64_t n, std::int64_t d, T
 
 // ---- page upper bounds ------------------------------------------------------------
 //
-// Pages go in chunks of kLanes. For each kv head, the chunk's max / min rows
-// are widened once into an fp32 buffer (rows zero padded to a whole number of
-// vectors), then every query head of the group sweeps them with kLanes
-// accumulators (one per page) and `hsum_lanes` turns the kLanes accumulators
-// into one vector of kLanes page sums. All kv heads of a chunk are done before
-// the next chunk, so a page's metadata (usually one contiguous block for all
-// heads) is used while it is in cache, and the next chunk is prefetched.
+// Pages go in the order given, kBoundsPages at a time, and each page's rows
+// are read kv head after kv head. For the usual metadata layout (all heads of
+// a page in one contiguous block, `PageMetaView::contiguous`) that is address
+// order: one sequential stream per page. While pages i.. are read, the same
+// rows of page i + kBoundsAhead are prefetched into L2, so the prefetches are
+// spread evenly over the work. Measured on the 128K-token Quest step (fp16,
+// 8 kv heads, 4 KiB per page; bench_quest `estimate_vs_read_cold`): the old
+// order (16 pages, head after head, rows widened into a buffer) read 16 rows
+// 4 KiB apart at a time and reached ~10 GB/s from memory; this one ~19 GB/s on
+// scattered page ids (random 4 KiB blocks, which DRAM itself delivers at
+// ~20-25 GB/s against ~36 GB/s sequential: `read_pages_cold`) and ~23 GB/s on
+// page ids in order.
 //
-// Per channel vector the fast path adds fma(q-, m, .) then fma(q+, M, .) with
+// For one kv head the group's query heads go in tiles of kJ rows against the
+// kBoundsPages pages: each q vector is loaded once for the pages and each
+// metadata vector (widened from fp16 / bf16 on load) once for the kJ rows, and
+// enough independent chains are in flight to cover the FMA latency. Each
+// (page, row) ends as one vector of lane sums in `accv`; once every head of
+// the pages is done `hsum_lanes` reduces 16 rows at a time into `stage`
+// (pages x rows), which is copied into the output rows every kLanes pages.
+//
+// Per channel vector the fast path adds fma(q-, m, .) and fma(q+, M, .) with
 // q+ = max(q, 0) and q- = min(q, 0): the same term max(q*M, q*m) (one of the
 // two products is an exact 0), two instructions. It differs from the
 // reference only through 0 * inf (infinite metadata or queries), which makes
@@ -214,6 +228,7 @@ void fold(const Tk* rows, std::int64_t stride, std::int64_t n, std::int64_t d, T
 
 inline constexpr std::int64_t kBoundsDimAlign = 16;  // the widest vector (AVX-512 floats), for every level
 inline std::int64_t bounds_dpad(std::int64_t d) noexcept { return (d + kBoundsDimAlign - 1) / kBoundsDimAlign * kBoundsDimAlign; }
+inline constexpr std::int64_t kBoundsAhead = 8;  // pages prefetched ahead, into L2 (measured: 4 to 32 equal; into L1 lower)
 
 /// {sum of acc[0], ..., sum of acc[kLanes-1]}. xsimd 8.1's `haddp` for
 /// AVX-512 returns the sums in a permuted order, so that level has its own
@@ -244,108 +259,202 @@ inline F hsum_lanes(const F* acc) noexcept {
 #endif
 }
 
-// The chunk's widened rows of one kv head, channel block major: block c / kLanes holds, for each of the
-// kLanes pages, its max vector then its min vector (2 kLanes floats per page). A channel block's 2 kLanes
-// vectors are then at fixed offsets from one pointer, so the sweep below keeps no per-page pointers (a
-// page-major buffer needed 2 kLanes of them, more than the registers, and they spilled).
-inline constexpr std::int64_t kPageVec = 2 * kLanes;  // floats per page in a channel block
-
-/// Sums of kLanes pages (`buf` as above) for one query: kFast with (qa, qb) = (q+, q-), else (q, unused).
-template <bool kFast>
-inline F chunk_sums(const float* qa, const float* qb, const float* buf, std::int64_t dpad) noexcept {
-  F acc[kLanes];
-  for (std::int64_t p = 0; p < kLanes; ++p) acc[p] = F(0.0f);
-  for (std::int64_t c = 0; c < dpad; c += kLanes) {
-    const F a = F::load_unaligned(qa + c);
-    const float* blk = buf + c * kPageVec;
-    if constexpr (kFast) {
-      const F b = F::load_unaligned(qb + c);
-#pragma GCC unroll 16
-      for (std::int64_t p = 0; p < kLanes; ++p) {
-        const float* r = blk + p * kPageVec;
-        acc[p] = xsimd::fma(a, F::load_aligned(r), xsimd::fma(b, F::load_aligned(r + kLanes), acc[p]));
-      }
-    } else {
-      for (std::int64_t p = 0; p < kLanes; ++p) {
-        const float* r = blk + p * kPageVec;
-        acc[p] = max_ab(xsimd::fma(a, F::load_aligned(r), acc[p]), xsimd::fma(a, F::load_aligned(r + kLanes), acc[p]));
-      }
-    }
-  }
-  return hsum_lanes(acc);
+/// Keeps v in a register: stops the compiler from folding its load into each
+/// FMA that uses it (one load per use, which made the loops load bound).
+inline F in_register(F v) noexcept {
+  typename F::register_type r = v;
+  asm("" : "+v"(r));
+  return F(r);
 }
 
-/// Widens d values of Tm into the vectors dst, dst + stride, ... (dpad floats in all, zero padded).
-template <class Tm>
-inline void widen_meta_row(const Tm* src, std::int64_t d, std::int64_t dpad, float* dst, std::int64_t stride) noexcept {
-  std::int64_t c = 0;
-  for (; c + kLanes <= d; c += kLanes) load_lanes(src + c).store_aligned(dst + (c / kLanes) * stride);
-  if (c < d) {
-    load_partial(src + c, d - c).store_aligned(dst + (c / kLanes) * stride);
-    c += kLanes;
+/// Lane sums of the fast form for query rows j < kJ against the row pairs of
+/// kP pages: out[p * ostride + j] for page p. `qb` is the rows' q+ / q-
+/// interleaved per channel vector (bounds_qi below): vector v of row j is at
+/// qb + v * qstep + j * 2 kLanes (q+) and + kLanes (q-). Each q vector is
+/// loaded once for the kP pages and each metadata vector once for the kJ rows.
+/// For kJ <= 4 the q+ and q- terms go into separate chains, and for kJ == 1
+/// even and odd vectors too, so at least 8 chains are in flight against the
+/// FMA latency. The last partial vector (d not a multiple of kLanes) is
+/// loaded zero padded; vectors past d are never read.
+template <int kJ, int kP, class Tm>
+inline void tile_sums(const float* qb, std::int64_t qstep, const Tm* const* mx, const Tm* const* mn, std::int64_t d, F* out,
+                      std::int64_t ostride) noexcept {
+  constexpr int kS = kJ * kP <= 8 ? 2 : 1;  // separate q+ / q- chains while registers allow
+  constexpr int kV = kJ == 1 ? 2 : 1;       // vectors per step (independent chains)
+  F acc[kV][kP][kJ][kS];
+#pragma GCC unroll 64
+  for (int x = 0; x < kV * kP * kJ * kS; ++x) (&acc[0][0][0][0])[x] = F(0.0f);
+  const Tm* px[kP];
+  const Tm* pn[kP];
+  for (int p = 0; p < kP; ++p) {
+    px[p] = mx[p];
+    pn[p] = mn[p];
   }
-  for (; c < dpad; c += kLanes) F(0.0f).store_aligned(dst + (c / kLanes) * stride);
+  auto step = [&](int v, const float* qv, const F* M, const F* m) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kJ; ++j) {
+      F a = F::load_aligned(qv + j * 2 * kLanes), b = F::load_aligned(qv + j * 2 * kLanes + kLanes);
+      if constexpr (kP > 1) {
+        a = in_register(a);
+        b = in_register(b);
+      }
+#pragma GCC unroll 8
+      for (int p = 0; p < kP; ++p) {
+        if constexpr (kS == 2) {
+          acc[v][p][j][0] = xsimd::fma(a, M[p], acc[v][p][j][0]);
+          acc[v][p][j][1] = xsimd::fma(b, m[p], acc[v][p][j][1]);
+        } else {
+          acc[v][p][j][0] = xsimd::fma(a, M[p], xsimd::fma(b, m[p], acc[v][p][j][0]));
+        }
+      }
+    }
+  };
+  std::int64_t c = 0;
+  for (; c + kV * kLanes <= d; c += kV * kLanes, qb += kV * qstep)
+#pragma GCC unroll 2
+    for (int v = 0; v < kV; ++v) {
+      F M[kP], m[kP];
+#pragma GCC unroll 8
+      for (int p = 0; p < kP; ++p) {
+        M[p] = load_lanes(px[p] + c + v * kLanes);
+        m[p] = load_lanes(pn[p] + c + v * kLanes);
+      }
+      step(v, qb + v * qstep, M, m);
+    }
+  for (; c < d; c += kLanes, qb += qstep) {
+    F M[kP], m[kP];
+    for (int p = 0; p < kP; ++p) {
+      M[p] = c + kLanes <= d ? load_lanes(px[p] + c) : load_partial(px[p] + c, d - c);
+      m[p] = c + kLanes <= d ? load_lanes(pn[p] + c) : load_partial(pn[p] + c, d - c);
+    }
+    step(0, qb, M, m);
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < kP; ++p)
+#pragma GCC unroll 8
+    for (int j = 0; j < kJ; ++j) {
+      F t = acc[0][p][j][0];
+      if constexpr (kS == 2) t += acc[0][p][j][1];
+      if constexpr (kV == 2) {
+        t += acc[1][p][j][0];
+        if constexpr (kS == 2) t += acc[1][p][j][1];
+      }
+      out[p * ostride + j] = t;
+    }
+}
+
+/// tile_sums for all G query rows of one kv head (`qb` its block of bounds_qi): tiles of 8, 4, 2, 1.
+template <int kP, class Tm>
+inline void group_sums(const float* qb, std::int64_t G, const Tm* const* mx, const Tm* const* mn, std::int64_t d, F* out,
+                       std::int64_t ostride) noexcept {
+  const std::int64_t qstep = G * 2 * kLanes;
+  std::int64_t j = 0;
+  for (; j + 8 <= G; j += 8) tile_sums<8, kP>(qb + j * 2 * kLanes, qstep, mx, mn, d, out + j, ostride);
+  if (j + 4 <= G) {
+    tile_sums<4, kP>(qb + j * 2 * kLanes, qstep, mx, mn, d, out + j, ostride);
+    j += 4;
+  }
+  if (j + 2 <= G) {
+    tile_sums<2, kP>(qb + j * 2 * kLanes, qstep, mx, mn, d, out + j, ostride);
+    j += 2;
+  }
+  if (j < G) tile_sums<1, kP>(qb + j * 2 * kLanes, qstep, mx, mn, d, out + j, ostride);
+}
+
+/// The exact form of one (query row, page): sum over channels of max(q*M, q*m) with the reference's NaN rule.
+template <class Tm>
+inline float exact_sum(const float* qz, const Tm* mx, const Tm* mn, std::int64_t d) noexcept {
+  F acc(0.0f);
+  for (std::int64_t c = 0; c < d; c += kLanes) {
+    const F a = F::load_unaligned(qz + c);
+    const F M = c + kLanes <= d ? load_lanes(mx + c) : load_partial(mx + c, d - c);
+    const F m = c + kLanes <= d ? load_lanes(mn + c) : load_partial(mn + c, d - c);
+    acc = max_ab(xsimd::fma(a, M, acc), xsimd::fma(a, m, acc));
+  }
+  return xsimd::hadd(acc);
+}
+
+template <class Tm>
+inline void prefetch_row(const Tm* row, std::int64_t bytes) noexcept {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (std::int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
 }
 
 template <class Tm>
 void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const Tm> meta, const std::int32_t* pages, std::int64_t n,
             float* out, std::int64_t ld, float* scratch) noexcept {
-  const std::int64_t H = meta.num_kv_heads, R = H * G, dpad = bounds_dpad(d);
+  const std::int64_t H = meta.num_kv_heads, R = H * G, dpad = bounds_dpad(d), rpad = bounds_rows_pad(R);
   const std::int64_t row_bytes = d * static_cast<std::int64_t>(sizeof(Tm));
-  float* buf = scratch;                 // (dpad / kLanes, kLanes, 2, kLanes): the chunk's rows of one kv head
-  float* qz = buf + kLanes * 2 * dpad;  // (R, dpad): q, zero padded
-  float* qp = qz + R * dpad;            // (R, dpad): q+ = max(q, 0)
-  float* qn = qp + R * dpad;            // (R, dpad): q- = min(q, 0)
-  for (std::int64_t r = 0; r < R; ++r)
+  const std::int64_t nvec = dpad / kLanes;
+  float* qz = scratch;                                                       // (R, dpad): q, zero padded
+  float* qi = qz + R * dpad;                                                 // (H, nvec, G, 2, kLanes): q+ and q- per channel vector
+  F* accv = reinterpret_cast<F*>(qi + 2 * R * dpad);                         // (kBoundsPages, rpad) vectors: lane sums of the pages' rows
+  float* stage = qi + 2 * R * dpad + kBoundsPages * rpad * kBoundsDimAlign;  // (kLanes, rpad): the chunk's page sums, page major
+  for (std::int64_t r = 0; r < R; ++r) {
+    const std::int64_t g = r / G, j = r % G;
     for (std::int64_t c = 0; c < dpad; ++c) {
       const float x = c < d ? q[r * d + c] : 0.0f;
       qz[r * dpad + c] = x;
-      qp[r * dpad + c] = x > 0.0f ? x : 0.0f;
-      qn[r * dpad + c] = x < 0.0f ? x : 0.0f;
+      float* v = qi + (((g * nvec + c / kLanes) * G + j) * 2) * kLanes + c % kLanes;
+      v[0] = x > 0.0f ? x : 0.0f;
+      v[kLanes] = x < 0.0f ? x : 0.0f;
     }
+  }
+  for (std::int64_t k = 0; k < kBoundsPages; ++k)
+    for (std::int64_t r = R; r < rpad; ++r) accv[k * rpad + r] = F(0.0f);
   auto page_at = [&](std::int64_t i) { return pages ? static_cast<std::int64_t>(pages[i]) : i; };
-  auto prefetch_chunk = [&](std::int64_t i0) {
-    for (std::int64_t i = i0; i < imin(i0 + kLanes, n); ++i) {
-      const std::int64_t p = page_at(i);
-      for (std::int64_t g = 0; g < H; ++g) {
-        const auto* a = reinterpret_cast<const char*>(meta.max_data + p * meta.page_stride + g * meta.head_stride);
-        const auto* b = reinterpret_cast<const char*>(meta.min_data + p * meta.page_stride + g * meta.head_stride);
-        for (std::int64_t o = 0; o < row_bytes; o += 64) {
-          _mm_prefetch(a + o, _MM_HINT_T0);
-          _mm_prefetch(b + o, _MM_HINT_T0);
-        }
+  auto prefetch_head = [&](std::int64_t i, std::int64_t g) {
+    if (i >= n) return;
+    const std::int64_t off = page_at(i) * meta.page_stride + g * meta.head_stride;
+    prefetch_row(meta.max_data + off, row_bytes);
+    prefetch_row(meta.min_data + off, row_bytes);
+  };
+  for (std::int64_t i = 0; i < kBoundsAhead; ++i)
+    for (std::int64_t g = 0; g < H; ++g) prefetch_head(i, g);
+  // Sums of page i0 + p (p < kP) from accv into stage, with the exact form where the fast one met 0 * inf.
+  auto finish = [&](std::int64_t i0, std::int64_t p, std::int64_t kP) {
+    for (std::int64_t k = 0; k < kP; ++k) {
+      float* st = stage + (p + k) * rpad;
+      bool nan = false;
+      for (std::int64_t r = 0; r < rpad; r += kLanes) {
+        const F s = hsum_lanes(accv + k * rpad + r);
+        nan |= !xsimd::all(s == s);
+        s.store_unaligned(st + r);
       }
+      if (nan)
+        for (std::int64_t r = 0; r < R; ++r)
+          if (st[r] != st[r]) {
+            const std::int64_t off = page_at(i0 + p + k) * meta.page_stride + (r / G) * meta.head_stride;
+            st[r] = exact_sum(qz + r * dpad, meta.max_data + off, meta.min_data + off, d);
+          }
     }
   };
-  prefetch_chunk(0);
   for (std::int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const std::int64_t cnt = imin(kLanes, n - i0);
-    prefetch_chunk(i0 + kLanes);
-    for (std::int64_t g = 0; g < H; ++g) {
-      const std::int64_t stride = kLanes * kPageVec;  // floats per channel block
-      for (std::int64_t p = 0; p < kLanes; ++p) {
-        float* r = buf + p * kPageVec;
-        if (p < cnt) {
-          const std::int64_t off = page_at(i0 + p) * meta.page_stride + g * meta.head_stride;
-          widen_meta_row(meta.max_data + off, d, dpad, r, stride);
-          widen_meta_row(meta.min_data + off, d, dpad, r + kLanes, stride);
-        } else {
-          for (std::int64_t c = 0; c < dpad; c += kLanes) {
-            F(0.0f).store_aligned(r + (c / kLanes) * stride);
-            F(0.0f).store_aligned(r + (c / kLanes) * stride + kLanes);
-          }
+    std::int64_t p = 0;
+    // kP pages at a time: each q vector is loaded once for all of them.
+    auto pages_step = [&]<int kP>(std::integral_constant<int, kP>) {
+      std::int64_t base[kP];
+      for (int k = 0; k < kP; ++k) base[k] = page_at(i0 + p + k) * meta.page_stride;
+      for (std::int64_t g = 0; g < H; ++g) {
+        const Tm* mx[kP];
+        const Tm* mn[kP];
+        for (int k = 0; k < kP; ++k) {
+          prefetch_head(i0 + p + k + kBoundsAhead, g);
+          mx[k] = meta.max_data + base[k] + g * meta.head_stride;
+          mn[k] = meta.min_data + base[k] + g * meta.head_stride;
         }
+        group_sums<kP>(qi + g * nvec * G * 2 * kLanes, G, mx, mn, d, accv + g * G, rpad);
       }
-      for (std::int64_t j = 0; j < G; ++j) {
-        const std::int64_t row = g * G + j;
-        F sums = chunk_sums<true>(qp + row * dpad, qn + row * dpad, buf, dpad);
-        if (!xsimd::all(sums == sums)) sums = chunk_sums<false>(qz + row * dpad, nullptr, buf, dpad);  // NaN (0 * inf met): exact form
-        float* o = out + row * ld + i0;
-        if (cnt == kLanes)
-          sums.store_unaligned(o);
-        else
-          store_partial(o, sums, cnt);
-      }
+      finish(i0, p, kP);
+      p += kP;
+    };
+    while (p + kBoundsPages <= cnt) pages_step(std::integral_constant<int, kBoundsPages>{});
+    if (kBoundsPages > 2 && p + 2 <= cnt) pages_step(std::integral_constant<int, 2>{});
+    if (p < cnt) pages_step(std::integral_constant<int, 1>{});
+    for (std::int64_t r = 0; r < R; ++r) {
+      float* o = out + r * ld + i0;
+      for (std::int64_t k = 0; k < cnt; ++k) o[k] = stage[k * rpad + r];
     }
   }
 }
@@ -491,8 +600,8 @@ void attention(const float* q, std::int64_t G, std::int64_t d, Rows<T> keys, Row
       const auto* kr = reinterpret_cast<const char*>(row_of(keys, t));
       const auto* vr = reinterpret_cast<const char*>(row_of(values, t));
       for (std::int64_t o = 0; o < row_bytes; o += 64) {
-        _mm_prefetch(kr + o, _MM_HINT_T0);
-        _mm_prefetch(vr + o, _MM_HINT_T0);
+        prefetch_l1(kr + o);
+        prefetch_l1(vr + o);
       }
     }
   };

@@ -328,7 +328,7 @@ template <class T>
 inline void prefetch_row(const T* p, std::int64_t d, bool valid) noexcept {
   if (!valid) return;
   const char* c = reinterpret_cast<const char*>(p);
-  for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+  for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(T)); b += 64) prefetch_l1(c + b);
 }
 inline bool rotation_ok(std::int64_t d, std::int64_t n) noexcept { return d % kW == 0 && (n <= 1 || (n >= kW && d % n == 0)); }
 

@@ -419,7 +419,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     // on memory (the tiles of this chunk take far longer than the requests).
     for (std::int64_t r = j0 + kChunk, r1 = std::min(T, j0 + 2 * kChunk); r < r1; ++r) {
       const auto* row = reinterpret_cast<const char*>(key_row(keys, r));
-      for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(Tk)); b += 64) __builtin_prefetch(row + b);
+      for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(Tk)); b += 64) prefetch_l1(row + b);
     }
     float* cref = ws.chunk_ref + ch * qpad;
     float* csum = ws.chunk_sum + ch * qpad;

@@ -149,6 +149,13 @@ TEST_CASE("cpu page_bounds agrees with the reference within 1e-5 * sum|q|max|M,m
             bounds_case<half>(H, G, d, n, seed++);
             bounds_case<bfloat16>(H, G, d, n, seed++);
           }
+    // Groups over one tile of 8 rows (8 + 2 + 1, 8 + 8) and pages past several chunks of 16.
+    for (std::int64_t G : {11, 16})
+      for (std::int64_t d : {24, 128})
+        for (std::int64_t n : {3, 51}) {
+          bounds_case<float>(2, G, d, n, seed++);
+          bounds_case<half>(2, G, d, n, seed++);
+        }
   });
 }
 
