@@ -33,8 +33,11 @@ if [[ -z "$programs" ]]; then
   for f in "$root"/benchmarks/bench_*.cpp; do programs+=" $(basename "${f%.cpp}")"; done
 fi
 targets=()
+# The target list is read once into a variable: `grep -q` on the pipe could exit before cmake finished
+# writing, and pipefail then counted the SIGPIPE as a missing target.
+help="$(cmake --build "$build" --target help 2>/dev/null || true)"
 for p in $programs; do
-  if cmake --build "$build" --target help 2>/dev/null | grep -qE "(^|[ :])$p(:|$| )"; then targets+=("$p"); fi
+  if grep -qE "(^|[ :])$p(:|$| )" <<<"$help"; then targets+=("$p"); fi
 done
 if [[ ${#targets[@]} -eq 0 ]]; then
   echo "run_all.sh: no benchmark targets in $build (is Google Benchmark installed?)" >&2
@@ -107,6 +110,8 @@ def throughput(b):
         return f'{b["GFLOP/s"]:8.2f} GFLOP/s', b.get("pct_peak_fma_avx2", b.get("pct_peak_fma"))
     if "GB/s" in b:
         return f'{b["GB/s"]:8.2f} GB/s   ', b.get("pct_peak_bw")
+    if "pct_read_bw" in b:  # paired with a read pass of the same process (bench_quest estimate_vs_read_cold)
+        return f'{b["est_GBps"]:8.2f} GB/s   ', b["pct_read_bw"]
     return "", None
 
 print()
@@ -160,6 +165,10 @@ if os.path.exists(kvpress) and os.path.getsize(kvpress) > 0:
             met = "met" if r["speedup"] >= 10 else "not"
             print(f'{r["policy"]:<19} {r["tokens"]:>6} {r["threads"]:>7} {r["kvpress_median_ms"]:>8.1f} ms {r["kvpolicy_median_ms"]:>8.1f} ms '
                   f'{r["speedup"]:>7.2f}x  >=10x #15.7 {met}')
+for n, b in by_name.items():
+    if "pct_pattern_bw" in b:
+        print(f"{n}: {b['est_GBps']:.2f} GB/s = {b['pct_read_bw']:.0f}% of a read pass ({b['read_GBps']:.2f} GB/s), "
+              f"{b['pct_pattern_bw']:.0f}% of a read of the same pages in the same order ({b['pages_GBps']:.2f} GB/s)")
 for n, b in by_name.items():
     if n.startswith("topk/") and "/scalar" not in n:
         shape = n[n.index("/n:"):]
