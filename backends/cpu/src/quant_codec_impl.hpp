@@ -250,21 +250,22 @@ inline void butterfly(vf& a, vf& c) noexcept {
   a = add(t, c);
   c = sub(t, c);
 }
-/// The block of n = NV * kW floats at b rotated in registers (NV = 1, 2, 4 or 8; stages written out so
-/// that the vectors stay in registers).
-template <int NV>
-inline void fwht_regs(float* b, vf s) noexcept {
-  vf v0 = butterflies_in_lanes(ld(b)), v1, v2, v3, v4, v5, v6, v7;
-  if constexpr (NV >= 2) v1 = butterflies_in_lanes(ld(b + kW));
+/// The block of n = NV * kW values at `in` rotated in registers and scaled by s, written to `out` (which may be
+/// `in`; NV = 1, 2, 4 or 8; stages written out so that the vectors stay in registers). Loads widen and stores
+/// narrow through the codec's ld / st, so a row is read and written once whatever its types.
+template <int NV, class Ti, class To>
+inline void fwht_regs(const Ti* in, To* out, vf s) noexcept {
+  vf v0 = butterflies_in_lanes(ld(in)), v1, v2, v3, v4, v5, v6, v7;
+  if constexpr (NV >= 2) v1 = butterflies_in_lanes(ld(in + kW));
   if constexpr (NV >= 4) {
-    v2 = butterflies_in_lanes(ld(b + 2 * kW));
-    v3 = butterflies_in_lanes(ld(b + 3 * kW));
+    v2 = butterflies_in_lanes(ld(in + 2 * kW));
+    v3 = butterflies_in_lanes(ld(in + 3 * kW));
   }
   if constexpr (NV >= 8) {
-    v4 = butterflies_in_lanes(ld(b + 4 * kW));
-    v5 = butterflies_in_lanes(ld(b + 5 * kW));
-    v6 = butterflies_in_lanes(ld(b + 6 * kW));
-    v7 = butterflies_in_lanes(ld(b + 7 * kW));
+    v4 = butterflies_in_lanes(ld(in + 4 * kW));
+    v5 = butterflies_in_lanes(ld(in + 5 * kW));
+    v6 = butterflies_in_lanes(ld(in + 6 * kW));
+    v7 = butterflies_in_lanes(ld(in + 7 * kW));
   }
   if constexpr (NV >= 2) butterfly(v0, v1);  // partners kW apart
   if constexpr (NV >= 4) {
@@ -282,17 +283,17 @@ inline void fwht_regs(float* b, vf s) noexcept {
     butterfly(v2, v6);
     butterfly(v3, v7);
   }
-  st(b, mul(v0, s));
-  if constexpr (NV >= 2) st(b + kW, mul(v1, s));
+  st(out, mul(v0, s));
+  if constexpr (NV >= 2) st(out + kW, mul(v1, s));
   if constexpr (NV >= 4) {
-    st(b + 2 * kW, mul(v2, s));
-    st(b + 3 * kW, mul(v3, s));
+    st(out + 2 * kW, mul(v2, s));
+    st(out + 3 * kW, mul(v3, s));
   }
   if constexpr (NV >= 8) {
-    st(b + 4 * kW, mul(v4, s));
-    st(b + 5 * kW, mul(v5, s));
-    st(b + 6 * kW, mul(v6, s));
-    st(b + 7 * kW, mul(v7, s));
+    st(out + 4 * kW, mul(v4, s));
+    st(out + 5 * kW, mul(v5, s));
+    st(out + 6 * kW, mul(v6, s));
+    st(out + 7 * kW, mul(v7, s));
   }
 }
 /// The block of n >= kW floats at b rotated in memory, stage by stage (blocks beyond the register tiles).
@@ -307,18 +308,39 @@ inline void fwht_memory(float* b, std::int64_t n, vf s) noexcept {
       }
   for (std::int64_t i = 0; i < n; i += kW) st(b + i, mul(ld(b + i), s));
 }
-/// x[0, d) <- R x with blocks of n (kW <= n, n | d) — quant/hadamard.hpp's hadamard_rotate.
-inline void fwht_row(float* x, std::int64_t d, std::int64_t n) noexcept {
-  const vf s = set1(static_cast<float>(1.0 / __builtin_sqrt(static_cast<double>(n))));
-  for (std::int64_t base = 0; base < d; base += n) {
-    float* b = x + base;
-    switch (n / kW) {
-      case 1: fwht_regs<1>(b, s); break;
-      case 2: fwht_regs<2>(b, s); break;
-      case 4: fwht_regs<4>(b, s); break;
-      case 8: fwht_regs<8>(b, s); break;
-      default: fwht_memory(b, n, s); break;
-    }
+/// 1 / sqrt(n), the rotation's scale (as quant/hadamard.hpp computes it).
+inline vf fwht_scale(std::int64_t n) noexcept { return set1(static_cast<float>(1.0 / __builtin_sqrt(static_cast<double>(n)))); }
+/// Every row of `rows`: out row <- R (in row) with blocks of n = NV kW (in registers) or, for NV == 0, of any
+/// n >= kW rotated in memory in the row's `work` (a float row of d that may be destroyed: the in or out row when
+/// that is a float row). quant/hadamard.hpp's hadamard_rotate; s = fwht_scale(n). `each(r, in, out, work)` names
+/// the rows (and prefetches); the block size is dispatched once per call, not per row.
+template <int NV, class Rowfn>
+inline void fwht_rows(std::int64_t rows, std::int64_t d, std::int64_t n, vf s, Rowfn&& each) noexcept {
+  for (std::int64_t r = 0; r < rows; ++r)
+    each(r, [&](const auto* in, auto* out, float* work) {
+      for (std::int64_t base = 0; base < d; base += n) {
+        if constexpr (NV > 0) {
+          fwht_regs<NV>(in + base, out + base, s);
+        } else {
+          float* w = work + base;
+          if (static_cast<const void*>(in + base) != static_cast<const void*>(w))
+            for (std::int64_t c = 0; c < n; c += kW) st(w + c, ld(in + base + c));
+          fwht_memory(w, n, s);
+          if (static_cast<const void*>(out + base) != static_cast<const void*>(w))
+            for (std::int64_t c = 0; c < n; c += kW) st(out + base + c, ld(w + c));
+        }
+      }
+    });
+}
+template <class Rowfn>
+inline void fwht_rows_any(std::int64_t rows, std::int64_t d, std::int64_t n, Rowfn&& each) noexcept {
+  const vf s = fwht_scale(n);
+  switch (n / kW) {
+    case 1: fwht_rows<1>(rows, d, n, s, each); break;
+    case 2: fwht_rows<2>(rows, d, n, s, each); break;
+    case 4: fwht_rows<4>(rows, d, n, s, each); break;
+    case 8: fwht_rows<8>(rows, d, n, s, each); break;
+    default: fwht_rows<0>(rows, d, n, s, each); break;
   }
 }
 /// Rows a streaming codec prefetches ahead of the one it reads (the hardware prefetcher alone keeps one core
@@ -332,27 +354,33 @@ inline void prefetch_row(const T* p, std::int64_t d, bool valid) noexcept {
 }
 inline bool rotation_ok(std::int64_t d, std::int64_t n) noexcept { return d % kW == 0 && (n <= 1 || (n >= kW && d % n == 0)); }
 
+// One pass per row: loaded (widened), rotated in registers and stored (narrowed) once; the block size is
+// dispatched and the scale set up once per call.
 template <class T>
 inline bool rotate_in(const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, std::int64_t n, float* y) noexcept {
   if (!rotation_ok(d, n)) return false;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
-    float* yr = y + r * d;
-    prefetch_row(x + (r + kPrefetchRows) * x_stride, d, r + kPrefetchRows < rows);
-    for (std::int64_t c = 0; c < d; c += kW) st(yr + c, ld(xr + c));
-    if (n > 1) fwht_row(yr, d, n);
+  if (n <= 1) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      prefetch_row(x + (r + kPrefetchRows) * x_stride, d, r + kPrefetchRows < rows);
+      for (std::int64_t c = 0; c < d; c += kW) st(y + r * d + c, ld(x + r * x_stride + c));
+    }
+    return true;
   }
+  fwht_rows_any(rows, d, n, [&](std::int64_t r, auto&& rotate) {
+    prefetch_row(x + (r + kPrefetchRows) * x_stride, d, r + kPrefetchRows < rows);
+    rotate(x + r * x_stride, y + r * d, y + r * d);
+  });
   return true;
 }
 template <class T>
 inline bool rotate_out(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, T* out, std::int64_t out_stride) noexcept {
   if (!rotation_ok(d, n)) return false;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float* yr = y + r * d;
-    if (n > 1) fwht_row(yr, d, n);
-    T* o = out + r * out_stride;
-    for (std::int64_t c = 0; c < d; c += kW) st(o + c, ld(yr + c));
+  if (n <= 1) {
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < d; c += kW) st(out + r * out_stride + c, ld(y + r * d + c));
+    return true;
   }
+  fwht_rows_any(rows, d, n, [&](std::int64_t r, auto&& rotate) { rotate(y + r * d, out + r * out_stride, y + r * d); });
   return true;
 }
 
