@@ -194,7 +194,7 @@ enum class TileMode { kLogits, kExp };
 
 struct TileArgs {
   const float* key_buf;                   // (kChunk, d): the chunk's keys in fp32
-  const float* qt;                        // (d, qpad); bf16 dot: (d / 2, qpad) bf16 pairs
+  const float* qt;                        // blocks of kVecs query vectors, (d, width) each; bf16 dot: (d / 2, qpad) bf16 pairs
   const std::uint16_t* const* key_pairs;  // bf16 dot: (kChunk) the chunk's key rows (bf16 bits, read in pairs)
   const std::int32_t* last_visible;       // (qpad)
   float* p;                               // (kv_len, qpad)
@@ -229,11 +229,13 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
   const float* rows[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) rows[r] = a.key_buf + (a.r + (r < rc ? r : rc - 1)) * a.d;
-  const float* qt = a.qt + a.v * kLanes;
+  // The tile's V query vectors over all channels are one contiguous block (see the query layout in
+  // window_scores): the loop streams it, and it stays in L1 for the chunk's key tiles.
+  const float* qt = a.qt + a.v * kLanes * a.d;
   for (std::int64_t c = 0; c < a.d; ++c) {
     F qv[V];
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) qv[v] = F::load_aligned(qt + c * a.qpad + v * kLanes);
+    for (int v = 0; v < V; ++v) qv[v] = F::load_aligned(qt + (c * V + v) * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const F k(rows[r][c]);
@@ -384,11 +386,18 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
       for (std::int64_t r = Q; r < qpad; ++r) dst[r] = 0u;
     }
   } else {
-    // Queries transposed to (d, qpad): one query row per SIMD lane.
-    for (std::int64_t c = 0; c < d; ++c) {
-      float* dst = ws.qt + c * qpad;
-      for (std::int64_t r = 0; r < Q; ++r) dst[r] = q[r * d + c];
-      for (std::int64_t r = Q; r < qpad; ++r) dst[r] = 0.0f;
+    // Queries transposed, one query row per SIMD lane, in blocks of the register tile's kVecs vectors (the last
+    // block narrower): block b holds vectors v0 = b kVecs .. v0 + width - 1 as (d, width x kLanes) at
+    // qt + v0 kLanes d. A tile then reads one contiguous block; with the (d, qpad) layout its rows were qpad
+    // floats apart, and at qpad = 128 the 32 KiB a tile reads fell into half of the L1's sets and did not stay.
+    for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
+      const std::int64_t width = (nv - v0 < kVecs ? nv - v0 : kVecs) * kLanes;
+      float* blk = ws.qt + v0 * kLanes * d;
+      for (std::int64_t c = 0; c < d; ++c)
+        for (std::int64_t x = 0; x < width; ++x) {
+          const std::int64_t r = v0 * kLanes + x;
+          blk[c * width + x] = r < Q ? q[r * d + c] : 0.0f;
+        }
     }
   }
   // Causal visibility: window query i of every head sees keys j <= q_pos0 + i.
