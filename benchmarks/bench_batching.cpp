@@ -25,11 +25,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "kvpolicy/backends/cpu.hpp"
@@ -240,6 +243,27 @@ class Summary : public benchmark::ConsoleReporter {
   }
 };
 
+/// Read bandwidth of one core and of two cores at once (each thread a read pass over its own 256 MiB buffer,
+/// wall time, best of 3): the ceiling of the 2-thread speed-up of a decision that streams memory, as Quest's
+/// page-bounds estimate does.
+std::pair<double, double> read_bandwidth_1_2() {
+  const std::size_t n = (std::size_t{256} << 20) / sizeof(float);
+  std::vector<float> a(n, 1.0f), b(n, 1.0f);
+  double one = 0, two = 0;
+  for (int r = 0; r < 3; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(kvp_bench::read_pass(a.data(), n));
+    auto t1 = std::chrono::steady_clock::now();
+    std::thread other([&] { benchmark::DoNotOptimize(kvp_bench::read_pass(b.data(), n)); });
+    benchmark::DoNotOptimize(kvp_bench::read_pass(a.data(), n));
+    other.join();
+    auto t2 = std::chrono::steady_clock::now();
+    one = std::max(one, static_cast<double>(n * sizeof(float)) / std::chrono::duration<double>(t1 - t0).count());
+    two = std::max(two, 2.0 * static_cast<double>(n * sizeof(float)) / std::chrono::duration<double>(t2 - t1).count());
+  }
+  return {one, two};
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -281,5 +305,10 @@ int main(int argc, char** argv) {
   const double ql = ms("quest/threads:2/batched:0/real_time");
   if (q1 > 0 && q2 > 0) std::printf("  quest      batch, 1 thread / 2 threads: %.2f\n", q1 / q2);
   if (ql > 0 && q2 > 0) std::printf("  quest      2 threads, loop / batch: %.2f\n", ql / q2);
+  const auto [bw1, bw2] = read_bandwidth_1_2();
+  std::printf(
+      "read bandwidth, one core %.1f GB/s, two cores at once %.1f GB/s: %.2fx (the ceiling of a memory-bound decision's "
+      "2-thread speed-up on this machine)\n",
+      bw1 * 1e-9, bw2 * 1e-9, bw2 / bw1);
   return 0;
 }
