@@ -35,9 +35,9 @@ struct CpuPageOps : ScalarPageOps {
 
   /// Scratch of `page_bounds` for `num_q_rows` (= kv heads * group) query
   /// rows: three zero-padded copies of the queries (q, and q+ / q- interleaved
-  /// per channel vector) and, per query row, 2 + 16 accumulator and staging
-  /// floats rounded up to 16 rows, O(num_q_rows * (3 * head_dim + 32)) floats,
-  /// the same for every ISA.
+  /// per channel vector) and, per query row (rounded up to 16 rows), two
+  /// accumulator vectors and 16 staged sums, 48 floats:
+  /// O(num_q_rows * (3 * head_dim + 48)) floats, the same for every ISA.
   static std::size_t page_bounds_workspace(std::int64_t num_q_rows, std::int64_t head_dim) noexcept;
 
   /// See ScalarPageOps::page_bounds. Pages go in the order given, two at a
