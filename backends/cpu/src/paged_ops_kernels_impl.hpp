@@ -206,10 +206,10 @@ void fold(const Tk* rows, std::int64_t stride, std::int64_t n, std::int64_t d, T
 // spread evenly over the work. Measured on the 128K-token Quest step (fp16,
 // 8 kv heads, 4 KiB per page; bench_quest `estimate_vs_read_cold`): the old
 // order (16 pages, head after head, rows widened into a buffer) read 16 rows
-// 4 KiB apart at a time and reached ~10 GB/s from memory; this one ~19 GB/s on
-// scattered page ids (random 4 KiB blocks, which DRAM itself delivers at
-// ~20-25 GB/s against ~36 GB/s sequential: `read_pages_cold`) and ~23 GB/s on
-// page ids in order.
+// 4 KiB apart at a time and reached ~10 GB/s from memory; this one ~20 GB/s on
+// scattered page ids (random 4 KiB blocks, which memory itself delivers at
+// ~25 GB/s against ~38 GB/s sequential: the benchmark's `pages_GBps` and
+// `read_GBps`) and ~25 GB/s on page ids in order.
 //
 // For one kv head the group's query heads go in tiles of kJ rows against the
 // kBoundsPages pages: each q vector is loaded once for the pages and each
@@ -269,7 +269,7 @@ inline F in_register(F v) noexcept {
 
 /// Lane sums of the fast form for query rows j < kJ against the row pairs of
 /// kP pages: out[p * ostride + j] for page p. `qb` is the rows' q+ / q-
-/// interleaved per channel vector (bounds_qi below): vector v of row j is at
+/// interleaved per channel vector (`qi` in `bounds`): vector v of row j is at
 /// qb + v * qstep + j * 2 kLanes (q+) and + kLanes (q-). Each q vector is
 /// loaded once for the kP pages and each metadata vector once for the kJ rows.
 /// For kJ <= 4 the q+ and q- terms go into separate chains, and for kJ == 1
@@ -343,7 +343,7 @@ inline void tile_sums(const float* qb, std::int64_t qstep, const Tm* const* mx, 
     }
 }
 
-/// tile_sums for all G query rows of one kv head (`qb` its block of bounds_qi): tiles of 8, 4, 2, 1.
+/// tile_sums for all G query rows of one kv head (`qb` its block of `qi`): tiles of 8, 4, 2, 1.
 template <int kP, class Tm>
 inline void group_sums(const float* qb, std::int64_t G, const Tm* const* mx, const Tm* const* mn, std::int64_t d, F* out,
                        std::int64_t ostride) noexcept {
