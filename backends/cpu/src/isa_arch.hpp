@@ -59,6 +59,16 @@ __attribute__((always_inline)) inline void prefetch_l1(const void* p) noexcept {
 __attribute__((always_inline)) inline void prefetch_l2(const void* p) noexcept {
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 }
+/// Every 64-byte line of bytes [0, bytes) of p, into L1 (or into L2 with kL2): the kernels' look-ahead.
+template <bool kL2 = false>
+inline void prefetch_lines(const void* p, std::int64_t bytes) noexcept {
+  for (std::int64_t o = 0; o < bytes; o += 64) {
+    if constexpr (kL2)
+      prefetch_l2(static_cast<const char*>(p) + o);
+    else
+      prefetch_l1(static_cast<const char*>(p) + o);
+  }
+}
 
 #if KVP_CPU_TU_ISA == 2
 using Arch = xsimd::avx512bw;

@@ -375,12 +375,6 @@ inline float exact_sum(const float* qz, const Tm* mx, const Tm* mn, std::int64_t
 }
 
 template <class Tm>
-inline void prefetch_row(const Tm* row, std::int64_t bytes) noexcept {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (std::int64_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
-}
-
-template <class Tm>
 void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const Tm> meta, const std::int32_t* pages, std::int64_t n,
             float* out, std::int64_t ld, float* scratch) noexcept {
   const std::int64_t H = meta.num_kv_heads, R = H * G, dpad = bounds_dpad(d), rpad = bounds_rows_pad(R);
@@ -406,8 +400,8 @@ void bounds(const float* q, std::int64_t G, std::int64_t d, PageMetaView<const T
   auto prefetch_head = [&](std::int64_t i, std::int64_t g) {
     if (i >= n) return;
     const std::int64_t off = page_at(i) * meta.page_stride + g * meta.head_stride;
-    prefetch_row(meta.max_data + off, row_bytes);
-    prefetch_row(meta.min_data + off, row_bytes);
+    prefetch_lines<true>(meta.max_data + off, row_bytes);
+    prefetch_lines<true>(meta.min_data + off, row_bytes);
   };
   for (std::int64_t i = 0; i < kBoundsAhead; ++i)
     for (std::int64_t g = 0; g < H; ++g) prefetch_head(i, g);
@@ -597,12 +591,8 @@ void attention(const float* q, std::int64_t G, std::int64_t d, Rows<T> keys, Row
   const std::int64_t row_bytes = d * static_cast<std::int64_t>(sizeof(T));
   auto prefetch_block = [&](std::int64_t j0) {  // the next page's rows: page ids are scattered
     for (std::int64_t t = j0; t < imin(j0 + block, n); ++t) {
-      const auto* kr = reinterpret_cast<const char*>(row_of(keys, t));
-      const auto* vr = reinterpret_cast<const char*>(row_of(values, t));
-      for (std::int64_t o = 0; o < row_bytes; o += 64) {
-        prefetch_l1(kr + o);
-        prefetch_l1(vr + o);
-      }
+      prefetch_lines(row_of(keys, t), row_bytes);
+      prefetch_lines(row_of(values, t), row_bytes);
     }
   };
   prefetch_block(block);

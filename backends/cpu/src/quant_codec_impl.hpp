@@ -348,9 +348,7 @@ inline void fwht_rows_any(std::int64_t rows, std::int64_t d, std::int64_t n, Row
 constexpr std::int64_t kPrefetchRows = 24;
 template <class T>
 inline void prefetch_row(const T* p, std::int64_t d, bool valid) noexcept {
-  if (!valid) return;
-  const char* c = reinterpret_cast<const char*>(p);
-  for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(T)); b += 64) prefetch_l1(c + b);
+  if (valid) prefetch_lines(p, d * static_cast<std::int64_t>(sizeof(T)));
 }
 inline bool rotation_ok(std::int64_t d, std::int64_t n) noexcept { return d % kW == 0 && (n <= 1 || (n >= kW && d % n == 0)); }
 

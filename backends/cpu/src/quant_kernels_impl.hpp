@@ -132,8 +132,7 @@ inline void quantize_f32(GgmlType t, const float* x, std::int64_t n, std::uint8_
   std::int64_t b = 0;
   for (; b + 16 <= nb; b += 16) {
 #if KVP_CPU_TU_ISA >= 1
-    if (b + 48 <= nb)
-      for (int l = 0; l < 32; ++l) prefetch_l1(reinterpret_cast<const char*>(x + (b + 32) * kGgmlBlock) + 64 * l);
+    if (b + 48 <= nb) prefetch_lines(x + (b + 32) * kGgmlBlock, 32 * 64);
 #endif
     if (!ggml_quantize_group16(t, x + b * kGgmlBlock, out + b * bb)) break;
   }
@@ -148,8 +147,7 @@ inline void quantize_f16(GgmlType t, const half* x, std::int64_t n, std::uint8_t
 #if KVP_CPU_TU_ISA >= 1
     // Eight groups ahead (the hardware prefetcher alone leaves one core well below the
     // read bandwidth on this loop).
-    if (b + 144 <= nb)
-      for (int l = 0; l < 16; ++l) prefetch_l1(reinterpret_cast<const char*>(x + (b + 128) * kGgmlBlock) + 64 * l);
+    if (b + 144 <= nb) prefetch_lines(x + (b + 128) * kGgmlBlock, 16 * 64);
 #endif
     for (int g = 0; g < 16; ++g) widen_block(x + (b + g) * kGgmlBlock, f + g * kGgmlBlock);
     if (!ggml_quantize_group16(t, f, out + b * bb)) break;
@@ -180,7 +178,7 @@ inline void dequantize_f16(GgmlType t, const std::uint8_t* in, std::int64_t n, h
 /// Prefetches the 64-byte lines of bytes [from, from + len) of p (a streaming scan's look-ahead).
 inline void prefetch_bytes(const void* p, std::int64_t from, std::int64_t len) noexcept {
 #if KVP_CPU_TU_ISA >= 1
-  for (std::int64_t o = 0; o < len; o += 64) prefetch_l1(static_cast<const char*>(p) + from + o);
+  prefetch_lines(static_cast<const char*>(p) + from, len);
 #else
   (void)p, (void)from, (void)len;
 #endif

@@ -194,7 +194,7 @@ enum class TileMode { kLogits, kExp };
 
 struct TileArgs {
   const float* key_buf;                   // (kChunk, d): the chunk's keys in fp32
-  const float* qt;                        // blocks of kVecs query vectors, (d, width) each; bf16 dot: (d / 2, qpad) bf16 pairs
+  const float* qt;                        // blocks of kVecs query vectors, (d, width) each; bf16 dot: (d / 2, width) bf16 pairs
   const std::uint16_t* const* key_pairs;  // bf16 dot: (kChunk) the chunk's key rows (bf16 bits, read in pairs)
   const std::int32_t* last_visible;       // (qpad)
   float* p;                               // (kv_len, qpad)
@@ -262,12 +262,12 @@ __attribute__((target("avx512bf16"))) void logit_tile_dot(const TileArgs& a, int
   const std::uint16_t* rows[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) rows[r] = a.key_pairs[a.r + (r < rc ? r : rc - 1)];
-  const auto* qt = reinterpret_cast<const std::uint32_t*>(a.qt) + a.v * kLanes;
   const std::int64_t pairs = a.d / 2;
+  const auto* qt = reinterpret_cast<const std::uint32_t*>(a.qt) + a.v * kLanes * pairs;  // the tile's block, as logit_tile
   for (std::int64_t c = 0; c < pairs; ++c) {
     __m512bh qv[V];
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_load_si512(qt + c * a.qpad + v * kLanes);
+    for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_load_si512(qt + (c * V + v) * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const auto k = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(rows[r] + 2 * c));  // rows need no alignment
@@ -377,28 +377,23 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
   for (std::int64_t i = 0; i < G * L; ++i) out[i] = 0.0f;
   if (Q <= 0 || T <= 0) return;
 
-  if constexpr (kDot) {
-    // Queries as bf16 pairs, transposed to (d / 2, qpad) in the fp32 query buffer (half of it).
-    auto* qt2 = reinterpret_cast<std::uint32_t*>(ws.qt);
-    for (std::int64_t c = 0; c < d / 2; ++c) {
-      std::uint32_t* dst = qt2 + c * qpad;
-      for (std::int64_t r = 0; r < Q; ++r) dst[r] = bf16_bits_rne(q[r * d + 2 * c]) | (bf16_bits_rne(q[r * d + 2 * c + 1]) << 16);
-      for (std::int64_t r = Q; r < qpad; ++r) dst[r] = 0u;
-    }
-  } else {
-    // Queries transposed, one query row per SIMD lane, in blocks of the register tile's kVecs vectors (the last
-    // block narrower): block b holds vectors v0 = b kVecs .. v0 + width - 1 as (d, width x kLanes) at
-    // qt + v0 kLanes d. A tile then reads one contiguous block; with the (d, qpad) layout its rows were qpad
-    // floats apart, and at qpad = 128 the 32 KiB a tile reads fell into half of the L1's sets and did not stay.
-    for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
-      const std::int64_t width = (nv - v0 < kVecs ? nv - v0 : kVecs) * kLanes;
-      float* blk = ws.qt + v0 * kLanes * d;
-      for (std::int64_t c = 0; c < d; ++c)
-        for (std::int64_t x = 0; x < width; ++x) {
-          const std::int64_t r = v0 * kLanes + x;
-          blk[c * width + x] = r < Q ? q[r * d + c] : 0.0f;
-        }
-    }
+  // Queries transposed, one query row per SIMD lane, in blocks of the register tile's kVecs vectors (the last
+  // block narrower): block b holds vectors v0 = b kVecs .. v0 + width - 1 as (channels, width x kLanes) at
+  // qt + v0 kLanes channels. A tile then reads one contiguous block; with a (d, qpad) layout its rows were
+  // qpad floats apart, and at qpad = 128 the 32 KiB a tile reads fell into half of the L1's sets. The bf16 dot
+  // form stores, in the same layout, bf16 pairs of channels (channels = d / 2, one 32-bit pair per lane).
+  const std::int64_t chans = kDot ? d / 2 : d;
+  for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
+    const std::int64_t width = (nv - v0 < kVecs ? nv - v0 : kVecs) * kLanes;
+    for (std::int64_t c = 0; c < chans; ++c)
+      for (std::int64_t x = 0; x < width; ++x) {
+        const std::int64_t r = v0 * kLanes + x, at = v0 * kLanes * chans + c * width + x;
+        if constexpr (kDot)
+          reinterpret_cast<std::uint32_t*>(ws.qt)[at] =
+              r < Q ? bf16_bits_rne(q[r * d + 2 * c]) | (bf16_bits_rne(q[r * d + 2 * c + 1]) << 16) : 0u;
+        else
+          ws.qt[at] = r < Q ? q[r * d + c] : 0.0f;
+      }
   }
   // Causal visibility: window query i of every head sees keys j <= q_pos0 + i.
   for (std::int64_t r = 0; r < qpad; ++r) {
@@ -427,8 +422,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     // The next chunk's keys are requested now, so that its widening finds them in cache instead of waiting
     // on memory (the tiles of this chunk take far longer than the requests).
     for (std::int64_t r = j0 + kChunk, r1 = std::min(T, j0 + 2 * kChunk); r < r1; ++r) {
-      const auto* row = reinterpret_cast<const char*>(key_row(keys, r));
-      for (std::int64_t b = 0; b < d * static_cast<std::int64_t>(sizeof(Tk)); b += 64) prefetch_l1(row + b);
+      prefetch_lines(key_row(keys, r), d * static_cast<std::int64_t>(sizeof(Tk)));
     }
     float* cref = ws.chunk_ref + ch * qpad;
     float* csum = ws.chunk_sum + ch * qpad;
