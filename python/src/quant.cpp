@@ -7,6 +7,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/dispatch.hpp"
 #include "kvpolicy/policy/quantization/quant_spec.hpp"
 #include "kvpolicy/policy/quantization/quantized_paged.hpp"

@@ -20,7 +20,7 @@
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
-#include "kvpolicy/registry.hpp"
+#include "kvpolicy/policy/spec.hpp"
 
 KVP_NAMESPACE_BEGIN
 

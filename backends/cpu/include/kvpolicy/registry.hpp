@@ -9,9 +9,9 @@
 //   Requirements r = p.requirements(BackendKind::kCpu, shape);
 //   p.evict(BackendKind::kCpu, std::span(inputs), keep, Workspace{buf, r.workspace_bytes});
 //
-// Spec grammar: `name[:key=value[,key=value]...]`; keys and value syntax are
-// those of kvpolicy/policy/params.hpp. Errors name the bad key and list the
-// valid ones ("snapkv: unknown parameter 'windw'; valid: window, kernel, ...").
+// Spec grammar and the typed `make_policy<P>`: kvpolicy/policy/spec.hpp (core,
+// backend-free). Errors name the bad key and list the valid ones ("snapkv:
+// unknown parameter 'windw'; valid: window, kernel, ...").
 //
 // Families: `eviction_registry()` lists the policies `make_eviction_policy`
 // builds (erased over the backend and the key dtype); `registry()` lists every
@@ -19,9 +19,12 @@
 // plan (Quest), which are built typed with `make_policy<P>(spec, &p)` since
 // their state types are the caller's.
 //
-// The built-in tables are compiled once into kvpolicy::cpu (they instantiate
-// every policy on Scalar and Cpu); `AnyEvictionPolicy::of(policy)` is
-// header-only, so a user policy that models `EvictionPolicy` erases the same way.
+// This header belongs to the CPU backend (kvpolicy::cpu): the erased calls
+// dispatch to `backend::Cpu` or `backend::Scalar`, and the built-in tables are
+// compiled once into the backend's library (src/registry.cpp). Core headers
+// never include it, so core stays free of any backend.
+// `AnyEvictionPolicy::of(policy)` is header-only, so a user policy that models
+// `EvictionPolicy` erases the same way.
 #pragma once
 
 #include <algorithm>
@@ -32,82 +35,19 @@
 #include <utility>
 #include <vector>
 
+#include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
+#include "kvpolicy/policy/spec.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
-
-#if __has_include("kvpolicy/backends/cpu.hpp")
-#include "kvpolicy/backends/cpu.hpp"
-#define KVP_REGISTRY_HAS_CPU 1
-#else
-#define KVP_REGISTRY_HAS_CPU 0
-#endif
 
 KVP_NAMESPACE_BEGIN
 
 /// The backends a type-erased call can run on.
 enum class BackendKind : std::uint8_t { kScalar, kCpu };
-
-/// A parsed spec string: the policy name and its key=value pairs, in order.
-struct PolicySpec {
-  std::string name;
-  std::vector<std::pair<std::string, std::string>> args;
-};
-
-/// Parses `name[:key=value,...]` (whitespace around tokens is ignored).
-inline Status parse_policy_spec(std::string_view spec, PolicySpec* out) {
-  auto trim = [](std::string_view s) {
-    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-    return s;
-  };
-  PolicySpec p;
-  const std::size_t colon = spec.find(':');
-  p.name = std::string(trim(spec.substr(0, colon)));
-  if (p.name.empty()) return KVP_INVALID("policy spec '%s': empty policy name", std::string(spec).c_str());
-  if (colon != std::string_view::npos) {
-    std::string_view rest = spec.substr(colon + 1);
-    while (!rest.empty()) {
-      const std::size_t comma = rest.find(',');
-      const std::string_view item = trim(rest.substr(0, comma));
-      rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
-      if (item.empty()) continue;
-      const std::size_t eq = item.find('=');
-      if (eq == std::string_view::npos || trim(item.substr(0, eq)).empty())
-        return KVP_INVALID("%s: parameter '%s' is not key=value", p.name.c_str(), std::string(item).c_str());
-      p.args.emplace_back(std::string(trim(item.substr(0, eq))), std::string(trim(item.substr(eq + 1))));
-    }
-  }
-  *out = std::move(p);
-  return Status::ok();
-}
-
-/// Applies the spec's arguments to `params` (unchanged on error).
-template <DeclaresFields P>
-Status apply_spec_args(const char* who, const PolicySpec& spec, P& params) {
-  P p = params;
-  for (const auto& [k, v] : spec.args) KVP_RETURN_IF_ERROR(set_param(who, p, k, v));
-  params = p;
-  return Status::ok();
-}
-
-/// `name` and `name:key=value,...` for a concrete policy type `P` whose
-/// Params declare their fields, starting from `defaults`.
-template <class P>
-Status make_policy(std::string_view spec_text, P* out, const typename P::Params& defaults = typename P::Params{}) {
-  PolicySpec spec;
-  KVP_RETURN_IF_ERROR(parse_policy_spec(spec_text, &spec));
-  KVP_REQUIRE(spec.name == P::kName, "policy spec names '%s', expected '%s'", spec.name.c_str(), P::kName);
-  typename P::Params params = defaults;
-  KVP_RETURN_IF_ERROR(apply_spec_args(P::kName, spec, params));
-  const P policy(params);
-  KVP_RETURN_IF_ERROR(policy.validate_params());
-  *out = policy;
-  return Status::ok();
-}
 
 /// A one-shot eviction policy behind a value type: any `EvictionPolicy` over
 /// `ScoreInput<float, Tk>` for Tk in {float, half, bfloat16}, run on the
@@ -208,12 +148,8 @@ class AnyEvictionPolicy {
         Requirements r = requirements(b, s, exec);
         if constexpr (requires { policy.scorer(); }) {  // Ada-KV: its scorer's size query covers the scores
           if (r.status.is_ok()) {
-#if KVP_REGISTRY_HAS_CPU
             const Requirements sr = b == BackendKind::kCpu ? policy.scorer().requirements(Context<backend::Cpu>{{}, exec}, s)
                                                            : policy.scorer().requirements(Context<backend::Scalar>{{}, exec}, s);
-#else
-            const Requirements sr = policy.scorer().requirements(Context<backend::Scalar>{{}, exec}, s);
-#endif
             if (!sr.status.is_ok()) return sr;
             r.workspace_bytes = std::max(r.workspace_bytes, sr.workspace_bytes);
           }
@@ -226,11 +162,9 @@ class AnyEvictionPolicy {
       if constexpr (!kScores<P, backend::Scalar, Tk>) {
         return KVP_INVALID("%s has no per-token scores: %s", P::kName, no_scores.c_str());
       } else {
-#if KVP_REGISTRY_HAS_CPU
         if (b == BackendKind::kCpu) return policy.score(Context<backend::Cpu>{ws, exec}, in, out);
-#endif
         if (b == BackendKind::kScalar) return policy.score(Context<backend::Scalar>{ws, exec}, in, out);
-        return KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName);
+        return KVP_INVALID("%s: unknown BackendKind %d", P::kName, static_cast<int>(b));
       }
     }
     Status score(BackendKind b, const ScoreInput<float, float>& x, ScoreMap o, Workspace w, const ExecContext& e) const noexcept override {
@@ -247,20 +181,16 @@ class AnyEvictionPolicy {
     std::int64_t kept_count(std::int64_t n) const noexcept override { return policy.kept_count(n); }
     std::int64_t protected_tokens(std::int64_t n) const noexcept override { return policy.protected_tokens(n); }
     Requirements requirements(BackendKind b, const ProblemShape& s, const ExecContext& exec) const noexcept override {
-#if KVP_REGISTRY_HAS_CPU
       if (b == BackendKind::kCpu) return policy.requirements(Context<backend::Cpu>{{}, exec}, s);
-#endif
       if (b == BackendKind::kScalar) return policy.requirements(Context<backend::Scalar>{{}, exec}, s);
-      return Requirements{KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName)};
+      return Requirements{KVP_INVALID("%s: unknown BackendKind %d", P::kName, static_cast<int>(b))};
     }
     template <class Tk>
     Status run(BackendKind b, std::span<const ScoreInput<float, Tk>> batch, KeepSet out, Workspace ws,
                const ExecContext& exec) const noexcept {
-#if KVP_REGISTRY_HAS_CPU
       if (b == BackendKind::kCpu) return policy.evict(Context<backend::Cpu>{ws, exec}, batch, out);
-#endif
       if (b == BackendKind::kScalar) return policy.evict(Context<backend::Scalar>{ws, exec}, batch, out);
-      return KVP_INVALID("%s: backend not built into this program (link kvpolicy::cpu)", P::kName);
+      return KVP_INVALID("%s: unknown BackendKind %d", P::kName, static_cast<int>(b));
     }
     Status evict(BackendKind b, std::span<const ScoreInput<float, float>> x, KeepSet o, Workspace w,
                  const ExecContext& e) const noexcept override {
@@ -289,7 +219,6 @@ struct PolicyInfo {
   bool erased = false;            ///< built by make_eviction_policy (else typed: make_policy<P>)
 };
 
-#if KVP_REGISTRY_HAS_CPU
 /// Every built-in policy of every family, in a fixed order (defined in kvpolicy::cpu).
 const std::vector<PolicyInfo>& registry();
 /// Builds an erased one-shot eviction policy from a spec string; errors name
@@ -297,6 +226,5 @@ const std::vector<PolicyInfo>& registry();
 Status make_eviction_policy(std::string_view spec, AnyEvictionPolicy* out);
 /// "name  family  paper  key=default ..." lines, one per policy.
 std::string describe_registry();
-#endif
 
 KVP_NAMESPACE_END

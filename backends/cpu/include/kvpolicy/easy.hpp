@@ -11,6 +11,9 @@
 // `evict` throws `kvpolicy::Error` with the policy's message; `try_evict`
 // returns the `Status` instead. Engines that must not allocate use the
 // policies directly (`requirements` + `evict` on caller-owned buffers).
+//
+// Part of the CPU backend (link kvpolicy::cpu): `Evictor` runs on
+// `backend::Cpu` unless given another backend (`Evictor<P, backend::Scalar>`).
 #pragma once
 
 #include <cstddef>
@@ -19,24 +22,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/kv_source.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
 
-#if __has_include("kvpolicy/backends/cpu.hpp")
-#include "kvpolicy/backends/cpu.hpp"
-#endif
-
 KVP_NAMESPACE_BEGIN
 
 namespace detail {
-#if __has_include("kvpolicy/backends/cpu.hpp")
 using DefaultBackend = backend::Cpu;
-#else
-using DefaultBackend = backend::Scalar;
-#endif
 }  // namespace detail
 
 /// Keys or values stored head-major, `(kv_heads, capacity, head_dim)`, of

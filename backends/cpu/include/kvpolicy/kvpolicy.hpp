@@ -12,9 +12,11 @@
 // prefetch: Quest lookahead, InfiniGen, SpeCache, ShadowKV-style landmarks),
 // the evict -> merge -> quantize pipeline, the budget vocabulary, the apply/
 // helpers that compact and merge a cache, the engine lifecycle hooks, the run-time registry, the owning
-// convenience layer (easy.hpp) and the thread pool; plus `backend::Cpu` when
-// its header is on the include path (link `kvpolicy::cpu`). The readers under
-// kvpolicy/io/ need nlohmann-json and are included separately.
+// convenience layer (easy.hpp), the thread pool and `backend::Cpu`. It is part
+// of the CPU backend (link `kvpolicy::cpu` or `kvpolicy::kvpolicy`), so no core
+// header names a backend; a core-only user (backend::Scalar) includes the
+// headers it needs one by one. The readers under kvpolicy/io/ need
+// nlohmann-json and are included separately.
 #pragma once
 
 #include "kvpolicy/core/any_tensor_view.hpp"
@@ -90,7 +92,6 @@
 #include "kvpolicy/registry.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
 
-#if __has_include("kvpolicy/backends/cpu.hpp")
 #include "kvpolicy/backends/cpu.hpp"
 
 // Every policy models its family concepts on the CPU backend too.
@@ -116,4 +117,3 @@ static_assert(kvpolicy::MergePolicy<kvpolicy::CaM, kvpolicy::MergeInput<kvpolicy
 static_assert(kvpolicy::MergePolicy<kvpolicy::D2O, kvpolicy::D2OInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::MergePolicy<kvpolicy::LookMPivot, kvpolicy::MergeInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
 static_assert(kvpolicy::MergePolicy<kvpolicy::NearestKeptMerge, kvpolicy::NearestKeptInput<kvpolicy::half>, kvpolicy::backend::Cpu>);
-#endif
