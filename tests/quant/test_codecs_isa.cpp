@@ -233,9 +233,18 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
             require_same(ca, cb, what + " key codes");
             require_same(sa, sb, what + " key scales");
             std::vector<float> ya(x.size()), yb(x.size());
-            backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ya.data());
-            backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, yb.data());
+            backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ya.data(), d);
+            backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, yb.data(), d);
             require_same(ya, yb, what + " keys decoded");
+            // fp16 rows with a padded stride: the same values, the padding untouched
+            const std::int64_t ys = d + 8;
+            std::vector<half> ha(static_cast<std::size_t>(group * ys), to_half(-7.0f)), hb = ha;
+            backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ha.data(), ys);
+            backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, hb.data(), ys);
+            require_same(ha, hb, what + " keys decoded to fp16");
+            for (std::int64_t t = 0; t < group; ++t)
+              for (std::int64_t c = 0; c < ys; ++c)
+                REQUIRE(to_float(ha[static_cast<std::size_t>(t * ys + c)]) == (c < d ? ya[static_cast<std::size_t>(t * d + c)] : -7.0f));
           }
           if (d % group == 0 && d % (32 / bits) == 0) {
             const std::int64_t rows = group, cs = kivi::value_row_code_bytes(d, bits) + 4, ss = kivi::value_row_scale_bytes(d, group) + 2;
@@ -246,9 +255,17 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
             require_same(ca, cb, what + " value codes");
             require_same(sa, sb, what + " value scales");
             std::vector<float> ya(x.size()), yb(x.size());
-            backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ya.data());
-            backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, yb.data());
+            backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ya.data(), d);
+            backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, yb.data(), d);
             require_same(ya, yb, what + " values decoded");
+            const std::int64_t ys = d + 8;
+            std::vector<half> ha(static_cast<std::size_t>(rows * ys), to_half(-7.0f)), hb = ha;
+            backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ha.data(), ys);
+            backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, hb.data(), ys);
+            require_same(ha, hb, what + " values decoded to fp16");
+            for (std::int64_t t = 0; t < rows; ++t)
+              for (std::int64_t c = 0; c < ys; ++c)
+                REQUIRE(to_float(ha[static_cast<std::size_t>(t * ys + c)]) == (c < d ? ya[static_cast<std::size_t>(t * d + c)] : -7.0f));
           }
         }
     // first_not_below: NaN, infinities and the bound itself, at every position of a long row.

@@ -82,21 +82,27 @@ void CpuQuantOps::kivi_quantize_keys(const float* x, std::int64_t d, int group, 
   if (!cpu_detail::quant_kernels().kivi_quantize_keys(x, d, group, bits, codes, scales))
     ScalarQuantOps::kivi_quantize_keys(x, d, group, bits, codes, scales);
 }
-void CpuQuantOps::kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
-                                       float* y) noexcept {
-  if (!cpu_detail::quant_kernels().kivi_dequantize_keys(codes, scales, d, group, bits, y))
-    ScalarQuantOps::kivi_dequantize_keys(codes, scales, d, group, bits, y);
+bool CpuQuantOps::kivi_dequantize_keys_kernel(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                              float* y, std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().kivi_dequantize_keys_f32(codes, scales, d, group, bits, y, ys);
+}
+bool CpuQuantOps::kivi_dequantize_keys_kernel(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                              half* y, std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().kivi_dequantize_keys_f16(codes, scales, d, group, bits, y, ys);
 }
 void CpuQuantOps::kivi_quantize_value_rows(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
                                            std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
   if (!cpu_detail::quant_kernels().kivi_quantize_values(x, rows, d, group, bits, codes, codes_stride, scales, scales_stride))
     ScalarQuantOps::kivi_quantize_value_rows(x, rows, d, group, bits, codes, codes_stride, scales, scales_stride);
 }
-void CpuQuantOps::kivi_dequantize_value_rows(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
-                                             std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits,
-                                             float* y) noexcept {
-  if (!cpu_detail::quant_kernels().kivi_dequantize_values(codes, codes_stride, scales, scales_stride, rows, d, group, bits, y))
-    ScalarQuantOps::kivi_dequantize_value_rows(codes, codes_stride, scales, scales_stride, rows, d, group, bits, y);
+bool CpuQuantOps::kivi_dequantize_values_kernel(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
+                                                std::int64_t rows, std::int64_t d, int group, int bits, float* y,
+                                                std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().kivi_dequantize_values_f32(codes, cs, scales, ss, rows, d, group, bits, y, ys);
+}
+bool CpuQuantOps::kivi_dequantize_values_kernel(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
+                                                std::int64_t rows, std::int64_t d, int group, int bits, half* y, std::int64_t ys) noexcept {
+  return cpu_detail::quant_kernels().kivi_dequantize_values_f16(codes, cs, scales, ss, rows, d, group, bits, y, ys);
 }
 
 }  // namespace backend

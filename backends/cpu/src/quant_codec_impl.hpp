@@ -23,6 +23,7 @@
 // vectorises none of them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -670,17 +671,51 @@ inline bool kivi_quantize_keys(const float* x, std::int64_t d, int group, int bi
   }
   return true;
 }
-inline bool kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
-                                 float* y) noexcept {
+/// One key group decoded into y (row t at y + t * y_stride; T float or half: the decoded values are fp16, so
+/// either store is exact). Token-major: each output row is written front to back, over blocks of up to 8
+/// channel vectors whose scales (2 bits: whose four decoded values) are set up once per group.
+template <class T>
+inline bool kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, T* y,
+                                 std::int64_t y_stride) noexcept {
   if (d % kW != 0) return false;
+  constexpr int kBlock = 8;  // channel vectors per pass
   const int f = 32 / bits;
   const vi mask = set1i((1 << bits) - 1);
-  for (std::int64_t c = 0; c < d; c += kW) {
-    const vf scale = ld_h16(scales + 2 * c), mn = ld_h16(scales + 2 * (d + c));
-    for (int w = 0; w < group / f; ++w) {
-      const vi word = ldi(codes + 4 * (w * d + c));
-      for (int j = 0; j < f; ++j) st(y + (w * f + j) * d + c, kivi_decode(iand(srl(word, bits * j), mask), scale, mn));
+  for (std::int64_t c0 = 0; c0 < d; c0 += kBlock * kW) {
+    const int nb = static_cast<int>(std::min<std::int64_t>(kBlock, (d - c0) / kW));
+    vf scale[kBlock], mn[kBlock];
+    for (int i = 0; i < nb; ++i) {
+      scale[i] = ld_h16(scales + 2 * (c0 + i * kW));
+      mn[i] = ld_h16(scales + 2 * (d + c0 + i * kW));
     }
+#if KVP_CPU_TU_ISA == 2
+    if (bits == 2) {
+      // The four values a lane's channel can take, decoded once per group by the decoder's own operations;
+      // each code then picks its lane's value by two mask tests and three blends (bit-identical to decoding
+      // it, in a third of the instructions).
+      vf tab[kBlock][4];
+      for (int i = 0; i < nb; ++i)
+        for (int k = 0; k < 4; ++k) tab[i][k] = kivi_decode(set1i(k), scale[i], mn[i]);
+      for (int w = 0; w < group / 16; ++w)
+        for (int j = 0; j < 16; ++j) {
+          const vi lo_bit = _mm512_set1_epi32(1 << (2 * j)), hi_bit = _mm512_set1_epi32(2 << (2 * j));
+          T* yr = y + (w * 16 + j) * y_stride + c0;
+          for (int i = 0; i < nb; ++i) {
+            const vi word = ldi(codes + 4 * (w * d + c0 + i * kW));
+            const __mmask16 lo = _mm512_test_epi32_mask(word, lo_bit), hi = _mm512_test_epi32_mask(word, hi_bit);
+            st(yr + i * kW,
+               _mm512_mask_blend_ps(hi, _mm512_mask_blend_ps(lo, tab[i][0], tab[i][1]), _mm512_mask_blend_ps(lo, tab[i][2], tab[i][3])));
+          }
+        }
+      continue;
+    }
+#endif
+    for (int w = 0; w < group / f; ++w)
+      for (int j = 0; j < f; ++j) {
+        T* yr = y + (w * f + j) * y_stride + c0;
+        for (int i = 0; i < nb; ++i)
+          st(yr + i * kW, kivi_decode(iand(srl(ldi(codes + 4 * (w * d + c0 + i * kW)), bits * j), mask), scale[i], mn[i]));
+      }
   }
   return true;
 }
@@ -829,9 +864,59 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
   for (; k < total; ++k) one_group(k / groups, k % groups);
   return true;
 }
+#if KVP_CPU_TU_ISA == 2
+/// AVX-512, 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j,
+/// by its own operations), so each code's value is one permute, bit-identical to decoding it. A vector of
+/// 16 channels takes its codes from one word (2 bits) or two (4 bits).
+template <int kBits, class T>
+inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                         std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, T* y,
+                                         std::int64_t y_stride) noexcept {
+  constexpr int f = 32 / kBits;
+  const std::int64_t groups = d / group;
+  const vi mask = set1i((1 << kBits) - 1), shifts = kivi_lane_shifts(kBits, 0);
+  const vi word_of_lane = srl(iota(), kBits == 2 ? 4 : 3);  // l / f
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::uint8_t* cw = codes + r * codes_stride;
+    const std::uint8_t* sc = scales + r * scales_stride;
+    T* yr = y + r * y_stride;
+    if (r + 16 < rows) {  // the scale rows' loads head each group's chain
+      prefetch_l1(sc + 16 * scales_stride);
+      prefetch_l1(cw + 16 * codes_stride);
+    }
+    for (std::int64_t g = 0; g < groups; ++g) {
+      const vf table = kivi_decode(iota(), set1(get_half(sc + 2 * g)), set1(get_half(sc + 2 * (groups + g))));
+      for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += kW) {
+        vi w;
+        if constexpr (kBits == 2) {
+          std::uint32_t one;
+          std::memcpy(&one, cw + 4 * (ch / f), 4);
+          w = set1i(static_cast<std::int32_t>(one));
+        } else {
+          w = spread_words(cw + 4 * (ch / f), word_of_lane);
+        }
+        st(yr + ch, _mm512_permutexvar_ps(iand(srlv(w, shifts), mask), table));
+      }
+    }
+  }
+}
+#endif
+
+/// Value rows decoded into y (row r at y + r * y_stride; T float or half, exact as for the keys).
+template <class T>
 inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
-                                   std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, float* y) noexcept {
+                                   std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, T* y,
+                                   std::int64_t y_stride) noexcept {
   if (group % kW != 0 || d % group != 0) return false;
+#if KVP_CPU_TU_ISA == 2
+  if (bits == 2 || bits == 4) {
+    if (bits == 2)
+      kivi_dequantize_values_table<2>(codes, codes_stride, scales, scales_stride, rows, d, group, y, y_stride);
+    else
+      kivi_dequantize_values_table<4>(codes, codes_stride, scales, scales_stride, rows, d, group, y, y_stride);
+    return true;
+  }
+#endif
   const std::int64_t groups = d / group;
   const int f = 32 / bits;
   const std::int64_t nw = kW >= f ? kW / f : 1;
@@ -840,7 +925,7 @@ inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::uint8_t* cw = codes + r * codes_stride;
     const std::uint8_t* sc = scales + r * scales_stride;
-    float* yr = y + r * d;
+    T* yr = y + r * y_stride;
     for (std::int64_t g = 0; g < groups; ++g) {
       const vf scale = set1(get_half(sc + 2 * g)), mn = set1(get_half(sc + 2 * (groups + g)));
       for (std::int64_t c = 0; c < group; c += kW) {
@@ -1347,13 +1432,17 @@ inline bool kivi_r16(const T*, std::int64_t, std::int64_t, std::int64_t, float*)
   return false;
 }
 inline bool kivi_quantize_keys(const float*, std::int64_t, int, int, std::uint8_t*, std::uint8_t*) noexcept { return false; }
-inline bool kivi_dequantize_keys(const std::uint8_t*, const std::uint8_t*, std::int64_t, int, int, float*) noexcept { return false; }
+template <class T>
+inline bool kivi_dequantize_keys(const std::uint8_t*, const std::uint8_t*, std::int64_t, int, int, T*, std::int64_t) noexcept {
+  return false;
+}
 inline bool kivi_quantize_values(const float*, std::int64_t, std::int64_t, int, int, std::uint8_t*, std::int64_t, std::uint8_t*,
                                  std::int64_t) noexcept {
   return false;
 }
+template <class T>
 inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, int,
-                                   int, float*) noexcept {
+                                   int, T*, std::int64_t) noexcept {
   return false;
 }
 inline bool ggml_quantize_block_v(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
@@ -1387,6 +1476,22 @@ inline std::int64_t first_not_below(const float* x, std::int64_t n, float bound)
 }
 
 // Typed entry points of the kernel table.
+inline bool kivi_dequantize_keys_f32(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, float* y,
+                                     std::int64_t ys) noexcept {
+  return kivi_dequantize_keys(codes, scales, d, group, bits, y, ys);
+}
+inline bool kivi_dequantize_keys_f16(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, half* y,
+                                     std::int64_t ys) noexcept {
+  return kivi_dequantize_keys(codes, scales, d, group, bits, y, ys);
+}
+inline bool kivi_dequantize_values_f32(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
+                                       std::int64_t rows, std::int64_t d, int group, int bits, float* y, std::int64_t ys) noexcept {
+  return kivi_dequantize_values(codes, cs, scales, ss, rows, d, group, bits, y, ys);
+}
+inline bool kivi_dequantize_values_f16(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
+                                       std::int64_t rows, std::int64_t d, int group, int bits, half* y, std::int64_t ys) noexcept {
+  return kivi_dequantize_values(codes, cs, scales, ss, rows, d, group, bits, y, ys);
+}
 inline bool rotate_in_f32(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept {
   return rotate_in(x, rows, xs, d, n, y);
 }

@@ -46,12 +46,18 @@ struct QuantKernels {
   bool (*kivi_r16_f32)(const float* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept;
   bool (*kivi_r16_f16)(const half* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept;
   bool (*kivi_quantize_keys)(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept;
-  bool (*kivi_dequantize_keys)(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
-                               float* y) noexcept;
+  bool (*kivi_dequantize_keys_f32)(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, float* y,
+                                   std::int64_t y_stride) noexcept;
+  bool (*kivi_dequantize_keys_f16)(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, half* y,
+                                   std::int64_t y_stride) noexcept;
   bool (*kivi_quantize_values)(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
                                std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept;
-  bool (*kivi_dequantize_values)(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
-                                 std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, float* y) noexcept;
+  bool (*kivi_dequantize_values_f32)(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                     std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, float* y,
+                                     std::int64_t y_stride) noexcept;
+  bool (*kivi_dequantize_values_f16)(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                     std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, half* y,
+                                     std::int64_t y_stride) noexcept;
 };
 
 KVP_CPU_DECLARE_KERNELS(QuantKernels, quant_kernels)

@@ -233,4 +233,5 @@ KVP_NAMESPACE_END
       &KVP_CPU_ISA_NS::int4_dequantize_f32, &KVP_CPU_ISA_NS::int4_dequantize_f16, &KVP_CPU_ISA_NS::fp8_quantize_f32,                       \
       &KVP_CPU_ISA_NS::fp8_quantize_f16, &KVP_CPU_ISA_NS::fp8_dequantize_f32, &KVP_CPU_ISA_NS::fp8_dequantize_f16,                         \
       &KVP_CPU_ISA_NS::first_not_below, &KVP_CPU_ISA_NS::kivi_r16_f32, &KVP_CPU_ISA_NS::kivi_r16_f16, &KVP_CPU_ISA_NS::kivi_quantize_keys, \
-      &KVP_CPU_ISA_NS::kivi_dequantize_keys, &KVP_CPU_ISA_NS::kivi_quantize_values, &KVP_CPU_ISA_NS::kivi_dequantize_values
+      &KVP_CPU_ISA_NS::kivi_dequantize_keys_f32, &KVP_CPU_ISA_NS::kivi_dequantize_keys_f16, &KVP_CPU_ISA_NS::kivi_quantize_values,         \
+      &KVP_CPU_ISA_NS::kivi_dequantize_values_f32, &KVP_CPU_ISA_NS::kivi_dequantize_values_f16

@@ -176,10 +176,11 @@ struct ScalarQuantOps {
       kivi::quantize_key_channel(col, d, c, group, bits, codes, scales);
     }
   }
-  /// One key group decoded into y (group rows of d, contiguous).
-  static void kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
-                                   float* y) noexcept {
-    for (std::int64_t c = 0; c < d; ++c) kivi::dequantize_key_channel(codes, scales, d, c, group, bits, y + c, d);
+  /// One key group decoded into y (group rows of d; row t at y + t * y_stride).
+  template <class T>
+  static void kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, T* y,
+                                   std::int64_t y_stride) noexcept {
+    for (std::int64_t c = 0; c < d; ++c) kivi::dequantize_key_channel(codes, scales, d, c, group, bits, y + c, y_stride);
   }
   /// Value rows x (contiguous rows of d) into code rows codes + r * codes_stride and scale rows scales + r * scales_stride.
   static void kivi_quantize_value_rows(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
@@ -187,12 +188,13 @@ struct ScalarQuantOps {
     for (std::int64_t r = 0; r < rows; ++r)
       kivi::quantize_value_row(x + r * d, d, group, bits, codes + r * codes_stride, scales + r * scales_stride);
   }
-  /// Value rows decoded into y (contiguous rows of d).
+  /// Value rows decoded into y (rows of d; row r at y + r * y_stride).
+  template <class T>
   static void kivi_dequantize_value_rows(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
-                                         std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits,
-                                         float* y) noexcept {
+                                         std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, T* y,
+                                         std::int64_t y_stride) noexcept {
     for (std::int64_t r = 0; r < rows; ++r)
-      kivi::dequantize_value_row(codes + r * codes_stride, scales + r * scales_stride, d, group, bits, y + r * d);
+      kivi::dequantize_value_row(codes + r * codes_stride, scales + r * scales_stride, d, group, bits, y + r * y_stride);
   }
 };
 

@@ -127,14 +127,15 @@ inline void quantize_key_channel(const float* x, std::int64_t head_dim, std::int
 }
 
 /// Decodes channel c of a key group into y[t * y_stride] for t < G.
+template <class T>
 inline void dequantize_key_channel(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t head_dim, std::int64_t c, int group,
-                                   int bits, float* y, std::int64_t y_stride) noexcept {
+                                   int bits, T* y, std::int64_t y_stride) noexcept {
   const float scale = load_half(scales + 2 * c), mn = load_half(scales + 2 * (head_dim + c));
   const int f = per_word(bits);
   const std::uint32_t mask = (1u << bits) - 1u;
   for (int w = 0; w < group / f; ++w) {
     const std::uint32_t word = load_word(codes + 4 * (w * head_dim + c));
-    for (int j = 0; j < f; ++j) y[(w * f + j) * y_stride] = decode((word >> (bits * j)) & mask, scale, mn);
+    for (int j = 0; j < f; ++j) y[(w * f + j) * y_stride] = from_float<T>(decode((word >> (bits * j)) & mask, scale, mn));
   }
 }
 
@@ -165,8 +166,9 @@ inline void quantize_value_row(const float* x, std::int64_t head_dim, int group,
 }
 
 /// Decodes one value row into y[0, D).
+template <class T>
 inline void dequantize_value_row(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t head_dim, int group, int bits,
-                                 float* y) noexcept {
+                                 T* y) noexcept {
   const std::int64_t groups = head_dim / group;
   const int f = per_word(bits);
   const std::uint32_t mask = (1u << bits) - 1u;
@@ -174,7 +176,7 @@ inline void dequantize_value_row(const std::uint8_t* codes, const std::uint8_t* 
     const std::uint32_t word = load_word(codes + 4 * w);
     for (int j = 0; j < f; ++j) {
       const std::int64_t c = w * f + j, gi = c / group;
-      y[c] = decode((word >> (bits * j)) & mask, load_half(scales + 2 * gi), load_half(scales + 2 * (groups + gi)));
+      y[c] = from_float<T>(decode((word >> (bits * j)) & mask, load_half(scales + 2 * gi), load_half(scales + 2 * (groups + gi))));
     }
   }
 }

@@ -185,12 +185,26 @@ class KiviQuant {
     KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
     const int G = params_.group, b = params_.bits;
     const bool unit = out.stride(2) == 1 || d == 1;
+    if constexpr (std::is_same_v<Tk, float> || std::is_same_v<Tk, half>) {
+      if (unit) {  // decoded straight into out: the decoded values are fp16, exact in either type
+        ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+          if (params_.role == QuantRole::kKeys) {
+            for (std::int64_t g = 0; g < T / G; ++g)
+              Backend::kivi_dequantize_keys(&q.codes(h, g, 0), &q.scales(h, g, 0), d, G, b, &out(h, g * G, 0), out.stride(1));
+          } else if (T > 0) {
+            Backend::kivi_dequantize_value_rows(&q.codes(h, 0, 0), q.codes.stride(1), &q.scales(h, 0, 0), q.scales.stride(1), T, d, G, b,
+                                                &out(h, 0, 0), out.stride(1));
+          }
+        });
+        return Status::ok();
+      }
+    }
     if (fits_scratch(d)) {
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
         alignas(64) float y[kScratch];
         if (params_.role == QuantRole::kKeys) {
           for (std::int64_t g = 0; g < T / G; ++g) {
-            Backend::kivi_dequantize_keys(&q.codes(h, g, 0), &q.scales(h, g, 0), d, G, b, y);
+            Backend::kivi_dequantize_keys(&q.codes(h, g, 0), &q.scales(h, g, 0), d, G, b, y, d);
             store_rows<Backend>(y, G, d, out, h, g * G, unit);
           }
         } else {
@@ -198,7 +212,7 @@ class KiviQuant {
           for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
             const std::int64_t m = std::min(chunk, T - t0);
             Backend::kivi_dequantize_value_rows(&q.codes(h, t0, 0), q.codes.stride(1), &q.scales(h, t0, 0), q.scales.stride(1), m, d, G, b,
-                                                y);
+                                                y, d);
             store_rows<Backend>(y, m, d, out, h, t0, unit);
           }
         }

@@ -84,15 +84,33 @@ struct CpuQuantOps : ScalarQuantOps {
   }
   static std::int64_t first_not_below(const float* x, std::int64_t n, float bound) noexcept;
   static void kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept;
-  static void kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
-                                   float* y) noexcept;
+  template <class T>
+  static void kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, T* y,
+                                   std::int64_t y_stride) noexcept {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half>)
+      if (kivi_dequantize_keys_kernel(codes, scales, d, group, bits, y, y_stride)) return;
+    ScalarQuantOps::kivi_dequantize_keys(codes, scales, d, group, bits, y, y_stride);
+  }
   static void kivi_quantize_value_rows(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
                                        std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept;
+  template <class T>
   static void kivi_dequantize_value_rows(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
-                                         std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits,
-                                         float* y) noexcept;
+                                         std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, T* y,
+                                         std::int64_t y_stride) noexcept {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, half>)
+      if (kivi_dequantize_values_kernel(codes, codes_stride, scales, scales_stride, rows, d, group, bits, y, y_stride)) return;
+    ScalarQuantOps::kivi_dequantize_value_rows(codes, codes_stride, scales, scales_stride, rows, d, group, bits, y, y_stride);
+  }
 
  private:
+  static bool kivi_dequantize_keys_kernel(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                          float* y, std::int64_t ys) noexcept;
+  static bool kivi_dequantize_keys_kernel(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits,
+                                          half* y, std::int64_t ys) noexcept;
+  static bool kivi_dequantize_values_kernel(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
+                                            std::int64_t rows, std::int64_t d, int group, int bits, float* y, std::int64_t ys) noexcept;
+  static bool kivi_dequantize_values_kernel(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
+                                            std::int64_t rows, std::int64_t d, int group, int bits, half* y, std::int64_t ys) noexcept;
   static bool rotate_in_kernel(const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept;
   static bool rotate_in_kernel(const half* x, std::int64_t rows, std::int64_t xs, std::int64_t d, std::int64_t n, float* y) noexcept;
   static bool rotate_out_kernel(float* y, std::int64_t rows, std::int64_t d, std::int64_t n, float* out, std::int64_t os) noexcept;
