@@ -41,6 +41,7 @@
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/util/thread_pool.hpp"
 #include "kvpolicy/policy/quantization/quantized_keys.hpp"
 #include "kvpolicy/policy/quantization/quantized_paged.hpp"
 
@@ -81,7 +82,7 @@ void run(benchmark::State& st, const P& policy, bool quantize) {
   kvp_bench::report_bytes(st, static_cast<double>(c.rows.size() * sizeof(half) + codes.size()));
 }
 
-void run_kivi(benchmark::State& st, const KiviQuant& policy, bool quantize) {
+void run_kivi(benchmark::State& st, const KiviQuant& policy, bool quantize, int threads = 1) {
   Cache& c = cache();
   const std::int64_t rows = policy.code_rows(kT);
   std::vector<std::uint8_t> codes(static_cast<std::size_t>(kH * rows * policy.codes_row_bytes(kD)));
@@ -92,7 +93,8 @@ void run_kivi(benchmark::State& st, const KiviQuant& policy, bool quantize) {
   q.scales = TensorView<std::uint8_t, 3>::contiguous(scales.data(), {kH, rows, policy.scales_row_bytes(kD)});
   q.tokens = kT;
   KiviState state;
-  const Context<backend::Cpu> cx{};
+  ThreadPool pool(threads);
+  const Context<backend::Cpu> cx{{}, threads > 1 ? pool.context() : ExecContext{}};
   const auto in = TensorView<const half, 3>::contiguous(c.rows.data(), {kH, kT, kD});
   const auto out = TensorView<half, 3>::contiguous(c.out.data(), {kH, kT, kD});
   if (!policy.quantize(cx, in, state, q).is_ok()) st.SkipWithError("quantize failed");
@@ -327,6 +329,9 @@ void register_all() {
         const KiviQuant p(KiviQuantParams{r, bits, 32, 128});
         reg(std::string("kivi_") + (r == QuantRole::kKeys ? "k" : "v") + std::to_string(bits),
             [p, quantize](benchmark::State& st) { run_kivi(st, p, quantize); });
+        if (quantize && bits == 2)  // the finiteness scan runs over the heads in parallel too
+          reg(std::string("kivi_") + (r == QuantRole::kKeys ? "k" : "v") + "2/threads:2",
+              [p](benchmark::State& st) { run_kivi(st, p, true, 2); });
       }
   }
   auto reg_score = [](const std::string& name, auto fn) {

@@ -249,6 +249,42 @@ TEST_CASE("kivi: bad input is rejected by name and nothing is written", "[quant]
     KiviState full{TensorView<half, 3>::contiguous(res.data(), {H, 32, D}), 32};
     expect_error(keys, rows, r, full, "residual_len is 32, must be in [0, 31] for keys");
   }
+  {
+    // The heads' scan runs in parallel; the message still names the first bad value in (head, token,
+    // channel) order: a range overflow in head 1 (keys: channel 11 over tokens 4 and 5; values: token 4 over
+    // channels 11 and 12) before a NaN in head 3, and before a NaN in head 2.
+    ThreadPool pool(2);
+    const Context<backend::Cpu> cx2{{}, pool.context()};
+    const std::int64_t H4 = 4;
+    std::vector<float> big(static_cast<std::size_t>(H4 * T * D));
+    for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i % 5) - 2.0f;
+    big[static_cast<std::size_t>((3 * T + 2) * D + 9)] = std::numeric_limits<float>::quiet_NaN();
+    big[static_cast<std::size_t>((1 * T + 4) * D + 11)] = 60000.0f;
+    const auto overflow = [&](bool on) {
+      big[static_cast<std::size_t>((1 * T + 5) * D + 11)] = on ? -60000.0f : 0.0f;
+      big[static_cast<std::size_t>((1 * T + 4) * D + 12)] = on ? -60000.0f : 0.0f;
+    };
+    overflow(true);
+    const auto in4 = TensorView<const float, 3>::contiguous(big.data(), {H4, T, D});
+    for (const KiviQuant& p : {keys, KiviQuant(KiviQuantParams{QuantRole::kValues, 2, 32, 0})}) {
+      Region r(p, H4, T, D);
+      const auto codes = r.codes, scales = r.scales;
+      KiviState st;
+      Status s = p.quantize(cx2, in4, st, r.q);
+      REQUIRE_THAT(s.message(), Contains("head 1 token"));
+      REQUIRE_THAT(s.message(), Contains("span more than the fp16 range"));
+      big[static_cast<std::size_t>((2 * T + 7) * D + 3)] = std::numeric_limits<float>::quiet_NaN();
+      s = p.quantize(cx2, in4, st, r.q);
+      REQUIRE_THAT(s.message(), Contains("head 1 token"));  // head 1's overflow still comes first
+      overflow(false);
+      s = p.quantize(cx2, in4, st, r.q);
+      REQUIRE_THAT(s.message(), Contains("rows head 2 token 7 channel 3 is nan"));
+      overflow(true);
+      big[static_cast<std::size_t>((2 * T + 7) * D + 3)] = 0.0f;
+      REQUIRE(r.codes == codes);
+      REQUIRE(r.scales == scales);
+    }
+  }
   REQUIRE_THAT(KiviQuant(KiviQuantParams{QuantRole::kKeys, 3, 32, 128}).validate_params().message(), Contains("bits is 3"));
   REQUIRE_THAT(KiviQuant(KiviQuantParams{QuantRole::kKeys, 2, 24, 48}).validate_params().message(), Contains("not a multiple of 16"));
   REQUIRE_THAT(KiviQuant(KiviQuantParams{QuantRole::kKeys, 2, 32, 48}).validate_params().message(), Contains("multiple of group 32"));

@@ -42,6 +42,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -161,7 +162,7 @@ class KiviQuant {
                   params_.group);
     KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
     const LogicalRows<Tk> tok{rows, {}, 0};
-    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, T));
+    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, T, ctx.exec));
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) { write_codes<Backend>(tok, h, 0, T, d, q); });
     return Status::ok();
   }
@@ -267,7 +268,7 @@ class KiviQuant {
     // Rows that stay in the residual: finite in fp16; the quantized ones: finite with finite group ranges.
     KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows", std::clamp<std::int64_t>(nq - len, 0, n)));
     const LogicalRows<Tk> tok{rows, st.residual, len};
-    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, nq));
+    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, nq, ctx.exec));
     const std::int64_t first = q.tokens;
     ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
       write_codes<Backend>(tok, h, first, nq, d, q);
@@ -384,49 +385,77 @@ class KiviQuant {
 
   /// Every value about to be quantized (logical tokens [0, nq)) is finite in fp16 and every group's fp16
   /// range is finite. Values below 32752 in magnitude cannot overflow a range (|mx - mn| < 65504), so a
-  /// chunk whose values all are needs no per-value or per-group check.
+  /// chunk whose values all are needs no per-value or per-group check. That scan runs over the heads in
+  /// parallel; the exact check, which names the first bad value in (head, token, channel) order, runs from
+  /// the first head the scan flagged on (the scan is conservative: a flagged head may pass).
   template <class Backend, class Tk>
-  Status check_ranges(const LogicalRows<Tk>& tok, std::int64_t H, std::int64_t d, std::int64_t nq) const noexcept {
+  Status check_ranges(const LogicalRows<Tk>& tok, std::int64_t H, std::int64_t d, std::int64_t nq, const ExecContext& exec) const noexcept {
+    const int G = params_.group;
+    const bool keys = params_.role == QuantRole::kKeys;
+    std::int64_t from = 0;
+    if (fits_scratch(d)) {
+      const std::int64_t chunk = keys ? G : kScratch / d;
+      std::atomic<std::int64_t> flagged{H};
+      exec.parallel_for(H, [&](std::int64_t h, int) {
+        if (h >= flagged.load(std::memory_order_relaxed)) return;
+        alignas(64) float x[kScratch];
+        for (std::int64_t t0 = 0; t0 + (keys ? G : 1) <= nq; t0 += chunk) {
+          const std::int64_t m = keys ? G : std::min(chunk, nq - t0);
+          tok.template gather<Backend>(h, t0, m, d, x);
+          if (Backend::first_not_below(x, m * d, 32752.0f) < 0) continue;
+          std::int64_t cur = flagged.load(std::memory_order_relaxed);
+          while (h < cur && !flagged.compare_exchange_weak(cur, h, std::memory_order_relaxed)) {
+          }
+          return;
+        }
+      });
+      from = flagged.load();
+    }
+    for (std::int64_t h = from; h < H; ++h) KVP_RETURN_IF_ERROR(check_head_ranges<Backend>(tok, h, d, nq));
+    return Status::ok();
+  }
+  /// check_ranges' exact check of head h.
+  template <class Backend, class Tk>
+  Status check_head_ranges(const LogicalRows<Tk>& tok, std::int64_t h, std::int64_t d, std::int64_t nq) const noexcept {
     const int G = params_.group;
     const bool keys = params_.role == QuantRole::kKeys, gathered = fits_scratch(d);
     const std::int64_t chunk = keys ? G : kScratch / d;
     alignas(64) float x[kScratch];
     float col[4096];
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t0 = 0; t0 + (keys ? G : 1) <= nq; t0 += chunk) {
-        const std::int64_t m = keys ? G : std::min(chunk, nq - t0);
-        if (gathered) {
-          tok.template gather<Backend>(h, t0, m, d, x);
-          if (Backend::first_not_below(x, m * d, 32752.0f) < 0) continue;
-        }
-        for (std::int64_t t = t0; t < t0 + m; ++t)
-          for (std::int64_t c = 0; c < d; ++c) {
-            const float v = tok.value(h, t, c);
-            if (std::isfinite(v)) continue;
-            const bool in_rows = t >= tok.len;
-            return KVP_INVALID(
-                "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written",
-                in_rows ? "rows" : "state residual", static_cast<long long>(h), static_cast<long long>(in_rows ? t - tok.len : t),
-                static_cast<long long>(c), static_cast<double>(in_rows ? to_float(tok.rows(h, t - tok.len, c)) : v));
-          }
-        if (keys) {
-          for (std::int64_t c = 0; c < d; ++c) {
-            for (int t = 0; t < G; ++t) col[t] = tok.value(h, t0 + t, c);
-            KVP_REQUIRE(kivi::group_range(col, G, params_.bits).finite,
-                        "kivi: keys head %lld tokens [%lld, %lld) channel %lld span more than the fp16 range; nothing was written",
-                        static_cast<long long>(h), static_cast<long long>(t0), static_cast<long long>(t0 + G), static_cast<long long>(c));
-          }
-        } else {
-          for (std::int64_t t = t0; t < t0 + m; ++t)
-            for (std::int64_t g = 0; g < d / G; ++g) {
-              for (int c = 0; c < G; ++c) col[c] = tok.value(h, t, g * G + c);
-              KVP_REQUIRE(kivi::group_range(col, G, params_.bits).finite,
-                          "kivi: values head %lld token %lld channels [%lld, %lld) span more than the fp16 range; nothing was written",
-                          static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(g * G),
-                          static_cast<long long>(g * G + G));
-            }
-        }
+    for (std::int64_t t0 = 0; t0 + (keys ? G : 1) <= nq; t0 += chunk) {
+      const std::int64_t m = keys ? G : std::min(chunk, nq - t0);
+      if (gathered) {
+        tok.template gather<Backend>(h, t0, m, d, x);
+        if (Backend::first_not_below(x, m * d, 32752.0f) < 0) continue;
       }
+      for (std::int64_t t = t0; t < t0 + m; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const float v = tok.value(h, t, c);
+          if (std::isfinite(v)) continue;
+          const bool in_rows = t >= tok.len;
+          return KVP_INVALID(
+              "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written",
+              in_rows ? "rows" : "state residual", static_cast<long long>(h), static_cast<long long>(in_rows ? t - tok.len : t),
+              static_cast<long long>(c), static_cast<double>(in_rows ? to_float(tok.rows(h, t - tok.len, c)) : v));
+        }
+      if (keys) {
+        for (std::int64_t c = 0; c < d; ++c) {
+          for (int t = 0; t < G; ++t) col[t] = tok.value(h, t0 + t, c);
+          KVP_REQUIRE(kivi::group_range(col, G, params_.bits).finite,
+                      "kivi: keys head %lld tokens [%lld, %lld) channel %lld span more than the fp16 range; nothing was written",
+                      static_cast<long long>(h), static_cast<long long>(t0), static_cast<long long>(t0 + G), static_cast<long long>(c));
+        }
+      } else {
+        for (std::int64_t t = t0; t < t0 + m; ++t)
+          for (std::int64_t g = 0; g < d / G; ++g) {
+            for (int c = 0; c < G; ++c) col[c] = tok.value(h, t, g * G + c);
+            KVP_REQUIRE(kivi::group_range(col, G, params_.bits).finite,
+                        "kivi: values head %lld token %lld channels [%lld, %lld) span more than the fp16 range; nothing was written",
+                        static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(g * G),
+                        static_cast<long long>(g * G + G));
+          }
+      }
+    }
     return Status::ok();
   }
   /// Quantizes logical tokens [0, count) of head h into q from token `first`.
