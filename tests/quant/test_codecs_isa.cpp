@@ -279,6 +279,17 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
       }
     v.assign(333, -32751.0f);
     REQUIRE(backend::Cpu::first_not_below(v.data(), 333, 32752.0f) == -1);
+    // The same scan over fp16 values (KIVI's check of fp16 rows as they are).
+    std::vector<half> vh(333, to_half(1.0f));
+    for (std::size_t at : {0u, 17u, 64u, 200u, 332u})
+      for (float bad : {__builtin_nanf(""), __builtin_inff(), -__builtin_inff(), 32752.0f, -40000.0f}) {
+        vh.assign(333, to_half(1.0f));
+        vh[at] = to_half(bad);
+        REQUIRE(backend::Cpu::first_not_below(vh.data(), 333, 32752.0f) == static_cast<std::int64_t>(at));
+        REQUIRE(backend::Scalar::first_not_below(vh.data(), 333, 32752.0f) == static_cast<std::int64_t>(at));
+      }
+    vh.assign(333, to_half(-32736.0f));  // the largest fp16 magnitude below 32752
+    REQUIRE(backend::Cpu::first_not_below(vh.data(), 333, 32752.0f) == -1);
   });
 }
 

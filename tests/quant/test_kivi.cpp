@@ -265,25 +265,32 @@ TEST_CASE("kivi: bad input is rejected by name and nothing is written", "[quant]
       big[static_cast<std::size_t>((1 * T + 4) * D + 12)] = on ? -60000.0f : 0.0f;
     };
     overflow(true);
-    const auto in4 = TensorView<const float, 3>::contiguous(big.data(), {H4, T, D});
-    for (const KiviQuant& p : {keys, KiviQuant(KiviQuantParams{QuantRole::kValues, 2, 32, 0})}) {
-      Region r(p, H4, T, D);
-      const auto codes = r.codes, scales = r.scales;
+    // fp32 rows, and the same values as fp16 rows (scanned as they are)
+    std::vector<half> bigh(big.size());
+    const auto quantize = [&](const KiviQuant& p, bool fp16, Region& r) {
       KiviState st;
-      Status s = p.quantize(cx2, in4, st, r.q);
-      REQUIRE_THAT(s.message(), Contains("head 1 token"));
-      REQUIRE_THAT(s.message(), Contains("span more than the fp16 range"));
-      big[static_cast<std::size_t>((2 * T + 7) * D + 3)] = std::numeric_limits<float>::quiet_NaN();
-      s = p.quantize(cx2, in4, st, r.q);
-      REQUIRE_THAT(s.message(), Contains("head 1 token"));  // head 1's overflow still comes first
-      overflow(false);
-      s = p.quantize(cx2, in4, st, r.q);
-      REQUIRE_THAT(s.message(), Contains("rows head 2 token 7 channel 3 is nan"));
-      overflow(true);
-      big[static_cast<std::size_t>((2 * T + 7) * D + 3)] = 0.0f;
-      REQUIRE(r.codes == codes);
-      REQUIRE(r.scales == scales);
-    }
+      if (!fp16) return p.quantize(cx2, TensorView<const float, 3>::contiguous(big.data(), {H4, T, D}), st, r.q);
+      for (std::size_t i = 0; i < big.size(); ++i) bigh[i] = to_half(big[i]);
+      return p.quantize(cx2, TensorView<const half, 3>::contiguous(bigh.data(), {H4, T, D}), st, r.q);
+    };
+    for (const bool fp16 : {false, true})
+      for (const KiviQuant& p : {keys, KiviQuant(KiviQuantParams{QuantRole::kValues, 2, 32, 0})}) {
+        Region r(p, H4, T, D);
+        const auto codes = r.codes, scales = r.scales;
+        Status s = quantize(p, fp16, r);
+        REQUIRE_THAT(s.message(), Contains("head 1 token"));
+        REQUIRE_THAT(s.message(), Contains("span more than the fp16 range"));
+        big[static_cast<std::size_t>((2 * T + 7) * D + 3)] = std::numeric_limits<float>::quiet_NaN();
+        s = quantize(p, fp16, r);
+        REQUIRE_THAT(s.message(), Contains("head 1 token"));  // head 1's overflow still comes first
+        overflow(false);
+        s = quantize(p, fp16, r);
+        REQUIRE_THAT(s.message(), Contains("rows head 2 token 7 channel 3 is nan"));
+        overflow(true);
+        big[static_cast<std::size_t>((2 * T + 7) * D + 3)] = 0.0f;
+        REQUIRE(r.codes == codes);
+        REQUIRE(r.scales == scales);
+      }
   }
   REQUIRE_THAT(KiviQuant(KiviQuantParams{QuantRole::kKeys, 3, 32, 128}).validate_params().message(), Contains("bits is 3"));
   REQUIRE_THAT(KiviQuant(KiviQuantParams{QuantRole::kKeys, 2, 24, 48}).validate_params().message(), Contains("not a multiple of 16"));

@@ -75,7 +75,10 @@ bool CpuQuantOps::kivi_r16_kernel(const half* x, std::int64_t rows, std::int64_t
   return cpu_detail::quant_kernels().kivi_r16_f16(x, rows, xs, d, y);
 }
 std::int64_t CpuQuantOps::first_not_below(const float* x, std::int64_t n, float bound) noexcept {
-  return n <= 0 ? -1 : cpu_detail::quant_kernels().first_not_below(x, n, bound);
+  return n <= 0 ? -1 : cpu_detail::quant_kernels().first_not_below_f32(x, n, bound);
+}
+std::int64_t CpuQuantOps::first_not_below(const half* x, std::int64_t n, float bound) noexcept {
+  return n <= 0 ? -1 : cpu_detail::quant_kernels().first_not_below_f16(x, n, bound);
 }
 void CpuQuantOps::kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes,
                                      std::uint8_t* scales) noexcept {

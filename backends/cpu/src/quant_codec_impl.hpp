@@ -1455,7 +1455,8 @@ inline bool ggml_dequantize_block_v(GgmlType, const std::uint8_t*, T*) noexcept 
 #endif
 
 /// First index i of x[0, n) with !(|x[i]| < bound), NaN included; -1 if none.
-inline std::int64_t first_not_below(const float* x, std::int64_t n, float bound) noexcept {
+template <class T>
+inline std::int64_t first_not_below(const T* x, std::int64_t n, float bound) noexcept {
   std::int64_t i = 0;
 #if KVP_CPU_TU_ISA >= 1
   const vf absmask = asf(set1i(0x7fffffff));
@@ -1468,12 +1469,14 @@ inline std::int64_t first_not_below(const float* x, std::int64_t n, float bound)
   }
 #endif
   for (; i < n; ++i) {
-    float a = x[i];
+    float a = to_float(x[i]);
     a = a < 0.0f ? -a : a;
     if (!(a < bound)) return i;
   }
   return -1;
 }
+inline std::int64_t first_not_below_f32(const float* x, std::int64_t n, float bound) noexcept { return first_not_below(x, n, bound); }
+inline std::int64_t first_not_below_f16(const half* x, std::int64_t n, float bound) noexcept { return first_not_below(x, n, bound); }
 
 // Typed entry points of the kernel table.
 inline bool kivi_dequantize_keys_f32(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, float* y,

@@ -42,7 +42,8 @@ struct QuantKernels {
                              float* y, std::int64_t y_stride) noexcept;
   bool (*fp8_dequantize_f16)(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale,
                              half* y, std::int64_t y_stride) noexcept;
-  std::int64_t (*first_not_below)(const float* x, std::int64_t n, float bound) noexcept;
+  std::int64_t (*first_not_below_f32)(const float* x, std::int64_t n, float bound) noexcept;
+  std::int64_t (*first_not_below_f16)(const half* x, std::int64_t n, float bound) noexcept;
   bool (*kivi_r16_f32)(const float* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept;
   bool (*kivi_r16_f16)(const half* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float* y) noexcept;
   bool (*kivi_quantize_keys)(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept;

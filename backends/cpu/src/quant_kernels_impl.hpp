@@ -226,12 +226,13 @@ KVP_NAMESPACE_END
 
 /// The level's QuantKernels, in the table's field order (quant_kernels.hpp); each quant_ops_<isa>.cpp defines
 /// its accessor from it.
-#define KVP_QUANT_KERNEL_ENTRIES                                                                                                           \
-  &KVP_CPU_ISA_NS::quantize_f32, &KVP_CPU_ISA_NS::quantize_f16, &KVP_CPU_ISA_NS::dequantize_f32, &KVP_CPU_ISA_NS::dequantize_f16,          \
-      &KVP_CPU_ISA_NS::first_nonfinite_f32, &KVP_CPU_ISA_NS::first_nonfinite_f16, &KVP_CPU_ISA_NS::rotate_in_f32,                          \
-      &KVP_CPU_ISA_NS::rotate_in_f16, &KVP_CPU_ISA_NS::rotate_out_f32, &KVP_CPU_ISA_NS::rotate_out_f16, &KVP_CPU_ISA_NS::int4_quantize,    \
-      &KVP_CPU_ISA_NS::int4_dequantize_f32, &KVP_CPU_ISA_NS::int4_dequantize_f16, &KVP_CPU_ISA_NS::fp8_quantize_f32,                       \
-      &KVP_CPU_ISA_NS::fp8_quantize_f16, &KVP_CPU_ISA_NS::fp8_dequantize_f32, &KVP_CPU_ISA_NS::fp8_dequantize_f16,                         \
-      &KVP_CPU_ISA_NS::first_not_below, &KVP_CPU_ISA_NS::kivi_r16_f32, &KVP_CPU_ISA_NS::kivi_r16_f16, &KVP_CPU_ISA_NS::kivi_quantize_keys, \
-      &KVP_CPU_ISA_NS::kivi_dequantize_keys_f32, &KVP_CPU_ISA_NS::kivi_dequantize_keys_f16, &KVP_CPU_ISA_NS::kivi_quantize_values,         \
-      &KVP_CPU_ISA_NS::kivi_dequantize_values_f32, &KVP_CPU_ISA_NS::kivi_dequantize_values_f16
+#define KVP_QUANT_KERNEL_ENTRIES                                                                                                        \
+  &KVP_CPU_ISA_NS::quantize_f32, &KVP_CPU_ISA_NS::quantize_f16, &KVP_CPU_ISA_NS::dequantize_f32, &KVP_CPU_ISA_NS::dequantize_f16,       \
+      &KVP_CPU_ISA_NS::first_nonfinite_f32, &KVP_CPU_ISA_NS::first_nonfinite_f16, &KVP_CPU_ISA_NS::rotate_in_f32,                       \
+      &KVP_CPU_ISA_NS::rotate_in_f16, &KVP_CPU_ISA_NS::rotate_out_f32, &KVP_CPU_ISA_NS::rotate_out_f16, &KVP_CPU_ISA_NS::int4_quantize, \
+      &KVP_CPU_ISA_NS::int4_dequantize_f32, &KVP_CPU_ISA_NS::int4_dequantize_f16, &KVP_CPU_ISA_NS::fp8_quantize_f32,                    \
+      &KVP_CPU_ISA_NS::fp8_quantize_f16, &KVP_CPU_ISA_NS::fp8_dequantize_f32, &KVP_CPU_ISA_NS::fp8_dequantize_f16,                      \
+      &KVP_CPU_ISA_NS::first_not_below_f32, &KVP_CPU_ISA_NS::first_not_below_f16, &KVP_CPU_ISA_NS::kivi_r16_f32,                        \
+      &KVP_CPU_ISA_NS::kivi_r16_f16, &KVP_CPU_ISA_NS::kivi_quantize_keys, &KVP_CPU_ISA_NS::kivi_dequantize_keys_f32,                    \
+      &KVP_CPU_ISA_NS::kivi_dequantize_keys_f16, &KVP_CPU_ISA_NS::kivi_quantize_values, &KVP_CPU_ISA_NS::kivi_dequantize_values_f32,    \
+      &KVP_CPU_ISA_NS::kivi_dequantize_values_f16

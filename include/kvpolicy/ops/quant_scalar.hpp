@@ -156,9 +156,10 @@ struct ScalarQuantOps {
   // ---- KIVI ---------------------------------------------------------------------------------------
 
   /// First index i of x[0, n) with !(|x[i]| < bound) (NaN included), or -1.
-  static std::int64_t first_not_below(const float* x, std::int64_t n, float bound) noexcept {
+  template <class T>
+  static std::int64_t first_not_below(const T* x, std::int64_t n, float bound) noexcept {
     for (std::int64_t i = 0; i < n; ++i)
-      if (!(std::fabs(x[i]) < bound)) return i;
+      if (!(std::fabs(to_float(x[i])) < bound)) return i;
     return -1;
   }
 

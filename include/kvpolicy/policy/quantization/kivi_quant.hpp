@@ -308,6 +308,32 @@ class KiviQuant {
     float value(std::int64_t h, std::int64_t i, std::int64_t c) const noexcept {
       return i < len ? to_float(residual(h, i, c)) : kivi::r16(to_float(rows(h, i - len, c)));
     }
+    /// Whether every value of logical tokens [0, n) of head h lies below 32752 in magnitude as an fp16
+    /// value: a conservative scan (a false may still pass check_ranges' exact check). fp16 rows are read
+    /// as they are, fp32 rows against 32744 (below which their fp16 rounding stays below 32752), other types
+    /// through the fp16 gather in chunks of `chunk` tokens into x.
+    template <class Backend>
+    bool below_fp16_limit(std::int64_t h, std::int64_t n, std::int64_t d, float* x, std::int64_t chunk) const noexcept {
+      const auto scan = [&](const auto* p, std::int64_t stride, std::int64_t m, float bound) noexcept {
+        if (stride == d) return Backend::first_not_below(p, m * d, bound) < 0;
+        for (std::int64_t i = 0; i < m; ++i)
+          if (Backend::first_not_below(p + i * stride, d, bound) >= 0) return false;
+        return true;
+      };
+      const std::int64_t r = std::min(n, len);
+      if (r > 0 && !scan(&residual(h, 0, 0), residual.stride(1), r, 32752.0f)) return false;
+      if (r == n) return true;
+      if constexpr (std::is_same_v<Tk, half> || std::is_same_v<Tk, float>) {
+        if (rows.stride(2) == 1 || d == 1)
+          return scan(&rows(h, 0, 0), rows.stride(1), n - r, std::is_same_v<Tk, half> ? 32752.0f : 32744.0f);
+      }
+      for (std::int64_t t0 = r; t0 < n; t0 += chunk) {
+        const std::int64_t m = std::min(chunk, n - t0);
+        gather<Backend>(h, t0, m, d, x);
+        if (Backend::first_not_below(x, m * d, 32752.0f) >= 0) return false;
+      }
+      return true;
+    }
     /// Logical tokens [i0, i0 + m) of head h as fp16 values into x (m rows of d).
     template <class Backend>
     void gather(std::int64_t h, std::int64_t i0, std::int64_t m, std::int64_t d, float* x) const noexcept {
@@ -394,19 +420,14 @@ class KiviQuant {
     const bool keys = params_.role == QuantRole::kKeys;
     std::int64_t from = 0;
     if (fits_scratch(d)) {
-      const std::int64_t chunk = keys ? G : kScratch / d;
+      const std::int64_t n = keys ? nq / G * G : nq;  // the tokens write_codes quantizes
       std::atomic<std::int64_t> flagged{H};
       exec.parallel_for(H, [&](std::int64_t h, int) {
         if (h >= flagged.load(std::memory_order_relaxed)) return;
         alignas(64) float x[kScratch];
-        for (std::int64_t t0 = 0; t0 + (keys ? G : 1) <= nq; t0 += chunk) {
-          const std::int64_t m = keys ? G : std::min(chunk, nq - t0);
-          tok.template gather<Backend>(h, t0, m, d, x);
-          if (Backend::first_not_below(x, m * d, 32752.0f) < 0) continue;
-          std::int64_t cur = flagged.load(std::memory_order_relaxed);
-          while (h < cur && !flagged.compare_exchange_weak(cur, h, std::memory_order_relaxed)) {
-          }
-          return;
+        if (tok.template below_fp16_limit<Backend>(h, n, d, x, kScratch / d)) return;
+        std::int64_t cur = flagged.load(std::memory_order_relaxed);
+        while (h < cur && !flagged.compare_exchange_weak(cur, h, std::memory_order_relaxed)) {
         }
       });
       from = flagged.load();

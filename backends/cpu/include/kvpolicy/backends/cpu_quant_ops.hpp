@@ -83,6 +83,7 @@ struct CpuQuantOps : ScalarQuantOps {
     ScalarQuantOps::kivi_r16_rows(x, rows, x_stride, d, y);
   }
   static std::int64_t first_not_below(const float* x, std::int64_t n, float bound) noexcept;
+  static std::int64_t first_not_below(const half* x, std::int64_t n, float bound) noexcept;
   static void kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept;
   template <class T>
   static void kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, T* y,
