@@ -38,7 +38,7 @@ struct WindowScratch {
   float* qt = nullptr;                   // (head_dim, qpad): queries transposed, zero padded
   std::int32_t* last_visible = nullptr;  // (qpad): last key each query row sees (causal)
   float* p = nullptr;                    // (kv_len, qpad): exp(logit - chunk reference)
-  float* chunk_ref = nullptr;            // (num_chunks, qpad): chunk references, then exp(ref - max)
+  float* chunk_ref = nullptr;            // (num_chunks, qpad): chunk maxima, then exp(chunk max - row max)
   float* chunk_sum = nullptr;            // (num_chunks, qpad): sum of the chunk's exp
   float* key_buf = nullptr;              // (kChunk, head_dim): keys of one chunk in fp32
   float* row_max = nullptr;              // (qpad): running max, finally the max over all keys

@@ -141,8 +141,8 @@ inline void widen_row(const T* src, std::int64_t d, float* dst) noexcept {
 // e^x for the softmax: Cody-Waite reduction by ln 2 and a degree-7
 // polynomial (Cephes' expf), about 1 ulp on [-87, 88]. Arguments below -87
 // give exactly 0, so no result is a denormal (denormals would cost microcode
-// assists in the sums and products that follow); arguments above 88 are clamped (the callers never keep such values,
-// see kHeadroom), NaN stays NaN (the clamps pass it through: max/min return
+// assists in the sums and products that follow); arguments above 88 are clamped (the callers' arguments are at
+// most 0: a logit minus its chunk's max), NaN stays NaN (the clamps pass it through: max/min return
 // their second operand when one is NaN).
 inline F exp_clamped(F x) noexcept {
   const F lo(-87.0f), hi(88.0f);  // e^-87 = 1.6e-38 > 2^-126
@@ -178,20 +178,11 @@ inline F exp_clamped(F x) noexcept {
   return xsimd::select(x < lo, F(0.0f), scaled);
 }
 
-// Softmax bookkeeping (pass 1). Each chunk of keys stores p = exp(logit - ref)
-// with one reference per query, recorded in chunk_ref; pass 2 multiplies by
-// exp(ref - max) / denominator. The reference is the running max of the
-// previous chunks, so the exp is computed as the logits come out of the
-// register tile (one sweep over p instead of two). A chunk whose logits
-// exceed its reference by more than kHeadroom for some query (the first
-// chunk, a query that saw no key before, a jump of the max) is recomputed in
-// two steps: logits first, then exp(logit - chunk max). Either way p <=
-// e^kHeadroom, and the probabilities lost to the exp's flush to zero are
-// below e^(kHeadroom - 87) of the row max.
-inline constexpr float kHeadroom = 32.0f;
-
-enum class TileMode { kLogits, kExp };
-
+// Softmax bookkeeping (pass 1), chunk by chunk: the register tiles store the chunk's logits into p and fold
+// the chunk max per query; a sweep over the chunk then turns them into p = exp(logit - chunk max) with the
+// chunk sums, and records the chunk max in chunk_ref; pass 2 multiplies by exp(chunk max - row max) /
+// denominator. (Computing the exps in each tile's epilogue, against the running max, saved that sweep but
+// was 5-12 % slower on AVX-512: the tile cannot hide the exp's latency, while the sweep's exps pipeline.)
 struct TileArgs {
   const float* key_buf;                   // (kChunk, d): the chunk's keys in fp32
   const float* qt;                        // blocks of kVecs query vectors, (d, width) each; bf16 dot: (d / 2, width) bf16 pairs
@@ -199,8 +190,6 @@ struct TileArgs {
   const std::int32_t* last_visible;       // (qpad)
   float* p;                               // (kv_len, qpad)
   float* cur_max;                         // (qpad): max of the current chunk
-  const float* ref;                       // (qpad): reference of the current chunk (kExp)
-  float* sum;                             // (qpad): sums of the current chunk (kExp)
   std::int64_t qpad, d, q_pos0;
   std::int64_t j;  // absolute index of the tile's first key
   std::int64_t r;  // row of the tile's first key in key_buf
@@ -210,15 +199,14 @@ struct TileArgs {
 
 // Logits of kRows keys x V query vectors: broadcast one key element, FMA
 // against V query vectors, over the head dimension. Then scale, causal mask,
-// fold into the chunk max, and store either the logits (kLogits) or
-// exp(logit - ref) with the chunk sums (kExp). A partial tile (rc < kRows
+// fold into the chunk max, and store the logits. A partial tile (rc < kRows
 // keys, the last of a short chunk) repeats its last key in the spare rows and
 // drops their results: one instantiation per V keeps the code size (and the
 // compile time) small.
-template <TileMode kMode, int V>
+template <int V>
 inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcept;
 
-template <TileMode kMode, int V>
+template <int V>
 inline void logit_tile(const TileArgs& a, int rc) noexcept {
   constexpr int R = kRows;
   F acc[R][V];
@@ -243,7 +231,7 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
       for (int v = 0; v < V; ++v) acc[r][v] = fmadd(k, qv[v], acc[r][v]);
     }
   }
-  tile_epilogue<kMode, V>(a, rc, acc);
+  tile_epilogue<V>(a, rc, acc);
 }
 
 #if KVP_CPU_TU_ISA == 2
@@ -251,7 +239,7 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
 // per step one pair of channels, vdpbf16ps adding q[2c] k[2c] and q[2c+1] k[2c+1] (exact bf16 products, fp32
 // adds) to each accumulator, the key pair broadcast straight from the bf16 row. Same register tile, half the
 // steps; the epilogue is the fp32 form's.
-template <TileMode kMode, int V>
+template <int V>
 __attribute__((target("avx512bf16"))) void logit_tile_dot(const TileArgs& a, int rc) noexcept {
   constexpr int R = kRows;
   __m512 acc[R][V];
@@ -280,24 +268,17 @@ __attribute__((target("avx512bf16"))) void logit_tile_dot(const TileArgs& a, int
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) out[r][v] = F(acc[r][v]);
-  tile_epilogue<kMode, V>(a, rc, out);
+  tile_epilogue<V>(a, rc, out);
 }
 #endif
 
-template <TileMode kMode, int V>
+template <int V>
 inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcept {
   constexpr int R = kRows;
   const F scale(a.scale);
-  F m[V], base[V], sum[V];
+  F m[V];
 #pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) {
-    m[v] = F::load_aligned(a.cur_max + (a.v + v) * kLanes);
-    if constexpr (kMode == TileMode::kExp) {
-      const F ref = F::load_aligned(a.ref + (a.v + v) * kLanes);
-      base[v] = xsimd::select(ref == F(-kInf), F(0.0f), ref);  // no key seen yet: its masked logits give exp(-inf) = 0
-      sum[v] = F::load_aligned(a.sum + (a.v + v) * kLanes);
-    }
-  }
+  for (int v = 0; v < V; ++v) m[v] = F::load_aligned(a.cur_max + (a.v + v) * kLanes);
   // Only keys after q_pos0 are hidden from some query of the window.
   const bool masked = a.j + rc - 1 > a.q_pos0;
 #pragma GCC unroll 8
@@ -313,41 +294,29 @@ inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcep
         l = xsimd::select(xsimd::bool_cast(key_index <= lv), l, F(-kInf));
       }
       m[v] = xsimd::max(m[v], l);
-      if constexpr (kMode == TileMode::kExp) {
-        const F e = exp_clamped(l - base[v]);
-        e.store_aligned(prow + v * kLanes);
-        sum[v] += e;
-      } else {
-        l.store_aligned(prow + v * kLanes);
-      }
+      l.store_aligned(prow + v * kLanes);
     }
   }
 #pragma GCC unroll 8
-  for (int v = 0; v < V; ++v) {
-    m[v].store_aligned(a.cur_max + (a.v + v) * kLanes);
-    if constexpr (kMode == TileMode::kExp) sum[v].store_aligned(a.sum + (a.v + v) * kLanes);
-  }
+  for (int v = 0; v < V; ++v) m[v].store_aligned(a.cur_max + (a.v + v) * kLanes);
 }
 
 // Picks the tile instantiation for the last query vectors (vc <= V).
-template <TileMode kMode, bool kDot, int V>
+template <bool kDot, int V>
 inline void dispatch_tile(int vc, int rc, const TileArgs& a) noexcept {
   if constexpr (V > 1) {
-    if (vc < V) return dispatch_tile<kMode, kDot, V - 1>(vc, rc, a);
+    if (vc < V) return dispatch_tile<kDot, V - 1>(vc, rc, a);
   }
 #if KVP_CPU_TU_ISA == 2
-  if constexpr (kDot) return logit_tile_dot<kMode, V>(a, rc);
+  if constexpr (kDot) return logit_tile_dot<V>(a, rc);
 #endif
-  logit_tile<kMode, V>(a, rc);
+  logit_tile<V>(a, rc);
 }
 
 // All tiles of one chunk (nr keys starting at key j0, already in key_buf; bf16 dot: their rows in key_pairs).
-template <TileMode kMode, bool kDot>
+template <bool kDot>
 inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int64_t nv) noexcept {
   for (std::int64_t i = 0; i < a.qpad; ++i) a.cur_max[i] = -kInf;
-  if constexpr (kMode == TileMode::kExp) {
-    for (std::int64_t i = 0; i < a.qpad; ++i) a.sum[i] = 0.0f;
-  }
   for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
     a.v = v0;
     const int vc = static_cast<int>(nv - v0 < kVecs ? nv - v0 : kVecs);
@@ -355,7 +324,7 @@ inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int6
       a.r = r0;
       a.j = j0 + r0;
       const int rc = static_cast<int>(nr - r0 < kRows ? nr - r0 : kRows);
-      dispatch_tile<kMode, kDot, kVecs>(vc, rc, a);
+      dispatch_tile<kDot, kVecs>(vc, rc, a);
     }
   }
 }
@@ -404,10 +373,10 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
   }
 
   // Pass 1, chunk by chunk: keys widened (or copied) into an L1-resident
-  // buffer, then p = exp(logit - ref) with the chunk sums (see kHeadroom).
+  // buffer, the logits, then p = exp(logit - chunk max) with the chunk sums.
   // bf16 dot: the chunk's key row pointers in the key buffer's place (kChunk pointers fit in kChunk x d floats).
   auto* key_pairs = reinterpret_cast<const std::uint16_t**>(ws.key_buf);
-  TileArgs a{ws.key_buf, ws.qt, key_pairs, ws.last_visible, ws.p, ws.cur_max, nullptr, nullptr, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
+  TileArgs a{ws.key_buf, ws.qt, key_pairs, ws.last_visible, ws.p, ws.cur_max, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
   for (std::int64_t ch = 0; ch * kChunk < T; ++ch) {
     const std::int64_t j0 = ch * kChunk, nr = T - j0 < kChunk ? T - j0 : kChunk;
     for (std::int64_t r = 0; r < nr; ++r) {
@@ -426,32 +395,19 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     }
     float* cref = ws.chunk_ref + ch * qpad;
     float* csum = ws.chunk_sum + ch * qpad;
-    bool two_step = ch == 0;
-    if (!two_step) {
-      a.ref = ws.row_max;
-      a.sum = csum;
-      chunk_tiles<TileMode::kExp, kDot>(a, j0, nr, nv);
-      for (std::int64_t v = 0; v < nv && !two_step; ++v) {
-        const F ref = F::load_aligned(ws.row_max + v * kLanes);
-        two_step = xsimd::any(F::load_aligned(ws.cur_max + v * kLanes) > ref + F(kHeadroom));
+    chunk_tiles<kDot>(a, j0, nr, nv);
+    for (std::int64_t v = 0; v < nv; ++v) {
+      const F m = F::load_aligned(ws.cur_max + v * kLanes);
+      const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
+      F sum(0.0f);
+      float* pp = ws.p + j0 * qpad + v * kLanes;
+      for (std::int64_t r = 0; r < nr; ++r, pp += qpad) {
+        const F e = exp_clamped(F::load_aligned(pp) - base);
+        e.store_aligned(pp);
+        sum += e;
       }
-      if (!two_step) std::memcpy(cref, ws.row_max, static_cast<std::size_t>(qpad) * sizeof(float));
-    }
-    if (two_step) {
-      chunk_tiles<TileMode::kLogits, kDot>(a, j0, nr, nv);
-      for (std::int64_t v = 0; v < nv; ++v) {
-        const F m = F::load_aligned(ws.cur_max + v * kLanes);
-        const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
-        F sum(0.0f);
-        float* pp = ws.p + j0 * qpad + v * kLanes;
-        for (std::int64_t r = 0; r < nr; ++r, pp += qpad) {
-          const F e = exp_clamped(F::load_aligned(pp) - base);
-          e.store_aligned(pp);
-          sum += e;
-        }
-        sum.store_aligned(csum + v * kLanes);
-        m.store_aligned(cref + v * kLanes);
-      }
+      sum.store_aligned(csum + v * kLanes);
+      m.store_aligned(cref + v * kLanes);
     }
     for (std::int64_t v = 0; v < nv; ++v) {
       const F m = xsimd::max(F::load_aligned(ws.row_max + v * kLanes), F::load_aligned(ws.cur_max + v * kLanes));
