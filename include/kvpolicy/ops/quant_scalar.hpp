@@ -15,7 +15,10 @@
 //       scale, or (scale <= 0) the dynamic per-row scale in the row's trailer
 //       (Fp8Quant's per_token_head layout)
 //   kivi_r16_rows, kivi_*_keys / kivi_*_value_rows   KIVI's fp16 arithmetic
-//       (quant/kivi.hpp) on fp16-valued fp32 rows
+//       (quant/kivi.hpp) on fp16-valued fp32 rows; the decoders write T rows
+//       (fp32, fp16, ...) at a row stride
+//   first_not_below                             the first value of a float or
+//       half run at or above a magnitude (NaN included): KIVI's range scan
 // Inputs are finite (the policies validate before any call).
 #pragma once
 

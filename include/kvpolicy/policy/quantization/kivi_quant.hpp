@@ -38,7 +38,10 @@
 // (Backend::kivi_r16_rows) and coded by the backend's kivi_*_keys /
 // kivi_*_value_rows (vectorised on backend::Cpu, bit-identical with
 // backend::Scalar). A quantize reads its input twice: once to validate every
-// value and group range before the first write, once to code it.
+// value and group range before the first write (a scan of the rows as they
+// are, heads in parallel), once to code it. A dequantize into fp32 or fp16
+// rows with unit channel stride decodes straight into them; other outputs go
+// through an fp32 chunk.
 #pragma once
 
 #include <algorithm>
