@@ -45,6 +45,20 @@ kvpolicy::KeepSet keep_args(const char* who, const ArrayArg& IP, const ArrayArg&
                            ID.view.extents[0]};
 }
 
+/// p.merge(ctx, in, out...) on the CPU under the module's thread pool, with a workspace sized for H kv heads of
+/// T tokens of head_dim d, and without the GIL.
+template <class Policy, class In, class... Out>
+kvpolicy::Status merge_on_cpu(const Policy& p, std::int64_t H, std::int64_t T, std::int64_t d, const In& in, Out&&... out) {
+  std::lock_guard<std::mutex> lk(exec_mutex());
+  const kvpolicy::ExecContext ex = exec_context();
+  const kvpolicy::Requirements req =
+      p.requirements(kvpolicy::Context<Cpu>{{}, ex}, kvpolicy::ProblemShape{H, H, d, std::max<std::int64_t>(T, 1), 1});
+  KVP_RETURN_IF_ERROR(req.status);
+  std::unique_ptr<std::byte[]> ws(new std::byte[req.workspace_bytes + 1]);
+  nb::gil_scoped_release nogil;
+  return p.merge(kvpolicy::Context<Cpu>{kvpolicy::Workspace{ws.get(), req.workspace_bytes + 1}, ex}, in, std::forward<Out>(out)...);
+}
+
 /// Runs one merge policy on (keys, values, keep) and returns (indptr, dst, src, weight, merged_keys, merged_values);
 /// `fill(input, status)` completes the policy's input (state, sums) for element type T; `done()` runs after success.
 template <template <class> class Input, class Policy, class Fill>
@@ -95,14 +109,7 @@ nb::tuple run_merge(const char* who, const Policy& p, nb::handle keys, nb::handl
       }
       in.values = kvpolicy::KVSource<T_>::from(v);
       KVP_RETURN_IF_ERROR(fill(in));
-      std::lock_guard<std::mutex> lk(exec_mutex());
-      const kvpolicy::ExecContext ex = exec_context();
-      const kvpolicy::Requirements req =
-          p.requirements(kvpolicy::Context<Cpu>{{}, ex}, kvpolicy::ProblemShape{H, H, d, std::max<std::int64_t>(T, 1), 1});
-      KVP_RETURN_IF_ERROR(req.status);
-      std::unique_ptr<std::byte[]> ws(new std::byte[req.workspace_bytes + 1]);
-      nb::gil_scoped_release nogil;
-      return p.merge(kvpolicy::Context<Cpu>{kvpolicy::Workspace{ws.get(), req.workspace_bytes + 1}, ex}, in, keep, plan);
+      return merge_on_cpu(p, H, T, d, in, keep, plan);
     }
   }));
   const std::int32_t n = ipp[H];
@@ -253,14 +260,7 @@ nb::tuple minicache_merge(float t, float gamma, nb::handle prev, nb::handle cur)
     KVP_RETURN_IF_ERROR((A.view.template as<const T_, 3>(&x, "prev")));
     KVP_RETURN_IF_ERROR((B.view.template as<const T_, 3>(&y, "cur")));
     kvpolicy::MiniCacheInput<T_> in{kvpolicy::KVSource<T_>::from(x), kvpolicy::KVSource<T_>::from(y)};
-    std::lock_guard<std::mutex> lk(exec_mutex());
-    const kvpolicy::ExecContext ex = exec_context();
-    const kvpolicy::Requirements req =
-        p.requirements(kvpolicy::Context<Cpu>{{}, ex}, kvpolicy::ProblemShape{H, H, d, std::max<std::int64_t>(T, 1), 1});
-    KVP_RETURN_IF_ERROR(req.status);
-    std::unique_ptr<std::byte[]> ws(new std::byte[req.workspace_bytes + 1]);
-    nb::gil_scoped_release nogil;
-    return p.merge(kvpolicy::Context<Cpu>{kvpolicy::Workspace{ws.get(), req.workspace_bytes + 1}, ex}, in, out);
+    return merge_on_cpu(p, H, T, d, in, out);
   }));
   const std::int32_t n = ripp[H];
   auto head = [&](nb::object a, std::int64_t m) { return a.attr("__getitem__")(nb::slice(nb::int_(0), nb::int_(m), nb::none())); };
