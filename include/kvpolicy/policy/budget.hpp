@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvpolicy/core/rounding.hpp"
 #include "kvpolicy/core/status.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -42,19 +43,6 @@ enum class BudgetKind : std::uint8_t { kTokens, kKeepRatio, kCompressionRatio };
 constexpr std::int64_t kvpress_n_kept(std::int64_t kv_len, double compression_ratio, bool at_least_one = false) noexcept {
   const auto n = static_cast<std::int64_t>(static_cast<double>(kv_len) * (1.0 - compression_ratio));
   return (at_least_one && kv_len > 0 && n < 1) ? 1 : n;
-}
-
-/// Python's `round()` / `torch.round`: nearest integer, ties to even. Exact
-/// for every double (x - floor(x) is exact), independent of the FP rounding mode.
-constexpr double round_half_even(double x) noexcept {
-  if (!(x == x) || !(x < 4503599627370496.0 && x > -4503599627370496.0)) return x;  // NaN, inf, |x| >= 2^52: integral
-  double f = static_cast<double>(static_cast<std::int64_t>(x));
-  if (f > x) f -= 1.0;  // floor for negative non-integers
-  const double frac = x - f;
-  if (frac > 0.5) return f + 1.0;
-  if (frac < 0.5) return f;
-  const auto fi = static_cast<std::int64_t>(f);
-  return (fi % 2 == 0) ? f : f + 1.0;
 }
 
 /// Python's `a // b` on integers (floor division; C++ `/` truncates).

@@ -67,7 +67,9 @@ struct Context {
 /// views must be tagged `DeviceType::kCUDA`, values are not scanned on the
 /// host (NaN/Inf are not rejected; a NaN score orders below every number,
 /// `score_order_key`, so decisions stay deterministic), and row offsets of
-/// outputs (`KeepSet::indptr`) are host memory, written from the shapes.
+/// outputs (`KeepSet::indptr`) are host memory, written from the shapes
+/// (except Ada-KV, whose offsets depend on the scores: device memory, written
+/// on the device).
 template <class B>
 inline constexpr bool kDeviceBackend = requires {
   typename B::CallScope;

@@ -36,6 +36,7 @@
 #include <span>
 
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/adakv_keep.hpp"
 #include "kvpolicy/policy/budget.hpp"
 #include "kvpolicy/policy/budget/sharded_cut.hpp"
 #include "kvpolicy/policy/concepts.hpp"
@@ -115,6 +116,37 @@ struct AdaKVAllocation {
     return Status::ok();
   }
 
+  /// The allocation of one sequence of T tokens over `rows` rows in the form
+  /// `ops::adakv_keep` evaluates (ops/adakv_keep.hpp): the same counts as
+  /// `allocate` followed by each row's top count. Preconditions: `validate()`
+  /// and, for the original, per_row(T) >= the protected tokens.
+  AdaKVKeepSpec keep_spec(std::int64_t T, std::int64_t rows) const noexcept {
+    AdaKVKeepSpec s;
+    const std::int64_t P = std::min(num_protected, T), n_total = per_row(T);
+    if (n_total > T || (n_total == T && variant == AdaKVVariant::kKvpress)) {
+      s.keep_all = true;
+      return s;
+    }
+    if (variant == AdaKVVariant::kOriginal) {
+      const std::int64_t B = n_total - P;
+      s.original = true;
+      s.normalize = normalize;
+      s.row_k = normalize ? std::min<std::int64_t>(T, B + P) : 0;
+      s.layer_k = std::min(rows * T, rows * (B + P));
+      s.base = -P;
+      s.protected_tokens = P;
+      s.past_budget = B;
+      s.floor_cap = static_cast<std::int64_t>(static_cast<double>(B) * alpha);
+      s.keep_f = static_cast<float>(1.0 - alpha);
+    } else {
+      const std::int64_t n_safe = kvpress_safe(n_total);
+      s.row_k = n_safe;
+      s.layer_k = rows * (n_total - n_safe);
+      s.base = n_safe;
+    }
+    return s;
+  }
+
  private:
   struct Scratch {
     float* cand = nullptr;         // rows*T: normalised scores / kvpress candidates
@@ -173,16 +205,13 @@ struct AdaKVAllocation {
   /// selection minus P (`defined`: no share fell below the protected tokens,
   /// over the whole layer); writes count[r] = cap[r] + P.
   void original_caps(std::int64_t T, std::int64_t rows, std::int64_t P, std::int64_t B, bool defined, std::int64_t* count) const noexcept {
-    const auto floor_cap = static_cast<std::int64_t>(static_cast<double>(B) * alpha);
-    const float keep_f = static_cast<float>(1.0 - alpha);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      std::int64_t cap = B;  // more +inf scores than the selection holds: uniform
-      if (defined) {
-        const float v = detail::rounded_mul(static_cast<float>(count[r]), keep_f) + static_cast<float>(floor_cap);
-        cap = static_cast<std::int64_t>(round_half_even(static_cast<double>(v)));
-      }
-      count[r] = std::clamp<std::int64_t>(cap, 0, T - P) + P;
-    }
+    AdaKVKeepSpec s;  // the formula is ops/adakv_keep.hpp's, shared with the device op
+    s.original = true;
+    s.protected_tokens = P;
+    s.past_budget = B;  // more +inf scores than the selection holds: uniform
+    s.floor_cap = static_cast<std::int64_t>(static_cast<double>(B) * alpha);
+    s.keep_f = static_cast<float>(1.0 - alpha);
+    for (std::int64_t r = 0; r < rows; ++r) count[r] = adakv_final_count(s, count[r], defined, T);
   }
 
   /// kvpress's safeguard count for a budget of n_kept tokens per row.

@@ -58,6 +58,14 @@
 //    n_safe = max(1, n_safe) (alpha > 0, n_kept > 0).
 //  * The pyramid mode of the original is a `LayerSchedule::pyramid_adakv`
 //    budget, recomputed per call (the original caches its first prompt's).
+//  * Device backends (`backend::Cuda`): the counts depend on the scores, so
+//    the decision runs as one `ops::adakv_keep` per sequence after its scores
+//    (ops/adakv_keep.hpp: thresholds instead of sorted candidates, the same
+//    counts and rows) and `KeepSet::indptr` is **device memory**, written on
+//    the device, unlike the policies whose offsets follow from the shapes
+//    (host memory). No synchronisation, so a decision can be captured in a
+//    CUDA graph; an engine reads the offsets as varlen attention's
+//    cu_seqlens. Sharded (tensor-parallel) layers stay on the host.
 #pragma once
 
 #include <algorithm>
@@ -210,6 +218,9 @@ class AdaKV {
     std::int64_t n = 0;
     if (st.is_ok()) st = params_.budget.resolve(kName, shape.max_kv_len, protected_tokens(shape.max_kv_len), &n);
     Requirements r;
+    if (st.is_ok() && kDeviceBackend<Backend> && sharded(ctx))
+      st = Status::error(StatusCode::kUnsupported,
+                         "adakv: a tensor-parallel (sharded) layer is decided on the host; a device backend takes whole layers");
     r.status = st;
     if (!st.is_ok()) return r;
     const std::int64_t rows = rows_per_sequence(shape.num_q_heads, shape.num_kv_heads);
@@ -232,18 +243,23 @@ class AdaKV {
   template <class Backend, class In>
     requires HeadScorer<Scorer, In, Backend> Status evict(const Context<Backend>& cx, std::span<const In> batch, KeepSet out)
   const noexcept {
-    if (sharded(cx)) return evict_sharded(cx, batch, out);
-    ProblemShape shape;
-    std::int64_t rows = 0;
-    std::uint64_t fingerprint = 0;
-    KVP_RETURN_IF_ERROR(check_call(cx, batch, out, false, &shape, &rows, &fingerprint));
-
-    Buffers buf = carve(cx, shape);
-    out.indptr[0] = 0;
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      KVP_RETURN_IF_ERROR(select_one<Backend>(cx, batch[b], shape, rows, static_cast<std::int64_t>(b) * rows, out, buf));
+    if constexpr (kDeviceBackend<Backend>) {
+      if (sharded(cx))
+        return Status::error(StatusCode::kUnsupported,
+                             "adakv: a tensor-parallel (sharded) layer is decided on the host; a device backend takes whole layers");
+      return evict_device(cx, batch, out);
+    } else {
+      if (sharded(cx)) return evict_sharded(cx, batch, out);
+      ProblemShape shape;
+      std::int64_t rows = 0;
+      std::uint64_t fingerprint = 0;
+      KVP_RETURN_IF_ERROR(check_call(cx, batch, out, false, &shape, &rows, &fingerprint));
+      Buffers buf = carve(cx, shape);
+      out.indptr[0] = 0;
+      for (std::size_t b = 0; b < batch.size(); ++b)
+        KVP_RETURN_IF_ERROR(select_one<Backend>(cx, batch[b], shape, rows, static_cast<std::int64_t>(b) * rows, out, buf));
+      return Status::ok();
     }
-    return Status::ok();
   }
 
   template <class Backend, class In>
@@ -271,7 +287,10 @@ class AdaKV {
   Status check_call(const Context<Backend>& cx, std::span<const In> batch, const KeepSet& out, bool shard_layout_ws, ProblemShape* shape,
                     std::int64_t* rows_out, std::uint64_t* fingerprint) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(scorer_.validate(batch, shape));
+    if constexpr (kDeviceBackend<Backend>)
+      KVP_RETURN_IF_ERROR(scorer_.validate(batch, shape, /*on_device=*/true));
+    else
+      KVP_RETURN_IF_ERROR(scorer_.validate(batch, shape));
     shape->batch = static_cast<std::int64_t>(batch.size());
     const std::int64_t rows = rows_per_sequence(shape->num_q_heads, shape->num_kv_heads);
     std::int64_t total = 0;
@@ -297,6 +316,30 @@ class AdaKV {
     *rows_out = rows;
     *fingerprint = fp;
     return Status::ok();
+  }
+
+  /// A device backend: the whole decision on the device, one `ops::adakv_keep`
+  /// per sequence after its scores, so nothing returns to the host. The row
+  /// offsets depend on the scores, so `out.indptr` is device memory here,
+  /// written on the device (indptr[0] = 0 included); the capacity check uses
+  /// the same host bound as the host path.
+  template <class Backend, class In>
+  Status evict_device(const Context<Backend>& cx, std::span<const In> batch, KeepSet out) const noexcept {
+    ProblemShape shape;
+    std::int64_t rows = 0;
+    std::uint64_t fingerprint = 0;
+    KVP_RETURN_IF_ERROR(check_call(cx, batch, out, false, &shape, &rows, &fingerprint));
+    Buffers buf = carve(cx, shape);
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    Backend::iota(out.indptr, 0, 1);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::int64_t T = batch[b].keys.kv_len(), row0 = static_cast<std::int64_t>(b) * rows;
+      const AdaKVKeepSpec spec = allocation(T).keep_spec(T, rows);
+      if (!spec.keep_all) KVP_RETURN_IF_ERROR(score_rows(cx, batch[b], shape, T, buf));
+      ops::adakv_keep<Backend>(buf.scores, rows, T, spec, buf.count, out.indptr + row0, out.indices, buf.alloc);
+    }
+    return call.end();
   }
 
   /// Tensor parallelism: this rank's rows of the layer, decided with the
@@ -471,7 +514,9 @@ class AdaKV {
   Sizes sizes(const ProblemShape& s, const Context<Backend>& ctx) const noexcept {
     const std::int64_t rows = std::max<std::int64_t>(1, rows_per_sequence(s.num_q_heads, s.num_kv_heads));
     const std::int64_t T = std::max<std::int64_t>(1, s.max_kv_len);
-    return Sizes{static_cast<std::size_t>(rows), static_cast<std::size_t>(rows * T), allocation(T).workspace_bytes(ctx, rows, T),
+    const std::size_t alloc =
+        kDeviceBackend<Backend> ? ops::adakv_keep_workspace<Backend>(rows, T) : allocation(T).workspace_bytes(ctx, rows, T);
+    return Sizes{static_cast<std::size_t>(rows), static_cast<std::size_t>(rows * T), alloc,
                  scorer_.requirements(Context<Backend>{{}, ctx.exec}, s).workspace_bytes, ops::topk_rows_workspace<Backend>(T, ctx.exec)};
   }
   template <class Backend>
