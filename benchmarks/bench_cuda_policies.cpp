@@ -9,6 +9,10 @@
 //                       head_dim 128, fp16 keys: the whole policy call as an
 //                       engine makes it (launches enqueued one by one).
 //   CudaSnapKVGraph/T   the same call captured once in a CUDA graph and replayed.
+//   CudaAdaKVGraph/T    Ada-KV (kvpress, ratio 0.5) over Ada-KV's SnapKV scoring
+//                       on the same shape, graph-replayed (offsets on the device).
+//   CudaAdaKVKeep/T     `Cuda::adakv_keep` alone: the allocation and kept rows
+//                       of 8 rows of T scores; hbm_frac counts one read of them.
 //   CudaTopk/n/k_pct    exact top-k of 8 rows of n fp32 scores (radix select).
 //   CudaH2OStep/C       one H2O decode step of a layer (32 query heads, 8 kv
 //                       heads, cache of C slots): fold the step's attention
@@ -38,6 +42,7 @@
 
 #include "cuda_bench_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
+#include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
@@ -139,16 +144,13 @@ void CudaSnapKV(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
-void CudaSnapKVGraph(benchmark::State& state) {
-  if (!g_have_device) return state.SkipWithError("no CUDA device");
-  SnapKVCase c(state.range(0));
-  if (!c.ok()) return state.SkipWithError(c.req.status.is_ok() ? "cudaMalloc failed" : c.req.status.message());
-  cudaStream_t s = nullptr;
-  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+/// Captures `enqueue` on `s` once in a CUDA graph, then times its replays; `graph_nodes` is a counter.
+template <class F>
+void timed_graph(benchmark::State& state, cudaStream_t s, F&& enqueue) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
-  const kvp::Status st = c.evict(s);
+  const kvp::Status st = enqueue();
   const cudaError_t e = cudaStreamEndCapture(s, &graph);
   if (!st.is_ok() || e != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
     state.SkipWithError(st.is_ok() ? "graph capture failed" : st.message());
@@ -159,13 +161,92 @@ void CudaSnapKVGraph(benchmark::State& state) {
       return cudaGraphLaunch(exec, s) == cudaSuccess ? kvp::Status::ok()
                                                      : kvp::Status::error(kvp::StatusCode::kDeviceError, "cudaGraphLaunch failed");
     });
-    c.counters(state);
     std::size_t nodes = 0;
     cudaGraphGetNodes(graph, nullptr, &nodes);
     state.counters["graph_nodes"] = static_cast<double>(nodes);
   }
   if (exec != nullptr) cudaGraphExecDestroy(exec);
   if (graph != nullptr) cudaGraphDestroy(graph);
+}
+
+void CudaSnapKVGraph(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  SnapKVCase c(state.range(0));
+  if (!c.ok()) return state.SkipWithError(c.req.status.is_ok() ? "cudaMalloc failed" : c.req.status.message());
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  timed_graph(state, s, [&] { return c.evict(s); });
+  c.counters(state);
+  cudaStreamDestroy(s);
+}
+
+/// Ada-KV (kvpress, ratio 0.5, safeguard 0.2) over Ada-KV's SnapKV scoring (window 32, max pool 7) on the
+/// SnapKV shape: the keys of SnapKVCase, the row offsets on the device.
+struct AdaKVCase {
+  SnapKVCase in;
+  kvp::AdaKV<kvp::SnapKV> policy{kvp::AdaKVParams::kvpress(0.5), kvp::SnapKV(kvp::adakv_scoring())};
+  kvp::Requirements req;
+  DeviceBuffer dws, dindptr, dind;
+  explicit AdaKVCase(std::int64_t t)
+      : in(t),
+        req(policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{SnapKVCase::Hq, SnapKVCase::Hkv, SnapKVCase::d, t, 32})),
+        dws(req.workspace_bytes),
+        dindptr(static_cast<std::size_t>(req.output.rows + 1) * sizeof(std::int32_t)),
+        dind(static_cast<std::size_t>(req.output.capacity) * sizeof(std::int32_t)) {}
+  bool ok() const { return in.ok() && req.status.is_ok() && dws.ok && dindptr.ok && dind.ok; }
+  kvp::Status evict(cudaStream_t s) {
+    constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+    const auto full = in.input();  // the first 32 of the 64 window queries of every head
+    const kvp::ScoreInput<float, kvp::half> window{
+        kvp::TensorView<const float, 3>(full.queries.data() + (SnapKVCase::w - 32) * SnapKVCase::d, {SnapKVCase::Hq, 32, SnapKVCase::d},
+                                        {SnapKVCase::w * SnapKVCase::d, SnapKVCase::d, 1}, gpu),
+        full.keys};
+    return policy.evict(
+        kvp::Context<Cuda>{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s}, window,
+        kvp::KeepSet{static_cast<std::int32_t*>(dindptr.ptr), static_cast<std::int32_t*>(dind.ptr), req.output.rows, req.output.capacity});
+  }
+};
+
+void CudaAdaKVGraph(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  AdaKVCase c(state.range(0));
+  if (!c.ok()) return state.SkipWithError(c.req.status.is_ok() ? "cudaMalloc failed" : c.req.status.message());
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  timed_graph(state, s, [&] { return c.evict(s); });
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(c.in.T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
+/// The allocation alone (`Cuda::adakv_keep`): 8 kv-head rows of T scores, kvpress ratio 0.5, safeguard 0.2;
+/// hbm_frac counts one read of the score map.
+void CudaAdaKVKeep(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  const std::int64_t rows = 8, T = state.range(0);
+  const kvp::AdaKVAllocation alloc{kvp::AdaKVVariant::kKvpress, 0.2, false, kvp::Budget::compression_ratio(0.5), 32};
+  const kvp::AdaKVKeepSpec spec = alloc.keep_spec(T, rows);
+  std::vector<float> scores(static_cast<std::size_t>(rows * T));
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (auto& x : scores) x = nd(rng);
+  DeviceBuffer dS(scores.size() * sizeof(float)), dcounts(static_cast<std::size_t>(rows) * sizeof(std::int64_t)),
+      dindptr(static_cast<std::size_t>(rows + 1) * sizeof(std::int32_t)), dind(scores.size() * sizeof(std::int32_t)),
+      dws(Cuda::adakv_keep_workspace(rows, T));
+  if (!(dS.ok && dcounts.ok && dindptr.ok && dind.ok && dws.ok)) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dS.ptr, scores.data(), scores.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaMemset(dindptr.ptr, 0, sizeof(std::int32_t));
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  timed_loop(state, s, [&] {
+    const Cuda::CallScope scope(s, 1);
+    Cuda::adakv_keep(static_cast<const float*>(dS.ptr), rows, T, spec, static_cast<std::int64_t*>(dcounts.ptr),
+                     static_cast<std::int32_t*>(dindptr.ptr), static_cast<std::int32_t*>(dind.ptr),
+                     kvp::Workspace{dws.ptr, Cuda::adakv_keep_workspace(rows, T)});
+    return scope.end();
+  });
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(static_cast<double>(scores.size() * sizeof(float)) / g_peaks.read_bytes_per_s,
+                                                    benchmark::Counter::kIsIterationInvariantRate);
   cudaStreamDestroy(s);
 }
 
@@ -316,6 +397,8 @@ void CudaQuestSelect(benchmark::State& state) {
 
 BENCHMARK(CudaSnapKV)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaSnapKVGraph)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaAdaKVGraph)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaAdaKVKeep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -12,6 +12,7 @@
 
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/ops/contract.hpp"
+#include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -456,4 +457,88 @@ TEST_CASE("cuda batched ops: bad arguments are recorded for the call, nothing is
   Cuda::pool1d_rows(nullptr, 0, 10, 10, 5, kvpolicy::Pooling::kAvg, nullptr);
   Cuda::topk_rows_strided(nullptr, 10, 2, 10, 0, nullptr, 0, Workspace{});
   CHECK(scope.end().is_ok());
+}
+
+TEST_CASE("cuda adakv_keep: bad arguments are recorded for the call, nothing is launched", "[cuda][args][adakv]") {
+  const auto rejected = [](auto&& op, const char* what) {
+    const Cuda::CallScope scope(nullptr, 1);
+    op();
+    const Status s = scope.end();
+    INFO(s.message());
+    CHECK_FALSE(s.is_ok());
+    CHECK(mentions(s, what));
+  };
+  kvpolicy::AdaKVKeepSpec kv;  // kvpress: 2 safe per row, 6 more over the layer
+  kv.row_k = 2;
+  kv.layer_k = 6;
+  kv.base = 2;
+  const std::int64_t rows = 4, T = 100;
+  const std::size_t need = Cuda::adakv_keep_workspace(rows, T);
+  REQUIRE(need >= rows * T * sizeof(float) + (rows + 1) * sizeof(std::uint64_t));
+  const Workspace ws{fake<void>(64), need};
+  auto call = [&](const float* s, std::int64_t r, std::int64_t t, const kvpolicy::AdaKVKeepSpec& sp, std::int64_t* c, std::int32_t* ip,
+                  std::int32_t* ids, Workspace w) { return [=] { Cuda::adakv_keep(s, r, t, sp, c, ip, ids, w); }; };
+  const float* S = fake<const float>(1);
+  std::int64_t* C = fake<std::int64_t>(2);
+  std::int32_t* I = fake<std::int32_t>(3);
+  std::int32_t* X = fake<std::int32_t>(4);
+  rejected(call(S, -1, T, kv, C, I, X, ws), "rows=-1");
+  rejected(call(S, rows, -5, kv, C, I, X, ws), "T=-5");
+  rejected(call(S, 70000, T, kv, C, I, X, ws), "70000 rows, at most 65535");
+  rejected(call(S, 30000, 100000, kv, C, I, X, ws), "exceed the int32 range");
+  rejected(call(nullptr, rows, T, kv, C, I, X, ws), "is null");
+  rejected(call(S, rows, T, kv, nullptr, I, X, ws), "is null");
+  rejected(call(S, rows, T, kv, C, nullptr, X, ws), "is null");
+  rejected(call(S, rows, T, kv, C, I, nullptr, ws), "is null");
+  kvpolicy::AdaKVKeepSpec bad = kv;
+  bad.layer_k = rows * T + 1;
+  rejected(call(S, rows, T, bad, C, I, X, ws), "layer_k=401");
+  bad = kv;
+  bad.row_k = T + 1;
+  rejected(call(S, rows, T, bad, C, I, X, ws), "row_k=101");
+  rejected(call(S, rows, T, kv, C, I, X, Workspace{fake<void>(64), need - 1}), "workspace");
+  // keep_all reads no scores: a null score map is accepted; no rows is empty work.
+  const Cuda::CallScope scope(nullptr, 1);
+  Cuda::adakv_keep(nullptr, 0, T, kv, nullptr, nullptr, nullptr, Workspace{});
+  CHECK(scope.end().is_ok());
+}
+
+TEST_CASE("cuda Ada-KV: host checks before anything is enqueued (views, sharded layers, workspace, output)", "[cuda][policy][adakv]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 1000;
+  const AdaKV<SnapKV> policy(AdaKVParams::kvpress(0.5), SnapKV(adakv_scoring()));
+  const ProblemShape shape{Hq, Hkv, d, T, 32};
+  const Requirements req = policy.requirements(Context<Cuda>{}, shape);
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  // The device op's workspace is in the request (not the host allocation's sort buffers).
+  REQUIRE(req.workspace_bytes >= Cuda::adakv_keep_workspace(Hkv, T));
+  const KVSource<half> keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {Hkv, T, d}, {T * d, d, 1}, gpu));
+  const ScoreInput<float, half> window{TensorView<const float, 3>(fake<const float>(1), {Hq, 32, d}, {32 * d, d, 1}, gpu), keys};
+  const ScoreInput<float, half> host_q{TensorView<const float, 3>(fake<const float>(1), {Hq, 32, d}, {32 * d, d, 1}), keys};
+  // indptr is device memory for Ada-KV on Cuda: a fake pointer, never dereferenced by the host on a refused call.
+  const KeepSet out{fake<std::int32_t>(5), fake<std::int32_t>(3), req.output.rows, req.output.capacity};
+  const auto refused = [](const Status& s, StatusCode code, const char* what) {
+    INFO(s.message());
+    CHECK(s.code() == code);
+    CHECK(mentions(s, what));
+  };
+  const Context<Cuda> cx{Workspace{fake<void>(4), req.workspace_bytes}};
+  refused(policy.evict(cx, host_q, out), StatusCode::kInvalidArgument, "host tensor");
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes - 1}}, window, out), StatusCode::kWorkspaceTooSmall,
+          "workspace");
+  refused(policy.evict(cx, window, KeepSet{fake<std::int32_t>(5), fake<std::int32_t>(3), req.output.rows, req.output.capacity - 1}),
+          StatusCode::kOutputTooSmall, "capacity");
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), std::size_t{1} << 34}, two_workers}, window, out), StatusCode::kUnsupported,
+          "2 workers");
+  const Collective comm{0, 2, nullptr, [](void*, std::int64_t*, std::size_t) noexcept { return Status::ok(); },
+                        [](void*, const void*, std::size_t, void*) noexcept { return Status::ok(); }};
+  const HeadShard shard{0, 2 * Hkv, 2 * Hq, &comm};
+  ExecContext sharded;
+  sharded.shard = &shard;
+  refused(policy.requirements(Context<Cuda>{{}, sharded}, shape).status, StatusCode::kUnsupported, "sharded");
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes}, sharded}, window, out), StatusCode::kUnsupported,
+          "sharded");
 }

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <random>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "cuda_test_util.hpp"
@@ -834,6 +835,161 @@ TEST_CASE("cuda PyramidKV: per-layer budgets over SnapKV scores match Scalar", "
                         want.row(r), head);
     }
   }
+}
+
+namespace {
+
+/// Cuda::adakv_keep against the host reference ops::adakv_keep<Scalar> on one map: counts, offsets (from a first offset of 3) and rows.
+void check_adakv_keep(const kvp::AdaKVAllocation& a, std::int64_t rows, std::int64_t T, std::uint32_t seed) {
+  std::vector<float> S = edge_scores(static_cast<std::size_t>(rows * T), seed);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = std::max<std::int64_t>(T - a.num_protected, 0); j < T; ++j) S[static_cast<std::size_t>(r * T + j)] = INFINITY;
+  const kvp::AdaKVKeepSpec spec = a.keep_spec(T, rows);
+  const std::int32_t first = 3;
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(rows), -1);
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(rows + 1), -7), ids(static_cast<std::size_t>(first + rows * T), -7);
+  indptr[0] = first;
+  DeviceBuffer dS(S), dcounts(counts), dindptr(indptr), dids(ids), dws(Cuda::adakv_keep_workspace(rows, T));
+  std::vector<std::byte> hws(kvp::ops::adakv_keep_workspace<Scalar>(rows, T));
+  kvp::ops::adakv_keep<Scalar>(S.data(), rows, T, spec, counts.data(), indptr.data(), ids.data(), kvp::Workspace{hws.data(), hws.size()});
+  Stream st;
+  run_ops(st, [&] {
+    Cuda::adakv_keep(dS.get<const float>(), rows, T, spec, dcounts.get<std::int64_t>(), dindptr.get<std::int32_t>(),
+                     dids.get<std::int32_t>(), dws.workspace());
+  });
+  REQUIRE(dcounts.download<std::int64_t>(counts.size()) == counts);
+  REQUIRE(dindptr.download<std::int32_t>(indptr.size()) == indptr);
+  REQUIRE(dids.download<std::int32_t>(ids.size()) == ids);  // the rows, and nothing outside them
+}
+
+/// Ada-KV over SnapKV scores for `params` on one sequence: indptr (device) and ids, plus the score map the
+/// allocation ranked (the first buffer of the policy's workspace, at its start).
+struct AdaKVRun {
+  std::vector<std::int32_t> indptr, ids;
+  std::vector<float> scores;
+};
+template <class In>
+AdaKVRun run_adakv_device(const kvp::AdaKV<kvp::SnapKV>& policy, std::span<const In> batch, const kvp::ProblemShape& shape,
+                          std::int64_t rows) {
+  Stream st;
+  const auto req = policy.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(req.status);
+  DeviceBuffer dws(req.workspace_bytes), dindptr(static_cast<std::size_t>(req.output.rows + 1) * sizeof(std::int32_t)),
+      dind(static_cast<std::size_t>(req.output.capacity) * sizeof(std::int32_t));
+  KVP_REQUIRE_OK(policy.evict(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, batch,
+                              kvp::KeepSet{dindptr.get<std::int32_t>(), dind.get<std::int32_t>(), req.output.rows, req.output.capacity}));
+  st.sync();
+  AdaKVRun run;
+  run.indptr = dindptr.download<std::int32_t>(static_cast<std::size_t>(req.output.rows + 1));
+  REQUIRE(run.indptr.front() == 0);
+  REQUIRE(run.indptr.back() <= req.output.capacity);
+  run.ids = dind.download<std::int32_t>(static_cast<std::size_t>(run.indptr.back()));
+  run.scores = dws.download<float>(static_cast<std::size_t>(rows * batch.back().keys.kv_len()));
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("cuda adakv_keep: counts, offsets and kept rows equal the host reference (kvpress and original)", "[cuda][adakv]") {
+  std::uint32_t seed = 500;
+  for (const std::int64_t T : {1, 37, 700, 5000})
+    for (const std::int64_t rows : {1, 8, 32}) {
+      for (const double r : {0.0, 0.3, 0.9})
+        for (const double alpha : {0.0, 0.2, 1.0}) {
+          const auto p = kvp::AdaKVParams::kvpress(r, alpha);
+          INFO("kvpress T " << T << " rows " << rows << " r " << r << " alpha " << alpha);
+          check_adakv_keep(kvp::AdaKVAllocation{p.variant, p.alpha, p.normalize, p.budget, std::min<std::int64_t>(T, 8)}, rows, T, seed++);
+        }
+      for (const bool normalize : {false, true})
+        for (const std::int64_t C : {T / 4 + 8, T / 2 + 8, T}) {
+          const std::int64_t P = std::min<std::int64_t>(T, 8);
+          if (C < P) continue;
+          const auto p = kvp::AdaKVParams::original(C, 0.2, normalize);
+          INFO("original T " << T << " rows " << rows << " C " << C << " normalize " << normalize);
+          check_adakv_keep(kvp::AdaKVAllocation{p.variant, p.alpha, p.normalize, p.budget, P}, rows, T, seed++);
+        }
+    }
+}
+
+TEST_CASE("cuda Ada-KV: the decision over the device's scores equals the host allocation; batches chain their offsets", "[cuda][adakv]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, w = 32;
+  SnapProblem<kvp::half> a(Hq, Hkv, d, 1024, w, 81), b(Hq, Hkv, d, 600, w, 82);
+  const kvp::AdaKVParams variants[] = {
+      kvp::AdaKVParams::kvpress(0.5),  kvp::AdaKVParams::kvpress(0.8, 0.0),        kvp::AdaKVParams::kvpress(0.0),
+      kvp::AdaKVParams::original(256), kvp::AdaKVParams::original(256, 0.2, true), kvp::AdaKVParams::original_gqa(200, 0.3, true)};
+  for (const auto& params : variants) {
+    const kvp::AdaKV<kvp::SnapKV> policy(params, kvp::SnapKV(kvp::adakv_scoring()));
+    const std::int64_t rows = policy.rows_per_sequence(Hq, Hkv);
+    INFO("variant " << static_cast<int>(params.variant) << " rows " << rows);
+    const auto one = [&](const SnapProblem<kvp::half>& p) {
+      const kvp::ScoreInput<float, kvp::half> in = p.device();
+      return run_adakv_device(policy, std::span<const kvp::ScoreInput<float, kvp::half>>(&in, 1), kvp::ProblemShape{Hq, Hkv, d, p.T, w},
+                              rows);
+    };
+    const AdaKVRun ra = one(a), rb = one(b);
+    // The host reference on the scores the device ranked.
+    for (const auto* pr : {&a, &b}) {
+      const AdaKVRun& run = pr == &a ? ra : rb;
+      const std::int64_t T = pr->T;
+      const kvp::AdaKVKeepSpec spec = policy.allocation(T).keep_spec(T, rows);
+      std::vector<std::int64_t> counts(static_cast<std::size_t>(rows));
+      std::vector<std::int32_t> indptr(static_cast<std::size_t>(rows + 1), 0), ids(static_cast<std::size_t>(rows * T));
+      std::vector<std::byte> hws(kvp::ops::adakv_keep_workspace<Scalar>(rows, T));
+      kvp::ops::adakv_keep<Scalar>(run.scores.data(), rows, T, spec, counts.data(), indptr.data(), ids.data(),
+                                   kvp::Workspace{hws.data(), hws.size()});
+      REQUIRE(run.indptr == indptr);
+      REQUIRE(std::equal(run.ids.begin(), run.ids.end(), ids.begin()));
+    }
+    // Both sequences in one call: the second's offsets continue from the first's, rows unchanged.
+    const std::vector<kvp::ScoreInput<float, kvp::half>> both{a.device(), b.device()};
+    const AdaKVRun rab =
+        run_adakv_device(policy, std::span<const kvp::ScoreInput<float, kvp::half>>(both), kvp::ProblemShape{Hq, Hkv, d, 1024, w, 2}, rows);
+    REQUIRE(rab.indptr.size() == static_cast<std::size_t>(2 * rows + 1));
+    for (std::int64_t r = 0; r <= rows; ++r) {
+      REQUIRE(rab.indptr[static_cast<std::size_t>(r)] == ra.indptr[static_cast<std::size_t>(r)]);
+      REQUIRE(rab.indptr[static_cast<std::size_t>(rows + r)] == ra.indptr.back() + rb.indptr[static_cast<std::size_t>(r)]);
+    }
+    REQUIRE(std::equal(ra.ids.begin(), ra.ids.end(), rab.ids.begin()));
+    REQUIRE(std::equal(rb.ids.begin(), rb.ids.end(), rab.ids.begin() + ra.indptr.back()));
+  }
+}
+
+TEST_CASE("cuda Ada-KV: a decision captured in a CUDA graph and replayed on new keys", "[cuda][adakv][graph]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 600, w = 32;
+  SnapProblem<kvp::half> p(Hq, Hkv, d, T, w, 91);
+  const kvp::AdaKV<kvp::SnapKV> policy(kvp::AdaKVParams::kvpress(0.6), kvp::SnapKV(kvp::adakv_scoring()));
+  const kvp::ProblemShape shape{Hq, Hkv, d, T, w};
+  const auto req = policy.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(req.status);
+  DeviceBuffer dws(req.workspace_bytes), dindptr(static_cast<std::size_t>(req.output.rows + 1) * sizeof(std::int32_t)),
+      dind(static_cast<std::size_t>(req.output.capacity) * sizeof(std::int32_t));
+  Stream st;
+  cudaGraph_t graph = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+  const kvp::Status captured =
+      policy.evict(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, p.device(),
+                   kvp::KeepSet{dindptr.get<std::int32_t>(), dind.get<std::int32_t>(), req.output.rows, req.output.capacity});
+  CUDA_REQUIRE(cudaStreamEndCapture(st.s, &graph));
+  KVP_REQUIRE_OK(captured);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  for (int round = 0; round < 3; ++round) {
+    INFO("replay " << round);
+    if (round > 0) {
+      p.k = random_vector<kvp::half>(p.k.size(), static_cast<std::uint32_t>(300 + round));
+      p.dk.upload(p.k);
+    }
+    CUDA_REQUIRE(cudaGraphLaunch(exec, st.s));
+    st.sync();
+    const auto indptr = dindptr.download<std::int32_t>(static_cast<std::size_t>(req.output.rows + 1));
+    const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+    const kvp::ScoreInput<float, kvp::half> in = p.device();
+    const AdaKVRun direct = run_adakv_device(policy, std::span<const kvp::ScoreInput<float, kvp::half>>(&in, 1), shape, Hkv);
+    REQUIRE(indptr == direct.indptr);
+    REQUIRE(ids == direct.ids);
+  }
+  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  CUDA_REQUIRE(cudaGraphDestroy(graph));
 }
 
 int main(int argc, char** argv) {

@@ -52,7 +52,7 @@ std::vector<float> score_map(std::int64_t rows, std::int64_t T, std::int64_t P, 
   std::vector<float> s(static_cast<std::size_t>(rows * T));
   for (auto& x : s) {
     const unsigned p = rng() % 20;
-    x = p < 14 ? static_cast<float>(rng() % 50) * 0.125f
+    x = p < 14   ? static_cast<float>(rng() % 50) * 0.125f
         : p < 17 ? static_cast<float>(rng() % 1000) * 1e-3f
         : p < 18 ? 0.0f
         : p < 19 ? -std::numeric_limits<float>::infinity()
@@ -77,7 +77,8 @@ void reference(const AdaKVAllocation& a, const std::vector<float>& S, std::int64
   ids.assign(static_cast<std::size_t>(first + rows * T), -7);
   std::vector<std::byte> tws(backend::Scalar::topk_workspace(T));
   for (std::int64_t r = 0; r < rows; ++r) {
-    indptr[static_cast<std::size_t>(r + 1)] = static_cast<std::int32_t>(indptr[static_cast<std::size_t>(r)] + counts[static_cast<std::size_t>(r)]);
+    indptr[static_cast<std::size_t>(r + 1)] =
+        static_cast<std::int32_t>(indptr[static_cast<std::size_t>(r)] + counts[static_cast<std::size_t>(r)]);
     backend::Scalar::topk(S.data() + r * T, T, counts[static_cast<std::size_t>(r)], ids.data() + indptr[static_cast<std::size_t>(r)],
                           Workspace{tws.data(), tws.size()});
   }
@@ -163,7 +164,7 @@ TEST_CASE("adakv: the device path (ops::adakv_keep, indptr written by the ops) e
   };
   const auto host_in = inputs(Device{}), dev_in = inputs(kTagged);
   const ProblemShape shape{Hq, Hkv, d, 300, 32, 3};
-  const AdaKVParams variants[] = {AdaKVParams::kvpress(0.5), AdaKVParams::kvpress(0.9, 0.0), AdaKVParams::kvpress(0.0),
+  const AdaKVParams variants[] = {AdaKVParams::kvpress(0.5), AdaKVParams::kvpress(0.9, 0.0),       AdaKVParams::kvpress(0.0),
                                   AdaKVParams::original(64), AdaKVParams::original(64, 0.5, true), AdaKVParams::original_gqa(48, 0.2, true),
                                   AdaKVParams::original(400)};
   for (const AdaKVParams& p : variants) {
@@ -180,8 +181,8 @@ TEST_CASE("adakv: the device path (ops::adakv_keep, indptr written by the ops) e
     std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
     kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
     got.fill_sentinel();
-    Status st = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, std::span<const ScoreInput<float, float>>(host_in),
-                             want.view());
+    Status st = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}},
+                             std::span<const ScoreInput<float, float>>(host_in), want.view());
     INFO(st.message());
     REQUIRE(st.is_ok());
     st = policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, std::span<const ScoreInput<float, float>>(dev_in),
@@ -227,6 +228,7 @@ TEST_CASE("adakv on a device backend: host views, sharded layers and a small out
   const Status req_sharded = policy.requirements(Context<EmulatedDevice>{{}, sharded}, ProblemShape{Hq, Hkv, d, T, 32}).status;
   CHECK(req_sharded.code() == StatusCode::kUnsupported);
   CHECK(std::string(req_sharded.message()).find("sharded") != std::string::npos);
-  CHECK(policy.evict(Context<EmulatedDevice>{Workspace{ws.data(), ws.size()}, sharded}, dev, out.view()).code() == StatusCode::kUnsupported);
+  CHECK(policy.evict(Context<EmulatedDevice>{Workspace{ws.data(), ws.size()}, sharded}, dev, out.view()).code() ==
+        StatusCode::kUnsupported);
   CHECK(out.untouched());
 }

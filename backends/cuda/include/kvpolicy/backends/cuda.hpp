@@ -34,6 +34,7 @@
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/adakv_keep.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 
@@ -291,6 +292,27 @@ struct Cuda {
   static void mean_rows(const TensorView<const float, 2> rows_device, float* mean_device) noexcept;
   static void mean_rows(const TensorView<const half, 2> rows_device, float* mean_device) noexcept;
   static void mean_rows(const TensorView<const bfloat16, 2> rows_device, float* mean_device) noexcept;
+
+  // ---- Ada-KV: one sequence's decision on the device ----------------------
+
+  /// Bytes of device workspace `adakv_keep` needs for a (rows, T) score map:
+  /// a ranked copy of the map (the original's normalisation), one threshold
+  /// per row and one for the layer.
+  static std::size_t adakv_keep_workspace(std::int64_t rows, std::int64_t T) noexcept;
+
+  /// `ops::adakv_keep` on the device (semantics and host reference in
+  /// ops/adakv_keep.hpp): from the (rows, T) contiguous score map, counts[r]
+  /// and indptr[1..rows] (from indptr[0], read on the device) and each row's
+  /// best counts[r] tokens, ascending, at indices + indptr[r]; all device
+  /// memory, so no host synchronisation. Counts and rows equal the host
+  /// reference bit for bit (same selections, the original's normalisation
+  /// summed in fp64 in the host's order). Rejected before anything is
+  /// enqueued: rows or T < 0, rows > 65535, rows * T > INT32_MAX, null
+  /// pointers, selections out of range, a small workspace.
+  /// Launches: up to 7 (adakv.cu); the layer threshold runs in one block.
+  static void adakv_keep(const float* scores_device, std::int64_t rows, std::int64_t T, const AdaKVKeepSpec& spec,
+                         std::int64_t* counts_device, std::int32_t* indptr_device, std::int32_t* indices_device,
+                         Workspace ws_device) noexcept;
 
   // ---- pages (Quest): the PageOps family of ops/paged_scalar.hpp ----------
   //
