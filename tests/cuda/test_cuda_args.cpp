@@ -15,6 +15,7 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
+#include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
@@ -362,6 +363,9 @@ TEST_CASE("cuda policies: device views pass every policy's host checks", "[cuda]
   CHECK(refused_for_workers(Knorm(KnormParams{Budget::compression_ratio(0.5)}).evict(cx, ScoreInput<float, half>{{}, keys}, out)));
   const ScoreInput<float, half> window{TensorView<const float, 3>(fake<const float>(1), {Hq, 64, d}, {64 * d, d, 1}, gpu), keys};
   CHECK(refused_for_workers(PyramidKV(PyramidKVParams::kvpress(0.5, 3, 32)).evict(cx, window, out)));
+  ScoreInput<float, half> pseudo{TensorView<const float, 3>(fake<const float>(1), {Hq, 8, d}, {8 * d, d, 1}, gpu), keys};
+  pseudo.lookahead = 8;
+  CHECK(refused_for_workers(LAQ(LAQParams::laq(128)).evict(cx, pseudo, out)));
   CHECK(untouched());
 
   // Quest: plan, select and on_append with device page ids, metadata, queries and pool; host lengths.

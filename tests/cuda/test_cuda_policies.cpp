@@ -167,13 +167,18 @@ struct SnapProblem {
         k(random_vector<Tk>(static_cast<std::size_t>(hkv * t * dd), seed + 1)),
         dq(q),
         dk(k) {}
+  std::int64_t lookahead = 0;  ///< of the w query rows, the last `lookahead` are lookahead rows
   kvp::ScoreInput<float, Tk> host() const {
-    return {kvp::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}),
-            kvp::KVSource<Tk>::from(kvp::TensorView<const Tk, 3>::contiguous(k.data(), {Hkv, T, d}))};
+    kvp::ScoreInput<float, Tk> in{kvp::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}),
+                                  kvp::KVSource<Tk>::from(kvp::TensorView<const Tk, 3>::contiguous(k.data(), {Hkv, T, d}))};
+    in.lookahead = lookahead;
+    return in;
   }
   kvp::ScoreInput<float, Tk> device() const {
-    return {kvp::TensorView<const float, 3>::contiguous(dq.get<const float>(), {Hq, w, d}, kGpu),
-            kvp::KVSource<Tk>::from(kvp::TensorView<const Tk, 3>::contiguous(dk.get<const Tk>(), {Hkv, T, d}, kGpu))};
+    kvp::ScoreInput<float, Tk> in{kvp::TensorView<const float, 3>::contiguous(dq.get<const float>(), {Hq, w, d}, kGpu),
+                                  kvp::KVSource<Tk>::from(kvp::TensorView<const Tk, 3>::contiguous(dk.get<const Tk>(), {Hkv, T, d}, kGpu))};
+    in.lookahead = lookahead;
+    return in;
   }
 };
 
@@ -194,11 +199,13 @@ void require_same_keep(const std::vector<std::int32_t>& got, const std::vector<s
   }
 }
 
-template <class Tk>
-void check_snapkv(const kvp::SnapKVParams& params, std::int64_t Hq, std::int64_t Hkv, std::int64_t d, std::int64_t T, std::uint32_t seed) {
-  const kvp::SnapKV policy(params);
-  const std::int64_t w = params.window;
+/// A query-window policy (SnapKV, LAQ) on `rows` query rows per head, the last `lookahead` of them lookahead rows.
+template <class Tk, class Policy>
+void check_window_policy(const Policy& policy, std::int64_t Hq, std::int64_t Hkv, std::int64_t d, std::int64_t T, std::int64_t rows,
+                         std::int64_t lookahead, std::uint32_t seed) {
+  const std::int64_t w = rows;
   SnapProblem<Tk> p(Hq, Hkv, d, T, w, seed);
+  p.lookahead = lookahead;
   const kvp::ProblemShape shape{Hq, Hkv, d, T, w};
   // Reference: Scalar on the host.
   const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
@@ -245,6 +252,11 @@ void check_snapkv(const kvp::SnapKVParams& params, std::int64_t Hq, std::int64_t
   }
 }
 
+template <class Tk>
+void check_snapkv(const kvp::SnapKVParams& params, std::int64_t Hq, std::int64_t Hkv, std::int64_t d, std::int64_t T, std::uint32_t seed) {
+  check_window_policy<Tk>(kvp::SnapKV(params), Hq, Hkv, d, T, params.window, 0, seed);
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("cuda SnapKV: scores and kept sets match Scalar", "[cuda][snapkv]", float, kvp::half, kvp::bfloat16) {
@@ -254,6 +266,23 @@ TEMPLATE_TEST_CASE("cuda SnapKV: scores and kept sets match Scalar", "[cuda][sna
   check_snapkv<TestType>(kvp::SnapKVParams::original(128, 32, 7), 4, 4, 128, 513, 12);
   // Keep everything: the kept rows are plain iota on the device.
   check_snapkv<TestType>(kvp::SnapKVParams::kvpress(0.0, 16, 5), 2, 1, 32, 40, 13);
+}
+
+TEMPLATE_TEST_CASE("cuda SnapKV with lookahead rows and LAQ / LAQ++ (stage 2): scores and kept sets match Scalar", "[cuda][laq]", float,
+                   kvp::half, kvp::bfloat16) {
+  for (const kvp::LookaheadMask mask : {kvp::LookaheadMask::kReference, kvp::LookaheadMask::kCorrected}) {
+    INFO("mask " << static_cast<int>(mask));
+    kvp::SnapKVParams la = kvp::SnapKVParams::kvpress(0.6, 32, 5);
+    la.lookahead_mask = mask;
+    check_window_policy<TestType>(kvp::SnapKV(la), 8, 2, 64, 700, 32 + 8, 8, 31);
+    kvp::LAQParams laq = kvp::LAQParams::laq(128);
+    laq.mask = mask;
+    check_window_policy<TestType>(kvp::LAQ(laq), 8, 2, 64, 700, 8, 8, 32);  // W2 = 0: the pseudo queries alone
+    check_window_policy<TestType>(kvp::LAQ(laq), 8, 2, 64, 700, 3, 3, 33);  // 3 pseudo tokens (EOS)
+    kvp::LAQParams pp = kvp::LAQParams::laq_plus_plus(160);
+    pp.mask = mask;
+    check_window_policy<TestType>(kvp::LAQ(pp), 4, 4, 128, 513, 8 + 8, 8, 34);
+  }
 }
 
 TEST_CASE("cuda StreamingLLM: kept sets are exact", "[cuda][streaming]") {

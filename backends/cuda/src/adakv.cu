@@ -41,8 +41,8 @@ constexpr int kKeepThreads = 512;
 constexpr std::int64_t kMaxRows = 65535;  // grid.x of the per-row launches, kept well inside the limit
 
 /// thr[r] = the k-th largest row key (score key << 32 | token) of row r.
-__global__ void __launch_bounds__(kKeepThreads) row_threshold_kernel(const float* __restrict__ S, std::int64_t T, std::int64_t k,
-                                                                     std::uint64_t* __restrict__ thr) {
+__global__ void __launch_bounds__(kKeepThreads)
+    row_threshold_kernel(const float* __restrict__ S, std::int64_t T, std::int64_t k, std::uint64_t* __restrict__ thr) {
   const float* row = S + static_cast<std::int64_t>(blockIdx.x) * T;
   const std::uint64_t t = block_kth_key<kKeepThreads>(T, k, [row](std::int64_t j, std::uint32_t* u) {
     *u = score_order_key(row[j]);
@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(kKeepThreads) row_threshold_kernel(const float
 }
 
 /// The original's normalisation of row r into ranked (ops/adakv_keep.hpp, step 2).
-__global__ void __launch_bounds__(kKeepThreads) normalize_kernel(const float* __restrict__ S, std::int64_t T,
-                                                                 const std::uint64_t* __restrict__ thr, float* __restrict__ ranked) {
+__global__ void __launch_bounds__(kKeepThreads)
+    normalize_kernel(const float* __restrict__ S, std::int64_t T, const std::uint64_t* __restrict__ thr, float* __restrict__ ranked) {
   __shared__ float s_f;
   const std::int64_t r = blockIdx.x;
   const float* row = S + r * T;
@@ -84,9 +84,9 @@ __device__ __forceinline__ bool not_safe(const float* S, const std::uint64_t* sa
 }
 
 /// *g = the k-th largest layer key (ranked key << 32 | flat index) of the elements not safeguarded.
-__global__ void __launch_bounds__(kKeepThreads) layer_threshold_kernel(const float* __restrict__ S, const float* __restrict__ ranked,
-                                                                       std::int64_t n, std::int64_t T, const std::uint64_t* __restrict__ safe,
-                                                                       std::int64_t k, std::uint64_t* __restrict__ g) {
+__global__ void __launch_bounds__(kKeepThreads)
+    layer_threshold_kernel(const float* __restrict__ S, const float* __restrict__ ranked, std::int64_t n, std::int64_t T,
+                           const std::uint64_t* __restrict__ safe, std::int64_t k, std::uint64_t* __restrict__ g) {
   const std::uint64_t t = block_kth_key<kKeepThreads>(n, k, [=](std::int64_t i, std::uint32_t* u) {
     if (!not_safe(S, safe, T, i)) return false;
     *u = score_order_key(ranked[i]);
@@ -96,9 +96,9 @@ __global__ void __launch_bounds__(kKeepThreads) layer_threshold_kernel(const flo
 }
 
 /// counts[r] = base + the elements of row r (not safeguarded) whose layer key is >= *g.
-__global__ void __launch_bounds__(kKeepThreads) shares_kernel(const float* __restrict__ S, const float* __restrict__ ranked, std::int64_t T,
-                                                              const std::uint64_t* __restrict__ safe, const std::uint64_t* __restrict__ g,
-                                                              std::int64_t base, std::int64_t* __restrict__ counts) {
+__global__ void __launch_bounds__(kKeepThreads)
+    shares_kernel(const float* __restrict__ S, const float* __restrict__ ranked, std::int64_t T, const std::uint64_t* __restrict__ safe,
+                  const std::uint64_t* __restrict__ g, std::int64_t base, std::int64_t* __restrict__ counts) {
   using Reduce = cub::BlockReduce<long long, kKeepThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const std::int64_t r = blockIdx.x, i0 = r * T;
@@ -125,9 +125,9 @@ __global__ void finish_kernel(std::int64_t* __restrict__ counts, std::int64_t ro
 }
 
 /// Row r keeps its best counts[r] tokens (all of them, unread, when counts[r] >= T), ascending, at indices + indptr[r].
-__global__ void __launch_bounds__(kKeepThreads) keep_rows_kernel(const float* __restrict__ S, std::int64_t T,
-                                                                 const std::int64_t* __restrict__ counts,
-                                                                 const std::int32_t* __restrict__ indptr, std::int32_t* __restrict__ indices) {
+__global__ void __launch_bounds__(kKeepThreads)
+    keep_rows_kernel(const float* __restrict__ S, std::int64_t T, const std::int64_t* __restrict__ counts,
+                     const std::int32_t* __restrict__ indptr, std::int32_t* __restrict__ indices) {
   const std::int64_t r = blockIdx.x, k = counts[r];
   std::int32_t* o = indices + indptr[r];
   if (k >= T) {
@@ -169,8 +169,8 @@ void Cuda::adakv_keep(const float* scores, std::int64_t rows, std::int64_t T, co
   if (counts == nullptr || indptr == nullptr || (T > 0 && indices == nullptr) || (!spec.keep_all && scores == nullptr))
     return fail(KVP_INVALID("%s: scores, counts, indptr or indices is null", who));
   if (!spec.keep_all && (spec.row_k < 0 || spec.row_k > T || spec.layer_k < 0 || spec.layer_k > rows * T))
-    return fail(KVP_INVALID("%s: row_k=%lld must be in [0, T=%lld] and layer_k=%lld in [0, rows*T]", who, static_cast<long long>(spec.row_k),
-                            static_cast<long long>(T), static_cast<long long>(spec.layer_k)));
+    return fail(KVP_INVALID("%s: row_k=%lld must be in [0, T=%lld] and layer_k=%lld in [0, rows*T]", who,
+                            static_cast<long long>(spec.row_k), static_cast<long long>(T), static_cast<long long>(spec.layer_k)));
   const Status wst = check_workspace(who, ws, adakv_keep_workspace(rows, T));
   if (!wst.is_ok()) return fail(wst);
 

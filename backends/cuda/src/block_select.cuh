@@ -140,7 +140,7 @@ __device__ std::uint64_t block_kth_key(std::int64_t n, std::int64_t k, KeyAt key
     Scan(scan_tmp).ExclusiveSum(flag, before, total);
     if (flag != 0u && seen + static_cast<std::int64_t>(before) == skip) s_pos = i;
     seen += static_cast<std::int64_t>(total);
-    __syncthreads();  // s_pos visible; scan_tmp reused by the next chunk
+    __syncthreads();        // s_pos visible; scan_tmp reused by the next chunk
     if (s_pos >= 0) break;  // block-uniform
   }
   const long long pos = s_pos;

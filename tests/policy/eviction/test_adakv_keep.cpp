@@ -17,34 +17,15 @@
 
 #include "kvpolicy/ops/adakv_keep.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
+#include "../emulated_device.hpp"
 #include "../keep_set_buffer.hpp"
 
 using namespace kvpolicy;
 
 namespace {
 
-/// The scalar ops behind a CallScope: policies take their device paths, on host memory.
-struct EmulatedDevice : backend::Scalar {
-  class CallScope {
-   public:
-    CallScope(void*, int workers) noexcept : workers_(workers) {}
-    Status begin() const noexcept {
-      if (workers_ > 1) return Status::error(StatusCode::kUnsupported, "emulated device: %d workers", workers_);
-      return Status::ok();
-    }
-    Status end() const noexcept { return Status::ok(); }
-
-   private:
-    int workers_ = 1;
-  };
-  static void pool1d_rows(const float* in, std::int64_t rows, std::int64_t n, std::int64_t ld, int kernel, Pooling kind,
-                          float* out) noexcept {
-    for (std::int64_t r = 0; r < rows; ++r) pool1d(in + r * ld, n, kernel, kind, out + r * ld);
-  }
-};
-static_assert(kDeviceBackend<EmulatedDevice>);
-
-constexpr Device kTagged{DeviceType::kCUDA, 0};
+using kvp_test::EmulatedDevice;
+constexpr Device kTagged = kvp_test::kEmulatedDevice;
 
 /// Scores with ties, zeros, NaN and -inf; the last `P` of each row +inf (protected), and `extra_inf` past +inf.
 std::vector<float> score_map(std::int64_t rows, std::int64_t T, std::int64_t P, std::int64_t extra_inf, std::uint32_t seed) {

@@ -9,6 +9,7 @@ kvp_add_test(test_eviction
   ${CMAKE_CURRENT_LIST_DIR}/test_isa_levels.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_adakv.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_adakv_keep.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_device_paths.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_pyramidkv.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_expected_attention.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_laq.cpp

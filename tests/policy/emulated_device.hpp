@@ -1,0 +1,48 @@
+// A device backend emulated on the host for tests: the scalar ops on host
+// memory behind a `CallScope`, so `kDeviceBackend` holds and policies take
+// their device paths (device-written offsets, batched launches, one worker)
+// with the reference arithmetic. Comparing such a run with `backend::Scalar`
+// tests a device path's logic on the CPU; `backend::Cuda` is then compared
+// with the same reference on a GPU (tests/cuda/).
+#pragma once
+
+#include <cstdint>
+
+#include "kvpolicy/core/status.hpp"
+#include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/policy/vocabulary.hpp"
+
+namespace kvp_test {
+
+struct EmulatedDevice : kvpolicy::backend::Scalar {
+  class CallScope {
+   public:
+    CallScope(void*, int workers) noexcept : workers_(workers) {}
+    kvpolicy::Status begin() const noexcept {
+      if (workers_ > 1) return kvpolicy::Status::error(kvpolicy::StatusCode::kUnsupported, "emulated device: %d workers", workers_);
+      return kvpolicy::Status::ok();
+    }
+    kvpolicy::Status end() const noexcept { return kvpolicy::Status::ok(); }
+
+   private:
+    int workers_ = 1;
+  };
+  // The batched forms a device path calls (one launch each on a GPU): row loops of the unit ops here.
+  static void pool1d_rows(const float* in, std::int64_t rows, std::int64_t n, std::int64_t ld, int kernel, kvpolicy::Pooling kind,
+                          float* out) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) pool1d(in + r * ld, n, kernel, kind, out + r * ld);
+  }
+  static void topk_rows_strided(const float* scores, std::int64_t ld, std::int64_t rows, std::int64_t n, std::int64_t k,
+                                std::int32_t* out, std::int64_t out_ld, kvpolicy::Workspace ws) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) topk(scores + r * ld, n, k, out + r * out_ld, ws);
+  }
+  static void iota_rows(std::int32_t* dst, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) iota(dst + r * dst_ld, first, n);
+  }
+};
+static_assert(kvpolicy::kDeviceBackend<EmulatedDevice>);
+
+/// Host memory tagged as a device's, for views an emulated device reads.
+inline constexpr kvpolicy::Device kEmulatedDevice{kvpolicy::DeviceType::kCUDA, 0};
+
+}  // namespace kvp_test

@@ -1,0 +1,94 @@
+// The device paths of the query-window policies (SnapKV with and without
+// lookahead rows, LAQ / LAQ++ under both masks, PyramidKV), run on the CPU
+// through the emulated device backend: kept sets identical to the host path
+// (same reference ops, so exact). The same paths on backend::Cuda are
+// compared with backend::Scalar on a GPU in tests/cuda/test_cuda_policies.cpp.
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "kvpolicy/policy/eviction/laq.hpp"
+#include "kvpolicy/policy/eviction/pyramidkv.hpp"
+#include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "../emulated_device.hpp"
+#include "../keep_set_buffer.hpp"
+
+using namespace kvpolicy;
+using kvp_test::EmulatedDevice;
+
+namespace {
+
+struct Problem {
+  std::int64_t Hq, Hkv, d, T, rows, lookahead;
+  std::vector<float> q, k;
+  Problem(std::int64_t hq, std::int64_t hkv, std::int64_t dd, std::int64_t t, std::int64_t r, std::int64_t la, std::uint32_t seed)
+      : Hq(hq), Hkv(hkv), d(dd), T(t), rows(r), lookahead(la), q(static_cast<std::size_t>(hq * r * dd)), k(static_cast<std::size_t>(hkv * t * dd)) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    for (auto& x : q) x = nd(rng);
+    for (auto& x : k) x = nd(rng);
+  }
+  ScoreInput<float, float> input(Device dev) const {
+    ScoreInput<float, float> in{TensorView<const float, 3>::contiguous(q.data(), {Hq, rows, d}, dev),
+                                KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {Hkv, T, d}, dev))};
+    in.lookahead = lookahead;
+    return in;
+  }
+};
+
+/// `policy.evict` on Scalar (host views) and on the emulated device (device-tagged views): identical KeepSets.
+template <class Policy>
+void same_on_both(const Policy& policy, const Problem& p) {
+  const ProblemShape shape{p.Hq, p.Hkv, p.d, p.T, p.rows};
+  const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
+  const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
+  INFO(hreq.status.message() << " / " << dreq.status.message());
+  REQUIRE(hreq.status.is_ok());
+  REQUIRE(dreq.status.is_ok());
+  REQUIRE(dreq.output.rows == hreq.output.rows);
+  REQUIRE(dreq.output.capacity == hreq.output.capacity);
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+  kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
+  const Status hs = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, p.input(Device{}), want.view());
+  INFO(hs.message());
+  REQUIRE(hs.is_ok());
+  const Status ds = policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, p.input(kvp_test::kEmulatedDevice), got.view());
+  INFO(ds.message());
+  REQUIRE(ds.is_ok());
+  REQUIRE(got == want);
+}
+
+}  // namespace
+
+TEST_CASE("device path: SnapKV, with and without lookahead rows, keeps what the host path keeps", "[device][snapkv]") {
+  same_on_both(SnapKV(SnapKVParams::kvpress(0.5, 32, 5)), Problem(8, 2, 16, 300, 32, 0, 1));
+  same_on_both(SnapKV(SnapKVParams::original(96, 16, 7)), Problem(4, 4, 32, 257, 16, 0, 2));
+  SnapKVParams la = SnapKVParams::kvpress(0.6, 16, 5);
+  same_on_both(SnapKV(la), Problem(8, 2, 16, 300, 16 + 6, 6, 3));  // kCorrected: lookahead rows see every key
+  la.lookahead_mask = LookaheadMask::kReference;
+  same_on_both(SnapKV(la), Problem(8, 2, 16, 300, 16 + 6, 6, 4));
+  same_on_both(SnapKV(SnapKVParams::kvpress(0.0, 16, 5)), Problem(2, 1, 8, 40, 16, 0, 5));  // keep everything
+}
+
+TEST_CASE("device path: LAQ and LAQ++ (stage 2) under both masks keep what the host path keeps", "[device][laq]") {
+  for (const LookaheadMask mask : {LookaheadMask::kReference, LookaheadMask::kCorrected}) {
+    LAQParams laq = LAQParams::laq(64);
+    laq.mask = mask;
+    same_on_both(LAQ(laq), Problem(8, 2, 16, 400, 8, 8, 11));  // W2 = 0: the 8 pseudo queries alone
+    same_on_both(LAQ(laq), Problem(8, 2, 16, 400, 3, 3, 12));  // fewer pseudo tokens (EOS)
+    LAQParams pp = LAQParams::laq_plus_plus(96);
+    pp.mask = mask;
+    same_on_both(LAQ(pp), Problem(4, 1, 32, 333, 8 + 8, 8, 13));
+    same_on_both(LAQ(LAQParams::laq(500)), Problem(8, 2, 16, 400, 8, 8, 14));  // T <= C: kept whole
+  }
+}
+
+TEST_CASE("device path: PyramidKV keeps what the host path keeps", "[device][pyramidkv]") {
+  for (const int layer : {0, 13, 31}) {
+    INFO("layer " << layer);
+    same_on_both(PyramidKV(PyramidKVParams::kvpress(0.5, layer, 32, 32)), Problem(8, 2, 16, 500, 32, 0, 20 + static_cast<std::uint32_t>(layer)));
+  }
+}
