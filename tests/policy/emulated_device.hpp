@@ -32,8 +32,8 @@ struct EmulatedDevice : kvpolicy::backend::Scalar {
                           float* out) noexcept {
     for (std::int64_t r = 0; r < rows; ++r) pool1d(in + r * ld, n, kernel, kind, out + r * ld);
   }
-  static void topk_rows_strided(const float* scores, std::int64_t ld, std::int64_t rows, std::int64_t n, std::int64_t k,
-                                std::int32_t* out, std::int64_t out_ld, kvpolicy::Workspace ws) noexcept {
+  static void topk_rows_strided(const float* scores, std::int64_t ld, std::int64_t rows, std::int64_t n, std::int64_t k, std::int32_t* out,
+                                std::int64_t out_ld, kvpolicy::Workspace ws) noexcept {
     for (std::int64_t r = 0; r < rows; ++r) topk(scores + r * ld, n, k, out + r * out_ld, ws);
   }
   static void iota_rows(std::int32_t* dst, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept {

@@ -6,10 +6,12 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <span>
 #include <vector>
 
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
@@ -25,7 +27,14 @@ struct Problem {
   std::int64_t Hq, Hkv, d, T, rows, lookahead;
   std::vector<float> q, k;
   Problem(std::int64_t hq, std::int64_t hkv, std::int64_t dd, std::int64_t t, std::int64_t r, std::int64_t la, std::uint32_t seed)
-      : Hq(hq), Hkv(hkv), d(dd), T(t), rows(r), lookahead(la), q(static_cast<std::size_t>(hq * r * dd)), k(static_cast<std::size_t>(hkv * t * dd)) {
+      : Hq(hq),
+        Hkv(hkv),
+        d(dd),
+        T(t),
+        rows(r),
+        lookahead(la),
+        q(static_cast<std::size_t>(hq * r * dd)),
+        k(static_cast<std::size_t>(hkv * t * dd)) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
     for (auto& x : q) x = nd(rng);
@@ -55,7 +64,8 @@ void same_on_both(const Policy& policy, const Problem& p) {
   const Status hs = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, p.input(Device{}), want.view());
   INFO(hs.message());
   REQUIRE(hs.is_ok());
-  const Status ds = policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, p.input(kvp_test::kEmulatedDevice), got.view());
+  const Status ds =
+      policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, p.input(kvp_test::kEmulatedDevice), got.view());
   INFO(ds.message());
   REQUIRE(ds.is_ok());
   REQUIRE(got == want);
@@ -89,6 +99,54 @@ TEST_CASE("device path: LAQ and LAQ++ (stage 2) under both masks keep what the h
 TEST_CASE("device path: PyramidKV keeps what the host path keeps", "[device][pyramidkv]") {
   for (const int layer : {0, 13, 31}) {
     INFO("layer " << layer);
-    same_on_both(PyramidKV(PyramidKVParams::kvpress(0.5, layer, 32, 32)), Problem(8, 2, 16, 500, 32, 0, 20 + static_cast<std::uint32_t>(layer)));
+    same_on_both(PyramidKV(PyramidKVParams::kvpress(0.5, layer, 32, 32)),
+                 Problem(8, 2, 16, 500, 32, 0, 20 + static_cast<std::uint32_t>(layer)));
+  }
+}
+
+TEST_CASE("device path: Expected Attention (scores and kept sets) equals the host path", "[device][expected_attention]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 16, q_len = 70;
+  std::mt19937 rng(40);
+  std::normal_distribution<float> nd;
+  for (const std::int64_t T : {300, 97}) {
+    std::vector<float> q(static_cast<std::size_t>(Hq * q_len * d)), k(static_cast<std::size_t>(Hkv * T * d)),
+        v(static_cast<std::size_t>(Hkv * T * d));
+    for (auto* buf : {&q, &k, &v})
+      for (auto& x : *buf) x = nd(rng);
+    const auto input = [&](Device dev) {
+      ExpectedAttentionInput<float, float> in;
+      in.queries = TensorView<const float, 3>::contiguous(q.data(), {Hq, q_len, d}, dev);
+      in.keys = KVSource<float>::from(TensorView<const float, 3>::contiguous(k.data(), {Hkv, T, d}, dev));
+      in.values = KVSource<float>::from(TensorView<const float, 3>::contiguous(v.data(), {Hkv, T, d}, dev));
+      return in;
+    };
+    const ExpectedAttentionParams variants[] = {ExpectedAttentionParams::kvpress(0.5),
+                                                ExpectedAttentionParams::kvpress(0.8, 64, 2, false, true),
+                                                ExpectedAttentionParams::kvpress(0.3, 16, 0, true, false, 0.01f)};
+    for (const auto& params : variants) {
+      const ExpectedAttention policy(params);
+      INFO("T " << T << " cov " << params.use_covariance << " vnorm " << params.use_vnorm);
+      const ProblemShape shape{Hq, Hkv, d, T, q_len};
+      const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
+      const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
+      REQUIRE(hreq.status.is_ok());
+      REQUIRE(dreq.status.is_ok());
+      std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+      std::vector<float> hs(static_cast<std::size_t>(Hkv * T)), ds(hs.size(), -1.0f);
+      REQUIRE(policy
+                  .score(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, input(Device{}),
+                         TensorView<float, 2>::contiguous(hs.data(), {Hkv, T}))
+                  .is_ok());
+      const Status st = policy.score(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, input(kvp_test::kEmulatedDevice),
+                                     TensorView<float, 2>::contiguous(ds.data(), {Hkv, T}, kvp_test::kEmulatedDevice));
+      INFO(st.message());
+      REQUIRE(st.is_ok());
+      REQUIRE(std::memcmp(hs.data(), ds.data(), hs.size() * sizeof(float)) == 0);
+      kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
+      REQUIRE(policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, input(Device{}), want.view()).is_ok());
+      REQUIRE(
+          policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, input(kvp_test::kEmulatedDevice), got.view()).is_ok());
+      REQUIRE(got == want);
+    }
   }
 }

@@ -60,6 +60,7 @@
 
 #include "kvpolicy/core/gqa.hpp"
 #include "kvpolicy/core/rows.hpp"
+#include "kvpolicy/ops/expected_steps.hpp"
 #include "kvpolicy/policy/budget.hpp"
 #include "kvpolicy/policy/budget/allocation.hpp"
 #include "kvpolicy/policy/policy.hpp"
@@ -158,12 +159,12 @@ class ExpectedAttention {
 
   /// Input checks of `score` / `evict` and the batch's shape (q_len = queries' rows, 0 with statistics).
   template <class Tq, class Tk>
-  Status validate(std::span<const ExpectedAttentionInput<Tq, Tk>> batch, ProblemShape* shape) const noexcept {
+  Status validate(std::span<const ExpectedAttentionInput<Tq, Tk>> batch, ProblemShape* shape, bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(!batch.empty(), "expected_attention: batch is empty");
     for (std::size_t b = 0; b < batch.size(); ++b) {
       ProblemShape s;
-      KVP_RETURN_IF_ERROR(validate_one(batch[b], b, &s));
+      KVP_RETURN_IF_ERROR(validate_one(batch[b], b, &s, on_device));
       if (b == 0) {
         *shape = s;
       } else {
@@ -186,7 +187,7 @@ class ExpectedAttention {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(validate(std::span<const ExpectedAttentionInput<Tq, Tk>>(&in, 1), &shape));
+    KVP_RETURN_IF_ERROR(validate(std::span<const ExpectedAttentionInput<Tq, Tk>>(&in, 1), &shape, kDeviceBackend<Backend>));
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == shape.num_kv_heads && out.extent(1) == shape.max_kv_len,
                 "expected_attention: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld)",
@@ -194,8 +195,19 @@ class ExpectedAttention {
                 static_cast<long long>(shape.max_kv_len));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
-    const auto slices = detail::WorkerSlices::carve(ws, per);
     const std::int64_t T = shape.max_kv_len;
+    if constexpr (kDeviceBackend<Backend>) {
+      const detail::BackendCall<Backend> call(cx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t g = 0; g < shape.num_kv_heads; ++g) {
+        WorkspaceCarver c(ws);  // reused per head: the stream orders the launches
+        float* s = c.take<float>(static_cast<std::size_t>(T));
+        score_head_device<Backend>(in, shape, g, s, c);
+        Backend::copy_strided(s, T, out.data() + g * out.stride(0), out.stride(1));
+      }
+      return call.end();
+    }
+    const auto slices = detail::WorkerSlices::carve(ws, per);
     ctx.parallel_for(shape.num_kv_heads, [&](std::int64_t g, int worker) {
       WorkspaceCarver c(slices.slice(worker));
       float* s = c.take<float>(static_cast<std::size_t>(T));
@@ -214,12 +226,32 @@ class ExpectedAttention {
     const Workspace ws = cx.workspace;
     const ExecContext& ctx = cx.exec;
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(validate(batch, &shape));
+    KVP_RETURN_IF_ERROR(validate(batch, &shape, kDeviceBackend<Backend>));
     const std::size_t per = per_worker_bytes<Backend>(shape);
     KVP_RETURN_IF_ERROR(check_workspace(kName, ws, detail::WorkerSlices::bytes(per, ctx.workers())));
     const std::int64_t H = shape.num_kv_heads;
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     KVP_RETURN_IF_ERROR(detail::write_uniform_indptr(kName, out, static_cast<std::int64_t>(batch.size()), H,
                                                      [&](std::int64_t b) { return kept_count(batch[b].keys.kv_len()); }));
+    if constexpr (kDeviceBackend<Backend>) {
+      // One (sequence, kv head) row at a time (a device context has one worker).
+      for (std::int64_t row = 0; row < static_cast<std::int64_t>(batch.size()) * H; ++row) {
+        const auto& in = batch[static_cast<std::size_t>(row / H)];
+        const std::int64_t T = in.keys.kv_len();
+        std::int32_t* dst = out.indices + out.indptr[row];
+        const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
+        if (n_keep >= T) {
+          Backend::iota(dst, 0, T);
+          continue;
+        }
+        WorkspaceCarver c(ws);
+        float* s = c.take<float>(static_cast<std::size_t>(T));
+        score_head_device<Backend>(in, shape, row % H, s, c);
+        Backend::topk(s, T, n_keep, dst, c.rest());
+      }
+      return call.end();
+    }
     const auto slices = detail::WorkerSlices::carve(ws, per);
     ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
       const auto& in = batch[static_cast<std::size_t>(row / H)];
@@ -261,9 +293,9 @@ class ExpectedAttention {
 
  private:
   template <class Tq, class Tk>
-  Status validate_one(const ExpectedAttentionInput<Tq, Tk>& in, std::size_t b, ProblemShape* s) const noexcept {
-    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
-    KVP_RETURN_IF_ERROR(in.values.validate(kName, "values"));
+  Status validate_one(const ExpectedAttentionInput<Tq, Tk>& in, std::size_t b, ProblemShape* s, bool on_device) const noexcept {
+    KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys", on_device));
+    KVP_RETURN_IF_ERROR(in.values.validate(kName, "values", on_device));
     for (const KVSource<Tk>* src : {&in.keys, &in.values}) {
       if (src->paged != nullptr) {
         KVP_RETURN_IF_ERROR(src->paged->validate(kName, /*need_values=*/src == &in.values));
@@ -281,6 +313,9 @@ class ExpectedAttention {
                 static_cast<long long>(in.values.head_dim()), static_cast<long long>(Hkv), static_cast<long long>(T),
                 static_cast<long long>(d));
     KVP_REQUIRE(d > 0 && d % 2 == 0, "expected_attention: head_dim is %lld, must be even and > 0 (RoPE pairs)", static_cast<long long>(d));
+    if (on_device && d > ops::kExpectedMaxDeviceDim)
+      return Status::error(StatusCode::kUnsupported, "expected_attention: head_dim %lld on a device backend, at most %lld",
+                           static_cast<long long>(d), static_cast<long long>(ops::kExpectedMaxDeviceDim));
     if (params_.rope.inv_freq != nullptr)  // the caller's head_dim / 2 frequencies
       for (std::int64_t i = 0; i < d / 2; ++i)
         KVP_REQUIRE(std::isfinite(params_.rope.inv_freq[i]), "expected_attention: rope.inv_freq[%lld] is %g, must be finite",
@@ -292,12 +327,16 @@ class ExpectedAttention {
     std::int64_t Hq = 0, q_len = 0;
     if (!stats) {
       KVP_RETURN_IF_ERROR(in.queries.check_basic(kName, "queries"));
-      KVP_REQUIRE(in.queries.device().is_host(), "expected_attention: queries is a device tensor; this entry point reads host memory");
+      if (on_device)
+        KVP_REQUIRE(!in.queries.device().is_host(),
+                    "expected_attention: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+      else
+        KVP_REQUIRE(in.queries.device().is_host(), "expected_attention: queries is a device tensor; this entry point reads host memory");
       Hq = in.queries.extent(0);
       q_len = in.queries.extent(1);
       KVP_REQUIRE(in.queries.extent(2) == d, "expected_attention: queries head_dim %lld differs from keys head_dim %lld",
                   static_cast<long long>(in.queries.extent(2)), static_cast<long long>(d));
-      KVP_RETURN_IF_ERROR(detail::check_finite_3d(kName, "queries", in.queries));
+      if (!on_device) KVP_RETURN_IF_ERROR(detail::check_finite_3d(kName, "queries", in.queries));  // a device's values stay unread
       KVP_REQUIRE(q_len > params_.n_sink, "expected_attention: queries has %lld rows, must be more than n_sink %d (sequence %zu)",
                   static_cast<long long>(q_len), params_.n_sink, b);
       KVP_REQUIRE(in.lookahead >= 0 && in.lookahead <= q_len - params_.n_sink,
@@ -306,6 +345,10 @@ class ExpectedAttention {
     } else {
       KVP_RETURN_IF_ERROR(in.query_mean.check_basic(kName, "query_mean"));
       KVP_REQUIRE(!in.query_mean.empty(), "expected_attention: neither queries nor query_mean given");
+      if (on_device)
+        return Status::error(StatusCode::kUnsupported,
+                             "expected_attention: precomputed statistics (query_mean) on a device backend are not supported; pass the "
+                             "prompt's queries");
       KVP_REQUIRE(in.lookahead == 0, "expected_attention: lookahead is %lld with precomputed statistics (query_mean); fold them in",
                   static_cast<long long>(in.lookahead));
       Hq = in.query_mean.extent(0);
@@ -337,13 +380,19 @@ class ExpectedAttention {
     const auto d = static_cast<std::size_t>(std::max<std::int64_t>(s.head_dim, 2));
     const auto T = static_cast<std::size_t>(std::max<std::int64_t>(s.max_kv_len, 1));
     WorkspacePlan p;
-    p.add<float>(T);                  // head scores
-    p.add<float>(T);                  // logits of one query head
-    p.add<double>(d).add<double>(d);  // mean, rotated mean
-    p.add<double>(d * d);             // covariance accumulator
-    p.add<float>(d * d);              // block accumulator / rotated covariance
-    p.add<float>(5 * d);              // rbar cos, rbar sin, key, rotated mean, quadratic-form temp
-    p.add<float>(kStatBlock * d);     // centred queries of one covariance block
+    if constexpr (kDeviceBackend<Backend>) {  // the order of score_head_device's carve
+      p.add<float>(T).add<float>(T).add<double>(d).add<double>(d * d).add<float>(d * d).add<float>(d * d).add<float>(3 * d);
+      p.add<float>(kStatBlock * d).add<float>(1).add_bytes(ops::expected_softmax_workspace<Backend>(static_cast<std::int64_t>(T)));
+      p.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(T)));
+      return p.bytes;
+    }
+    p.add<float>(T);               // head scores
+    p.add<float>(T);               // logits of one query head
+    p.add<double>(d);              // mean
+    p.add<double>(d * d);          // covariance accumulator
+    p.add<float>(d * d);           // block accumulator / rotated covariance
+    p.add<float>(5 * d);           // rbar cos, rbar sin, key, rotated mean, quadratic-form temp
+    p.add<float>(kStatBlock * d);  // centred queries of one covariance block
     p.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(T)));
     return p.bytes;
   }
@@ -384,7 +433,7 @@ class ExpectedAttention {
     }
   }
 
-  static constexpr std::int64_t kStatBlock = 64;  ///< tokens whose fp32 products are summed before the double accumulator
+  static constexpr std::int64_t kStatBlock = ops::kExpectedStatBlock;
 
   /// Mean and (optionally) population covariance of query head q, pre-RoPE, in double.
   /// `c`: kStatBlock * d floats (the centred queries of one block).
@@ -398,93 +447,67 @@ class ExpectedAttention {
           for (std::int64_t j = 0; j < d; ++j) cov[i * d + j] = in.query_cov(q, i, j);
       return;
     }
-    const std::int64_t t0 = params_.n_sink, t1 = in.queries.extent(1), N = t1 - t0;
-    // Query row t of head q as fp32 (exactly to_float of each element) into dst: the backend's
-    // widening when the row is contiguous.
-    const bool contiguous = in.queries.stride(2) == 1;
-    const auto widen = [&](std::int64_t t, float* dst) {
-      if (contiguous) {
-        Backend::widen_row(&in.queries(q, t, 0), d, dst);
-      } else {
-        for (std::int64_t i = 0; i < d; ++i) dst[i] = to_float(in.queries(q, t, i));
-      }
-    };
-    // Tokens [tb, tb + nt) into c (nt rows of d): one widening call when the rows are contiguous.
-    const bool packed = contiguous && in.queries.stride(1) == d;
-    const auto widen_block = [&](std::int64_t tb, std::int64_t nt) {
-      if (packed) return Backend::widen_row(&in.queries(q, tb, 0), nt * d, c);
-      for (std::int64_t t = 0; t < nt; ++t) widen(tb + t, c + t * d);
-    };
-    std::fill(mu, mu + d, 0.0);
-    for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {  // sums over the tokens in order, per channel
-      const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
-      widen_block(tb, nt);
-      Backend::accumulate_rows_f64(c, nt, d, mu);
-    }
-    for (std::int64_t i = 0; i < d; ++i) mu[i] /= static_cast<double>(N);
-    if (!params_.use_covariance) return;
-    // Upper triangle, fp32 products summed in blocks of 64 tokens (token order, the backend's
-    // outer_upper_accumulate), blocks summed in double.
-    std::fill(cov, cov + d * d, 0.0);
-    for (std::int64_t tb = t0; tb < t1; tb += kStatBlock) {
-      std::fill(block, block + d * d, 0.0f);
-      const std::int64_t nt = std::min(t1, tb + kStatBlock) - tb;
-      widen_block(tb, nt);
-      Backend::centre_rows(c, nt, d, mu);
-      Backend::outer_upper_accumulate(c, nt, d, block);
-      Backend::add_upper_f64(block, d, cov);
-    }
-    for (std::int64_t i = 0; i < d; ++i)
-      for (std::int64_t j = i; j < d; ++j) cov[j * d + i] = cov[i * d + j] = cov[i * d + j] / static_cast<double>(N);
+    ops::expected_statistics_reference<Backend>(in.queries, q, params_.n_sink, d, params_.use_covariance, mu, cov, block, c);
   }
 
   /// Scores of kv head g into s[0..T): sinks +inf, the rest the group-mean expected attention (x value norm).
   template <class Backend, class Tq, class Tk>
   void score_head(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* s,
                   WorkspaceCarver& c) const noexcept {
-    const std::int64_t d = shape.head_dim, h = d / 2, T = in.keys.kv_len(), n0 = params_.n_sink;
+    const std::int64_t d = shape.head_dim, T = in.keys.kv_len(), n0 = params_.n_sink;
     const std::int64_t G = shape.num_q_heads / shape.num_kv_heads;
     float* z = c.take<float>(static_cast<std::size_t>(T));
     double* mu = c.take<double>(static_cast<std::size_t>(d));
-    double* mur = c.take<double>(static_cast<std::size_t>(d));
     double* cov = c.take<double>(static_cast<std::size_t>(d * d));
     float* covf = c.take<float>(static_cast<std::size_t>(d * d));
     float* cb = c.take<float>(static_cast<std::size_t>(5 * d));
     float *sb = cb + d, *mf = cb + 2 * d, *kf = cb + 3 * d;  // kf: 2 d floats of op scratch (key, quadratic-form row)
     float* centred = c.take<float>(static_cast<std::size_t>(kStatBlock * d));
     averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
-    auto partner = [h](std::int64_t i) { return i < h ? i + h : i - h; };
-    auto off = [&](std::int64_t i) { return i < h ? -static_cast<double>(sb[i + h]) : static_cast<double>(sb[i - h]); };
     const Rows<Tk> keys = in.keys.rows(g);
     std::fill(s, s + T, 0.0f);
     for (std::int64_t qq = 0; qq < G; ++qq) {
       const std::int64_t q = g * G + qq;
       query_statistics<Backend>(in, q, d, mu, cov, covf, centred);
-      for (std::int64_t i = 0; i < d; ++i) mur[i] = static_cast<double>(cb[i]) * mu[i] + off(i) * mu[partner(i)];
-      for (std::int64_t i = 0; i < d; ++i) mf[i] = static_cast<float>(mur[i]);
-      if (params_.use_covariance) {
-        // covf = R cov R^T: first RC (into cov, row by row using the partner row), then (RC) R^T.
-        for (std::int64_t i = 0; i < h; ++i) {
-          for (std::int64_t j = 0; j < d; ++j) {
-            const double a = cov[i * d + j], b = cov[(i + h) * d + j];
-            cov[i * d + j] = static_cast<double>(cb[i]) * a + off(i) * b;
-            cov[(i + h) * d + j] = static_cast<double>(cb[i + h]) * b + off(i + h) * a;
-          }
-        }
-        for (std::int64_t i = 0; i < d; ++i)
-          for (std::int64_t j = 0; j < d; ++j)
-            covf[i * d + j] = static_cast<float>(cov[i * d + j] * static_cast<double>(cb[j]) + cov[i * d + partner(j)] * off(j));
-      }
+      ops::expected_rotate_reference(mu, params_.use_covariance ? cov : nullptr, d, cb, sb, mf, covf);  // covf = R cov R^T
       const float mx = Backend::expected_logits(mf, params_.use_covariance ? covf : nullptr, d, keys, n0, T, z, kf);
       Backend::softmax_accumulate(z, n0, T, mx, s);
     }
     if (params_.use_vnorm) Backend::neg_row_norms(in.values.rows(g), T, d, z, 1);  // z[j] = -|v_j| (z is free now)
-    for (std::int64_t j = n0; j < T; ++j) {
-      float v = s[j] / static_cast<float>(G);
-      if (params_.use_vnorm) v = (v + params_.epsilon) * -z[j];
-      s[j] = v;
+    ops::expected_finish_reference(s, params_.use_vnorm ? z : nullptr, n0, T, G, params_.epsilon);
+  }
+
+  /// score_head on a device backend: the same steps as `ops/expected_steps.hpp` ops on device memory (the
+  /// averaged RoPE tables are computed here, on the host, and travel by value).
+  template <class Backend, class Tq, class Tk>
+  void score_head_device(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* s,
+                         WorkspaceCarver& c) const noexcept {
+    const std::int64_t d = shape.head_dim, T = in.keys.kv_len(), n0 = params_.n_sink;
+    const std::int64_t G = shape.num_q_heads / shape.num_kv_heads;
+    float* z = c.take<float>(static_cast<std::size_t>(T));
+    double* mu = c.take<double>(static_cast<std::size_t>(d));
+    double* cov = c.take<double>(static_cast<std::size_t>(d * d));
+    float* covf = c.take<float>(static_cast<std::size_t>(d * d));
+    float* block = c.take<float>(static_cast<std::size_t>(d * d));
+    float* mf = c.take<float>(static_cast<std::size_t>(3 * d));
+    float* kf = mf + d;  // 2 d floats of op scratch
+    float* centred = c.take<float>(static_cast<std::size_t>(kStatBlock * d));
+    float* mx = c.take<float>(1);
+    const std::size_t sm = ops::expected_softmax_workspace<Backend>(T);
+    const Workspace sm_ws{c.take<std::byte>(sm), sm};
+    float cb[ops::kExpectedMaxDeviceDim], sb[ops::kExpectedMaxDeviceDim];  // host: d <= kExpectedMaxDeviceDim (validate)
+    averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
+    const Rows<Tk> keys = in.keys.rows(g);
+    const bool use_cov = params_.use_covariance;
+    Backend::fill(s, T, 1, 0.0f);
+    for (std::int64_t qq = 0; qq < G; ++qq) {
+      ops::expected_statistics<Backend>(in.queries, g * G + qq, n0, d, use_cov, mu, cov, block, centred);
+      ops::expected_rotate<Backend>(mu, use_cov ? cov : nullptr, d, cb, sb, mf, covf);
+      ops::expected_logits_max<Backend>(mf, use_cov ? covf : nullptr, d, keys, n0, T, z, kf, mx);
+      ops::expected_softmax<Backend>(z, n0, T, mx, s, sm_ws);
     }
-    for (std::int64_t j = 0; j < std::min(n0, T); ++j) s[j] = INFINITY;
+    if (params_.use_vnorm) Backend::neg_row_norms(in.values.rows(g), T, d, z, 1);
+    ops::expected_finish<Backend>(s, params_.use_vnorm ? z : nullptr, n0, T, G, params_.epsilon);
   }
 
   Params params_{};
