@@ -13,6 +13,8 @@
 //                       on the same shape, graph-replayed (offsets on the device).
 //   CudaAdaKVKeep/T     `Cuda::adakv_keep` alone: the allocation and kept rows
 //                       of 8 rows of T scores; hbm_frac counts one read of them.
+//   CudaExpectedAttention/T  Expected Attention's decision from the whole
+//                       prompt's queries (kvpress defaults), one layer.
 //   CudaTopk/n/k_pct    exact top-k of 8 rows of n fp32 scores (radix select).
 //   CudaH2OStep/C       one H2O decode step of a layer (32 query heads, 8 kv
 //                       heads, cache of C slots): fold the step's attention
@@ -43,6 +45,7 @@
 #include "cuda_bench_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
@@ -250,6 +253,49 @@ void CudaAdaKVKeep(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+/// Expected Attention (kvpress defaults: 512 future positions, 4 sinks, covariance and value norms, ratio 0.5)
+/// over the whole prompt's queries, 32 query / 8 kv heads, head_dim 128, fp16 queries, keys and values.
+/// fp32_frac counts the covariance products (Hq * T * d^2) and the quadratic forms (2 * Hq * T * d^2).
+void CudaExpectedAttention(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t Hq = 32, Hkv = 8, d = 128;
+  const std::int64_t T = state.range(0);
+  const kvp::ExpectedAttention policy(kvp::ExpectedAttentionParams::kvpress(0.5));
+  const kvp::Requirements req = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{Hq, Hkv, d, T, T});
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  std::vector<kvp::half> host(static_cast<std::size_t>(Hq * T * d));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (auto& x : host) x = kvp::to_half(nd(rng));
+  DeviceBuffer dq(host.size() * sizeof(kvp::half)), dk(static_cast<std::size_t>(Hkv * T * d) * sizeof(kvp::half)),
+      dv(static_cast<std::size_t>(Hkv * T * d) * sizeof(kvp::half)), dws(req.workspace_bytes),
+      dind(static_cast<std::size_t>(req.output.capacity) * sizeof(std::int32_t));
+  if (!(dq.ok && dk.ok && dv.ok && dws.ok && dind.ok)) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dq.ptr, host.data(), host.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dk.ptr, host.data(), static_cast<std::size_t>(Hkv * T * d) * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dv.ptr, host.data() + Hkv * T * d, static_cast<std::size_t>(Hkv * T * d) * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  kvp::ExpectedAttentionInput<kvp::half, kvp::half> in;
+  in.queries = kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dq.ptr), {Hq, T, d}, gpu);
+  in.keys = kvp::KVSource<kvp::half>::from(
+      kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dk.ptr), {Hkv, T, d}, gpu));
+  in.values = kvp::KVSource<kvp::half>::from(
+      kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dv.ptr), {Hkv, T, d}, gpu));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(req.output.rows + 1));
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const auto evict = [&] {
+    return policy.evict(kvp::Context<Cuda>{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s}, in,
+                        kvp::KeepSet{indptr.data(), static_cast<std::int32_t*>(dind.ptr), req.output.rows, req.output.capacity});
+  };
+  timed_loop(state, s, evict);
+  const double flops = 3.0 * Hq * static_cast<double>(T) * d * d;
+  if (g_peaks.fp32_flops_per_s > 0)
+    state.counters["fp32_frac"] = benchmark::Counter(flops / g_peaks.fp32_flops_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
 void CudaTopk(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
   const std::int64_t rows = 8, n = state.range(0), k = std::max<std::int64_t>(1, n * state.range(1) / 100);
@@ -399,6 +445,7 @@ BENCHMARK(CudaSnapKV)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::k
 BENCHMARK(CudaSnapKVGraph)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaAdaKVGraph)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaAdaKVKeep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaExpectedAttention)->Arg(4096)->Arg(32768)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -13,6 +13,7 @@
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/ops/contract.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
+#include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
@@ -545,4 +546,48 @@ TEST_CASE("cuda Ada-KV: host checks before anything is enqueued (views, sharded 
   refused(policy.requirements(Context<Cuda>{{}, sharded}, shape).status, StatusCode::kUnsupported, "sharded");
   refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes}, sharded}, window, out), StatusCode::kUnsupported,
           "sharded");
+}
+
+TEST_CASE("cuda Expected Attention: host checks before anything is enqueued", "[cuda][policy][expected_attention]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 1000, q_len = 200;
+  const ExpectedAttention policy(ExpectedAttentionParams::kvpress(0.5));
+  const Requirements req = policy.requirements(Context<Cuda>{}, ProblemShape{Hq, Hkv, d, T, q_len});
+  INFO(req.status.message());
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.workspace_bytes >= Cuda::expected_softmax_workspace(T));
+  ExpectedAttentionInput<float, half> in;
+  in.queries = TensorView<const float, 3>(fake<const float>(1), {Hq, q_len, d}, {q_len * d, d, 1}, gpu);
+  in.keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {Hkv, T, d}, {T * d, d, 1}, gpu));
+  in.values = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(3), {Hkv, T, d}, {T * d, d, 1}, gpu));
+  std::int32_t indptr[3] = {-7, -7, -7};
+  const KeepSet out{indptr, fake<std::int32_t>(4), Hkv, req.output.capacity};
+  const auto refused = [&](const Status& s, StatusCode code, const char* what) {
+    INFO(s.message());
+    CHECK(s.code() == code);
+    CHECK(mentions(s, what));
+    CHECK((indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7));
+  };
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(5), std::size_t{1} << 34}, two_workers}, in, out), StatusCode::kUnsupported,
+          "2 workers");
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(5), req.workspace_bytes - 1}}, in, out), StatusCode::kWorkspaceTooSmall,
+          "workspace");
+  ExpectedAttentionInput<float, half> host_q = in;
+  host_q.queries = TensorView<const float, 3>(fake<const float>(1), {Hq, q_len, d}, {q_len * d, d, 1});
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(5), req.workspace_bytes}}, host_q, out), StatusCode::kInvalidArgument,
+          "host tensor");
+  ExpectedAttentionInput<float, half> stats = in;
+  stats.queries = {};
+  stats.query_mean = TensorView<const float, 2>(fake<const float>(6), {Hq, d}, {d, 1}, gpu);
+  stats.query_cov = TensorView<const float, 3>(fake<const float>(7), {Hq, d, d}, {d * d, d, 1}, gpu);
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(5), req.workspace_bytes}}, stats, out), StatusCode::kUnsupported,
+          "precomputed statistics");
+  const std::int64_t big = 512;
+  ExpectedAttentionInput<float, half> wide;
+  wide.queries = TensorView<const float, 3>(fake<const float>(1), {Hq, q_len, big}, {q_len * big, big, 1}, gpu);
+  wide.keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {Hkv, T, big}, {T * big, big, 1}, gpu));
+  wide.values = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(3), {Hkv, T, big}, {T * big, big, 1}, gpu));
+  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(5), std::size_t{1} << 34}}, wide, out), StatusCode::kUnsupported, "at most 256");
 }

@@ -1021,6 +1021,68 @@ TEST_CASE("cuda Ada-KV: a decision captured in a CUDA graph and replayed on new 
   CUDA_REQUIRE(cudaGraphDestroy(graph));
 }
 
+TEMPLATE_TEST_CASE("cuda Expected Attention: scores within 1e-5 relative of Scalar, kept sets equal up to ties",
+                   "[cuda][expected_attention]", float, kvp::half, kvp::bfloat16) {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 700, q_len = 100;
+  const auto q = random_vector<TestType>(static_cast<std::size_t>(Hq * q_len * d), 61);
+  const auto k = random_vector<TestType>(static_cast<std::size_t>(Hkv * T * d), 62);
+  const auto v = random_vector<TestType>(static_cast<std::size_t>(Hkv * T * d), 63);
+  DeviceBuffer dq(q), dk(k), dv(v);
+  const auto input = [&](const TestType* qp, const TestType* kp, const TestType* vp, kvp::Device dev) {
+    kvp::ExpectedAttentionInput<TestType, TestType> in;
+    in.queries = kvp::TensorView<const TestType, 3>::contiguous(qp, {Hq, q_len, d}, dev);
+    in.keys = kvp::KVSource<TestType>::from(kvp::TensorView<const TestType, 3>::contiguous(kp, {Hkv, T, d}, dev));
+    in.values = kvp::KVSource<TestType>::from(kvp::TensorView<const TestType, 3>::contiguous(vp, {Hkv, T, d}, dev));
+    return in;
+  };
+  const auto host_in = input(q.data(), k.data(), v.data(), kvp::Device{});
+  const auto dev_in = input(dq.get<const TestType>(), dk.get<const TestType>(), dv.get<const TestType>(), kGpu);
+  const kvp::ExpectedAttentionParams variants[] = {kvp::ExpectedAttentionParams::kvpress(0.5),
+                                                   kvp::ExpectedAttentionParams::kvpress(0.7, 64, 2, false, true),
+                                                   kvp::ExpectedAttentionParams::kvpress(0.3, 16, 0, true, false, 0.01f)};
+  for (const auto& params : variants) {
+    INFO("cov " << params.use_covariance << " vnorm " << params.use_vnorm << " sinks " << params.n_sink);
+    const kvp::ExpectedAttention policy(params);
+    const kvp::ProblemShape shape{Hq, Hkv, d, T, q_len};
+    const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
+    KVP_REQUIRE_OK(hreq.status);
+    std::vector<std::byte> hws(hreq.workspace_bytes);
+    const kvp::Context<Scalar> hcx{kvp::Workspace{hws.data(), hws.size()}};
+    std::vector<float> ref(static_cast<std::size_t>(Hkv * T));
+    KVP_REQUIRE_OK(policy.score(hcx, host_in, kvp::TensorView<float, 2>::contiguous(ref.data(), {Hkv, T})));
+    kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
+    KVP_REQUIRE_OK(policy.evict(hcx, host_in, want.view()));
+
+    Stream st;
+    const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
+    KVP_REQUIRE_OK(dreq.status);
+    DeviceBuffer dws(dreq.workspace_bytes), dscores(ref.size() * sizeof(float)),
+        dind(static_cast<std::size_t>(dreq.output.capacity) * sizeof(std::int32_t));
+    const kvp::Context<Cuda> dcx{dws.workspace(), {}, st.s};
+    KVP_REQUIRE_OK(policy.score(dcx, dev_in, kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
+    std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
+    KVP_REQUIRE_OK(
+        policy.evict(dcx, dev_in, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity}));
+    st.sync();
+    const auto got = dscores.download<float>(ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      INFO("score " << i << ": " << got[i] << " vs " << ref[i]);
+      if (std::isinf(ref[i]))
+        REQUIRE(got[i] == ref[i]);
+      else
+        REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-30f);
+    }
+    REQUIRE(indptr == want.indptr);
+    const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+    for (std::int64_t r = 0; r < Hkv; ++r) {
+      std::vector<float> head(ref.begin() + r * T, ref.begin() + (r + 1) * T);
+      require_same_keep(std::vector<std::int32_t>(ids.begin() + indptr[static_cast<std::size_t>(r)],
+                                                  ids.begin() + indptr[static_cast<std::size_t>(r + 1)]),
+                        want.row(r), head);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

@@ -96,7 +96,8 @@ inline void expected_rotate_reference(const double* mu, double* cov, std::int64_
 
 /// The head's final scores: s[j] = s[j] / G, then (s[j] + eps) * |v_j| when
 /// `neg_norm` (= -|v_j|) is given, for j in [n0, T); the n0 sinks +inf.
-inline void expected_finish_reference(float* s, const float* neg_norm, std::int64_t n0, std::int64_t T, std::int64_t G, float eps) noexcept {
+inline void expected_finish_reference(float* s, const float* neg_norm, std::int64_t n0, std::int64_t T, std::int64_t G,
+                                      float eps) noexcept {
   for (std::int64_t j = n0; j < T; ++j) {
     float v = s[j] / static_cast<float>(G);
     if (neg_norm != nullptr) v = (v + eps) * -neg_norm[j];

@@ -206,15 +206,16 @@ class ExpectedAttention {
         Backend::copy_strided(s, T, out.data() + g * out.stride(0), out.stride(1));
       }
       return call.end();
+    } else {
+      const auto slices = detail::WorkerSlices::carve(ws, per);
+      ctx.parallel_for(shape.num_kv_heads, [&](std::int64_t g, int worker) {
+        WorkspaceCarver c(slices.slice(worker));
+        float* s = c.take<float>(static_cast<std::size_t>(T));
+        score_head<Backend>(in, shape, g, s, c);
+        for (std::int64_t j = 0; j < T; ++j) out(g, j) = s[j];
+      });
+      return Status::ok();
     }
-    const auto slices = detail::WorkerSlices::carve(ws, per);
-    ctx.parallel_for(shape.num_kv_heads, [&](std::int64_t g, int worker) {
-      WorkspaceCarver c(slices.slice(worker));
-      float* s = c.take<float>(static_cast<std::size_t>(T));
-      score_head<Backend>(in, shape, g, s, c);
-      for (std::int64_t j = 0; j < T; ++j) out(g, j) = s[j];
-    });
-    return Status::ok();
   }
 
   /// Eviction decision for a batch: keep row `b * num_kv_heads + h`. The
@@ -251,23 +252,24 @@ class ExpectedAttention {
         Backend::topk(s, T, n_keep, dst, c.rest());
       }
       return call.end();
+    } else {
+      const auto slices = detail::WorkerSlices::carve(ws, per);
+      ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
+        const auto& in = batch[static_cast<std::size_t>(row / H)];
+        const std::int64_t T = in.keys.kv_len();
+        std::int32_t* dst = out.indices + out.indptr[row];
+        const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
+        if (n_keep >= T) {
+          for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
+          return;
+        }
+        WorkspaceCarver c(slices.slice(worker));
+        float* s = c.take<float>(static_cast<std::size_t>(T));
+        score_head<Backend>(in, shape, row % H, s, c);
+        Backend::topk(s, T, n_keep, dst, c.rest());
+      });
+      return Status::ok();
     }
-    const auto slices = detail::WorkerSlices::carve(ws, per);
-    ctx.parallel_for(static_cast<std::int64_t>(batch.size()) * H, [&](std::int64_t row, int worker) {
-      const auto& in = batch[static_cast<std::size_t>(row / H)];
-      const std::int64_t T = in.keys.kv_len();
-      std::int32_t* dst = out.indices + out.indptr[row];
-      const std::int64_t n_keep = out.indptr[row + 1] - out.indptr[row];
-      if (n_keep >= T) {
-        for (std::int64_t j = 0; j < T; ++j) dst[j] = static_cast<std::int32_t>(j);
-        return;
-      }
-      WorkspaceCarver c(slices.slice(worker));
-      float* s = c.take<float>(static_cast<std::size_t>(T));
-      score_head<Backend>(in, shape, row % H, s, c);
-      Backend::topk(s, T, n_keep, dst, c.rest());
-    });
-    return Status::ok();
   }
 
   /// Per-head scoring hook for composed policies (`Budgeted`, compose.hpp, splits

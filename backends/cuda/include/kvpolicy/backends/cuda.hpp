@@ -314,6 +314,30 @@ struct Cuda {
                          std::int64_t* counts_device, std::int32_t* indptr_device, std::int32_t* indices_device,
                          Workspace ws_device) noexcept;
 
+  // ---- Expected Attention: the per-head steps of ops/expected_steps.hpp ----
+  //
+  // Same semantics as the references there, on device memory (the RoPE
+  // tables `cb` / `sb` are host arrays, copied into the launch arguments;
+  // head_dim <= 256). Statistics, rotation and logits are bit-identical to
+  // `backend::Scalar` (round-to-nearest intrinsics in the reference's order);
+  // the softmax uses the device expf and a blocked double denominator (about
+  // 1e-6 relative). The `block` / `c` / `scratch` arguments of the host
+  // reference are unused here.
+
+  template <class Tq>
+  static void expected_statistics(const TensorView<const Tq, 3>& q_device, std::int64_t head, std::int64_t t0, std::int64_t d, bool use_cov,
+                                  double* mu_device, double* cov_device, float* block, float* c) noexcept;
+  static void expected_rotate(const double* mu_device, double* cov_device, std::int64_t d, const float* cb_host, const float* sb_host,
+                              float* mf_device, float* covf_device) noexcept;
+  template <class Tk>
+  static void expected_logits_max(const float* mean_device, const float* cov_device, std::int64_t d, const Rows<Tk>& keys_device,
+                                  std::int64_t j0, std::int64_t j1, float* z_device, float* scratch, float* mx_device) noexcept;
+  static std::size_t expected_softmax_workspace(std::int64_t T) noexcept;
+  static void expected_softmax(float* z_device, std::int64_t j0, std::int64_t j1, const float* mx_device, float* s_device,
+                               Workspace ws_device) noexcept;
+  static void expected_finish(float* s_device, const float* neg_norm_device, std::int64_t n0, std::int64_t T, std::int64_t G,
+                              float eps) noexcept;
+
   // ---- pages (Quest): the PageOps family of ops/paged_scalar.hpp ----------
   //
   // Same semantics as `ScalarPageOps`; defined in src/page_ops.cu for every
