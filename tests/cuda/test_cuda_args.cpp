@@ -15,6 +15,7 @@
 #include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -590,4 +591,40 @@ TEST_CASE("cuda Expected Attention: host checks before anything is enqueued", "[
   wide.keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {Hkv, T, big}, {T * big, big, 1}, gpu));
   wide.values = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(3), {Hkv, T, big}, {T * big, big, 1}, gpu));
   refused(policy.evict(Context<Cuda>{Workspace{fake<void>(5), std::size_t{1} << 34}}, wide, out), StatusCode::kUnsupported, "at most 256");
+}
+
+TEST_CASE("cuda Fp8Quant: host checks before anything is enqueued", "[cuda][policy][fp8]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t H = 2, T = 10, d = 64;
+  const Fp8Quant policy(Fp8QuantParams{Fp8Format::kE4M3, Fp8Scale::kPerHead, 1.0f});
+  const float bad_scales[2] = {1.0f, -2.0f};
+  Fp8Quant::State st{std::span<const float>(bad_scales, 2)};
+  QuantizedKV q{policy.layout(), TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, d}, {T * d, d, 1}, gpu), {}, T};
+  const auto rows = TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}, gpu);
+  const auto refused = [](const Status& s, StatusCode code, const char* what) {
+    INFO(s.message());
+    CHECK(s.code() == code);
+    CHECK(mentions(s, what));
+  };
+  const Context<Cuda> cx{};
+  refused(policy.quantize(cx, rows, st, q), StatusCode::kInvalidArgument, "per_head scale of head 1");
+  const float scales[2] = {1.0f, 2.0f};
+  st.head_scales = std::span<const float>(scales, 2);
+  refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}), st, q),
+          StatusCode::kInvalidArgument, "rows is a host tensor");
+  refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d * 2, d * 2, 2}, gpu), st, q),
+          StatusCode::kInvalidArgument, "channel stride 2");
+  QuantizedKV host_codes = q;
+  host_codes.codes = TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, d}, {T * d, d, 1});
+  refused(policy.quantize(cx, rows, st, host_codes), StatusCode::kInvalidArgument, "codes is a host tensor");
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  refused(policy.quantize(Context<Cuda>{{}, two_workers}, rows, st, q), StatusCode::kUnsupported, "2 workers");
+  refused(policy.dequantize(cx, q, TensorView<half, 3>(fake<half>(3), {H, T, d}, {T * d, d, 1}), st), StatusCode::kInvalidArgument,
+          "out is a host tensor");
+  // The ops record bad arguments and enqueue nothing.
+  const Cuda::CallScope scope(nullptr, 1);
+  Cuda::fp8_quantize_rows(Fp8Format::kE4M3, static_cast<const float*>(nullptr), 3, 64, 64, 1.0f, fake<std::uint8_t>(1), 64);
+  const Status s = scope.end();
+  CHECK(mentions(s, "input or output is null"));
 }

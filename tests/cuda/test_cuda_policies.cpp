@@ -1083,6 +1083,41 @@ TEMPLATE_TEST_CASE("cuda Expected Attention: scores within 1e-5 relative of Scal
   }
 }
 
+TEMPLATE_TEST_CASE("cuda Fp8Quant: codes, inline scales and decoded rows bit-identical to Scalar", "[cuda][fp8]", float, kvp::half,
+                   kvp::bfloat16) {
+  const std::int64_t H = 4, T = 300, d = 128;
+  auto rows = random_vector<TestType>(static_cast<std::size_t>(H * T * d), 71, 40.0f);
+  rows[5] = kvp::from_float<TestType>(0.0f);
+  const float head_scales[4] = {0.01f, 0.1f, 1.0f, 10.0f};
+  DeviceBuffer drows(rows);
+  for (const kvp::Fp8Format f : {kvp::Fp8Format::kE4M3, kvp::Fp8Format::kE5M2})
+    for (const kvp::Fp8Scale layout : {kvp::Fp8Scale::kPerTensor, kvp::Fp8Scale::kPerHead, kvp::Fp8Scale::kPerTokenHead}) {
+      INFO(kvp::fp8_name(f) << " layout " << static_cast<int>(layout));
+      const kvp::Fp8Quant policy(kvp::Fp8QuantParams{f, layout, 0.125f});
+      kvp::Fp8Quant::State st{std::span<const float>(head_scales, 4)};
+      const std::int64_t rb = policy.row_bytes(d);
+      std::vector<std::uint8_t> want(static_cast<std::size_t>(H * T * rb), 0x5A);
+      kvp::QuantizedKV hq{policy.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(want.data(), {H, T, rb}), {}, T};
+      KVP_REQUIRE_OK(
+          policy.quantize(kvp::Context<Scalar>{}, kvp::TensorView<const TestType, 3>::contiguous(rows.data(), {H, T, d}), st, hq));
+      std::vector<TestType> want_y(rows.size());
+      KVP_REQUIRE_OK(policy.dequantize(kvp::Context<Scalar>{}, hq, kvp::TensorView<TestType, 3>::contiguous(want_y.data(), {H, T, d}), st));
+
+      Stream stream;
+      DeviceBuffer dcodes(std::vector<std::uint8_t>(want.size(), 0x5A)), dy(rows.size() * sizeof(TestType));
+      kvp::QuantizedKV dq{
+          policy.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(dcodes.get<std::uint8_t>(), {H, T, rb}, kGpu), {}, T};
+      const kvp::Context<Cuda> cx{{}, {}, stream.s};
+      KVP_REQUIRE_OK(
+          policy.quantize(cx, kvp::TensorView<const TestType, 3>::contiguous(drows.get<const TestType>(), {H, T, d}, kGpu), st, dq));
+      KVP_REQUIRE_OK(policy.dequantize(cx, dq, kvp::TensorView<TestType, 3>::contiguous(dy.get<TestType>(), {H, T, d}, kGpu), st));
+      stream.sync();
+      REQUIRE(dcodes.download<std::uint8_t>(want.size()) == want);
+      const auto got_y = dy.download<TestType>(rows.size());
+      REQUIRE(std::memcmp(got_y.data(), want_y.data(), rows.size() * sizeof(TestType)) == 0);
+    }
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

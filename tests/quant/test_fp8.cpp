@@ -4,6 +4,7 @@
 // code (tests/data/fixtures/fp8.bin); saturation and NaN as documented.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -80,4 +81,50 @@ TEST_CASE("fp8: all 256 codes decode and every in-range value encodes as ml_dtyp
   REQUIRE(fp8_decode(Fp8Format::kE4M3, 0x01) == 0x1p-9f);
   REQUIRE(fp8_decode(Fp8Format::kE5M2, 0x7b) == 57344.0f);
   REQUIRE(fp8_decode(Fp8Format::kE5M2, 0x01) == 0x1p-16f);
+}
+
+TEST_CASE("fp8: the integer codec (host and device) equals the reference codec", "[quant][fp8][device]") {
+  for (const kvpolicy::Fp8Format f : {kvpolicy::Fp8Format::kE4M3, kvpolicy::Fp8Format::kE5M2}) {
+    INFO(kvpolicy::fp8_name(f));
+    const auto bits_of = [](float x) {
+      std::uint32_t u;
+      std::memcpy(&u, &x, 4);
+      return u;
+    };
+    for (int c = 0; c < 256; ++c) {
+      const float want = kvpolicy::fp8_decode(f, static_cast<std::uint8_t>(c)),
+                  got = kvpolicy::fp8_decode_bits(f, static_cast<std::uint8_t>(c));
+      INFO("code " << c);
+      if (want != want)
+        REQUIRE(bits_of(got) == bits_of(want));  // the same quiet NaN
+      else
+        REQUIRE(bits_of(got) == bits_of(want));  // signed zeros included
+    }
+    std::int64_t checked = 0;
+    const auto same = [&](std::uint32_t u) {
+      float x;
+      std::memcpy(&x, &u, 4);
+      const std::uint8_t want = kvpolicy::fp8_encode(f, x), got = kvpolicy::fp8_encode_bits(f, x);
+      if (want != got) {
+        INFO("x bits 0x" << std::hex << u << " want " << int(want) << " got " << int(got));
+        REQUIRE(want == got);
+      }
+      ++checked;
+    };
+    // Every float within 3 ulp of every code's value and of every midpoint between neighbouring codes.
+    for (int c = 0; c < 127; ++c) {
+      const float a = kvpolicy::fp8_decode(f, static_cast<std::uint8_t>(c)), b = kvpolicy::fp8_decode(f, static_cast<std::uint8_t>(c + 1));
+      if (!(a == a) || !(b == b) || std::isinf(b)) continue;
+      for (const float v : {a, (a + b) / 2.0f})
+        for (std::int32_t k = -3; k <= 3; ++k)
+          for (const std::uint32_t sign : {0u, 0x80000000u}) {
+            const std::int64_t ub = static_cast<std::int64_t>(bits_of(v)) + k;
+            if (ub >= 0 && ub <= 0x7fffffff) same(static_cast<std::uint32_t>(ub) | sign);
+          }
+    }
+    // A sweep of the whole float range (every 251st bit pattern: both signs, subnormals, inf, NaN).
+    for (std::uint64_t u = 0; u <= 0xffffffffull; u += 251) same(static_cast<std::uint32_t>(u));
+    for (const std::uint32_t u : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x00000001u, 0x80000001u}) same(u);
+    CHECK(checked > 17000000);
+  }
 }

@@ -58,8 +58,8 @@ __global__ void mean_kernel(QueryView<Tq> q, std::int64_t head, std::int64_t t0,
 
 /// cov[i][j] = cov[j][i] for the pair (i, j >= i) of this thread: centred fp32 products summed per 64 tokens, the blocks in double.
 template <class Tq>
-__global__ void cov_kernel(QueryView<Tq> q, std::int64_t head, std::int64_t t0, std::int64_t t1, std::int64_t d, const double* __restrict__ mu,
-                           double* __restrict__ cov) {
+__global__ void cov_kernel(QueryView<Tq> q, std::int64_t head, std::int64_t t0, std::int64_t t1, std::int64_t d,
+                           const double* __restrict__ mu, double* __restrict__ cov) {
   const std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (e >= d * d) return;
   const std::int64_t i = e / d, j = e - i * d;
@@ -103,8 +103,8 @@ __global__ void rotate_kernel(const double* __restrict__ mu, double* __restrict_
   __syncthreads();
   for (std::int64_t e = threadIdx.x; e < d * d; e += blockDim.x) {
     const std::int64_t i = e / d, j = e - i * d, p = j < h ? j + h : j - h;
-    covf[e] = __double2float_rn(
-        __dadd_rn(__dmul_rn(cov[i * d + j], static_cast<double>(r.cb[j])), __dmul_rn(cov[i * d + p], rope_off(r, j, h))));
+    covf[e] =
+        __double2float_rn(__dadd_rn(__dmul_rn(cov[i * d + j], static_cast<double>(r.cb[j])), __dmul_rn(cov[i * d + p], rope_off(r, j, h))));
   }
 }
 
@@ -145,7 +145,8 @@ __global__ void max_kernel(const float* __restrict__ z, std::int64_t j0, std::in
 }
 
 /// z[j] = exp(z[j] - mx); the block's sum of them in double into partial[blockIdx.x].
-__global__ void exp_kernel(float* __restrict__ z, std::int64_t j0, std::int64_t j1, const float* __restrict__ mx, double* __restrict__ partial) {
+__global__ void exp_kernel(float* __restrict__ z, std::int64_t j0, std::int64_t j1, const float* __restrict__ mx,
+                           double* __restrict__ partial) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const std::int64_t j = j0 + static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -173,7 +174,8 @@ __global__ void accumulate_kernel(const float* __restrict__ z, std::int64_t j0, 
   if (j < j1) s[j] = __fadd_rn(s[j], __fmul_rn(z[j], *inv));
 }
 
-__global__ void finish_kernel(float* __restrict__ s, const float* __restrict__ neg_norm, std::int64_t n0, std::int64_t T, float G, float eps) {
+__global__ void finish_kernel(float* __restrict__ s, const float* __restrict__ neg_norm, std::int64_t n0, std::int64_t T, float G,
+                              float eps) {
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (j >= T) return;
   if (j < n0) {
@@ -229,7 +231,8 @@ template void Cuda::expected_statistics<half>(const TensorView<const half, 3>&, 
 template void Cuda::expected_statistics<bfloat16>(const TensorView<const bfloat16, 3>&, std::int64_t, std::int64_t, std::int64_t, bool,
                                                   double*, double*, float*, float*) noexcept;
 
-void Cuda::expected_rotate(const double* mu, double* cov, std::int64_t d, const float* cb, const float* sb, float* mf, float* covf) noexcept {
+void Cuda::expected_rotate(const double* mu, double* cov, std::int64_t d, const float* cb, const float* sb, float* mf,
+                           float* covf) noexcept {
   using namespace cuda_detail;
   if (d < 2 || d % 2 != 0 || d > kMaxDim)
     return fail(Status::error(StatusCode::kUnsupported, "cuda expected_rotate: head_dim %lld, must be even in [2, %lld]",
@@ -252,8 +255,8 @@ void Cuda::expected_logits_max(const float* mean, const float* cov, std::int64_t
 }
 template void Cuda::expected_logits_max<float>(const float*, const float*, std::int64_t, const Rows<float>&, std::int64_t, std::int64_t,
                                                float*, float*, float*) noexcept;
-template void Cuda::expected_logits_max<half>(const float*, const float*, std::int64_t, const Rows<half>&, std::int64_t, std::int64_t, float*,
-                                              float*, float*) noexcept;
+template void Cuda::expected_logits_max<half>(const float*, const float*, std::int64_t, const Rows<half>&, std::int64_t, std::int64_t,
+                                              float*, float*, float*) noexcept;
 template void Cuda::expected_logits_max<bfloat16>(const float*, const float*, std::int64_t, const Rows<bfloat16>&, std::int64_t,
                                                   std::int64_t, float*, float*, float*) noexcept;
 

@@ -3,6 +3,7 @@
 // inline trailer's bytes, Scalar == Cpu, and bad input (nothing written).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -11,6 +12,7 @@
 
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "../emulated_device.hpp"
 
 using namespace kvpolicy;
 using Catch::Matchers::Contains;
@@ -114,4 +116,45 @@ TEST_CASE("fp8 quant policy: bad input gets a clear message and writes nothing",
   untouched(small);
   REQUIRE_THAT(Fp8Quant(Fp8QuantParams{Fp8Format::kE4M3, Fp8Scale::kPerTensor, -1.0f}).validate_params().message(),
                Contains("scale is -1, must be finite and > 0"));
+}
+
+TEST_CASE("fp8 quant policy: the device path (one op per kv head) writes the host path's bytes and values",
+          "[quant][policy][fp8][device]") {
+  const std::int64_t H = 3, T = 37, d = 48;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  std::vector<half> k(static_cast<std::size_t>(H * T * d));
+  for (auto& x : k) x = to_half(nd(rng) * 3.0f);
+  const float head_scales[3] = {0.02f, 0.5f, 3.0f};
+  for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2})
+    for (Fp8Scale layout : {Fp8Scale::kPerTensor, Fp8Scale::kPerHead, Fp8Scale::kPerTokenHead}) {
+      INFO(fp8_name(f) << " layout " << static_cast<int>(layout));
+      const Fp8Quant policy(Fp8QuantParams{f, layout, 0.25f});
+      Fp8Quant::State st{std::span<const float>(head_scales, 3)};
+      Fp8Region host(policy, H, T, d), dev(policy, H, T, d);
+      REQUIRE(policy.quantize(Context<backend::Scalar>{}, TensorView<const half, 3>::contiguous(k.data(), {H, T, d}), st, host.q).is_ok());
+      QuantizedKV dq = dev.q;
+      dq.codes = TensorView<std::uint8_t, 3>::contiguous(dev.bytes.data(), {H, T, policy.row_bytes(d)}, kvp_test::kEmulatedDevice);
+      const Status s = policy.quantize(Context<kvp_test::EmulatedDevice>{},
+                                       TensorView<const half, 3>::contiguous(k.data(), {H, T, d}, kvp_test::kEmulatedDevice), st, dq);
+      INFO(s.message());
+      REQUIRE(s.is_ok());
+      REQUIRE(host.bytes == dev.bytes);
+      std::vector<half> yh(k.size()), yd(k.size());
+      REQUIRE(policy.dequantize(Context<backend::Scalar>{}, host.q, TensorView<half, 3>::contiguous(yh.data(), {H, T, d}), st).is_ok());
+      REQUIRE(policy
+                  .dequantize(Context<kvp_test::EmulatedDevice>{}, dq,
+                              TensorView<half, 3>::contiguous(yd.data(), {H, T, d}, kvp_test::kEmulatedDevice), st)
+                  .is_ok());
+      REQUIRE(std::memcmp(yh.data(), yd.data(), yh.size() * sizeof(half)) == 0);
+      // Host views on the device path are refused by name; nothing is written.
+      Fp8Region untouched(policy, H, T, d);
+      QuantizedKV uq = untouched.q;
+      uq.codes = TensorView<std::uint8_t, 3>::contiguous(untouched.bytes.data(), {H, T, policy.row_bytes(d)}, kvp_test::kEmulatedDevice);
+      const Status refused =
+          policy.quantize(Context<kvp_test::EmulatedDevice>{}, TensorView<const half, 3>::contiguous(k.data(), {H, T, d}), st, uq);
+      CHECK(refused.code() == StatusCode::kInvalidArgument);
+      CHECK_THAT(refused.message(), Contains("rows is a host tensor"));
+      CHECK(std::all_of(untouched.bytes.begin(), untouched.bytes.end(), [](std::uint8_t b) { return b == 0x5A; }));
+    }
 }

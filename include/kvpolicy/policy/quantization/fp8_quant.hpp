@@ -22,6 +22,12 @@
 // Rows with contiguous channels go through Backend::fp8_quantize_rows /
 // fp8_dequantize_rows (vectorised on backend::Cpu, bit-identical with the
 // reference codec of quant/fp8.hpp).
+// On a device backend (backend::Cuda: rows, codes and out in device memory,
+// one launch per kv head, per_head scales read on the host) the channels must
+// be contiguous and the values are not scanned: NaN encodes as the NaN code,
+// +-inf and finite values beyond the range saturate to +-max, and a
+// per_token_head row holding an infinity gets scale inf (its codes x / inf:
+// zeros and NaN codes). Finite rows give the host's codes bit for bit.
 #pragma once
 
 #include <cmath>
@@ -111,35 +117,46 @@ class Fp8Quant {
   Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State& st, QuantizedKV q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, "rows"));
-    KVP_REQUIRE(rows.device().is_host(), "fp8: rows is a device tensor; this entry point reads host memory");
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    KVP_RETURN_IF_ERROR(check_device(kDeviceBackend<Backend>, rows.device(), rows.stride(2), d, "rows"));
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
-    const float fmax = fp8_max(params_.format);
-    if (rows.stride(2) == 1 || d == 1) {
+    if constexpr (kDeviceBackend<Backend>) {
+      KVP_RETURN_IF_ERROR(check_device(true, q.codes.device(), 1, 1, "codes"));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::fp8_quantize_rows(params_.format, &rows(h, 0, 0), T, rows.stride(1), d,
+                                   params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h), &q.codes(h, 0, 0),
+                                   q.codes.stride(1));
+      return call.end();
+    } else {
+      KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
+      const float fmax = fp8_max(params_.format);
+      if (rows.stride(2) == 1 || d == 1) {
+        ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+          const float s = params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h);  // 0: each row's own
+          if (T > 0)
+            Backend::fp8_quantize_rows(params_.format, &rows(h, 0, 0), T, rows.stride(1), d, s, &q.codes(h, 0, 0), q.codes.stride(1));
+        });
+        return Status::ok();
+      }
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-        const float s = params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h);  // 0: each row's own
-        if (T > 0)
-          Backend::fp8_quantize_rows(params_.format, &rows(h, 0, 0), T, rows.stride(1), d, s, &q.codes(h, 0, 0), q.codes.stride(1));
+        for (std::int64_t t = 0; t < T; ++t) {
+          std::uint8_t* out = &q.codes(h, t, 0);
+          float scale = head_scale(st, h);
+          if (params_.scales == Fp8Scale::kPerTokenHead) {
+            float amax = 0.0f;
+            for (std::int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(to_float(rows(h, t, c))));
+            scale = amax > 0.0f ? amax / fmax : 1.0f;
+            std::memcpy(out + d, &scale, sizeof scale);
+            std::memset(out + d + sizeof scale, 0, kTrailer - sizeof scale);
+          }
+          for (std::int64_t c = 0; c < d; ++c) out[c] = fp8_encode(params_.format, to_float(rows(h, t, c)) / scale);
+        }
       });
       return Status::ok();
     }
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      for (std::int64_t t = 0; t < T; ++t) {
-        std::uint8_t* out = &q.codes(h, t, 0);
-        float scale = head_scale(st, h);
-        if (params_.scales == Fp8Scale::kPerTokenHead) {
-          float amax = 0.0f;
-          for (std::int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(to_float(rows(h, t, c))));
-          scale = amax > 0.0f ? amax / fmax : 1.0f;
-          std::memcpy(out + d, &scale, sizeof scale);
-          std::memset(out + d + sizeof scale, 0, kTrailer - sizeof scale);
-        }
-        for (std::int64_t c = 0; c < d; ++c) out[c] = fp8_encode(params_.format, to_float(rows(h, t, c)) / scale);
-      }
-    });
-    return Status::ok();
   }
 
   /// Tokens [0, q.tokens) back into `out`; kPerHead reads the scales of `st`.
@@ -147,8 +164,8 @@ class Fp8Quant {
   Status dequantize(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out, const State& st = {}) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
-    KVP_REQUIRE(out.device().is_host(), "fp8: out is a device tensor; this entry point writes host memory");
     const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
+    KVP_RETURN_IF_ERROR(check_device(kDeviceBackend<Backend>, out.device(), out.stride(2), d, "out"));
     KVP_REQUIRE(q.tokens == T, "fp8: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
                 static_cast<long long>(q.tokens));
     KVP_REQUIRE(q.layout.name != nullptr && std::string_view(q.layout.name) == fp8_name(params_.format),
@@ -156,28 +173,51 @@ class Fp8Quant {
                 fp8_name(params_.format));
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    if (out.stride(2) == 1 || d == 1) {
+    if constexpr (kDeviceBackend<Backend>) {
+      KVP_RETURN_IF_ERROR(check_device(true, q.codes.device(), 1, 1, "codes"));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::fp8_dequantize_rows(params_.format, &q.codes(h, 0, 0), T, q.codes.stride(1), d,
+                                     params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h), &out(h, 0, 0), out.stride(1));
+      return call.end();
+    } else {
+      if (out.stride(2) == 1 || d == 1) {
+        ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+          const float s = params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h);  // 0: the row's trailer
+          if (T > 0)
+            Backend::fp8_dequantize_rows(params_.format, &q.codes(h, 0, 0), T, q.codes.stride(1), d, s, &out(h, 0, 0), out.stride(1));
+        });
+        return Status::ok();
+      }
+      float lut[256];
+      for (int c = 0; c < 256; ++c) lut[c] = fp8_decode(params_.format, static_cast<std::uint8_t>(c));
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-        const float s = params_.scales == Fp8Scale::kPerTokenHead ? 0.0f : head_scale(st, h);  // 0: the row's trailer
-        if (T > 0)
-          Backend::fp8_dequantize_rows(params_.format, &q.codes(h, 0, 0), T, q.codes.stride(1), d, s, &out(h, 0, 0), out.stride(1));
+        for (std::int64_t t = 0; t < T; ++t) {
+          const std::uint8_t* in = &q.codes(h, t, 0);
+          float scale = head_scale(st, h);
+          if (params_.scales == Fp8Scale::kPerTokenHead) std::memcpy(&scale, in + d, sizeof scale);
+          for (std::int64_t c = 0; c < d; ++c) out(h, t, c) = from_float<Tk>(lut[in[c]] * scale);
+        }
       });
       return Status::ok();
     }
-    float lut[256];
-    for (int c = 0; c < 256; ++c) lut[c] = fp8_decode(params_.format, static_cast<std::uint8_t>(c));
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      for (std::int64_t t = 0; t < T; ++t) {
-        const std::uint8_t* in = &q.codes(h, t, 0);
-        float scale = head_scale(st, h);
-        if (params_.scales == Fp8Scale::kPerTokenHead) std::memcpy(&scale, in + d, sizeof scale);
-        for (std::int64_t c = 0; c < d; ++c) out(h, t, c) = from_float<Tk>(lut[in[c]] * scale);
-      }
-    });
-    return Status::ok();
   }
 
  private:
+  /// Where a view lives against the backend: device memory with contiguous channels on a device backend,
+  /// host memory otherwise.
+  static Status check_device(bool on_device, Device dev, std::int64_t channel_stride, std::int64_t d, const char* name) noexcept {
+    if (!on_device) {
+      KVP_REQUIRE(dev.is_host(), "fp8: %s is a device tensor; this entry point %s host memory", name,
+                  std::string_view(name) == "out" ? "writes" : "reads");
+      return Status::ok();
+    }
+    KVP_REQUIRE(!dev.is_host(), "fp8: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", name);
+    KVP_REQUIRE(channel_stride == 1 || d == 1, "fp8: %s has channel stride %lld; a device backend takes contiguous channels", name,
+                static_cast<long long>(channel_stride));
+    return Status::ok();
+  }
   float head_scale(const State& st, std::int64_t h) const noexcept {
     return params_.scales == Fp8Scale::kPerHead ? st.head_scales[static_cast<std::size_t>(h)] : params_.scale;
   }

@@ -37,6 +37,7 @@
 #include "kvpolicy/ops/adakv_keep.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
+#include "kvpolicy/quant/fp8.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
@@ -337,6 +338,21 @@ struct Cuda {
                                Workspace ws_device) noexcept;
   static void expected_finish(float* s_device, const float* neg_norm_device, std::int64_t n0, std::int64_t T, std::int64_t G,
                               float eps) noexcept;
+
+  // ---- fp8 rows (Fp8Quant) --------------------------------------------------
+
+  /// `ScalarQuantOps::fp8_quantize_rows` / `fp8_dequantize_rows` on device
+  /// memory, bit-identical (quant/fp8.hpp's integer codec, round-to-nearest
+  /// fp32 division and product, `from_float`'s narrowing): `rows` rows of d
+  /// values at x (row stride x_stride) to codes at out (row stride
+  /// out_stride) with one scale, or (scale <= 0) each row's dynamic scale
+  /// stored after its codes (fp32, then 12 zero bytes). One block per row.
+  template <class T>
+  static void fp8_quantize_rows(Fp8Format f, const T* x_device, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
+                                std::uint8_t* out_device, std::int64_t out_stride) noexcept;
+  template <class T>
+  static void fp8_dequantize_rows(Fp8Format f, const std::uint8_t* in_device, std::int64_t rows, std::int64_t in_stride, std::int64_t d,
+                                  float scale, T* y_device, std::int64_t y_stride) noexcept;
 
   // ---- pages (Quest): the PageOps family of ops/paged_scalar.hpp ----------
   //
