@@ -90,27 +90,29 @@ bool rows_ok(const char* who, const void* a, const void* b, std::int64_t rows, s
 namespace backend {
 
 template <class T>
-void Cuda::fp8_quantize_rows(Fp8Format f, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale, std::uint8_t* out,
-                             std::int64_t out_stride) noexcept {
+void Cuda::fp8_quantize_rows(Fp8Format f, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale,
+                             std::uint8_t* out, std::int64_t out_stride) noexcept {
   using namespace cuda_detail;
   if (!rows_ok("cuda fp8_quantize_rows", x, out, rows, d)) return;
-  fp8_quantize_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, as_stream(current_stream())>>>(f, x, x_stride, d, scale, out, out_stride);
+  fp8_quantize_kernel<T>
+      <<<static_cast<unsigned>(rows), kThreads, 0, as_stream(current_stream())>>>(f, x, x_stride, d, scale, out, out_stride);
   record_error(launch_status("cuda fp8_quantize_rows"));
 }
 
 template <class T>
-void Cuda::fp8_dequantize_rows(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale, T* y,
-                               std::int64_t y_stride) noexcept {
+void Cuda::fp8_dequantize_rows(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale,
+                               T* y, std::int64_t y_stride) noexcept {
   using namespace cuda_detail;
   if (!rows_ok("cuda fp8_dequantize_rows", in, y, rows, d)) return;
-  fp8_dequantize_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, as_stream(current_stream())>>>(f, in, in_stride, d, scale, y, y_stride);
+  fp8_dequantize_kernel<T>
+      <<<static_cast<unsigned>(rows), kThreads, 0, as_stream(current_stream())>>>(f, in, in_stride, d, scale, y, y_stride);
   record_error(launch_status("cuda fp8_dequantize_rows"));
 }
 
-#define KVP_CUDA_FP8_ROWS(T)                                                                                                              \
-  template void Cuda::fp8_quantize_rows<T>(Fp8Format, const T*, std::int64_t, std::int64_t, std::int64_t, float, std::uint8_t*,         \
-                                           std::int64_t) noexcept;                                                                        \
-  template void Cuda::fp8_dequantize_rows<T>(Fp8Format, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, float, T*,      \
+#define KVP_CUDA_FP8_ROWS(T)                                                                                                      \
+  template void Cuda::fp8_quantize_rows<T>(Fp8Format, const T*, std::int64_t, std::int64_t, std::int64_t, float, std::uint8_t*,   \
+                                           std::int64_t) noexcept;                                                                \
+  template void Cuda::fp8_dequantize_rows<T>(Fp8Format, const std::uint8_t*, std::int64_t, std::int64_t, std::int64_t, float, T*, \
                                              std::int64_t) noexcept;
 KVP_CUDA_FP8_ROWS(float)
 KVP_CUDA_FP8_ROWS(half)
