@@ -202,7 +202,7 @@ class ExpectedAttention {
       for (std::int64_t g = 0; g < shape.num_kv_heads; ++g) {
         WorkspaceCarver c(ws);  // reused per head: the stream orders the launches
         float* s = c.take<float>(static_cast<std::size_t>(T));
-        score_head_device<Backend>(in, shape, g, s, c);
+        score_head<Backend>(in, shape, g, s, c);
         Backend::copy_strided(s, T, out.data() + g * out.stride(0), out.stride(1));
       }
       return call.end();
@@ -248,7 +248,7 @@ class ExpectedAttention {
         }
         WorkspaceCarver c(ws);
         float* s = c.take<float>(static_cast<std::size_t>(T));
-        score_head_device<Backend>(in, shape, row % H, s, c);
+        score_head<Backend>(in, shape, row % H, s, c);
         Backend::topk(s, T, n_keep, dst, c.rest());
       }
       return call.end();
@@ -381,20 +381,17 @@ class ExpectedAttention {
   std::size_t per_worker_bytes(const ProblemShape& s) const noexcept {
     const auto d = static_cast<std::size_t>(std::max<std::int64_t>(s.head_dim, 2));
     const auto T = static_cast<std::size_t>(std::max<std::int64_t>(s.max_kv_len, 1));
-    WorkspacePlan p;
-    if constexpr (kDeviceBackend<Backend>) {  // the order of score_head_device's carve
-      p.add<float>(T).add<float>(T).add<double>(d).add<double>(d * d).add<float>(d * d).add<float>(d * d).add<float>(3 * d);
-      p.add<float>(kStatBlock * d).add<float>(1).add_bytes(ops::expected_softmax_workspace<Backend>(static_cast<std::int64_t>(T)));
-      p.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(T)));
-      return p.bytes;
-    }
+    WorkspacePlan p;               // the order of score_head's carve
     p.add<float>(T);               // head scores
     p.add<float>(T);               // logits of one query head
     p.add<double>(d);              // mean
     p.add<double>(d * d);          // covariance accumulator
     p.add<float>(d * d);           // block accumulator / rotated covariance
-    p.add<float>(5 * d);           // rbar cos, rbar sin, key, rotated mean, quadratic-form temp
+    p.add<float>(3 * d);           // rotated mean, key, quadratic-form temp
     p.add<float>(kStatBlock * d);  // centred queries of one covariance block
+    p.add<float>(1);               // the logits' max
+    p.add_bytes(ops::expected_softmax_workspace<Backend>(static_cast<std::int64_t>(T)));
+    if constexpr (!kDeviceBackend<Backend>) p.add<float>(2 * d);  // rbar cos, rbar sin (a device backend: host arrays)
     p.add_bytes(Backend::topk_workspace(static_cast<std::int64_t>(T)));
     return p.bytes;
   }
@@ -442,17 +439,22 @@ class ExpectedAttention {
   template <class Backend, class Tq, class Tk>
   void query_statistics(const ExpectedAttentionInput<Tq, Tk>& in, std::int64_t q, std::int64_t d, double* mu, double* cov, float* block,
                         float* c) const noexcept {
-    if (in.queries.empty()) {
-      for (std::int64_t i = 0; i < d; ++i) mu[i] = in.query_mean(q, i);
-      if (params_.use_covariance)
-        for (std::int64_t i = 0; i < d; ++i)
-          for (std::int64_t j = 0; j < d; ++j) cov[i * d + j] = in.query_cov(q, i, j);
-      return;
+    if constexpr (!kDeviceBackend<Backend>) {  // a device backend refuses precomputed statistics (validate)
+      if (in.queries.empty()) {
+        for (std::int64_t i = 0; i < d; ++i) mu[i] = in.query_mean(q, i);
+        if (params_.use_covariance)
+          for (std::int64_t i = 0; i < d; ++i)
+            for (std::int64_t j = 0; j < d; ++j) cov[i * d + j] = in.query_cov(q, i, j);
+        return;
+      }
     }
-    ops::expected_statistics_reference<Backend>(in.queries, q, params_.n_sink, d, params_.use_covariance, mu, cov, block, c);
+    ops::expected_statistics<Backend>(in.queries, q, params_.n_sink, d, params_.use_covariance, mu, cov, block, c);
   }
 
-  /// Scores of kv head g into s[0..T): sinks +inf, the rest the group-mean expected attention (x value norm).
+  /// Scores of kv head g into s[0..T): sinks +inf, the rest the group-mean expected attention (x value norm),
+  /// through the steps of ops/expected_steps.hpp: the host references here, the backend's own members on a
+  /// device backend (device memory throughout except the averaged RoPE tables, host arrays that it copies
+  /// into its launch arguments; d <= kExpectedMaxDeviceDim there, checked by validate).
   template <class Backend, class Tq, class Tk>
   void score_head(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* s,
                   WorkspaceCarver& c) const noexcept {
@@ -461,54 +463,27 @@ class ExpectedAttention {
     float* z = c.take<float>(static_cast<std::size_t>(T));
     double* mu = c.take<double>(static_cast<std::size_t>(d));
     double* cov = c.take<double>(static_cast<std::size_t>(d * d));
-    float* covf = c.take<float>(static_cast<std::size_t>(d * d));
-    float* cb = c.take<float>(static_cast<std::size_t>(5 * d));
-    float *sb = cb + d, *mf = cb + 2 * d, *kf = cb + 3 * d;  // kf: 2 d floats of op scratch (key, quadratic-form row)
-    float* centred = c.take<float>(static_cast<std::size_t>(kStatBlock * d));
-    averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
-    const Rows<Tk> keys = in.keys.rows(g);
-    std::fill(s, s + T, 0.0f);
-    for (std::int64_t qq = 0; qq < G; ++qq) {
-      const std::int64_t q = g * G + qq;
-      query_statistics<Backend>(in, q, d, mu, cov, covf, centred);
-      ops::expected_rotate_reference(mu, params_.use_covariance ? cov : nullptr, d, cb, sb, mf, covf);  // covf = R cov R^T
-      const float mx = Backend::expected_logits(mf, params_.use_covariance ? covf : nullptr, d, keys, n0, T, z, kf);
-      Backend::softmax_accumulate(z, n0, T, mx, s);
-    }
-    if (params_.use_vnorm) Backend::neg_row_norms(in.values.rows(g), T, d, z, 1);  // z[j] = -|v_j| (z is free now)
-    ops::expected_finish_reference(s, params_.use_vnorm ? z : nullptr, n0, T, G, params_.epsilon);
-  }
-
-  /// score_head on a device backend: the same steps as `ops/expected_steps.hpp` ops on device memory (the
-  /// averaged RoPE tables are computed here, on the host, and travel by value).
-  template <class Backend, class Tq, class Tk>
-  void score_head_device(const ExpectedAttentionInput<Tq, Tk>& in, const ProblemShape& shape, std::int64_t g, float* s,
-                         WorkspaceCarver& c) const noexcept {
-    const std::int64_t d = shape.head_dim, T = in.keys.kv_len(), n0 = params_.n_sink;
-    const std::int64_t G = shape.num_q_heads / shape.num_kv_heads;
-    float* z = c.take<float>(static_cast<std::size_t>(T));
-    double* mu = c.take<double>(static_cast<std::size_t>(d));
-    double* cov = c.take<double>(static_cast<std::size_t>(d * d));
-    float* covf = c.take<float>(static_cast<std::size_t>(d * d));
-    float* block = c.take<float>(static_cast<std::size_t>(d * d));
+    float* covf = c.take<float>(static_cast<std::size_t>(d * d));  // also the statistics' block accumulator
     float* mf = c.take<float>(static_cast<std::size_t>(3 * d));
-    float* kf = mf + d;  // 2 d floats of op scratch
+    float* kf = mf + d;  // 2 d floats of op scratch (key, quadratic-form row)
     float* centred = c.take<float>(static_cast<std::size_t>(kStatBlock * d));
     float* mx = c.take<float>(1);
     const std::size_t sm = ops::expected_softmax_workspace<Backend>(T);
     const Workspace sm_ws{c.take<std::byte>(sm), sm};
-    float cb[ops::kExpectedMaxDeviceDim], sb[ops::kExpectedMaxDeviceDim];  // host: d <= kExpectedMaxDeviceDim (validate)
+    float device_rope[kDeviceBackend<Backend> ? 2 * ops::kExpectedMaxDeviceDim : 1];
+    float* cb = kDeviceBackend<Backend> ? device_rope : c.take<float>(static_cast<std::size_t>(2 * d));
+    float* sb = cb + d;
     averaged_rope(d, in.next_position >= 0 ? in.next_position : T, cb, sb);
     const Rows<Tk> keys = in.keys.rows(g);
     const bool use_cov = params_.use_covariance;
     Backend::fill(s, T, 1, 0.0f);
     for (std::int64_t qq = 0; qq < G; ++qq) {
-      ops::expected_statistics<Backend>(in.queries, g * G + qq, n0, d, use_cov, mu, cov, block, centred);
-      ops::expected_rotate<Backend>(mu, use_cov ? cov : nullptr, d, cb, sb, mf, covf);
+      query_statistics<Backend>(in, g * G + qq, d, mu, cov, covf, centred);
+      ops::expected_rotate<Backend>(mu, use_cov ? cov : nullptr, d, cb, sb, mf, covf);  // covf = R cov R^T
       ops::expected_logits_max<Backend>(mf, use_cov ? covf : nullptr, d, keys, n0, T, z, kf, mx);
       ops::expected_softmax<Backend>(z, n0, T, mx, s, sm_ws);
     }
-    if (params_.use_vnorm) Backend::neg_row_norms(in.values.rows(g), T, d, z, 1);
+    if (params_.use_vnorm) Backend::neg_row_norms(in.values.rows(g), T, d, z, 1);  // z[j] = -|v_j| (z is free now)
     ops::expected_finish<Backend>(s, params_.use_vnorm ? z : nullptr, n0, T, G, params_.epsilon);
   }
 
