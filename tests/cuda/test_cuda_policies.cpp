@@ -199,57 +199,60 @@ void require_same_keep(const std::vector<std::int32_t>& got, const std::vector<s
   }
 }
 
-/// A query-window policy (SnapKV, LAQ) on `rows` query rows per head, the last `lookahead` of them lookahead rows.
-template <class Tk, class Policy>
-void check_window_policy(const Policy& policy, std::int64_t Hq, std::int64_t Hkv, std::int64_t d, std::int64_t T, std::int64_t rows,
-                         std::int64_t lookahead, std::uint32_t seed) {
-  const std::int64_t w = rows;
-  SnapProblem<Tk> p(Hq, Hkv, d, T, w, seed);
-  p.lookahead = lookahead;
-  const kvp::ProblemShape shape{Hq, Hkv, d, T, w};
-  // Reference: Scalar on the host.
+/// Any scorer + evictor on Cuda vs Scalar: scores within 1e-5 relative (bit-identical when `exact`),
+/// kept sets exact up to reference-score ties.
+template <class Policy, class In>
+void check_scorer(const Policy& policy, const In& hin, const In& din, const kvp::ProblemShape& shape, bool exact) {
+  const std::int64_t Hkv = shape.num_kv_heads, T = shape.max_kv_len;
   const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
   KVP_REQUIRE_OK(hreq.status);
   std::vector<std::byte> hws(hreq.workspace_bytes);
   const kvp::Context<Scalar> hcx{kvp::Workspace{hws.data(), hws.size()}};
-  std::vector<float> ref_scores(static_cast<std::size_t>(Hkv * T));
-  KVP_REQUIRE_OK(policy.score(hcx, p.host(), kvp::TensorView<float, 2>::contiguous(ref_scores.data(), {Hkv, T})));
+  std::vector<float> ref(static_cast<std::size_t>(Hkv * T));
+  KVP_REQUIRE_OK(policy.score(hcx, hin, kvp::TensorView<float, 2>::contiguous(ref.data(), {Hkv, T})));
   kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
-  KVP_REQUIRE_OK(policy.evict(hcx, p.host(), want.view()));
+  KVP_REQUIRE_OK(policy.evict(hcx, hin, want.view()));
 
-  // Device: workspace and outputs in device memory, row offsets on the host.
   Stream st;
   const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
   KVP_REQUIRE_OK(dreq.status);
-  DeviceBuffer dws(dreq.workspace_bytes), dscores(ref_scores.size() * sizeof(float));
+  DeviceBuffer dws(dreq.workspace_bytes), dscores(ref.size() * sizeof(float));
   const kvp::Context<Cuda> dcx{dws.workspace(), {}, st.s};
-  KVP_REQUIRE_OK(policy.score(dcx, p.device(), kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
+  KVP_REQUIRE_OK(policy.score(dcx, din, kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
   std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
-  DeviceBuffer dind(static_cast<std::size_t>(dreq.output.capacity) * sizeof(std::int32_t));
-  const kvp::KeepSet dkeep{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity};
-  KVP_REQUIRE_OK(policy.evict(dcx, p.device(), dkeep));
+  DeviceBuffer dind(static_cast<std::size_t>(std::max<std::int64_t>(dreq.output.capacity, 1)) * sizeof(std::int32_t));
+  KVP_REQUIRE_OK(policy.evict(dcx, din, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity}));
   st.sync();
-
-  const auto got_scores = dscores.download<float>(ref_scores.size());
-  for (std::size_t i = 0; i < ref_scores.size(); ++i) {
-    INFO("score " << i << ": " << got_scores[i] << " vs " << ref_scores[i]);
-    if (std::isinf(ref_scores[i])) {
-      REQUIRE(got_scores[i] == ref_scores[i]);
-    } else {
-      REQUIRE(std::fabs(got_scores[i] - ref_scores[i]) <= 1e-5f * std::max(std::fabs(ref_scores[i]), 1e-30f) + 1e-12f);
+  const auto got = dscores.download<float>(ref.size());
+  if (exact) {
+    REQUIRE(same_bits(got, ref));
+  } else {
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      INFO("score " << i << ": " << got[i] << " vs " << ref[i]);
+      if (std::isinf(ref[i]))
+        REQUIRE(got[i] == ref[i]);
+      else
+        REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-12f);
     }
   }
-  const auto got = dind.download<std::int32_t>(static_cast<std::size_t>(dreq.output.capacity));
-  const kvp::KeepSet wv = want.view();
-  for (std::int64_t r = 0; r < Hkv; ++r) {
-    INFO("kv head " << r);
-    REQUIRE(indptr[static_cast<std::size_t>(r + 1)] == wv.indptr[r + 1]);
-    const std::vector<std::int32_t> grow(got.begin() + indptr[static_cast<std::size_t>(r)],
-                                         got.begin() + indptr[static_cast<std::size_t>(r + 1)]);
-    const auto wrow = want.row(r);
-    std::vector<float> head_scores(ref_scores.begin() + r * T, ref_scores.begin() + (r + 1) * T);
-    require_same_keep(grow, std::vector<std::int32_t>(wrow.begin(), wrow.end()), head_scores);
+  REQUIRE(indptr == want.indptr);
+  const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
+  for (std::int64_t r = 0; r < dreq.output.rows; ++r) {
+    INFO("row " << r);
+    std::vector<float> head(ref.begin() + (r % Hkv) * T, ref.begin() + (r % Hkv + 1) * T);
+    require_same_keep(
+        std::vector<std::int32_t>(ids.begin() + indptr[static_cast<std::size_t>(r)], ids.begin() + indptr[static_cast<std::size_t>(r + 1)]),
+        want.row(r), head);
   }
+}
+
+/// A query-window policy (SnapKV, LAQ) on `rows` query rows per head, the last `lookahead` of them lookahead rows.
+template <class Tk, class Policy>
+void check_window_policy(const Policy& policy, std::int64_t Hq, std::int64_t Hkv, std::int64_t d, std::int64_t T, std::int64_t rows,
+                         std::int64_t lookahead, std::uint32_t seed) {
+  SnapProblem<Tk> p(Hq, Hkv, d, T, rows, seed);
+  p.lookahead = lookahead;
+  check_scorer(policy, p.host(), p.device(), kvp::ProblemShape{Hq, Hkv, d, T, rows}, false);
 }
 
 template <class Tk>
@@ -537,57 +540,6 @@ TEST_CASE("cuda H2O: attention recomputed from queries and keys matches Scalar",
   }
 }
 
-namespace {
-
-/// Any scorer + evictor on Cuda vs Scalar: scores within 1e-5 relative (bit-identical when `exact`),
-/// kept sets exact up to reference-score ties.
-template <class Policy, class Tq, class Tk, class Tp>
-void check_scorer(const Policy& policy, const kvp::ScoreInput<Tq, Tk, Tp>& hin, const kvp::ScoreInput<Tq, Tk, Tp>& din,
-                  const kvp::ProblemShape& shape, bool exact) {
-  const std::int64_t Hkv = shape.num_kv_heads, T = shape.max_kv_len;
-  const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
-  KVP_REQUIRE_OK(hreq.status);
-  std::vector<std::byte> hws(hreq.workspace_bytes);
-  const kvp::Context<Scalar> hcx{kvp::Workspace{hws.data(), hws.size()}};
-  std::vector<float> ref(static_cast<std::size_t>(Hkv * T));
-  KVP_REQUIRE_OK(policy.score(hcx, hin, kvp::TensorView<float, 2>::contiguous(ref.data(), {Hkv, T})));
-  kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
-  KVP_REQUIRE_OK(policy.evict(hcx, hin, want.view()));
-
-  Stream st;
-  const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
-  KVP_REQUIRE_OK(dreq.status);
-  DeviceBuffer dws(dreq.workspace_bytes), dscores(ref.size() * sizeof(float));
-  const kvp::Context<Cuda> dcx{dws.workspace(), {}, st.s};
-  KVP_REQUIRE_OK(policy.score(dcx, din, kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
-  std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
-  DeviceBuffer dind(static_cast<std::size_t>(std::max<std::int64_t>(dreq.output.capacity, 1)) * sizeof(std::int32_t));
-  KVP_REQUIRE_OK(policy.evict(dcx, din, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity}));
-  st.sync();
-  const auto got = dscores.download<float>(ref.size());
-  if (exact) {
-    REQUIRE(same_bits(got, ref));
-  } else {
-    for (std::size_t i = 0; i < ref.size(); ++i) {
-      INFO("score " << i << ": " << got[i] << " vs " << ref[i]);
-      if (std::isinf(ref[i]))
-        REQUIRE(got[i] == ref[i]);
-      else
-        REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-12f);
-    }
-  }
-  REQUIRE(indptr == want.indptr);
-  const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
-  for (std::int64_t r = 0; r < dreq.output.rows; ++r) {
-    INFO("row " << r);
-    std::vector<float> head(ref.begin() + (r % Hkv) * T, ref.begin() + (r % Hkv + 1) * T);
-    require_same_keep(
-        std::vector<std::int32_t>(ids.begin() + indptr[static_cast<std::size_t>(r)], ids.begin() + indptr[static_cast<std::size_t>(r + 1)]),
-        want.row(r), head);
-  }
-}
-
-}  // namespace
 
 TEMPLATE_TEST_CASE("cuda TOVA: from queries and from probabilities, one-shot and one-token steps", "[cuda][tova]", float, kvp::half) {
   const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 500, q = 4;
@@ -1042,44 +994,7 @@ TEMPLATE_TEST_CASE("cuda Expected Attention: scores within 1e-5 relative of Scal
                                                    kvp::ExpectedAttentionParams::kvpress(0.3, 16, 0, true, false, 0.01f)};
   for (const auto& params : variants) {
     INFO("cov " << params.use_covariance << " vnorm " << params.use_vnorm << " sinks " << params.n_sink);
-    const kvp::ExpectedAttention policy(params);
-    const kvp::ProblemShape shape{Hq, Hkv, d, T, q_len};
-    const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
-    KVP_REQUIRE_OK(hreq.status);
-    std::vector<std::byte> hws(hreq.workspace_bytes);
-    const kvp::Context<Scalar> hcx{kvp::Workspace{hws.data(), hws.size()}};
-    std::vector<float> ref(static_cast<std::size_t>(Hkv * T));
-    KVP_REQUIRE_OK(policy.score(hcx, host_in, kvp::TensorView<float, 2>::contiguous(ref.data(), {Hkv, T})));
-    kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity);
-    KVP_REQUIRE_OK(policy.evict(hcx, host_in, want.view()));
-
-    Stream st;
-    const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
-    KVP_REQUIRE_OK(dreq.status);
-    DeviceBuffer dws(dreq.workspace_bytes), dscores(ref.size() * sizeof(float)),
-        dind(static_cast<std::size_t>(dreq.output.capacity) * sizeof(std::int32_t));
-    const kvp::Context<Cuda> dcx{dws.workspace(), {}, st.s};
-    KVP_REQUIRE_OK(policy.score(dcx, dev_in, kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T}, kGpu)));
-    std::vector<std::int32_t> indptr(static_cast<std::size_t>(dreq.output.rows + 1));
-    KVP_REQUIRE_OK(
-        policy.evict(dcx, dev_in, kvp::KeepSet{indptr.data(), dind.get<std::int32_t>(), dreq.output.rows, dreq.output.capacity}));
-    st.sync();
-    const auto got = dscores.download<float>(ref.size());
-    for (std::size_t i = 0; i < ref.size(); ++i) {
-      INFO("score " << i << ": " << got[i] << " vs " << ref[i]);
-      if (std::isinf(ref[i]))
-        REQUIRE(got[i] == ref[i]);
-      else
-        REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-30f);
-    }
-    REQUIRE(indptr == want.indptr);
-    const auto ids = dind.download<std::int32_t>(static_cast<std::size_t>(indptr.back()));
-    for (std::int64_t r = 0; r < Hkv; ++r) {
-      std::vector<float> head(ref.begin() + r * T, ref.begin() + (r + 1) * T);
-      require_same_keep(std::vector<std::int32_t>(ids.begin() + indptr[static_cast<std::size_t>(r)],
-                                                  ids.begin() + indptr[static_cast<std::size_t>(r + 1)]),
-                        want.row(r), head);
-    }
+    check_scorer(kvp::ExpectedAttention(params), host_in, dev_in, kvp::ProblemShape{Hq, Hkv, d, T, q_len}, false);
   }
 }
 
