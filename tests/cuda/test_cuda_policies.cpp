@@ -540,7 +540,6 @@ TEST_CASE("cuda H2O: attention recomputed from queries and keys matches Scalar",
   }
 }
 
-
 TEMPLATE_TEST_CASE("cuda TOVA: from queries and from probabilities, one-shot and one-token steps", "[cuda][tova]", float, kvp::half) {
   const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 500, q = 4;
   SnapProblem<TestType> p(Hq, Hkv, d, T, q, 41);

@@ -6,8 +6,14 @@
 // with the same reference on a GPU (tests/cuda/).
 #pragma once
 
-#include <cstdint>
+#include <catch2/catch.hpp>
 
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "keep_set_buffer.hpp"
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/policy/vocabulary.hpp"
@@ -44,5 +50,29 @@ static_assert(kvpolicy::kDeviceBackend<EmulatedDevice>);
 
 /// Host memory tagged as a device's, for views an emulated device reads.
 inline constexpr kvpolicy::Device kEmulatedDevice{kvpolicy::DeviceType::kCUDA, 0};
+
+/// `policy.evict` over `host` (host views) on backend::Scalar and over `device` (the same data, views tagged
+/// kEmulatedDevice) on EmulatedDevice: the same requirements and identical KeepSets.
+template <class Policy, class In>
+void require_same_evict(const Policy& policy, const kvpolicy::ProblemShape& shape, std::span<const In> host, std::span<const In> device) {
+  using namespace kvpolicy;
+  const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
+  const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
+  INFO(hreq.status.message() << " / " << dreq.status.message());
+  REQUIRE(hreq.status.is_ok());
+  REQUIRE(dreq.status.is_ok());
+  REQUIRE(dreq.output.rows == hreq.output.rows);
+  REQUIRE(dreq.output.capacity == hreq.output.capacity);
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+  KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
+  got.fill_sentinel();
+  const Status hs = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, host, want.view());
+  INFO(hs.message());
+  REQUIRE(hs.is_ok());
+  const Status ds = policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, device, got.view());
+  INFO(ds.message());
+  REQUIRE(ds.is_ok());
+  REQUIRE(got == want);
+}
 
 }  // namespace kvp_test

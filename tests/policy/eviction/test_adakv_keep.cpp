@@ -152,25 +152,8 @@ TEST_CASE("adakv: the device path (ops::adakv_keep, indptr written by the ops) e
     const AdaKV<SnapKV> policy(p, SnapKV(adakv_scoring()));
     const std::int64_t rows = policy.rows_per_sequence(Hq, Hkv);
     INFO("variant " << static_cast<int>(p.variant) << " rows " << rows);
-    const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
-    const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
-    INFO(hreq.status.message() << " / " << dreq.status.message());
-    REQUIRE(hreq.status.is_ok());
-    REQUIRE(dreq.status.is_ok());
-    REQUIRE(dreq.output.rows == hreq.output.rows);
-    REQUIRE(dreq.output.capacity == hreq.output.capacity);
-    std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
-    kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
-    got.fill_sentinel();
-    Status st = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}},
-                             std::span<const ScoreInput<float, float>>(host_in), want.view());
-    INFO(st.message());
-    REQUIRE(st.is_ok());
-    st = policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, std::span<const ScoreInput<float, float>>(dev_in),
-                      got.view());
-    INFO(st.message());
-    REQUIRE(st.is_ok());
-    REQUIRE(got == want);
+    kvp_test::require_same_evict(policy, shape, std::span<const ScoreInput<float, float>>(host_in),
+                                 std::span<const ScoreInput<float, float>>(dev_in));
   }
 }
 

@@ -51,24 +51,9 @@ struct Problem {
 /// `policy.evict` on Scalar (host views) and on the emulated device (device-tagged views): identical KeepSets.
 template <class Policy>
 void same_on_both(const Policy& policy, const Problem& p) {
-  const ProblemShape shape{p.Hq, p.Hkv, p.d, p.T, p.rows};
-  const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
-  const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
-  INFO(hreq.status.message() << " / " << dreq.status.message());
-  REQUIRE(hreq.status.is_ok());
-  REQUIRE(dreq.status.is_ok());
-  REQUIRE(dreq.output.rows == hreq.output.rows);
-  REQUIRE(dreq.output.capacity == hreq.output.capacity);
-  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
-  kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
-  const Status hs = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, p.input(Device{}), want.view());
-  INFO(hs.message());
-  REQUIRE(hs.is_ok());
-  const Status ds =
-      policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, p.input(kvp_test::kEmulatedDevice), got.view());
-  INFO(ds.message());
-  REQUIRE(ds.is_ok());
-  REQUIRE(got == want);
+  const auto host = p.input(Device{}), device = p.input(kvp_test::kEmulatedDevice);
+  kvp_test::require_same_evict(policy, ProblemShape{p.Hq, p.Hkv, p.d, p.T, p.rows}, std::span<const ScoreInput<float, float>>(&host, 1),
+                               std::span<const ScoreInput<float, float>>(&device, 1));
 }
 
 }  // namespace
@@ -142,11 +127,9 @@ TEST_CASE("device path: Expected Attention (scores and kept sets) equals the hos
       INFO(st.message());
       REQUIRE(st.is_ok());
       REQUIRE(std::memcmp(hs.data(), ds.data(), hs.size() * sizeof(float)) == 0);
-      kvp_test::KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
-      REQUIRE(policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, input(Device{}), want.view()).is_ok());
-      REQUIRE(
-          policy.evict(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, input(kvp_test::kEmulatedDevice), got.view()).is_ok());
-      REQUIRE(got == want);
+      const auto host = input(Device{}), device = input(kvp_test::kEmulatedDevice);
+      kvp_test::require_same_evict(policy, shape, std::span<const ExpectedAttentionInput<float, float>>(&host, 1),
+                                   std::span<const ExpectedAttentionInput<float, float>>(&device, 1));
     }
   }
 }
