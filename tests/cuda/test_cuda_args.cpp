@@ -48,6 +48,24 @@ T* fake(std::uintptr_t slot) {
 
 bool mentions(const Status& s, const char* text) { return std::strstr(s.message(), text) != nullptr; }
 
+/// Contract-form ops run as in a policy call: the call's first recorded error mentions `what`.
+template <class F>
+void require_recorded(F&& op, const char* what) {
+  const Cuda::CallScope scope(nullptr, 1);
+  op();
+  const Status s = scope.end();
+  INFO(s.message());
+  CHECK_FALSE(s.is_ok());
+  CHECK(mentions(s, what));
+}
+
+/// A call refused with `code`, its message mentioning `what`.
+void require_refused(const Status& s, StatusCode code, const char* what) {
+  INFO(s.message());
+  CHECK(s.code() == code);
+  CHECK(mentions(s, what));
+}
+
 WindowScoreShape snapkv_shape() {
   WindowScoreShape s;
   s.group = 4;
@@ -426,36 +444,30 @@ TEST_CASE("cuda policies: the workspace a policy asks for covers window_scores a
 
 TEST_CASE("cuda batched ops: bad arguments are recorded for the call, nothing is launched", "[cuda][args]") {
   // Each check runs on the host before any launch, so no device is needed.
-  const auto rejected = [](auto&& op, const char* what) {
-    const Cuda::CallScope scope(nullptr, 1);
-    op();
-    const Status s = scope.end();
-    INFO(s.message());
-    CHECK_FALSE(s.is_ok());
-    CHECK(mentions(s, what));
-  };
-  rejected([] { Cuda::gather_page_rows(nullptr, nullptr, 0, 2, 3, -1, fake<std::int32_t>(1), nullptr, 3); }, "pages or dst is null");
-  rejected([] { Cuda::gather_page_rows(fake<const std::int32_t>(1), nullptr, 0, 2, 3, 5, fake<std::int32_t>(2), nullptr, 3); },
-           "rows would overlap");  // 3 ids + the last page = 4 per row > dst_ld 3
-  rejected(
+  require_recorded([] { Cuda::gather_page_rows(nullptr, nullptr, 0, 2, 3, -1, fake<std::int32_t>(1), nullptr, 3); },
+                   "pages or dst is null");
+  require_recorded([] { Cuda::gather_page_rows(fake<const std::int32_t>(1), nullptr, 0, 2, 3, 5, fake<std::int32_t>(2), nullptr, 3); },
+                   "rows would overlap");  // 3 ids + the last page = 4 per row > dst_ld 3
+  require_recorded(
       [] {
         Cuda::gather_page_rows(fake<const std::int32_t>(1), fake<const std::int32_t>(3), 2, 2, 3, -1, fake<std::int32_t>(2), nullptr, 4);
       },
       "rows would overlap");  // sel_ld 2 < k 3
-  rejected([] { Cuda::iota_rows(nullptr, 4, 2, 0, 4); }, "dst is null");
-  rejected([] { Cuda::iota_rows(fake<std::int32_t>(1), 3, 2, 0, 4); }, "dst_ld 3 < n 4");
-  rejected([] { Cuda::pool1d_rows(fake<const float>(1), 2, 10, 8, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "ld 8 < n 10");
-  rejected([] { Cuda::pool1d_rows(fake<const float>(1), 2, 10, 10, 4, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "kernel is 4");
-  rejected([] { Cuda::pool1d_rows(nullptr, 2, 10, 10, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "in or out is null");
-  rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 5, 2, 10, 3, fake<std::int32_t>(2), 3, Workspace{}); },
-           "ld is 5, less than n=10");
-  rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, 11, fake<std::int32_t>(2), 11, Workspace{}); },
-           "k is 11, larger than n=10");
+  require_recorded([] { Cuda::iota_rows(nullptr, 4, 2, 0, 4); }, "dst is null");
+  require_recorded([] { Cuda::iota_rows(fake<std::int32_t>(1), 3, 2, 0, 4); }, "dst_ld 3 < n 4");
+  require_recorded([] { Cuda::pool1d_rows(fake<const float>(1), 2, 10, 8, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "ld 8 < n 10");
+  require_recorded([] { Cuda::pool1d_rows(fake<const float>(1), 2, 10, 10, 4, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "kernel is 4");
+  require_recorded([] { Cuda::pool1d_rows(nullptr, 2, 10, 10, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "in or out is null");
+  require_recorded([] { Cuda::topk_rows_strided(fake<const float>(1), 5, 2, 10, 3, fake<std::int32_t>(2), 3, Workspace{}); },
+                   "ld is 5, less than n=10");
+  require_recorded([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, 11, fake<std::int32_t>(2), 11, Workspace{}); },
+                   "k is 11, larger than n=10");
   // Negative counts are errors, not empty work.
-  rejected([] { Cuda::gather_page_rows(fake<const std::int32_t>(1), nullptr, 0, 2, -1, 5, fake<std::int32_t>(2), nullptr, 3); }, "k=-1");
-  rejected([] { Cuda::iota_rows(fake<std::int32_t>(1), 4, -2, 0, 4); }, "rows=-2");
-  rejected([] { Cuda::pool1d_rows(fake<const float>(1), -1, 10, 10, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "rows=-1");
-  rejected([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, -3, fake<std::int32_t>(2), 3, Workspace{}); }, "k is -3");
+  require_recorded([] { Cuda::gather_page_rows(fake<const std::int32_t>(1), nullptr, 0, 2, -1, 5, fake<std::int32_t>(2), nullptr, 3); },
+                   "k=-1");
+  require_recorded([] { Cuda::iota_rows(fake<std::int32_t>(1), 4, -2, 0, 4); }, "rows=-2");
+  require_recorded([] { Cuda::pool1d_rows(fake<const float>(1), -1, 10, 10, 5, kvpolicy::Pooling::kAvg, fake<float>(2)); }, "rows=-1");
+  require_recorded([] { Cuda::topk_rows_strided(fake<const float>(1), 10, 2, 10, -3, fake<std::int32_t>(2), 3, Workspace{}); }, "k is -3");
   // Empty work is no error and enqueues nothing.
   const Cuda::CallScope scope(nullptr, 1);
   Cuda::gather_page_rows(nullptr, nullptr, 0, 0, 3, -1, nullptr, nullptr, 3);
@@ -466,14 +478,6 @@ TEST_CASE("cuda batched ops: bad arguments are recorded for the call, nothing is
 }
 
 TEST_CASE("cuda adakv_keep: bad arguments are recorded for the call, nothing is launched", "[cuda][args][adakv]") {
-  const auto rejected = [](auto&& op, const char* what) {
-    const Cuda::CallScope scope(nullptr, 1);
-    op();
-    const Status s = scope.end();
-    INFO(s.message());
-    CHECK_FALSE(s.is_ok());
-    CHECK(mentions(s, what));
-  };
   kvpolicy::AdaKVKeepSpec kv;  // kvpress: 2 safe per row, 6 more over the layer
   kv.row_k = 2;
   kv.layer_k = 6;
@@ -488,21 +492,21 @@ TEST_CASE("cuda adakv_keep: bad arguments are recorded for the call, nothing is 
   std::int64_t* C = fake<std::int64_t>(2);
   std::int32_t* I = fake<std::int32_t>(3);
   std::int32_t* X = fake<std::int32_t>(4);
-  rejected(call(S, -1, T, kv, C, I, X, ws), "rows=-1");
-  rejected(call(S, rows, -5, kv, C, I, X, ws), "T=-5");
-  rejected(call(S, 70000, T, kv, C, I, X, ws), "70000 rows, at most 65535");
-  rejected(call(S, 30000, 100000, kv, C, I, X, ws), "exceed the int32 range");
-  rejected(call(nullptr, rows, T, kv, C, I, X, ws), "is null");
-  rejected(call(S, rows, T, kv, nullptr, I, X, ws), "is null");
-  rejected(call(S, rows, T, kv, C, nullptr, X, ws), "is null");
-  rejected(call(S, rows, T, kv, C, I, nullptr, ws), "is null");
+  require_recorded(call(S, -1, T, kv, C, I, X, ws), "rows=-1");
+  require_recorded(call(S, rows, -5, kv, C, I, X, ws), "T=-5");
+  require_recorded(call(S, 70000, T, kv, C, I, X, ws), "70000 rows, at most 65535");
+  require_recorded(call(S, 30000, 100000, kv, C, I, X, ws), "exceed the int32 range");
+  require_recorded(call(nullptr, rows, T, kv, C, I, X, ws), "is null");
+  require_recorded(call(S, rows, T, kv, nullptr, I, X, ws), "is null");
+  require_recorded(call(S, rows, T, kv, C, nullptr, X, ws), "is null");
+  require_recorded(call(S, rows, T, kv, C, I, nullptr, ws), "is null");
   kvpolicy::AdaKVKeepSpec bad = kv;
   bad.layer_k = rows * T + 1;
-  rejected(call(S, rows, T, bad, C, I, X, ws), "layer_k=401");
+  require_recorded(call(S, rows, T, bad, C, I, X, ws), "layer_k=401");
   bad = kv;
   bad.row_k = T + 1;
-  rejected(call(S, rows, T, bad, C, I, X, ws), "row_k=101");
-  rejected(call(S, rows, T, kv, C, I, X, Workspace{fake<void>(64), need - 1}), "workspace");
+  require_recorded(call(S, rows, T, bad, C, I, X, ws), "row_k=101");
+  require_recorded(call(S, rows, T, kv, C, I, X, Workspace{fake<void>(64), need - 1}), "workspace");
   // keep_all reads no scores: a null score map is accepted; no rows is empty work.
   const Cuda::CallScope scope(nullptr, 1);
   Cuda::adakv_keep(nullptr, 0, T, kv, nullptr, nullptr, nullptr, Workspace{});
@@ -525,28 +529,23 @@ TEST_CASE("cuda Ada-KV: host checks before anything is enqueued (views, sharded 
   const ScoreInput<float, half> host_q{TensorView<const float, 3>(fake<const float>(1), {Hq, 32, d}, {32 * d, d, 1}), keys};
   // indptr is device memory for Ada-KV on Cuda: a fake pointer, never dereferenced by the host on a refused call.
   const KeepSet out{fake<std::int32_t>(5), fake<std::int32_t>(3), req.output.rows, req.output.capacity};
-  const auto refused = [](const Status& s, StatusCode code, const char* what) {
-    INFO(s.message());
-    CHECK(s.code() == code);
-    CHECK(mentions(s, what));
-  };
   const Context<Cuda> cx{Workspace{fake<void>(4), req.workspace_bytes}};
-  refused(policy.evict(cx, host_q, out), StatusCode::kInvalidArgument, "host tensor");
-  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes - 1}}, window, out), StatusCode::kWorkspaceTooSmall,
-          "workspace");
-  refused(policy.evict(cx, window, KeepSet{fake<std::int32_t>(5), fake<std::int32_t>(3), req.output.rows, req.output.capacity - 1}),
-          StatusCode::kOutputTooSmall, "capacity");
+  require_refused(policy.evict(cx, host_q, out), StatusCode::kInvalidArgument, "host tensor");
+  require_refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes - 1}}, window, out),
+                  StatusCode::kWorkspaceTooSmall, "workspace");
+  require_refused(policy.evict(cx, window, KeepSet{fake<std::int32_t>(5), fake<std::int32_t>(3), req.output.rows, req.output.capacity - 1}),
+                  StatusCode::kOutputTooSmall, "capacity");
   ExecContext two_workers{pool_fn, nullptr, 2};
-  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), std::size_t{1} << 34}, two_workers}, window, out), StatusCode::kUnsupported,
-          "2 workers");
+  require_refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), std::size_t{1} << 34}, two_workers}, window, out),
+                  StatusCode::kUnsupported, "2 workers");
   const Collective comm{0, 2, nullptr, [](void*, std::int64_t*, std::size_t) noexcept { return Status::ok(); },
                         [](void*, const void*, std::size_t, void*) noexcept { return Status::ok(); }};
   const HeadShard shard{0, 2 * Hkv, 2 * Hq, &comm};
   ExecContext sharded;
   sharded.shard = &shard;
-  refused(policy.requirements(Context<Cuda>{{}, sharded}, shape).status, StatusCode::kUnsupported, "sharded");
-  refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes}, sharded}, window, out), StatusCode::kUnsupported,
-          "sharded");
+  require_refused(policy.requirements(Context<Cuda>{{}, sharded}, shape).status, StatusCode::kUnsupported, "sharded");
+  require_refused(policy.evict(Context<Cuda>{Workspace{fake<void>(4), req.workspace_bytes}, sharded}, window, out),
+                  StatusCode::kUnsupported, "sharded");
 }
 
 TEST_CASE("cuda Expected Attention: host checks before anything is enqueued", "[cuda][policy][expected_attention]") {
@@ -565,9 +564,7 @@ TEST_CASE("cuda Expected Attention: host checks before anything is enqueued", "[
   std::int32_t indptr[3] = {-7, -7, -7};
   const KeepSet out{indptr, fake<std::int32_t>(4), Hkv, req.output.capacity};
   const auto refused = [&](const Status& s, StatusCode code, const char* what) {
-    INFO(s.message());
-    CHECK(s.code() == code);
-    CHECK(mentions(s, what));
+    require_refused(s, code, what);
     CHECK((indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7));
   };
   ExecContext two_workers{pool_fn, nullptr, 2};
@@ -602,26 +599,21 @@ TEST_CASE("cuda Fp8Quant: host checks before anything is enqueued", "[cuda][poli
   Fp8Quant::State st{std::span<const float>(bad_scales, 2)};
   QuantizedKV q{policy.layout(), TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, d}, {T * d, d, 1}, gpu), {}, T};
   const auto rows = TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}, gpu);
-  const auto refused = [](const Status& s, StatusCode code, const char* what) {
-    INFO(s.message());
-    CHECK(s.code() == code);
-    CHECK(mentions(s, what));
-  };
   const Context<Cuda> cx{};
-  refused(policy.quantize(cx, rows, st, q), StatusCode::kInvalidArgument, "per_head scale of head 1");
+  require_refused(policy.quantize(cx, rows, st, q), StatusCode::kInvalidArgument, "per_head scale of head 1");
   const float scales[2] = {1.0f, 2.0f};
   st.head_scales = std::span<const float>(scales, 2);
-  refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}), st, q),
-          StatusCode::kInvalidArgument, "rows is a host tensor");
-  refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d * 2, d * 2, 2}, gpu), st, q),
-          StatusCode::kInvalidArgument, "channel stride 2");
+  require_refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}), st, q),
+                  StatusCode::kInvalidArgument, "rows is a host tensor");
+  require_refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d * 2, d * 2, 2}, gpu), st, q),
+                  StatusCode::kInvalidArgument, "channel stride 2");
   QuantizedKV host_codes = q;
   host_codes.codes = TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, d}, {T * d, d, 1});
-  refused(policy.quantize(cx, rows, st, host_codes), StatusCode::kInvalidArgument, "codes is a host tensor");
+  require_refused(policy.quantize(cx, rows, st, host_codes), StatusCode::kInvalidArgument, "codes is a host tensor");
   ExecContext two_workers{pool_fn, nullptr, 2};
-  refused(policy.quantize(Context<Cuda>{{}, two_workers}, rows, st, q), StatusCode::kUnsupported, "2 workers");
-  refused(policy.dequantize(cx, q, TensorView<half, 3>(fake<half>(3), {H, T, d}, {T * d, d, 1}), st), StatusCode::kInvalidArgument,
-          "out is a host tensor");
+  require_refused(policy.quantize(Context<Cuda>{{}, two_workers}, rows, st, q), StatusCode::kUnsupported, "2 workers");
+  require_refused(policy.dequantize(cx, q, TensorView<half, 3>(fake<half>(3), {H, T, d}, {T * d, d, 1}), st), StatusCode::kInvalidArgument,
+                  "out is a host tensor");
   // The ops record bad arguments and enqueue nothing.
   const Cuda::CallScope scope(nullptr, 1);
   Cuda::fp8_quantize_rows(Fp8Format::kE4M3, static_cast<const float*>(nullptr), 3, 64, 64, 1.0f, fake<std::uint8_t>(1), 64);
