@@ -20,6 +20,12 @@
 //                       heads, cache of C slots): fold the step's attention
 //                       probabilities into the state, evict one slot per head;
 //                       captured once in a CUDA graph and replayed.
+//   CudaQuant/T/f/dir   quantize (dir 0) or dequantize (dir 1) one layer's K
+//                       rows, 8 kv heads x T tokens x head_dim 128, fp16, in
+//                       format f: 0 q8_0, 1 q4_0 with llama.cpp's rotation,
+//                       2 INT4 (Int4Quant defaults: rotated), 3 fp8 e4m3 with
+//                       per-(token, head) scales; one launch per kv head;
+//                       hbm_frac counts the fp16 rows plus the codes once.
 //   CudaQuestSelect/B   one Quest decode step of a layer for B sequences of
 //                       32K tokens (page 16, fp16 metadata, budget 2048
 //                       tokens, kPerQueryHead), graph-replayed; hbm_frac counts
@@ -48,6 +54,9 @@
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 
 namespace kvp = kvpolicy;
@@ -296,6 +305,50 @@ void CudaExpectedAttention(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+void CudaQuant(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t H = 8, d = 128;
+  const std::int64_t T = state.range(0);
+  const bool decode = state.range(2) != 0;
+  const auto run = [&](const auto& policy, const char* label) {
+    state.SetLabel(label);
+    typename std::decay_t<decltype(policy)>::State st{};
+    const std::int64_t rb = policy.row_bytes(d);
+    std::vector<kvp::half> host(static_cast<std::size_t>(H * T * d));
+    std::mt19937 rng(9);
+    std::normal_distribution<float> nd;
+    for (auto& x : host) x = kvp::to_half(nd(rng));
+    DeviceBuffer drows(host.size() * sizeof(kvp::half)), dcodes(static_cast<std::size_t>(H * T * rb));
+    if (!(drows.ok && dcodes.ok)) return state.SkipWithError("cudaMalloc failed");
+    cudaMemcpy(drows.ptr, host.data(), host.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+    constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+    kvp::QuantizedKV q{
+        policy.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(static_cast<std::uint8_t*>(dcodes.ptr), {H, T, rb}, gpu), {}, T};
+    const auto rows = kvp::TensorView<kvp::half, 3>::contiguous(static_cast<kvp::half*>(drows.ptr), {H, T, d}, gpu);
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    const kvp::Context<Cuda> cx{{}, {}, s};
+    const auto quantize = [&] { return policy.quantize(cx, kvp::TensorView<const kvp::half, 3>(rows), st, q); };
+    if (decode && !quantize().is_ok()) return state.SkipWithError("quantize failed");
+    if (decode)
+      timed_loop(state, s, [&] { return policy.dequantize(cx, q, rows); });
+    else
+      timed_loop(state, s, quantize);
+    const double bytes = static_cast<double>(H * T) * (d * sizeof(kvp::half) + static_cast<double>(rb));
+    if (g_peaks.read_bytes_per_s > 0)
+      state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+    cudaStreamDestroy(s);
+  };
+  switch (state.range(1)) {
+    case 0: return run(kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ8_0}), "q8_0");
+    case 1: return run(kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ4_0, kvp::HadamardMode::kLlamaCpp}), "q4_0 rotated");
+    case 2: return run(kvp::Int4Quant{}, "int4 rotated");
+    default:
+      return run(kvp::Fp8Quant(kvp::Fp8QuantParams{kvp::Fp8Format::kE4M3, kvp::Fp8Scale::kPerTokenHead, 1.0f}), "fp8 e4m3 per token");
+  }
+}
+
 void CudaTopk(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
   const std::int64_t rows = 8, n = state.range(0), k = std::max<std::int64_t>(1, n * state.range(1) / 100);
@@ -448,6 +501,7 @@ BENCHMARK(CudaAdaKVKeep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark
 BENCHMARK(CudaExpectedAttention)->Arg(4096)->Arg(32768)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaQuant)->ArgsProduct({{32768}, {0, 1, 2, 3}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {

@@ -16,6 +16,8 @@
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -619,4 +621,62 @@ TEST_CASE("cuda Fp8Quant: host checks before anything is enqueued", "[cuda][poli
   Cuda::fp8_quantize_rows(Fp8Format::kE4M3, static_cast<const float*>(nullptr), 3, 64, 64, 1.0f, fake<std::uint8_t>(1), 64);
   const Status s = scope.end();
   CHECK(mentions(s, "input or output is null"));
+}
+
+static_assert(kvpolicy::QuantOps<Cuda, float> && kvpolicy::QuantOps<Cuda, kvpolicy::half> && kvpolicy::QuantOps<Cuda, kvpolicy::bfloat16>,
+              "backend::Cuda models the quantization-op family");
+
+TEST_CASE("cuda GgmlQuant / Int4Quant: host checks before anything is enqueued", "[cuda][policy][ggml][int4]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t H = 2, T = 10, d = 64;
+  const auto rows = TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}, gpu);
+  const Context<Cuda> cx{};
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  const auto check_policy = [&](const auto& policy) {
+    using P = std::decay_t<decltype(policy)>;
+    typename P::State st;
+    const std::int64_t rb = policy.row_bytes(d);
+    QuantizedKV q{policy.layout(), TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, rb}, {T * rb, rb, 1}, gpu), {}, T};
+    require_refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}), st, q),
+                    StatusCode::kInvalidArgument, "rows is a host tensor");
+    require_refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d * 2, d * 2, 2}, gpu), st, q),
+                    StatusCode::kInvalidArgument, "channel stride 2");
+    QuantizedKV host_codes = q;
+    host_codes.codes = TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, rb}, {T * rb, rb, 1});
+    require_refused(policy.quantize(cx, rows, st, host_codes), StatusCode::kInvalidArgument, "codes is a host tensor");
+    QuantizedKV short_codes = q;
+    short_codes.codes = TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, T, rb - 1}, {T * rb, rb, 1}, gpu);
+    require_refused(policy.quantize(cx, rows, st, short_codes), StatusCode::kInvalidArgument, "codes is (2, 10,");
+    require_refused(policy.quantize(Context<Cuda>{{}, two_workers}, rows, st, q), StatusCode::kUnsupported, "2 workers");
+    require_refused(policy.dequantize(cx, q, TensorView<half, 3>(fake<half>(3), {H, T, d}, {T * d, d, 1})), StatusCode::kInvalidArgument,
+                    "out is a host tensor");
+  };
+  check_policy(GgmlQuant(GgmlQuantParams{GgmlType::kQ4_0, HadamardMode::kLlamaCpp, 64, QuantRole::kKeys}));
+  check_policy(Int4Quant(Int4QuantParams{4, HadamardMode::kBlock, 32, QuantRole::kKeys}));
+  // The ops record bad arguments and enqueue nothing.
+  const auto op_refuses = [](auto&& call, const char* what) {
+    const Cuda::CallScope scope(nullptr, 1);
+    call();
+    const Status s = scope.end();
+    INFO(s.message());
+    CHECK(mentions(s, what));
+  };
+  op_refuses(
+      [] {
+        Cuda::encode_token_rows(TokenRowCodec::int_tokens(4), static_cast<const float*>(nullptr), 3, 64, 64, fake<std::uint8_t>(1), 40);
+      },
+      "input or output is null");
+  op_refuses(
+      [] {
+        Cuda::encode_token_rows(TokenRowCodec::ggml_blocks(GgmlType::kQ8_0), fake<const float>(1), 3, 48, 48, fake<std::uint8_t>(1), 51);
+      },
+      "multiple of the ggml block");
+  op_refuses(
+      [] { Cuda::decode_token_rows(TokenRowCodec::int_tokens(4, 64), fake<const std::uint8_t>(1), 3, 72, 8192, fake<float>(2), 8192); },
+      "<= 4096");
+  op_refuses([] { Cuda::decode_token_rows(TokenRowCodec::int_tokens(6), fake<const std::uint8_t>(1), 3, 72, 64, fake<half>(2), 64); },
+             "bits must be 4 or 8");
+  op_refuses([] { Cuda::encode_token_rows(TokenRowCodec::int_tokens(8), fake<const float>(1), -1, 64, 64, fake<std::uint8_t>(1), 72); },
+             "rows=-1");
 }

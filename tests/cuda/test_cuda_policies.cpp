@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <set>
 #include <span>
@@ -36,6 +37,8 @@ using kvp_cuda_test::Stream;
 
 static_assert(kvp::ScoreOps<Cuda, float> && kvp::ScoreOps<Cuda, kvp::half> && kvp::ScoreOps<Cuda, kvp::bfloat16>,
               "backend::Cuda models the score-op family for every key dtype");
+static_assert(kvp::QuantOps<Cuda, float> && kvp::QuantOps<Cuda, kvp::half> && kvp::QuantOps<Cuda, kvp::bfloat16>,
+              "backend::Cuda models the quantization-op family for every element type");
 
 namespace {
 
@@ -1030,6 +1033,70 @@ TEMPLATE_TEST_CASE("cuda Fp8Quant: codes, inline scales and decoded rows bit-ide
       const auto got_y = dy.download<TestType>(rows.size());
       REQUIRE(std::memcmp(got_y.data(), want_y.data(), rows.size() * sizeof(TestType)) == 0);
     }
+}
+
+/// `policy` (GgmlQuant or Int4Quant) quantizes `rows` and decodes the codes on Cuda (token axes padded by `pad`
+/// values / bytes, one launch per kv head) and on Scalar: identical codes and decoded rows.
+template <class Policy, class T>
+void check_token_rows(const Policy& policy, const std::vector<T>& rows, std::int64_t H, std::int64_t Tn, std::int64_t d, std::int64_t pad) {
+  typename Policy::State st;
+  const std::int64_t rb = policy.row_bytes(d);
+  std::vector<std::uint8_t> want(static_cast<std::size_t>(H * Tn * rb), 0x5A);
+  kvp::QuantizedKV hq{policy.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(want.data(), {H, Tn, rb}), {}, Tn};
+  KVP_REQUIRE_OK(policy.quantize(kvp::Context<Scalar>{}, kvp::TensorView<const T, 3>::contiguous(rows.data(), {H, Tn, d}), st, hq));
+  std::vector<T> want_y(rows.size());
+  KVP_REQUIRE_OK(policy.dequantize(kvp::Context<Scalar>{}, hq, kvp::TensorView<T, 3>::contiguous(want_y.data(), {H, Tn, d})));
+
+  std::vector<T> padded(static_cast<std::size_t>(H * Tn * (d + pad)), kvp::from_float<T>(0.0f));
+  for (std::int64_t r = 0; r < H * Tn; ++r) std::copy_n(rows.begin() + r * d, d, padded.begin() + r * (d + pad));
+  DeviceBuffer drows(padded), dcodes(std::vector<std::uint8_t>(static_cast<std::size_t>(H * Tn * (rb + pad)), 0x5A)),
+      dy(padded.size() * sizeof(T));
+  Stream stream;
+  const kvp::Context<Cuda> cx{{}, {}, stream.s};
+  kvp::QuantizedKV dq{policy.layout(),
+                      kvp::TensorView<std::uint8_t, 3>(dcodes.get<std::uint8_t>(), {H, Tn, rb}, {Tn * (rb + pad), rb + pad, 1}, kGpu),
+                      {},
+                      Tn};
+  KVP_REQUIRE_OK(
+      policy.quantize(cx, kvp::TensorView<const T, 3>(drows.get<const T>(), {H, Tn, d}, {Tn * (d + pad), d + pad, 1}, kGpu), st, dq));
+  KVP_REQUIRE_OK(policy.dequantize(cx, dq, kvp::TensorView<T, 3>(dy.get<T>(), {H, Tn, d}, {Tn * (d + pad), d + pad, 1}, kGpu)));
+  stream.sync();
+  const auto got = dcodes.download<std::uint8_t>(static_cast<std::size_t>(H * Tn * (rb + pad)));
+  const auto got_y = dy.download<T>(padded.size());
+  for (std::int64_t r = 0; r < H * Tn; ++r) {
+    INFO("row " << r);
+    REQUIRE(std::equal(want.begin() + r * rb, want.begin() + (r + 1) * rb, got.begin() + r * (rb + pad)));
+    REQUIRE(std::memcmp(&want_y[static_cast<std::size_t>(r * d)], &got_y[static_cast<std::size_t>(r * (d + pad))],
+                        static_cast<std::size_t>(d) * sizeof(T)) == 0);
+  }
+}
+
+TEMPLATE_TEST_CASE("cuda GgmlQuant: every block format, with and without rotation, bit-identical to Scalar", "[cuda][ggml]", float,
+                   kvp::half, kvp::bfloat16) {
+  const std::int64_t H = 4, T = 300, d = 128;
+  const auto rows = random_vector<TestType>(static_cast<std::size_t>(H * T * d), 81, 3.0f);
+  for (const kvp::GgmlType t : {kvp::GgmlType::kQ8_0, kvp::GgmlType::kQ4_0, kvp::GgmlType::kQ4_1, kvp::GgmlType::kQ5_0,
+                                kvp::GgmlType::kQ5_1, kvp::GgmlType::kIQ4_NL})
+    for (const kvp::HadamardMode mode : {kvp::HadamardMode::kNone, kvp::HadamardMode::kLlamaCpp, kvp::HadamardMode::kBlock}) {
+      INFO(kvp::ggml_name(t) << " rotation " << static_cast<int>(mode));
+      const kvp::GgmlQuant policy(kvp::GgmlQuantParams{t, mode, 16, kvp::QuantRole::kKeys});
+      check_token_rows(policy, rows, H, T, d, 0);
+      check_token_rows(policy, rows, H, T, d, 32);
+    }
+}
+
+TEMPLATE_TEST_CASE("cuda Int4Quant: INT4 / INT8 token rows, with and without rotation, bit-identical to Scalar", "[cuda][int4]", float,
+                   kvp::half, kvp::bfloat16) {
+  const std::int64_t H = 4, T = 300, d = 128;
+  const auto rows = random_vector<TestType>(static_cast<std::size_t>(H * T * d), 82, 3.0f);
+  for (const std::int32_t bits : {4, 8})
+    for (const kvp::HadamardMode mode : {kvp::HadamardMode::kNone, kvp::HadamardMode::kLlamaCpp, kvp::HadamardMode::kBlock})
+      for (const kvp::QuantRole role : {kvp::QuantRole::kKeys, kvp::QuantRole::kValues}) {
+        INFO("bits " << bits << " rotation " << static_cast<int>(mode) << " role " << static_cast<int>(role));
+        const kvp::Int4Quant policy(kvp::Int4QuantParams{bits, mode, 32, role});
+        check_token_rows(policy, rows, H, T, d, 0);
+        check_token_rows(policy, rows, H, T, d, 6);
+      }
 }
 
 int main(int argc, char** argv) {

@@ -25,6 +25,7 @@
 #include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/scalar.hpp"
+#include "kvpolicy/quant/token_rows.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -61,7 +62,7 @@ concept PageOps = requires(const Tk* krows, Tm* mx, Tm* mn, const float* q, Page
   B::paged_decode_attention(q, n, n, rows, rows, n, 1.0f, out, lse, ws);
 };
 
-/// Row kernels shared by the policies: query widening, NaN scans, the
+/// Row kernels shared by the policies: query widening, NaN / non-finite scans, the
 /// one-victim argmin, protected counts, head means, column-sum accumulation
 /// (H2O), expected logits / covariance products / softmax / value norms (Expected Attention), row
 /// dot products in a fixed order (the merging policies' cosine searches).
@@ -80,6 +81,8 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
   B::widen_queries(q, n, n, n, n, out);
   { B::has_nan(x, n) } -> std::same_as<bool>;
   { B::first_nan(x, n) } -> std::same_as<std::int64_t>;
+  { B::first_nonfinite(x, n) } -> std::same_as<std::int64_t>;
+  { B::first_nonfinite(v, n) } -> std::same_as<std::int64_t>;
   { B::argmin_or_nan(x, n, at) } -> std::same_as<std::int64_t>;
   { B::count_protected(x, n) } -> std::same_as<std::int64_t>;
   B::mean_rows(rows, out);
@@ -87,19 +90,28 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
   B::widen_row(v, n, out);
 };
 
-/// Row quantization into the ggml block formats and back (quant/ggml.hpp).
+/// Row quantization on any backend: ggml blocks of one run (quant/ggml.hpp),
+/// whole token rows of a ggml or INT4 / INT8 format behind an optional
+/// Hadamard rotation (quant/token_rows.hpp: GgmlQuant, Int4Quant), and fp8
+/// rows with one or per-row scales (Fp8Quant).
 template <class B, class T = float>
-concept QuantOps = requires(GgmlType t, const T* x, T* y, std::int64_t n, std::uint8_t* bytes, const std::uint8_t* cbytes) {
+concept QuantOps = requires(GgmlType t, const TokenRowCodec& c, const T* x, T* y, std::int64_t n, std::uint8_t* bytes,
+                            const std::uint8_t* cbytes) {
   B::ggml_quantize_row(t, x, n, bytes);
   B::ggml_dequantize_row(t, cbytes, n, y);
-  { B::first_nonfinite(x, n) } -> std::same_as<std::int64_t>;
+  B::encode_token_rows(c, x, n, n, n, bytes, n);
+  B::decode_token_rows(c, cbytes, n, n, n, y, n);
+  B::fp8_quantize_rows(Fp8Format::kE4M3, x, n, n, n, 1.0f, bytes, n);
+  B::fp8_dequantize_rows(Fp8Format::kE4M3, cbytes, n, n, n, 1.0f, y, n);
 };
 
 /// Everything a host policy calls, for the key dtypes the library stores.
 template <class B>
 concept HostBackend = ScoreOps<B, float> && ScoreOps<B, half> && ScoreOps<B, bfloat16> && PageOps<B, float, float> &&
     PageOps<B, half, half> && PageOps<B, bfloat16, bfloat16> && ReduceOps<B, float> && ReduceOps<B, half> && QuantOps<B, float> &&
-    QuantOps<B, half> && QuantOps<B, bfloat16>;
+    QuantOps<B, half> && QuantOps<B, bfloat16> && requires(const bfloat16* b, std::int64_t n) {
+  { B::first_nonfinite(b, n) } -> std::same_as<std::int64_t>;
+};
 
 static_assert(HostBackend<backend::Scalar>, "the scalar reference must model the whole contract");
 

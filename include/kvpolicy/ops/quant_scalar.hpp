@@ -19,9 +19,14 @@
 //       (fp32, fp16, ...) at a row stride
 //   first_not_below                             the first value of a float or
 //       half run at or above a magnitude (NaN included): KIVI's range scan
+//   encode_token_rows / decode_token_rows       T rows <-> ggml or INT4 / INT8
+//       code rows through an optional Hadamard rotation (quant/token_rows.hpp):
+//       the whole per-row step of GgmlQuant / Int4Quant in one op, the form a
+//       device backend runs as one launch per kv head
 // Inputs are finite (the policies validate before any call).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +38,7 @@
 #include "kvpolicy/quant/hadamard.hpp"
 #include "kvpolicy/quant/int4.hpp"
 #include "kvpolicy/quant/kivi.hpp"
+#include "kvpolicy/quant/token_rows.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
@@ -61,7 +67,7 @@ struct ScalarQuantOps {
   template <class T>
   static void ggml_dequantize_row(GgmlType t, const std::uint8_t* in, std::int64_t n, T* y) noexcept {
     const std::int32_t bb = ggml_block_bytes(t);
-    float blk[kGgmlBlock];
+    float blk[kGgmlBlock] = {};  // (the type is valid: every block is written before it is read)
     for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) {
       if constexpr (std::is_same_v<T, float>) {
         ggml_dequantize_block(t, in + b * bb, y + b * kGgmlBlock);
@@ -88,6 +94,49 @@ struct ScalarQuantOps {
     for (std::int64_t r = 0; r < rows; ++r) {
       hadamard_rotate(y + r * d, d, n);
       for (std::int64_t c = 0; c < d; ++c) out[r * out_stride + c] = from_float<T>(y[r * d + c]);
+    }
+  }
+
+  // ---- whole token rows (ggml / INT4 behind a rotation) ------------------------------------------
+
+  /// Rows x + r * x_stride (d values, channels contiguous) into code rows out + r * out_stride
+  /// (c.row_bytes(d) bytes): widen, rotate by c.rotation, encode. `c.unsupported(d)` is empty.
+  template <class T>
+  static void encode_token_rows(const TokenRowCodec& c, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d,
+                                std::uint8_t* out, std::int64_t out_stride) noexcept {
+    float row[kMaxRotatedHeadDim];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * x_stride;
+      std::uint8_t* o = out + r * out_stride;
+      // Chunks of the scratch: only unrotated ggml rows can be longer (INT and rotated rows are <= kMaxRotatedHeadDim).
+      for (std::int64_t j0 = 0; j0 < d; j0 += kMaxRotatedHeadDim) {
+        const std::int64_t m = std::min(d - j0, kMaxRotatedHeadDim);
+        for (std::int64_t j = 0; j < m; ++j) row[j] = to_float(xr[j0 + j]);
+        if (c.rotated()) hadamard_rotate(row, m, c.rotation);
+        if (c.kind == TokenRowCodec::Kind::kGgml)
+          ggml_quantize_row(c.ggml, static_cast<const float*>(row), m, o + j0 / kGgmlBlock * ggml_block_bytes(c.ggml));
+        else
+          int4q::quantize_row(row, m, c.bits, o);
+      }
+    }
+  }
+  /// Code rows in + r * in_stride back into rows y + r * y_stride: decode, rotate back, narrow.
+  template <class T>
+  static void decode_token_rows(const TokenRowCodec& c, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d,
+                                T* y, std::int64_t y_stride) noexcept {
+    float row[kMaxRotatedHeadDim];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::uint8_t* i = in + r * in_stride;
+      T* yr = y + r * y_stride;
+      for (std::int64_t j0 = 0; j0 < d; j0 += kMaxRotatedHeadDim) {
+        const std::int64_t m = std::min(d - j0, kMaxRotatedHeadDim);
+        if (c.kind == TokenRowCodec::Kind::kInt)
+          int4q::dequantize_row(i, m, c.bits, row);  // m == d: INT rows are one chunk
+        else
+          ggml_dequantize_row(c.ggml, i + j0 / kGgmlBlock * ggml_block_bytes(c.ggml), m, row);
+        if (c.rotated()) hadamard_rotate(row, m, c.rotation);  // rotated rows are <= kMaxRotatedHeadDim: one chunk
+        for (std::int64_t j = 0; j < m; ++j) yr[j0 + j] = from_float<T>(row[j]);
+      }
     }
   }
 

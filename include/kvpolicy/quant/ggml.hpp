@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvpolicy/core/config.hpp"
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/status.hpp"
 
@@ -69,7 +70,7 @@ enum class GgmlType : std::uint8_t { kQ8_0, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kIQ4_NL 
 inline constexpr std::int32_t kGgmlBlock = 32;  ///< values per block, every format
 
 /// Bytes of one block of `t`.
-constexpr std::int32_t ggml_block_bytes(GgmlType t) noexcept {
+KVP_HOST_DEVICE constexpr std::int32_t ggml_block_bytes(GgmlType t) noexcept {
   switch (t) {
     case GgmlType::kQ8_0: return 34;
     case GgmlType::kQ4_0: return 18;

@@ -69,10 +69,13 @@ inline Status hadamard_block(HadamardMode mode, std::int64_t block, bool keys, s
   return KVP_INVALID("%s: rotation mode %d is not none, llama_cpp or block", who, static_cast<int>(mode));
 }
 
+/// The fp32 factor 1 / sqrt(n) applied after the additions (every backend's transform multiplies by this value).
+inline float hadamard_scale(std::int64_t n) noexcept { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))); }
+
 /// x[0, d) <- R x with blocks of n (n a power of two dividing d; n <= 1 leaves x as is).
 inline void hadamard_rotate(float* x, std::int64_t d, std::int64_t n) noexcept {
   if (n <= 1) return;
-  const float s = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  const float s = hadamard_scale(n);
   for (std::int64_t base = 0; base < d; base += n) {
     float* b = x + base;
     for (std::int64_t len = 1; len < n; len <<= 1)

@@ -30,12 +30,33 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kvpolicy/core/version.hpp"
+#include "kvpolicy/core/config.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace int4q {
 
-constexpr std::int64_t row_bytes(std::int64_t d, int bits) noexcept { return d * bits / 8 + 8; }
+KVP_HOST_DEVICE constexpr std::int64_t row_bytes(std::int64_t d, int bits) noexcept { return d * bits / 8 + 8; }
+
+/// The row's scale and zero from its minimum and maximum (shared by the host
+/// and device codecs, so both round the same operations).
+KVP_HOST_DEVICE inline void scale_zero(float mn, float mx, int bits, float* scale, float* zero) noexcept {
+  const float top = static_cast<float>((1 << bits) - 1);
+  const float range = mx - mn;
+  *scale = (range > 1e-8f ? range : 1e-8f) / top;
+  *zero = -mn / *scale;
+}
+/// One value's code: trunc(v / scale + zero + 0.5) clamped to [0, 2^bits - 1].
+KVP_HOST_DEVICE inline std::uint8_t code(float v, float scale, float zero, int bits) noexcept {
+  const float top = static_cast<float>((1 << bits) - 1);
+#if defined(__CUDA_ARCH__)
+  const float t = truncf(v / scale + zero + 0.5f);
+#else
+  const float t = std::trunc(v / scale + zero + 0.5f);
+#endif
+  return static_cast<std::uint8_t>(t < 0.0f ? 0.0f : (t > top ? top : t));
+}
+/// One code's value: (q - zero) * scale.
+KVP_HOST_DEVICE inline float value(unsigned q, float scale, float zero) noexcept { return (static_cast<float>(q) - zero) * scale; }
 
 /// Quantizes one finite row x[0, d) into `out` (row_bytes(d, bits) bytes).
 inline void quantize_row(const float* x, std::int64_t d, int bits, std::uint8_t* out) noexcept {
@@ -44,24 +65,18 @@ inline void quantize_row(const float* x, std::int64_t d, int bits, std::uint8_t*
     mn = x[i] < mn ? x[i] : mn;
     mx = x[i] > mx ? x[i] : mx;
   }
-  const float top = static_cast<float>((1 << bits) - 1);
-  const float range = mx - mn;
-  const float scale = (range > 1e-8f ? range : 1e-8f) / top;
-  const float zero = -mn / scale;
-  auto code = [&](float v) {
-    const float t = std::trunc(v / scale + zero + 0.5f);
-    return static_cast<std::uint8_t>(t < 0.0f ? 0.0f : (t > top ? top : t));
-  };
+  float scale, zero;
+  scale_zero(mn, mx, bits, &scale, &zero);
   if (bits == 4) {
     const std::int64_t h = d / 2;
-    for (std::int64_t i = 0; i < h; ++i) out[i] = static_cast<std::uint8_t>(code(x[i]) | code(x[i + h]) << 4);
+    for (std::int64_t i = 0; i < h; ++i)
+      out[i] = static_cast<std::uint8_t>(code(x[i], scale, zero, 4) | code(x[i + h], scale, zero, 4) << 4);
   } else {
-    for (std::int64_t i = 0; i < d; ++i) out[i] = code(x[i]);
+    for (std::int64_t i = 0; i < d; ++i) out[i] = code(x[i], scale, zero, bits);
   }
   std::memcpy(out + d * bits / 8, &scale, 4);
   std::memcpy(out + d * bits / 8 + 4, &zero, 4);
 }
-
 /// Decodes one row into y[0, d).
 inline void dequantize_row(const std::uint8_t* in, std::int64_t d, int bits, float* y) noexcept {
   float scale, zero;
@@ -70,11 +85,11 @@ inline void dequantize_row(const std::uint8_t* in, std::int64_t d, int bits, flo
   if (bits == 4) {
     const std::int64_t h = d / 2;
     for (std::int64_t i = 0; i < h; ++i) {
-      y[i] = (static_cast<float>(in[i] & 15) - zero) * scale;
-      y[i + h] = (static_cast<float>(in[i] >> 4) - zero) * scale;
+      y[i] = value(in[i] & 15u, scale, zero);
+      y[i + h] = value(in[i] >> 4, scale, zero);
     }
   } else {
-    for (std::int64_t i = 0; i < d; ++i) y[i] = (static_cast<float>(in[i]) - zero) * scale;
+    for (std::int64_t i = 0; i < d; ++i) y[i] = value(in[i], scale, zero);
   }
 }
 

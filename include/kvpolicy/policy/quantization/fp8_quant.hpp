@@ -118,11 +118,11 @@ class Fp8Quant {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, "rows"));
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
-    KVP_RETURN_IF_ERROR(check_device(kDeviceBackend<Backend>, rows.device(), rows.stride(2), d, "rows"));
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "rows", kDeviceBackend<Backend>, rows.device(), rows.stride(2), d));
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
     if constexpr (kDeviceBackend<Backend>) {
-      KVP_RETURN_IF_ERROR(check_device(true, q.codes.device(), 1, 1, "codes"));
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
       const detail::BackendCall<Backend> call(ctx);
       KVP_RETURN_IF_ERROR(call.begin());
       for (std::int64_t h = 0; h < H && T > 0; ++h)
@@ -165,7 +165,7 @@ class Fp8Quant {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
     const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
-    KVP_RETURN_IF_ERROR(check_device(kDeviceBackend<Backend>, out.device(), out.stride(2), d, "out"));
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "out", kDeviceBackend<Backend>, out.device(), out.stride(2), d, true));
     KVP_REQUIRE(q.tokens == T, "fp8: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
                 static_cast<long long>(q.tokens));
     KVP_REQUIRE(q.layout.name != nullptr && std::string_view(q.layout.name) == fp8_name(params_.format),
@@ -174,7 +174,7 @@ class Fp8Quant {
     KVP_RETURN_IF_ERROR(check_scales(st, H));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
     if constexpr (kDeviceBackend<Backend>) {
-      KVP_RETURN_IF_ERROR(check_device(true, q.codes.device(), 1, 1, "codes"));
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
       const detail::BackendCall<Backend> call(ctx);
       KVP_RETURN_IF_ERROR(call.begin());
       for (std::int64_t h = 0; h < H && T > 0; ++h)
@@ -205,19 +205,6 @@ class Fp8Quant {
   }
 
  private:
-  /// Where a view lives against the backend: device memory with contiguous channels on a device backend,
-  /// host memory otherwise.
-  static Status check_device(bool on_device, Device dev, std::int64_t channel_stride, std::int64_t d, const char* name) noexcept {
-    if (!on_device) {
-      KVP_REQUIRE(dev.is_host(), "fp8: %s is a device tensor; this entry point %s host memory", name,
-                  std::string_view(name) == "out" ? "writes" : "reads");
-      return Status::ok();
-    }
-    KVP_REQUIRE(!dev.is_host(), "fp8: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", name);
-    KVP_REQUIRE(channel_stride == 1 || d == 1, "fp8: %s has channel stride %lld; a device backend takes contiguous channels", name,
-                static_cast<long long>(channel_stride));
-    return Status::ok();
-  }
   float head_scale(const State& st, std::int64_t h) const noexcept {
     return params_.scales == Fp8Scale::kPerHead ? st.head_scales[static_cast<std::size_t>(h)] : params_.scale;
   }

@@ -36,6 +36,14 @@
 // Thread-safety: const; heads are split over `ctx.exec`. The rotation runs
 // through Backend::rotate_rows_in / rotate_rows_out (vectorised on
 // backend::Cpu, bit-identical with the reference transform).
+//
+// On a device backend (backend::Cuda: rows, codes and out in device memory,
+// channels contiguous, any token stride): one Backend::encode_token_rows /
+// decode_token_rows per kv head (quant/token_rows.hpp: `token_codec(d)` is the
+// format with its rotation), bit-identical with the host path. The values are
+// not scanned for NaN / Inf there (that would need a synchronisation): a
+// caller that cannot rule them out checks on the host first; a non-finite
+// row gives unspecified codes confined to its own bytes.
 #pragma once
 
 #include <algorithm>
@@ -51,6 +59,7 @@
 #include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/ggml.hpp"
 #include "kvpolicy/quant/hadamard.hpp"
+#include "kvpolicy/quant/token_rows.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -116,46 +125,55 @@ class GgmlQuant {
   Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State&, QuantizedKV q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, "rows"));
-    KVP_REQUIRE(rows.device().is_host(), "ggml: rows is a device tensor; this entry point reads host memory");
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "rows", kDeviceBackend<Backend>, rows.device(), rows.stride(2), d));
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(rows.stride(2) == 1 || d <= 1, "ggml: rows has channel stride %lld, must be 1", static_cast<long long>(rows.stride(2)));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d, "codes"));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
-    const std::int64_t n = rotation_block(d);
-    if (n == 0) {
-      // A head whose rows and codes are both contiguous goes to the backend in one call (the row kernel then
-      // sees all of its blocks and prefetches ahead), else row by row.
-      const bool flat = (rows.stride(1) == d || T == 1) && (q.codes.stride(1) == row_bytes(d) || T == 1);
+    if constexpr (kDeviceBackend<Backend>) {  // one launch per kv head; values are not scanned (see the header)
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::encode_token_rows(token_codec(d), &rows(h, 0, 0), T, rows.stride(1), d, &q.codes(h, 0, 0), q.codes.stride(1));
+      return call.end();
+    } else {
+      KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
+      const std::int64_t n = rotation_block(d);
+      if (n == 0) {
+        // A head whose rows and codes are both contiguous goes to the backend in one call (the row kernel then
+        // sees all of its blocks and prefetches ahead), else row by row.
+        const bool flat = (rows.stride(1) == d || T == 1) && (q.codes.stride(1) == row_bytes(d) || T == 1);
+        ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+          if (flat && T > 0) return Backend::ggml_quantize_row(params_.type, &rows(h, 0, 0), T * d, &q.codes(h, 0, 0));
+          for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));
+        });
+        return Status::ok();
+      }
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-        if (flat && T > 0) return Backend::ggml_quantize_row(params_.type, &rows(h, 0, 0), T * d, &q.codes(h, 0, 0));
-        for (std::int64_t t = 0; t < T; ++t) Backend::ggml_quantize_row(params_.type, &rows(h, t, 0), d, &q.codes(h, t, 0));
+        alignas(64) float x[kScratch];
+        const std::int64_t chunk = kScratch / d;
+        for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+          const std::int64_t m = std::min(chunk, T - t0);
+          Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
+          if (q.codes.stride(1) == row_bytes(d)) {  // one call: the kernel sees all m rows' blocks
+            Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x), m * d, &q.codes(h, t0, 0));
+            continue;
+          }
+          for (std::int64_t r = 0; r < m; ++r)
+            Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x + r * d), d, &q.codes(h, t0 + r, 0));
+        }
       });
       return Status::ok();
     }
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      alignas(64) float x[kScratch];
-      const std::int64_t chunk = kScratch / d;
-      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
-        const std::int64_t m = std::min(chunk, T - t0);
-        Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
-        if (q.codes.stride(1) == row_bytes(d)) {  // one call: the kernel sees all m rows' blocks
-          Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x), m * d, &q.codes(h, t0, 0));
-          continue;
-        }
-        for (std::int64_t r = 0; r < m; ++r)
-          Backend::ggml_quantize_row(params_.type, static_cast<const float*>(x + r * d), d, &q.codes(h, t0 + r, 0));
-      }
-    });
-    return Status::ok();
   }
 
   template <class Backend, class Tk>
   Status dequantize(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
-    KVP_REQUIRE(out.device().is_host(), "ggml: out is a device tensor; this entry point writes host memory");
     const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "out", kDeviceBackend<Backend>, out.device(), out.stride(2), d, true));
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(out.stride(2) == 1 || d <= 1, "ggml: out has channel stride %lld, must be 1", static_cast<long long>(out.stride(2)));
     KVP_REQUIRE(q.tokens == T, "ggml: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
@@ -165,23 +183,32 @@ class GgmlQuant {
                 "ggml: the quantized region's layout is '%s', the policy's is '%s'", q.layout.name ? q.layout.name : "(null)",
                 ggml_name(params_.type));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d, "codes"));
-    const std::int64_t n = rotation_block(d);
-    if (n == 0) {
+    if constexpr (kDeviceBackend<Backend>) {
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::decode_token_rows(token_codec(d), &q.codes(h, 0, 0), T, q.codes.stride(1), d, &out(h, 0, 0), out.stride(1));
+      return call.end();
+    } else {
+      const std::int64_t n = rotation_block(d);
+      if (n == 0) {
+        ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+          for (std::int64_t t = 0; t < T; ++t) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, &out(h, t, 0));
+        });
+        return Status::ok();
+      }
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-        for (std::int64_t t = 0; t < T; ++t) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, &out(h, t, 0));
+        alignas(64) float y[kScratch];
+        const std::int64_t chunk = kScratch / d;
+        for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+          const std::int64_t m = std::min(chunk, T - t0);
+          for (std::int64_t r = 0; r < m; ++r) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t0 + r, 0), d, y + r * d);
+          Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
+        }
       });
       return Status::ok();
     }
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      alignas(64) float y[kScratch];
-      const std::int64_t chunk = kScratch / d;
-      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
-        const std::int64_t m = std::min(chunk, T - t0);
-        for (std::int64_t r = 0; r < m; ++r) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t0 + r, 0), d, y + r * d);
-        Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
-      }
-    });
-    return Status::ok();
   }
 
   /// The Hadamard block rows of `head_dim` are rotated with (0: none; head_dim must be valid).
@@ -190,6 +217,9 @@ class GgmlQuant {
     (void)hadamard_block(params_.rotation, params_.block, params_.role == QuantRole::kKeys, d, kName, &n);
     return n;
   }
+  /// The row codec of `head_dim` rows (format and rotation), as the backends' encode_token_rows /
+  /// decode_token_rows take it: what an engine calls to write one decode step's rows itself.
+  TokenRowCodec token_codec(std::int64_t d) const noexcept { return TokenRowCodec::ggml_blocks(params_.type, rotation_block(d)); }
   /// x <- R x: the query (keys) or attention output (values) transform of a fused kernel on the rotated codes.
   void rotate(float* x, std::int64_t d) const noexcept { hadamard_rotate(x, d, rotation_block(d)); }
 

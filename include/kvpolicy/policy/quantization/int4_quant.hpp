@@ -29,6 +29,13 @@
 // their tokens under compaction. Validation before any write: bits 4 or 8,
 // head_dim even (4 bits) and valid for the rotation, finite input (the error
 // names head, token, channel), codes shaped (kv_heads, >= T, row_bytes).
+//
+// On a device backend (backend::Cuda: rows, codes and out in device memory,
+// channels contiguous, any token stride): one Backend::encode_token_rows /
+// decode_token_rows per kv head (quant/token_rows.hpp: `token_codec(d)` is
+// the bits with the rotation), bit-identical with the host path. The values
+// are not scanned for NaN / Inf there (that would need a synchronisation): a
+// non-finite row gives unspecified codes confined to its own bytes.
 #pragma once
 
 #include <algorithm>
@@ -43,6 +50,7 @@
 #include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/hadamard.hpp"
 #include "kvpolicy/quant/int4.hpp"
+#include "kvpolicy/quant/token_rows.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -93,6 +101,9 @@ class Int4Quant {
     (void)hadamard_block(params_.rotation, params_.block, params_.role == QuantRole::kKeys, d, kName, &n);
     return n;
   }
+  /// The row codec of `head_dim` rows (bits and rotation), as the backends' encode_token_rows /
+  /// decode_token_rows take it: what an engine calls to write one decode step's rows itself.
+  TokenRowCodec token_codec(std::int64_t d) const noexcept { return TokenRowCodec::int_tokens(params_.bits, rotation_block(d)); }
   /// x <- R x: what a fused kernel applies to the query (keys) or the attention output (values).
   void rotate(float* x, std::int64_t d) const noexcept { hadamard_rotate(x, d, rotation_block(d)); }
 
@@ -116,36 +127,45 @@ class Int4Quant {
   Status quantize(const Context<Backend>& ctx, TensorView<const Tk, 3> rows, State&, QuantizedKV q) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, "rows"));
-    KVP_REQUIRE(rows.device().is_host(), "int4: rows is a device tensor; this entry point reads host memory");
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "rows", kDeviceBackend<Backend>, rows.device(), rows.stride(2), d));
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
-    const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
-    const bool unit = rows.stride(2) == 1 || d == 1;
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      alignas(64) float x[kScratch];
-      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
-        const std::int64_t m = std::min(chunk, T - t0);
-        if (unit) {
-          Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
-        } else {
-          for (std::int64_t r = 0; r < m; ++r)
-            for (std::int64_t c = 0; c < d; ++c) x[r * d + c] = to_float(rows(h, t0 + r, c));
-          Backend::rotate_rows_in(static_cast<const float*>(x), m, d, d, n, x);
+    if constexpr (kDeviceBackend<Backend>) {  // one launch per kv head; values are not scanned (see the header)
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::encode_token_rows(token_codec(d), &rows(h, 0, 0), T, rows.stride(1), d, &q.codes(h, 0, 0), q.codes.stride(1));
+      return call.end();
+    } else {
+      KVP_RETURN_IF_ERROR(detail::check_finite_rows<Backend>(kName, rows, ctx.exec));
+      const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
+      const bool unit = rows.stride(2) == 1 || d == 1;
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        alignas(64) float x[kScratch];
+        for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+          const std::int64_t m = std::min(chunk, T - t0);
+          if (unit) {
+            Backend::rotate_rows_in(&rows(h, t0, 0), m, rows.stride(1), d, n, x);
+          } else {
+            for (std::int64_t r = 0; r < m; ++r)
+              for (std::int64_t c = 0; c < d; ++c) x[r * d + c] = to_float(rows(h, t0 + r, c));
+            Backend::rotate_rows_in(static_cast<const float*>(x), m, d, d, n, x);
+          }
+          Backend::int4_quantize_rows(x, m, d, params_.bits, &q.codes(h, t0, 0), q.codes.stride(1));
         }
-        Backend::int4_quantize_rows(x, m, d, params_.bits, &q.codes(h, t0, 0), q.codes.stride(1));
-      }
-    });
-    return Status::ok();
+      });
+      return Status::ok();
+    }
   }
 
   template <class Backend, class Tk>
   Status dequantize(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
-    KVP_REQUIRE(out.device().is_host(), "int4: out is a device tensor; this entry point writes host memory");
     const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "out", kDeviceBackend<Backend>, out.device(), out.stride(2), d, true));
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(q.tokens == T, "int4: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
                 static_cast<long long>(q.tokens));
@@ -153,27 +173,36 @@ class Int4Quant {
                 "int4: the quantized region's layout is '%s', the policy's is '%s'", q.layout.name ? q.layout.name : "(null)",
                 layout_name());
     KVP_RETURN_IF_ERROR(check_codes(q, H, T, d));
-    const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
-    const bool unit = out.stride(2) == 1 || d == 1;
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      alignas(64) float y[kScratch];
-      for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
-        const std::int64_t m = std::min(chunk, T - t0);
-        if (unit && n <= 1) {  // no rotation: decoded straight into out
-          Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, &out(h, t0, 0), out.stride(1));
-          continue;
+    if constexpr (kDeviceBackend<Backend>) {
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::decode_token_rows(token_codec(d), &q.codes(h, 0, 0), T, q.codes.stride(1), d, &out(h, 0, 0), out.stride(1));
+      return call.end();
+    } else {
+      const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
+      const bool unit = out.stride(2) == 1 || d == 1;
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        alignas(64) float y[kScratch];
+        for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
+          const std::int64_t m = std::min(chunk, T - t0);
+          if (unit && n <= 1) {  // no rotation: decoded straight into out
+            Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, &out(h, t0, 0), out.stride(1));
+            continue;
+          }
+          Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, y, d);
+          if (unit) {
+            Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
+          } else {
+            Backend::rotate_rows_out(y, m, d, n, y, d);
+            for (std::int64_t r = 0; r < m; ++r)
+              for (std::int64_t c = 0; c < d; ++c) out(h, t0 + r, c) = from_float<Tk>(y[r * d + c]);
+          }
         }
-        Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, y, d);
-        if (unit) {
-          Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
-        } else {
-          Backend::rotate_rows_out(y, m, d, n, y, d);
-          for (std::int64_t r = 0; r < m; ++r)
-            for (std::int64_t c = 0; c < d; ++c) out(h, t0 + r, c) = from_float<Tk>(y[r * d + c]);
-        }
-      }
-    });
-    return Status::ok();
+      });
+      return Status::ok();
+    }
   }
 
  private:

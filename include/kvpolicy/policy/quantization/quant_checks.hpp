@@ -53,5 +53,20 @@ Status check_finite_rows(const char* who, const TensorView<const Tk, 3>& rows, c
                      static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(to_float(rows(h, t, c))));
 }
 
+/// Where a quantization policy's view `name` lives against its backend: host memory on a host backend;
+/// device memory on a device backend (`on_device`), with contiguous channels there (the device row codecs
+/// read and write whole rows). `writes`: the view is an output (the host message says "writes").
+inline Status check_quant_memory(const char* who, const char* name, bool on_device, Device dev, std::int64_t channel_stride, std::int64_t d,
+                                 bool writes = false) noexcept {
+  if (!on_device) {
+    KVP_REQUIRE(dev.is_host(), "%s: %s is a device tensor; this entry point %s host memory", who, name, writes ? "writes" : "reads");
+    return Status::ok();
+  }
+  KVP_REQUIRE(!dev.is_host(), "%s: %s is a host tensor; a device backend reads device memory (tag the view kCUDA)", who, name);
+  KVP_REQUIRE(channel_stride == 1 || d <= 1, "%s: %s has channel stride %lld; a device backend takes contiguous channels", who, name,
+              static_cast<long long>(channel_stride));
+  return Status::ok();
+}
+
 }  // namespace detail
 KVP_NAMESPACE_END

@@ -38,6 +38,7 @@
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 #include "kvpolicy/quant/fp8.hpp"
+#include "kvpolicy/quant/token_rows.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
@@ -353,6 +354,34 @@ struct Cuda {
   template <class T>
   static void fp8_dequantize_rows(Fp8Format f, const std::uint8_t* in_device, std::int64_t rows, std::int64_t in_stride, std::int64_t d,
                                   float scale, T* y_device, std::int64_t y_stride) noexcept;
+
+  // ---- ggml / INT4 token rows (GgmlQuant, Int4Quant): the QuantOps family ----
+
+  /// `ScalarQuantOps::encode_token_rows` / `decode_token_rows` on device
+  /// memory, bit-identical: the ggml blocks are quant/ggml_blocks.inl's
+  /// algorithms compiled for the device (products rounded alone, fp16 scales
+  /// rounded to nearest even), the INT rows quant/int4.hpp's host-device
+  /// helpers, the rotation the reference's butterflies stage by stage. Rows
+  /// are not scanned for NaN / Inf (the host policies reject them; on the
+  /// device a non-finite row gives unspecified codes within its own bytes).
+  /// Unrotated ggml rows: one thread per block; rotated or INT rows: one
+  /// thread block per row, staged in shared memory (d <= 4096).
+  template <class T>
+  static void encode_token_rows(const TokenRowCodec& c, const T* x_device, std::int64_t rows, std::int64_t x_stride, std::int64_t d,
+                                std::uint8_t* out_device, std::int64_t out_stride) noexcept;
+  template <class T>
+  static void decode_token_rows(const TokenRowCodec& c, const std::uint8_t* in_device, std::int64_t rows, std::int64_t in_stride,
+                                std::int64_t d, T* y_device, std::int64_t y_stride) noexcept;
+  /// `ScalarQuantOps::ggml_quantize_row` / `ggml_dequantize_row`: one run of n values (n a multiple of 32)
+  /// as n / 32 independent blocks (encode_token_rows with 32-value rows).
+  template <class T>
+  static void ggml_quantize_row(GgmlType t, const T* x_device, std::int64_t n, std::uint8_t* out_device) noexcept {
+    encode_token_rows(TokenRowCodec::ggml_blocks(t), x_device, n / kGgmlBlock, kGgmlBlock, kGgmlBlock, out_device, ggml_block_bytes(t));
+  }
+  template <class T>
+  static void ggml_dequantize_row(GgmlType t, const std::uint8_t* in_device, std::int64_t n, T* y_device) noexcept {
+    decode_token_rows(TokenRowCodec::ggml_blocks(t), in_device, n / kGgmlBlock, ggml_block_bytes(t), kGgmlBlock, y_device, kGgmlBlock);
+  }
 
   // ---- pages (Quest): the PageOps family of ops/paged_scalar.hpp ----------
   //
