@@ -26,6 +26,9 @@
 //                       2 INT4 (Int4Quant defaults: rotated), 3 fp8 e4m3 with
 //                       per-(token, head) scales; one launch per kv head;
 //                       hbm_frac counts the fp16 rows plus the codes once.
+//   CudaKivi/T/role     KIVI-2 (group 32) one-shot quantize of one layer's
+//                       rows (role 0 keys, 1 values), 8 kv heads x T tokens
+//                       x 128, fp16; hbm_frac counts rows, codes and scales.
 //   CudaQuestSelect/B   one Quest decode step of a layer for B sequences of
 //                       32K tokens (page 16, fp16 metadata, budget 2048
 //                       tokens, kPerQueryHead), graph-replayed; hbm_frac counts
@@ -57,6 +60,7 @@
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 
 namespace kvp = kvpolicy;
@@ -349,6 +353,35 @@ void CudaQuant(benchmark::State& state) {
   }
 }
 
+void CudaKivi(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t H = 8, d = 128;
+  const std::int64_t T = state.range(0);
+  const kvp::KiviQuant policy(kvp::KiviQuantParams{state.range(1) == 0 ? kvp::QuantRole::kKeys : kvp::QuantRole::kValues, 2, 32, 128});
+  const std::int64_t rows = policy.code_rows(T), cb = policy.codes_row_bytes(d), sb = policy.scales_row_bytes(d);
+  std::vector<kvp::half> host(static_cast<std::size_t>(H * T * d));
+  std::mt19937 rng(10);
+  std::normal_distribution<float> nd;
+  for (auto& x : host) x = kvp::to_half(nd(rng));
+  DeviceBuffer dx(host.size() * sizeof(kvp::half)), dc(static_cast<std::size_t>(H * rows * cb)),
+      ds(static_cast<std::size_t>(H * rows * sb));
+  if (!(dx.ok && dc.ok && ds.ok)) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dx.ptr, host.data(), host.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  kvp::QuantizedKV q{policy.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(static_cast<std::uint8_t*>(dc.ptr), {H, rows, cb}, gpu),
+                     kvp::TensorView<std::uint8_t, 3>::contiguous(static_cast<std::uint8_t*>(ds.ptr), {H, rows, sb}, gpu), 0};
+  const auto x = kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dx.ptr), {H, T, d}, gpu);
+  kvp::KiviState none;
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  timed_loop(state, s, [&] { return policy.quantize(kvp::Context<Cuda>{{}, {}, s}, x, none, q); });
+  const double bytes = static_cast<double>(H) * (static_cast<double>(T * d) * sizeof(kvp::half) + static_cast<double>(rows * (cb + sb)));
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
 void CudaTopk(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
   const std::int64_t rows = 8, n = state.range(0), k = std::max<std::int64_t>(1, n * state.range(1) / 100);
@@ -502,6 +535,7 @@ BENCHMARK(CudaExpectedAttention)->Arg(4096)->Arg(32768)->Iterations(3)->UseManua
 BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuant)->ArgsProduct({{32768}, {0, 1, 2, 3}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaKivi)->ArgsProduct({{32768}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {

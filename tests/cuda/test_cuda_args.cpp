@@ -18,6 +18,7 @@
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -679,4 +680,61 @@ TEST_CASE("cuda GgmlQuant / Int4Quant: host checks before anything is enqueued",
              "bits must be 4 or 8");
   op_refuses([] { Cuda::encode_token_rows(TokenRowCodec::int_tokens(8), fake<const float>(1), -1, 64, 64, fake<std::uint8_t>(1), 72); },
              "rows=-1");
+}
+
+TEST_CASE("cuda KiviQuant: host checks before anything is enqueued", "[cuda][policy][kivi]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t H = 2, T = 64, d = 64, R = 32;
+  const KiviQuant policy(KiviQuantParams{QuantRole::kKeys, 2, 32, static_cast<std::int32_t>(R)});
+  const std::int64_t cb = policy.codes_row_bytes(d), sb = policy.scales_row_bytes(d), rows = policy.code_rows(T);
+  QuantizedKV q{policy.layout(), TensorView<std::uint8_t, 3>(fake<std::uint8_t>(1), {H, rows, cb}, {rows * cb, cb, 1}, gpu),
+                TensorView<std::uint8_t, 3>(fake<std::uint8_t>(2), {H, rows, sb}, {rows * sb, sb, 1}, gpu), 0};
+  const auto x = TensorView<const half, 3>(fake<const half>(3), {H, T, d}, {T * d, d, 1}, gpu);
+  KiviState none;
+  const Context<Cuda> cx{};
+  require_refused(policy.quantize(cx, TensorView<const half, 3>(fake<const half>(3), {H, T, d}, {T * d, d, 1}), none, q),
+                  StatusCode::kInvalidArgument, "rows is a host tensor");
+  QuantizedKV host_scales = q;
+  host_scales.scales = TensorView<std::uint8_t, 3>(fake<std::uint8_t>(2), {H, rows, sb}, {rows * sb, sb, 1});
+  require_refused(policy.quantize(cx, x, none, host_scales), StatusCode::kInvalidArgument, "scales is a host tensor");
+  KiviState host_res{TensorView<half, 3>(fake<half>(4), {H, R, d}, {R * d, d, 1}), 0};
+  require_refused(policy.append(cx, x, host_res, q), StatusCode::kInvalidArgument, "state residual is a host tensor");
+  KiviState long_res{TensorView<half, 3>(fake<half>(4), {H, R, d}, {R * d, d, 1}, gpu), R};
+  require_refused(policy.append(cx, x, long_res, q), StatusCode::kInvalidArgument, "residual_len is 32");
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  require_refused(policy.quantize(Context<Cuda>{{}, two_workers}, x, none, q), StatusCode::kUnsupported, "2 workers");
+  // The ops record bad arguments and enqueue nothing.
+  const auto op_refuses = [](auto&& call, const char* what) {
+    const Cuda::CallScope scope(nullptr, 1);
+    call();
+    const Status s = scope.end();
+    INFO(s.message());
+    CHECK(mentions(s, what));
+  };
+  op_refuses(
+      [] {
+        Cuda::kivi_encode_tokens(kivi::Codec{true, 2, 512}, static_cast<const half*>(nullptr), 0, 0, fake<const float>(1), 64, 512, 64,
+                                 fake<std::uint8_t>(2), 64, fake<std::uint8_t>(3), 64);
+      },
+      "at most 256");
+  op_refuses(
+      [] {
+        Cuda::kivi_encode_tokens(kivi::Codec{false, 3, 32}, static_cast<const half*>(nullptr), 0, 0, fake<const float>(1), 64, 4, 64,
+                                 fake<std::uint8_t>(2), 64, fake<std::uint8_t>(3), 64);
+      },
+      "not a KIVI values layout");
+  op_refuses(
+      [] {
+        Cuda::kivi_encode_tokens(kivi::Codec{false, 2, 32}, static_cast<const half*>(nullptr), 0, 4, fake<const float>(1), 64, 8, 64,
+                                 fake<std::uint8_t>(2), 64, fake<std::uint8_t>(3), 64);
+      },
+      "a needed pointer is null");
+  op_refuses(
+      [] {
+        Cuda::kivi_decode_tokens(kivi::Codec{true, 2, 32}, fake<const std::uint8_t>(1), 64, fake<const std::uint8_t>(2), 64, 40, 64,
+                                 fake<float>(3), 64);
+      },
+      "not a KIVI keys layout");
+  op_refuses([] { Cuda::kivi_update_residual(fake<half>(1), 64, 4, 9, fake<const float>(2), 64, 2, 64); }, "nq <= res_len + n");
 }

@@ -1099,6 +1099,59 @@ TEMPLATE_TEST_CASE("cuda Int4Quant: INT4 / INT8 token rows, with and without rot
       }
 }
 
+TEMPLATE_TEST_CASE("cuda KiviQuant: one-shot codes, decoded rows and a streamed append bit-identical to Scalar", "[cuda][kivi]", float,
+                   kvp::half, kvp::bfloat16) {
+  const std::int64_t H = 4, D = 128, prompt = 300, steps = 20, total = prompt + steps;
+  const auto x = random_vector<TestType>(static_cast<std::size_t>(H * total * D), 83, 3.0f);
+  DeviceBuffer dx(x);
+  const auto slice = [&](const TestType* base, std::int64_t from, std::int64_t n, kvp::Device dev) {
+    return kvp::TensorView<const TestType, 3>(base + from * D, {H, n, D}, {total * D, D, 1}, dev);
+  };
+  for (const kvp::QuantRole role : {kvp::QuantRole::kKeys, kvp::QuantRole::kValues})
+    for (const std::int32_t bits : {2, 4, 8}) {
+      INFO((role == kvp::QuantRole::kKeys ? "keys" : "values") << " bits " << bits);
+      const std::int64_t R = role == kvp::QuantRole::kKeys ? 128 : 32;
+      const kvp::KiviQuant p(kvp::KiviQuantParams{role, bits, 32, static_cast<std::int32_t>(R)});
+      const std::int64_t rows = p.code_rows(total), cb = p.codes_row_bytes(D), sb = p.scales_row_bytes(D);
+      const auto region = [&](std::uint8_t* codes, std::uint8_t* scales, kvp::Device dev) {
+        return kvp::QuantizedKV{p.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(codes, {H, rows, cb}, dev),
+                                kvp::TensorView<std::uint8_t, 3>::contiguous(scales, {H, rows, sb}, dev), 0};
+      };
+      // Streamed on both backends: the prompt, then one token per step.
+      std::vector<std::uint8_t> hc(static_cast<std::size_t>(H * rows * cb), 0xA5), hs(static_cast<std::size_t>(H * rows * sb), 0x5A);
+      std::vector<kvp::half> hres(static_cast<std::size_t>(H * R * D));
+      kvp::QuantizedKV hq = region(hc.data(), hs.data(), {});
+      kvp::KiviState hst{kvp::TensorView<kvp::half, 3>::contiguous(hres.data(), {H, R, D}), 0};
+      DeviceBuffer dc(std::vector<std::uint8_t>(hc.size(), 0xA5)), ds(std::vector<std::uint8_t>(hs.size(), 0x5A)),
+          dres(hres.size() * sizeof(kvp::half));
+      kvp::QuantizedKV dq = region(dc.get<std::uint8_t>(), ds.get<std::uint8_t>(), kGpu);
+      kvp::KiviState dst{kvp::TensorView<kvp::half, 3>::contiguous(dres.get<kvp::half>(), {H, R, D}, kGpu), 0};
+      Stream stream;
+      const kvp::Context<Cuda> cx{{}, {}, stream.s};
+      for (std::int64_t s0 = 0; s0 < total; s0 = s0 == 0 ? prompt : s0 + 1) {
+        const std::int64_t n = s0 == 0 ? prompt : 1;
+        KVP_REQUIRE_OK(p.append(kvp::Context<Scalar>{}, slice(x.data(), s0, n, {}), hst, hq));
+        KVP_REQUIRE_OK(p.append(cx, slice(dx.get<const TestType>(), s0, n, kGpu), dst, dq));
+        REQUIRE(dq.tokens == hq.tokens);
+        REQUIRE(dst.residual_len == hst.residual_len);
+      }
+      stream.sync();
+      REQUIRE(dc.download<std::uint8_t>(hc.size()) == hc);
+      REQUIRE(ds.download<std::uint8_t>(hs.size()) == hs);
+      const auto got_res = dres.download<kvp::half>(hres.size());
+      REQUIRE(std::memcmp(got_res.data(), hres.data(), hres.size() * sizeof(kvp::half)) == 0);
+      // Decoded.
+      const std::int64_t T = hq.tokens;
+      std::vector<TestType> want(static_cast<std::size_t>(H * T * D));
+      KVP_REQUIRE_OK(p.dequantize(kvp::Context<Scalar>{}, hq, kvp::TensorView<TestType, 3>::contiguous(want.data(), {H, T, D})));
+      DeviceBuffer dy(want.size() * sizeof(TestType));
+      KVP_REQUIRE_OK(p.dequantize(cx, dq, kvp::TensorView<TestType, 3>::contiguous(dy.get<TestType>(), {H, T, D}, kGpu)));
+      stream.sync();
+      const auto got = dy.download<TestType>(want.size());
+      REQUIRE(std::memcmp(got.data(), want.data(), want.size() * sizeof(TestType)) == 0);
+    }
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

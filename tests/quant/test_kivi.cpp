@@ -4,12 +4,14 @@
 // reference's decode loop; bad input rejected with nothing written.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "../policy/emulated_device.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
@@ -304,4 +306,80 @@ TEST_CASE("kivi: bad input is rejected by name and nothing is written", "[quant]
   KiviState st;
   const Status one = keys.quantize(ctx, TensorView<const float, 3>::contiguous(x.data(), {H, 31, D}), st, rk.q);
   REQUIRE_THAT(one.message(), Contains("31 tokens, not a multiple of group 32"));
+}
+
+TEMPLATE_TEST_CASE("kivi: the device path (kivi_*_tokens per kv head) writes the host path's codes, scales, residual and values",
+                   "[quant][kivi][device]", float, half, bfloat16) {
+  using kvp_test::EmulatedDevice;
+  using kvp_test::kEmulatedDevice;
+  const std::int64_t H = 2, D = 64, prompt = 150, steps = 40, total = prompt + steps;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<TestType> x(static_cast<std::size_t>(H * total * D));
+  for (auto& v : x) v = from_float<TestType>(nd(rng) * 3.0f);
+  auto slice = [&](std::int64_t from, std::int64_t n, Device dev) {
+    return TensorView<const TestType, 3>(x.data() + from * D, {H, n, D}, {total * D, D, 1}, dev);
+  };
+  const auto tag = [](QuantizedKV q) {
+    q.codes = TensorView<std::uint8_t, 3>(q.codes.data(), q.codes.extents(), q.codes.strides(), kEmulatedDevice);
+    q.scales = TensorView<std::uint8_t, 3>(q.scales.data(), q.scales.extents(), q.scales.strides(), kEmulatedDevice);
+    return q;
+  };
+  for (QuantRole role : {QuantRole::kKeys, QuantRole::kValues})
+    for (std::int32_t bits : {2, 4, 8}) {
+      const std::int64_t R = role == QuantRole::kKeys ? 64 : 16;
+      INFO((role == QuantRole::kKeys ? "keys" : "values") << " bits " << bits);
+      const KiviQuant p(KiviQuantParams{role, bits, 32, static_cast<std::int32_t>(R)});
+      // One shot, then decode.
+      const std::int64_t T = 128;
+      Region host(p, H, T, D), dev(p, H, T, D);
+      host.q.tokens = dev.q.tokens = 0;
+      KiviState none;
+      REQUIRE(p.quantize(Context<backend::Cpu>{}, slice(0, T, {}), none, host.q).is_ok());
+      QuantizedKV dq = tag(dev.q);
+      const Status s = p.quantize(Context<EmulatedDevice>{}, slice(0, T, kEmulatedDevice), none, dq);
+      INFO(s.message());
+      REQUIRE(s.is_ok());
+      REQUIRE(host.codes == dev.codes);
+      REQUIRE(host.scales == dev.scales);
+      host.q.tokens = dq.tokens = T;
+      std::vector<TestType> want(static_cast<std::size_t>(H * T * D)), got(want.size());
+      REQUIRE(p.dequantize(Context<backend::Cpu>{}, host.q, TensorView<TestType, 3>::contiguous(want.data(), {H, T, D})).is_ok());
+      REQUIRE(
+          p.dequantize(Context<EmulatedDevice>{}, dq, TensorView<TestType, 3>::contiguous(got.data(), {H, T, D}, kEmulatedDevice)).is_ok());
+      REQUIRE(std::memcmp(want.data(), got.data(), want.size() * sizeof(TestType)) == 0);
+
+      // Streaming: the prompt, then one token per step; every step leaves identical regions and residuals.
+      Region hs(p, H, total, D), ds(p, H, total, D);
+      hs.q.tokens = ds.q.tokens = 0;
+      QuantizedKV dsq = tag(ds.q);
+      std::vector<half> hres(static_cast<std::size_t>(H * R * D)), dres(hres.size());
+      KiviState hst{TensorView<half, 3>::contiguous(hres.data(), {H, R, D}), 0};
+      KiviState dst{TensorView<half, 3>::contiguous(dres.data(), {H, R, D}, kEmulatedDevice), 0};
+      for (std::int64_t s0 = 0; s0 < total; s0 = s0 == 0 ? prompt : s0 + 1) {
+        const std::int64_t n = s0 == 0 ? prompt : 1;
+        REQUIRE(p.append(Context<backend::Cpu>{}, slice(s0, n, {}), hst, hs.q).is_ok());
+        REQUIRE(p.append(Context<EmulatedDevice>{}, slice(s0, n, kEmulatedDevice), dst, dsq).is_ok());
+        REQUIRE(dsq.tokens == hs.q.tokens);
+        REQUIRE(dst.residual_len == hst.residual_len);
+        REQUIRE(std::memcmp(hres.data(), dres.data(), static_cast<std::size_t>(H * R * D) * sizeof(half)) == 0);
+      }
+      REQUIRE(hs.codes == ds.codes);
+      REQUIRE(hs.scales == ds.scales);
+
+      // Host views on the device path are refused by name; nothing is written.
+      Region untouched(p, H, T, D);
+      QuantizedKV uq = tag(untouched.q);
+      uq.tokens = 0;
+      CHECK_THAT(p.quantize(Context<EmulatedDevice>{}, slice(0, T, {}), none, uq).message(), Contains("rows is a host tensor"));
+      QuantizedKV host_scales = uq;
+      host_scales.scales = untouched.q.scales;
+      CHECK_THAT(p.quantize(Context<EmulatedDevice>{}, slice(0, T, kEmulatedDevice), none, host_scales).message(),
+                 Contains("scales is a host tensor"));
+      KiviState host_res{TensorView<half, 3>::contiguous(hres.data(), {H, R, D}), 0};
+      CHECK_THAT(p.append(Context<EmulatedDevice>{}, slice(0, 8, kEmulatedDevice), host_res, uq).message(),
+                 Contains("state residual is a host tensor"));
+      CHECK(std::all_of(untouched.codes.begin(), untouched.codes.end(), [](std::uint8_t b) { return b == 0xA5; }));
+      CHECK(std::all_of(untouched.scales.begin(), untouched.scales.end(), [](std::uint8_t b) { return b == 0x5A; }));
+    }
 }

@@ -8,14 +8,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kvpolicy/core/version.hpp"
+#include "kvpolicy/core/config.hpp"
 
 KVP_NAMESPACE_BEGIN
 
 /// IEEE 754 binary16 storage. Arithmetic is always done in float.
 struct half {
   std::uint16_t bits = 0;
-  static constexpr half from_bits(std::uint16_t b) noexcept {
+  KVP_HOST_DEVICE static constexpr half from_bits(std::uint16_t b) noexcept {
     half h;
     h.bits = b;
     return h;
@@ -25,15 +25,34 @@ struct half {
 /// bfloat16 storage (the upper 16 bits of an IEEE binary32).
 struct bfloat16 {
   std::uint16_t bits = 0;
-  static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
+  KVP_HOST_DEVICE static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
     bfloat16 h;
     h.bits = b;
     return h;
   }
 };
 
+namespace detail {
+/// The bits of a float and back: std::bit_cast on the host, the CUDA intrinsics in device code (the
+/// conversions below are KVP_HOST_DEVICE, so the CUDA backend's kernels round exactly as the host does).
+KVP_HOST_DEVICE constexpr std::uint32_t float_bits(float f) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return std::bit_cast<std::uint32_t>(f);
+#endif
+}
+KVP_HOST_DEVICE constexpr float bits_float(std::uint32_t u) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return std::bit_cast<float>(u);
+#endif
+}
+}  // namespace detail
+
 /// Exact widening conversion (every half is representable as float).
-constexpr float to_float(half h) noexcept {
+KVP_HOST_DEVICE constexpr float to_float(half h) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(h.bits & 0x8000u) << 16;
   const std::uint32_t exp = (h.bits >> 10) & 0x1fu;
   std::uint32_t man = h.bits & 0x3ffu;
@@ -52,13 +71,13 @@ constexpr float to_float(half h) noexcept {
     } while ((man & 0x400u) == 0);
     out = sign | (static_cast<std::uint32_t>(112 - e) << 23) | ((man & 0x3ffu) << 13);
   }
-  return std::bit_cast<float>(out);
+  return detail::bits_float(out);
 }
 
 /// Narrowing float -> half, round to nearest, ties to even; overflow -> inf,
 /// NaN stays NaN (quiet), underflow produces subnormals / signed zero.
-constexpr half to_half(float f) noexcept {
-  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+KVP_HOST_DEVICE constexpr half to_half(float f) noexcept {
+  const std::uint32_t x = detail::float_bits(f);
   const std::uint16_t sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
   const std::uint32_t ax = x & 0x7fffffffu;
   if (ax >= 0x7f800000u) {  // inf or nan
@@ -81,17 +100,17 @@ constexpr half to_half(float f) noexcept {
   return half::from_bits(static_cast<std::uint16_t>(sign | (r >> 13)));
 }
 
-constexpr float to_float(bfloat16 h) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(h.bits) << 16); }
+KVP_HOST_DEVICE constexpr float to_float(bfloat16 h) noexcept { return detail::bits_float(static_cast<std::uint32_t>(h.bits) << 16); }
 
 /// float -> bfloat16, round to nearest, ties to even; NaN stays a quiet NaN.
-constexpr bfloat16 to_bfloat16(float f) noexcept {
-  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+KVP_HOST_DEVICE constexpr bfloat16 to_bfloat16(float f) noexcept {
+  const std::uint32_t x = detail::float_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return bfloat16::from_bits(static_cast<std::uint16_t>((x >> 16) | 0x40u));
   const std::uint32_t r = x + 0x7fffu + ((x >> 16) & 1u);
   return bfloat16::from_bits(static_cast<std::uint16_t>(r >> 16));
 }
 
-constexpr float to_float(float f) noexcept { return f; }
+KVP_HOST_DEVICE constexpr float to_float(float f) noexcept { return f; }
 
 /// Run-time element type tag (what crosses ABI boundaries).
 enum class DType : std::uint8_t { kF32, kF16, kBF16, kI32, kI64, kU8 };
@@ -156,7 +175,7 @@ constexpr const char* dtype_name(DType t) noexcept {
 
 /// Convert a float to storage type T (round-to-nearest-even for narrow types).
 template <class T>
-constexpr T from_float(float f) noexcept {
+KVP_HOST_DEVICE constexpr T from_float(float f) noexcept {
   if constexpr (std::is_same_v<T, half>)
     return to_half(f);
   else if constexpr (std::is_same_v<T, bfloat16>)

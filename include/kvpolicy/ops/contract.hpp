@@ -92,17 +92,21 @@ concept ReduceOps = requires(const TensorView<const Tq, 3>& q, const TensorView<
 
 /// Row quantization on any backend: ggml blocks of one run (quant/ggml.hpp),
 /// whole token rows of a ggml or INT4 / INT8 format behind an optional
-/// Hadamard rotation (quant/token_rows.hpp: GgmlQuant, Int4Quant), and fp8
-/// rows with one or per-row scales (Fp8Quant).
+/// Hadamard rotation (quant/token_rows.hpp: GgmlQuant, Int4Quant), fp8
+/// rows with one or per-row scales (Fp8Quant), and KIVI's tokens from a
+/// residual window and new rows (KiviQuant).
 template <class B, class T = float>
-concept QuantOps = requires(GgmlType t, const TokenRowCodec& c, const T* x, T* y, std::int64_t n, std::uint8_t* bytes,
-                            const std::uint8_t* cbytes) {
+concept QuantOps = requires(GgmlType t, const TokenRowCodec& c, const kivi::Codec& k, const T* x, T* y, std::int64_t n, std::uint8_t* bytes,
+                            const std::uint8_t* cbytes, const half* res, half* hres) {
   B::ggml_quantize_row(t, x, n, bytes);
   B::ggml_dequantize_row(t, cbytes, n, y);
   B::encode_token_rows(c, x, n, n, n, bytes, n);
   B::decode_token_rows(c, cbytes, n, n, n, y, n);
   B::fp8_quantize_rows(Fp8Format::kE4M3, x, n, n, n, 1.0f, bytes, n);
   B::fp8_dequantize_rows(Fp8Format::kE4M3, cbytes, n, n, n, 1.0f, y, n);
+  B::kivi_encode_tokens(k, res, n, n, x, n, n, n, bytes, n, bytes, n);
+  B::kivi_decode_tokens(k, cbytes, n, cbytes, n, n, n, y, n);
+  B::kivi_update_residual(hres, n, n, n, x, n, n, n);
 };
 
 /// Everything a host policy calls, for the key dtypes the library stores.

@@ -140,6 +140,57 @@ struct ScalarQuantOps {
     }
   }
 
+  // ---- KIVI, whole tokens from a residual and new rows (KiviQuant's device form) ------------------
+
+  /// Logical tokens [0, count) — residual rows [0, res_len) (fp16), then rows x + i * x_stride (rounded to
+  /// fp16) — into KIVI codes: keys, count / group groups at codes + g * codes_stride (scales likewise);
+  /// values, count token rows. Channels contiguous; d <= 4096, keys group <= 4096.
+  template <class T>
+  static void kivi_encode_tokens(const kivi::Codec& k, const half* res, std::int64_t res_stride, std::int64_t res_len, const T* x,
+                                 std::int64_t x_stride, std::int64_t count, std::int64_t d, std::uint8_t* codes, std::int64_t codes_stride,
+                                 std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+    const auto value = [&](std::int64_t i, std::int64_t c) noexcept {
+      return i < res_len ? to_float(res[i * res_stride + c]) : kivi::r16(to_float(x[(i - res_len) * x_stride + c]));
+    };
+    float buf[4096];
+    if (k.keys) {
+      for (std::int64_t g = 0; g < count / k.group; ++g)
+        for (std::int64_t c = 0; c < d; ++c) {
+          for (int t = 0; t < k.group; ++t) buf[t] = value(g * k.group + t, c);
+          kivi::quantize_key_channel(buf, d, c, k.group, k.bits, codes + g * codes_stride, scales + g * scales_stride);
+        }
+      return;
+    }
+    for (std::int64_t i = 0; i < count; ++i) {
+      for (std::int64_t c = 0; c < d; ++c) buf[c] = value(i, c);
+      kivi::quantize_value_row(buf, d, k.group, k.bits, codes + i * codes_stride, scales + i * scales_stride);
+    }
+  }
+  /// Tokens [0, count) of KIVI codes decoded into rows y + t * y_stride (keys: count a multiple of group).
+  template <class T>
+  static void kivi_decode_tokens(const kivi::Codec& k, const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
+                                 std::int64_t scales_stride, std::int64_t count, std::int64_t d, T* y, std::int64_t y_stride) noexcept {
+    if (k.keys) {
+      for (std::int64_t g = 0; g < count / k.group; ++g)
+        for (std::int64_t c = 0; c < d; ++c)
+          kivi::dequantize_key_channel(codes + g * codes_stride, scales + g * scales_stride, d, c, k.group, k.bits,
+                                       y + g * k.group * y_stride + c, y_stride);
+      return;
+    }
+    for (std::int64_t i = 0; i < count; ++i)
+      kivi::dequantize_value_row(codes + i * codes_stride, scales + i * scales_stride, d, k.group, k.bits, y + i * y_stride);
+  }
+  /// The residual after an append: logical tokens [nq, res_len + n) (the survivors of the residual moved to
+  /// its front in ascending order, then the new rows x rounded to fp16) into res rows [0, res_len + n - nq).
+  template <class T>
+  static void kivi_update_residual(half* res, std::int64_t res_stride, std::int64_t res_len, std::int64_t nq, const T* x,
+                                   std::int64_t x_stride, std::int64_t n, std::int64_t d) noexcept {
+    for (std::int64_t i = nq; i < res_len; ++i)
+      std::memmove(res + (i - nq) * res_stride, res + i * res_stride, static_cast<std::size_t>(d) * 2);
+    for (std::int64_t i = std::max(nq, res_len); i < res_len + n; ++i)
+      for (std::int64_t c = 0; c < d; ++c) res[(i - nq) * res_stride + c] = to_half(to_float(x[(i - res_len) * x_stride + c]));
+  }
+
   // ---- token-wise INT4 / INT8 ---------------------------------------------------------------------
 
   /// Rows x (contiguous, d values each) into code rows out + r * out_stride (int4q::row_bytes(d, bits) bytes).

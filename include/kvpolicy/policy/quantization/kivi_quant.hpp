@@ -42,6 +42,16 @@
 // are, heads in parallel), once to code it. A dequantize into fp32 or fp16
 // rows with unit channel stride decodes straight into them; other outputs go
 // through an fp32 chunk.
+//
+// On a device backend (backend::Cuda: rows, codes, scales, out and the
+// state's residual in device memory, channels contiguous): per kv head one
+// Backend::kivi_encode_tokens (the logical tokens being quantized, residual
+// first), kivi_decode_tokens or kivi_update_residual (the residual's move and
+// the new rows), bit-identical with the host path (the same quant/kivi.hpp
+// arithmetic, host-device). Shapes, the residual length and the regions are
+// checked on the host as above; the values and the group ranges are not
+// (that scan would need a synchronisation): a non-finite value or a range
+// overflowing fp16 gives unspecified codes within the call's own rows.
 #pragma once
 
 #include <algorithm>
@@ -55,6 +65,7 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/policy.hpp"
+#include "kvpolicy/policy/quantization/quant_checks.hpp"
 #include "kvpolicy/policy/quantization/role.hpp"
 #include "kvpolicy/quant/kivi.hpp"
 
@@ -164,10 +175,20 @@ class KiviQuant {
       KVP_REQUIRE(T % params_.group == 0, "kivi: keys rows has %lld tokens, not a multiple of group %d", static_cast<long long>(T),
                   params_.group);
     KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
-    const LogicalRows<Tk> tok{rows, {}, 0};
-    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, T, ctx.exec));
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) { write_codes<Backend>(tok, h, 0, T, d, q); });
-    return Status::ok();
+    if constexpr (kDeviceBackend<Backend>) {  // one launch per kv head; values and ranges are not scanned (see the header)
+      KVP_RETURN_IF_ERROR(check_device_region(q));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::kivi_encode_tokens(codec(), static_cast<const half*>(nullptr), 0, 0, &rows(h, 0, 0), rows.stride(1), T, d,
+                                    &q.codes(h, 0, 0), q.codes.stride(1), &q.scales(h, 0, 0), q.scales.stride(1));
+      return call.end();
+    } else {
+      const LogicalRows<Tk> tok{rows, {}, 0};
+      KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, T, ctx.exec));
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) { write_codes<Backend>(tok, h, 0, T, d, q); });
+      return Status::ok();
+    }
   }
 
   /// Tokens [0, q.tokens) decoded into `out` (kv_heads, q.tokens, head_dim).
@@ -175,8 +196,8 @@ class KiviQuant {
   Status dequantize(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "out"));
-    KVP_REQUIRE(out.device().is_host(), "kivi: out is a device tensor; this entry point writes host memory");
     const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "out", kDeviceBackend<Backend>, out.device(), out.stride(2), d, true));
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(q.tokens == T, "kivi: out has %lld tokens, the quantized region holds %lld", static_cast<long long>(T),
                 static_cast<long long>(q.tokens));
@@ -187,6 +208,23 @@ class KiviQuant {
       KVP_REQUIRE(T % params_.group == 0, "kivi: the keys region holds %lld tokens, not a multiple of group %d", static_cast<long long>(T),
                   params_.group);
     KVP_RETURN_IF_ERROR(check_region(q, H, 0, T, d));
+    if constexpr (kDeviceBackend<Backend>) {
+      KVP_RETURN_IF_ERROR(check_device_region(q));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int64_t h = 0; h < H && T > 0; ++h)
+        Backend::kivi_decode_tokens(codec(), &q.codes(h, 0, 0), q.codes.stride(1), &q.scales(h, 0, 0), q.scales.stride(1), T, d,
+                                    &out(h, 0, 0), out.stride(1));
+      return call.end();
+    } else {
+      return dequantize_host<Backend>(ctx, q, out);
+    }
+  }
+
+ private:
+  template <class Backend, class Tk>
+  Status dequantize_host(const Context<Backend>& ctx, const QuantizedKV& q, TensorView<Tk, 3> out) const noexcept {
+    const std::int64_t H = out.extent(0), T = out.extent(1), d = out.extent(2);
     const int G = params_.group, b = params_.bits;
     const bool unit = out.stride(2) == 1 || d == 1;
     if constexpr (std::is_same_v<Tk, float> || std::is_same_v<Tk, half>) {
@@ -241,6 +279,7 @@ class KiviQuant {
     return Status::ok();
   }
 
+ public:
   /// Streaming store: `rows` (kv_heads, n, head_dim) join the residual, then
   /// the reference's flush rule moves the oldest tokens into q (q.tokens and
   /// st.residual_len are updated). Call it after the step's attention.
@@ -255,6 +294,7 @@ class KiviQuant {
                 static_cast<long long>(params_.role == QuantRole::kKeys ? R - 1 : R), role_name());
     if (R > 0) {
       KVP_RETURN_IF_ERROR(st.residual.check_basic(kName, "state residual"));
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "state residual", kDeviceBackend<Backend>, st.residual.device(), 1, 1));
       KVP_REQUIRE(st.residual.extent(0) == H && st.residual.extent(1) >= R && st.residual.extent(2) == d && st.residual.stride(2) == 1,
                   "kivi: state residual is (%lld, %lld, %lld) with channel stride %lld, expected (%lld kv heads, >= %lld tokens, %lld) "
                   "with stride 1",
@@ -268,23 +308,42 @@ class KiviQuant {
     const std::int64_t L = len + n;
     const std::int64_t nq = params_.role == QuantRole::kKeys ? L / R * R : std::max<std::int64_t>(0, L - R);
     KVP_RETURN_IF_ERROR(check_region(q, H, q.tokens, nq, d));
-    // Rows that stay in the residual: finite in fp16; the quantized ones: finite with finite group ranges.
-    KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows", std::clamp<std::int64_t>(nq - len, 0, n)));
-    const LogicalRows<Tk> tok{rows, st.residual, len};
-    KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, nq, ctx.exec));
-    const std::int64_t first = q.tokens;
-    ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
-      write_codes<Backend>(tok, h, first, nq, d, q);
-      // The residual becomes logical tokens [nq, L): survivors of the old residual move to its front
-      // (ascending, so an overlapping move reads before it writes), then the new rows.
-      for (std::int64_t i = nq; i < len; ++i)
-        std::memmove(&st.residual(h, i - nq, 0), &st.residual(h, i, 0), static_cast<std::size_t>(d) * 2);
-      for (std::int64_t i = std::max(nq, len); i < L; ++i)
-        for (std::int64_t c = 0; c < d; ++c) st.residual(h, i - nq, c) = to_half(to_float(rows(h, i - len, c)));
-    });
-    q.tokens += nq;
-    st.residual_len = L - nq;
-    return Status::ok();
+    if constexpr (kDeviceBackend<Backend>) {  // per kv head: the quantized tokens, then the residual's update (same stream order)
+      KVP_RETURN_IF_ERROR(check_device_region(q));
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      const std::int64_t row0 = code_rows(q.tokens);
+      for (std::int64_t h = 0; h < H; ++h) {
+        const half* res = R > 0 ? &st.residual(h, 0, 0) : nullptr;
+        const Tk* x = n > 0 ? &rows(h, 0, 0) : nullptr;
+        if (nq > 0)
+          Backend::kivi_encode_tokens(codec(), res, st.residual.stride(1), len, x, rows.stride(1), nq, d, &q.codes(h, row0, 0),
+                                      q.codes.stride(1), &q.scales(h, row0, 0), q.scales.stride(1));
+        if (R > 0 && L > nq) Backend::kivi_update_residual(&st.residual(h, 0, 0), st.residual.stride(1), len, nq, x, rows.stride(1), n, d);
+      }
+      KVP_RETURN_IF_ERROR(call.end());
+      q.tokens += nq;
+      st.residual_len = L - nq;
+      return Status::ok();
+    } else {
+      // Rows that stay in the residual: finite in fp16; the quantized ones: finite with finite group ranges.
+      KVP_RETURN_IF_ERROR(check_rows<Backend>(rows, "rows", std::clamp<std::int64_t>(nq - len, 0, n)));
+      const LogicalRows<Tk> tok{rows, st.residual, len};
+      KVP_RETURN_IF_ERROR(check_ranges<Backend>(tok, H, d, nq, ctx.exec));
+      const std::int64_t first = q.tokens;
+      ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        write_codes<Backend>(tok, h, first, nq, d, q);
+        // The residual becomes logical tokens [nq, L): survivors of the old residual move to its front
+        // (ascending, so an overlapping move reads before it writes), then the new rows.
+        for (std::int64_t i = nq; i < len; ++i)
+          std::memmove(&st.residual(h, i - nq, 0), &st.residual(h, i, 0), static_cast<std::size_t>(d) * 2);
+        for (std::int64_t i = std::max(nq, len); i < L; ++i)
+          for (std::int64_t c = 0; c < d; ++c) st.residual(h, i - nq, c) = to_half(to_float(rows(h, i - len, c)));
+      });
+      q.tokens += nq;
+      st.residual_len = L - nq;
+      return Status::ok();
+    }
   }
 
   const char* layout_name() const noexcept {
@@ -372,25 +431,38 @@ class KiviQuant {
   template <class Backend, class Tk>
   Status check_rows(TensorView<const Tk, 3> rows, const char* name, std::int64_t from) const noexcept {
     KVP_RETURN_IF_ERROR(rows.check_basic(kName, name));
-    KVP_REQUIRE(rows.device().is_host(), "kivi: %s is a device tensor; this entry point reads host memory", name);
     const std::int64_t H = rows.extent(0), T = rows.extent(1), d = rows.extent(2);
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, name, kDeviceBackend<Backend>, rows.device(), rows.stride(2), d));
     KVP_RETURN_IF_ERROR(check_head_dim(d));
     KVP_REQUIRE(d <= 4096, "kivi: head_dim %lld exceeds 4096", static_cast<long long>(d));
-    const LogicalRows<Tk> src{rows, {}, 0};
-    const std::int64_t chunk = kScratch / d;
-    alignas(64) float x[kScratch];
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t t0 = from; t0 < T; t0 += chunk) {
-        const std::int64_t m = std::min(chunk, T - t0);
-        src.template gather<Backend>(h, t0, m, d, x);
-        const std::int64_t bad = Backend::first_not_below(x, m * d, __builtin_inff());  // fp16 overflow rounds to inf; or NaN
-        if (bad < 0) continue;
-        const std::int64_t t = t0 + bad / d, c = bad % d;
-        return KVP_INVALID(
-            "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written", name,
-            static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c), static_cast<double>(to_float(rows(h, t, c))));
-      }
-    return Status::ok();
+    if constexpr (kDeviceBackend<Backend>) {
+      return Status::ok();  // values are not scanned on a device
+    } else {
+      const LogicalRows<Tk> src{rows, {}, 0};
+      const std::int64_t chunk = kScratch / d;
+      alignas(64) float x[kScratch];
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t t0 = from; t0 < T; t0 += chunk) {
+          const std::int64_t m = std::min(chunk, T - t0);
+          src.template gather<Backend>(h, t0, m, d, x);
+          const std::int64_t bad = Backend::first_not_below(x, m * d, __builtin_inff());  // fp16 overflow rounds to inf; or NaN
+          if (bad < 0) continue;
+          const std::int64_t t = t0 + bad / d, c = bad % d;
+          return KVP_INVALID(
+              "kivi: %s head %lld token %lld channel %lld is %g, not finite in fp16 (KIVI computes in fp16); nothing was written", name,
+              static_cast<long long>(h), static_cast<long long>(t), static_cast<long long>(c),
+              static_cast<double>(to_float(rows(h, t, c))));
+        }
+      return Status::ok();
+    }
+  }
+
+  /// The format as the backends' kivi_*_tokens ops take it.
+  kivi::Codec codec() const noexcept { return kivi::Codec{params_.role == QuantRole::kKeys, params_.bits, params_.group}; }
+  /// A device backend's codes and scales are device memory.
+  static Status check_device_region(const QuantizedKV& q) noexcept {
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "codes", true, q.codes.device(), 1, 1));
+    return detail::check_quant_memory(kName, "scales", true, q.scales.device(), 1, 1);
   }
 
   /// q holds room for tokens [from, from + count) (their code and scale rows exist).

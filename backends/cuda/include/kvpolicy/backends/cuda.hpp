@@ -38,6 +38,7 @@
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 #include "kvpolicy/quant/fp8.hpp"
+#include "kvpolicy/quant/kivi.hpp"
 #include "kvpolicy/quant/token_rows.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -382,6 +383,24 @@ struct Cuda {
   static void ggml_dequantize_row(GgmlType t, const std::uint8_t* in_device, std::int64_t n, T* y_device) noexcept {
     decode_token_rows(TokenRowCodec::ggml_blocks(t), in_device, n / kGgmlBlock, ggml_block_bytes(t), kGgmlBlock, y_device, kGgmlBlock);
   }
+
+  // ---- KIVI (KiviQuant): the QuantOps family's KIVI ops -------------------------
+
+  /// `ScalarQuantOps::kivi_encode_tokens` / `kivi_decode_tokens` /
+  /// `kivi_update_residual` on device memory, bit-identical (quant/kivi.hpp's
+  /// host-device fp16 arithmetic). Values and group ranges are not scanned.
+  /// Key groups of more than 256 tokens are refused (kUnsupported).
+  template <class T>
+  static void kivi_encode_tokens(const kivi::Codec& k, const half* res_device, std::int64_t res_stride, std::int64_t res_len,
+                                 const T* x_device, std::int64_t x_stride, std::int64_t count, std::int64_t d, std::uint8_t* codes_device,
+                                 std::int64_t codes_stride, std::uint8_t* scales_device, std::int64_t scales_stride) noexcept;
+  template <class T>
+  static void kivi_decode_tokens(const kivi::Codec& k, const std::uint8_t* codes_device, std::int64_t codes_stride,
+                                 const std::uint8_t* scales_device, std::int64_t scales_stride, std::int64_t count, std::int64_t d,
+                                 T* y_device, std::int64_t y_stride) noexcept;
+  template <class T>
+  static void kivi_update_residual(half* res_device, std::int64_t res_stride, std::int64_t res_len, std::int64_t nq, const T* x_device,
+                                   std::int64_t x_stride, std::int64_t n, std::int64_t d) noexcept;
 
   // ---- pages (Quest): the PageOps family of ops/paged_scalar.hpp ----------
   //
