@@ -738,3 +738,19 @@ TEST_CASE("cuda KiviQuant: host checks before anything is enqueued", "[cuda][pol
       "not a KIVI keys layout");
   op_refuses([] { Cuda::kivi_update_residual(fake<half>(1), 64, 4, 9, fake<const float>(2), 64, 2, 64); }, "nq <= res_len + n");
 }
+
+TEST_CASE("cuda rank_tiers: bad arguments are recorded, nothing enqueued", "[cuda][mixed]") {
+  using namespace kvpolicy;
+  const auto refuses = [](auto&& call, const char* what) {
+    const Cuda::CallScope scope(nullptr, 1);
+    call();
+    const Status s = scope.end();
+    INFO(s.message());
+    CHECK(mentions(s, what));
+  };
+  refuses([] { Cuda::rank_tiers(fake<const float>(1), 2, 10, 10, 4, 5, fake<std::int32_t>(2), fake<std::uint8_t>(3), 4, {}); },
+          "0 <= n_full <= n_keep <= n");
+  refuses([] { Cuda::rank_tiers(fake<const float>(1), 2, 10, 8, 4, 2, fake<std::int32_t>(2), fake<std::uint8_t>(3), 4, {}); }, "ld >= n");
+  refuses([] { Cuda::rank_tiers(nullptr, 2, 10, 10, 4, 2, fake<std::int32_t>(2), fake<std::uint8_t>(3), 4, {}); }, "is null");
+  CHECK(Cuda::rank_tiers_workspace(1000) == 0);
+}

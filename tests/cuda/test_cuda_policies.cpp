@@ -1152,6 +1152,68 @@ TEMPLATE_TEST_CASE("cuda KiviQuant: one-shot codes, decoded rows and a streamed 
     }
 }
 
+TEST_CASE("cuda rank_tiers: kept positions and tiers equal to Scalar on rows with ties, -0 / +0, infinities and NaN", "[cuda][mixed]") {
+  for (const std::int64_t n : {1, 37, 300, 5000}) {
+    const std::int64_t rows = 5, out_ld = n + 3;
+    std::vector<float> s = edge_scores(static_cast<std::size_t>(rows * n), static_cast<std::uint32_t>(n + 7));
+    for (std::size_t i = 0; i < s.size(); i += 11) s[i] = i % 2 ? -0.0f : 0.0f;
+    DeviceBuffer ds(s);
+    for (const auto& [keep, full] : {std::pair<std::int64_t, std::int64_t>{n, 0}, {n, n}, {(n + 1) / 2, n / 5}, {1, 1}, {n / 3, n / 3}}) {
+      INFO("n " << n << " keep " << keep << " full " << full);
+      std::vector<std::int32_t> want(static_cast<std::size_t>(rows * out_ld), -1);
+      std::vector<std::uint8_t> want_t(want.size(), 7);
+      std::vector<std::byte> ws(Scalar::rank_tiers_workspace(n));
+      Scalar::rank_tiers(s.data(), rows, n, n, keep, full, want.data(), want_t.data(), out_ld, kvp::Workspace{ws.data(), ws.size()});
+      DeviceBuffer di(std::vector<std::int32_t>(want.size(), -1)), dt(std::vector<std::uint8_t>(want.size(), 7));
+      const Stream st;
+      run_ops(st, [&] {
+        Cuda::rank_tiers(ds.get<const float>(), rows, n, n, keep, full, di.get<std::int32_t>(), dt.get<std::uint8_t>(), out_ld, {});
+      });
+      REQUIRE(di.download<std::int32_t>(want.size()) == want);
+      REQUIRE(dt.download<std::uint8_t>(want.size()) == want_t);
+    }
+  }
+}
+
+TEST_CASE("cuda MixedPrecision<SnapKV, GgmlQuant>: the device decision ranks the device scores exactly as Scalar", "[cuda][mixed]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 700, w = 16;
+  const auto q = random_vector<float>(static_cast<std::size_t>(Hq * w * d), 91);
+  const auto k = random_vector<kvp::half>(static_cast<std::size_t>(Hkv * T * d), 92);
+  DeviceBuffer dq(q), dk(k);
+  kvp::ScoreInput<float, kvp::half> in{
+      kvp::TensorView<const float, 3>::contiguous(dq.get<const float>(), {Hq, w, d}, kGpu),
+      kvp::KVSource<kvp::half>::from(kvp::TensorView<const kvp::half, 3>::contiguous(dk.get<const kvp::half>(), {Hkv, T, d}, kGpu))};
+  const kvp::SnapKV snap(kvp::SnapKVParams::kvpress(0.5, w, 5));
+  const kvp::MixedPrecision<kvp::SnapKV, kvp::GgmlQuant> mp(snap, kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ4_0}),
+                                                            kvp::MixedPrecisionParams{0.2, 0.0, 0.4});
+  const kvp::ProblemShape shape{Hq, Hkv, d, T, w};
+  const kvp::Requirements req = mp.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(req.status);
+  const kvp::MixedSplit sp = mp.split(T, d, sizeof(kvp::half));
+  const std::int64_t n = sp.full + sp.low;
+  DeviceBuffer dws(req.workspace_bytes), didx(static_cast<std::size_t>(Hkv * n) * sizeof(std::int32_t)),
+      dfull(static_cast<std::size_t>(Hkv * n));
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(Hkv + 1));
+  Stream stream;
+  KVP_REQUIRE_OK(mp.decide(kvp::Context<Cuda>{kvp::Workspace{dws.get<void>(), req.workspace_bytes}, {}, stream.s}, in,
+                           kvp::KeepSet{indptr.data(), didx.get<std::int32_t>(), Hkv, Hkv * n},
+                           std::span<std::uint8_t>(dfull.get<std::uint8_t>(), static_cast<std::size_t>(Hkv * n))));
+  // The same device scores, ranked by the scalar reference.
+  const kvp::Requirements sreq = snap.requirements(kvp::Context<Cuda>{}, shape);
+  DeviceBuffer sws(sreq.workspace_bytes), dscores(static_cast<std::size_t>(Hkv * T) * sizeof(float));
+  KVP_REQUIRE_OK(snap.score(kvp::Context<Cuda>{kvp::Workspace{sws.get<void>(), sreq.workspace_bytes}, {}, stream.s}, in,
+                            kvp::TensorView<float, 2>::contiguous(dscores.get<float>(), {Hkv, T})));
+  stream.sync();
+  const auto scores = dscores.download<float>(static_cast<std::size_t>(Hkv * T));
+  std::vector<std::int32_t> want(static_cast<std::size_t>(Hkv * n));
+  std::vector<std::uint8_t> want_full(want.size());
+  std::vector<std::byte> ws(Scalar::rank_tiers_workspace(T));
+  Scalar::rank_tiers(scores.data(), Hkv, T, T, n, sp.full, want.data(), want_full.data(), n, kvp::Workspace{ws.data(), ws.size()});
+  for (std::int64_t h = 0; h <= Hkv; ++h) REQUIRE(indptr[static_cast<std::size_t>(h)] == h * n);
+  REQUIRE(didx.download<std::int32_t>(want.size()) == want);
+  REQUIRE(dfull.download<std::uint8_t>(want.size()) == want_full);
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

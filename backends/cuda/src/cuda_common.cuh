@@ -40,41 +40,11 @@ __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const half* p) { return __half2float(__ushort_as_half(p->bits)); }
 __device__ __forceinline__ float load_f32(const bfloat16* p) { return __uint_as_float(static_cast<unsigned int>(p->bits) << 16); }
 
-/// `to_half` (round to nearest even, overflow -> inf, NaN payload kept, quiet).
-__device__ __forceinline__ unsigned short f32_to_half_bits(float f) {
-  const unsigned x = __float_as_uint(f);
-  const unsigned sign = (x >> 16) & 0x8000u;
-  const unsigned ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<unsigned short>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
-  if (ax >= 0x477ff000u) return static_cast<unsigned short>(sign | 0x7c00u);
-  if (ax < 0x38800000u) {
-    if (ax < 0x33000000u) return static_cast<unsigned short>(sign);
-    const unsigned e = ax >> 23;
-    const unsigned m = (ax & 0x7fffffu) | 0x800000u;
-    const unsigned shift = 126u - e;
-    unsigned r = m >> shift;
-    const unsigned rem = m & ((1u << shift) - 1u);
-    const unsigned halfway = 1u << (shift - 1u);
-    if (rem > halfway || (rem == halfway && (r & 1u))) ++r;
-    return static_cast<unsigned short>(sign | r);
-  }
-  unsigned r = ax - 0x38000000u;
-  r = r + 0xfffu + ((r >> 13) & 1u);
-  return static_cast<unsigned short>(sign | (r >> 13));
+/// `*p = from_float<T>(v)` (core/dtype.hpp's conversions are host-device: the device rounds as the host).
+template <class T>
+__device__ __forceinline__ void store_exact(T* p, float v) {
+  *p = from_float<T>(v);
 }
-
-/// `to_bfloat16` (round to nearest even, NaN kept quiet).
-__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
-  const unsigned x = __float_as_uint(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((x >> 16) | 0x40u);
-  const unsigned r = x + 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<unsigned short>(r >> 16);
-}
-
-/// `*p = from_float<T>(v)`.
-__device__ __forceinline__ void store_exact(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store_exact(half* p, float v) { p->bits = f32_to_half_bits(v); }
-__device__ __forceinline__ void store_exact(bfloat16* p, float v) { p->bits = f32_to_bf16_bits(v); }
 
 }  // namespace cuda_detail
 KVP_NAMESPACE_END

@@ -32,7 +32,7 @@ namespace ggml_dev {
 
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ void put_half(std::uint8_t* p, float v) {
-  const unsigned short b = f32_to_half_bits(v);
+  const std::uint16_t b = to_half(v).bits;
   p[0] = static_cast<std::uint8_t>(b & 0xffu);
   p[1] = static_cast<std::uint8_t>(b >> 8);
 }

@@ -29,13 +29,13 @@
 
 KVP_NAMESPACE_BEGIN
 
-/// Window attention, pooling, group reduction, top-k, gather (SnapKV, TOVA,
+/// Window attention, pooling, group reduction, top-k, the tier ranking (MixedPrecision), gather (SnapKV, TOVA,
 /// ObservedAttention, H2O from queries, Ada-KV, PyramidKV, Expected Attention),
 /// and the writes into outputs (iota, fill, copy_strided) that let a policy's
 /// outputs live in device memory.
 template <class B, class Tk = float>
 concept ScoreOps = requires(const WindowScoreShape& s, const float* q, const float* in, float* out, Rows<Tk> rows, Workspace ws,
-                            std::int64_t n, std::int32_t* idx, const std::int32_t* cidx, Tk* dst) {
+                            std::int64_t n, std::int32_t* idx, const std::int32_t* cidx, Tk* dst, std::uint8_t* tier) {
   // window_scores_workspace may grow with s.q_pos0 (Cuda's logits tile holds q_pos0 + window
   // columns); a caller that makes several calls sizes the workspace for the largest q_pos0.
   { B::window_scores_workspace(s) } -> std::same_as<std::size_t>;
@@ -44,6 +44,8 @@ concept ScoreOps = requires(const WindowScoreShape& s, const float* q, const flo
   B::group_reduce(in, n, n, n, GroupReduce::kMean, out);
   { B::topk_workspace(n) } -> std::same_as<std::size_t>;
   B::topk(in, n, n, idx, ws);
+  { B::rank_tiers_workspace(n) } -> std::same_as<std::size_t>;
+  B::rank_tiers(in, n, n, n, n, n, idx, tier, n, ws);
   B::gather_rows(rows, cidx, n, n, dst, n);
   B::iota(idx, n, n);
   B::fill(out, n, n, 1.0f);

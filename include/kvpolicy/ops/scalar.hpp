@@ -120,6 +120,9 @@ KVP_HOST_DEVICE inline std::uint32_t score_order_key(float f) noexcept {
   return k == 0u ? 1u : k;  // keep 0 reserved for NaN (only -NaN patterns could map there)
 }
 
+/// rank_tiers' order key: score_order_key with -0 taken as +0 (the tiers compare scores as numbers).
+KVP_HOST_DEVICE inline std::uint32_t tier_order_key(float f) noexcept { return score_order_key(f == 0.0f ? 0.0f : f); }
+
 namespace backend {
 
 /// Scoring / selection ops of the contract (window attention, pooling, group
@@ -225,6 +228,42 @@ struct ScalarScoreOps {
     std::nth_element(keys, keys + (k - 1), keys + n, [](std::uint64_t a, std::uint64_t b) { return a > b; });
     for (std::int64_t i = 0; i < k; ++i) out[i] = static_cast<std::int32_t>(keys[i] & 0xffffffffu);
     std::sort(out, out + k);
+  }
+
+  // ---- tiers (MixedPrecision) ---------------------------------------------
+
+  static std::size_t rank_tiers_workspace(std::int64_t n) noexcept {
+    return WorkspacePlan{}.add<std::uint64_t>(static_cast<std::size_t>(n)).total();
+  }
+
+  /// Per row r < rows of n scores (scores + r * ld): the n_keep best, ranked by score descending then
+  /// position ascending (-0 equals +0; NaN ranks below every number), written to idx + r * out_ld in
+  /// ascending positions, with tier[r * out_ld + i] = 1 when idx's token is among the n_full best, else 0.
+  /// 0 <= n_full <= n_keep <= n.
+  static void rank_tiers(const float* scores, std::int64_t rows, std::int64_t n, std::int64_t ld, std::int64_t n_keep, std::int64_t n_full,
+                         std::int32_t* idx, std::uint8_t* tier, std::int64_t out_ld, Workspace ws) noexcept {
+    if (n_keep <= 0) return;
+    WorkspaceCarver carve(ws);
+    std::uint64_t* keys = carve.take<std::uint64_t>(static_cast<std::size_t>(n));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* s = scores + r * ld;
+      // (tier key, reversed position): a plain integer comparison is the ranking.
+      for (std::int64_t i = 0; i < n; ++i)
+        keys[i] = (static_cast<std::uint64_t>(tier_order_key(s[i])) << 32) | static_cast<std::uint64_t>(n - 1 - i);
+      const auto better = [](std::uint64_t a, std::uint64_t b) { return a > b; };
+      if (n_keep < n) std::nth_element(keys, keys + (n_keep - 1), keys + n, better);
+      if (n_full > 0 && n_full < n_keep) std::nth_element(keys, keys + (n_full - 1), keys + n_keep, better);
+      // Position and tier in one key, sorted ascending by position.
+      std::int32_t* o = idx + r * out_ld;
+      for (std::int64_t k = 0; k < n_keep; ++k)
+        o[k] = static_cast<std::int32_t>((n - 1 - static_cast<std::int64_t>(keys[k] & 0xffffffffu)) * 2 + (k < n_full ? 1 : 0));
+      std::sort(o, o + n_keep);
+      std::uint8_t* t = tier + r * out_ld;
+      for (std::int64_t k = 0; k < n_keep; ++k) {
+        t[k] = static_cast<std::uint8_t>(o[k] % 2);
+        o[k] /= 2;
+      }
+    }
   }
 
   // ---- gather -----------------------------------------------------------

@@ -4,10 +4,13 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <random>
 #include <set>
 #include <vector>
 
+#include "../emulated_device.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
@@ -137,4 +140,86 @@ TEST_CASE("mixed precision: bad input is rejected by name and nothing is written
   REQUIRE(idx == before_idx);
   REQUIRE(std::all_of(full.begin(), full.end(), [](std::uint8_t f) { return f == 7; }));
   REQUIRE(std::all_of(indptr.begin(), indptr.end(), [](std::int32_t v) { return v == -5; }));
+}
+
+TEST_CASE("mixed precision: rank_tiers ranks score descending then position ascending, -0 == +0, NaN last", "[quant][policy][mixed][ops]") {
+  std::mt19937 rng(12);
+  const float values[] = {1.0f,
+                          1.0f,
+                          -0.0f,
+                          0.0f,
+                          2.5f,
+                          -3.0f,
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN(),
+                          0.5f};
+  std::uniform_int_distribution<int> pick(0, 9);
+  const std::int64_t rows = 3, n = 57, ld = 64;
+  std::vector<float> s(static_cast<std::size_t>(rows * ld), 99.0f);  // padding past n is never read
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t i = 0; i < n; ++i) s[static_cast<std::size_t>(r * ld + i)] = values[pick(rng)];
+  // Brute force: a stable sort on (number, NaN last); -0 and +0 compare equal as numbers.
+  const auto ranked = [&](std::int64_t r) {
+    std::vector<std::int32_t> order(static_cast<std::size_t>(n));
+    for (std::int32_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+    const float* row = s.data() + r * ld;
+    std::stable_sort(order.begin(), order.end(), [row](std::int32_t a, std::int32_t b) {
+      if (std::isnan(row[a]) || std::isnan(row[b])) return !std::isnan(row[a]) && std::isnan(row[b]);
+      return row[a] > row[b];
+    });
+    return order;
+  };
+  std::vector<std::byte> ws(backend::Scalar::rank_tiers_workspace(n));
+  for (const auto& [keep, full] : {std::pair<std::int64_t, std::int64_t>{0, 0}, {1, 0}, {1, 1}, {20, 7}, {57, 57}, {57, 0}, {30, 30}}) {
+    INFO("keep " << keep << " full " << full);
+    std::vector<std::int32_t> idx(static_cast<std::size_t>(rows * 60), -1);
+    std::vector<std::uint8_t> tier(idx.size(), 7);
+    backend::Scalar::rank_tiers(s.data(), rows, n, ld, keep, full, idx.data(), tier.data(), 60, Workspace{ws.data(), ws.size()});
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const auto order = ranked(r);
+      std::vector<std::int32_t> want(order.begin(), order.begin() + keep);
+      std::sort(want.begin(), want.end());
+      const std::set<std::int32_t> want_full(order.begin(), order.begin() + full);
+      for (std::int64_t k = 0; k < keep; ++k) {
+        REQUIRE(idx[static_cast<std::size_t>(r * 60 + k)] == want[static_cast<std::size_t>(k)]);
+        REQUIRE(tier[static_cast<std::size_t>(r * 60 + k)] == (want_full.count(want[static_cast<std::size_t>(k)]) ? 1 : 0));
+      }
+      REQUIRE(idx[static_cast<std::size_t>(r * 60 + keep)] == -1);  // nothing past n_keep is written
+    }
+  }
+}
+
+TEST_CASE("mixed precision: the device path (scores and tiers on the device backend) equals the host path",
+          "[quant][policy][mixed][device]") {
+  using kvp_test::EmulatedDevice;
+  using kvp_test::kEmulatedDevice;
+  const Data D;
+  const SnapKV snap(SnapKVParams::kvpress(0.5, 8, 5));
+  for (const double share : {0.0, 0.5, 1.0}) {
+    INFO("full_share " << share);
+    const MixedPrecision<SnapKV, GgmlQuant> mp(snap, GgmlQuant(GgmlQuantParams{GgmlType::kQ4_0}), MixedPrecisionParams{0.1, 0.0, share});
+    const ProblemShape shape{D.Hq, D.H, D.d, D.T, D.w};
+    const Requirements hr = mp.requirements(Context<backend::Scalar>{}, shape), dr = mp.requirements(Context<EmulatedDevice>{}, shape);
+    REQUIRE((hr.status.is_ok() && dr.status.is_ok()));
+    const MixedSplit sp = mp.split(D.T, D.d, sizeof(float));
+    const std::int64_t n = sp.full + sp.low;
+    std::vector<std::byte> hws(hr.workspace_bytes), dws(dr.workspace_bytes);
+    std::vector<std::int32_t> hp(static_cast<std::size_t>(D.H + 1)), dp(hp.size()), hi(static_cast<std::size_t>(D.H * n)),
+        di(hi.size(), -1);
+    std::vector<std::uint8_t> hf(hi.size()), df(hi.size(), 7);
+    REQUIRE(
+        mp.decide(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, D.input(), KeepSet{hp.data(), hi.data(), D.H, D.H * n}, hf)
+            .is_ok());
+    ScoreInput<float, float> din;
+    din.queries = TensorView<const float, 3>::contiguous(D.q.data(), {D.Hq, D.w, D.d}, kEmulatedDevice);
+    din.keys = KVSource<float>::from(TensorView<const float, 3>::contiguous(D.k.data(), {D.H, D.T, D.d}, kEmulatedDevice));
+    const Status s =
+        mp.decide(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, din, KeepSet{dp.data(), di.data(), D.H, D.H * n}, df);
+    INFO(s.message());
+    REQUIRE(s.is_ok());
+    REQUIRE(dp == hp);
+    REQUIRE(di == hi);
+    REQUIRE(df == hf);
+  }
 }

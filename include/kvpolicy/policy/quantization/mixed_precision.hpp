@@ -27,6 +27,14 @@
 // `full[i]` = 1 for a full-precision token, 0 for a quantized one. The caller
 // compacts with the KeepSet and quantizes the rows flagged 0 with Q
 // (examples/engine: mixed_precision_hooks). Nothing is written on error.
+//
+// The ranking is the backend's `rank_tiers` (one call for all kv heads). On a
+// device backend (backend::Cuda) with a scorer that has a device path
+// (SnapKV, Ada-KV's scoring, PyramidKV...), the score map lives in the device
+// workspace, `keep.indices` and `full` are device memory, and
+// `keep.indptr` stays a host array (it follows from the shapes). The host
+// rejects a NaN score; the device does not read the scores back, and there a
+// NaN ranks below every number.
 #pragma once
 
 #include <algorithm>
@@ -95,15 +103,13 @@ class MixedPrecision {
     return s;
   }
 
-  /// Workspace: the scorer's, the (kv_heads, T) score map and one row's ranking.
+  /// Workspace: the scorer's, the (kv_heads, T) score map and the backend's ranking (rank_tiers_workspace).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
     Requirements r = scorer_.requirements(ctx, shape);
     if (r.status.is_ok()) r.status = validate_params();
     if (!r.status.is_ok()) return Requirements{r.status};
-    const std::size_t T = static_cast<std::size_t>(std::max<std::int64_t>(shape.max_kv_len, 1));
-    r.workspace_bytes = kWorkspaceAlign + align_up(r.workspace_bytes) +
-                        align_up(static_cast<std::size_t>(shape.num_kv_heads) * T * sizeof(float)) + align_up(T * sizeof(std::int32_t));
+    r.workspace_bytes = workspace_bytes<Backend>(r.workspace_bytes, shape.num_kv_heads, shape.max_kv_len);
     r.output = OutputSize{shape.num_kv_heads, shape.num_kv_heads * shape.max_kv_len};
     return r;
   }
@@ -113,7 +119,11 @@ class MixedPrecision {
   Status decide(const Context<Backend>& cx, const ScoreInput<Tq, Tk>& in, KeepSet keep, std::span<std::uint8_t> full) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(scorer_.validate(std::span<const ScoreInput<Tq, Tk>>(&in, 1), &shape));
+    const std::span<const ScoreInput<Tq, Tk>> one(&in, 1);
+    if constexpr (requires { scorer_.validate(one, &shape, true); })  // scorers with a device path check its memory rules
+      KVP_RETURN_IF_ERROR(scorer_.validate(one, &shape, kDeviceBackend<Backend>));
+    else
+      KVP_RETURN_IF_ERROR(scorer_.validate(one, &shape));
     const std::int64_t H = in.keys.kv_heads(), T = in.keys.kv_len(), d = in.keys.head_dim();
     const MixedSplit sp = split(T, d, sizeof(Tk));
     const std::int64_t n = sp.full + sp.low;
@@ -122,44 +132,39 @@ class MixedPrecision {
                 "mixed_precision: full has %zu entries, needs %lld (one per kept token)", full.size(), static_cast<long long>(H * n));
     const std::size_t scorer_bytes = scorer_.requirements(cx, shape).workspace_bytes;
     KVP_REQUIRE(T < (std::int64_t{1} << 30), "mixed_precision: kv_len %lld must be < 2^30", static_cast<long long>(T));
-    const std::size_t need = kWorkspaceAlign + align_up(scorer_bytes) +
-                             align_up(static_cast<std::size_t>(H * std::max<std::int64_t>(T, 1)) * sizeof(float)) +
-                             align_up(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)) * sizeof(std::int32_t));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, need));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace_bytes<Backend>(scorer_bytes, H, T)));
     WorkspaceCarver c(cx.workspace);
     std::byte* sws = c.take<std::byte>(scorer_bytes);
     float* scores = c.take<float>(static_cast<std::size_t>(H * std::max<std::int64_t>(T, 1)));
-    std::int32_t* order = c.take<std::int32_t>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+    const std::size_t rank_bytes = Backend::rank_tiers_workspace(std::max<std::int64_t>(T, 1));
+    std::byte* rws = c.take<std::byte>(rank_bytes);
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
     KVP_RETURN_IF_ERROR(
         scorer_.score(cx.with_workspace(Workspace{sws, scorer_bytes}), in, TensorView<float, 2>::contiguous(scores, {H, T})));
-    for (std::int64_t h = 0; h < H; ++h) {
-      const float* s = scores + h * T;
-      for (std::int64_t j = 0; j < T; ++j)
-        KVP_REQUIRE(!std::isnan(s[j]), "mixed_precision: the scorer gave head %lld token %lld a NaN score; nothing was written",
-                    static_cast<long long>(h), static_cast<long long>(j));
-    }
-    for (std::int64_t h = 0; h < H; ++h) {
-      const float* s = scores + h * T;
-      for (std::int64_t j = 0; j < T; ++j) order[j] = static_cast<std::int32_t>(j);
-      // Rank: higher score first, then the earlier position. Only the first n matter.
-      std::partial_sort(order, order + n, order + T,
-                        [s](std::int32_t a, std::int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
-      // Tier of each chosen token: its rank < n_full. Written in ascending positions.
-      std::int32_t* idx = keep.indices + h * n;
-      std::uint8_t* fl = full.data() + h * n;
-      for (std::int64_t r = 0; r < n; ++r) order[r] = order[r] * 2 + (r < sp.full ? 1 : 0);  // position and tier in one key
-      std::sort(order, order + n);
-      for (std::int64_t r = 0; r < n; ++r) {
-        idx[r] = order[r] / 2;
-        fl[r] = static_cast<std::uint8_t>(order[r] % 2);
+    if constexpr (!kDeviceBackend<Backend>) {  // a device's scores are not read back: there a NaN ranks last
+      for (std::int64_t h = 0; h < H; ++h) {
+        const float* s = scores + h * T;
+        for (std::int64_t j = 0; j < T; ++j)
+          KVP_REQUIRE(!std::isnan(s[j]), "mixed_precision: the scorer gave head %lld token %lld a NaN score; nothing was written",
+                      static_cast<long long>(h), static_cast<long long>(j));
       }
-      keep.indptr[h] = static_cast<std::int32_t>(h * n);
     }
-    keep.indptr[H] = static_cast<std::int32_t>(H * n);
-    return Status::ok();
+    // Rank: higher score first, then the earlier position; the n best kept in ascending positions, the
+    // n_full best of them flagged full precision.
+    Backend::rank_tiers(scores, H, T, T, n, sp.full, keep.indices, full.data(), n, Workspace{rws, rank_bytes});
+    for (std::int64_t h = 0; h <= H; ++h) keep.indptr[h] = static_cast<std::int32_t>(h * n);  // host offsets: they follow from the shapes
+    return call.end();
   }
 
  private:
+  template <class Backend>
+  static std::size_t workspace_bytes(std::size_t scorer_bytes, std::int64_t H, std::int64_t T) noexcept {
+    const std::size_t t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    return kWorkspaceAlign + align_up(scorer_bytes) + align_up(static_cast<std::size_t>(H) * t * sizeof(float)) +
+           align_up(Backend::rank_tiers_workspace(static_cast<std::int64_t>(t)));
+  }
+
   S scorer_;
   Q quant_;
   Params params_{};

@@ -356,6 +356,15 @@ struct Cuda {
   static void fp8_dequantize_rows(Fp8Format f, const std::uint8_t* in_device, std::int64_t rows, std::int64_t in_stride, std::int64_t d,
                                   float scale, T* y_device, std::int64_t y_stride) noexcept;
 
+  // ---- tiers (MixedPrecision) ---------------------------------------------------
+
+  /// `ScalarScoreOps::rank_tiers` on device memory, identical results: one
+  /// thread block per row, no workspace (rank_tiers_workspace is 0).
+  static std::size_t rank_tiers_workspace(std::int64_t n) noexcept;
+  static void rank_tiers(const float* scores_device, std::int64_t rows, std::int64_t n, std::int64_t ld, std::int64_t n_keep,
+                         std::int64_t n_full, std::int32_t* idx_device, std::uint8_t* tier_device, std::int64_t out_ld,
+                         Workspace ws) noexcept;
+
   // ---- ggml / INT4 token rows (GgmlQuant, Int4Quant): the QuantOps family ----
 
   /// `ScalarQuantOps::encode_token_rows` / `decode_token_rows` on device
