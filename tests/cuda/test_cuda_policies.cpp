@@ -1214,6 +1214,81 @@ TEST_CASE("cuda MixedPrecision<SnapKV, GgmlQuant>: the device decision ranks the
   REQUIRE(dfull.download<std::uint8_t>(want.size()) == want_full);
 }
 
+/// QuantizedKeys<SnapKV, P> on Cuda (codes, scales and KIVI's residual uploaded) vs Scalar: the scores of
+/// SnapKV on the decoded keys, within SnapKV's device tolerance (1e-5 relative; protected +inf exact).
+template <class P>
+void check_quantized_keys(const P& p) {
+  const std::int64_t Hq = 8, H = 2, d = 64, T = 256, w = 16;
+  const auto q = random_vector<float>(static_cast<std::size_t>(Hq * w * d), 93);
+  const auto k = random_vector<float>(static_cast<std::size_t>(H * T * d), 94, 2.0f);
+  const auto rows = kvp::TensorView<const float, 3>::contiguous(k.data(), {H, T, d});
+  std::vector<std::uint8_t> codes, scales;
+  std::vector<kvp::half> residual;
+  kvp::QuantKeys keys;
+  keys.dim = d;
+  if constexpr (std::is_same_v<P, kvp::KiviQuant>) {
+    const std::int64_t R = p.params().residual, n = p.code_rows(T);
+    codes.resize(static_cast<std::size_t>(H * n * p.codes_row_bytes(d)));
+    scales.resize(static_cast<std::size_t>(H * n * p.scales_row_bytes(d)));
+    residual.resize(static_cast<std::size_t>(H * R * d));
+    kvp::KiviState st{kvp::TensorView<kvp::half, 3>::contiguous(residual.data(), {H, R, d}), 0};
+    keys.region = kvp::QuantizedKV{p.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, n, p.codes_row_bytes(d)}),
+                                   kvp::TensorView<std::uint8_t, 3>::contiguous(scales.data(), {H, n, p.scales_row_bytes(d)}), 0};
+    KVP_REQUIRE_OK(p.append(kvp::Context<Scalar>{}, rows, st, keys.region));
+    keys.residual = kvp::TensorView<const kvp::half, 3>::contiguous(residual.data(), {H, R, d});
+    keys.residual_len = st.residual_len;
+  } else {
+    codes.resize(static_cast<std::size_t>(H * T * p.row_bytes(d)));
+    keys.region = kvp::QuantizedKV{p.layout(), kvp::TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, T, p.row_bytes(d)}), {}, T};
+    typename P::State st{};
+    KVP_REQUIRE_OK(p.quantize(kvp::Context<Scalar>{}, rows, st, keys.region));
+  }
+  const kvp::SnapKV snap(kvp::SnapKVParams::kvpress(0.5, w, 5));
+  const kvp::QuantizedKeys<kvp::SnapKV, P> qs(snap, p);
+  const kvp::ProblemShape shape{Hq, H, d, T, w};
+  const kvp::QuantScoreInput<float> hin{kvp::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}), keys};
+  const auto hreq = qs.requirements(kvp::Context<Scalar>{}, shape);
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  std::vector<float> ref(static_cast<std::size_t>(H * T));
+  KVP_REQUIRE_OK(qs.score(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, hin,
+                          kvp::TensorView<float, 2>::contiguous(ref.data(), {H, T})));
+
+  DeviceBuffer dq(q), dc(codes), dsc(scales.empty() ? std::vector<std::uint8_t>(1) : scales),
+      dres(residual.empty() ? std::vector<kvp::half>(1) : residual);
+  kvp::QuantScoreInput<float> din = hin;
+  din.queries = kvp::TensorView<const float, 3>::contiguous(dq.get<const float>(), {Hq, w, d}, kGpu);
+  const auto& c = keys.region.codes;
+  din.keys.region.codes = kvp::TensorView<std::uint8_t, 3>(dc.get<std::uint8_t>(), c.extents(), c.strides(), kGpu);
+  if (!scales.empty())
+    din.keys.region.scales =
+        kvp::TensorView<std::uint8_t, 3>(dsc.get<std::uint8_t>(), keys.region.scales.extents(), keys.region.scales.strides(), kGpu);
+  if (keys.residual_len > 0)
+    din.keys.residual =
+        kvp::TensorView<const kvp::half, 3>(dres.get<const kvp::half>(), keys.residual.extents(), keys.residual.strides(), kGpu);
+  const auto dreq = qs.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(dreq.status);
+  DeviceBuffer dws(dreq.workspace_bytes), dout(ref.size() * sizeof(float));
+  Stream st;
+  KVP_REQUIRE_OK(
+      qs.score(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, din, kvp::TensorView<float, 2>::contiguous(dout.get<float>(), {H, T}, kGpu)));
+  st.sync();
+  const auto got = dout.download<float>(ref.size());
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    INFO("score " << i << ": " << got[i] << " vs " << ref[i]);
+    if (std::isinf(ref[i]))
+      REQUIRE(got[i] == ref[i]);
+    else
+      REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-12f);
+  }
+}
+
+TEST_CASE("cuda QuantizedKeys<SnapKV, *>: scores from ggml / INT4 / fp8 / KIVI codes equal Scalar's", "[cuda][quantized_keys]") {
+  check_quantized_keys(kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ4_0}));
+  check_quantized_keys(kvp::Int4Quant{});
+  check_quantized_keys(kvp::Fp8Quant{});
+  check_quantized_keys(kvp::KiviQuant(kvp::KiviQuantParams{kvp::QuantRole::kKeys, 2, 32, 64}));
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

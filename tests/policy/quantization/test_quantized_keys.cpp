@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "../emulated_device.hpp"
 #include "kvpolicy/backends/cpu.hpp"
 #include "kvpolicy/policy/compose.hpp"
 #include "kvpolicy/policy/eviction/adakv.hpp"
@@ -122,6 +123,26 @@ void check_format(const P& p, const char* name) {
   // Scores: equal to SnapKV's on the decoded keys, Scalar and Cpu, one or two threads.
   REQUIRE(scores_of<backend::Scalar>(qsnap, qin, {}) == scores_of<backend::Scalar>(snap, din, {}));
   REQUIRE(scores_of<backend::Cpu>(qsnap, qin, pool.context()) == scores_of<backend::Cpu>(snap, din, {}));
+  // The device path (one head after another: decode into the workspace, SnapKV's device path) on the
+  // emulated device: the same scores as the host.
+  {
+    using kvp_test::kEmulatedDevice;
+    const auto tag = [](auto v) { return decltype(v)(v.data(), v.extents(), v.strides(), kEmulatedDevice); };
+    QuantScoreInput<float> dev = qin;
+    dev.queries = tag(dev.queries);
+    dev.keys.region.codes = tag(dev.keys.region.codes);
+    if (dev.keys.region.scales.data() != nullptr) dev.keys.region.scales = tag(dev.keys.region.scales);
+    if (dev.keys.residual_len > 0) dev.keys.residual = tag(dev.keys.residual);
+    REQUIRE(scores_of<kvp_test::EmulatedDevice>(qsnap, dev, {}) == scores_of<backend::Scalar>(snap, din, {}));
+    // Host views on the device path are refused by name.
+    const Requirements r = qsnap.requirements(Context<kvp_test::EmulatedDevice>{}, ProblemShape{Hq, H, d, T, W});
+    std::vector<std::byte> ws(r.workspace_bytes);
+    std::vector<float> out(static_cast<std::size_t>(H * T));
+    const Status host_codes =
+        qsnap.score(Context<kvp_test::EmulatedDevice>{Workspace{ws.data(), ws.size()}}, QuantScoreInput<float>{dev.queries, qin.keys},
+                    TensorView<float, 2>::contiguous(out.data(), {H, T}, kEmulatedDevice));
+    CHECK_THAT(host_codes.message(), Catch::Matchers::Contains("keys codes is a host tensor"));
+  }
   // Compositions: SnapKV's eviction (Budgeted + uniform) and Ada-KV.
   const Budgeted<QuantizedKeys<SnapKV, P>, UniformAllocation> evict(qsnap, UniformAllocation{Budget::tokens(48)});
   SnapKVParams sp = SnapKVParams::kvpress(0.5, static_cast<std::int32_t>(W), 5);

@@ -25,6 +25,13 @@
 // with the queries, and S's own checks on the same shapes; workspace size.
 // Thread-safety: const; kv heads are split over ctx.exec, S runs serially
 // inside one head.
+//
+// On a device backend (backend::Cuda; queries, codes, scales, residual and
+// the score map in device memory) with a scorer that has a device path
+// (SnapKV and what is built on it): the heads run one after another on the
+// context's stream, each decoded by Q's device path into the workspace (the
+// residual widened by Backend::widen_queries) and scored by S's device path.
+// TOVA's head mean is host-only (refused by name on a device).
 #pragma once
 
 #include <algorithm>
@@ -38,6 +45,7 @@
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/policy.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/policy/quantization/quant_checks.hpp"
 #include "kvpolicy/quant/hadamard.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -106,21 +114,26 @@ class QuantizedKeys {
     return r;
   }
 
+  /// Structure of every sequence (S's own checks on the same shapes); `on_device`: the views must be device
+  /// memory (a device backend's call), else host memory.
   template <class Tq>
-  Status validate(std::span<const QuantScoreInput<Tq>> batch, ProblemShape* shape) const noexcept {
+  Status validate(std::span<const QuantScoreInput<Tq>> batch, ProblemShape* shape, bool on_device = false) const noexcept {
     KVP_RETURN_IF_ERROR(quant_.validate_params());
     KVP_REQUIRE(!batch.empty(), "quantized_keys: batch is empty");
     for (std::size_t b = 0; b < batch.size(); ++b) {
       KVP_RETURN_IF_ERROR(check_keys(batch[b].keys, b));
       const QuantKeys& k = batch[b].keys;
+      KVP_RETURN_IF_ERROR(check_memory(k, on_device));
       // S's own checks on the same shapes: its input with keys that read as zeros (never dereferenced past
       // validation: `validate` checks structure only).
       static const float kZeros[kMaxRotatedHeadDim] = {};
-      ScoreInput<Tq, float> probe{batch[b].queries,
-                                  KVSource<float>::from(TensorView<const float, 3>(kZeros, {k.kv_heads(), k.kv_len(), k.dim}, {0, 0, 1}))};
+      ScoreInput<Tq, float> probe{batch[b].queries, KVSource<float>::from(TensorView<const float, 3>(
+                                                        kZeros, {k.kv_heads(), k.kv_len(), k.dim}, {0, 0, 1}, k.region.codes.device()))};
       probe.lookahead = batch[b].lookahead;
       ProblemShape s;
-      if constexpr (requires { scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s); }) {
+      if constexpr (requires { scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s, true); }) {
+        KVP_RETURN_IF_ERROR(scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s, on_device));
+      } else if constexpr (requires { scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s); }) {
         KVP_RETURN_IF_ERROR(scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s));
       } else {  // a scorer without a batch check (TOVA): the structure every scorer needs
         KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, probe.queries, probe.keys));
@@ -135,7 +148,7 @@ class QuantizedKeys {
   template <class Backend, class Tq>
   Status score(const Context<Backend>& cx, const QuantScoreInput<Tq>& in, ScoreMap out) const noexcept {
     ProblemShape shape;
-    KVP_RETURN_IF_ERROR(validate(std::span<const QuantScoreInput<Tq>>(&in, 1), &shape));
+    KVP_RETURN_IF_ERROR(validate(std::span<const QuantScoreInput<Tq>>(&in, 1), &shape, kDeviceBackend<Backend>));
     const std::int64_t H = shape.num_kv_heads, G = shape.num_q_heads / H, T = in.keys.kv_len(), d = shape.head_dim;
     KVP_RETURN_IF_ERROR(out.check_basic(kName, "scores"));
     KVP_REQUIRE(out.extent(0) == H && out.extent(1) == T, "quantized_keys: scores has shape (%lld, %lld), expected (%lld, %lld)",
@@ -145,6 +158,33 @@ class QuantizedKeys {
     KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::WorkerSlices::bytes(per, cx.exec.workers())));
     const auto slices = detail::WorkerSlices::carve(cx.workspace, per);
     const std::size_t inner = inner_bytes<Backend>(shape);
+    if constexpr (kDeviceBackend<Backend>) {
+      // One head after another on the stream: its keys decoded into the workspace, then S's device path.
+      KVP_REQUIRE(!kScoresSharedAcrossHeads<S>, "quantized_keys: %s's head mean over quantized keys runs on the host only", S::kName);
+      const detail::BackendCall<Backend> call(cx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      WorkspaceCarver c(slices.slice(0));
+      float* keys = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T * d, 1)));
+      std::byte* sws = c.take<std::byte>(inner);
+      const Device dev = in.keys.region.codes.device();
+      for (std::int64_t h = 0; h < H; ++h) {
+        KVP_RETURN_IF_ERROR(decode_head(Context<Backend>{{}, ExecContext{}, cx.stream}, in.keys, h, keys, dev));
+        ScoreInput<Tq, float> one{in.queries.narrow(0, h * G, G),
+                                  KVSource<float>::from(TensorView<const float, 3>::contiguous(keys, {1, T, d}, dev))};
+        one.lookahead = in.lookahead;
+        KVP_RETURN_IF_ERROR(scorer_.score(Context<Backend>{Workspace{sws, inner}, ExecContext{}, cx.stream}, one, out.narrow(0, h, 1)));
+      }
+      return call.end();
+    } else {
+      return score_host(cx, in, out, shape, slices, inner);
+    }
+  }
+
+ private:
+  template <class Backend, class Tq>
+  Status score_host(const Context<Backend>& cx, const QuantScoreInput<Tq>& in, ScoreMap out, const ProblemShape& shape,
+                    const detail::WorkerSlices& slices, std::size_t inner) const noexcept {
+    const std::int64_t H = shape.num_kv_heads, G = shape.num_q_heads / H, T = in.keys.kv_len(), d = shape.head_dim;
     // Errors inside a head (S rejecting what validate accepted) are collected, never thrown.
     Status first_error = Status::ok();
     std::atomic<bool> failed{false};
@@ -152,7 +192,11 @@ class QuantizedKeys {
       WorkspaceCarver c(slices.slice(worker));
       float* keys = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T * d, 1)));
       std::byte* sws = c.take<std::byte>(inner);
-      decode_head(cx, in.keys, h, keys);
+      const Status ds = decode_head(Context<Backend>{}, in.keys, h, keys, Device{});
+      if (!ds.is_ok()) {
+        if (!failed.exchange(true)) first_error = ds;
+        return;
+      }
       ScoreInput<Tq, float> one{in.queries.narrow(0, h * G, G),
                                 KVSource<float>::from(TensorView<const float, 3>::contiguous(keys, {1, T, d}))};
       one.lookahead = in.lookahead;
@@ -171,7 +215,6 @@ class QuantizedKeys {
     return first_error;
   }
 
- private:
   template <class Backend>
   std::size_t inner_bytes(const ProblemShape& s) const noexcept {
     ProblemShape one = s;
@@ -230,20 +273,29 @@ class QuantizedKeys {
 
   const char* layout_name() const noexcept { return quant_.layout().name; }
 
-  /// Head h's kv_len keys, decoded, into dst (T x d).
+  /// Views of a device backend's call are device memory, of a host backend's host memory.
+  Status check_memory(const QuantKeys& k, bool on_device) const noexcept {
+    KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "keys codes", on_device, k.region.codes.device(), 1, 1));
+    if (k.region.scales.data() != nullptr)
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "keys scales", on_device, k.region.scales.device(), 1, 1));
+    if (k.residual_len > 0)
+      KVP_RETURN_IF_ERROR(detail::check_quant_memory(kName, "keys residual", on_device, k.residual.device(), k.residual.stride(2), k.dim));
+    return Status::ok();
+  }
+
+  /// Head h's kv_len keys, decoded, into dst (T x d, memory of `dev`): the quantizer's dequantize, then the
+  /// residual rows widened (Backend::widen_queries: exact).
   template <class Backend>
-  void decode_head(const Context<Backend>& cx, const QuantKeys& k, std::int64_t h, float* dst) const noexcept {
+  Status decode_head(const Context<Backend>& serial, const QuantKeys& k, std::int64_t h, float* dst, Device dev) const noexcept {
     const std::int64_t d = k.dim, Tq = k.region.tokens;
-    const Context<Backend> serial{{}, ExecContext{}};
-    (void)cx;
     if (Tq > 0) {
       QuantizedKV one = k.region;
       one.codes = k.region.codes.narrow(0, h, 1);
       if (k.region.scales.data() != nullptr) one.scales = k.region.scales.narrow(0, h, 1);
-      (void)quant_.dequantize(serial, one, TensorView<float, 3>::contiguous(dst, {1, Tq, d}));
+      KVP_RETURN_IF_ERROR(quant_.dequantize(serial, one, TensorView<float, 3>::contiguous(dst, {1, Tq, d}, dev)));
     }
-    for (std::int64_t t = 0; t < k.residual_len; ++t)
-      for (std::int64_t c = 0; c < d; ++c) dst[(Tq + t) * d + c] = to_float(k.residual(h, t, c));
+    if (k.residual_len > 0) Backend::widen_queries(k.residual, h, 1, 0, k.residual_len, dst + Tq * d);
+    return Status::ok();
   }
 
   S scorer_;
