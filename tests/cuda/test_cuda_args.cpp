@@ -328,7 +328,7 @@ TEST_CASE("cuda policies: a context with several host workers is refused before 
   REQUIRE(t.code() == StatusCode::kUnsupported);
   REQUIRE((indptr[0] == -7 && indptr[1] == -7 && indptr[2] == -7));
 
-  // Host views handed to the device backend, and paged keys, are refused by name.
+  // Host views handed to the device backend are refused by name.
   const Context<Cuda> one{Workspace{fake<void>(4), std::size_t{1} << 30}, {}, nullptr};
   ScoreInput<float, half> host_q = in;
   host_q.queries = TensorView<const float, 3>(fake<const float>(1), {8, 64, 64}, {64 * 64, 64, 1});
@@ -426,6 +426,31 @@ TEST_CASE("cuda policies: device views pass every policy's host checks", "[cuda]
   // Host memory handed to a device call is refused by name.
   const auto host_meta = PageMetaView<half>::contiguous(fake<half>(6), pages, static_cast<std::int32_t>(Hkv), static_cast<std::int32_t>(d));
   CHECK(mentions(quest.on_append(cx, AppendInput<half>{pool, append_len}, host_meta), "metadata is host memory"));
+
+  // The key-reading policies over the same paged pool (device pool and page ids, host offsets: T = 62 * 16 + 7).
+  const std::int64_t Tp = (pages - 1) * P + 7;
+  const KVSource<half> paged = KVSource<half>::from_paged(pool, 0);
+  const ScoreInput<float, half> p_last{TensorView<const float, 3>(fake<const float>(1), {Hq, 1, d}, {d, d, 1}, gpu), paged};
+  const ScoreInput<float, half> p_window{TensorView<const float, 3>(fake<const float>(1), {Hq, 64, d}, {64 * d, d, 1}, gpu), paged};
+  const ScoreInput<float, half> p_prompt{TensorView<const float, 3>(fake<const float>(1), {Hq, Tp, d}, {Tp * d, d, 1}, gpu), paged};
+  std::int32_t p_indptr[3] = {-7, -7, -7};
+  const KeepSet p_out{p_indptr, fake<std::int32_t>(3), Hkv, Hkv * Tp};
+  CHECK(refused_for_workers(SnapKV(SnapKVParams::kvpress(0.5)).evict(cx, p_window, p_out)));
+  CHECK(refused_for_workers(PyramidKV(PyramidKVParams::kvpress(0.5, 3, 32)).evict(cx, p_window, p_out)));
+  CHECK(refused_for_workers(TOVA(TOVAParams{Budget::compression_ratio(0.5)}).evict(cx, p_last, p_out)));
+  CHECK(refused_for_workers(ObservedAttention(ObservedAttentionParams{}).evict(cx, p_prompt, p_out)));
+  CHECK(refused_for_workers(Knorm(KnormParams{Budget::compression_ratio(0.5)}).evict(cx, ScoreInput<float, half>{{}, paged}, p_out)));
+  CHECK(refused_for_workers(StreamingLLM(StreamingLLMParams{4, Budget::tokens(100), 0}).evict(cx, p_last, p_out)));
+  ScoreInput<float, half> p_pseudo{TensorView<const float, 3>(fake<const float>(1), {Hq, 8, d}, {8 * d, d, 1}, gpu), paged};
+  p_pseudo.lookahead = 8;
+  CHECK(refused_for_workers(LAQ(LAQParams::laq(128)).evict(cx, p_pseudo, p_out)));
+  CHECK(std::all_of(p_indptr, p_indptr + 3, [](std::int32_t v) { return v == -7; }));
+  // A pool tagged as host memory is refused by name on the device backend.
+  PagedKVView<const half> host_pool = pool;
+  host_pool.device = Device{};
+  const ScoreInput<float, half> h_window{p_window.queries, KVSource<half>::from_paged(host_pool, 0)};
+  CHECK(mentions(SnapKV(SnapKVParams::kvpress(0.5)).evict(cx, h_window, p_out), "keys is a paged pool in host memory"));
+  CHECK(std::all_of(p_indptr, p_indptr + 3, [](std::int32_t v) { return v == -7; }));
 }
 
 TEST_CASE("cuda policies: the workspace a policy asks for covers window_scores at its last query block", "[cuda][policy]") {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <set>
 #include <span>
@@ -1000,6 +1001,100 @@ TEMPLATE_TEST_CASE("cuda Expected Attention: scores within 1e-5 relative of Scal
   }
 }
 
+namespace {
+
+/// Keys (and values) of one sequence, (Hkv, T, d) each, in an HND device page pool of `page_size` tokens
+/// with shuffled page ids and spare pages: pools and ids device memory, the CSR offsets host arrays.
+template <class Tk>
+struct DevicePool {
+  std::vector<std::int32_t> ids, indptr, last;
+  DeviceBuffer dk, dv, dids;
+  kvp::PagedKVView<const Tk> view{};
+  DevicePool(const std::vector<Tk>& k, const std::vector<Tk>& v, std::int64_t Hkv, std::int64_t T, std::int64_t d, std::int32_t page_size)
+      : dk(pool_bytes(Hkv, T, d, page_size)), dv(pool_bytes(Hkv, T, d, page_size)), dids(pages(T, page_size) * sizeof(std::int32_t) + 4) {
+    const auto n = static_cast<std::int32_t>(pages(T, page_size)), total = n + 3;
+    const kvp::PageStrides st = kvp::PageStrides::contiguous(kvp::PageLayout::kHND, Hkv, page_size, d);
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(total));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(static_cast<std::uint32_t>(T)));
+    ids.assign(perm.begin(), perm.begin() + n);
+    indptr = {0, n};
+    last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(n - 1) * page_size)};
+    std::vector<Tk> hk(static_cast<std::size_t>(total) * static_cast<std::size_t>(st.page), kvp::from_float<Tk>(-1e4f)), hv = hk;
+    for (std::int64_t h = 0; h < Hkv; ++h)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const std::int64_t at = ids[static_cast<std::size_t>(t / page_size)] * st.page + h * st.head + (t % page_size) * st.slot + c;
+          hk[static_cast<std::size_t>(at)] = k[static_cast<std::size_t>((h * T + t) * d + c)];
+          hv[static_cast<std::size_t>(at)] = v[static_cast<std::size_t>((h * T + t) * d + c)];
+        }
+    dk.upload(hk);
+    dv.upload(hv);
+    dids.upload(ids);
+    view = kvp::PagedKVView<const Tk>{dk.get<const Tk>(),
+                                      dv.get<const Tk>(),
+                                      st,
+                                      st,
+                                      total,
+                                      static_cast<std::int32_t>(Hkv),
+                                      page_size,
+                                      static_cast<std::int32_t>(d),
+                                      kvp::PageTable{indptr.data(), dids.get<const std::int32_t>(), last.data(), 1},
+                                      kGpu};
+  }
+  static std::size_t pages(std::int64_t T, std::int32_t P) { return static_cast<std::size_t>((T + P - 1) / P); }
+  static std::size_t pool_bytes(std::int64_t Hkv, std::int64_t T, std::int64_t d, std::int32_t P) {
+    return (pages(T, P) + 3) * static_cast<std::size_t>(Hkv * P * d) * sizeof(Tk);
+  }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE(
+    "cuda paged pools: SnapKV, LAQ, TOVA, ObservedAttention, Knorm and Expected Attention over device pages match Scalar "
+    "over dense keys",
+    "[cuda][paged]", float, kvp::half, kvp::bfloat16) {
+  const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 700;
+  for (const std::int32_t ps : {16, 7}) {
+    INFO("page size " << ps);
+    SnapProblem<TestType> win(Hq, Hkv, d, T, 64, 101);
+    const auto v = random_vector<TestType>(win.k.size(), 102);
+    const DevicePool<TestType> pool(win.k, v, Hkv, T, d, ps);
+    const kvp::KVSource<TestType> keys = kvp::KVSource<TestType>::from_paged(pool.view, 0);
+    auto with_keys = [&](kvp::ScoreInput<float, TestType> in) {
+      in.keys = keys;
+      return in;
+    };
+    check_scorer(kvp::SnapKV(kvp::SnapKVParams::kvpress(0.5, 64, 5)), win.host(), with_keys(win.device()),
+                 kvp::ProblemShape{Hq, Hkv, d, T, 64}, false);
+    SnapProblem<TestType> pseudo(Hq, Hkv, d, T, 8, 101);  // same keys (same seed), 8 pseudo queries
+    pseudo.lookahead = 8;
+    check_scorer(kvp::LAQ(kvp::LAQParams::laq(128)), pseudo.host(), with_keys(pseudo.device()), kvp::ProblemShape{Hq, Hkv, d, T, 8}, false);
+    SnapProblem<TestType> last(Hq, Hkv, d, T, 4, 101);
+    check_scorer(kvp::TOVA(kvp::TOVAParams{kvp::Budget::compression_ratio(0.5)}), last.host(), with_keys(last.device()),
+                 kvp::ProblemShape{Hq, Hkv, d, T, 4}, false);
+    const kvp::ScoreInput<float, TestType> knorm_host{{}, win.host().keys}, knorm_dev{{}, keys};
+    check_scorer(kvp::Knorm(kvp::KnormParams{kvp::Budget::compression_ratio(0.3)}), knorm_host, knorm_dev,
+                 kvp::ProblemShape{Hkv, Hkv, d, T, 0}, true);
+    kvp::ExpectedAttentionInput<float, TestType> eh, ed;
+    eh.queries = win.host().queries;
+    ed.queries = win.device().queries;
+    eh.keys = win.host().keys;
+    eh.values = kvp::KVSource<TestType>::from(kvp::TensorView<const TestType, 3>::contiguous(v.data(), {Hkv, T, d}));
+    ed.keys = keys;
+    ed.values = kvp::KVSource<TestType>::from_paged_values(pool.view, 0);
+    check_scorer(kvp::ExpectedAttention(kvp::ExpectedAttentionParams::kvpress(0.5, 16, 0, true, true)), eh, ed,
+                 kvp::ProblemShape{Hq, Hkv, d, T, 64}, false);
+  }
+  // ObservedAttention reads the whole prompt: a shorter one.
+  const std::int64_t Tp = 300;
+  SnapProblem<TestType> prompt(4, Hkv, 32, Tp, Tp, 103);
+  const DevicePool<TestType> pool(prompt.k, prompt.k, Hkv, Tp, 32, 16);
+  kvp::ScoreInput<float, TestType> din = prompt.device();
+  din.keys = kvp::KVSource<TestType>::from_paged(pool.view, 0);
+  check_scorer(kvp::ObservedAttention(kvp::ObservedAttentionParams{}), prompt.host(), din, kvp::ProblemShape{4, Hkv, 32, Tp, Tp}, false);
+}
+
 TEMPLATE_TEST_CASE("cuda Fp8Quant: codes, inline scales and decoded rows bit-identical to Scalar", "[cuda][fp8]", float, kvp::half,
                    kvp::bfloat16) {
   const std::int64_t H = 4, T = 300, d = 128;
@@ -1214,11 +1309,12 @@ TEST_CASE("cuda MixedPrecision<SnapKV, GgmlQuant>: the device decision ranks the
   REQUIRE(dfull.download<std::uint8_t>(want.size()) == want_full);
 }
 
-/// QuantizedKeys<SnapKV, P> on Cuda (codes, scales and KIVI's residual uploaded) vs Scalar: the scores of
-/// SnapKV on the decoded keys, within SnapKV's device tolerance (1e-5 relative; protected +inf exact).
-template <class P>
-void check_quantized_keys(const P& p) {
-  const std::int64_t Hq = 8, H = 2, d = 64, T = 256, w = 16;
+/// QuantizedKeys<S, P> on Cuda (codes, scales and KIVI's residual uploaded) vs Scalar, `w` query rows: the
+/// scores of S on the decoded keys, within the window scores' device tolerance (1e-5 relative; protected
+/// +inf exact). TOVA's rows are the mean over the heads, equal in every row.
+template <class S, class P>
+void check_quantized_keys(const S& scorer, const P& p, std::int64_t w) {
+  const std::int64_t Hq = 8, H = 2, d = 64, T = 256;
   const auto q = random_vector<float>(static_cast<std::size_t>(Hq * w * d), 93);
   const auto k = random_vector<float>(static_cast<std::size_t>(H * T * d), 94, 2.0f);
   const auto rows = kvp::TensorView<const float, 3>::contiguous(k.data(), {H, T, d});
@@ -1243,8 +1339,7 @@ void check_quantized_keys(const P& p) {
     typename P::State st{};
     KVP_REQUIRE_OK(p.quantize(kvp::Context<Scalar>{}, rows, st, keys.region));
   }
-  const kvp::SnapKV snap(kvp::SnapKVParams::kvpress(0.5, w, 5));
-  const kvp::QuantizedKeys<kvp::SnapKV, P> qs(snap, p);
+  const kvp::QuantizedKeys<S, P> qs(scorer, p);
   const kvp::ProblemShape shape{Hq, H, d, T, w};
   const kvp::QuantScoreInput<float> hin{kvp::TensorView<const float, 3>::contiguous(q.data(), {Hq, w, d}), keys};
   const auto hreq = qs.requirements(kvp::Context<Scalar>{}, shape);
@@ -1280,13 +1375,20 @@ void check_quantized_keys(const P& p) {
     else
       REQUIRE(std::fabs(got[i] - ref[i]) <= 1e-5f * std::fabs(ref[i]) + 1e-12f);
   }
+  if constexpr (kvp::kScoresSharedAcrossHeads<S>)
+    for (std::int64_t j = 0; j < T; ++j) REQUIRE(got[static_cast<std::size_t>(j)] == got[static_cast<std::size_t>(T + j)]);
 }
 
-TEST_CASE("cuda QuantizedKeys<SnapKV, *>: scores from ggml / INT4 / fp8 / KIVI codes equal Scalar's", "[cuda][quantized_keys]") {
-  check_quantized_keys(kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ4_0}));
-  check_quantized_keys(kvp::Int4Quant{});
-  check_quantized_keys(kvp::Fp8Quant{});
-  check_quantized_keys(kvp::KiviQuant(kvp::KiviQuantParams{kvp::QuantRole::kKeys, 2, 32, 64}));
+TEST_CASE("cuda QuantizedKeys<SnapKV, *> and <TOVA, *>: scores from ggml / INT4 / fp8 / KIVI codes equal Scalar's",
+          "[cuda][quantized_keys]") {
+  const kvp::SnapKV snap(kvp::SnapKVParams::kvpress(0.5, 16, 5));
+  check_quantized_keys(snap, kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ4_0}), 16);
+  check_quantized_keys(snap, kvp::Int4Quant{}, 16);
+  check_quantized_keys(snap, kvp::Fp8Quant{}, 16);
+  check_quantized_keys(snap, kvp::KiviQuant(kvp::KiviQuantParams{kvp::QuantRole::kKeys, 2, 32, 64}), 16);
+  const kvp::TOVA tova(kvp::TOVAParams{kvp::Budget::compression_ratio(0.5)});
+  check_quantized_keys(tova, kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ8_0, kvp::HadamardMode::kLlamaCpp}), 4);
+  check_quantized_keys(tova, kvp::KiviQuant(kvp::KiviQuantParams{kvp::QuantRole::kKeys, 2, 32, 64}), 4);
 }
 
 int main(int argc, char** argv) {

@@ -69,8 +69,10 @@ struct RandomCase {
             KVSource<Tk>::from(TensorView<const Tk, 3>(strided_keys.data(), {Hkv, T, d}, {dp, Hkv * dp, 1}))};
   }
 
-  /// Keys in an NHD page pool with shuffled page ids and spare pages.
-  ScoreInput<float, Tk> paged_input(std::int32_t ps) const {
+  /// Keys in an NHD page pool with shuffled page ids and spare pages. `dev`
+  /// tags the queries and the pool (page ids included) as that device's
+  /// memory (an emulated device's); the CSR offsets stay host arrays.
+  ScoreInput<float, Tk> paged_input(std::int32_t ps, Device dev = kHost) const {
     const std::int32_t pages = static_cast<std::int32_t>((T + ps - 1) / ps), pool_pages = pages + 3;
     const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, Hkv, ps, d);
     pool.assign(static_cast<std::size_t>(pool_pages) * st.page, from_float<Tk>(-1e6f));
@@ -93,8 +95,8 @@ struct RandomCase {
                                   ps,
                                   static_cast<std::int32_t>(d),
                                   PageTable{indptr.data(), indices.data(), last.data(), 1},
-                                  kHost};
-    return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}), KVSource<Tk>::from_paged(paged, 0)};
+                                  dev};
+    return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}, dev), KVSource<Tk>::from_paged(paged, 0)};
   }
 };
 

@@ -206,8 +206,8 @@ void statistics_impl(const TensorView<const Tq, 3>& q, std::int64_t head, std::i
 template <class Tk>
 void logits_impl(const float* mean, const float* cov, std::int64_t d, const Rows<Tk>& keys, std::int64_t j0, std::int64_t j1, float* z,
                  float* mx) noexcept {
-  if (mean == nullptr || z == nullptr || mx == nullptr || keys.base == nullptr || d < 1 || keys.pages != nullptr)
-    return fail(KVP_INVALID("cuda expected_logits_max: null mean / z / mx / keys, d < 1 or paged keys"));
+  if (mean == nullptr || z == nullptr || mx == nullptr || keys.base == nullptr || d < 1)
+    return fail(KVP_INVALID("cuda expected_logits_max: null mean / z / mx / keys or d < 1"));
   const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
   if (j1 > j0) logits_kernel<Tk><<<blocks(j1 - j0), kThreads, 0, stream()>>>(mean, cov, d, keys, j0, j1, sqrt_d, z);
   max_kernel<<<1, kThreads, 0, stream()>>>(z, j0, j1, mx);

@@ -49,17 +49,33 @@ struct KVSource {
                                    : Rows<T>::paged_keys(*paged, seq, static_cast<std::int32_t>(h));
   }
 
+  /// A paged source's pool and page table (`PagedKVView::validate`: the key
+  /// pool, and the value pool for a values source), skipped when the view is
+  /// `*last` (a batch usually shares one pool; `*last` is then updated).
+  /// The page ids are range-checked on the host only: `on_device`, they are
+  /// device memory. A host call refuses a pool tagged as a device's. Dense
+  /// sources: nothing to check here.
+  Status validate_pool(const char* who, const char* name, bool on_device, const PagedKVView<const T>** last = nullptr) const noexcept {
+    if (paged == nullptr || (last != nullptr && paged == *last)) return Status::ok();
+    KVP_RETURN_IF_ERROR(paged->validate(who, /*need_values=*/role == KVRole::kValues, /*check_ids=*/!on_device));
+    if (!on_device) KVP_REQUIRE(paged->device.is_host(), "%s: paged %s live on a device; this entry point reads host memory", who, name);
+    if (last != nullptr) *last = paged;
+    return Status::ok();
+  }
+
   /// Structure checks (the paged table itself is validated once per batch by the caller).
-  /// `on_device`: the call runs on a device backend, which reads dense views
-  /// tagged `DeviceType::kCUDA` and refuses paged ones (their lengths live in
-  /// the page table, which the host cannot read without a synchronisation).
+  /// `on_device`: the call runs on a device backend, which reads views tagged
+  /// `DeviceType::kCUDA`. A paged pool on a device follows FlashInfer's split
+  /// (as Quest's page tables do): the pools and `table.indices` are device
+  /// memory, `table.indptr` and `table.last_page_len` host arrays, so the host
+  /// knows every length and row offset without a synchronisation and never
+  /// reads a page id.
   Status validate(const char* who, const char* name, bool on_device = false) const noexcept {
     if (paged != nullptr) {
-      if (on_device) {
-        return Status::error(StatusCode::kUnsupported,
-                             "%s: %s is paged; policies on a device backend take dense (contiguous or strided) views only", who, name);
-      }
       KVP_REQUIRE(seq >= 0 && seq < paged->table.batch, "%s: %s sequence %d out of range [0, %d)", who, name, seq, paged->table.batch);
+      if (on_device)
+        KVP_REQUIRE(!paged->device.is_host(),
+                    "%s: %s is a paged pool in host memory; a device backend reads device memory (tag the view kCUDA)", who, name);
       return Status::ok();
     }
     KVP_RETURN_IF_ERROR(dense.check_basic(who, name));

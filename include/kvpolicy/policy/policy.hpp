@@ -69,7 +69,8 @@ Status check_queries_and_keys(const char* who, const TensorView<const Tq, 3>& q,
                               const PagedKVView<const Tk>** last_paged = nullptr, bool on_device = false) noexcept {
   KVP_RETURN_IF_ERROR(keys.validate(who, "keys", on_device));
   if (on_device) {
-    // Shapes only: a scan of the values would need a device read and a synchronisation.
+    // Shapes only: a scan of the values (or of the page ids) would need a device read and a synchronisation.
+    KVP_RETURN_IF_ERROR(keys.validate_pool(who, "keys", /*on_device=*/true, last_paged));
     KVP_RETURN_IF_ERROR(q.check_basic(who, "queries"));
     KVP_REQUIRE(!q.device().is_host(), "%s: queries is a host tensor; a device backend reads device memory (tag the view kCUDA)", who);
     GqaMap gqa;
@@ -78,11 +79,7 @@ Status check_queries_and_keys(const char* who, const TensorView<const Tq, 3>& q,
                 static_cast<long long>(q.extent(2)), static_cast<long long>(keys.head_dim()));
     return Status::ok();
   }
-  if (keys.paged != nullptr && (last_paged == nullptr || keys.paged != *last_paged)) {
-    KVP_RETURN_IF_ERROR(keys.paged->validate(who, /*need_values=*/false));
-    KVP_REQUIRE(keys.paged->device.is_host(), "%s: paged keys live on a device; this entry point reads host memory", who);
-    if (last_paged != nullptr) *last_paged = keys.paged;
-  }
+  KVP_RETURN_IF_ERROR(keys.validate_pool(who, "keys", /*on_device=*/false, last_paged));
   KVP_RETURN_IF_ERROR(q.check_basic(who, "queries"));
   KVP_REQUIRE(q.device().is_host(), "%s: queries is a device tensor; this entry point reads host memory", who);
   GqaMap gqa;

@@ -1,7 +1,9 @@
 // The device paths of the query-window policies (SnapKV with and without
 // lookahead rows, LAQ / LAQ++ under both masks, PyramidKV), run on the CPU
 // through the emulated device backend: kept sets identical to the host path
-// (same reference ops, so exact). The same paths on backend::Cuda are
+// (same reference ops, so exact). Every key-reading policy's device path also
+// takes a paged pool (device pool and page ids, host CSR offsets) and keeps
+// what the host keeps from the same keys stored densely. The same paths on backend::Cuda are
 // compared with backend::Scalar on a GPU in tests/cuda/test_cuda_policies.cpp.
 #include <catch2/catch.hpp>
 
@@ -9,14 +11,22 @@
 #include <cstring>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "kvpolicy/policy/eviction/adakv.hpp"
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
+#include "kvpolicy/policy/eviction/h2o.hpp"
+#include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
+#include "kvpolicy/policy/eviction/observed_attention.hpp"
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/eviction/streaming_llm.hpp"
+#include "kvpolicy/policy/eviction/tova.hpp"
 #include "../emulated_device.hpp"
 #include "../keep_set_buffer.hpp"
+#include "policy/policy_test_util.hpp"
 
 using namespace kvpolicy;
 using kvp_test::EmulatedDevice;
@@ -132,4 +142,124 @@ TEST_CASE("device path: Expected Attention (scores and kept sets) equals the hos
                                    std::span<const ExpectedAttentionInput<float, float>>(&device, 1));
     }
   }
+}
+
+namespace {
+
+/// `policy` over case `rc`'s keys: dense host views on Scalar against the paged pool (page size `ps`, shuffled
+/// page ids, spare pages) tagged as the emulated device's, with `lookahead` set on both; identical KeepSets.
+template <class Policy, class Tk>
+void same_from_paged(const Policy& policy, const kvp_test::RandomCase<Tk>& rc, std::int32_t ps, std::int64_t lookahead = 0,
+                     bool keys_only = false) {
+  INFO("page size " << ps << ", T " << rc.T << ", rows " << rc.w);
+  ScoreInput<float, Tk> host = rc.input(), device = rc.paged_input(ps, kvp_test::kEmulatedDevice);
+  host.lookahead = device.lookahead = lookahead;
+  if (keys_only) host.queries = device.queries = {};
+  kvp_test::require_same_evict(policy, ProblemShape{rc.Hq, rc.Hkv, rc.d, rc.T, keys_only ? 0 : rc.w},
+                               std::span<const ScoreInput<float, Tk>>(&host, 1), std::span<const ScoreInput<float, Tk>>(&device, 1));
+}
+
+}  // namespace
+
+TEST_CASE("device path: paged keys (device pool, host offsets) keep what dense host keys keep", "[device][paged]") {
+  for (const std::int32_t ps : {16, 7}) {
+    const kvp_test::RandomCase<half> window(8, 2, 300, 32, 32, 61);
+    same_from_paged(SnapKV(SnapKVParams::kvpress(0.5, 32, 5)), window, ps);
+    same_from_paged(PyramidKV(PyramidKVParams::kvpress(0.5, 13, 32, 32)), window, ps);
+    same_from_paged(AdaKV<SnapKV>(AdaKVParams::kvpress(0.5), SnapKV(adakv_scoring())), window, ps);  // device-written indptr
+    same_from_paged(AdaKV<SnapKV>(AdaKVParams::original_gqa(48, 0.2, true), SnapKV(adakv_scoring())), window, ps);
+    const kvp_test::RandomCase<float> lookahead(8, 2, 300, 16, 16 + 6, 62);
+    SnapKVParams la = SnapKVParams::kvpress(0.6, 16, 5);
+    same_from_paged(SnapKV(la), lookahead, ps, 6);
+    const kvp_test::RandomCase<float> pseudo(8, 2, 400, 16, 8, 63);
+    same_from_paged(LAQ(LAQParams::laq(64)), pseudo, ps, 8);
+    const kvp_test::RandomCase<bfloat16> last(8, 2, 257, 32, 1, 64);
+    same_from_paged(TOVA(TOVAParams{Budget::compression_ratio(0.5)}), last, ps);
+    const kvp_test::RandomCase<half> prompt(4, 2, 150, 16, 150, 65);
+    same_from_paged(ObservedAttention(ObservedAttentionParams{}), prompt, ps);
+    same_from_paged(Knorm(KnormParams::kvpress(0.5)), window, ps, 0, /*keys_only=*/true);
+    same_from_paged(StreamingLLM(StreamingLLMParams{4, Budget::tokens(100), 0}), window, ps, 0, /*keys_only=*/true);
+  }
+}
+
+TEST_CASE("device path: H2O's update from queries over paged keys equals the dense host update", "[device][paged][h2o]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 16, T = 150, cap = 200;  // T > 64: several query blocks
+  const kvp_test::RandomCase<half> rc(Hq, Hkv, T, d, T, 91);
+  for (const GroupReduce red : {GroupReduce::kSum, GroupReduce::kMean}) {
+    H2OParams params = H2OParams::original(10, 20);
+    params.group_reduce = red;
+    const H2O policy(params);
+    for (const std::int32_t ps : {16, 7}) {
+      INFO("page size " << ps << " reduce " << static_cast<int>(red));
+      const ProblemShape shape{Hq, Hkv, d, T, T};
+      const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
+      const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
+      REQUIRE(hreq.status.is_ok());
+      REQUIRE(dreq.status.is_ok());
+      std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+      std::vector<float> hs(static_cast<std::size_t>(Hkv * cap), -1.0f), ds(hs.size(), -1.0f);
+      H2OState hst{TensorView<float, 2>::contiguous(hs.data(), {Hkv, cap}), 0};
+      H2OState dst{TensorView<float, 2>::contiguous(ds.data(), {Hkv, cap}, kvp_test::kEmulatedDevice), 0};
+      REQUIRE(policy.update(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, hst, rc.input()).is_ok());
+      const Status st =
+          policy.update(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, dst, rc.paged_input(ps, kvp_test::kEmulatedDevice));
+      INFO(st.message());
+      REQUIRE(st.is_ok());
+      REQUIRE(dst.length == hst.length);
+      REQUIRE(std::memcmp(hs.data(), ds.data(), hs.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE("device path: Expected Attention over paged keys and values equals the dense host path", "[device][paged][expected_attention]") {
+  const std::int64_t Hq = 8, Hkv = 2, d = 16, T = 300, q_len = 70;
+  // Two cases with the same T and page size share the page permutation, so one table serves both pools.
+  const kvp_test::RandomCase<float> kc(Hq, Hkv, T, d, q_len, 71), vc(Hq, Hkv, T, d, q_len, 72);
+  for (const std::int32_t ps : {16, 7}) {
+    INFO("page size " << ps);
+    const auto kin = kc.input(), kpin = kc.paged_input(ps, kvp_test::kEmulatedDevice);
+    const auto vin = vc.input();
+    (void)vc.paged_input(ps, kvp_test::kEmulatedDevice);
+    REQUIRE(kc.indices == vc.indices);
+    PagedKVView<const float> pool = kc.paged;
+    pool.v_data = vc.paged.k_data;
+    pool.v_strides = vc.paged.k_strides;
+    ExpectedAttentionInput<float, float> host, device;
+    host.queries = kin.queries;
+    host.keys = kin.keys;
+    host.values = vin.keys;
+    device.queries = kpin.queries;
+    device.keys = KVSource<float>::from_paged(pool, 0);
+    device.values = KVSource<float>::from_paged_values(pool, 0);
+    for (const auto& params : {ExpectedAttentionParams::kvpress(0.5), ExpectedAttentionParams::kvpress(0.3, 16, 0, true, false, 0.01f)}) {
+      kvp_test::require_same_evict(ExpectedAttention(params), ProblemShape{Hq, Hkv, d, T, q_len},
+                                   std::span<const ExpectedAttentionInput<float, float>>(&host, 1),
+                                   std::span<const ExpectedAttentionInput<float, float>>(&device, 1));
+    }
+  }
+}
+
+TEST_CASE("device path: a paged pool in host memory is refused by name, nothing written", "[device][paged]") {
+  const kvp_test::RandomCase<float> rc(8, 2, 300, 16, 16, 81);
+  ScoreInput<float, float> in = rc.paged_input(16, kvp_test::kEmulatedDevice);
+  PagedKVView<const float> host_pool = rc.paged;
+  host_pool.device = kHost;
+  in.keys = KVSource<float>::from_paged(host_pool, 0);
+  const SnapKV policy(SnapKVParams::kvpress(0.5, 16, 5));
+  const ProblemShape shape{8, 2, 16, 300, 16};
+  const Requirements req = policy.requirements(Context<EmulatedDevice>{}, shape);
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  KeepSetBuffer out(req.output.rows, req.output.capacity);
+  out.fill_sentinel();
+  const Status s = policy.evict(Context<EmulatedDevice>{Workspace{ws.data(), ws.size()}}, in, out.view());
+  INFO(s.message());
+  REQUIRE(s.code() == StatusCode::kInvalidArgument);
+  REQUIRE(std::string(s.message()).find("keys is a paged pool in host memory") != std::string::npos);
+  REQUIRE(out.untouched());
+  // A sequence outside the table is refused the same way on the device.
+  in.keys = KVSource<float>::from_paged(rc.paged, 1);
+  const Status r = policy.evict(Context<EmulatedDevice>{Workspace{ws.data(), ws.size()}}, in, out.view());
+  REQUIRE(std::string(r.message()).find("sequence 1 out of range") != std::string::npos);
+  REQUIRE(out.untouched());
 }

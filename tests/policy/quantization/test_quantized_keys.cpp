@@ -4,6 +4,7 @@
 // Cpu, with any thread count; bad regions are rejected before any write.
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -182,6 +183,20 @@ void check_format(const P& p, const char* name) {
   REQUIRE(qtova.score(Context<backend::Cpu>{Workspace{qws.data(), qws.size()}}, tq, TensorView<float, 2>::contiguous(b.data(), {H, T}))
               .is_ok());
   for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(b[i] == Approx(a[i]).epsilon(1e-6));  // mean of group means
+  // TOVA's device path (heads into workspace rows, one group_reduce, the mean copied into every row) on the
+  // emulated device: bit-identical to the host path.
+  {
+    using kvp_test::kEmulatedDevice;
+    const auto tag = [](auto v) { return decltype(v)(v.data(), v.extents(), v.strides(), kEmulatedDevice); };
+    QuantScoreInput<float> dev = tq;
+    dev.queries = tag(dev.queries);
+    dev.keys.region.codes = tag(dev.keys.region.codes);
+    if (dev.keys.region.scales.data() != nullptr) dev.keys.region.scales = tag(dev.keys.region.scales);
+    if (dev.keys.residual_len > 0) dev.keys.residual = tag(dev.keys.residual);
+    const auto on_device = scores_of<kvp_test::EmulatedDevice>(qtova, dev, {}), host = scores_of<backend::Scalar>(qtova, tq, {});
+    REQUIRE(std::memcmp(on_device.data(), host.data(), host.size() * sizeof(float)) == 0);
+    for (std::int64_t j = 0; j < T; ++j) REQUIRE(on_device[static_cast<std::size_t>(j)] == on_device[static_cast<std::size_t>(T + j)]);
+  }
 }
 
 }  // namespace

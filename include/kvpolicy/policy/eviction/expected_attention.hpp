@@ -298,16 +298,12 @@ class ExpectedAttention {
   Status validate_one(const ExpectedAttentionInput<Tq, Tk>& in, std::size_t b, ProblemShape* s, bool on_device) const noexcept {
     KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys", on_device));
     KVP_RETURN_IF_ERROR(in.values.validate(kName, "values", on_device));
-    for (const KVSource<Tk>* src : {&in.keys, &in.values}) {
-      if (src->paged != nullptr) {
-        KVP_RETURN_IF_ERROR(src->paged->validate(kName, /*need_values=*/src == &in.values));
-        KVP_REQUIRE(src->paged->device.is_host(), "expected_attention: paged cache lives on a device; this entry point reads host memory");
-      }
-    }
     KVP_REQUIRE(in.keys.paged == nullptr || in.keys.role == KVRole::kKeys,
                 "expected_attention: keys is a paged source reading values; build it with KVSource::from_paged");
     KVP_REQUIRE(in.values.paged == nullptr || in.values.role == KVRole::kValues,
                 "expected_attention: values is a paged source reading keys; build it with KVSource::from_paged_values");
+    KVP_RETURN_IF_ERROR(in.keys.validate_pool(kName, "keys", on_device));
+    KVP_RETURN_IF_ERROR(in.values.validate_pool(kName, "values", on_device));
     const std::int64_t Hkv = in.keys.kv_heads(), T = in.keys.kv_len(), d = in.keys.head_dim();
     KVP_REQUIRE(in.values.kv_heads() == Hkv && in.values.kv_len() == T && in.values.head_dim() == d,
                 "expected_attention: values has shape (%lld, %lld, %lld), keys has (%lld, %lld, %lld)",

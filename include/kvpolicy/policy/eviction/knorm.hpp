@@ -154,11 +154,7 @@ class Knorm {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys", on_device));
     KVP_REQUIRE(!in.keys.empty(), "knorm: keys has no data (sequence %zu); Knorm scores the keys themselves", b);
-    if (const PagedKVView<const Tk>* paged = in.keys.paged; paged != nullptr && (last_paged == nullptr || paged != *last_paged)) {
-      KVP_RETURN_IF_ERROR(paged->validate(kName, /*need_values=*/false));
-      KVP_REQUIRE(paged->device.is_host(), "knorm: paged keys live on a device; this entry point reads host memory");
-      if (last_paged != nullptr) *last_paged = paged;
-    }
+    KVP_RETURN_IF_ERROR(in.keys.validate_pool(kName, "keys", on_device, last_paged));
     KVP_REQUIRE(in.keys.head_dim() > 0, "knorm: keys head_dim is %lld, must be >= 1 (sequence %zu)",
                 static_cast<long long>(in.keys.head_dim()), b);
     const std::int64_t n = in.keys.kv_len();

@@ -215,13 +215,13 @@ class ObservedAttention {
       if (on_device) {
         KVP_REQUIRE(!col.device().is_host(),
                     "observed_attention: column sums is a host tensor; a device backend reads device memory (tag the view kCUDA)");
-        KVP_REQUIRE(in.keys.paged == nullptr, "observed_attention: keys is paged; policies on a device backend take dense views only");
+        if (in.keys.paged != nullptr) KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys", on_device));
       } else {
         KVP_REQUIRE(col.device().is_host(), "observed_attention: column sums is a device tensor; this entry point reads host memory");
         KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys"));
       }
-      if (in.keys.paged != nullptr)  // lengths come from the page table: validate it before reading them
-        KVP_RETURN_IF_ERROR(in.keys.paged->table.validate(kName, in.keys.paged->num_pages, in.keys.paged->page_size));
+      if (in.keys.paged != nullptr)  // lengths come from the page table: validate it before reading them (ids on the host only)
+        KVP_RETURN_IF_ERROR(in.keys.paged->table.validate(kName, in.keys.paged->num_pages, in.keys.paged->page_size, !on_device));
       GqaMap gqa;
       KVP_RETURN_IF_ERROR(GqaMap::make(col.extent(0), in.keys.kv_heads(), kName, &gqa));
       const std::int64_t T = col.extent(1);

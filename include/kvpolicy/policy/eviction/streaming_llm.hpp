@@ -108,8 +108,9 @@ class StreamingLLM {
 
   /// Eviction decision for a batch: rows `b * num_kv_heads + h`; only the
   /// keys' shape (kv heads, kv_len) is read. A paged source's view is
-  /// validated (`PagedKVView::validate`, keys only: CSR page table, ids in the
-  /// pool) once per distinct view before its lengths are read; on error
+  /// validated (`KVSource::validate_pool`, keys only: CSR page table, and on
+  /// the host the ids in the pool) once per distinct view before its lengths
+  /// are read; on error
   /// nothing is written. The rows (one per (sequence, kv head)) are written
   /// in parallel over `cx.exec` once the batch keeps kParallelEntries ids or
   /// more, on the calling thread below; no workspace.
@@ -121,10 +122,7 @@ class StreamingLLM {
     const PagedKVView<const Tk>* last_paged = nullptr;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       KVP_RETURN_IF_ERROR(batch[b].keys.validate(kName, "keys", kDeviceBackend<Backend>));
-      if (const PagedKVView<const Tk>* paged = batch[b].keys.paged; paged != nullptr && paged != last_paged) {
-        KVP_RETURN_IF_ERROR(paged->validate(kName, /*need_values=*/false));
-        last_paged = paged;
-      }
+      KVP_RETURN_IF_ERROR(batch[b].keys.validate_pool(kName, "keys", kDeviceBackend<Backend>, &last_paged));
       KVP_REQUIRE(batch[b].keys.kv_heads() == H, "streaming_llm: sequence %zu has %lld kv heads, sequence 0 has %lld", b,
                   static_cast<long long>(batch[b].keys.kv_heads()), static_cast<long long>(H));
       const std::int64_t T = batch[b].keys.kv_len();

@@ -282,9 +282,12 @@ class TOVA {
       if (on_device) {
         KVP_REQUIRE(!p.device().is_host(),
                     "tova: probabilities is a host tensor; a device backend reads device memory (tag the view kCUDA)");
-        KVP_REQUIRE(in.keys.paged == nullptr, "tova: keys is paged; policies on a device backend take dense views only");
       } else {
         KVP_REQUIRE(p.device().is_host(), "tova: probabilities is a device tensor; this entry point reads host memory");
+      }
+      if (in.keys.paged != nullptr) {  // lengths come from the page table: validate it before reading them
+        KVP_RETURN_IF_ERROR(in.keys.validate(kName, "keys", on_device));
+        KVP_RETURN_IF_ERROR(in.keys.paged->table.validate(kName, in.keys.paged->num_pages, in.keys.paged->page_size, !on_device));
       }
       KVP_REQUIRE(p.extent(1) >= 1, "tova: probabilities has %lld query rows, must be >= 1", static_cast<long long>(p.extent(1)));
       GqaMap gqa;

@@ -28,10 +28,12 @@
 //
 // On a device backend (backend::Cuda; queries, codes, scales, residual and
 // the score map in device memory) with a scorer that has a device path
-// (SnapKV and what is built on it): the heads run one after another on the
+// (SnapKV and what is built on it, TOVA): the heads run one after another on the
 // context's stream, each decoded by Q's device path into the workspace (the
 // residual widened by Backend::widen_queries) and scored by S's device path.
-// TOVA's head mean is host-only (refused by name on a device).
+// TOVA's head mean runs there too: the heads score into workspace rows, one
+// `group_reduce` takes their mean in the host path's order (bit-identical to
+// the host path) and `copy_strided` writes it into every row.
 #pragma once
 
 #include <algorithm>
@@ -136,7 +138,8 @@ class QuantizedKeys {
       } else if constexpr (requires { scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s); }) {
         KVP_RETURN_IF_ERROR(scorer_.validate(std::span<const ScoreInput<Tq, float>>(&probe, 1), &s));
       } else {  // a scorer without a batch check (TOVA): the structure every scorer needs
-        KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, probe.queries, probe.keys));
+        KVP_RETURN_IF_ERROR(detail::check_queries_and_keys(kName, probe.queries, probe.keys,
+                                                           static_cast<const PagedKVView<const float>**>(nullptr), on_device));
         s = ProblemShape{probe.queries.extent(0), k.kv_heads(), k.dim, k.kv_len(), probe.queries.extent(1)};
       }
       KVP_RETURN_IF_ERROR(detail::check_same_heads(kName, b, s, shape));
@@ -160,19 +163,27 @@ class QuantizedKeys {
     const std::size_t inner = inner_bytes<Backend>(shape);
     if constexpr (kDeviceBackend<Backend>) {
       // One head after another on the stream: its keys decoded into the workspace, then S's device path.
-      KVP_REQUIRE(!kScoresSharedAcrossHeads<S>, "quantized_keys: %s's head mean over quantized keys runs on the host only", S::kName);
+      // A head-mean scorer (TOVA) scores into workspace rows; their mean (Backend::group_reduce, the host
+      // path's order) is then copied into every row of `out`.
       const detail::BackendCall<Backend> call(cx);
       KVP_RETURN_IF_ERROR(call.begin());
       WorkspaceCarver c(slices.slice(0));
       float* keys = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T * d, 1)));
       std::byte* sws = c.take<std::byte>(inner);
+      float* rows = kScoresSharedAcrossHeads<S> ? c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>((H + 1) * T, 1))) : nullptr;
       const Device dev = in.keys.region.codes.device();
       for (std::int64_t h = 0; h < H; ++h) {
         KVP_RETURN_IF_ERROR(decode_head(Context<Backend>{{}, ExecContext{}, cx.stream}, in.keys, h, keys, dev));
         ScoreInput<Tq, float> one{in.queries.narrow(0, h * G, G),
                                   KVSource<float>::from(TensorView<const float, 3>::contiguous(keys, {1, T, d}, dev))};
         one.lookahead = in.lookahead;
-        KVP_RETURN_IF_ERROR(scorer_.score(Context<Backend>{Workspace{sws, inner}, ExecContext{}, cx.stream}, one, out.narrow(0, h, 1)));
+        const ScoreMap row = rows != nullptr ? TensorView<float, 2>::contiguous(rows + h * T, {1, T}, dev) : out.narrow(0, h, 1);
+        KVP_RETURN_IF_ERROR(scorer_.score(Context<Backend>{Workspace{sws, inner}, ExecContext{}, cx.stream}, one, row));
+      }
+      if (rows != nullptr) {
+        float* mean = rows + H * T;
+        Backend::group_reduce(rows, H, T, T, GroupReduce::kMean, mean);
+        for (std::int64_t h = 0; h < H; ++h) Backend::copy_strided(mean, T, out.data() + h * out.stride(0), out.stride(1));
       }
       return call.end();
     } else {
@@ -205,9 +216,9 @@ class QuantizedKeys {
       if (!s.is_ok() && !failed.exchange(true)) first_error = s;
     });
     if (first_error.is_ok() && kScoresSharedAcrossHeads<S> && H > 1) {
-      for (std::int64_t j = 0; j < T; ++j) {
-        float acc = 0.0f;
-        for (std::int64_t h = 0; h < H; ++h) acc += out(h, j);
+      for (std::int64_t j = 0; j < T; ++j) {  // group_reduce's kMean: heads in order from the first, then / H
+        float acc = out(0, j);
+        for (std::int64_t h = 1; h < H; ++h) acc += out(h, j);
         const float mean = acc / static_cast<float>(H);
         for (std::int64_t h = 0; h < H; ++h) out(h, j) = mean;
       }
@@ -224,8 +235,12 @@ class QuantizedKeys {
   }
   template <class Backend>
   std::size_t per_worker(const ProblemShape& s) const noexcept {
-    return align_up(static_cast<std::size_t>(std::max<std::int64_t>(s.max_kv_len * s.head_dim, 1)) * sizeof(float)) +
-           align_up(inner_bytes<Backend>(s)) + kWorkspaceAlign;
+    std::size_t bytes = align_up(static_cast<std::size_t>(std::max<std::int64_t>(s.max_kv_len * s.head_dim, 1)) * sizeof(float)) +
+                        align_up(inner_bytes<Backend>(s)) + kWorkspaceAlign;
+    if constexpr (kDeviceBackend<Backend>)  // a head-mean scorer's rows and their mean
+      if (kScoresSharedAcrossHeads<S>)
+        bytes += align_up(static_cast<std::size_t>(std::max<std::int64_t>((s.num_kv_heads + 1) * s.max_kv_len, 1)) * sizeof(float));
+    return bytes;
   }
   template <class Backend>
   std::size_t workspace_bytes(const ProblemShape& s, const ExecContext& ctx) const noexcept {
