@@ -8,6 +8,7 @@
 // GgmlQuant with rotation, Fp8Quant, KiviQuant one-shot and streaming).
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -73,6 +74,15 @@ std::vector<float> corner_rows(std::int64_t rows, std::int64_t d, std::uint32_t 
     if (fp16_valued)
       for (std::int64_t c = 0; c < d; ++c) v[c] = to_float(to_half(v[c]));
   }
+  return x;
+}
+/// rows x d fp16 values of random sign and exponent (2^-24 .. 2^14, subnormals included) and random mantissa:
+/// group ranges over the whole fp16 span, some of them overflowing fp16.
+std::vector<float> wide_rows(std::int64_t rows, std::int64_t d, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> e(-24, 14), m(0, 1023), sign(0, 1);
+  std::vector<float> x(static_cast<std::size_t>(rows * d));
+  for (auto& v : x) v = to_float(to_half(std::ldexp(1.0f + static_cast<float>(m(rng)) / 1024.0f, e(rng)) * (sign(rng) ? -1.0f : 1.0f)));
   return x;
 }
 std::vector<half> to_halves(const std::vector<float>& x) {
@@ -218,54 +228,58 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
     for (int bits : {2, 4, 8})
       for (std::int64_t d : {16, 32, 48, 64, 128})
         for (int group : {16, 32, 64}) {
-          const std::string what = isa + " bits=" + std::to_string(bits) + " d=" + std::to_string(d) + " G=" + std::to_string(group);
-          const auto raw = corner_rows(group, d, 17, false);
-          std::vector<float> x(raw.size()), xb(raw.size());
-          backend::Scalar::kivi_r16_rows(raw.data(), group, d, d, x.data());
-          backend::Cpu::kivi_r16_rows(raw.data(), group, d, d, xb.data());
-          require_same(x, xb, what + " r16");
-          if (group % (32 / bits) == 0) {  // keys pack tokens into words
-            const std::int64_t cbytes = kivi::key_group_code_bytes(d, group, bits), sbytes = kivi::key_group_scale_bytes(d);
-            std::vector<std::uint8_t> ca(static_cast<std::size_t>(cbytes), 0x11), cb = ca, sa(static_cast<std::size_t>(sbytes), 0x22),
-                                                                                  sb = sa;
-            backend::Scalar::kivi_quantize_keys(x.data(), d, group, bits, ca.data(), sa.data());
-            backend::Cpu::kivi_quantize_keys(x.data(), d, group, bits, cb.data(), sb.data());
-            require_same(ca, cb, what + " key codes");
-            require_same(sa, sb, what + " key scales");
-            std::vector<float> ya(x.size()), yb(x.size());
-            backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ya.data(), d);
-            backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, yb.data(), d);
-            require_same(ya, yb, what + " keys decoded");
-            // fp16 rows with a padded stride: the same values, the padding untouched
-            const std::int64_t ys = d + 8;
-            std::vector<half> ha(static_cast<std::size_t>(group * ys), to_half(-7.0f)), hb = ha;
-            backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ha.data(), ys);
-            backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, hb.data(), ys);
-            require_same(ha, hb, what + " keys decoded to fp16");
-            for (std::int64_t t = 0; t < group; ++t)
-              for (std::int64_t c = 0; c < ys; ++c)
-                REQUIRE(to_float(ha[static_cast<std::size_t>(t * ys + c)]) == (c < d ? ya[static_cast<std::size_t>(t * d + c)] : -7.0f));
-          }
-          if (d % group == 0 && d % (32 / bits) == 0) {
-            const std::int64_t rows = group, cs = kivi::value_row_code_bytes(d, bits) + 4, ss = kivi::value_row_scale_bytes(d, group) + 2;
-            std::vector<std::uint8_t> ca(static_cast<std::size_t>(rows * cs), 0x33), cb = ca, sa(static_cast<std::size_t>(rows * ss), 0x44),
-                                                                                     sb = sa;
-            backend::Scalar::kivi_quantize_value_rows(x.data(), rows, d, group, bits, ca.data(), cs, sa.data(), ss);
-            backend::Cpu::kivi_quantize_value_rows(x.data(), rows, d, group, bits, cb.data(), cs, sb.data(), ss);
-            require_same(ca, cb, what + " value codes");
-            require_same(sa, sb, what + " value scales");
-            std::vector<float> ya(x.size()), yb(x.size());
-            backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ya.data(), d);
-            backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, yb.data(), d);
-            require_same(ya, yb, what + " values decoded");
-            const std::int64_t ys = d + 8;
-            std::vector<half> ha(static_cast<std::size_t>(rows * ys), to_half(-7.0f)), hb = ha;
-            backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ha.data(), ys);
-            backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, hb.data(), ys);
-            require_same(ha, hb, what + " values decoded to fp16");
-            for (std::int64_t t = 0; t < rows; ++t)
-              for (std::int64_t c = 0; c < ys; ++c)
-                REQUIRE(to_float(ha[static_cast<std::size_t>(t * ys + c)]) == (c < d ? ya[static_cast<std::size_t>(t * d + c)] : -7.0f));
+          for (const bool wide : {false, true}) {
+            const std::string what = isa + " bits=" + std::to_string(bits) + " d=" + std::to_string(d) + " G=" + std::to_string(group) +
+                                     (wide ? " wide" : " corners");
+            const auto raw =
+                wide ? wide_rows(group, d, 19 + static_cast<std::uint32_t>(d + group + bits)) : corner_rows(group, d, 17, false);
+            std::vector<float> x(raw.size()), xb(raw.size());
+            backend::Scalar::kivi_r16_rows(raw.data(), group, d, d, x.data());
+            backend::Cpu::kivi_r16_rows(raw.data(), group, d, d, xb.data());
+            require_same(x, xb, what + " r16");
+            if (group % (32 / bits) == 0) {  // keys pack tokens into words
+              const std::int64_t cbytes = kivi::key_group_code_bytes(d, group, bits), sbytes = kivi::key_group_scale_bytes(d);
+              std::vector<std::uint8_t> ca(static_cast<std::size_t>(cbytes), 0x11), cb = ca, sa(static_cast<std::size_t>(sbytes), 0x22),
+                                                                                    sb = sa;
+              backend::Scalar::kivi_quantize_keys(x.data(), d, group, bits, ca.data(), sa.data());
+              backend::Cpu::kivi_quantize_keys(x.data(), d, group, bits, cb.data(), sb.data());
+              require_same(ca, cb, what + " key codes");
+              require_same(sa, sb, what + " key scales");
+              std::vector<float> ya(x.size()), yb(x.size());
+              backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ya.data(), d);
+              backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, yb.data(), d);
+              require_same(ya, yb, what + " keys decoded");
+              // fp16 rows with a padded stride: the same values, the padding untouched
+              const std::int64_t ys = d + 8;
+              std::vector<half> ha(static_cast<std::size_t>(group * ys), to_half(-7.0f)), hb = ha;
+              backend::Scalar::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, ha.data(), ys);
+              backend::Cpu::kivi_dequantize_keys(ca.data(), sa.data(), d, group, bits, hb.data(), ys);
+              require_same(ha, hb, what + " keys decoded to fp16");
+              for (std::int64_t t = 0; t < group; ++t)
+                for (std::int64_t c = 0; c < ys; ++c)
+                  REQUIRE(to_float(ha[static_cast<std::size_t>(t * ys + c)]) == (c < d ? ya[static_cast<std::size_t>(t * d + c)] : -7.0f));
+            }
+            if (d % group == 0 && d % (32 / bits) == 0) {
+              const std::int64_t rows = group, cs = kivi::value_row_code_bytes(d, bits) + 4, ss = kivi::value_row_scale_bytes(d, group) + 2;
+              std::vector<std::uint8_t> ca(static_cast<std::size_t>(rows * cs), 0x33),
+                  cb = ca, sa(static_cast<std::size_t>(rows * ss), 0x44), sb = sa;
+              backend::Scalar::kivi_quantize_value_rows(x.data(), rows, d, group, bits, ca.data(), cs, sa.data(), ss);
+              backend::Cpu::kivi_quantize_value_rows(x.data(), rows, d, group, bits, cb.data(), cs, sb.data(), ss);
+              require_same(ca, cb, what + " value codes");
+              require_same(sa, sb, what + " value scales");
+              std::vector<float> ya(x.size()), yb(x.size());
+              backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ya.data(), d);
+              backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, yb.data(), d);
+              require_same(ya, yb, what + " values decoded");
+              const std::int64_t ys = d + 8;
+              std::vector<half> ha(static_cast<std::size_t>(rows * ys), to_half(-7.0f)), hb = ha;
+              backend::Scalar::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, ha.data(), ys);
+              backend::Cpu::kivi_dequantize_value_rows(ca.data(), cs, sa.data(), ss, rows, d, group, bits, hb.data(), ys);
+              require_same(ha, hb, what + " values decoded to fp16");
+              for (std::int64_t t = 0; t < rows; ++t)
+                for (std::int64_t c = 0; c < ys; ++c)
+                  REQUIRE(to_float(ha[static_cast<std::size_t>(t * ys + c)]) == (c < d ? ya[static_cast<std::size_t>(t * d + c)] : -7.0f));
+            }
           }
         }
     // first_not_below: NaN, infinities and the bound itself, at every position of a long row.
@@ -429,4 +443,36 @@ TEST_CASE("codecs: ggml block quantizers on the CPU equal the reference on corne
         }
       }
   });
+}
+
+namespace {
+/// The CPU KIVI quantizers' quotient (quant_codec_impl.hpp, div_fp16_by_recip) in scalar form: a / s through
+/// r = 1 / s, q = a r, then q + (a - q s) r with fused multiply-adds. Returns how many fp16 a >= 0 (all of them)
+/// give a different fp32 value than a / s, for each fp16 bit pattern s in `scales`.
+std::int64_t recip_quotient_mismatches(const std::vector<std::uint16_t>& scales) {
+  std::vector<float> a(0x7C00);
+  for (std::uint32_t i = 0; i < 0x7C00; ++i) a[i] = to_float(half::from_bits(static_cast<std::uint16_t>(i)));
+  std::int64_t bad = 0;
+  for (const std::uint16_t sb : scales) {
+    const float s = to_float(half::from_bits(sb)), r = 1.0f / s;
+    for (const float x : a) {
+      const float q = x * r, q2 = std::fma(std::fma(-q, s, x), r, q), want = x / s;
+      bad += bits_of(q2) != bits_of(want);
+    }
+  }
+  return bad;
+}
+}  // namespace
+
+TEST_CASE("codecs: KIVI's reciprocal quotient equals the fp32 division for fp16 operands (sampled scales)", "[quant][codec][kivi]") {
+  // Every fp16 a >= 0 against every 97th positive fp16 s and the edges: subnormals, 1, 1/3 and its neighbours, the largest.
+  std::vector<std::uint16_t> scales{0x0001, 0x0002, 0x03FF, 0x0400, 0x3C00, 0x3555, 0x3554, 0x3556, 0x7BFF, 0x7BFE};
+  for (std::uint32_t sb = 1; sb < 0x7C00; sb += 97) scales.push_back(static_cast<std::uint16_t>(sb));
+  REQUIRE(recip_quotient_mismatches(scales) == 0);
+}
+
+TEST_CASE("codecs: KIVI's reciprocal quotient equals the fp32 division for every pair of fp16 operands", "[.exhaustive][quant][kivi]") {
+  std::vector<std::uint16_t> scales;
+  for (std::uint32_t sb = 1; sb < 0x7C00; ++sb) scales.push_back(static_cast<std::uint16_t>(sb));
+  REQUIRE(recip_quotient_mismatches(scales) == 0);  // 31,743 x 31,744 = 1,007,649,792 pairs
 }

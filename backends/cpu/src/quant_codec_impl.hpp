@@ -26,7 +26,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
+#include <utility>
 
 KVP_NAMESPACE_BEGIN
 namespace cpu_detail::KVP_CPU_ISA_NS {
@@ -53,6 +55,8 @@ inline vf add(vf a, vf b) noexcept { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) noexcept { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) noexcept { return _mm512_mul_ps(a, b); }
 inline vf div(vf a, vf b) noexcept { return _mm512_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) noexcept { return _mm512_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) noexcept { return _mm512_fnmadd_ps(a, b, c); }
 inline vf vmin(vf a, vf b) noexcept { return _mm512_min_ps(a, b); }
 inline vf vmax(vf a, vf b) noexcept { return _mm512_max_ps(a, b); }
 inline vf vtrunc(vf v) noexcept { return _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
@@ -65,6 +69,7 @@ inline vi seli(vm m, vi yes, vi no) noexcept { return _mm512_mask_blend_epi32(m,
 inline vm eqi(vi a, vi b) noexcept { return _mm512_cmpeq_epi32_mask(a, b); }
 inline vm mand(vm a, vm b) noexcept { return static_cast<vm>(a & b); }
 inline vm mnot(vm a) noexcept { return static_cast<vm>(~a); }
+inline bool all_lanes(vm a) noexcept { return a == 0xFFFF; }
 inline vi toi(vf v) noexcept { return _mm512_cvttps_epi32(v); }
 inline vf tof(vi v) noexcept { return _mm512_cvtepi32_ps(v); }
 inline vf asf(vi v) noexcept { return _mm512_castsi512_ps(v); }
@@ -77,6 +82,12 @@ inline vi imin(vi a, vi b) noexcept { return _mm512_min_epi32(a, b); }
 inline vi sllv(vi a, vi n) noexcept { return _mm512_sllv_epi32(a, n); }
 inline vi srlv(vi a, vi n) noexcept { return _mm512_srlv_epi32(a, n); }
 inline vi sll(vi a, int n) noexcept { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+template <int N>
+inline vi slli(vi a) noexcept {
+  return _mm512_slli_epi32(a, N);
+}
+/// Round to the nearest integer, ties to even, and convert (one instruction).
+inline vi toi_rne(vf v) noexcept { return _mm512_cvt_roundps_epi32(v, kRne); }
 inline vi srl(vi a, int n) noexcept { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 inline vi ldi(const std::uint8_t* p) noexcept { return _mm512_loadu_si512(p); }
 inline void sti(std::uint8_t* p, vi v) noexcept { _mm512_storeu_si512(p, v); }
@@ -113,6 +124,8 @@ inline vf add(vf a, vf b) noexcept { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) noexcept { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) noexcept { return _mm256_mul_ps(a, b); }
 inline vf div(vf a, vf b) noexcept { return _mm256_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) noexcept { return _mm256_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) noexcept { return _mm256_fnmadd_ps(a, b, c); }
 inline vf vmin(vf a, vf b) noexcept { return _mm256_min_ps(a, b); }
 inline vf vmax(vf a, vf b) noexcept { return _mm256_max_ps(a, b); }
 inline vf vtrunc(vf v) noexcept { return _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC); }
@@ -127,6 +140,7 @@ inline vi seli(vm m, vi yes, vi no) noexcept {
 inline vm eqi(vi a, vi b) noexcept { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
 inline vm mand(vm a, vm b) noexcept { return _mm256_and_ps(a, b); }
 inline vm mnot(vm a) noexcept { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(-1))); }
+inline bool all_lanes(vm a) noexcept { return _mm256_movemask_ps(a) == 0xFF; }
 inline vi toi(vf v) noexcept { return _mm256_cvttps_epi32(v); }
 inline vf tof(vi v) noexcept { return _mm256_cvtepi32_ps(v); }
 inline vf asf(vi v) noexcept { return _mm256_castsi256_ps(v); }
@@ -139,6 +153,11 @@ inline vi imin(vi a, vi b) noexcept { return _mm256_min_epi32(a, b); }
 inline vi sllv(vi a, vi n) noexcept { return _mm256_sllv_epi32(a, n); }
 inline vi srlv(vi a, vi n) noexcept { return _mm256_srlv_epi32(a, n); }
 inline vi sll(vi a, int n) noexcept { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+template <int N>
+inline vi slli(vi a) noexcept {
+  return _mm256_slli_epi32(a, N);
+}
+inline vi toi_rne(vf v) noexcept { return _mm256_cvttps_epi32(_mm256_round_ps(v, kRne)); }
 inline vi srl(vi a, int n) noexcept { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 inline vi ldi(const std::uint8_t* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void sti(std::uint8_t* p, vi v) noexcept { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -639,19 +658,57 @@ inline bool kivi_r16(const T* x, std::int64_t rows, std::int64_t x_stride, std::
   return true;
 }
 
+/// The fp32 quotient a / s, for fp16 values a >= 0 and s in (0, 65504], through s's reciprocal r = 1 / s:
+/// q = a r, its remainder a - q s exact by one FMA, then q + rem r rounded once (Markstein's correction).
+/// Bit-identical to div(a, s) on that domain: every one of its 1,007,649,792 (a, s) pairs was checked
+/// (tests/quant/test_codecs_isa.cpp, "[.exhaustive]"). Two FMAs and a product instead of a division,
+/// whose throughput bounds the KIVI quantizers.
+inline vf div_fp16_by_recip(vf a, vf s, vf r) noexcept {
+  const vf q = mul(a, r);
+  return fmadd(fnmadd(q, s, a), r, q);
+}
+
 /// KIVI's code of fp16-valued v in a group (mn, scale): nearbyint(clamp(NaN -> 0 of fp16(fp16(v - mn) / scale))).
-inline vi kivi_code(vf v, vf mn, vf scale, vf top) noexcept {
-  vf q = r16(div(r16(sub(v, mn)), scale));
-  const vf zero = set1(0.0f);
-  q = sel(unord(q), zero, q);
-  q = sel(lt(q, zero), zero, sel(gt(q, top), top, q));
-  return toi(vrint(q));
+/// With `recip` (1 / scale), the quotient goes through div_fp16_by_recip: only for groups that pass
+/// kivi_recip_ok, so that fp16(v - mn) and the scale are in its domain.
+/// There the quotient is >= 0 and never NaN, so the clamp is a minimum.
+template <bool Recip = false>
+inline vi kivi_code(vf v, vf mn, vf scale, vf top, vf recip = vf{}) noexcept {
+  const vf a = r16(sub(v, mn));
+  if constexpr (Recip) {
+    return toi_rne(vmin(r16(div_fp16_by_recip(a, scale, recip)), top));
+  } else {
+    vf q = r16(div(a, scale));
+    const vf zero = set1(0.0f);
+    q = sel(unord(q), zero, q);
+    q = sel(lt(q, zero), zero, sel(gt(q, top), top, q));
+    return toi(vrint(q));
+  }
+}
+/// One channel vector's key codes, group / (32 / Bits) words of 32 / Bits tokens each (shifts as immediates).
+template <int Bits, bool Recip>
+inline void kivi_key_words(const float* x, std::int64_t d, std::int64_t c, int group, vf mn, vf scale, vf recip,
+                           std::uint8_t* codes) noexcept {
+  constexpr int f = 32 / Bits;
+  const vf top = set1(static_cast<float>((1 << Bits) - 1));
+  for (int w = 0; w < group / f; ++w) {
+    vi word = set1i(0);
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      ((word = ior(word, slli<Bits * J>(kivi_code<Recip>(ld(x + (w * f + J) * d + c), mn, scale, top, recip)))), ...);
+    }
+    (std::make_integer_sequence<int, f>{});
+    sti(codes + 4 * (w * d + c), word);
+  }
+}
+/// Every lane's group may take kivi_code's reciprocal path: its scale fp16(range / top) is finite (so is the
+/// range, top >= 3, and with it every fp16(v - mn) of the group) and > 0.
+inline bool kivi_recip_ok(vf scale) noexcept {
+  return all_lanes(mand(lt(scale, set1(std::numeric_limits<float>::infinity())), gt(scale, set1(0.0f))));
 }
 inline vf kivi_decode(vi q, vf scale, vf mn) noexcept { return r16(add(r16(mul(tof(q), scale)), mn)); }
 
 inline bool kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept {
   if (d % kW != 0) return false;
-  const int f = 32 / bits;
   const vf top = set1(static_cast<float>((1 << bits) - 1));
   for (std::int64_t c = 0; c < d; c += kW) {
     vf mn = ld(x + c), mx = mn;
@@ -663,11 +720,19 @@ inline bool kivi_quantize_keys(const float* x, std::int64_t d, int group, int bi
     const vf scale = r16(div(r16(sub(mx, mn)), top));
     st_h16(scales + 2 * c, scale);
     st_h16(scales + 2 * (d + c), mn);
-    for (int w = 0; w < group / f; ++w) {
-      vi word = set1i(0);
-      for (int j = 0; j < f; ++j) word = ior(word, sll(kivi_code(ld(x + (w * f + j) * d + c), mn, scale, top), bits * j));
-      sti(codes + 4 * (w * d + c), word);
-    }
+    const auto pack = [&](auto recip_path, vf recip) {
+      constexpr bool kRecip = decltype(recip_path)::value;
+      if (bits == 2)
+        kivi_key_words<2, kRecip>(x, d, c, group, mn, scale, recip, codes);
+      else if (bits == 4)
+        kivi_key_words<4, kRecip>(x, d, c, group, mn, scale, recip, codes);
+      else
+        kivi_key_words<8, kRecip>(x, d, c, group, mn, scale, recip, codes);
+    };
+    if (kivi_recip_ok(scale))
+      pack(std::true_type{}, div(set1(1.0f), scale));
+    else
+      pack(std::false_type{}, scale);
   }
   return true;
 }
@@ -729,18 +794,21 @@ inline vi kivi_lane_shifts(int bits, int first_in_word) noexcept {
   return sll(iand(iadd(lane, set1i(first_in_word)), set1i(f - 1)), bits == 2 ? 1 : (bits == 4 ? 2 : 3));
 }
 
-inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
-                                 std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+/// KIVI value rows at Bits = 2, 4 or 8 (a constant, so the packing below compiles to its one form).
+template <int Bits>
+inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::int64_t d, int group, std::uint8_t* codes,
+                                      std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+  constexpr int bits = Bits, f = 32 / Bits;
   if (group % kW != 0 || d % group != 0) return false;
   const std::int64_t groups = d / group;
-  const int f = 32 / bits;
   const vf top = set1(static_cast<float>((1 << bits) - 1));
-  // The packed codes of group g of row r with its minimum and fp16 scale (broadcast).
-  const auto codes_of = [&](std::int64_t r, std::int64_t g, vf vlo, vf vscale) {
+  // The packed codes of group g of row r with its minimum, fp16 scale and the scale's reciprocal (broadcast).
+  const auto codes_with = [&](auto recip_path, std::int64_t r, std::int64_t g, vf vlo, vf vscale, vf vrecip) {
+    constexpr bool kRecip = decltype(recip_path)::value;
     const float* xg = x + r * d + g * group;
     std::uint8_t* cw = codes + r * codes_stride;
     for (std::int64_t c = 0; c < group; c += kW) {
-      const vi q = kivi_code(ld(xg + c), vlo, vscale, top);
+      const vi q = kivi_code<kRecip>(ld(xg + c), vlo, vscale, top, vrecip);
       const std::int64_t ch = g * group + c;  // first channel of the vector
 #if KVP_CPU_TU_ISA == 2
       // 16 codes as bytes, combined pairwise by multiply-adds: lane j lands at bit bits * j of the little-endian
@@ -785,12 +853,18 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
       }
     }
   };
+  const auto codes_of = [&](std::int64_t r, std::int64_t g, vf vlo, vf vscale, vf vrecip) {
+    if (kivi_recip_ok(vscale))
+      codes_with(std::true_type{}, r, g, vlo, vscale, vrecip);
+    else
+      codes_with(std::false_type{}, r, g, vlo, vscale, vrecip);
+  };
   // Group g of row r with its minimum lo and its fp16 scale: scale row, then the codes.
   const auto code_group = [&](std::int64_t r, std::int64_t g, float lo, float scale) {
     std::uint8_t* sc = scales + r * scales_stride;
     put_half(sc + 2 * g, scale);
     put_half(sc + 2 * (groups + g), lo);
-    codes_of(r, g, set1(lo), set1(scale));
+    codes_of(r, g, set1(lo), set1(scale), set1(1.0f / scale));
   };
   // The reference's minimum, maximum (its first zero where one is zero) and fp16 range of one group.
   const auto one_group = [&](std::int64_t r, std::int64_t g) {
@@ -829,7 +903,7 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
     const vf vlo = reduce16<false>(lo), vhi = reduce16<true>(hi);
     const std::uint32_t zeros =
         static_cast<std::uint32_t>(_mm512_cmp_ps_mask(vlo, set1(0.0f), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(vhi, set1(0.0f), _CMP_EQ_OQ));
-    const vf vsc = r16(div(r16(sub(vhi, vlo)), top));
+    const vf vsc = r16(div(r16(sub(vhi, vlo)), top)), vrec = div(set1(1.0f), vsc);
     if (16 % groups == 0) {  // whole rows: each row's scales and minima as fp16 runs of `groups`
       alignas(32) std::uint16_t hs[16], hl[16];
       _mm256_store_si256(reinterpret_cast<__m256i*>(hs), _mm512_cvtps_ph(vsc, kRne));
@@ -840,7 +914,7 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
         std::memcpy(sc + 2 * groups, hl + i, static_cast<std::size_t>(2 * groups));
       }
       for (int i = 0; i < 16; ++i) {
-        codes_of(gr, gg, lane_of(vlo, i), lane_of(vsc, i));
+        codes_of(gr, gg, lane_of(vlo, i), lane_of(vsc, i), lane_of(vrec, i));
         if (++gg == groups) gg = 0, ++gr;
       }
       for (std::uint32_t z = zeros; z; z &= z - 1) {  // after the group's own stores, so these bytes stay
@@ -863,6 +937,12 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
 #endif
   for (; k < total; ++k) one_group(k / groups, k % groups);
   return true;
+}
+inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t d, int group, int bits, std::uint8_t* codes,
+                                 std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
+  if (bits == 2) return kivi_quantize_values_bits<2>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
+  if (bits == 4) return kivi_quantize_values_bits<4>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
+  return kivi_quantize_values_bits<8>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
 }
 #if KVP_CPU_TU_ISA == 2
 /// AVX-512, 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j,
