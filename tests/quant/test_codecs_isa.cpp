@@ -228,11 +228,26 @@ TEST_CASE("codecs: KIVI keys and values on the CPU equal the reference", "[quant
     for (int bits : {2, 4, 8})
       for (std::int64_t d : {16, 32, 48, 64, 128})
         for (int group : {16, 32, 64}) {
-          for (const bool wide : {false, true}) {
+          for (const int kind : {0, 1, 2}) {
+            const bool wide = kind == 1;
             const std::string what = isa + " bits=" + std::to_string(bits) + " d=" + std::to_string(d) + " G=" + std::to_string(group) +
-                                     (wide ? " wide" : " corners");
-            const auto raw =
-                wide ? wide_rows(group, d, 19 + static_cast<std::uint32_t>(d + group + bits)) : corner_rows(group, d, 17, false);
+                                     (kind == 0   ? " corners"
+                                      : kind == 1 ? " wide"
+                                                  : " flat");
+            auto raw = wide ? wide_rows(group, d, 19 + static_cast<std::uint32_t>(d + group + bits)) : corner_rows(group, d, 17, false);
+            if (kind == 2) {  // zero scales: constant groups (x - mn = 0 -> code 0) and groups spanning one subnormal
+              // step, whose scale rounds to 0 while their values differ (the reference's x / 0 = inf -> the top code).
+              // Values: rows 0 and 1 past their first group; keys: channels 0 / 1 and channel 2.
+              for (std::int64_t c = 0; c < d; ++c) {
+                raw[static_cast<std::size_t>(c)] = c % 2 ? 0x1p-24f : -0.0f;
+                raw[static_cast<std::size_t>(d + c)] = 0.25f;
+              }
+              for (std::int64_t t = 0; t < group; ++t) {
+                raw[static_cast<std::size_t>(t * d + 0)] = 0.75f;
+                raw[static_cast<std::size_t>(t * d + 1)] = 0.0f;
+                raw[static_cast<std::size_t>(t * d + 2)] = (t % 3 == 0) ? 0x1p-24f : 0.0f;
+              }
+            }
             std::vector<float> x(raw.size()), xb(raw.size());
             backend::Scalar::kivi_r16_rows(raw.data(), group, d, d, x.data());
             backend::Cpu::kivi_r16_rows(raw.data(), group, d, d, xb.data());
