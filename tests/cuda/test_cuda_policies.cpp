@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <set>
@@ -27,6 +28,7 @@
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/kvpolicy.hpp"
 #include "../policy/keep_set_buffer.hpp"
+#include "../policy/policy_test_util.hpp"
 #include "../policy/selection/quest_fixture.hpp"
 
 namespace kvp = kvpolicy;
@@ -1004,47 +1006,34 @@ TEMPLATE_TEST_CASE("cuda Expected Attention: scores within 1e-5 relative of Scal
 namespace {
 
 /// Keys (and values) of one sequence, (Hkv, T, d) each, in an HND device page pool of `page_size` tokens
-/// with shuffled page ids and spare pages: pools and ids device memory, the CSR offsets host arrays.
+/// with shuffled page ids and spare pages (kvp_test::fill_page_pool): pools and ids device memory, the CSR
+/// offsets host arrays.
 template <class Tk>
 struct DevicePool {
   std::vector<std::int32_t> ids, indptr, last;
-  DeviceBuffer dk, dv, dids;
+  std::unique_ptr<DeviceBuffer> dk, dv, dids;
   kvp::PagedKVView<const Tk> view{};
-  DevicePool(const std::vector<Tk>& k, const std::vector<Tk>& v, std::int64_t Hkv, std::int64_t T, std::int64_t d, std::int32_t page_size)
-      : dk(pool_bytes(Hkv, T, d, page_size)), dv(pool_bytes(Hkv, T, d, page_size)), dids(pages(T, page_size) * sizeof(std::int32_t) + 4) {
-    const auto n = static_cast<std::int32_t>(pages(T, page_size)), total = n + 3;
-    const kvp::PageStrides st = kvp::PageStrides::contiguous(kvp::PageLayout::kHND, Hkv, page_size, d);
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(total));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), std::mt19937(static_cast<std::uint32_t>(T)));
-    ids.assign(perm.begin(), perm.begin() + n);
-    indptr = {0, n};
-    last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(n - 1) * page_size)};
-    std::vector<Tk> hk(static_cast<std::size_t>(total) * static_cast<std::size_t>(st.page), kvp::from_float<Tk>(-1e4f)), hv = hk;
-    for (std::int64_t h = 0; h < Hkv; ++h)
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          const std::int64_t at = ids[static_cast<std::size_t>(t / page_size)] * st.page + h * st.head + (t % page_size) * st.slot + c;
-          hk[static_cast<std::size_t>(at)] = k[static_cast<std::size_t>((h * T + t) * d + c)];
-          hv[static_cast<std::size_t>(at)] = v[static_cast<std::size_t>((h * T + t) * d + c)];
-        }
-    dk.upload(hk);
-    dv.upload(hv);
-    dids.upload(ids);
-    view = kvp::PagedKVView<const Tk>{dk.get<const Tk>(),
-                                      dv.get<const Tk>(),
-                                      st,
-                                      st,
-                                      total,
+  DevicePool(const std::vector<Tk>& k, const std::vector<Tk>& v, std::int64_t Hkv, std::int64_t T, std::int64_t d, std::int32_t page_size) {
+    const auto at = [&](const std::vector<Tk>& x) {
+      return [&x, T, d](std::int64_t h, std::int64_t t, std::int64_t c) { return x[static_cast<std::size_t>((h * T + t) * d + c)]; };
+    };
+    std::vector<Tk> hk, hv;
+    const kvp_test::PagePoolShape shape =
+        kvp_test::fill_page_pool(Hkv, T, d, page_size, kvp::PageLayout::kHND, kvp::from_float<Tk>(-1e4f), at(k), hk, ids, indptr, last);
+    kvp_test::fill_page_pool(Hkv, T, d, page_size, kvp::PageLayout::kHND, kvp::from_float<Tk>(-1e4f), at(v), hv, ids, indptr, last);
+    dk = std::make_unique<DeviceBuffer>(hk);
+    dv = std::make_unique<DeviceBuffer>(hv);
+    dids = std::make_unique<DeviceBuffer>(ids);
+    view = kvp::PagedKVView<const Tk>{dk->get<const Tk>(),
+                                      dv->get<const Tk>(),
+                                      shape.strides,
+                                      shape.strides,
+                                      shape.num_pages,
                                       static_cast<std::int32_t>(Hkv),
                                       page_size,
                                       static_cast<std::int32_t>(d),
-                                      kvp::PageTable{indptr.data(), dids.get<const std::int32_t>(), last.data(), 1},
+                                      kvp::PageTable{indptr.data(), dids->get<const std::int32_t>(), last.data(), 1},
                                       kGpu};
-  }
-  static std::size_t pages(std::int64_t T, std::int32_t P) { return static_cast<std::size_t>((T + P - 1) / P); }
-  static std::size_t pool_bytes(std::int64_t Hkv, std::int64_t T, std::int64_t d, std::int32_t P) {
-    return (pages(T, P) + 3) * static_cast<std::size_t>(Hkv * P * d) * sizeof(Tk);
   }
 };
 

@@ -51,19 +51,36 @@ static_assert(kvpolicy::kDeviceBackend<EmulatedDevice>);
 /// Host memory tagged as a device's, for views an emulated device reads.
 inline constexpr kvpolicy::Device kEmulatedDevice{kvpolicy::DeviceType::kCUDA, 0};
 
+/// `policy`'s requirements for `shape` on backend::Scalar (`host`) and on EmulatedDevice (`device`), both
+/// required valid, with a workspace of each size.
+struct TwoSides {
+  kvpolicy::Requirements host, device;
+  std::vector<std::byte> host_ws, device_ws;
+  kvpolicy::Workspace host_workspace() { return kvpolicy::Workspace{host_ws.data(), host_ws.size()}; }
+  kvpolicy::Workspace device_workspace() { return kvpolicy::Workspace{device_ws.data(), device_ws.size()}; }
+};
+template <class Policy>
+TwoSides two_sides(const Policy& policy, const kvpolicy::ProblemShape& shape) {
+  using namespace kvpolicy;
+  TwoSides t{policy.requirements(Context<backend::Scalar>{}, shape), policy.requirements(Context<EmulatedDevice>{}, shape), {}, {}};
+  INFO(t.host.status.message() << " / " << t.device.status.message());
+  REQUIRE(t.host.status.is_ok());
+  REQUIRE(t.device.status.is_ok());
+  t.host_ws.resize(t.host.workspace_bytes);
+  t.device_ws.resize(t.device.workspace_bytes);
+  return t;
+}
+
 /// `policy.evict` over `host` (host views) on backend::Scalar and over `device` (the same data, views tagged
 /// kEmulatedDevice) on EmulatedDevice: the same requirements and identical KeepSets.
 template <class Policy, class In>
 void require_same_evict(const Policy& policy, const kvpolicy::ProblemShape& shape, std::span<const In> host, std::span<const In> device) {
   using namespace kvpolicy;
-  const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
-  const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
-  INFO(hreq.status.message() << " / " << dreq.status.message());
-  REQUIRE(hreq.status.is_ok());
-  REQUIRE(dreq.status.is_ok());
+  TwoSides sides = two_sides(policy, shape);
+  const Requirements &hreq = sides.host, &dreq = sides.device;
   REQUIRE(dreq.output.rows == hreq.output.rows);
   REQUIRE(dreq.output.capacity == hreq.output.capacity);
-  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+  std::vector<std::byte>&hws = sides.host_ws, &dws = sides.device_ws;
   KeepSetBuffer want(hreq.output.rows, hreq.output.capacity), got(dreq.output.rows, dreq.output.capacity);
   got.fill_sentinel();
   const Status hs = policy.evict(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, host, want.view());

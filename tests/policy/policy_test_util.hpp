@@ -12,7 +12,7 @@
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/policy/policy.hpp"
-#include "policy/keep_set_buffer.hpp"
+#include "keep_set_buffer.hpp"
 
 #define STATIC_ASSERT_POLICY(P)                                                                                       \
   static_assert(::kvpolicy::EvictionPolicy<P, ::kvpolicy::ScoreInput<float, float>>, #P " is not an EvictionPolicy"); \
@@ -20,6 +20,36 @@
 
 namespace kvp_test {
 using namespace kvpolicy;
+
+/// A page pool's strides and page count, from `fill_page_pool`.
+struct PagePoolShape {
+  PageStrides strides{};
+  std::int32_t num_pages = 0;
+};
+
+/// Lays one sequence's rows value(h, t, c) (Hkv kv heads, T tokens, d channels) into a pool of `ps`-token pages
+/// in `layout`: its page ids are the first of a permutation (mt19937 seeded with T) of pages + 3 pool pages, the
+/// spare pages keep `fill`. Writes the pool, the ids and the one-sequence CSR offsets (indptr, last_page_len).
+template <class Tp, class ValueFn>
+PagePoolShape fill_page_pool(std::int64_t Hkv, std::int64_t T, std::int64_t d, std::int32_t ps, PageLayout layout, Tp fill, ValueFn value,
+                             std::vector<Tp>& pool, std::vector<std::int32_t>& ids, std::vector<std::int32_t>& indptr,
+                             std::vector<std::int32_t>& last) {
+  const auto pages = static_cast<std::int32_t>((T + ps - 1) / ps), pool_pages = pages + 3;
+  const PageStrides st = PageStrides::contiguous(layout, Hkv, ps, d);
+  pool.assign(static_cast<std::size_t>(pool_pages) * static_cast<std::size_t>(st.page), fill);
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(pool_pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(static_cast<std::uint32_t>(T)));
+  ids.assign(perm.begin(), perm.begin() + pages);
+  indptr = {0, pages};
+  last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(pages - 1) * ps)};
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t h = 0; h < Hkv; ++h)
+      for (std::int64_t c = 0; c < d; ++c)
+        pool[static_cast<std::size_t>(ids[static_cast<std::size_t>(t / ps)] * st.page + (t % ps) * st.slot + h * st.head + c)] =
+            value(h, t, c);
+  return {st, pool_pages};
+}
 
 /// Random queries (Hq, w, d) fp32 and keys (Hkv, T, d) of type Tk, with a few
 /// heavy keys so that scores are not flat.
@@ -73,24 +103,13 @@ struct RandomCase {
   /// tags the queries and the pool (page ids included) as that device's
   /// memory (an emulated device's); the CSR offsets stay host arrays.
   ScoreInput<float, Tk> paged_input(std::int32_t ps, Device dev = kHost) const {
-    const std::int32_t pages = static_cast<std::int32_t>((T + ps - 1) / ps), pool_pages = pages + 3;
-    const PageStrides st = PageStrides::contiguous(PageLayout::kNHD, Hkv, ps, d);
-    pool.assign(static_cast<std::size_t>(pool_pages) * st.page, from_float<Tk>(-1e6f));
-    std::vector<std::int32_t> perm(pool_pages);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), std::mt19937(T));
-    indices.assign(perm.begin(), perm.begin() + pages);
-    indptr = {0, pages};
-    last = {static_cast<std::int32_t>(T - static_cast<std::int64_t>(pages - 1) * ps)};
-    for (std::int64_t t = 0; t < T; ++t)
-      for (std::int64_t h = 0; h < Hkv; ++h)
-        for (std::int64_t c = 0; c < d; ++c)
-          pool[indices[t / ps] * st.page + (t % ps) * st.slot + h * st.head + c] = from_float<Tk>(keys[(h * T + t) * d + c]);
+    const auto key = [&](std::int64_t h, std::int64_t t, std::int64_t c) { return from_float<Tk>(keys[(h * T + t) * d + c]); };
+    const PagePoolShape shape = fill_page_pool(Hkv, T, d, ps, PageLayout::kNHD, from_float<Tk>(-1e6f), key, pool, indices, indptr, last);
     paged = PagedKVView<const Tk>{pool.data(),
                                   nullptr,
-                                  st,
-                                  st,
-                                  pool_pages,
+                                  shape.strides,
+                                  shape.strides,
+                                  shape.num_pages,
                                   static_cast<std::int32_t>(Hkv),
                                   ps,
                                   static_cast<std::int32_t>(d),

@@ -122,17 +122,13 @@ TEST_CASE("device path: Expected Attention (scores and kept sets) equals the hos
       const ExpectedAttention policy(params);
       INFO("T " << T << " cov " << params.use_covariance << " vnorm " << params.use_vnorm);
       const ProblemShape shape{Hq, Hkv, d, T, q_len};
-      const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
-      const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
-      REQUIRE(hreq.status.is_ok());
-      REQUIRE(dreq.status.is_ok());
-      std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+      kvp_test::TwoSides sides = kvp_test::two_sides(policy, shape);
       std::vector<float> hs(static_cast<std::size_t>(Hkv * T)), ds(hs.size(), -1.0f);
       REQUIRE(policy
-                  .score(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, input(Device{}),
+                  .score(Context<backend::Scalar>{sides.host_workspace()}, input(Device{}),
                          TensorView<float, 2>::contiguous(hs.data(), {Hkv, T}))
                   .is_ok());
-      const Status st = policy.score(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, input(kvp_test::kEmulatedDevice),
+      const Status st = policy.score(Context<EmulatedDevice>{sides.device_workspace()}, input(kvp_test::kEmulatedDevice),
                                      TensorView<float, 2>::contiguous(ds.data(), {Hkv, T}, kvp_test::kEmulatedDevice));
       INFO(st.message());
       REQUIRE(st.is_ok());
@@ -191,18 +187,13 @@ TEST_CASE("device path: H2O's update from queries over paged keys equals the den
     const H2O policy(params);
     for (const std::int32_t ps : {16, 7}) {
       INFO("page size " << ps << " reduce " << static_cast<int>(red));
-      const ProblemShape shape{Hq, Hkv, d, T, T};
-      const Requirements hreq = policy.requirements(Context<backend::Scalar>{}, shape);
-      const Requirements dreq = policy.requirements(Context<EmulatedDevice>{}, shape);
-      REQUIRE(hreq.status.is_ok());
-      REQUIRE(dreq.status.is_ok());
-      std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes);
+      kvp_test::TwoSides sides = kvp_test::two_sides(policy, ProblemShape{Hq, Hkv, d, T, T});
       std::vector<float> hs(static_cast<std::size_t>(Hkv * cap), -1.0f), ds(hs.size(), -1.0f);
       H2OState hst{TensorView<float, 2>::contiguous(hs.data(), {Hkv, cap}), 0};
       H2OState dst{TensorView<float, 2>::contiguous(ds.data(), {Hkv, cap}, kvp_test::kEmulatedDevice), 0};
-      REQUIRE(policy.update(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, hst, rc.input()).is_ok());
+      REQUIRE(policy.update(Context<backend::Scalar>{sides.host_workspace()}, hst, rc.input()).is_ok());
       const Status st =
-          policy.update(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, dst, rc.paged_input(ps, kvp_test::kEmulatedDevice));
+          policy.update(Context<EmulatedDevice>{sides.device_workspace()}, dst, rc.paged_input(ps, kvp_test::kEmulatedDevice));
       INFO(st.message());
       REQUIRE(st.is_ok());
       REQUIRE(dst.length == hst.length);

@@ -83,6 +83,16 @@ struct Stored {
   }
 };
 
+/// The same input with every view (queries, codes, scales, residual) tagged as the emulated device's memory.
+QuantScoreInput<float> on_emulated_device(QuantScoreInput<float> in) {
+  const auto tag = [](auto v) { return decltype(v)(v.data(), v.extents(), v.strides(), kvp_test::kEmulatedDevice); };
+  in.queries = tag(in.queries);
+  in.keys.region.codes = tag(in.keys.region.codes);
+  if (in.keys.region.scales.data() != nullptr) in.keys.region.scales = tag(in.keys.region.scales);
+  if (in.keys.residual_len > 0) in.keys.residual = tag(in.keys.residual);
+  return in;
+}
+
 template <class Backend, class S, class In>
 std::vector<float> scores_of(const S& s, const In& in, const ExecContext& exec) {
   const Requirements r = s.requirements(Context<Backend>{{}, exec}, ProblemShape{Hq, H, d, T, W});
@@ -128,12 +138,7 @@ void check_format(const P& p, const char* name) {
   // emulated device: the same scores as the host.
   {
     using kvp_test::kEmulatedDevice;
-    const auto tag = [](auto v) { return decltype(v)(v.data(), v.extents(), v.strides(), kEmulatedDevice); };
-    QuantScoreInput<float> dev = qin;
-    dev.queries = tag(dev.queries);
-    dev.keys.region.codes = tag(dev.keys.region.codes);
-    if (dev.keys.region.scales.data() != nullptr) dev.keys.region.scales = tag(dev.keys.region.scales);
-    if (dev.keys.residual_len > 0) dev.keys.residual = tag(dev.keys.residual);
+    const QuantScoreInput<float> dev = on_emulated_device(qin);
     REQUIRE(scores_of<kvp_test::EmulatedDevice>(qsnap, dev, {}) == scores_of<backend::Scalar>(snap, din, {}));
     // Host views on the device path are refused by name.
     const Requirements r = qsnap.requirements(Context<kvp_test::EmulatedDevice>{}, ProblemShape{Hq, H, d, T, W});
@@ -186,14 +191,8 @@ void check_format(const P& p, const char* name) {
   // TOVA's device path (heads into workspace rows, one group_reduce, the mean copied into every row) on the
   // emulated device: bit-identical to the host path.
   {
-    using kvp_test::kEmulatedDevice;
-    const auto tag = [](auto v) { return decltype(v)(v.data(), v.extents(), v.strides(), kEmulatedDevice); };
-    QuantScoreInput<float> dev = tq;
-    dev.queries = tag(dev.queries);
-    dev.keys.region.codes = tag(dev.keys.region.codes);
-    if (dev.keys.region.scales.data() != nullptr) dev.keys.region.scales = tag(dev.keys.region.scales);
-    if (dev.keys.residual_len > 0) dev.keys.residual = tag(dev.keys.residual);
-    const auto on_device = scores_of<kvp_test::EmulatedDevice>(qtova, dev, {}), host = scores_of<backend::Scalar>(qtova, tq, {});
+    const auto on_device = scores_of<kvp_test::EmulatedDevice>(qtova, on_emulated_device(tq), {}),
+               host = scores_of<backend::Scalar>(qtova, tq, {});
     REQUIRE(std::memcmp(on_device.data(), host.data(), host.size() * sizeof(float)) == 0);
     for (std::int64_t j = 0; j < T; ++j) REQUIRE(on_device[static_cast<std::size_t>(j)] == on_device[static_cast<std::size_t>(T + j)]);
   }
