@@ -26,6 +26,8 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/kvpress_merging.hpp"
+#include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 
 #if defined(__CUDA_RUNTIME_H__) || defined(__CUDA_RUNTIME_API_H__) || defined(__CUDACC__)
@@ -778,4 +780,76 @@ TEST_CASE("cuda rank_tiers: bad arguments are recorded, nothing enqueued", "[cud
   refuses([] { Cuda::rank_tiers(fake<const float>(1), 2, 10, 8, 4, 2, fake<std::int32_t>(2), fake<std::uint8_t>(3), 4, {}); }, "ld >= n");
   refuses([] { Cuda::rank_tiers(nullptr, 2, 10, 10, 4, 2, fake<std::int32_t>(2), fake<std::uint8_t>(3), 4, {}); }, "is null");
   CHECK(Cuda::rank_tiers_workspace(1000) == 0);
+}
+
+static_assert(kvpolicy::MergeOps<Cuda, float> && kvpolicy::MergeOps<Cuda, kvpolicy::half> && kvpolicy::MergeOps<Cuda, kvpolicy::bfloat16>,
+              "backend::Cuda models the merge op");
+
+TEST_CASE("cuda merge_head: bad arguments are recorded, nothing enqueued", "[cuda][args][merging]") {
+  using kvpolicy::MergeRule;
+  const Rows<float> rows{fake<const float>(1), 16, nullptr, 0, 0};
+  const Workspace ws{fake<void>(9), Cuda::merge_head_workspace(10, 16)};
+  require_recorded(
+      [&] {
+        Cuda::merge_head(MergeRule{}, rows, rows, fake<const std::int32_t>(2), 11, 10, 16, nullptr, fake<std::int32_t>(3),
+                         fake<std::int32_t>(4), fake<float>(5), nullptr, 0, nullptr, 0, ws);
+      },
+      "need 0 <= C <= T");
+  require_recorded(
+      [&] {
+        Cuda::merge_head(MergeRule{}, rows, rows, fake<const std::int32_t>(2), 4, 10, 16, nullptr, nullptr, fake<std::int32_t>(4),
+                         fake<float>(5), nullptr, 0, nullptr, 0, ws);
+      },
+      "dst, src or weight is null");
+  require_recorded(
+      [&] {
+        Cuda::merge_head(MergeRule{}, rows, rows, nullptr, 4, 10, 16, nullptr, fake<std::int32_t>(3), fake<std::int32_t>(4), fake<float>(5),
+                         nullptr, 0, nullptr, 0, ws);
+      },
+      "kept, keys or values is null");
+  MergeRule state_rule;
+  state_rule.beta = kvpolicy::MergeBeta::kStateWeight;
+  require_recorded(
+      [&] {
+        Cuda::merge_head(state_rule, rows, rows, fake<const std::int32_t>(2), 4, 10, 16, nullptr, fake<std::int32_t>(3),
+                         fake<std::int32_t>(4), fake<float>(5), nullptr, 0, nullptr, 0, ws);
+      },
+      "w is null");
+  require_recorded(
+      [&] {
+        Cuda::merge_head(MergeRule{}, rows, rows, fake<const std::int32_t>(2), 4, 10, 16, nullptr, fake<std::int32_t>(3),
+                         fake<std::int32_t>(4), fake<float>(5), nullptr, 0, nullptr, 0, Workspace{fake<void>(9), 64});
+      },
+      "workspace is 64 bytes");
+}
+
+TEST_CASE("cuda merging policies: host checks before anything is enqueued", "[cuda][policy][merging]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t H = 2, T = 10, d = 16;
+  MergeInput<half> in;
+  in.keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(1), {H, T, d}, {T * d, d, 1}, gpu));
+  in.values = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(2), {H, T, d}, {T * d, d, 1}, gpu));
+  std::int32_t kindptr[3] = {0, 4, 8}, pindptr[3] = {-7, -7, -7};
+  const KeepSet keep{kindptr, fake<std::int32_t>(3), H, 8};
+  MergePlan plan{pindptr, fake<std::int32_t>(4), fake<std::int32_t>(5), fake<float>(6), H, H * T};
+  plan.merged_values = TensorView<float, 2>(fake<float>(7), {H * T, d}, {d, 1}, gpu);
+  plan.slots_per_row = T;
+  const std::size_t need = Cuda::merge_head_workspace(T, d);
+  const Requirements r = KvpressMerging{}.requirements(Context<Cuda>{}, ProblemShape{H, H, d, T, 1});
+  REQUIRE(r.status.is_ok());
+  CHECK(r.workspace_bytes == need);
+  const Context<Cuda> small{Workspace{fake<void>(8), need - 1}};
+  require_refused(KvpressMerging{}.merge(small, in, keep, plan), StatusCode::kWorkspaceTooSmall, "workspace");
+  MergeInput<half> host_keys = in;
+  host_keys.keys = KVSource<half>::from(TensorView<const half, 3>(fake<const half>(1), {H, T, d}, {T * d, d, 1}));
+  const Context<Cuda> cx{Workspace{fake<void>(8), need}};
+  require_refused(KvpressMerging{}.merge(cx, host_keys, keep, plan), StatusCode::kInvalidArgument, "keys is a host tensor");
+  MergePlan host_plan = plan;
+  host_plan.merged_values = TensorView<float, 2>(fake<float>(7), {H * T, d}, {d, 1});
+  require_refused(LookMPivot{}.merge(cx, in, keep, host_plan), StatusCode::kInvalidArgument, "merged_values is a host tensor");
+  std::int32_t long_row[3] = {0, 11, 12};
+  require_refused(LookMPivot{}.merge(cx, in, KeepSet{long_row, fake<std::int32_t>(3), H, 12}, plan), StatusCode::kInvalidArgument,
+                  "at most kv_len");
+  CHECK(pindptr[0] == -7);  // nothing written
 }

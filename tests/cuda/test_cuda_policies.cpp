@@ -1380,6 +1380,113 @@ TEST_CASE("cuda QuantizedKeys<SnapKV, *> and <TOVA, *>: scores from ggml / INT4 
   check_quantized_keys(tova, kvp::KiviQuant(kvp::KiviQuantParams{kvp::QuantRole::kKeys, 2, 32, 64}), 4);
 }
 
+namespace {
+
+/// One merge policy on Scalar (host, compacted plan) and on Cuda (device, dense plan rows): entries of merged
+/// tokens, merged rows and state weights bit-identical; every dense entry names its evicted token.
+template <class T, class Policy, class MakeInput>
+void require_cuda_merge(const Policy& policy, MakeInput&& make_input, std::int64_t H, std::int64_t T_, std::int64_t d, bool keys,
+                        bool state) {
+  Stream st;
+  const auto k = random_vector<T>(static_cast<std::size_t>(H * T_ * d), 41), v = random_vector<T>(static_cast<std::size_t>(H * T_ * d), 42);
+  std::vector<std::int32_t> kindptr{0}, kind;
+  for (std::int64_t h = 0; h < H; ++h) {
+    for (std::int32_t j = 0; j < T_; ++j)
+      if (h == 2 ? false : (h == 3 || j < 4 || j >= T_ - 8 || (j * 7 + h) % 5 == 0)) kind.push_back(j);
+    kindptr.push_back(static_cast<std::int32_t>(kind.size()));
+  }
+  std::vector<float> w(static_cast<std::size_t>(H * T_));
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = 0.5f + static_cast<float>(i % 7) * 0.25f;
+  const std::int64_t cap = H * T_, rows = H * T_;
+  // Host reference.
+  std::vector<std::int32_t> hindptr(H + 1), hdst(cap), hsrc(cap);
+  std::vector<float> hweight(cap), hkeys(keys ? rows * d : 0, -7.0f), hvalues(rows * d, -7.0f), hw = w;
+  kvp::MergePlan hplan{hindptr.data(), hdst.data(), hsrc.data(), hweight.data(), H, cap};
+  if (keys) hplan.merged_keys = kvp::TensorView<float, 2>::contiguous(hkeys.data(), {rows, d});
+  hplan.merged_values = kvp::TensorView<float, 2>::contiguous(hvalues.data(), {rows, d});
+  hplan.slots_per_row = T_;
+  const kvp::KeepSet hkeep{kindptr.data(), kind.data(), H, static_cast<std::int64_t>(kind.size())};
+  const auto hreq = policy.requirements(kvp::Context<Scalar>{}, kvp::ProblemShape{H, H, d, T_, 1});
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  KVP_REQUIRE_OK(policy.merge(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}},
+                              make_input(kvp::TensorView<const T, 3>::contiguous(k.data(), {H, T_, d}),
+                                         kvp::TensorView<const T, 3>::contiguous(v.data(), {H, T_, d}),
+                                         state ? kvp::TensorView<float, 2>::contiguous(hw.data(), {H, T_}) : kvp::TensorView<float, 2>{}),
+                              hkeep, hplan));
+  // Device run.
+  const kvp::Device dev{kvp::DeviceType::kCUDA, 0};
+  DeviceBuffer dk(k), dv(v), dkind(kind), dw(w), ddst(cap * sizeof(std::int32_t)), dsrc(cap * sizeof(std::int32_t)),
+      dweight(cap * sizeof(float)), dkeys(std::vector<float>(keys ? rows * d : 1, -7.0f)), dvalues(std::vector<float>(rows * d, -7.0f));
+  std::vector<std::int32_t> dindptr(H + 1);
+  kvp::MergePlan dplan{dindptr.data(), ddst.get<std::int32_t>(), dsrc.get<std::int32_t>(), dweight.get<float>(), H, cap};
+  if (keys) dplan.merged_keys = kvp::TensorView<float, 2>::contiguous(dkeys.get<float>(), {rows, d}, dev);
+  dplan.merged_values = kvp::TensorView<float, 2>::contiguous(dvalues.get<float>(), {rows, d}, dev);
+  dplan.slots_per_row = T_;
+  const kvp::KeepSet dkeep{kindptr.data(), dkind.get<std::int32_t>(), H, static_cast<std::int64_t>(kind.size())};
+  const auto dreq = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{H, H, d, T_, 1});
+  KVP_REQUIRE_OK(dreq.status);
+  DeviceBuffer dws(dreq.workspace_bytes);
+  KVP_REQUIRE_OK(
+      policy.merge(kvp::Context<Cuda>{dws.workspace(), {}, st.s},
+                   make_input(kvp::TensorView<const T, 3>::contiguous(dk.get<const T>(), {H, T_, d}, dev),
+                              kvp::TensorView<const T, 3>::contiguous(dv.get<const T>(), {H, T_, d}, dev),
+                              state ? kvp::TensorView<float, 2>::contiguous(dw.get<float>(), {H, T_}, dev) : kvp::TensorView<float, 2>{}),
+                   dkeep, dplan));
+  st.sync();
+  const auto gdst = ddst.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
+  const auto gsrc = dsrc.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
+  const auto gweight = dweight.download<float>(static_cast<std::size_t>(dindptr[H]));
+  std::int64_t merged = 0;
+  for (std::int64_t h = 0; h < H; ++h) {
+    REQUIRE(dindptr[h + 1] - dindptr[h] == T_ - (kindptr[h + 1] - kindptr[h]));
+    std::int32_t hi = hindptr[h];
+    for (std::int32_t i = dindptr[h]; i < dindptr[h + 1]; ++i) {
+      INFO("head " << h << " dense entry " << i - dindptr[h]);
+      if (gdst[i] < 0) {
+        REQUIRE(gweight[i] == 0.0f);
+        continue;
+      }
+      REQUIRE(hi < hindptr[h + 1]);
+      REQUIRE(gdst[i] == hdst[hi]);
+      REQUIRE(gsrc[i] == hsrc[hi]);
+      REQUIRE(same_bits({gweight[i]}, {hweight[hi]}));
+      ++hi;
+      ++merged;
+    }
+    REQUIRE(hi == hindptr[h + 1]);
+  }
+  REQUIRE(merged > 0);
+  if (keys) REQUIRE(same_bits(dkeys.download<float>(hkeys.size()), hkeys));
+  REQUIRE(same_bits(dvalues.download<float>(hvalues.size()), hvalues));
+  if (state) REQUIRE(same_bits(dw.download<float>(hw.size()), hw));
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda merging: kvpress MergingPress, LOOK-M and NearestKeptMerge through merge_head equal Scalar bit for bit",
+                   "[cuda][merging]", float, kvp::half, kvp::bfloat16) {
+  using T = TestType;
+  const std::int64_t H = 4, T_ = 301, d = 72;
+  auto plain = [](kvp::TensorView<const T, 3> k, kvp::TensorView<const T, 3> v, kvp::TensorView<float, 2>) {
+    kvp::MergeInput<T> in;
+    in.keys = kvp::KVSource<T>::from(k);
+    in.values = kvp::KVSource<T>::from(v);
+    return in;
+  };
+  auto with_state = [](kvp::TensorView<const T, 3> k, kvp::TensorView<const T, 3> v, kvp::TensorView<float, 2> w) {
+    kvp::NearestKeptInput<T> in;
+    in.keys = kvp::KVSource<T>::from(k);
+    in.values = kvp::KVSource<T>::from(v);
+    in.state.weights = w;
+    return in;
+  };
+  require_cuda_merge<T>(kvp::KvpressMerging(kvp::KvpressMergingParams{0.0f, 1.0f}), plain, H, T_, d, false, false);
+  require_cuda_merge<T>(kvp::KvpressMerging(kvp::KvpressMergingParams{0.05f, 0.4f}), plain, H, T_, d, false, false);
+  require_cuda_merge<T>(kvp::LookMPivot{}, plain, H, T_, d, true, false);
+  require_cuda_merge<T>(kvp::NearestKeptMerge{}, with_state, H, T_, d, true, true);
+  require_cuda_merge<T>(kvp::NearestKeptMerge(kvp::NearestKeptMergeParams{0.0f, true}), with_state, H, T_, d, true, true);
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

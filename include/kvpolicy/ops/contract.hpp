@@ -111,6 +111,17 @@ concept QuantOps = requires(GgmlType t, const TokenRowCodec& c, const kivi::Code
   B::kivi_update_residual(hres, n, n, n, x, n, n, n);
 };
 
+/// One kv head's nearest-kept linear merge (ops/merge_scalar.hpp): what the
+/// token-merging policies (kvpress MergingPress, LOOK-M, NearestKeptMerge)
+/// call on a device backend. Host backends run the same arithmetic per row
+/// through `ReduceOps` (row_dots, widen_row, row_norm).
+template <class B, class Tk = float>
+concept MergeOps = requires(const MergeRule& rule, Rows<Tk> rows, const std::int32_t* cidx, std::int32_t* idx, float* x, std::int64_t n,
+                            Workspace ws) {
+  { B::merge_head_workspace(n, n) } -> std::same_as<std::size_t>;
+  B::merge_head(rule, rows, rows, cidx, n, n, n, x, idx, idx, x, x, n, x, n, ws);
+};
+
 /// Everything a host policy calls, for the key dtypes the library stores.
 template <class B>
 concept HostBackend = ScoreOps<B, float> && ScoreOps<B, half> && ScoreOps<B, bfloat16> && PageOps<B, float, float> &&
@@ -120,5 +131,7 @@ concept HostBackend = ScoreOps<B, float> && ScoreOps<B, half> && ScoreOps<B, bfl
 };
 
 static_assert(HostBackend<backend::Scalar>, "the scalar reference must model the whole contract");
+static_assert(MergeOps<backend::Scalar, float> && MergeOps<backend::Scalar, half> && MergeOps<backend::Scalar, bfloat16>,
+              "the scalar reference must model the merge op");
 
 KVP_NAMESPACE_END

@@ -22,6 +22,7 @@
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/rows.hpp"
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/merge_scalar.hpp"
 #include "kvpolicy/ops/paged_scalar.hpp"
 #include "kvpolicy/ops/quant_scalar.hpp"
 #include "kvpolicy/ops/reduce_scalar.hpp"
@@ -348,7 +349,7 @@ struct ScalarScoreOps {
 };
 
 /// The scalar reference backend: the union of every op family.
-struct Scalar : ScalarScoreOps, ScalarPageOps, ScalarReduceOps, ScalarQuantOps {};
+struct Scalar : ScalarScoreOps, ScalarPageOps, ScalarReduceOps, ScalarQuantOps, ScalarMergeOps {};
 
 }  // namespace backend
 

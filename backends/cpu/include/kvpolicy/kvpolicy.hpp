@@ -36,6 +36,7 @@
 
 #include "kvpolicy/ops/batched.hpp"
 #include "kvpolicy/ops/contract.hpp"
+#include "kvpolicy/ops/merge_scalar.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 
 #include "kvpolicy/policy/budget.hpp"

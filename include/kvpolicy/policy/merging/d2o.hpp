@@ -269,9 +269,11 @@ class D2O {
             1.0f / (1.0f + (params_.weighting == D2OWeighting::kAsCoded ? static_cast<float>(s.slot_count[k]) : s.slot_sum[k]));
       auto one = [](std::int64_t) { return 1.0f; };
       if (!out.merged_keys.empty())
-        detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, one, out.merged_keys, h * out.slots_per_row);
+        detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, one, &out.merged_keys(h * out.slots_per_row, 0),
+                             out.merged_keys.stride(0));
       if (!out.merged_values.empty())
-        detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, one, out.merged_values, h * out.slots_per_row);
+        detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, one, &out.merged_values(h * out.slots_per_row, 0),
+                             out.merged_values.stride(0));
       pos = detail::write_entries(out, pos, s);
       out.indptr[h + 1] = static_cast<std::int32_t>(pos);
     }

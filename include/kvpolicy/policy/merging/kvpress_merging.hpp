@@ -29,10 +29,8 @@
 //    which gates every token of the row off.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "kvpolicy/policy/merging/merge_common.hpp"
 
@@ -67,85 +65,38 @@ class KvpressMerging {
     return Status::ok();
   }
 
-  /// Workspace for one row; plan rows = kv heads, capacity = one entry per evicted token.
+  /// Plan rows = kv heads, capacity = one entry per evicted token; the
+  /// workspace of `detail::rule_merge` (one row per worker, or one head on a
+  /// device backend).
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& shape) const noexcept {
-    return detail::merge_requirements(
-        kName, validate_params(), shape,
-        detail::rows_workspace(workspace(shape.max_kv_len, shape.head_dim).total(), shape.num_kv_heads, ctx.exec), 1);
+    return detail::rule_merge_requirements(kName, validate_params(), ctx, shape);
   }
 
-  /// Reads keys and values; writes the plan and `merged_values` (merged_keys must be empty).
+  /// Reads keys and values; writes the plan and `merged_values` (merged_keys
+  /// must be empty). On a device backend (views tagged kCUDA) the heads run
+  /// as `Backend::merge_head` and the plan's rows are dense
+  /// (`detail::rule_merge`).
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.keys, "keys", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
-    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/false));
-    const std::size_t per = workspace(T, d).total();
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::rows_workspace(per, H, cx.exec)));
-    detail::for_each_row(
-        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
-        [&](std::int64_t h, Workspace ws, std::int64_t pos) -> std::int64_t {
-          const auto kept = keep.row(h);
-          const auto C = static_cast<std::int64_t>(kept.size());
-          if (C == 0 || C == T) return pos;  // kvpress: nothing to merge
-          WorkspaceCarver c(ws);
-          const std::size_t nb = detail::nearest_workspace(T, d).bytes;
-          detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-          float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-          const Rows<Tk> K = in.keys.rows(h), V = in.values.rows(h);
-          detail::nearest_kept<Backend>(K, kept, T, d, kEps, s);
-          const std::int64_t E = s.num_evicted;
-          // 2-3: threshold and fraction gates (ok encoded as target >= 0).
-          for (std::int64_t i = 0; i < E; ++i)
-            if (!(s.sim[i] >= params_.similarity_threshold)) s.target[i] = -1;
-          if (params_.merge_fraction < 1.0f) {
-            const float q = quantile(s, E, sorted);
-            for (std::int64_t i = 0; i < E; ++i)
-              if (s.target[i] >= 0 && !(s.sim[i] >= q)) s.target[i] = -1;
-          }
-          // 4: similarity- and value-norm weights.
-          for (std::int64_t i = 0; i < E; ++i) {
-            if (s.target[i] < 0) continue;
-            const float en = Backend::row_norm(V.row(s.evicted[i]), d), tn = Backend::row_norm(V.row(kept[s.target[i]]), d);
-            const float w = std::max(s.sim[i], 0.0f) * en / (en + tn + kEps);
-            s.beta[i] = w;
-            if (!(w > 0.0f)) s.target[i] = -1;
-          }
-          // 5: normalised merge into the slots that received weight.
-          detail::slot_totals(s, C, s.slot_sum, s.slot_count);
-          for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (1.0f + s.slot_sum[k]);
-          if (!out.merged_values.empty())
-            detail::linear_merge(
-                V, kept, d, s, s.slot_count, [](std::int64_t) { return 1.0f; }, out.merged_values, h * out.slots_per_row);
-          return detail::write_entries(out, pos, s);
-        });
-    return Status::ok();
+    return detail::rule_merge(kName, cx, rule(), in, keep, out, nullptr, /*merges_keys=*/false);
+  }
+
+  /// Steps 1-5 above as a `MergeRule` (cosine eps and value eps 1e-6).
+  MergeRule rule() const noexcept {
+    MergeRule r;
+    r.eps = kEps;
+    r.threshold = params_.similarity_threshold;
+    r.fraction = params_.merge_fraction;
+    r.beta = MergeBeta::kValueNorms;
+    r.value_eps = kEps;
+    r.self = MergeSelf::kOne;
+    r.norm = MergeNorm::kOnePlusSum;
+    return r;
   }
 
  private:
-  static WorkspacePlan workspace(std::int64_t T, std::int64_t d) noexcept {
-    WorkspacePlan p;
-    p.add_bytes(detail::nearest_workspace(T, d).bytes);
-    p.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-    return p;
-  }
-
-  /// torch.quantile(x, 1 - merge_fraction) of x = (ok ? sim : -inf) over the
-  /// row's evicted tokens, in torch's float32 arithmetic (sort, rank, lerp).
-  float quantile(const detail::NearestScratch& s, std::int64_t E, float* sorted) const noexcept {
-    for (std::int64_t i = 0; i < E; ++i) sorted[i] = s.target[i] >= 0 ? s.sim[i] : -std::numeric_limits<float>::infinity();
-    std::sort(sorted, sorted + E);
-    const auto q = static_cast<float>(1.0 - static_cast<double>(params_.merge_fraction));
-    const float rank = q * static_cast<float>(E - 1);
-    const auto below = static_cast<std::int64_t>(rank), above = static_cast<std::int64_t>(std::ceil(rank));
-    const float w = rank - static_cast<float>(below), a = sorted[below], b = sorted[above];
-    return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-  }
-
   Params params_{};
 };
 

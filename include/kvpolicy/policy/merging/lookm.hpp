@@ -59,40 +59,27 @@ class LookMPivot {
 
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
-    return detail::merge_requirements(
-        kName, validate_params(), s,
-        detail::rows_workspace(detail::nearest_workspace(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec), 1);
+    return detail::rule_merge_requirements(kName, validate_params(), ctx, s);
   }
 
-  /// Reads keys and values; writes the plan, merged_keys and merged_values (either may be empty).
+  /// Reads keys and values; writes the plan, merged_keys and merged_values
+  /// (either may be empty). On a device backend (views tagged kCUDA) the
+  /// heads run as `Backend::merge_head` and the plan's rows are dense
+  /// (`detail::rule_merge`).
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
-    std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.keys, "keys", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
-    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true));
-    const std::size_t per = detail::nearest_workspace(T, d).total();
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::rows_workspace(per, H, cx.exec)));
-    detail::for_each_row(
-        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
-        [&](std::int64_t h, Workspace w, std::int64_t pos) -> std::int64_t {
-          const auto kept = keep.row(h);
-          const auto C = static_cast<std::int64_t>(kept.size());
-          if (C == 0) return pos;
-          detail::NearestScratch s(w, T, d);
-          detail::nearest_kept<Backend>(in.keys.rows(h), kept, T, d, kEps, s);
-          for (std::int64_t i = 0; i < s.num_evicted; ++i) s.beta[i] = 0.5f;
-          detail::slot_totals(s, C, s.slot_sum, s.slot_count);
-          for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (1.0f + static_cast<float>(s.slot_count[k]));
-          auto self = [&](std::int64_t k) { return 1.0f + 0.5f * static_cast<float>(s.slot_count[k]); };
-          if (!out.merged_keys.empty())
-            detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, self, out.merged_keys, h * out.slots_per_row);
-          if (!out.merged_values.empty())
-            detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, self, out.merged_values, h * out.slots_per_row);
-          return detail::write_entries(out, pos, s);
-        });
-    return Status::ok();
+    return detail::rule_merge(kName, cx, rule(), in, keep, out, nullptr, /*merges_keys=*/true);
+  }
+
+  /// The pivot average as a `MergeRule`: beta 1/2, self 1 + n_c/2, scale 1 / (1 + n_c).
+  static MergeRule rule() noexcept {
+    MergeRule r;
+    r.eps = kEps;
+    r.beta = MergeBeta::kConstant;
+    r.beta_value = 0.5f;
+    r.self = MergeSelf::kOnePlusHalfCount;
+    r.norm = MergeNorm::kOnePlusCount;
+    return r;
   }
 
  private:

@@ -7,17 +7,12 @@
 //   TorchBernoulli  the draws of `torch.manual_seed(seed); torch.bernoulli(p)`
 //                   on torch's CPU generator, element by element, so that a
 //                   stochastic merge (CaM) reproduces the reference bit for bit.
-//   detail::        the input checks, the nearest-kept cosine search and the
-//                   linear merge writer every token-merging policy is built on.
-//
-// The linear merge. Every token-level merge of the family (kvpress
-// MergingPress, D2O, LOOK-M, the nearest-kept weighted merge) computes, for a
-// kept slot c that received evicted tokens E_c,
-//     X'[c] = (self_c * X[c] + sum_{e in E_c} beta_e * X[e]) * scale_c
-// with per-policy `beta` (the evicted token's raw weight) and
-// `(self_c, scale_c)` from the slot's totals (sum of beta, count, persistent
-// weight). The plan records `weight = beta_e * scale_c`, the coefficient of
-// X[e] in X'[c]. Sums run in fp32 over evicted tokens in ascending token order.
+//   detail::        the input checks (host and device views), the plan
+//                   writers, and `rule_merge`: the driver of the policies
+//                   that are a `MergeRule` (ops/merge_scalar.hpp, where the
+//                   nearest-kept search and the linear merge live), on host
+//                   backends (rows in parallel, compacted plan) and device
+//                   backends (`Backend::merge_head` per kv head, dense plan).
 //
 // Keys are merged post-RoPE in every reference: a merged key sits at the
 // kept token's logical position (its RoPE phase is the kept token's, the
@@ -34,6 +29,7 @@
 #include "kvpolicy/apply/compact.hpp"
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/kv_source.hpp"
+#include "kvpolicy/ops/merge_scalar.hpp"
 #include "kvpolicy/policy/decisions.hpp"
 #include "kvpolicy/policy/policy.hpp"
 
@@ -70,14 +66,15 @@ namespace detail {
 
 /// Structure and shape checks of the keys / values a merge reads; `*shape`
 /// receives (kv heads, kv_len, head_dim) of whichever is present first.
+/// `on_device`: the call runs on a device backend (views tagged kCUDA, page ids not read).
 template <class Tk>
-Status check_merge_source(const char* who, const KVSource<Tk>& s, const char* name, std::int64_t* H, std::int64_t* T,
-                          std::int64_t* d) noexcept {
+Status check_merge_source(const char* who, const KVSource<Tk>& s, const char* name, std::int64_t* H, std::int64_t* T, std::int64_t* d,
+                          bool on_device = false) noexcept {
   if (s.empty()) return KVP_INVALID("%s: %s is missing (no data and no paged view)", who, name);
-  KVP_RETURN_IF_ERROR(s.validate(who, name));
+  KVP_RETURN_IF_ERROR(s.validate(who, name, on_device));
   if (s.paged != nullptr) {
-    KVP_RETURN_IF_ERROR(s.paged->validate(who, s.role == KVRole::kValues));
-    KVP_REQUIRE(s.paged->device.is_host(), "%s: paged %s live on a device; this entry point reads host memory", who, name);
+    KVP_RETURN_IF_ERROR(s.paged->validate(who, s.role == KVRole::kValues, /*check_ids=*/!on_device));
+    if (!on_device) KVP_REQUIRE(s.paged->device.is_host(), "%s: paged %s live on a device; this entry point reads host memory", who, name);
   }
   if (*H < 0) {
     *H = s.kv_heads();
@@ -96,15 +93,27 @@ Status check_merge_source(const char* who, const KVSource<Tk>& s, const char* na
 }
 
 /// The keep set is one sequence's: `H` rows, each strictly ascending in [0, T).
+/// `on_device`: the ids are device memory and are not read (indptr is a host
+/// array, as a device eviction writes it); the row sizes are checked.
 inline Status check_merge_keep(const char* who, const KeepSet& keep, std::int64_t H, std::int64_t T, std::int64_t* max_kept,
-                               std::int64_t* total_evicted) noexcept {
+                               std::int64_t* total_evicted, bool on_device = false) noexcept {
   KVP_REQUIRE(keep.indptr != nullptr, "%s: keep set indptr is null", who);
   KVP_REQUIRE(keep.num_rows == H, "%s: keep set has %lld rows, expected one per kv head (%lld): merges take one sequence", who,
               static_cast<long long>(keep.num_rows), static_cast<long long>(H));
   *max_kept = 0;
   *total_evicted = 0;
   for (std::int64_t h = 0; h < H; ++h) {
-    KVP_RETURN_IF_ERROR(check_keep_row(who, keep, h, T));
+    if (on_device) {
+      const std::int32_t b = keep.indptr[h], e = keep.indptr[h + 1];
+      KVP_REQUIRE(b >= 0 && e >= b && e <= keep.capacity && e - b <= T,
+                  "%s: keep set indptr[%lld..%lld] = [%d, %d) is not a range of at most kv_len=%lld of its %lld entries", who,
+                  static_cast<long long>(h), static_cast<long long>(h + 1), b, e, static_cast<long long>(T),
+                  static_cast<long long>(keep.capacity));
+      KVP_REQUIRE(e == b || keep.indices != nullptr, "%s: keep set indices is null but row %lld lists %d tokens", who,
+                  static_cast<long long>(h), e - b);
+    } else {
+      KVP_RETURN_IF_ERROR(check_keep_row(who, keep, h, T));
+    }
     *max_kept = std::max<std::int64_t>(*max_kept, keep.row_size(h));
     *total_evicted += T - keep.row_size(h);
   }
@@ -113,7 +122,7 @@ inline Status check_merge_keep(const char* who, const KeepSet& keep, std::int64_
 
 /// The plan's rows / capacity and its optional merged buffers.
 inline Status check_merge_plan(const char* who, const MergePlan& plan, std::int64_t H, std::int64_t d, std::int64_t max_kept,
-                               std::int64_t capacity_needed, bool merges_keys) noexcept {
+                               std::int64_t capacity_needed, bool merges_keys, bool on_device = false) noexcept {
   KVP_RETURN_IF_ERROR(plan.check_output(who, H, capacity_needed));
   if (!merges_keys)
     KVP_REQUIRE(plan.merged_keys.empty(), "%s: merged_keys is given, but this policy merges values only (pass an empty view)", who);
@@ -123,7 +132,11 @@ inline Status check_merge_plan(const char* who, const MergePlan& plan, std::int6
     const auto& v = *views[i];
     if (v.empty()) continue;
     KVP_RETURN_IF_ERROR(v.check_basic(who, names[i]));
-    KVP_REQUIRE(v.device().is_host(), "%s: %s is a device tensor; this entry point writes host memory", who, names[i]);
+    if (on_device)
+      KVP_REQUIRE(!v.device().is_host(), "%s: %s is a host tensor; a device backend writes device memory (tag the view kCUDA)", who,
+                  names[i]);
+    else
+      KVP_REQUIRE(v.device().is_host(), "%s: %s is a device tensor; this entry point writes host memory", who, names[i]);
     KVP_REQUIRE(v.extent(1) == d && (v.stride(1) == 1 || d == 1), "%s: %s has %lld columns (stride %lld), expected head_dim=%lld, stride 1",
                 who, names[i], static_cast<long long>(v.extent(1)), static_cast<long long>(v.stride(1)), static_cast<long long>(d));
     KVP_REQUIRE(plan.slots_per_row >= max_kept, "%s: merge plan slots_per_row is %lld, below the %lld kept tokens of a row", who,
@@ -160,170 +173,6 @@ inline Status check_attention_sums(const char* who, const TensorView<const float
       KVP_REQUIRE(std::isfinite(s(r, j)) && s(r, j) >= 0.0f, "%s: attention_sums(%lld, %lld) is %g, must be finite and >= 0", who,
                   static_cast<long long>(r), static_cast<long long>(j), static_cast<double>(s(r, j)));
   return Status::ok();
-}
-
-/// Evicted token ids of a keep row: the ascending complement in [0, T).
-inline std::int64_t evicted_of(std::span<const std::int32_t> kept, std::int64_t T, std::int32_t* out) noexcept {
-  std::int64_t n = 0;
-  std::size_t k = 0;
-  for (std::int64_t j = 0; j < T; ++j) {
-    if (k < kept.size() && kept[k] == j) {
-      ++k;
-      continue;
-    }
-    out[n++] = static_cast<std::int32_t>(j);
-  }
-  return n;
-}
-
-/// 8-way fp32 dot product (a fixed summation order, identical on every backend).
-inline float dot(const float* a, const float* b, std::int64_t d) noexcept {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  std::int64_t i = 0;
-  for (; i + 8 <= d; i += 8)
-    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
-  for (; i < d; ++i) acc[i % 8] += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
-
-/// Row j of `rows` widened to fp32 (and optionally divided by max(norm, eps)); returns the norm.
-/// (`Backend::widen_row`: exact on every backend, F16C for fp16 on the CPU backend.)
-template <class Backend, class T>
-float load_row(const Rows<T>& rows, std::int64_t j, std::int64_t d, float* out, float normalise_eps) noexcept {
-  Backend::widen_row(rows.row(j), d, out);
-  float ss = 0.0f;  // fp32 like kvpress's norms, in row_dots' fixed order (identical on every backend)
-  Backend::row_dots(out, out, 1, d, &ss);
-  const float n = std::sqrt(ss);
-  if (normalise_eps > 0.0f) {
-    const float inv = 1.0f / std::max(n, normalise_eps);
-    for (std::int64_t c = 0; c < d; ++c) out[c] *= inv;
-  }
-  return n;
-}
-
-/// Workspace of `nearest_kept` + `linear_merge` for one row of at most T tokens.
-inline WorkspacePlan nearest_workspace(std::int64_t T, std::int64_t d) noexcept {
-  const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1)), dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
-  WorkspacePlan p;
-  p.add<float>(t * dd);    // normalised kept keys
-  p.add<float>(dd);        // one evicted key
-  p.add<std::int32_t>(t);  // evicted ids
-  p.add<std::int32_t>(t);  // target slot per evicted token (-1: not merged)
-  p.add<float>(t);         // similarity
-  p.add<float>(t);         // beta
-  p.add<float>(t);         // per-slot sum of beta
-  p.add<std::int32_t>(t);  // per-slot count
-  p.add<float>(t);         // per-slot scale
-  p.add<float>(dd);        // one widened row
-  p.add<float>(t);         // the dots of one kept key with every evicted key
-  return p;
-}
-
-/// Scratch of one row's nearest-kept merge, carved from a workspace.
-struct NearestScratch {
-  float* kept_keys = nullptr;
-  float* key = nullptr;
-  std::int32_t* evicted = nullptr;
-  std::int32_t* target = nullptr;
-  float* sim = nullptr;
-  float* beta = nullptr;
-  float* slot_sum = nullptr;
-  std::int32_t* slot_count = nullptr;
-  float* slot_scale = nullptr;
-  float* row = nullptr;
-  float* dots = nullptr;
-  std::int64_t num_evicted = 0;
-
-  NearestScratch(Workspace ws, std::int64_t T, std::int64_t d) noexcept {
-    const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1)), dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
-    WorkspaceCarver c(ws);
-    kept_keys = c.take<float>(t * dd);
-    key = c.take<float>(dd);
-    evicted = c.take<std::int32_t>(t);
-    target = c.take<std::int32_t>(t);
-    sim = c.take<float>(t);
-    beta = c.take<float>(t);
-    slot_sum = c.take<float>(t);
-    slot_count = c.take<std::int32_t>(t);
-    slot_scale = c.take<float>(t);
-    row = c.take<float>(dd);
-    dots = c.take<float>(t);
-  }
-};
-
-/// For every evicted token e of the row: the kept slot c with the largest
-/// cosine similarity cos(K[e], K[kept[c]]) (ties: the smallest slot, i.e. the
-/// earliest kept token), and that similarity. Keys are divided by
-/// max(norm, eps) before the dot product (kvpress: eps 1e-6; torch
-/// cosine_similarity: 1e-8). A NaN similarity never wins; a row whose
-/// similarities are all NaN gets target -1.
-/// Order of work: the evicted keys are normalised once into the scratch
-/// (E x d, cache-resident for decode-size E), then every kept key is read
-/// once, normalised, and dotted with all of them (`Backend::row_dots`: the CPU
-/// backend's SIMD kernel, bit-identical to the scalar reference), so the cache
-/// is streamed once whatever E is.
-template <class Backend, class Tk>
-void nearest_kept(const Rows<Tk>& keys, std::span<const std::int32_t> kept, std::int64_t T, std::int64_t d, float eps,
-                  NearestScratch& s) noexcept {
-  const auto C = static_cast<std::int64_t>(kept.size());
-  s.num_evicted = evicted_of(kept, T, s.evicted);
-  const std::int64_t E = s.num_evicted;
-  float* ev = s.kept_keys;  // (E, d) normalised evicted keys
-  for (std::int64_t i = 0; i < E; ++i) {
-    load_row<Backend>(keys, s.evicted[i], d, ev + i * d, eps);
-    s.target[i] = -1;
-    s.sim[i] = std::numeric_limits<float>::quiet_NaN();
-  }
-  for (std::int64_t c = 0; c < C && E > 0; ++c) {
-    load_row<Backend>(keys, kept[static_cast<std::size_t>(c)], d, s.key, eps);
-    Backend::row_dots(s.key, ev, E, d, s.dots);
-    for (std::int64_t i = 0; i < E; ++i) {
-      const float v = s.dots[i];
-      if (v == v && (s.target[i] < 0 || v > s.sim[i])) {
-        s.sim[i] = v;
-        s.target[i] = static_cast<std::int32_t>(c);
-      }
-    }
-  }
-}
-
-/// Per-slot totals of the evicted tokens merged into it (target >= 0).
-inline void slot_totals(const NearestScratch& s, std::int64_t C, float* sum, std::int32_t* count) noexcept {
-  std::fill(sum, sum + C, 0.0f);
-  std::fill(count, count + C, 0);
-  for (std::int64_t i = 0; i < s.num_evicted; ++i)
-    if (s.target[i] >= 0) {
-      sum[s.target[i]] += s.beta[i];
-      ++count[s.target[i]];
-    }
-}
-
-/// X'[c] = (self_c * X[kept[c]] + sum_{e -> c} beta_e X[e]) * scale_c for every
-/// slot with count > 0, into `merged` rows [row0 + c]; `self_of(c)` gives self_c;
-/// `s.slot_scale[c]` must hold scale_c.
-template <class T, class SelfFn>
-void linear_merge(const Rows<T>& X, std::span<const std::int32_t> kept, std::int64_t d, const NearestScratch& s, const std::int32_t* count,
-                  SelfFn&& self_of, const TensorView<float, 2>& merged, std::int64_t row0) noexcept {
-  const auto C = static_cast<std::int64_t>(kept.size());
-  for (std::int64_t c = 0; c < C; ++c) {
-    if (count[c] == 0) continue;
-    float* out = &merged(row0 + c, 0);
-    std::fill(out, out + d, 0.0f);
-  }
-  for (std::int64_t i = 0; i < s.num_evicted; ++i) {
-    if (s.target[i] < 0) continue;
-    float* out = &merged(row0 + s.target[i], 0);
-    const T* x = X.row(s.evicted[i]);
-    const float b = s.beta[i];
-    for (std::int64_t k = 0; k < d; ++k) out[k] += b * to_float(x[k]);
-  }
-  for (std::int64_t c = 0; c < C; ++c) {
-    if (count[c] == 0) continue;
-    float* out = &merged(row0 + c, 0);
-    const T* x = X.row(kept[static_cast<std::size_t>(c)]);
-    const float a = self_of(c), sc = s.slot_scale[c];
-    for (std::int64_t k = 0; k < d; ++k) out[k] = (a * to_float(x[k]) + out[k]) * sc;
-  }
 }
 
 /// Appends row h's entries (target >= 0, ascending evicted ids) with weight beta * scale; returns the new size.
@@ -386,6 +235,103 @@ inline Requirements merge_requirements(const char* who, Status params, const Pro
   r.workspace_bytes = workspace;
   r.output = OutputSize{s.num_kv_heads, s.num_kv_heads * s.max_kv_len * entries_per_token};
   return r;
+}
+
+/// Scratch of one row of a `MergeRule` merge on a host backend.
+inline WorkspacePlan rule_row_workspace(std::int64_t T, std::int64_t d) noexcept {
+  return WorkspacePlan{}.add_bytes(nearest_workspace(T, d).bytes).add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+}
+
+/// Requirements of a `MergeRule` policy (one plan entry per evicted token):
+/// on a host backend one row's scratch per worker; on a device backend
+/// `Backend::merge_head_workspace` (the heads run one after another on the stream).
+template <class Backend>
+Requirements rule_merge_requirements(const char* who, Status params, const Context<Backend>& ctx, const ProblemShape& s) noexcept {
+  std::size_t ws = 0;
+  if constexpr (kDeviceBackend<Backend>)
+    ws = Backend::merge_head_workspace(s.max_kv_len, s.head_dim);
+  else
+    ws = rows_workspace(rule_row_workspace(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec);
+  return merge_requirements(who, params, s, ws, 1);
+}
+
+/// A `MergeRule` merge of one sequence (ops/merge_scalar.hpp), validated
+/// first, nothing written on error. `weights`: the state's masses (H, >= T),
+/// only for rules that use them.
+///
+/// Host backends: rows in parallel, the plan compacted (entries of merged
+/// tokens only, CSR by kv head).
+/// Device backends: one `Backend::merge_head` per kv head on the stream; the
+/// plan's `indptr` is a host array written from the keep set's row sizes and
+/// its rows are dense: every evicted token has an entry, dst = -1 and weight
+/// 0 when it is not merged (so the host needs no synchronisation and a CUDA
+/// graph replays the same shapes). Dropping the dst = -1 entries gives the
+/// host plan. Device memory is not scanned: the state's masses are not
+/// checked for NaN / <= 0 there.
+template <class Backend, class Tk>
+Status rule_merge(const char* who, const Context<Backend>& cx, const MergeRule& rule, const MergeInput<Tk>& in, const KeepSet& keep,
+                  MergePlan& out, const TensorView<float, 2>* weights, bool merges_keys) noexcept {
+  constexpr bool dev = kDeviceBackend<Backend>;
+  std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
+  KVP_RETURN_IF_ERROR(check_merge_source(who, in.keys, "keys", &H, &T, &d, dev));
+  KVP_RETURN_IF_ERROR(check_merge_source(who, in.values, "values", &H, &T, &d, dev));
+  KVP_RETURN_IF_ERROR(check_merge_keep(who, keep, H, T, &max_kept, &evicted, dev));
+  if (weights != nullptr) {
+    const auto& w = *weights;
+    KVP_RETURN_IF_ERROR(w.check_basic(who, "state weights"));
+    KVP_REQUIRE(w.extent(0) == H && w.extent(1) >= T, "%s: state weights has shape (%lld, %lld), expected (%lld, >= %lld)", who,
+                static_cast<long long>(w.extent(0)), static_cast<long long>(w.extent(1)), static_cast<long long>(H),
+                static_cast<long long>(T));
+    KVP_REQUIRE(w.stride(1) == 1 || w.extent(1) <= 1, "%s: state weights has column stride %lld, must be 1", who,
+                static_cast<long long>(w.stride(1)));
+    if (dev) {
+      KVP_REQUIRE(!w.device().is_host(), "%s: state weights is a host tensor; a device backend reads device memory (tag the view kCUDA)",
+                  who);
+    } else {
+      KVP_REQUIRE(w.device().is_host(), "%s: state weights is a device tensor; this entry point reads host memory", who);
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t j = 0; j < T; ++j)
+          KVP_REQUIRE(std::isfinite(w(h, j)) && w(h, j) > 0.0f, "%s: state weight (%lld, %lld) is %g, must be finite and > 0", who,
+                      static_cast<long long>(h), static_cast<long long>(j), static_cast<double>(w(h, j)));
+    }
+  }
+  KVP_RETURN_IF_ERROR(check_merge_plan(who, out, H, d, max_kept, evicted, merges_keys, dev));
+  auto w_row = [&](std::int64_t h) { return weights != nullptr && T > 0 ? &(*weights)(h, 0) : nullptr; };
+  auto mk = [&](std::int64_t h) { return out.merged_keys.empty() ? nullptr : &out.merged_keys(h * out.slots_per_row, 0); };
+  auto mv = [&](std::int64_t h) { return out.merged_values.empty() ? nullptr : &out.merged_values(h * out.slots_per_row, 0); };
+  const std::int64_t kld = out.merged_keys.empty() ? 0 : out.merged_keys.stride(0);
+  const std::int64_t vld = out.merged_values.empty() ? 0 : out.merged_values.stride(0);
+  if constexpr (dev) {
+    KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, Backend::merge_head_workspace(T, d)));
+    const BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    out.indptr[0] = 0;
+    for (std::int64_t h = 0; h < H; ++h) out.indptr[h + 1] = static_cast<std::int32_t>(out.indptr[h] + (T - keep.row_size(h)));
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t pos = out.indptr[h];
+      Backend::merge_head(rule, in.keys.rows(h), in.values.rows(h), keep.indices + keep.indptr[h], keep.row_size(h), T, d, w_row(h),
+                          out.dst + pos, out.src + pos, out.weight + pos, mk(h), kld, mv(h), vld, cx.workspace);
+    }
+    return call.end();
+  } else {
+    const std::size_t per = rule_row_workspace(T, d).total();
+    KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, rows_workspace(per, H, cx.exec)));
+    for_each_row(
+        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
+        [&](std::int64_t h, Workspace ws, std::int64_t pos) -> std::int64_t {
+          const auto kept = keep.row(h);
+          if (kept.empty()) return pos;  // nothing to merge into
+          WorkspaceCarver c(ws);
+          const std::size_t nb = nearest_workspace(T, d).bytes;
+          NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
+          float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+          const Rows<Tk> K = in.keys.rows(h), V = in.values.rows(h);
+          nearest_kept<Backend>(K, kept, T, d, rule.eps, s);
+          apply_merge_rule<Backend>(rule, K, V, kept, d, w_row(h), s, sorted, mk(h), kld, mv(h), vld);
+          return write_entries(out, pos, s);
+        });
+    return Status::ok();
+  }
 }
 
 /// Merged value rows of plan entries [first, last): merged[slot] = V[kept slot]

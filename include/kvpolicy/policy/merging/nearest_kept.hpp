@@ -87,61 +87,30 @@ class NearestKeptMerge {
 
   template <class Backend>
   Requirements requirements(const Context<Backend>& ctx, const ProblemShape& s) const noexcept {
-    return detail::merge_requirements(
-        kName, validate_params(), s,
-        detail::rows_workspace(detail::nearest_workspace(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec), 1);
+    return detail::rule_merge_requirements(kName, validate_params(), ctx, s);
   }
 
-  /// Reads keys, values and state.weights; writes the plan, merged_keys,
-  /// merged_values (either may be empty) and re-packs state.weights.
+  /// Reads keys, values and state.weights (column stride 1); writes the
+  /// plan, merged_keys, merged_values (either may be empty) and re-packs
+  /// state.weights. On a device backend (views and weights tagged kCUDA) the
+  /// heads run as `Backend::merge_head`, the plan's rows are dense and the
+  /// weights are not scanned for NaN / <= 0 (`detail::rule_merge`).
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const NearestKeptInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.keys, "keys", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
-    const auto& w = in.state.weights;
-    KVP_RETURN_IF_ERROR(w.check_basic(kName, "state weights"));
-    KVP_REQUIRE(w.extent(0) == H && w.extent(1) >= T, "nearest_kept: state weights has shape (%lld, %lld), expected (%lld, >= %lld)",
-                static_cast<long long>(w.extent(0)), static_cast<long long>(w.extent(1)), static_cast<long long>(H),
-                static_cast<long long>(T));
-    for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t j = 0; j < T; ++j)
-        KVP_REQUIRE(std::isfinite(w(h, j)) && w(h, j) > 0.0f, "nearest_kept: state weight (%lld, %lld) is %g, must be finite and > 0",
-                    static_cast<long long>(h), static_cast<long long>(j), static_cast<double>(w(h, j)));
-    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true));
-    const std::size_t per = detail::nearest_workspace(T, d).total();
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, detail::rows_workspace(per, H, cx.exec)));
-    detail::for_each_row(
-        cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
-        [&](std::int64_t h, Workspace ws, std::int64_t pos) -> std::int64_t {
-          const auto kept = keep.row(h);
-          const auto C = static_cast<std::int64_t>(kept.size());
-          if (C == 0) return pos;
-          detail::NearestScratch s(ws, T, d);
-          detail::nearest_kept<Backend>(in.keys.rows(h), kept, T, d, kEps, s);
-          for (std::int64_t i = 0; i < s.num_evicted; ++i) {
-            if (s.target[i] < 0 || !(s.sim[i] >= params_.threshold)) {
-              s.target[i] = -1;
-              continue;
-            }
-            s.beta[i] = w(h, s.evicted[i]) * (params_.scale_by_similarity ? std::max(s.sim[i], 0.0f) : 1.0f);
-            if (!(s.beta[i] > 0.0f)) s.target[i] = -1;
-          }
-          detail::slot_totals(s, C, s.slot_sum, s.slot_count);
-          for (std::int64_t k = 0; k < C; ++k) s.slot_scale[k] = 1.0f / (w(h, kept[static_cast<std::size_t>(k)]) + s.slot_sum[k]);
-          auto self = [&](std::int64_t k) { return w(h, kept[static_cast<std::size_t>(k)]); };
-          if (!out.merged_keys.empty())
-            detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, self, out.merged_keys, h * out.slots_per_row);
-          if (!out.merged_values.empty())
-            detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, self, out.merged_values, h * out.slots_per_row);
-          const std::int64_t end = detail::write_entries(out, pos, s);
-          for (std::int64_t k = 0; k < C; ++k)  // re-pack in kept order (kept[k] >= k: a forward sweep reads before it writes)
-            w(h, k) = w(h, kept[static_cast<std::size_t>(k)]) + s.slot_sum[k];
-          return end;
-        });
-    return Status::ok();
+    return detail::rule_merge(kName, cx, rule(), in, keep, out, &in.state.weights, /*merges_keys=*/true);
+  }
+
+  /// The algorithm above as a `MergeRule`.
+  MergeRule rule() const noexcept {
+    MergeRule r;
+    r.eps = kEps;
+    r.threshold = params_.threshold;
+    r.beta = MergeBeta::kStateWeight;
+    r.scale_by_similarity = params_.scale_by_similarity;
+    r.self = MergeSelf::kStateWeight;
+    r.norm = MergeNorm::kSelfPlusSum;
+    return r;
   }
 
  private:

@@ -296,6 +296,24 @@ struct Cuda {
   static void mean_rows(const TensorView<const half, 2> rows_device, float* mean_device) noexcept;
   static void mean_rows(const TensorView<const bfloat16, 2> rows_device, float* mean_device) noexcept;
 
+  // ---- merging: one kv head's nearest-kept linear merge -------------------
+
+  /// Bytes of device workspace `merge_head` needs for T tokens of head_dim d:
+  /// the (T, d) normalised keys plus eleven per-token arrays (host arithmetic).
+  static std::size_t merge_head_workspace(std::int64_t T, std::int64_t d) noexcept;
+
+  /// `ScalarMergeOps::merge_head` (ops/merge_scalar.hpp) on the device,
+  /// bit-identical: five launches (normalised keys, evicted ids, the nearest
+  /// kept slot of each evicted token, the rule in one block, the merged
+  /// rows), no allocation, no synchronisation. `kept` and `w` are device
+  /// memory, C / T / d host values; the dense plan entries (T - C of them)
+  /// are written on the device.
+  template <class Tk>
+  static void merge_head(const MergeRule& rule, const Rows<Tk>& keys_device, const Rows<Tk>& values_device, const std::int32_t* kept_device,
+                         std::int64_t C, std::int64_t T, std::int64_t d, float* w_device, std::int32_t* dst_device,
+                         std::int32_t* src_device, float* weight_device, float* merged_keys_device, std::int64_t kld,
+                         float* merged_values_device, std::int64_t vld, Workspace ws_device) noexcept;
+
   // ---- Ada-KV: one sequence's decision on the device ----------------------
 
   /// Bytes of device workspace `adakv_keep` needs for a (rows, T) score map:

@@ -1,0 +1,353 @@
+// SPDX-License-Identifier: Apache-2.0
+// `backend::ScalarMergeOps`: the nearest-kept linear merge of one kv head,
+// the op the token-merging policies (kvpress MergingPress, LOOK-M, the
+// nearest-kept weighted merge) run on a device backend, and the row kernels
+// their host paths share (detail::): the cosine search of every evicted token
+// for its most similar kept token, and the linear merge writer.
+//
+// The linear merge. For a kept slot c that received evicted tokens E_c,
+//     X'[c] = (self_c * X[c] + sum_{e in E_c} beta_e * X[e]) * scale_c
+// with `beta` the evicted token's raw weight and (self_c, scale_c) from the
+// slot's totals; a `MergeRule` names which formula each one follows. Sums run
+// in fp32 over evicted tokens in ascending token order, products and sums
+// each rounded on their own (no contraction), so every backend that follows
+// the order here gives the same bits.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include "kvpolicy/core/dtype.hpp"
+#include "kvpolicy/core/rows.hpp"
+#include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/reduce_scalar.hpp"
+
+KVP_NAMESPACE_BEGIN
+
+/// beta_e, the raw weight of evicted token e in its slot's merge.
+enum class MergeBeta : std::uint8_t {
+  kConstant,     ///< rule.beta_value (LOOK-M: 1/2)
+  kValueNorms,   ///< max(s_e, 0) |V_e| / (|V_e| + |V_c| + rule.value_eps), norms in fp64 (kvpress MergingPress)
+  kStateWeight,  ///< w[e], times max(s_e, 0) when rule.scale_by_similarity (NearestKeptMerge)
+};
+/// self_c, the kept token's own coefficient.
+enum class MergeSelf : std::uint8_t {
+  kOne,               ///< 1 (kvpress MergingPress)
+  kOnePlusHalfCount,  ///< 1 + n_c / 2 (LOOK-M's pivot average)
+  kStateWeight,       ///< w[c] (NearestKeptMerge)
+};
+/// scale_c = 1 / (this).
+enum class MergeNorm : std::uint8_t {
+  kOnePlusSum,    ///< 1 + sum_{e->c} beta_e
+  kOnePlusCount,  ///< 1 + n_c
+  kSelfPlusSum,   ///< w[c] + sum_{e->c} beta_e
+};
+
+/// How one nearest-kept merge weighs its tokens. Steps, per kv head:
+///   1. (s_e, c_e): the kept slot whose key has the largest cosine with K[e]
+///      (norms clamped at `eps`; ties: the earliest kept token; a NaN never wins).
+///   2. e is merged iff s_e >= threshold; with fraction < 1, also iff s_e >=
+///      the (1 - fraction)-quantile of (merged ? s : -inf) over the row's
+///      evicted tokens (torch.quantile's linear interpolation, in fp32).
+///   3. beta_e by `beta`; e is merged iff beta_e > 0.
+///   4. the linear merge with self_c, scale_c; with kStateWeight, the state is
+///      re-packed in kept order: w[c] <- w[kept[c]] + sum_{e->c} beta_e.
+struct MergeRule {
+  float eps = 1e-8f;
+  float threshold = -std::numeric_limits<float>::infinity();
+  float fraction = 1.0f;
+  MergeBeta beta = MergeBeta::kConstant;
+  float beta_value = 0.5f;
+  float value_eps = 1e-6f;
+  bool scale_by_similarity = false;
+  MergeSelf self = MergeSelf::kOne;
+  MergeNorm norm = MergeNorm::kOnePlusSum;
+  KVP_HOST_DEVICE bool uses_state() const noexcept {
+    return beta == MergeBeta::kStateWeight || self == MergeSelf::kStateWeight || norm == MergeNorm::kSelfPlusSum;
+  }
+};
+
+namespace detail {
+
+/// Evicted token ids of a keep row: the ascending complement in [0, T).
+inline std::int64_t evicted_of(std::span<const std::int32_t> kept, std::int64_t T, std::int32_t* out) noexcept {
+  std::int64_t n = 0;
+  std::size_t k = 0;
+  for (std::int64_t j = 0; j < T; ++j) {
+    if (k < kept.size() && kept[k] == j) {
+      ++k;
+      continue;
+    }
+    out[n++] = static_cast<std::int32_t>(j);
+  }
+  return n;
+}
+
+/// 8-way fp32 dot product (a fixed summation order, identical on every backend).
+inline float dot(const float* a, const float* b, std::int64_t d) noexcept {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+  for (; i < d; ++i) acc[i % 8] += a[i] * b[i];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/// Row j of `rows` widened to fp32 (and optionally divided by max(norm, eps)); returns the norm.
+/// (`Backend::widen_row`: exact on every backend, F16C for fp16 on the CPU backend.)
+template <class Backend, class T>
+float load_row(const Rows<T>& rows, std::int64_t j, std::int64_t d, float* out, float normalise_eps) noexcept {
+  Backend::widen_row(rows.row(j), d, out);
+  float ss = 0.0f;  // fp32 like kvpress's norms, in row_dots' fixed order (identical on every backend)
+  Backend::row_dots(out, out, 1, d, &ss);
+  const float n = std::sqrt(ss);
+  if (normalise_eps > 0.0f) {
+    const float inv = 1.0f / std::max(n, normalise_eps);
+    for (std::int64_t c = 0; c < d; ++c) out[c] *= inv;
+  }
+  return n;
+}
+
+/// Workspace of `nearest_kept` + `linear_merge` for one row of at most T tokens.
+inline WorkspacePlan nearest_workspace(std::int64_t T, std::int64_t d) noexcept {
+  const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1)), dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
+  WorkspacePlan p;
+  p.add<float>(t * dd);    // normalised kept keys
+  p.add<float>(dd);        // one evicted key
+  p.add<std::int32_t>(t);  // evicted ids
+  p.add<std::int32_t>(t);  // target slot per evicted token (-1: not merged)
+  p.add<float>(t);         // similarity
+  p.add<float>(t);         // beta
+  p.add<float>(t);         // per-slot sum of beta
+  p.add<std::int32_t>(t);  // per-slot count
+  p.add<float>(t);         // per-slot scale
+  p.add<float>(dd);        // one widened row
+  p.add<float>(t);         // the dots of one kept key with every evicted key
+  return p;
+}
+
+/// Scratch of one row's nearest-kept merge, carved from a workspace.
+struct NearestScratch {
+  float* kept_keys = nullptr;
+  float* key = nullptr;
+  std::int32_t* evicted = nullptr;
+  std::int32_t* target = nullptr;
+  float* sim = nullptr;
+  float* beta = nullptr;
+  float* slot_sum = nullptr;
+  std::int32_t* slot_count = nullptr;
+  float* slot_scale = nullptr;
+  float* row = nullptr;
+  float* dots = nullptr;
+  std::int64_t num_evicted = 0;
+
+  NearestScratch(Workspace ws, std::int64_t T, std::int64_t d) noexcept {
+    const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1)), dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
+    WorkspaceCarver c(ws);
+    kept_keys = c.take<float>(t * dd);
+    key = c.take<float>(dd);
+    evicted = c.take<std::int32_t>(t);
+    target = c.take<std::int32_t>(t);
+    sim = c.take<float>(t);
+    beta = c.take<float>(t);
+    slot_sum = c.take<float>(t);
+    slot_count = c.take<std::int32_t>(t);
+    slot_scale = c.take<float>(t);
+    row = c.take<float>(dd);
+    dots = c.take<float>(t);
+  }
+};
+
+/// For every evicted token e of the row: the kept slot c with the largest
+/// cosine similarity cos(K[e], K[kept[c]]) (ties: the smallest slot, i.e. the
+/// earliest kept token), and that similarity. Keys are divided by
+/// max(norm, eps) before the dot product (kvpress: eps 1e-6; torch
+/// cosine_similarity: 1e-8). A NaN similarity never wins; a row whose
+/// similarities are all NaN gets target -1.
+/// Order of work: the evicted keys are normalised once into the scratch
+/// (E x d, cache-resident for decode-size E), then every kept key is read
+/// once, normalised, and dotted with all of them (`Backend::row_dots`: the CPU
+/// backend's SIMD kernel, bit-identical to the scalar reference), so the cache
+/// is streamed once whatever E is.
+template <class Backend, class Tk>
+void nearest_kept(const Rows<Tk>& keys, std::span<const std::int32_t> kept, std::int64_t T, std::int64_t d, float eps,
+                  NearestScratch& s) noexcept {
+  const auto C = static_cast<std::int64_t>(kept.size());
+  s.num_evicted = evicted_of(kept, T, s.evicted);
+  const std::int64_t E = s.num_evicted;
+  float* ev = s.kept_keys;  // (E, d) normalised evicted keys
+  for (std::int64_t i = 0; i < E; ++i) {
+    load_row<Backend>(keys, s.evicted[i], d, ev + i * d, eps);
+    s.target[i] = -1;
+    s.sim[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+  for (std::int64_t c = 0; c < C && E > 0; ++c) {
+    load_row<Backend>(keys, kept[static_cast<std::size_t>(c)], d, s.key, eps);
+    Backend::row_dots(s.key, ev, E, d, s.dots);
+    for (std::int64_t i = 0; i < E; ++i) {
+      const float v = s.dots[i];
+      if (v == v && (s.target[i] < 0 || v > s.sim[i])) {
+        s.sim[i] = v;
+        s.target[i] = static_cast<std::int32_t>(c);
+      }
+    }
+  }
+}
+
+/// Per-slot totals of the evicted tokens merged into it (target >= 0).
+inline void slot_totals(const NearestScratch& s, std::int64_t C, float* sum, std::int32_t* count) noexcept {
+  std::fill(sum, sum + C, 0.0f);
+  std::fill(count, count + C, 0);
+  for (std::int64_t i = 0; i < s.num_evicted; ++i)
+    if (s.target[i] >= 0) {
+      sum[s.target[i]] += s.beta[i];
+      ++count[s.target[i]];
+    }
+}
+
+/// X'[c] = (self_c * X[kept[c]] + sum_{e -> c} beta_e X[e]) * scale_c for every
+/// slot with count > 0, into row c of `merged` (row stride `ld` floats); `self_of(c)` gives self_c;
+/// `s.slot_scale[c]` must hold scale_c.
+template <class T, class SelfFn>
+void linear_merge(const Rows<T>& X, std::span<const std::int32_t> kept, std::int64_t d, const NearestScratch& s, const std::int32_t* count,
+                  SelfFn&& self_of, float* merged, std::int64_t ld) noexcept {
+  const auto C = static_cast<std::int64_t>(kept.size());
+  for (std::int64_t c = 0; c < C; ++c) {
+    if (count[c] == 0) continue;
+    float* out = merged + c * ld;
+    std::fill(out, out + d, 0.0f);
+  }
+  for (std::int64_t i = 0; i < s.num_evicted; ++i) {
+    if (s.target[i] < 0) continue;
+    float* out = merged + static_cast<std::int64_t>(s.target[i]) * ld;
+    const T* x = X.row(s.evicted[i]);
+    const float b = s.beta[i];
+    for (std::int64_t k = 0; k < d; ++k) out[k] += b * to_float(x[k]);
+  }
+  for (std::int64_t c = 0; c < C; ++c) {
+    if (count[c] == 0) continue;
+    float* out = merged + c * ld;
+    const T* x = X.row(kept[static_cast<std::size_t>(c)]);
+    const float a = self_of(c), sc = s.slot_scale[c];
+    for (std::int64_t k = 0; k < d; ++k) out[k] = (a * to_float(x[k]) + out[k]) * sc;
+  }
+}
+
+/// torch.quantile(x, 1 - fraction) of x = (target >= 0 ? sim : -inf) over
+/// the row's E >= 1 evicted tokens, in torch's float32 arithmetic (sort, rank,
+/// lerp); `sorted` holds E floats.
+inline float merge_quantile(const NearestScratch& s, std::int64_t E, float fraction, float* sorted) noexcept {
+  for (std::int64_t i = 0; i < E; ++i) sorted[i] = s.target[i] >= 0 ? s.sim[i] : -std::numeric_limits<float>::infinity();
+  std::sort(sorted, sorted + E);
+  const auto q = static_cast<float>(1.0 - static_cast<double>(fraction));
+  const float rank = q * static_cast<float>(E - 1);
+  const auto below = static_cast<std::int64_t>(rank), above = static_cast<std::int64_t>(std::ceil(rank));
+  const float w = rank - static_cast<float>(below), a = sorted[below], b = sorted[above];
+  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+/// Steps 2-4 of `MergeRule` for one kv head after `nearest_kept` filled `s`:
+/// gates, beta, slot totals and scales (in `s`), merged rows (row c of
+/// `merged_keys` / `merged_values`, row strides `kld` / `vld`; null: not written) and the
+/// state re-pack (`w`: the head's masses by slot, read and written only when
+/// the rule uses them). `sorted` holds T floats. `Reduce::row_norm` gives the
+/// value norms (fp64 sums, identical on every backend).
+template <class Reduce, class Tk>
+void apply_merge_rule(const MergeRule& rule, const Rows<Tk>& K, const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d,
+                      float* w, NearestScratch& s, float* sorted, float* merged_keys, std::int64_t kld, float* merged_values,
+                      std::int64_t vld) noexcept {
+  const auto C = static_cast<std::int64_t>(kept.size());
+  const std::int64_t E = s.num_evicted;
+  for (std::int64_t i = 0; i < E; ++i)
+    if (!(s.sim[i] >= rule.threshold)) s.target[i] = -1;
+  if (rule.fraction < 1.0f && E > 0) {
+    const float q = merge_quantile(s, E, rule.fraction, sorted);
+    for (std::int64_t i = 0; i < E; ++i)
+      if (s.target[i] >= 0 && !(s.sim[i] >= q)) s.target[i] = -1;
+  }
+  for (std::int64_t i = 0; i < E; ++i) {
+    if (s.target[i] < 0) continue;
+    const float sp = std::max(s.sim[i], 0.0f);
+    float b = rule.beta_value;
+    if (rule.beta == MergeBeta::kValueNorms) {
+      const float en = Reduce::row_norm(V.row(s.evicted[i]), d),
+                  tn = Reduce::row_norm(V.row(kept[static_cast<std::size_t>(s.target[i])]), d);
+      b = sp * en / (en + tn + rule.value_eps);
+    } else if (rule.beta == MergeBeta::kStateWeight) {
+      b = w[s.evicted[i]] * (rule.scale_by_similarity ? sp : 1.0f);
+    }
+    s.beta[i] = b;
+    if (!(b > 0.0f)) s.target[i] = -1;
+  }
+  slot_totals(s, C, s.slot_sum, s.slot_count);
+  auto self_of = [&](std::int64_t c) {
+    switch (rule.self) {
+      case MergeSelf::kOnePlusHalfCount: return 1.0f + 0.5f * static_cast<float>(s.slot_count[c]);
+      case MergeSelf::kStateWeight: return w[kept[static_cast<std::size_t>(c)]];
+      default: return 1.0f;
+    }
+  };
+  for (std::int64_t c = 0; c < C; ++c) {
+    const float den = rule.norm == MergeNorm::kOnePlusCount  ? 1.0f + static_cast<float>(s.slot_count[c])
+                      : rule.norm == MergeNorm::kSelfPlusSum ? w[kept[static_cast<std::size_t>(c)]] + s.slot_sum[c]
+                                                             : 1.0f + s.slot_sum[c];
+    s.slot_scale[c] = 1.0f / den;
+  }
+  if (merged_keys != nullptr) linear_merge(K, kept, d, s, s.slot_count, self_of, merged_keys, kld);
+  if (merged_values != nullptr) linear_merge(V, kept, d, s, s.slot_count, self_of, merged_values, vld);
+  if (rule.uses_state())
+    for (std::int64_t c = 0; c < C; ++c)  // kept[c] >= c: a forward sweep reads before it writes
+      w[c] = w[kept[static_cast<std::size_t>(c)]] + s.slot_sum[c];
+}
+
+}  // namespace detail
+
+namespace backend {
+
+/// One kv head's nearest-kept merge (`MergeRule`), the reference of
+/// `merge_head` on every backend. Entries are dense, one per evicted token in
+/// ascending token order (E = T - C of them): dst = the kept slot it merges
+/// into or -1 (not merged), src = its token id, weight = its coefficient
+/// beta_e * scale_c in X'[c] (0 when not merged). Merged rows of slots that
+/// received nothing are not written.
+struct ScalarMergeOps {
+  static std::size_t merge_head_workspace(std::int64_t T, std::int64_t d) noexcept {
+    return WorkspacePlan{}
+        .add_bytes(detail::nearest_workspace(T, d).bytes)
+        .add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)))
+        .total();
+  }
+
+  /// `kept`: the C ascending kept ids in [0, T); `w`: the head's masses (only
+  /// when `rule.uses_state()`); `dst`, `src`, `weight`: T - C entries;
+  /// `merged_keys` / `merged_values`: C rows of head_dim floats at row strides `kld` / `vld`, or null.
+  template <class Tk>
+  static void merge_head(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
+                         std::int64_t T, std::int64_t d, float* w, std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys,
+                         std::int64_t kld, float* merged_values, std::int64_t vld, Workspace ws) noexcept {
+    WorkspaceCarver c(ws);
+    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
+    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
+    float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+    const std::span<const std::int32_t> kp(kept, static_cast<std::size_t>(C));
+    if (C == 0) {  // nothing to merge into
+      for (std::int64_t j = 0; j < T; ++j) dst[j] = -1, src[j] = static_cast<std::int32_t>(j), weight[j] = 0.0f;
+      return;
+    }
+    detail::nearest_kept<ScalarReduceOps>(keys, kp, T, d, rule.eps, s);
+    detail::apply_merge_rule<ScalarReduceOps>(rule, keys, values, kp, d, w, s, sorted, merged_keys, kld, merged_values, vld);
+    for (std::int64_t i = 0; i < s.num_evicted; ++i) {
+      dst[i] = s.target[i];
+      src[i] = s.evicted[i];
+      weight[i] = s.target[i] >= 0 ? s.beta[i] * s.slot_scale[s.target[i]] : 0.0f;
+    }
+  }
+};
+
+}  // namespace backend
+
+KVP_NAMESPACE_END
