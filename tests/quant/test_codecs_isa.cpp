@@ -491,3 +491,69 @@ TEST_CASE("codecs: KIVI's reciprocal quotient equals the fp32 division for every
   for (std::uint32_t sb = 1; sb < 0x7C00; ++sb) scales.push_back(static_cast<std::uint16_t>(sb));
   REQUIRE(recip_quotient_mismatches(scales) == 0);  // 31,743 x 31,744 = 1,007,649,792 pairs
 }
+
+namespace {
+/// Finite floats x where iq4_nl's bucket search (kIq4nlBucket*, the AVX-512 kernel's) and ggml's
+/// best_index_int8 (the reference) disagree, over the bit patterns [first, last) in steps of `step`.
+std::int64_t iq4nl_bucket_mismatches(std::uint64_t first, std::uint64_t last, std::uint64_t step) {
+  std::int64_t bad = 0;
+  for (std::uint64_t u = first; u < last; u += step) {
+    const auto w = static_cast<std::uint32_t>(u);
+    float x;
+    std::memcpy(&x, &w, sizeof x);
+    if (std::isfinite(x)) bad += iq4nl_bucket_index(x) != ggml_ref::iq4nl_index(x);
+  }
+  return bad;
+}
+}  // namespace
+
+TEST_CASE("codecs: iq4_nl's bucket search equals ggml's nearest-level search (sampled, and around every level and midpoint)",
+          "[quant][codec][ggml]") {
+  REQUIRE(iq4nl_bucket_mismatches(0, std::uint64_t{1} << 32, 4099) == 0);
+  std::int64_t bad = 0;
+  for (int k = 0; k < 16; ++k) {
+    std::vector<float> centres{static_cast<float>(kIq4nlValues[k])};
+    if (k < 15) centres.push_back(0.5f * static_cast<float>(kIq4nlValues[k] + kIq4nlValues[k + 1]));
+    for (const float c : centres) {
+      float x = c;
+      for (int i = 0; i < 4096; ++i) x = std::nextafter(x, -1e30f);
+      for (int i = 0; i < 8192; ++i, x = std::nextafter(x, 1e30f)) bad += iq4nl_bucket_index(x) != ggml_ref::iq4nl_index(x);
+    }
+  }
+  REQUIRE(bad == 0);
+}
+
+TEST_CASE("codecs: iq4_nl's bucket search equals ggml's nearest-level search for every finite float", "[.exhaustive][quant][ggml]") {
+  REQUIRE(iq4nl_bucket_mismatches(0, std::uint64_t{1} << 32, 1) == 0);  // 4,278,190,080 finite floats
+}
+
+TEST_CASE("codecs: iq4_nl on the CPU equals the reference where the scaled values sit on levels and midpoints",
+          "[quant][codec][cpu][ggml]") {
+  // A block led by -127 has d0 = 1, so its values reach the level search unscaled: each midpoint between two
+  // levels, its lower neighbour, each level and its upper neighbour, in 16 blocks shifted so every lane sees them.
+  std::vector<float> pool;
+  for (int k = 0; k < 16; ++k) {
+    const auto l = static_cast<float>(kIq4nlValues[k]);
+    pool.push_back(l);
+    pool.push_back(std::nextafter(l, 1e30f));
+    if (k < 15) {
+      const float m = 0.5f * (l + static_cast<float>(kIq4nlValues[k + 1]));
+      pool.push_back(m);
+      pool.push_back(std::nextafter(m, -1e30f));
+    }
+  }
+  const std::int64_t blocks = 48, d = 32 * blocks;
+  std::vector<float> x(static_cast<std::size_t>(d));
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    x[static_cast<std::size_t>(32 * b)] = -127.0f;
+    for (std::int64_t j = 1; j < 32; ++j) x[static_cast<std::size_t>(32 * b + j)] = pool[static_cast<std::size_t>(b + 3 * j) % pool.size()];
+  }
+  const std::int64_t bytes = blocks * ggml_block_bytes(GgmlType::kIQ4_NL);
+  std::vector<std::uint8_t> want(static_cast<std::size_t>(bytes)), got(want.size());
+  backend::Scalar::ggml_quantize_row(GgmlType::kIQ4_NL, x.data(), d, want.data());
+  for_each_isa([&](const std::string& isa) {
+    std::fill(got.begin(), got.end(), std::uint8_t{0xAA});
+    backend::Cpu::ggml_quantize_row(GgmlType::kIQ4_NL, x.data(), d, got.data());  // 16-block groups, then blocks
+    require_same(want, got, isa + " iq4_nl levels and midpoints");
+  });
+}

@@ -101,6 +101,56 @@ constexpr bool ggml_type_valid(GgmlType t) noexcept { return static_cast<std::ui
 /// iq4_nl's non-linear code table.
 inline constexpr std::int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+/// iq4_nl's nearest-level search as two lookups, for SIMD kernels. Bucket
+/// b = clamp(floor(x / 8), -16, 15) + 16 of the 32 holds at most one of the 15
+/// midpoints between adjacent levels (they are >= 11.5 apart): the code is the
+/// number of midpoints below the bucket (`kIq4nlBucketBase`) plus 1 when
+/// x >= the bucket's midpoint (`kIq4nlBucketMid`, +inf for none). The
+/// reference's `x - lo < hi - x` turns exactly at those midpoints, so this
+/// equals ggml's best_index_int8 for every finite float (test_quant checks all
+/// of them in an [.exhaustive] case, and a sample always).
+inline constexpr std::int32_t kIq4nlBucketBase[32] = {0, 0, 1, 1,  1,  2,  2,  3,  3,  4,  4,  5,  5,  6,  6,  7,
+                                                      8, 9, 9, 10, 11, 11, 12, 12, 13, 13, 14, 14, 14, 15, 15, 15};
+inline constexpr float kIq4nlBucketMid[32] = {__builtin_inff(),
+                                              -115.5f,
+                                              __builtin_inff(),
+                                              __builtin_inff(),
+                                              -93.5f,
+                                              __builtin_inff(),
+                                              -74.0f,
+                                              __builtin_inff(),
+                                              -57.0f,
+                                              __builtin_inff(),
+                                              -42.0f,
+                                              __builtin_inff(),
+                                              -28.5f,
+                                              __builtin_inff(),
+                                              -16.0f,
+                                              -4.5f,
+                                              7.0f,
+                                              __builtin_inff(),
+                                              19.0f,
+                                              31.5f,
+                                              __builtin_inff(),
+                                              45.5f,
+                                              __builtin_inff(),
+                                              61.0f,
+                                              __builtin_inff(),
+                                              79.0f,
+                                              __builtin_inff(),
+                                              __builtin_inff(),
+                                              101.0f,
+                                              __builtin_inff(),
+                                              __builtin_inff(),
+                                              __builtin_inff()};
+/// The scalar form of the bucket search (finite x).
+inline int iq4nl_bucket_index(float x) noexcept {
+  float y = x * 0.125f;
+  y = y < -16.0f ? -16.0f : (y > 15.0f ? 15.0f : y);
+  const int b = static_cast<int>(std::floor(y)) + 16;
+  return kIq4nlBucketBase[b] + (x >= kIq4nlBucketMid[b] ? 1 : 0);
+}
+
 namespace ggml_ref {
 
 /// a * b rounded to fp32 once, never fused with a following add (the
