@@ -26,6 +26,7 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/d2o.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
@@ -852,4 +853,37 @@ TEST_CASE("cuda merging policies: host checks before anything is enqueued", "[cu
   require_refused(LookMPivot{}.merge(cx, in, KeepSet{long_row, fake<std::int32_t>(3), H, 12}, plan), StatusCode::kInvalidArgument,
                   "at most kv_len");
   CHECK(pindptr[0] == -7);  // nothing written
+}
+
+TEST_CASE("cuda merge_nearest / merge_apply / d2o_decide: bad arguments are recorded, nothing enqueued", "[cuda][args][merging]") {
+  using kvpolicy::MergeRule;
+  const Rows<float> rows{fake<const float>(1), 16, nullptr, 0, 0};
+  const Workspace ws{fake<void>(9), Cuda::merge_head_workspace(10, 16)};
+  require_recorded(
+      [&] { Cuda::merge_nearest(rows, fake<const std::int32_t>(2), 4, 10, 16, 1e-8f, nullptr, fake<std::int32_t>(3), fake<float>(4), ws); },
+      "evicted, target or sim is null");
+  require_recorded(
+      [&] {
+        Cuda::merge_nearest(rows, fake<const std::int32_t>(2), 4, 10, 0, 1e-8f, fake<std::int32_t>(2), fake<std::int32_t>(3),
+                            fake<float>(4), ws);
+      },
+      "d >= 1");
+  require_recorded(
+      [&] {
+        Cuda::merge_apply(MergeRule{}, rows, rows, fake<const std::int32_t>(2), 4, 10, 16, nullptr, fake<const std::int32_t>(5),
+                          fake<std::int32_t>(6), fake<const float>(7), nullptr, fake<std::int32_t>(3), fake<float>(4), nullptr, 0, nullptr,
+                          0, ws);
+      },
+      "dst, src, weight, evicted, target or sim is null");
+  require_recorded(
+      [&] {
+        Cuda::merge_apply(MergeRule{}, rows, rows, fake<const std::int32_t>(2), 4, 10, 16, nullptr, fake<const std::int32_t>(5),
+                          fake<std::int32_t>(6), fake<const float>(7), fake<std::int32_t>(8), fake<std::int32_t>(3), fake<float>(4),
+                          nullptr, 0, nullptr, 0, Workspace{fake<void>(9), 8});
+      },
+      "workspace is 8 bytes");
+  require_recorded([] { Cuda::d2o_decide(fake<const float>(1), fake<std::int32_t>(2), 0, 5, 0.5f, 0.5f, fake<kvpolicy::D2OState>(3)); },
+                   "need H >= 1");
+  require_recorded([] { Cuda::d2o_decide(fake<const float>(1), fake<std::int32_t>(2), 2, 5, 0.5f, 0.5f, nullptr); },
+                   "sim, target or state is null");
 }

@@ -1487,6 +1487,89 @@ TEMPLATE_TEST_CASE("cuda merging: kvpress MergingPress, LOOK-M and NearestKeptMe
   require_cuda_merge<T>(kvp::NearestKeptMerge(kvp::NearestKeptMergeParams{0.0f, true}), with_state, H, T_, d, true, true);
 }
 
+TEMPLATE_TEST_CASE("cuda merging: D2O (merge_nearest, d2o_decide, merge_apply) equals Scalar bit for bit, EMA state included",
+                   "[cuda][merging][d2o]", float, kvp::half, kvp::bfloat16) {
+  using T = TestType;
+  Stream st;
+  const std::int64_t H = 4, T_ = 301, d = 72, cap = H * T_, rows = H * T_;
+  const auto k = random_vector<T>(static_cast<std::size_t>(H * T_ * d), 51), v = random_vector<T>(static_cast<std::size_t>(H * T_ * d), 52);
+  std::vector<std::int32_t> kindptr{0}, kind;
+  for (std::int64_t h = 0; h < H; ++h) {  // equal counts, different tokens per head
+    std::vector<std::int32_t> r;
+    for (std::int32_t j = 0; j < 4; ++j) r.push_back(j);
+    for (std::int64_t i = 0; i < 60; ++i) r.push_back(static_cast<std::int32_t>(4 + (i * 7 + h) % (T_ - 36)));
+    for (std::int32_t j = static_cast<std::int32_t>(T_) - 32; j < T_; ++j) r.push_back(j);
+    std::sort(r.begin(), r.end());
+    r.erase(std::unique(r.begin(), r.end()), r.end());
+    REQUIRE(r.size() == 96);
+    kind.insert(kind.end(), r.begin(), r.end());
+    kindptr.push_back(static_cast<std::int32_t>(kind.size()));
+  }
+  const kvp::Device dev{kvp::DeviceType::kCUDA, 0};
+  DeviceBuffer dk(k), dv(v), dkind(kind), dst_(cap * sizeof(std::int32_t)), src_(cap * sizeof(std::int32_t)), wt_(cap * sizeof(float)),
+      dkeys(std::vector<float>(rows * d, -7.0f)), dvalues(std::vector<float>(rows * d, -7.0f)), dstate(sizeof(kvp::D2OState));
+  for (const kvp::D2OWeighting wt : {kvp::D2OWeighting::kAsCoded, kvp::D2OWeighting::kNormalized}) {
+    kvp::D2OParams prm;
+    prm.weighting = wt;
+    const kvp::D2O policy(prm);
+    kvp::D2OState hs;
+    dstate.upload(std::vector<kvp::D2OState>{kvp::D2OState{}});
+    for (int step = 0; step < 2; ++step) {
+      INFO("weighting " << static_cast<int>(wt) << " step " << step);
+      std::vector<std::int32_t> hindptr(H + 1), hdst(cap), hsrc(cap);
+      std::vector<float> hweight(cap), hkeys(rows * d, -7.0f), hvalues(rows * d, -7.0f);
+      kvp::MergePlan hplan{hindptr.data(), hdst.data(), hsrc.data(), hweight.data(), H, cap};
+      hplan.merged_keys = kvp::TensorView<float, 2>::contiguous(hkeys.data(), {rows, d});
+      hplan.merged_values = kvp::TensorView<float, 2>::contiguous(hvalues.data(), {rows, d});
+      hplan.slots_per_row = T_;
+      kvp::D2OInput<T> hin;
+      hin.keys = kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(k.data(), {H, T_, d}));
+      hin.values = kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(v.data(), {H, T_, d}));
+      hin.state = &hs;
+      const auto hreq = policy.requirements(kvp::Context<Scalar>{}, kvp::ProblemShape{H, H, d, T_, 1});
+      std::vector<std::byte> hws(hreq.workspace_bytes);
+      KVP_REQUIRE_OK(policy.merge(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, hin,
+                                  kvp::KeepSet{kindptr.data(), kind.data(), H, static_cast<std::int64_t>(kind.size())}, hplan));
+      dkeys.upload(std::vector<float>(rows * d, -7.0f));
+      dvalues.upload(std::vector<float>(rows * d, -7.0f));
+      std::vector<std::int32_t> dindptr(H + 1);
+      kvp::MergePlan dplan{dindptr.data(), dst_.get<std::int32_t>(), src_.get<std::int32_t>(), wt_.get<float>(), H, cap};
+      dplan.merged_keys = kvp::TensorView<float, 2>::contiguous(dkeys.get<float>(), {rows, d}, dev);
+      dplan.merged_values = kvp::TensorView<float, 2>::contiguous(dvalues.get<float>(), {rows, d}, dev);
+      dplan.slots_per_row = T_;
+      kvp::D2OInput<T> din;
+      din.keys = kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(dk.get<const T>(), {H, T_, d}, dev));
+      din.values = kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(dv.get<const T>(), {H, T_, d}, dev));
+      din.state = dstate.get<kvp::D2OState>();
+      const auto dreq = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{H, H, d, T_, 1});
+      DeviceBuffer dws(dreq.workspace_bytes);
+      KVP_REQUIRE_OK(policy.merge(kvp::Context<Cuda>{dws.workspace(), {}, st.s}, din,
+                                  kvp::KeepSet{kindptr.data(), dkind.get<std::int32_t>(), H, static_cast<std::int64_t>(kind.size())},
+                                  dplan));
+      st.sync();
+      const auto gdst = dst_.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
+      const auto gsrc = src_.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
+      const auto gw = wt_.download<float>(static_cast<std::size_t>(dindptr[H]));
+      std::int64_t hi = 0;
+      for (std::int32_t i = 0; i < dindptr[H]; ++i) {
+        if (gdst[i] < 0) continue;
+        REQUIRE(hi < hindptr[H]);
+        REQUIRE(gdst[i] == hdst[hi]);
+        REQUIRE(gsrc[i] == hsrc[hi]);
+        REQUIRE(same_bits({gw[i]}, {hweight[hi]}));
+        ++hi;
+      }
+      REQUIRE(hi == hindptr[H]);
+      REQUIRE(hi > 0);
+      REQUIRE(same_bits(dkeys.download<float>(hkeys.size()), hkeys));
+      REQUIRE(same_bits(dvalues.download<float>(hvalues.size()), hvalues));
+      const auto gs = dstate.download<kvp::D2OState>(1);
+      REQUIRE(gs[0].initialised);
+      REQUIRE(same_bits({gs[0].tau}, {hs.tau}));
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);

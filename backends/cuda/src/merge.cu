@@ -230,9 +230,11 @@ __global__ void __launch_bounds__(kRuleThreads)
       b = __fdiv_rn(__fmul_rn(sp, en), __fadd_rn(__fadd_rn(en, tn), rule.value_eps));
     } else if (rule.beta == MergeBeta::kStateWeight) {
       b = __fmul_rn(w[s.evicted[i]], rule.scale_by_similarity ? sp : 1.0f);
+    } else if (rule.beta == MergeBeta::kSimilarity) {
+      b = s.sim[i];
     }
     s.beta[i] = b;
-    if (!(b > 0.0f)) s.target[i] = -1;
+    if (rule.beta != MergeBeta::kSimilarity && !(b > 0.0f)) s.target[i] = -1;
   }
   __syncthreads();
   const bool state = rule.uses_state();
@@ -296,14 +298,86 @@ __global__ void merged_rows_kernel(Rows<Tk> x, const std::int32_t* __restrict__ 
 }
 
 /// C == 0: every token is evicted and none is merged.
-__global__ void unmerged_kernel(std::int64_t T, std::int32_t* __restrict__ dst, std::int32_t* __restrict__ src,
-                                float* __restrict__ weight) {
-  for (std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; j < T;
-       j += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    dst[j] = -1;
-    src[j] = static_cast<std::int32_t>(j);
-    weight[j] = 0.0f;
+__global__ void unmerged_kernel(const std::int32_t* __restrict__ evicted, std::int64_t E, std::int32_t* __restrict__ dst,
+                                std::int32_t* __restrict__ src, float* __restrict__ weight) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < E;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = -1;
+    src[i] = evicted[i];
+    weight[i] = 0.0f;
   }
+}
+
+/// D2O's threshold (one thread, the reference's fp64 sum in its order) and shared decision (threads over tokens).
+__global__ void d2o_decide_kernel(const float* __restrict__ sim, std::int32_t* __restrict__ target, std::int64_t H, std::int64_t E,
+                                  float alpha, float beta, D2OState* __restrict__ state) {
+  __shared__ float tau_s;
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (std::int64_t k = 0; k < H * E; ++k) total = __dadd_rn(total, static_cast<double>(sim[k]));
+    const auto mean_s = static_cast<float>(__ddiv_rn(total, static_cast<double>(H * E)));
+    const float tau = state->initialised ? __fadd_rn(__fmul_rn(alpha, state->tau), __fmul_rn(beta, mean_s)) : mean_s;
+    state->tau = tau;
+    state->initialised = true;
+    tau_s = tau;
+  }
+  __syncthreads();
+  const float tau = tau_s, hf = static_cast<float>(H);
+  for (std::int64_t i = threadIdx.x; i < E; i += blockDim.x) {
+    float m = 0.0f;
+    for (std::int64_t g = 0; g < H; ++g) m = __fadd_rn(m, sim[g * E + i]);
+    if (!(__fdiv_rn(m, hf) >= tau))
+      for (std::int64_t g = 0; g < H; ++g) target[g * E + i] = -1;
+  }
+}
+
+bool shape_ok(const char* who, std::int64_t C, std::int64_t T, std::int64_t d) noexcept {
+  if (T < 0 || C < 0 || C > T || d < 1) {
+    record_error(KVP_INVALID("%s: C=%lld, T=%lld, d=%lld, need 0 <= C <= T and d >= 1", who, static_cast<long long>(C),
+                             static_cast<long long>(T), static_cast<long long>(d)));
+    return false;
+  }
+  return true;
+}
+
+bool workspace_ok(const char* who, Workspace ws, std::int64_t T, std::int64_t d) noexcept {
+  const std::size_t need = plan_of(T, d).total();
+  if (ws.bytes < need || ws.data == nullptr) {
+    record_error(Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace is %zu bytes, needs %zu", who, ws.bytes, need));
+    return false;
+  }
+  return true;
+}
+
+/// Launches 1-3 into evicted / target / sim (E = T - C entries).
+template <class Tk>
+void nearest_launches(const Rows<Tk>& keys, const std::int32_t* kept, std::int64_t C, std::int64_t T, std::int64_t d, float eps,
+                      std::int32_t* evicted, std::int32_t* target, float* sim, const Scratch& s, cudaStream_t st) noexcept {
+  const std::int64_t E = T - C;
+  if (C > 0) normalise_kernel<Tk><<<blocks_for(T), kThreads, 0, st>>>(keys, T, d, eps, s.nk);
+  evicted_kernel<<<blocks_for(T), kThreads, 0, st>>>(kept, C, T, evicted, target, sim);
+  if (C > 0 && E > 0) nearest_kernel<<<blocks_for(E), kThreads, 0, st>>>(s.nk, kept, C, evicted, E, d, target, sim);
+}
+
+/// Launches 4-5 on the arrays of `nearest_launches` (target gated in place).
+template <class Tk>
+void apply_launches(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
+                    std::int64_t T, std::int64_t d, float* w, const std::int32_t* evicted, std::int32_t* target, const float* sim,
+                    std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys, std::int64_t kld, float* merged_values,
+                    std::int64_t vld, Scratch s, cudaStream_t st) noexcept {
+  const std::int64_t E = T - C;
+  if (E == 0) return;  // nothing evicted: nothing to write (the state re-pack is the identity)
+  if (C == 0) {
+    unmerged_kernel<<<blocks_for(E), kThreads, 0, st>>>(evicted, E, dst, src, weight);
+    return;
+  }
+  s.evicted = const_cast<std::int32_t*>(evicted);  // read only by the kernels below
+  s.target = target;
+  s.sim = const_cast<float*>(sim);
+  rule_kernel<Tk><<<1, kRuleThreads, 0, st>>>(rule, values, kept, C, E, d, w, s, dst, src, weight);
+  const unsigned slots = static_cast<unsigned>(C < 65535 ? C : 65535);
+  if (merged_keys != nullptr) merged_rows_kernel<Tk><<<slots, kThreads, 0, st>>>(keys, kept, C, d, s, merged_keys, kld);
+  if (merged_values != nullptr) merged_rows_kernel<Tk><<<slots, kThreads, 0, st>>>(values, kept, C, d, s, merged_values, vld);
 }
 
 }  // namespace
@@ -314,47 +388,84 @@ namespace backend {
 std::size_t Cuda::merge_head_workspace(std::int64_t T, std::int64_t d) noexcept { return cuda_detail::plan_of(T, d).total(); }
 
 template <class Tk>
+void Cuda::merge_nearest(const Rows<Tk>& keys, const std::int32_t* kept, std::int64_t C, std::int64_t T, std::int64_t d, float eps,
+                         std::int32_t* evicted, std::int32_t* target, float* sim, Workspace ws) noexcept {
+  using namespace cuda_detail;
+  constexpr const char* who = "cuda merge_nearest";
+  if (!shape_ok(who, C, T, d) || T == C) return;
+  if (evicted == nullptr || target == nullptr || sim == nullptr)
+    return record_error(KVP_INVALID("%s: evicted, target or sim is null", who));
+  if ((C > 0 && kept == nullptr) || keys.base == nullptr) return record_error(KVP_INVALID("%s: kept or keys is null", who));
+  if (!workspace_ok(who, ws, T, d)) return;
+  nearest_launches(keys, kept, C, T, d, eps, evicted, target, sim, carve(ws, T, d), as_stream(current_stream()));
+  record_error(launch_status(who));
+}
+
+template <class Tk>
+void Cuda::merge_apply(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
+                       std::int64_t T, std::int64_t d, float* w, const std::int32_t* evicted, std::int32_t* target, const float* sim,
+                       std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys, std::int64_t kld, float* merged_values,
+                       std::int64_t vld, Workspace ws) noexcept {
+  using namespace cuda_detail;
+  constexpr const char* who = "cuda merge_apply";
+  if (!shape_ok(who, C, T, d) || T == C) return;  // nothing evicted: nothing to write
+  if (dst == nullptr || src == nullptr || weight == nullptr || evicted == nullptr || target == nullptr || sim == nullptr)
+    return record_error(KVP_INVALID("%s: dst, src, weight, evicted, target or sim is null", who));
+  if (C > 0 && (kept == nullptr || keys.base == nullptr || values.base == nullptr))
+    return record_error(KVP_INVALID("%s: kept, keys or values is null", who));
+  if (C > 0 && rule.uses_state() && w == nullptr) return record_error(KVP_INVALID("%s: the rule reads state weights, w is null", who));
+  if (!workspace_ok(who, ws, T, d)) return;
+  apply_launches(rule, keys, values, kept, C, T, d, w, evicted, target, sim, dst, src, weight, merged_keys, kld, merged_values, vld,
+                 carve(ws, T, d), as_stream(current_stream()));
+  record_error(launch_status(who));
+}
+
+template <class Tk>
 void Cuda::merge_head(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
                       std::int64_t T, std::int64_t d, float* w, std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys,
                       std::int64_t kld, float* merged_values, std::int64_t vld, Workspace ws) noexcept {
   using namespace cuda_detail;
   constexpr const char* who = "cuda merge_head";
-  if (T < 0 || C < 0 || C > T || d < 1)
-    return record_error(KVP_INVALID("%s: C=%lld, T=%lld, d=%lld, need 0 <= C <= T and d >= 1", who, static_cast<long long>(C),
-                                    static_cast<long long>(T), static_cast<long long>(d)));
-  const std::int64_t E = T - C;
-  if (E == 0) return;  // nothing evicted: nothing to write (the state re-pack is the identity)
+  if (!shape_ok(who, C, T, d) || T == C) return;  // nothing evicted: nothing to write (the state re-pack is the identity)
   if (dst == nullptr || src == nullptr || weight == nullptr) return record_error(KVP_INVALID("%s: dst, src or weight is null", who));
-  const cudaStream_t st = as_stream(current_stream());
-  if (C == 0) {
-    unmerged_kernel<<<blocks_for(T), kThreads, 0, st>>>(T, dst, src, weight);
-    return record_error(launch_status(who));
-  }
-  if (kept == nullptr || keys.base == nullptr || values.base == nullptr)
+  if (C > 0 && (kept == nullptr || keys.base == nullptr || values.base == nullptr))
     return record_error(KVP_INVALID("%s: kept, keys or values is null", who));
-  if (rule.uses_state() && w == nullptr) return record_error(KVP_INVALID("%s: the rule reads state weights, w is null", who));
-  if (ws.bytes < merge_head_workspace(T, d) || ws.data == nullptr)
-    return record_error(
-        Status::error(StatusCode::kWorkspaceTooSmall, "%s: workspace is %zu bytes, needs %zu", who, ws.bytes, merge_head_workspace(T, d)));
+  if (C > 0 && rule.uses_state() && w == nullptr) return record_error(KVP_INVALID("%s: the rule reads state weights, w is null", who));
+  if (!workspace_ok(who, ws, T, d)) return;
   const Scratch s = carve(ws, T, d);
-  normalise_kernel<Tk><<<blocks_for(T), kThreads, 0, st>>>(keys, T, d, rule.eps, s.nk);
-  evicted_kernel<<<blocks_for(T), kThreads, 0, st>>>(kept, C, T, s.evicted, s.target, s.sim);
-  nearest_kernel<<<blocks_for(E), kThreads, 0, st>>>(s.nk, kept, C, s.evicted, E, d, s.target, s.sim);
-  rule_kernel<Tk><<<1, kRuleThreads, 0, st>>>(rule, values, kept, C, E, d, w, s, dst, src, weight);
-  const unsigned slots = static_cast<unsigned>(C < 65535 ? C : 65535);
-  if (merged_keys != nullptr) merged_rows_kernel<Tk><<<slots, kThreads, 0, st>>>(keys, kept, C, d, s, merged_keys, kld);
-  if (merged_values != nullptr) merged_rows_kernel<Tk><<<slots, kThreads, 0, st>>>(values, kept, C, d, s, merged_values, vld);
+  const cudaStream_t st = as_stream(current_stream());
+  nearest_launches(keys, kept, C, T, d, rule.eps, s.evicted, s.target, s.sim, s, st);
+  apply_launches(rule, keys, values, kept, C, T, d, w, s.evicted, s.target, s.sim, dst, src, weight, merged_keys, kld, merged_values, vld,
+                 s, st);
   record_error(launch_status(who));
 }
 
-#define KVP_CUDA_MERGE_HEAD(T)                                                                                                         \
-  template void Cuda::merge_head<T>(const MergeRule&, const Rows<T>&, const Rows<T>&, const std::int32_t*, std::int64_t, std::int64_t, \
-                                    std::int64_t, float*, std::int32_t*, std::int32_t*, float*, float*, std::int64_t, float*,          \
-                                    std::int64_t, Workspace) noexcept;
-KVP_CUDA_MERGE_HEAD(float)
-KVP_CUDA_MERGE_HEAD(half)
-KVP_CUDA_MERGE_HEAD(bfloat16)
-#undef KVP_CUDA_MERGE_HEAD
+void Cuda::d2o_decide(const float* sim, std::int32_t* target, std::int64_t H, std::int64_t E, float alpha, float beta,
+                      D2OState* state) noexcept {
+  using namespace cuda_detail;
+  constexpr const char* who = "cuda d2o_decide";
+  if (H < 1 || E < 0)
+    return record_error(
+        KVP_INVALID("%s: H=%lld, E=%lld, need H >= 1 and E >= 0", who, static_cast<long long>(H), static_cast<long long>(E)));
+  if (E == 0) return;
+  if (sim == nullptr || target == nullptr || state == nullptr) return record_error(KVP_INVALID("%s: sim, target or state is null", who));
+  d2o_decide_kernel<<<1, 256, 0, as_stream(current_stream())>>>(sim, target, H, E, alpha, beta, state);
+  record_error(launch_status(who));
+}
+
+#define KVP_CUDA_MERGE_OPS(T)                                                                                                              \
+  template void Cuda::merge_head<T>(const MergeRule&, const Rows<T>&, const Rows<T>&, const std::int32_t*, std::int64_t, std::int64_t,     \
+                                    std::int64_t, float*, std::int32_t*, std::int32_t*, float*, float*, std::int64_t, float*,              \
+                                    std::int64_t, Workspace) noexcept;                                                                     \
+  template void Cuda::merge_nearest<T>(const Rows<T>&, const std::int32_t*, std::int64_t, std::int64_t, std::int64_t, float,               \
+                                       std::int32_t*, std::int32_t*, float*, Workspace) noexcept;                                          \
+  template void Cuda::merge_apply<T>(const MergeRule&, const Rows<T>&, const Rows<T>&, const std::int32_t*, std::int64_t, std::int64_t,    \
+                                     std::int64_t, float*, const std::int32_t*, std::int32_t*, const float*, std::int32_t*, std::int32_t*, \
+                                     float*, float*, std::int64_t, float*, std::int64_t, Workspace) noexcept;
+KVP_CUDA_MERGE_OPS(float)
+KVP_CUDA_MERGE_OPS(half)
+KVP_CUDA_MERGE_OPS(bfloat16)
+#undef KVP_CUDA_MERGE_OPS
 
 }  // namespace backend
 KVP_NAMESPACE_END

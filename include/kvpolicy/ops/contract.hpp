@@ -112,14 +112,17 @@ concept QuantOps = requires(GgmlType t, const TokenRowCodec& c, const kivi::Code
 };
 
 /// One kv head's nearest-kept linear merge (ops/merge_scalar.hpp): what the
-/// token-merging policies (kvpress MergingPress, LOOK-M, NearestKeptMerge)
-/// call on a device backend. Host backends run the same arithmetic per row
+/// token-merging policies (kvpress MergingPress, LOOK-M, NearestKeptMerge;
+/// D2O through its two halves and the shared decision) call on a device backend. Host backends run the same arithmetic per row
 /// through `ReduceOps` (row_dots, widen_row, row_norm).
 template <class B, class Tk = float>
-concept MergeOps = requires(const MergeRule& rule, Rows<Tk> rows, const std::int32_t* cidx, std::int32_t* idx, float* x, std::int64_t n,
-                            Workspace ws) {
+concept MergeOps = requires(const MergeRule& rule, Rows<Tk> rows, const std::int32_t* cidx, std::int32_t* idx, float* x, const float* cx,
+                            std::int64_t n, D2OState* state, Workspace ws) {
   { B::merge_head_workspace(n, n) } -> std::same_as<std::size_t>;
   B::merge_head(rule, rows, rows, cidx, n, n, n, x, idx, idx, x, x, n, x, n, ws);
+  B::merge_nearest(rows, cidx, n, n, n, 1.0f, idx, idx, x, ws);
+  B::merge_apply(rule, rows, rows, cidx, n, n, n, x, cidx, idx, cx, idx, idx, x, x, n, x, n, ws);
+  B::d2o_decide(cx, idx, n, n, 0.5f, 0.5f, state);
 };
 
 /// Everything a host policy calls, for the key dtypes the library stores.

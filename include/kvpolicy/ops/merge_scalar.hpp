@@ -33,6 +33,7 @@ enum class MergeBeta : std::uint8_t {
   kConstant,     ///< rule.beta_value (LOOK-M: 1/2)
   kValueNorms,   ///< max(s_e, 0) |V_e| / (|V_e| + |V_c| + rule.value_eps), norms in fp64 (kvpress MergingPress)
   kStateWeight,  ///< w[e], times max(s_e, 0) when rule.scale_by_similarity (NearestKeptMerge)
+  kSimilarity,   ///< s_e itself, any sign, and merged whatever its sign (D2O, as coded)
 };
 /// self_c, the kept token's own coefficient.
 enum class MergeSelf : std::uint8_t {
@@ -53,7 +54,7 @@ enum class MergeNorm : std::uint8_t {
 ///   2. e is merged iff s_e >= threshold; with fraction < 1, also iff s_e >=
 ///      the (1 - fraction)-quantile of (merged ? s : -inf) over the row's
 ///      evicted tokens (torch.quantile's linear interpolation, in fp32).
-///   3. beta_e by `beta`; e is merged iff beta_e > 0.
+///   3. beta_e by `beta`; e is merged iff beta_e > 0 (kSimilarity: always).
 ///   4. the linear merge with self_c, scale_c; with kStateWeight, the state is
 ///      re-packed in kept order: w[c] <- w[kept[c]] + sum_{e->c} beta_e.
 struct MergeRule {
@@ -69,6 +70,14 @@ struct MergeRule {
   KVP_HOST_DEVICE bool uses_state() const noexcept {
     return beta == MergeBeta::kStateWeight || self == MergeSelf::kStateWeight || norm == MergeNorm::kSelfPlusSum;
   }
+};
+
+/// D2O's caller-owned EMA threshold of one (layer, sequence): host memory on
+/// host backends, device memory (read and written by `d2o_decide`) on device
+/// backends.
+struct D2OState {
+  float tau = 0.0f;
+  bool initialised = false;
 };
 
 namespace detail {
@@ -279,9 +288,11 @@ void apply_merge_rule(const MergeRule& rule, const Rows<Tk>& K, const Rows<Tk>& 
       b = sp * en / (en + tn + rule.value_eps);
     } else if (rule.beta == MergeBeta::kStateWeight) {
       b = w[s.evicted[i]] * (rule.scale_by_similarity ? sp : 1.0f);
+    } else if (rule.beta == MergeBeta::kSimilarity) {
+      b = s.sim[i];
     }
     s.beta[i] = b;
-    if (!(b > 0.0f)) s.target[i] = -1;
+    if (rule.beta != MergeBeta::kSimilarity && !(b > 0.0f)) s.target[i] = -1;
   }
   slot_totals(s, C, s.slot_sum, s.slot_count);
   auto self_of = [&](std::int64_t c) {
@@ -308,12 +319,19 @@ void apply_merge_rule(const MergeRule& rule, const Rows<Tk>& K, const Rows<Tk>& 
 
 namespace backend {
 
-/// One kv head's nearest-kept merge (`MergeRule`), the reference of
-/// `merge_head` on every backend. Entries are dense, one per evicted token in
-/// ascending token order (E = T - C of them): dst = the kept slot it merges
-/// into or -1 (not merged), src = its token id, weight = its coefficient
-/// beta_e * scale_c in X'[c] (0 when not merged). Merged rows of slots that
-/// received nothing are not written.
+/// The merge ops of one kv head, the reference of every backend's:
+///   merge_nearest  evicted ids (the ascending complement of the kept ids) and
+///                  each one's nearest kept slot and cosine (step 1 of `MergeRule`);
+///   merge_apply    steps 2-4 on those arrays (`target` is gated in place) and
+///                  the dense plan entries;
+///   merge_head     the two in a row (what the `MergeRule` policies call);
+///   d2o_decide     D2O's EMA threshold and shared decision over all heads,
+///                  between the two.
+/// Entries are dense, one per evicted token in ascending token order (E = T - C
+/// of them): dst = the kept slot it merges into or -1 (not merged), src = its
+/// token id, weight = its coefficient beta_e * scale_c in X'[c] (0 when not
+/// merged). Merged rows of slots that received nothing are not written. Every
+/// op takes a workspace of `merge_head_workspace(T, d)` bytes.
 struct ScalarMergeOps {
   static std::size_t merge_head_workspace(std::int64_t T, std::int64_t d) noexcept {
     return WorkspacePlan{}
@@ -322,9 +340,50 @@ struct ScalarMergeOps {
         .total();
   }
 
-  /// `kept`: the C ascending kept ids in [0, T); `w`: the head's masses (only
-  /// when `rule.uses_state()`); `dst`, `src`, `weight`: T - C entries;
-  /// `merged_keys` / `merged_values`: C rows of head_dim floats at row strides `kld` / `vld`, or null.
+  /// `kept`: the C ascending kept ids in [0, T); writes E = T - C `evicted`
+  /// ids, `target` slots (-1: every cosine NaN) and `sim` cosines.
+  template <class Tk>
+  static void merge_nearest(const Rows<Tk>& keys, const std::int32_t* kept, std::int64_t C, std::int64_t T, std::int64_t d, float eps,
+                            std::int32_t* evicted, std::int32_t* target, float* sim, Workspace ws) noexcept {
+    WorkspaceCarver c(ws);
+    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
+    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
+    detail::nearest_kept<ScalarReduceOps>(keys, std::span<const std::int32_t>(kept, static_cast<std::size_t>(C)), T, d, eps, s);
+    for (std::int64_t i = 0; i < s.num_evicted; ++i) evicted[i] = s.evicted[i], target[i] = s.target[i], sim[i] = s.sim[i];
+  }
+
+  /// Steps 2-4 of `rule` on `merge_nearest`'s arrays (`target` gated in
+  /// place); `w`: the head's masses (only when `rule.uses_state()`); `dst`,
+  /// `src`, `weight`: the T - C entries; `merged_keys` / `merged_values`: C
+  /// rows of head_dim floats at row strides `kld` / `vld`, or null. C = 0:
+  /// nothing merges (and the state is not re-packed).
+  template <class Tk>
+  static void merge_apply(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
+                          std::int64_t T, std::int64_t d, float* w, const std::int32_t* evicted, std::int32_t* target, const float* sim,
+                          std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys, std::int64_t kld, float* merged_values,
+                          std::int64_t vld, Workspace ws) noexcept {
+    const std::int64_t E = T - C;
+    if (C == 0) {
+      for (std::int64_t i = 0; i < E; ++i) dst[i] = -1, src[i] = evicted[i], weight[i] = 0.0f;
+      return;
+    }
+    WorkspaceCarver c(ws);
+    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
+    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
+    float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+    s.num_evicted = E;
+    for (std::int64_t i = 0; i < E; ++i) s.evicted[i] = evicted[i], s.target[i] = target[i], s.sim[i] = sim[i];
+    const std::span<const std::int32_t> kp(kept, static_cast<std::size_t>(C));
+    detail::apply_merge_rule<ScalarReduceOps>(rule, keys, values, kp, d, w, s, sorted, merged_keys, kld, merged_values, vld);
+    for (std::int64_t i = 0; i < E; ++i) {
+      target[i] = s.target[i];
+      dst[i] = s.target[i];
+      src[i] = s.evicted[i];
+      weight[i] = s.target[i] >= 0 ? s.beta[i] * s.slot_scale[s.target[i]] : 0.0f;
+    }
+  }
+
+  /// `merge_nearest` then `merge_apply` through the workspace.
   template <class Tk>
   static void merge_head(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
                          std::int64_t T, std::int64_t d, float* w, std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys,
@@ -334,16 +393,38 @@ struct ScalarMergeOps {
     detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
     float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
     const std::span<const std::int32_t> kp(kept, static_cast<std::size_t>(C));
+    detail::nearest_kept<ScalarReduceOps>(keys, kp, T, d, rule.eps, s);
     if (C == 0) {  // nothing to merge into
-      for (std::int64_t j = 0; j < T; ++j) dst[j] = -1, src[j] = static_cast<std::int32_t>(j), weight[j] = 0.0f;
+      for (std::int64_t i = 0; i < s.num_evicted; ++i) dst[i] = -1, src[i] = s.evicted[i], weight[i] = 0.0f;
       return;
     }
-    detail::nearest_kept<ScalarReduceOps>(keys, kp, T, d, rule.eps, s);
     detail::apply_merge_rule<ScalarReduceOps>(rule, keys, values, kp, d, w, s, sorted, merged_keys, kld, merged_values, vld);
     for (std::int64_t i = 0; i < s.num_evicted; ++i) {
       dst[i] = s.target[i];
       src[i] = s.evicted[i];
       weight[i] = s.target[i] >= 0 ? s.beta[i] * s.slot_scale[s.target[i]] : 0.0f;
+    }
+  }
+
+  /// D2O's shared decision over H heads of E evicted tokens each (`sim`,
+  /// `target`: (H, E), as merge_nearest writes them): mean_s = the mean of
+  /// every similarity (summed in fp64, heads then tokens, ascending), tau <-
+  /// alpha tau + beta mean_s (mean_s on the state's first use), then token i
+  /// of every head stays merged iff (sum over heads of s[h][i]) / H >= tau
+  /// (target[h][i] = -1 otherwise). Writes the state.
+  static void d2o_decide(const float* sim, std::int32_t* target, std::int64_t H, std::int64_t E, float alpha, float beta,
+                         D2OState* state) noexcept {
+    double total = 0.0;
+    for (std::int64_t k = 0; k < H * E; ++k) total += sim[k];
+    const auto mean_s = static_cast<float>(total / static_cast<double>(H * E));
+    const float tau = state->initialised ? alpha * state->tau + beta * mean_s : mean_s;
+    state->tau = tau;
+    state->initialised = true;
+    for (std::int64_t i = 0; i < E; ++i) {
+      float m = 0.0f;
+      for (std::int64_t g = 0; g < H; ++g) m += sim[g * E + i];
+      if (!(m / static_cast<float>(H) >= tau))
+        for (std::int64_t g = 0; g < H; ++g) target[g * E + i] = -1;
     }
   }
 };

@@ -1,15 +1,18 @@
 // The merging policies' device path (kvpress MergingPress, LOOK-M,
-// NearestKeptMerge through `Backend::merge_head`) on the emulated device:
+// NearestKeptMerge through `Backend::merge_head`; D2O through merge_nearest,
+// d2o_decide and merge_apply) on the emulated device:
 // dense plan rows whose merged entries are the host plan's, merged rows and
 // state bit-identical to backend::Scalar, on contiguous and paged (device
 // tagged) caches; device-side argument checks with nothing written.
 // backend::Cuda runs the same comparison in tests/cuda/test_cuda_policies.cpp.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "kvpolicy/policy/merging/d2o.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/merging/nearest_kept.hpp"
@@ -180,6 +183,55 @@ TEMPLATE_TEST_CASE("merging on a device backend: dense plan rows, merged rows an
           REQUIRE(w1 == w2);
         }
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("merging on a device backend: D2O's shared decision, EMA state and merged rows equal backend::Scalar's",
+                   "[merging][device]", float, half) {
+  const std::int64_t H = 4, T = 53, d = 24;
+  Cache<TestType> cache(H, T, d, 29);
+  std::vector<std::vector<std::int32_t>> rows(static_cast<std::size_t>(H));
+  for (std::int64_t h = 0; h < H; ++h) {  // equal counts (D2O's shared decision), different tokens per head
+    auto& r = rows[static_cast<std::size_t>(h)];
+    for (std::int32_t j = 0; j < 4; ++j) r.push_back(j);
+    for (std::int64_t k = 0; k < 10; ++k) r.push_back(static_cast<std::int32_t>(4 + (k * 5 + h) % (T - 12)));
+    for (std::int32_t j = static_cast<std::int32_t>(T) - 8; j < T; ++j) r.push_back(j);
+    std::sort(r.begin(), r.end());
+  }
+  const Keep keep(rows);
+  const MergeInput<TestType> host = cache.dense(kHost);
+  for (const std::int32_t ps : {0, 16}) {
+    for (const D2OWeighting wt : {D2OWeighting::kAsCoded, D2OWeighting::kNormalized}) {
+      INFO("page size " << ps << " weighting " << static_cast<int>(wt));
+      D2OParams prm;
+      prm.weighting = wt;
+      const D2O policy(prm);
+      const MergeInput<TestType> dev = ps == 0 ? cache.dense(kEmulatedDevice) : cache.paged_input(ps, kEmulatedDevice);
+      D2OState hs, ds;
+      D2OInput<TestType> hin, din;
+      static_cast<MergeInput<TestType>&>(hin) = host;
+      static_cast<MergeInput<TestType>&>(din) = dev;
+      hin.state = &hs;
+      din.state = &ds;
+      for (int step = 0; step < 2; ++step) {  // the first call sets tau, the second blends it (EMA)
+        require_device_equals_host(policy, hin, din, keep, H, T, d, true);
+        REQUIRE(ds.initialised);
+        REQUIRE(same_bits(hs.tau, ds.tau));
+      }
+    }
+  }
+  SECTION("no kept token: dense rows of unmerged entries, the state untouched") {
+    const Keep none(std::vector<std::vector<std::int32_t>>(static_cast<std::size_t>(H)));
+    D2OState ds;
+    D2OInput<TestType> din;
+    static_cast<MergeInput<TestType>&>(din) = cache.dense(kEmulatedDevice);
+    din.state = &ds;
+    PlanBuffer b(H, H * T, T, d);
+    auto ws = workspace_for<EmulatedDevice>(D2O{}, H, T, d);
+    REQUIRE(D2O{}.merge(Context<EmulatedDevice>{Workspace{ws.data(), ws.size()}}, din, none.view(), on_device(b)).is_ok());
+    REQUIRE(b.indptr.back() == H * T);
+    for (std::int64_t i = 0; i < H * T; ++i) REQUIRE((b.dst[i] == -1 && b.src[i] == i % T && b.weight[i] == 0.0f));
+    REQUIRE(!ds.initialised);
   }
 }
 

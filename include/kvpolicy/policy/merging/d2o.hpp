@@ -78,13 +78,10 @@ struct D2OParams {
   }
 };
 
-/// Caller-owned EMA threshold of one (layer, sequence).
-struct D2OState {
-  float tau = 0.0f;
-  bool initialised = false;
-};
+// D2OState (the caller-owned EMA threshold of one layer and sequence) is in ops/merge_scalar.hpp.
 
-/// MergeInput plus the threshold state it updates.
+/// MergeInput plus the threshold state it updates (on a device backend, a
+/// D2OState in device memory, read and written on the device).
 template <class Tk>
 struct D2OInput : MergeInput<Tk> {
   D2OState* state = nullptr;
@@ -117,7 +114,7 @@ class D2O {
 
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& s) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), s, workspace(s.num_kv_heads, s.max_kv_len, s.head_dim).total(), 1);
+    return detail::merge_requirements(kName, validate_params(), s, workspace<Backend>(s.num_kv_heads, s.max_kv_len, s.head_dim).total(), 1);
   }
 
   /// Layer level: per-layer keep ratios from each layer's head variances.
@@ -210,84 +207,114 @@ class D2O {
 
   /// Token-level merge. Reads keys, values and `state` (updated on success);
   /// writes the plan, merged_keys and merged_values (either may be empty).
+  /// On a device backend (views tagged kCUDA, `state` in device memory) the
+  /// heads run as `Backend::merge_nearest`, one `Backend::d2o_decide` and
+  /// `Backend::merge_apply`, and the plan's rows are dense (every evicted
+  /// token, dst = -1 and weight 0 when not merged; `detail::rule_merge`).
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const D2OInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
+    constexpr bool dev = kDeviceBackend<Backend>;
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(in.state != nullptr, "d2o: state is null (the EMA threshold is caller-owned)");
     std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.keys, "keys", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
-    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.keys, "keys", &H, &T, &d, dev));
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d, dev));
+    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted, dev));
     for (std::int64_t h = 1; h < H; ++h)
       KVP_REQUIRE(keep.row_size(h) == keep.row_size(0),
                   "d2o: kv head %lld keeps %lld tokens, head 0 keeps %lld; the shared merge decision "
                   "needs equal counts",
                   static_cast<long long>(h), static_cast<long long>(keep.row_size(h)), static_cast<long long>(keep.row_size(0)));
-    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true));
-    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(H, T, d).total()));
-    const std::int64_t E = H > 0 ? T - keep.row_size(0) : 0;
-    out.indptr[0] = 0;
-    if (E == 0 || keep.row_size(0) == 0) {
-      for (std::int64_t h = 0; h < H; ++h) out.indptr[h + 1] = 0;
+    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true, dev));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace<Backend>(H, T, d).total()));
+    const std::int64_t C = H > 0 ? keep.row_size(0) : 0, E = T - C;
+    auto mk = [&](std::int64_t h) { return out.merged_keys.empty() ? nullptr : &out.merged_keys(h * out.slots_per_row, 0); };
+    auto mv = [&](std::int64_t h) { return out.merged_values.empty() ? nullptr : &out.merged_values(h * out.slots_per_row, 0); };
+    const std::int64_t kld = out.merged_keys.empty() ? 0 : out.merged_keys.stride(0);
+    const std::int64_t vld = out.merged_values.empty() ? 0 : out.merged_values.stride(0);
+    const MergeRule r = rule();
+    if constexpr (dev) {
+      const detail::BackendCall<Backend> call(cx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      out.indptr[0] = 0;
+      for (std::int64_t h = 0; h < H; ++h) out.indptr[h + 1] = static_cast<std::int32_t>((h + 1) * E);
+      if (E == 0) return call.end();
+      WorkspaceCarver c(cx.workspace);
+      const std::size_t opb = Backend::merge_head_workspace(T, d);
+      const Workspace ows{c.take<std::byte>(opb), opb};
+      std::int32_t* ev = c.take<std::int32_t>(static_cast<std::size_t>(H * T));
+      std::int32_t* tg = c.take<std::int32_t>(static_cast<std::size_t>(H * T));
+      float* sim = c.take<float>(static_cast<std::size_t>(H * T));
+      for (std::int64_t h = 0; h < H; ++h)
+        Backend::merge_nearest(in.keys.rows(h), keep.indices + keep.indptr[h], C, T, d, r.eps, ev + h * E, tg + h * E, sim + h * E, ows);
+      if (C > 0) Backend::d2o_decide(sim, tg, H, E, params_.alpha, params_.beta, in.state);  // no kept token: nothing merges, tau stays
+      for (std::int64_t h = 0; h < H; ++h)
+        Backend::merge_apply(r, in.keys.rows(h), in.values.rows(h), keep.indices + keep.indptr[h], C, T, d, nullptr, ev + h * E, tg + h * E,
+                             sim + h * E, out.dst + h * E, out.src + h * E, out.weight + h * E, mk(h), kld, mv(h), vld, ows);
+      return call.end();
+    } else {
+      out.indptr[0] = 0;
+      if (E == 0 || C == 0) {
+        for (std::int64_t h = 0; h < H; ++h) out.indptr[h + 1] = 0;
+        return Status::ok();
+      }
+      WorkspaceCarver c(cx.workspace);
+      const std::size_t nb = detail::nearest_workspace(T, d).bytes;
+      detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
+      float* sims = c.take<float>(static_cast<std::size_t>(H * E));
+      std::int32_t* targets = c.take<std::int32_t>(static_cast<std::size_t>(H * E));
+      // Pass 1: nearest kept partner of every evicted token, per head.
+      for (std::int64_t h = 0; h < H; ++h) {
+        detail::nearest_kept<Backend>(in.keys.rows(h), keep.row(h), T, d, kEps, s);
+        for (std::int64_t i = 0; i < E; ++i) {
+          sims[h * E + i] = s.sim[i];
+          targets[h * E + i] = s.target[i];
+        }
+      }
+      // EMA threshold and the shared decision per evicted index, then each head's linear merge.
+      D2OState next = *in.state;
+      backend::ScalarMergeOps::d2o_decide(sims, targets, H, E, params_.alpha, params_.beta, &next);
+      std::int64_t pos = 0;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const auto kept = keep.row(h);
+        s.num_evicted = detail::evicted_of(kept, T, s.evicted);
+        for (std::int64_t i = 0; i < E; ++i) {
+          s.target[i] = targets[h * E + i];
+          s.sim[i] = sims[h * E + i];
+        }
+        detail::apply_merge_rule<Backend>(r, in.keys.rows(h), in.values.rows(h), kept, d, nullptr, s, nullptr, mk(h), kld, mv(h), vld);
+        pos = detail::write_entries(out, pos, s);
+        out.indptr[h + 1] = static_cast<std::int32_t>(pos);
+      }
+      *in.state = next;
       return Status::ok();
     }
-    WorkspaceCarver c(cx.workspace);
-    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
-    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-    float* sims = c.take<float>(static_cast<std::size_t>(H * E));
-    std::int32_t* targets = c.take<std::int32_t>(static_cast<std::size_t>(H * E));
-    // Pass 1: nearest kept partner of every evicted token, per head.
-    double total = 0.0;
-    for (std::int64_t h = 0; h < H; ++h) {
-      detail::nearest_kept<Backend>(in.keys.rows(h), keep.row(h), T, d, kEps, s);
-      for (std::int64_t i = 0; i < E; ++i) {
-        sims[h * E + i] = s.sim[i];
-        targets[h * E + i] = s.target[i];
-        total += s.sim[i];
-      }
-    }
-    // EMA threshold, then the shared decision per evicted index.
-    const auto mean_s = static_cast<float>(total / static_cast<double>(H * E));
-    D2OState next = *in.state;
-    next.tau = next.initialised ? params_.alpha * next.tau + params_.beta * mean_s : mean_s;
-    next.initialised = true;
-    std::int64_t pos = 0;
-    for (std::int64_t h = 0; h < H; ++h) {
-      const auto kept = keep.row(h);
-      const auto C = static_cast<std::int64_t>(kept.size());
-      s.num_evicted = detail::evicted_of(kept, T, s.evicted);
-      for (std::int64_t i = 0; i < E; ++i) {
-        float m = 0.0f;
-        for (std::int64_t g = 0; g < H; ++g) m += sims[g * E + i];
-        const bool merge = m / static_cast<float>(H) >= next.tau;
-        s.target[i] = merge ? targets[h * E + i] : -1;
-        s.beta[i] = sims[h * E + i];
-      }
-      detail::slot_totals(s, C, s.slot_sum, s.slot_count);
-      for (std::int64_t k = 0; k < C; ++k)
-        s.slot_scale[k] =
-            1.0f / (1.0f + (params_.weighting == D2OWeighting::kAsCoded ? static_cast<float>(s.slot_count[k]) : s.slot_sum[k]));
-      auto one = [](std::int64_t) { return 1.0f; };
-      if (!out.merged_keys.empty())
-        detail::linear_merge(in.keys.rows(h), kept, d, s, s.slot_count, one, &out.merged_keys(h * out.slots_per_row, 0),
-                             out.merged_keys.stride(0));
-      if (!out.merged_values.empty())
-        detail::linear_merge(in.values.rows(h), kept, d, s, s.slot_count, one, &out.merged_values(h * out.slots_per_row, 0),
-                             out.merged_values.stride(0));
-      pos = detail::write_entries(out, pos, s);
-      out.indptr[h + 1] = static_cast<std::int32_t>(pos);
-    }
-    *in.state = next;
-    return Status::ok();
+  }
+
+  /// The token-level merge as a `MergeRule` on the decided targets: beta = s_e
+  /// (any sign), self 1, scale 1 / (1 + n_c) (as coded) or 1 / (1 + sum s).
+  MergeRule rule() const noexcept {
+    MergeRule r;
+    r.eps = kEps;
+    r.beta = MergeBeta::kSimilarity;
+    r.self = MergeSelf::kOne;
+    r.norm = params_.weighting == D2OWeighting::kAsCoded ? MergeNorm::kOnePlusCount : MergeNorm::kOnePlusSum;
+    return r;
   }
 
  private:
+  template <class Backend>
   static WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) noexcept {
     const auto ht = static_cast<std::size_t>(std::max<std::int64_t>(H * T, 1));
     WorkspacePlan p;
-    p.add_bytes(detail::nearest_workspace(T, d).bytes);
-    p.add<float>(ht);
-    p.add<std::int32_t>(ht);
+    if constexpr (kDeviceBackend<Backend>) {
+      p.add_bytes(Backend::merge_head_workspace(T, d));
+      p.add<std::int32_t>(ht).add<std::int32_t>(ht).add<float>(ht);
+    } else {
+      p.add_bytes(detail::nearest_workspace(T, d).bytes);
+      p.add<float>(ht);
+      p.add<std::int32_t>(ht);
+    }
     return p;
   }
 

@@ -298,7 +298,7 @@ struct Cuda {
 
   // ---- merging: one kv head's nearest-kept linear merge -------------------
 
-  /// Bytes of device workspace `merge_head` needs for T tokens of head_dim d:
+  /// Bytes of device workspace `merge_head` (and each merge op below) needs for T tokens of head_dim d:
   /// the (T, d) normalised keys plus eleven per-token arrays (host arithmetic).
   static std::size_t merge_head_workspace(std::int64_t T, std::int64_t d) noexcept;
 
@@ -313,6 +313,24 @@ struct Cuda {
                          std::int64_t C, std::int64_t T, std::int64_t d, float* w_device, std::int32_t* dst_device,
                          std::int32_t* src_device, float* weight_device, float* merged_keys_device, std::int64_t kld,
                          float* merged_values_device, std::int64_t vld, Workspace ws_device) noexcept;
+
+  /// `ScalarMergeOps::merge_nearest` / `merge_apply` / `d2o_decide` on the
+  /// device, bit-identical (the first two are `merge_head`'s launches 1-3 and
+  /// 4-5; d2o_decide is one block whose first thread sums the similarities in
+  /// the reference's fp64 order). `evicted`, `target`, `sim` and the D2O
+  /// state are device memory; the workspace is `merge_head_workspace(T, d)`.
+  template <class Tk>
+  static void merge_nearest(const Rows<Tk>& keys_device, const std::int32_t* kept_device, std::int64_t C, std::int64_t T, std::int64_t d,
+                            float eps, std::int32_t* evicted_device, std::int32_t* target_device, float* sim_device,
+                            Workspace ws_device) noexcept;
+  template <class Tk>
+  static void merge_apply(const MergeRule& rule, const Rows<Tk>& keys_device, const Rows<Tk>& values_device,
+                          const std::int32_t* kept_device, std::int64_t C, std::int64_t T, std::int64_t d, float* w_device,
+                          const std::int32_t* evicted_device, std::int32_t* target_device, const float* sim_device,
+                          std::int32_t* dst_device, std::int32_t* src_device, float* weight_device, float* merged_keys_device,
+                          std::int64_t kld, float* merged_values_device, std::int64_t vld, Workspace ws_device) noexcept;
+  static void d2o_decide(const float* sim_device, std::int32_t* target_device, std::int64_t H, std::int64_t E, float alpha, float beta,
+                         D2OState* state_device) noexcept;
 
   // ---- Ada-KV: one sequence's decision on the device ----------------------
 
