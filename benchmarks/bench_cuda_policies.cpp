@@ -29,6 +29,12 @@
 //   CudaKivi/T/role     KIVI-2 (group 32) one-shot quantize of one layer's
 //                       rows (role 0 keys, 1 values), 8 kv heads x T tokens
 //                       x 128, fp16; hbm_frac counts rows, codes and scales.
+//   CudaMerge/T         kvpress MergingPress (threshold 0, every evicted token
+//                       a candidate) folding the evicted half of one layer's
+//                       8 kv heads x T tokens x 128 fp16 (every other token
+//                       kept) into the kept values: the whole merge call,
+//                       five launches per head; fp32_frac counts the cosine
+//                       search's 2 E C d flops per head.
 //   CudaQuestSelect/B   one Quest decode step of a layer for B sequences of
 //                       32K tokens (page 16, fp16 metadata, budget 2048
 //                       tokens, kPerQueryHead), graph-replayed; hbm_frac counts
@@ -57,6 +63,7 @@
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
@@ -537,6 +544,57 @@ BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::
 BENCHMARK(CudaQuant)->ArgsProduct({{32768}, {0, 1, 2, 3}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaKivi)->ArgsProduct({{32768}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void CudaMerge(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t H = 8, d = 128;
+  const std::int64_t T = state.range(0), C = T / 2, E = T - C;
+  std::vector<kvp::half> hk(static_cast<std::size_t>(H * T * d)), hv(hk.size());
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  for (auto& x : hk) x = kvp::to_half(nd(rng));
+  for (auto& x : hv) x = kvp::to_half(nd(rng));
+  std::vector<std::int32_t> indptr(H + 1), kept(static_cast<std::size_t>(H * C));
+  for (std::int64_t h = 0; h <= H; ++h) indptr[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * C);
+  for (std::int64_t i = 0; i < H * C; ++i) kept[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(2 * (i % C));
+  const kvp::KvpressMerging policy;
+  const kvp::Requirements req = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{H, H, d, T, 1});
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  DeviceBuffer dk(hk.size() * sizeof(kvp::half)), dv(hv.size() * sizeof(kvp::half)), dkept(kept.size() * sizeof(std::int32_t)),
+      ddst(static_cast<std::size_t>(H * E) * sizeof(std::int32_t)), dsrc(static_cast<std::size_t>(H * E) * sizeof(std::int32_t)),
+      dw(static_cast<std::size_t>(H * E) * sizeof(float)), dmv(static_cast<std::size_t>(H * C * d) * sizeof(float)),
+      dws(req.workspace_bytes);
+  if (!(dk.ok && dv.ok && dkept.ok && ddst.ok && dsrc.ok && dw.ok && dmv.ok && dws.ok)) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dk.ptr, hk.data(), hk.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dv.ptr, hv.data(), hv.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dkept.ptr, kept.data(), kept.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  kvp::MergeInput<kvp::half> in;
+  in.keys = kvp::KVSource<kvp::half>::from(
+      kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dk.ptr), {H, T, d}, gpu));
+  in.values = kvp::KVSource<kvp::half>::from(
+      kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dv.ptr), {H, T, d}, gpu));
+  const kvp::KeepSet keep{indptr.data(), static_cast<std::int32_t*>(dkept.ptr), H, H * C};
+  std::vector<std::int32_t> plan_indptr(H + 1);
+  kvp::MergePlan plan{plan_indptr.data(),
+                      static_cast<std::int32_t*>(ddst.ptr),
+                      static_cast<std::int32_t*>(dsrc.ptr),
+                      static_cast<float*>(dw.ptr),
+                      H,
+                      H * E};
+  plan.merged_values = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(dmv.ptr), {H * C, d}, gpu);
+  plan.slots_per_row = C;
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  timed_loop(state, s, [&] { return policy.merge(cx, in, keep, plan); });
+  if (g_peaks.fp32_flops_per_s > 0)
+    state.counters["fp32_frac"] = benchmark::Counter(2.0 * static_cast<double>(H * E * C * d) / g_peaks.fp32_flops_per_s,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+BENCHMARK(CudaMerge)->Arg(4096)->Arg(16384)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {
   int devices = 0;
