@@ -1024,16 +1024,8 @@ struct DevicePool {
     dk = std::make_unique<DeviceBuffer>(hk);
     dv = std::make_unique<DeviceBuffer>(hv);
     dids = std::make_unique<DeviceBuffer>(ids);
-    view = kvp::PagedKVView<const Tk>{dk->get<const Tk>(),
-                                      dv->get<const Tk>(),
-                                      shape.strides,
-                                      shape.strides,
-                                      shape.num_pages,
-                                      static_cast<std::int32_t>(Hkv),
-                                      page_size,
-                                      static_cast<std::int32_t>(d),
-                                      kvp::PageTable{indptr.data(), dids->get<const std::int32_t>(), last.data(), 1},
-                                      kGpu};
+    view = kvp_test::page_pool_view<Tk>(dk->get<const Tk>(), dv->get<const Tk>(), shape, Hkv, page_size, d, indptr.data(),
+                                        dids->get<const std::int32_t>(), last.data(), kGpu);
   }
 };
 

@@ -51,6 +51,24 @@ PagePoolShape fill_page_pool(std::int64_t Hkv, std::int64_t T, std::int64_t d, s
   return {st, pool_pages};
 }
 
+/// The one-sequence view of pools laid out by `fill_page_pool` (keys `k`, values `v` or null, sharing the page
+/// ids); the pointers are `dev`'s memory, the CSR offsets host arrays.
+template <class Tp>
+PagedKVView<const Tp> page_pool_view(const Tp* k, const Tp* v, const PagePoolShape& shape, std::int64_t Hkv, std::int32_t ps,
+                                     std::int64_t d, const std::int32_t* indptr, const std::int32_t* ids, const std::int32_t* last,
+                                     Device dev) {
+  return PagedKVView<const Tp>{k,
+                               v,
+                               shape.strides,
+                               shape.strides,
+                               shape.num_pages,
+                               static_cast<std::int32_t>(Hkv),
+                               ps,
+                               static_cast<std::int32_t>(d),
+                               PageTable{indptr, ids, last, 1},
+                               dev};
+}
+
 /// Random queries (Hq, w, d) fp32 and keys (Hkv, T, d) of type Tk, with a few
 /// heavy keys so that scores are not flat.
 template <class Tk>
@@ -105,16 +123,7 @@ struct RandomCase {
   ScoreInput<float, Tk> paged_input(std::int32_t ps, Device dev = kHost) const {
     const auto key = [&](std::int64_t h, std::int64_t t, std::int64_t c) { return from_float<Tk>(keys[(h * T + t) * d + c]); };
     const PagePoolShape shape = fill_page_pool(Hkv, T, d, ps, PageLayout::kNHD, from_float<Tk>(-1e6f), key, pool, indices, indptr, last);
-    paged = PagedKVView<const Tk>{pool.data(),
-                                  nullptr,
-                                  shape.strides,
-                                  shape.strides,
-                                  shape.num_pages,
-                                  static_cast<std::int32_t>(Hkv),
-                                  ps,
-                                  static_cast<std::int32_t>(d),
-                                  PageTable{indptr.data(), indices.data(), last.data(), 1},
-                                  dev};
+    paged = page_pool_view<Tk>(pool.data(), nullptr, shape, Hkv, ps, d, indptr.data(), indices.data(), last.data(), dev);
     return {TensorView<const float, 3>::contiguous(queries.data(), {Hq, w, d}, dev), KVSource<Tk>::from_paged(paged, 0)};
   }
 };

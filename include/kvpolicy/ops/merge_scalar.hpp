@@ -315,6 +315,40 @@ void apply_merge_rule(const MergeRule& rule, const Rows<Tk>& K, const Rows<Tk>& 
       w[c] = w[kept[static_cast<std::size_t>(c)]] + s.slot_sum[c];
 }
 
+/// The scratch of one head's merge: `nearest_kept`'s arrays and T floats for
+/// the quantile's sort, carved from `head_scratch_plan(T, d)` bytes.
+inline WorkspacePlan head_scratch_plan(std::int64_t T, std::int64_t d) noexcept {
+  return WorkspacePlan{}.add_bytes(nearest_workspace(T, d).bytes).add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+}
+struct HeadScratch {
+  WorkspaceCarver carver;
+  NearestScratch s;
+  float* sorted;
+  HeadScratch(Workspace ws, std::int64_t T, std::int64_t d) noexcept
+      : carver(ws),
+        s(Workspace{carver.take<std::byte>(nearest_workspace(T, d).bytes), nearest_workspace(T, d).bytes}, T, d),
+        sorted(carver.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)))) {}
+};
+
+/// Steps 2-4 of `rule` on `h.s` (filled by `nearest_kept`), then the head's
+/// dense plan entries: one per evicted token, dst = its slot or -1, src = its
+/// id, weight = beta * scale of its slot or 0. No kept token: none merges
+/// (and the state is not re-packed).
+template <class Reduce, class Tk>
+void merge_dense(const MergeRule& rule, const Rows<Tk>& K, const Rows<Tk>& V, std::span<const std::int32_t> kept, std::int64_t d, float* w,
+                 HeadScratch& h, std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys, std::int64_t kld,
+                 float* merged_values, std::int64_t vld) noexcept {
+  NearestScratch& s = h.s;
+  const bool any = !kept.empty();
+  if (any) apply_merge_rule<Reduce>(rule, K, V, kept, d, w, s, h.sorted, merged_keys, kld, merged_values, vld);
+  for (std::int64_t i = 0; i < s.num_evicted; ++i) {
+    const std::int32_t t = any ? s.target[i] : -1;
+    dst[i] = t;
+    src[i] = s.evicted[i];
+    weight[i] = t >= 0 ? s.beta[i] * s.slot_scale[t] : 0.0f;
+  }
+}
+
 }  // namespace detail
 
 namespace backend {
@@ -333,23 +367,16 @@ namespace backend {
 /// merged). Merged rows of slots that received nothing are not written. Every
 /// op takes a workspace of `merge_head_workspace(T, d)` bytes.
 struct ScalarMergeOps {
-  static std::size_t merge_head_workspace(std::int64_t T, std::int64_t d) noexcept {
-    return WorkspacePlan{}
-        .add_bytes(detail::nearest_workspace(T, d).bytes)
-        .add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)))
-        .total();
-  }
+  static std::size_t merge_head_workspace(std::int64_t T, std::int64_t d) noexcept { return detail::head_scratch_plan(T, d).total(); }
 
   /// `kept`: the C ascending kept ids in [0, T); writes E = T - C `evicted`
   /// ids, `target` slots (-1: every cosine NaN) and `sim` cosines.
   template <class Tk>
   static void merge_nearest(const Rows<Tk>& keys, const std::int32_t* kept, std::int64_t C, std::int64_t T, std::int64_t d, float eps,
                             std::int32_t* evicted, std::int32_t* target, float* sim, Workspace ws) noexcept {
-    WorkspaceCarver c(ws);
-    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
-    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-    detail::nearest_kept<ScalarReduceOps>(keys, std::span<const std::int32_t>(kept, static_cast<std::size_t>(C)), T, d, eps, s);
-    for (std::int64_t i = 0; i < s.num_evicted; ++i) evicted[i] = s.evicted[i], target[i] = s.target[i], sim[i] = s.sim[i];
+    detail::HeadScratch h(ws, T, d);
+    detail::nearest_kept<ScalarReduceOps>(keys, std::span<const std::int32_t>(kept, static_cast<std::size_t>(C)), T, d, eps, h.s);
+    for (std::int64_t i = 0; i < h.s.num_evicted; ++i) evicted[i] = h.s.evicted[i], target[i] = h.s.target[i], sim[i] = h.s.sim[i];
   }
 
   /// Steps 2-4 of `rule` on `merge_nearest`'s arrays (`target` gated in
@@ -362,25 +389,13 @@ struct ScalarMergeOps {
                           std::int64_t T, std::int64_t d, float* w, const std::int32_t* evicted, std::int32_t* target, const float* sim,
                           std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys, std::int64_t kld, float* merged_values,
                           std::int64_t vld, Workspace ws) noexcept {
+    detail::HeadScratch h(ws, T, d);
     const std::int64_t E = T - C;
-    if (C == 0) {
-      for (std::int64_t i = 0; i < E; ++i) dst[i] = -1, src[i] = evicted[i], weight[i] = 0.0f;
-      return;
-    }
-    WorkspaceCarver c(ws);
-    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
-    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-    float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-    s.num_evicted = E;
-    for (std::int64_t i = 0; i < E; ++i) s.evicted[i] = evicted[i], s.target[i] = target[i], s.sim[i] = sim[i];
-    const std::span<const std::int32_t> kp(kept, static_cast<std::size_t>(C));
-    detail::apply_merge_rule<ScalarReduceOps>(rule, keys, values, kp, d, w, s, sorted, merged_keys, kld, merged_values, vld);
-    for (std::int64_t i = 0; i < E; ++i) {
-      target[i] = s.target[i];
-      dst[i] = s.target[i];
-      src[i] = s.evicted[i];
-      weight[i] = s.target[i] >= 0 ? s.beta[i] * s.slot_scale[s.target[i]] : 0.0f;
-    }
+    h.s.num_evicted = E;
+    for (std::int64_t i = 0; i < E; ++i) h.s.evicted[i] = evicted[i], h.s.target[i] = target[i], h.s.sim[i] = sim[i];
+    detail::merge_dense<ScalarReduceOps>(rule, keys, values, std::span<const std::int32_t>(kept, static_cast<std::size_t>(C)), d, w, h, dst,
+                                         src, weight, merged_keys, kld, merged_values, vld);
+    for (std::int64_t i = 0; i < E; ++i) target[i] = h.s.target[i];
   }
 
   /// `merge_nearest` then `merge_apply` through the workspace.
@@ -388,22 +403,10 @@ struct ScalarMergeOps {
   static void merge_head(const MergeRule& rule, const Rows<Tk>& keys, const Rows<Tk>& values, const std::int32_t* kept, std::int64_t C,
                          std::int64_t T, std::int64_t d, float* w, std::int32_t* dst, std::int32_t* src, float* weight, float* merged_keys,
                          std::int64_t kld, float* merged_values, std::int64_t vld, Workspace ws) noexcept {
-    WorkspaceCarver c(ws);
-    const std::size_t nb = detail::nearest_workspace(T, d).bytes;
-    detail::NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-    float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+    detail::HeadScratch h(ws, T, d);
     const std::span<const std::int32_t> kp(kept, static_cast<std::size_t>(C));
-    detail::nearest_kept<ScalarReduceOps>(keys, kp, T, d, rule.eps, s);
-    if (C == 0) {  // nothing to merge into
-      for (std::int64_t i = 0; i < s.num_evicted; ++i) dst[i] = -1, src[i] = s.evicted[i], weight[i] = 0.0f;
-      return;
-    }
-    detail::apply_merge_rule<ScalarReduceOps>(rule, keys, values, kp, d, w, s, sorted, merged_keys, kld, merged_values, vld);
-    for (std::int64_t i = 0; i < s.num_evicted; ++i) {
-      dst[i] = s.target[i];
-      src[i] = s.evicted[i];
-      weight[i] = s.target[i] >= 0 ? s.beta[i] * s.slot_scale[s.target[i]] : 0.0f;
-    }
+    detail::nearest_kept<ScalarReduceOps>(keys, kp, T, d, rule.eps, h.s);
+    detail::merge_dense<ScalarReduceOps>(rule, keys, values, kp, d, w, h, dst, src, weight, merged_keys, kld, merged_values, vld);
   }
 
   /// D2O's shared decision over H heads of E evicted tokens each (`sim`,

@@ -60,16 +60,7 @@ struct Cache {
     const auto shape =
         kvp_test::fill_page_pool(H, T, d, ps, PageLayout::kNHD, from_float<Tk>(-1e6f), at(k, T, d), kpool, ids, indptr, last);
     kvp_test::fill_page_pool(H, T, d, ps, PageLayout::kNHD, from_float<Tk>(-1e6f), at(v, T, d), vpool, ids, indptr, last);
-    paged = PagedKVView<const Tk>{kpool.data(),
-                                  vpool.data(),
-                                  shape.strides,
-                                  shape.strides,
-                                  shape.num_pages,
-                                  static_cast<std::int32_t>(H),
-                                  ps,
-                                  static_cast<std::int32_t>(d),
-                                  PageTable{indptr.data(), ids.data(), last.data(), 1},
-                                  dev};
+    paged = kvp_test::page_pool_view<Tk>(kpool.data(), vpool.data(), shape, H, ps, d, indptr.data(), ids.data(), last.data(), dev);
     MergeInput<Tk> in;
     in.keys = KVSource<Tk>::from_paged(paged, 0);
     in.values = KVSource<Tk>::from_paged_values(paged, 0);

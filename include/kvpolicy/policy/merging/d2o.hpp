@@ -228,10 +228,7 @@ class D2O {
     KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted, /*merges_keys=*/true, dev));
     KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace<Backend>(H, T, d).total()));
     const std::int64_t C = H > 0 ? keep.row_size(0) : 0, E = T - C;
-    auto mk = [&](std::int64_t h) { return out.merged_keys.empty() ? nullptr : &out.merged_keys(h * out.slots_per_row, 0); };
-    auto mv = [&](std::int64_t h) { return out.merged_values.empty() ? nullptr : &out.merged_values(h * out.slots_per_row, 0); };
-    const std::int64_t kld = out.merged_keys.empty() ? 0 : out.merged_keys.stride(0);
-    const std::int64_t vld = out.merged_values.empty() ? 0 : out.merged_values.stride(0);
+    const detail::MergedRows m{out};
     const MergeRule r = rule();
     if constexpr (dev) {
       const detail::BackendCall<Backend> call(cx);
@@ -250,7 +247,8 @@ class D2O {
       if (C > 0) Backend::d2o_decide(sim, tg, H, E, params_.alpha, params_.beta, in.state);  // no kept token: nothing merges, tau stays
       for (std::int64_t h = 0; h < H; ++h)
         Backend::merge_apply(r, in.keys.rows(h), in.values.rows(h), keep.indices + keep.indptr[h], C, T, d, nullptr, ev + h * E, tg + h * E,
-                             sim + h * E, out.dst + h * E, out.src + h * E, out.weight + h * E, mk(h), kld, mv(h), vld, ows);
+                             sim + h * E, out.dst + h * E, out.src + h * E, out.weight + h * E, m.keys(h), m.kld(), m.values(h), m.vld(),
+                             ows);
       return call.end();
     } else {
       out.indptr[0] = 0;
@@ -282,7 +280,8 @@ class D2O {
           s.target[i] = targets[h * E + i];
           s.sim[i] = sims[h * E + i];
         }
-        detail::apply_merge_rule<Backend>(r, in.keys.rows(h), in.values.rows(h), kept, d, nullptr, s, nullptr, mk(h), kld, mv(h), vld);
+        detail::apply_merge_rule<Backend>(r, in.keys.rows(h), in.values.rows(h), kept, d, nullptr, s, nullptr, m.keys(h), m.kld(),
+                                          m.values(h), m.vld());
         pos = detail::write_entries(out, pos, s);
         out.indptr[h + 1] = static_cast<std::int32_t>(pos);
       }

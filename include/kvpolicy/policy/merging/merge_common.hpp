@@ -237,10 +237,16 @@ inline Requirements merge_requirements(const char* who, Status params, const Pro
   return r;
 }
 
-/// Scratch of one row of a `MergeRule` merge on a host backend.
-inline WorkspacePlan rule_row_workspace(std::int64_t T, std::int64_t d) noexcept {
-  return WorkspacePlan{}.add_bytes(nearest_workspace(T, d).bytes).add<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
-}
+/// Row 0 of kv head h's slots in a plan's merged buffers (null when a buffer is absent) and their row strides.
+struct MergedRows {
+  const MergePlan& out;
+  float* keys(std::int64_t h) const noexcept { return out.merged_keys.empty() ? nullptr : &out.merged_keys(h * out.slots_per_row, 0); }
+  float* values(std::int64_t h) const noexcept {
+    return out.merged_values.empty() ? nullptr : &out.merged_values(h * out.slots_per_row, 0);
+  }
+  std::int64_t kld() const noexcept { return out.merged_keys.empty() ? 0 : out.merged_keys.stride(0); }
+  std::int64_t vld() const noexcept { return out.merged_values.empty() ? 0 : out.merged_values.stride(0); }
+};
 
 /// Requirements of a `MergeRule` policy (one plan entry per evicted token):
 /// on a host backend one row's scratch per worker; on a device backend
@@ -251,7 +257,7 @@ Requirements rule_merge_requirements(const char* who, Status params, const Conte
   if constexpr (kDeviceBackend<Backend>)
     ws = Backend::merge_head_workspace(s.max_kv_len, s.head_dim);
   else
-    ws = rows_workspace(rule_row_workspace(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec);
+    ws = rows_workspace(head_scratch_plan(s.max_kv_len, s.head_dim).total(), s.num_kv_heads, ctx.exec);
   return merge_requirements(who, params, s, ws, 1);
 }
 
@@ -297,10 +303,7 @@ Status rule_merge(const char* who, const Context<Backend>& cx, const MergeRule& 
   }
   KVP_RETURN_IF_ERROR(check_merge_plan(who, out, H, d, max_kept, evicted, merges_keys, dev));
   auto w_row = [&](std::int64_t h) { return weights != nullptr && T > 0 ? &(*weights)(h, 0) : nullptr; };
-  auto mk = [&](std::int64_t h) { return out.merged_keys.empty() ? nullptr : &out.merged_keys(h * out.slots_per_row, 0); };
-  auto mv = [&](std::int64_t h) { return out.merged_values.empty() ? nullptr : &out.merged_values(h * out.slots_per_row, 0); };
-  const std::int64_t kld = out.merged_keys.empty() ? 0 : out.merged_keys.stride(0);
-  const std::int64_t vld = out.merged_values.empty() ? 0 : out.merged_values.stride(0);
+  const MergedRows m{out};
   if constexpr (dev) {
     KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, Backend::merge_head_workspace(T, d)));
     const BackendCall<Backend> call(cx);
@@ -310,24 +313,22 @@ Status rule_merge(const char* who, const Context<Backend>& cx, const MergeRule& 
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t pos = out.indptr[h];
       Backend::merge_head(rule, in.keys.rows(h), in.values.rows(h), keep.indices + keep.indptr[h], keep.row_size(h), T, d, w_row(h),
-                          out.dst + pos, out.src + pos, out.weight + pos, mk(h), kld, mv(h), vld, cx.workspace);
+                          out.dst + pos, out.src + pos, out.weight + pos, m.keys(h), m.kld(), m.values(h), m.vld(), cx.workspace);
     }
     return call.end();
   } else {
-    const std::size_t per = rule_row_workspace(T, d).total();
+    const std::size_t per = head_scratch_plan(T, d).total();
     KVP_RETURN_IF_ERROR(check_workspace(who, cx.workspace, rows_workspace(per, H, cx.exec)));
     for_each_row(
         cx.exec, cx.workspace, per, out, H, [&](std::int64_t h) { return T - keep.row_size(h); },
         [&](std::int64_t h, Workspace ws, std::int64_t pos) -> std::int64_t {
           const auto kept = keep.row(h);
           if (kept.empty()) return pos;  // nothing to merge into
-          WorkspaceCarver c(ws);
-          const std::size_t nb = nearest_workspace(T, d).bytes;
-          NearestScratch s(Workspace{c.take<std::byte>(nb), nb}, T, d);
-          float* sorted = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(T, 1)));
+          HeadScratch hs(ws, T, d);
+          NearestScratch& s = hs.s;
           const Rows<Tk> K = in.keys.rows(h), V = in.values.rows(h);
           nearest_kept<Backend>(K, kept, T, d, rule.eps, s);
-          apply_merge_rule<Backend>(rule, K, V, kept, d, w_row(h), s, sorted, mk(h), kld, mv(h), vld);
+          apply_merge_rule<Backend>(rule, K, V, kept, d, w_row(h), s, hs.sorted, m.keys(h), m.kld(), m.values(h), m.vld());
           return write_entries(out, pos, s);
         });
     return Status::ok();
