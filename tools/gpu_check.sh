@@ -4,7 +4,7 @@
 # and writes one JSON summary. Sized for one H200 from a cold start: about
 # 3 minutes with prebuilt binaries, 6 with the build.
 #
-#   tools/gpu_check.sh [--prebuilt DIR] [--out DIR]
+#   tools/gpu_check.sh [--prebuilt DIR] [--out DIR] [--memcheck]
 #
 #   --prebuilt DIR  DIR/bin holds test_cuda_{args,ops,page_ops,policies} and
 #                   bench_cuda{,_policies}; DIR/lib the shared libraries they
@@ -14,16 +14,24 @@
 #                   Google Benchmark where CMake finds them.
 #   --out DIR       results (default: $OUT when set, else build-gpu/check):
 #                   gpu_check.json (the summary), tests.log (nvidia-smi, then
-#                   every test's output), tests.tsv, bench_cuda.json,
-#                   bench_cuda_policies.json, torch_reference.json.
+#                   every test's and benchmark's whole output), tests.tsv,
+#                   bench_cuda.json, bench_cuda_policies.json,
+#                   torch_reference.json: six files.
+#   --memcheck      after the benchmarks, each test again under
+#                   compute-sanitizer's memcheck (about a minute more); a row
+#                   `memcheck:TEST` in the summary passes when the sanitizer
+#                   reports 0 errors (the test's own verdict is its other row).
 # Exit status: 0 when every test passed, 1 otherwise (benchmarks never fail it).
+# A benchmark program that outlives its time limit is killed; the summary
+# keeps the benchmarks it finished and lists the file under "truncated".
 set -u
 cd "$(dirname "$0")/.."
-prebuilt="" out="${OUT:-build-gpu/check}"
+prebuilt="" out="${OUT:-build-gpu/check}" memcheck=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --prebuilt) prebuilt="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --memcheck) memcheck=1; shift ;;
     *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -66,10 +74,33 @@ for r in $runs; do
   rm -f "$log"
   echo "gpu_check: $name exit $rc: $summary"
 done
+# Five repetitions of at least 0.2 s of device time each: a kernel's median
+# moves by well under 1 % between repetitions on an idle GPU.
 for b in $benches; do
-  timeout 150 "$bin/$b" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
-    --benchmark_out="$out/$b.json" --benchmark_out_format=json 2>&1 | tail -40
+  echo "==== $b" >>"$out/tests.log"
+  timeout 240 "$bin/$b" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true --benchmark_min_time=0.2 \
+    --benchmark_out="$out/$b.json" --benchmark_out_format=json >"$out/run.log" 2>&1
+  echo "gpu_check: $b exit $?"
+  cat "$out/run.log" >>"$out/tests.log"
+  grep -E "median|WARNING|error" "$out/run.log" | tail -60
+  rm -f "$out/run.log"
 done
+if [ "$memcheck" = 1 ]; then
+  sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  for t in $tests; do
+    log="$out/run.log"
+    timeout 150 "$sanitizer" --tool memcheck --error-exitcode 86 "$bin/$t" >"$log" 2>&1
+    rc=$?
+    errors=$(grep -E "ERROR SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
+    row=0
+    [ "$rc" = 86 ] || [ "$rc" = 124 ] || [ -z "$errors" ] && row=1
+    case "$errors" in "ERROR SUMMARY: 0 errors") ;; *) row=1 ;; esac
+    printf '%s\t%s\t%s\t%s\n' "memcheck:$t" "$row" "0" "${errors:-no sanitizer summary} (sanitizer exit $rc)" >>"$out/tests.tsv"
+    { echo "==== memcheck:$t (exit $rc)"; cat "$log"; } >>"$out/tests.log"
+    rm -f "$log"
+    echo "gpu_check: memcheck:$t sanitizer exit $rc: ${errors:-no summary}"
+  done
+fi
 timeout 120 python3 tools/gpu/torch_reference.py "$out/torch_reference.json" >/dev/null 2>"$out/torch_reference.err" ||
   { echo "gpu_check: torch reference failed:"; tail -5 "$out/torch_reference.err"; }
 [ -s "$out/torch_reference.err" ] || rm -f "$out/torch_reference.err"

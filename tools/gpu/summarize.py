@@ -13,6 +13,20 @@ import os
 import sys
 
 
+def load_bench(path):
+    """A Google Benchmark JSON file; one cut off mid-run (the program killed by
+    its timeout) is closed after its last whole benchmark entry and marked
+    truncated, so the benchmarks that finished still count."""
+    text = open(path).read()
+    try:
+        return json.loads(text), False
+    except ValueError:
+        cut = text.rfind("\n    }")
+        if cut < 0 or '"benchmarks": [' not in text:
+            raise
+        return json.loads(text[: cut + len("\n    }")] + "\n  ]\n}\n"), True
+
+
 def main():
     d = sys.argv[1]
     out = {"tests": [], "benchmarks": {}, "context": {}, "vs_torch": {}}
@@ -24,10 +38,12 @@ def main():
             out["tests"].append({"test": name, "status": status, "exit": int(rc), "seconds": float(secs), "summary": summary})
     for path in sorted(glob.glob(os.path.join(d, "bench_*.json"))):
         try:
-            data = json.load(open(path))
+            data, truncated = load_bench(path)
         except (OSError, ValueError) as e:
             out["benchmarks"][os.path.basename(path)] = {"error": str(e)}
             continue
+        if truncated:
+            out.setdefault("truncated", []).append(os.path.basename(path))
         out["context"].update({k: v for k, v in data.get("context", {}).items() if k.startswith(("peak_", "device", "sm_"))})
         for b in data.get("benchmarks", []):
             if b.get("aggregate_name") not in (None, "median"):
