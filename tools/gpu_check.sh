@@ -55,13 +55,19 @@ fi
 : >"$out/tests.tsv"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/tests.log" 2>&1 || true
 # Each test once as built (tensor-core logits for fp16 / bf16 keys on sm_80+),
-# and the policy tests again with the exact logits kernel (KVP_CUDA_EXACT_SCORES=1;
-# test_cuda_ops forces both kernels itself).
+# the policy tests again with the exact logits kernel (KVP_CUDA_EXACT_SCORES=1;
+# test_cuda_ops forces both kernels itself), and every test again with its
+# device buffers filled with 0xFF bytes (KVP_CUDA_TEST_POISON=1: a read of
+# memory nobody wrote then fails every run instead of by chance).
 runs="$tests test_cuda_policies:exact"
+for t in $tests; do runs="$runs $t:poison"; done
 [ -x "$bin/readme_cuda" ] && runs="$runs readme_cuda"
 for r in $runs; do
   t="${r%%:*}" name="$r" env=()
-  if [ "$r" != "$t" ]; then env=(KVP_CUDA_EXACT_SCORES=1) name="${t}[exact_scores]"; fi
+  case "$r" in
+    *:exact) env=(KVP_CUDA_EXACT_SCORES=1) name="${t}[exact_scores]" ;;
+    *:poison) env=(KVP_CUDA_TEST_POISON=1) name="${t}[poisoned_buffers]" ;;
+  esac
   log="$out/run.log"
   start=$(date +%s%N)
   env "${env[@]}" timeout 100 "$bin/$t" >"$log" 2>&1

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "kvpolicy/backends/cuda.hpp"
@@ -31,8 +32,12 @@ namespace kvp_cuda_test {
 /// Device allocation owned by the test.
 class DeviceBuffer {
  public:
+  /// Uninitialised, as cudaMalloc leaves it; with KVP_CUDA_TEST_POISON set, every byte 0xFF (NaN as floats,
+  /// -1 as integers), so that a kernel or a test that reads memory nobody wrote fails the same way each run
+  /// (tools/gpu_check.sh runs every test once more so).
   explicit DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
     if (bytes_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, bytes_));
+    if (bytes_ > 0 && std::getenv("KVP_CUDA_TEST_POISON") != nullptr) CUDA_REQUIRE(cudaMemset(ptr_, 0xFF, bytes_));
   }
   template <class T>
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {

@@ -51,6 +51,12 @@ static_assert(kvpolicy::kDeviceBackend<EmulatedDevice>);
 /// Host memory tagged as a device's, for views an emulated device reads.
 inline constexpr kvpolicy::Device kEmulatedDevice{kvpolicy::DeviceType::kCUDA, 0};
 
+/// The byte every emulated-device test fills its workspaces with (0xFF: NaN as floats, -1 as integers).
+/// cudaMalloc memory is not zeroed and a reused allocation holds the last call's data, while a fresh
+/// std::vector is all zeros: a path that read a workspace before writing it would pass on zeros here and
+/// fail on a GPU. A poisoned workspace makes such a read change the result.
+inline constexpr std::byte kWorkspacePoison{0xFF};
+
 /// `policy`'s requirements for `shape` on backend::Scalar (`host`) and on EmulatedDevice (`device`), both
 /// required valid, with a workspace of each size.
 struct TwoSides {
@@ -66,8 +72,8 @@ TwoSides two_sides(const Policy& policy, const kvpolicy::ProblemShape& shape) {
   INFO(t.host.status.message() << " / " << t.device.status.message());
   REQUIRE(t.host.status.is_ok());
   REQUIRE(t.device.status.is_ok());
-  t.host_ws.resize(t.host.workspace_bytes);
-  t.device_ws.resize(t.device.workspace_bytes);
+  t.host_ws.assign(t.host.workspace_bytes, kWorkspacePoison);
+  t.device_ws.assign(t.device.workspace_bytes, kWorkspacePoison);
   return t;
 }
 

@@ -48,7 +48,7 @@ std::vector<float> score_map(std::int64_t rows, std::int64_t T, std::int64_t P, 
 /// The host allocation plus each row's top count (what `AdaKV::evict` does on the host).
 void reference(const AdaKVAllocation& a, const std::vector<float>& S, std::int64_t rows, std::int64_t T, std::vector<std::int64_t>& counts,
                std::vector<std::int32_t>& indptr, std::vector<std::int32_t>& ids, std::int32_t first) {
-  std::vector<std::byte> ws(a.workspace_bytes(Context<backend::Scalar>{}, rows, T));
+  std::vector<std::byte> ws(a.workspace_bytes(Context<backend::Scalar>{}, rows, T), kvp_test::kWorkspacePoison);
   counts.assign(static_cast<std::size_t>(rows), -1);
   const Status st = a.allocate(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, T,
                                TensorView<const float, 2>::contiguous(S.data(), {rows, T}), std::span<std::int64_t>(counts));
@@ -56,7 +56,7 @@ void reference(const AdaKVAllocation& a, const std::vector<float>& S, std::int64
   REQUIRE(st.is_ok());
   indptr.assign(static_cast<std::size_t>(rows + 1), first);
   ids.assign(static_cast<std::size_t>(first + rows * T), -7);
-  std::vector<std::byte> tws(backend::Scalar::topk_workspace(T));
+  std::vector<std::byte> tws(backend::Scalar::topk_workspace(T), kvp_test::kWorkspacePoison);
   for (std::int64_t r = 0; r < rows; ++r) {
     indptr[static_cast<std::size_t>(r + 1)] =
         static_cast<std::int32_t>(indptr[static_cast<std::size_t>(r)] + counts[static_cast<std::size_t>(r)]);
@@ -76,7 +76,7 @@ void check_op(const AdaKVAllocation& a, std::int64_t rows, std::int64_t T, std::
   std::vector<std::int64_t> counts(static_cast<std::size_t>(rows), -1);
   std::vector<std::int32_t> indptr(static_cast<std::size_t>(rows + 1), -7), ids(static_cast<std::size_t>(first + rows * T), -7);
   indptr[0] = first;
-  std::vector<std::byte> ws(ops::adakv_keep_workspace<backend::Scalar>(rows, T));
+  std::vector<std::byte> ws(ops::adakv_keep_workspace<backend::Scalar>(rows, T), kvp_test::kWorkspacePoison);
   ops::adakv_keep<backend::Scalar>(S.data(), rows, T, spec, counts.data(), indptr.data(), ids.data(), Workspace{ws.data(), ws.size()});
   REQUIRE(counts == want_counts);
   REQUIRE(indptr == want_indptr);
@@ -167,7 +167,7 @@ TEST_CASE("adakv on a device backend: host views, sharded layers and a small out
   const AdaKV<SnapKV> policy(AdaKVParams::kvpress(0.5), SnapKV(adakv_scoring()));
   const Requirements req = policy.requirements(Context<EmulatedDevice>{}, ProblemShape{Hq, Hkv, d, T, 32});
   REQUIRE(req.status.is_ok());
-  std::vector<std::byte> ws(req.workspace_bytes);
+  std::vector<std::byte> ws(req.workspace_bytes, kvp_test::kWorkspacePoison);
   const Context<EmulatedDevice> cx{Workspace{ws.data(), ws.size()}};
 
   kvp_test::KeepSetBuffer out(req.output.rows, req.output.capacity);

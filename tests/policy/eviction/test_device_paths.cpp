@@ -240,7 +240,7 @@ TEST_CASE("device path: a paged pool in host memory is refused by name, nothing 
   const ProblemShape shape{8, 2, 16, 300, 16};
   const Requirements req = policy.requirements(Context<EmulatedDevice>{}, shape);
   REQUIRE(req.status.is_ok());
-  std::vector<std::byte> ws(req.workspace_bytes);
+  std::vector<std::byte> ws(req.workspace_bytes, kvp_test::kWorkspacePoison);
   KeepSetBuffer out(req.output.rows, req.output.capacity);
   out.fill_sentinel();
   const Status s = policy.evict(Context<EmulatedDevice>{Workspace{ws.data(), ws.size()}}, in, out.view());

@@ -53,7 +53,7 @@ TEST_CASE("mixed precision: budget split, tiers by the scorer's ranking, full_sh
   const ProblemShape shape{D.Hq, D.H, D.d, D.T, 1};
   const Requirements r = mp.requirements(probe, shape);
   REQUIRE(r.status.is_ok());
-  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<std::byte> ws(r.workspace_bytes, kvp_test::kWorkspacePoison);
   const Context<backend::Cpu> cx{Workspace{ws.data(), ws.size()}};
   std::vector<std::int32_t> indptr(static_cast<std::size_t>(D.H + 1)), idx(static_cast<std::size_t>(D.H * 40));
   std::vector<std::uint8_t> full(idx.size(), 7);
@@ -61,7 +61,7 @@ TEST_CASE("mixed precision: budget split, tiers by the scorer's ranking, full_sh
   REQUIRE(mp.decide(cx, in, keep, full).is_ok());
   // Reference ranking from the scorer's own scores.
   std::vector<float> scores(static_cast<std::size_t>(D.H * D.T));
-  std::vector<std::byte> sws(snap.requirements(probe, shape).workspace_bytes);
+  std::vector<std::byte> sws(snap.requirements(probe, shape).workspace_bytes, kvp_test::kWorkspacePoison);
   REQUIRE(
       snap.score(Context<backend::Cpu>{Workspace{sws.data(), sws.size()}}, in, TensorView<float, 2>::contiguous(scores.data(), {D.H, D.T}))
           .is_ok());
@@ -92,7 +92,7 @@ TEST_CASE("mixed precision: budget split, tiers by the scorer's ranking, full_sh
   SnapKVParams sp10 = SnapKVParams::kvpress(0.5, 8, 5);
   sp10.budget = Budget::tokens(10);
   const SnapKV snap10(sp10);
-  std::vector<std::byte> ews(snap10.requirements(probe, shape).workspace_bytes);
+  std::vector<std::byte> ews(snap10.requirements(probe, shape).workspace_bytes, kvp_test::kWorkspacePoison);
   std::vector<std::int32_t> i3(i2.size()), p3(p2.size());
   REQUIRE(snap10
               .evict(Context<backend::Cpu>{Workspace{ews.data(), ews.size()}}, std::span<const ScoreInput<float, float>>(&in, 1),
@@ -123,7 +123,7 @@ TEST_CASE("mixed precision: bad input is rejected by name and nothing is written
   const MixedPrecision<SnapKV, GgmlQuant> mp(snap, q4, MixedPrecisionParams{0.1, 0.0, 0.5});
   const ProblemShape shape{D.Hq, D.H, D.d, D.T, 1};
   const Requirements r = mp.requirements(Context<backend::Cpu>{}, shape);
-  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<std::byte> ws(r.workspace_bytes, kvp_test::kWorkspacePoison);
   std::vector<std::int32_t> indptr(static_cast<std::size_t>(D.H + 1), -5), idx(static_cast<std::size_t>(D.H * 40), -5);
   std::vector<std::uint8_t> full(idx.size(), 7);
   const auto before_idx = idx;
@@ -170,7 +170,7 @@ TEST_CASE("mixed precision: rank_tiers ranks score descending then position asce
     });
     return order;
   };
-  std::vector<std::byte> ws(backend::Scalar::rank_tiers_workspace(n));
+  std::vector<std::byte> ws(backend::Scalar::rank_tiers_workspace(n), kvp_test::kWorkspacePoison);
   for (const auto& [keep, full] : {std::pair<std::int64_t, std::int64_t>{0, 0}, {1, 0}, {1, 1}, {20, 7}, {57, 57}, {57, 0}, {30, 30}}) {
     INFO("keep " << keep << " full " << full);
     std::vector<std::int32_t> idx(static_cast<std::size_t>(rows * 60), -1);
@@ -204,7 +204,7 @@ TEST_CASE("mixed precision: the device path (scores and tiers on the device back
     REQUIRE((hr.status.is_ok() && dr.status.is_ok()));
     const MixedSplit sp = mp.split(D.T, D.d, sizeof(float));
     const std::int64_t n = sp.full + sp.low;
-    std::vector<std::byte> hws(hr.workspace_bytes), dws(dr.workspace_bytes);
+    std::vector<std::byte> hws(hr.workspace_bytes, kvp_test::kWorkspacePoison), dws(dr.workspace_bytes, kvp_test::kWorkspacePoison);
     std::vector<std::int32_t> hp(static_cast<std::size_t>(D.H + 1)), dp(hp.size()), hi(static_cast<std::size_t>(D.H * n)),
         di(hi.size(), -1);
     std::vector<std::uint8_t> hf(hi.size()), df(hi.size(), 7);

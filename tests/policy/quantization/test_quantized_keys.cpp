@@ -97,7 +97,7 @@ template <class Backend, class S, class In>
 std::vector<float> scores_of(const S& s, const In& in, const ExecContext& exec) {
   const Requirements r = s.requirements(Context<Backend>{{}, exec}, ProblemShape{Hq, H, d, T, W});
   REQUIRE(r.status.is_ok());
-  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<std::byte> ws(r.workspace_bytes, kvp_test::kWorkspacePoison);
   std::vector<float> out(static_cast<std::size_t>(H * T), -1.0f);
   const Status st =
       s.score(Context<Backend>{Workspace{ws.data(), ws.size()}, exec}, in, TensorView<float, 2>::contiguous(out.data(), {H, T}));
@@ -110,7 +110,7 @@ template <class Backend, class P, class In>
 std::vector<std::int32_t> keep_of(const P& p, const In& in, const ExecContext& exec) {
   const Requirements r = p.requirements(Context<Backend>{{}, exec}, ProblemShape{Hq, H, d, T, W});
   REQUIRE(r.status.is_ok());
-  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<std::byte> ws(r.workspace_bytes, kvp_test::kWorkspacePoison);
   std::vector<std::int32_t> indptr(static_cast<std::size_t>(r.output.rows + 1)), idx(static_cast<std::size_t>(r.output.capacity));
   const KeepSet keep{indptr.data(), idx.data(), r.output.rows, r.output.capacity};
   const Status st = p.evict(Context<Backend>{Workspace{ws.data(), ws.size()}, exec}, std::span<const In>(&in, 1), keep);
@@ -142,7 +142,7 @@ void check_format(const P& p, const char* name) {
     REQUIRE(scores_of<kvp_test::EmulatedDevice>(qsnap, dev, {}) == scores_of<backend::Scalar>(snap, din, {}));
     // Host views on the device path are refused by name.
     const Requirements r = qsnap.requirements(Context<kvp_test::EmulatedDevice>{}, ProblemShape{Hq, H, d, T, W});
-    std::vector<std::byte> ws(r.workspace_bytes);
+    std::vector<std::byte> ws(r.workspace_bytes, kvp_test::kWorkspacePoison);
     std::vector<float> out(static_cast<std::size_t>(H * T));
     const Status host_codes =
         qsnap.score(Context<kvp_test::EmulatedDevice>{Workspace{ws.data(), ws.size()}}, QuantScoreInput<float>{dev.queries, qin.keys},
@@ -179,12 +179,12 @@ void check_format(const P& p, const char* name) {
   tin.queries = f.queries().narrow(1, W - 1, 1);
   const Requirements tr = tova.requirements(Context<backend::Cpu>{}, ProblemShape{Hq, H, d, T, 1});
   REQUIRE(tr.status.is_ok());
-  std::vector<std::byte> tws(tr.workspace_bytes);
+  std::vector<std::byte> tws(tr.workspace_bytes, kvp_test::kWorkspacePoison);
   std::vector<float> a(static_cast<std::size_t>(H * T)), b(a.size());
   REQUIRE(tova.score(Context<backend::Cpu>{Workspace{tws.data(), tws.size()}}, tin, TensorView<float, 2>::contiguous(a.data(), {H, T}))
               .is_ok());
   const Requirements qr = qtova.requirements(Context<backend::Cpu>{}, ProblemShape{Hq, H, d, T, 1});
-  std::vector<std::byte> qws(qr.workspace_bytes);
+  std::vector<std::byte> qws(qr.workspace_bytes, kvp_test::kWorkspacePoison);
   REQUIRE(qtova.score(Context<backend::Cpu>{Workspace{qws.data(), qws.size()}}, tq, TensorView<float, 2>::contiguous(b.data(), {H, T}))
               .is_ok());
   for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(b[i] == Approx(a[i]).epsilon(1e-6));  // mean of group means
@@ -214,7 +214,7 @@ TEST_CASE("quantized keys: bad regions are rejected before anything is written",
   Stored<GgmlQuant> stored(q4, f);
   const QuantizedKeys<SnapKV, GgmlQuant> qs(SnapKV(SnapKVParams::kvpress(0.5, static_cast<std::int32_t>(W), 5)), q4);
   const Requirements r = qs.requirements(Context<backend::Cpu>{}, ProblemShape{Hq, H, d, T, W});
-  std::vector<std::byte> ws(r.workspace_bytes);
+  std::vector<std::byte> ws(r.workspace_bytes, kvp_test::kWorkspacePoison);
   std::vector<float> out(static_cast<std::size_t>(H * T), -3.0f);
   const auto untouched = out;
   auto run = [&](QuantScoreInput<float> in, std::size_t ws_bytes = 0) {
