@@ -19,17 +19,13 @@
 //
 // Measured on an H100 (2026-12-05, bench_cuda_policies CudaExpectedAttention,
 // 32 query / 8 kv heads, d = 128): 110 ms at 4K tokens, 320 ms at 32K, far
-// from SnapKV's 1 ms on the same shape. Not profiled yet (the first ncu run
-// should say which step dominates; 4K -> 32K tokens costs only 2.9x). The
-// launch shapes leave most of the GPU idle: per query head, the mean runs 128
-// threads (one block) and the covariance 8,256 pairs (64 blocks, one per SM at
-// most), each a serial chain over every token, 32 rounds in a row; the logits
-// are one dependent chain of d^2 steps per thread. The next step keeps the
-// reference's order and spreads the work: the covariance's 64-token fp32 block sums computed for
-// all blocks at once from a shared-memory tile of centred queries, then
-// summed per pair in block order in double; the query heads batched into one
-// grid (blockIdx.y); the logits as one thread block per key tile sharing the
-// covariance through shared memory.
+// from SnapKV's 1 ms on the same shape. Not profiled yet. The launch shapes
+// use little of the GPU (per query head, 32 rounds in a row: the mean on 128
+// threads, the covariance on 8,256 pairs in 64 blocks, each a serial chain
+// over every token; the logits one chain of d^2 steps per key), but rough
+// counts of their instructions and latencies give a few ms per layer, not
+// hundreds: the first device session with time to spare should run
+// `ncu`/`nsys` on CudaExpectedAttention/4096 before changing a kernel.
 #include <cub/block/block_reduce.cuh>
 
 #include <cmath>
