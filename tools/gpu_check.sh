@@ -4,7 +4,7 @@
 # and writes one JSON summary. Sized for one H200 from a cold start: about
 # 3 minutes with prebuilt binaries, 6 with the build.
 #
-#   tools/gpu_check.sh [--prebuilt DIR] [--out DIR] [--memcheck]
+#   tools/gpu_check.sh [--prebuilt DIR] [--out DIR] [--memcheck] [--profile REGEX]
 #
 #   --prebuilt DIR  DIR/bin holds test_cuda_{args,ops,page_ops,policies} and
 #                   bench_cuda{,_policies}; DIR/lib the shared libraries they
@@ -16,22 +16,30 @@
 #                   gpu_check.json (the summary), tests.log (nvidia-smi, then
 #                   every test's and benchmark's whole output), tests.tsv,
 #                   bench_cuda.json, bench_cuda_policies.json,
-#                   torch_reference.json: six files.
+#                   torch_reference.json: six files (seven with --profile).
 #   --memcheck      after the benchmarks, each test again under
 #                   compute-sanitizer's memcheck (about a minute more); a row
 #                   `memcheck:TEST` in the summary passes when the sanitizer
 #                   reports 0 errors (the test's own verdict is its other row).
+#   --profile REGEX the bench_cuda_policies benchmarks REGEX names, once more
+#                   under Nsight Compute (one repetition, 0.01 s each, at most
+#                   3,000 launches, clocks as the GPU sets them): every
+#                   kernel's gpu__time_duration into profile.csv, and the time
+#                   per kernel name (tools/gpu/profile_summary.py) into
+#                   tests.log and gpu_check.json's "profile". For example
+#                   'CudaExpectedAttention/4096|CudaH2OStep/32768'.
 # Exit status: 0 when every test passed, 1 otherwise (benchmarks never fail it).
 # A benchmark program that outlives its time limit is killed; the summary
 # keeps the benchmarks it finished and lists the file under "truncated".
 set -u
 cd "$(dirname "$0")/.."
-prebuilt="" out="${OUT:-build-gpu/check}" memcheck=0
+prebuilt="" out="${OUT:-build-gpu/check}" memcheck=0 profile=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --prebuilt) prebuilt="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --memcheck) memcheck=1; shift ;;
+    --profile) profile="$2"; shift 2 ;;
     *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -106,6 +114,15 @@ if [ "$memcheck" = 1 ]; then
     rm -f "$log"
     echo "gpu_check: memcheck:$t sanitizer exit $rc: ${errors:-no summary}"
   done
+fi
+if [ -n "$profile" ]; then
+  ncu="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+  echo "==== profile: $profile ($ncu)" >>"$out/tests.log"
+  timeout 240 "$ncu" --csv --print-units base --print-kernel-base function --clock-control none --launch-count 3000 \
+    --metrics gpu__time_duration.sum "$bin/bench_cuda_policies" --benchmark_filter="$profile" --benchmark_repetitions=1 \
+    --benchmark_min_time=0.01 >"$out/profile.csv" 2>>"$out/tests.log"
+  echo "gpu_check: profile exit $?"
+  python3 tools/gpu/profile_summary.py "$out/profile.csv" 2>&1 | tee -a "$out/tests.log" | head -25
 fi
 timeout 120 python3 tools/gpu/torch_reference.py "$out/torch_reference.json" >/dev/null 2>"$out/torch_reference.err" ||
   { echo "gpu_check: torch reference failed:"; tail -5 "$out/torch_reference.err"; }

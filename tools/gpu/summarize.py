@@ -4,8 +4,9 @@
 Reads tests.tsv (test, exit code, seconds, Catch2 summary line), the Google
 Benchmark JSON files (bench_*.json; medians of the repetitions) and
 torch_reference.json, and writes gpu_check.json beside them: pass/fail per
-test, each benchmark's median with its fraction of the measured peaks, and
-the ratio torch time / kvpolicy time where both ran the same shape.
+test, each benchmark's median with its fraction of the measured peaks, the
+ratio torch time / kvpolicy time where both ran the same shape, and with
+profile.csv (gpu_check.sh --profile) the kernel time per kernel name.
 """
 import glob
 import json
@@ -77,6 +78,12 @@ def main():
                 us = b["median_us"] if b.get("time_unit") == "us" else None
                 if us:
                     out["vs_torch"][ours] = {"kvpolicy_us": us, "torch_us": t * 1e3, "speedup": t * 1e3 / us}
+    prof = os.path.join(d, "profile.csv")
+    if os.path.exists(prof):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from profile_summary import summarize as kernel_times
+
+        out["profile"] = kernel_times(prof)
     out["all_tests_passed"] = bool(out["tests"]) and all(t["status"] == "pass" for t in out["tests"])
     with open(os.path.join(d, "gpu_check.json"), "w") as f:
         json.dump(out, f, indent=1)
