@@ -28,6 +28,12 @@
 #                   per kernel name (tools/gpu/profile_summary.py) into
 #                   tests.log and gpu_check.json's "profile". For example
 #                   'CudaExpectedAttention/4096|CudaH2OStep/32768'.
+# The run a device session makes (binaries staged here first with
+# `tools/gpu/stage_prebuilt.sh build-prebuilt 90`, the folder carried over):
+#   tools/gpu_check.sh --prebuilt build-prebuilt --memcheck --profile \
+#     'CudaExpectedAttention/4096|CudaH2OStep/32768|CudaTopk/131072/1|CudaAdaKVKeep/32768|CudaQuant/32768/1/0'
+# On the H100 of 2026-12-05 the tests, benchmarks and memcheck took 205 s with
+# a 150 s benchmark limit; allow about 6 minutes with the profile.
 # Exit status: 0 when every test passed, 1 otherwise (benchmarks never fail it).
 # A benchmark program that outlives its time limit is killed; the summary
 # keeps the benchmarks it finished and lists the file under "truncated".
