@@ -23,7 +23,8 @@
 #                   reports 0 errors (the test's own verdict is its other row).
 #   --profile REGEX the bench_cuda_policies benchmarks REGEX names, once more
 #                   under Nsight Compute (one repetition, 0.01 s each, at most
-#                   3,000 launches, clocks as the GPU sets them): every
+#                   3,000 launches, clocks as the GPU sets them, caches not
+#                   flushed between kernels, as in the benchmarks): every
 #                   kernel's gpu__time_duration into profile.csv, and the time
 #                   per kernel name (tools/gpu/profile_summary.py) into
 #                   tests.log and gpu_check.json's "profile". For example
@@ -124,7 +125,8 @@ fi
 if [ -n "$profile" ]; then
   ncu="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
   echo "==== profile: $profile ($ncu)" >>"$out/tests.log"
-  timeout 240 "$ncu" --csv --print-units base --print-kernel-base function --clock-control none --launch-count 3000 \
+  timeout 240 "$ncu" --csv --print-units base --print-kernel-base function --clock-control none --cache-control none \
+    --launch-count 3000 \
     --metrics gpu__time_duration.sum "$bin/bench_cuda_policies" --benchmark_filter="$profile" --benchmark_repetitions=1 \
     --benchmark_min_time=0.01 >"$out/profile.csv" 2>>"$out/tests.log"
   echo "gpu_check: profile exit $?"
