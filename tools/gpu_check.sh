@@ -68,6 +68,14 @@ else
 fi
 
 : >"$out/tests.tsv"
+# record NAME EXIT SECONDS SUMMARY: one row of tests.tsv, and $out/run.log (the
+# run's whole output) moved into tests.log under NAME.
+record() {
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >>"$out/tests.tsv"
+  { echo "==== $1 (exit $2)"; cat "$out/run.log"; } >>"$out/tests.log"
+  rm -f "$out/run.log"
+  echo "gpu_check: $1 exit $2: $4"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/tests.log" 2>&1 || true
 # Each test once as built (tensor-core logits for fp16 / bf16 keys on sm_80+),
 # the policy tests again with the exact logits kernel (KVP_CUDA_EXACT_SCORES=1;
@@ -83,17 +91,12 @@ for r in $runs; do
     *:exact) env=(KVP_CUDA_EXACT_SCORES=1) name="${t}[exact_scores]" ;;
     *:poison) env=(KVP_CUDA_TEST_POISON=1) name="${t}[poisoned_buffers]" ;;
   esac
-  log="$out/run.log"
   start=$(date +%s%N)
-  env "${env[@]}" timeout 100 "$bin/$t" >"$log" 2>&1
+  env "${env[@]}" timeout 100 "$bin/$t" >"$out/run.log" 2>&1
   rc=$?
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
-  secs="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
-  summary=$(grep -E "All tests passed|test cases:|SKIPPED|kv head 0 keeps|nothing to run" "$log" | tail -1)
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$summary" >>"$out/tests.tsv"
-  { echo "==== $name (exit $rc)"; cat "$log"; } >>"$out/tests.log"
-  rm -f "$log"
-  echo "gpu_check: $name exit $rc: $summary"
+  record "$name" "$rc" "$((ms / 1000)).$(printf '%03d' $((ms % 1000)))" \
+    "$(grep -E "All tests passed|test cases:|SKIPPED|kv head 0 keeps|nothing to run" "$out/run.log" | tail -1)"
 done
 # Five repetitions of at least 0.2 s of device time each: a kernel's median
 # moves by well under 1 % between repetitions on an idle GPU.
@@ -109,17 +112,12 @@ done
 if [ "$memcheck" = 1 ]; then
   sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
   for t in $tests; do
-    log="$out/run.log"
-    timeout 150 "$sanitizer" --tool memcheck --error-exitcode 86 "$bin/$t" >"$log" 2>&1
+    timeout 150 "$sanitizer" --tool memcheck --error-exitcode 86 "$bin/$t" >"$out/run.log" 2>&1
     rc=$?
-    errors=$(grep -E "ERROR SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
-    row=0
-    [ "$rc" = 86 ] || [ "$rc" = 124 ] || [ -z "$errors" ] && row=1
-    case "$errors" in "ERROR SUMMARY: 0 errors") ;; *) row=1 ;; esac
-    printf '%s\t%s\t%s\t%s\n' "memcheck:$t" "$row" "0" "${errors:-no sanitizer summary} (sanitizer exit $rc)" >>"$out/tests.tsv"
-    { echo "==== memcheck:$t (exit $rc)"; cat "$log"; } >>"$out/tests.log"
-    rm -f "$log"
-    echo "gpu_check: memcheck:$t sanitizer exit $rc: ${errors:-no summary}"
+    errors=$(grep -E "ERROR SUMMARY" "$out/run.log" | tail -1 | sed 's/^=* *//')
+    row=1  # passes on a whole run (not cut by the timeout) whose sanitizer found nothing
+    [ "$errors" = "ERROR SUMMARY: 0 errors" ] && [ "$rc" != 124 ] && row=0
+    record "memcheck:$t" "$row" 0 "${errors:-no sanitizer summary} (sanitizer exit $rc)"
   done
 fi
 if [ -n "$profile" ]; then

@@ -13,6 +13,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_summary import summarize as kernel_times  # noqa: E402
+
 
 def load_bench(path):
     """A Google Benchmark JSON file; one cut off mid-run (the program killed by
@@ -80,9 +83,6 @@ def main():
                     out["vs_torch"][ours] = {"kvpolicy_us": us, "torch_us": t * 1e3, "speedup": t * 1e3 / us}
     prof = os.path.join(d, "profile.csv")
     if os.path.exists(prof):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from profile_summary import summarize as kernel_times
-
         out["profile"] = kernel_times(prof)
     out["all_tests_passed"] = bool(out["tests"]) and all(t["status"] == "pass" for t in out["tests"])
     with open(os.path.join(d, "gpu_check.json"), "w") as f:

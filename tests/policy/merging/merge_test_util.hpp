@@ -8,6 +8,7 @@
 
 #include "kvpolicy/policy/decisions.hpp"
 #include "kvpolicy/policy/merging/merge_common.hpp"
+#include "policy/emulated_device.hpp"
 #include "policy/policy_test_util.hpp"
 
 namespace kvp_merge_test {
@@ -75,7 +76,7 @@ std::vector<std::byte> workspace_for(const P& p, std::int64_t H, std::int64_t T,
                                      const ExecContext& ex = {}) {
   const Requirements r = p.requirements(Context<B>{{}, ex}, ProblemShape{Hq > 0 ? Hq : H, H, d, T, 1});
   REQUIRE(r.status.is_ok());
-  return std::vector<std::byte>(r.workspace_bytes + 1, std::byte{0xFF});  // poisoned, as kvp_test::kWorkspacePoison
+  return std::vector<std::byte>(r.workspace_bytes + 1, kvp_test::kWorkspacePoison);
 }
 
 template <class B, class P, class In>
