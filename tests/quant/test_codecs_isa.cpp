@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -122,6 +123,51 @@ void for_each_isa(Fn fn) {
 constexpr std::int64_t kRows = 45;
 
 }  // namespace
+
+TEST_CASE("codecs: the finiteness scan finds the first NaN / inf as the reference does", "[quant][codec][cpu]") {
+  // The scan tests 256-element blocks with a vector fold and searches only a block that holds a non-finite
+  // value: lengths around the block and vector sizes, non-finite values at block edges, inside blocks and in
+  // the tail, several per row (the first counts), and the largest finite values (exponent one below all ones).
+  const std::vector<std::uint16_t> bad16 = {0x7c00, 0xfc00, 0x7e00, 0x7c01, 0xffff};
+  const std::vector<std::uint32_t> bad32 = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffffffffu};
+  for_each_isa([&](const std::string& isa) {
+    for (std::int64_t n : {0, 1, 15, 16, 31, 255, 256, 257, 511, 512, 513, 1000, 4097, 20000}) {
+      std::vector<std::int64_t> spots = {0, 1, n / 2, n - 1, 255, 256, 257, 511, 512, n - 257};
+      std::vector<half> h(static_cast<std::size_t>(n));
+      std::vector<float> f(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) {  // finite, with the largest finite magnitudes mixed in
+        h[static_cast<std::size_t>(i)].bits = static_cast<std::uint16_t>(i % 7 == 0 ? (i % 2 ? 0x7bff : 0xfbff) : (0x3c00 + i % 1000));
+        const std::uint32_t u = i % 7 == 0 ? (i % 2 ? 0x7f7fffffu : 0xff7fffffu) : 0x3f800000u + static_cast<std::uint32_t>(i);
+        std::memcpy(&f[static_cast<std::size_t>(i)], &u, 4);
+      }
+      const std::string what = isa + " n=" + std::to_string(n);
+      CHECK(backend::Cpu::first_nonfinite(h.data(), n) == -1);
+      CHECK(backend::Cpu::first_nonfinite(f.data(), n) == -1);
+      for (std::size_t k = 0; k < spots.size(); ++k) {
+        const std::int64_t at = spots[k];
+        if (at < 0 || at >= n) continue;
+        std::vector<half> hh = h;
+        std::vector<float> ff = f;
+        hh[static_cast<std::size_t>(at)].bits = bad16[k % bad16.size()];
+        const std::uint32_t u = bad32[k % bad32.size()];
+        std::memcpy(&ff[static_cast<std::size_t>(at)], &u, 4);
+        if (at + 300 < n) {  // a later one changes nothing
+          hh[static_cast<std::size_t>(at + 300)].bits = 0x7c00;
+          ff[static_cast<std::size_t>(at + 300)] = std::numeric_limits<float>::infinity();
+        }
+        INFO(what << " at " << at);
+        CHECK(backend::Scalar::first_nonfinite(hh.data(), n) == at);
+        CHECK(backend::Cpu::first_nonfinite(hh.data(), n) == at);
+        CHECK(backend::Scalar::first_nonfinite(ff.data(), n) == at);
+        CHECK(backend::Cpu::first_nonfinite(ff.data(), n) == at);
+        if (at > 0) {  // an unaligned start: the same value, one element earlier
+          CHECK(backend::Cpu::first_nonfinite(hh.data() + 1, n - 1) == at - 1);
+          CHECK(backend::Cpu::first_nonfinite(ff.data() + 1, n - 1) == at - 1);
+        }
+      }
+    }
+  });
+}
 
 TEST_CASE("codecs: Hadamard rotation on the CPU equals the reference", "[quant][codec][cpu]") {
   for_each_isa([](const std::string& isa) {

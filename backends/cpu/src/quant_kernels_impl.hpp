@@ -175,48 +175,65 @@ inline void dequantize_f16(GgmlType t, const std::uint8_t* in, std::int64_t n, h
   }
 }
 
-/// Prefetches the 64-byte lines of bytes [from, from + len) of p (a streaming scan's look-ahead).
-inline void prefetch_bytes(const void* p, std::int64_t from, std::int64_t len) noexcept {
-#if KVP_CPU_TU_ISA >= 1
-  prefetch_lines(static_cast<const char*>(p) + from, len);
-#else
-  (void)p, (void)from, (void)len;
-#endif
-}
-constexpr std::int64_t kScanAhead = 4096;  ///< bytes a scan prefetches ahead of the block it tests
+/// The finiteness scans: the first element whose exponent bits are all ones (NaN or +-inf), or -1. Every
+/// quantizing policy runs one over its input before it writes a code, so the scan has to keep up with memory:
+/// each 256-element block folds (bits & exponent mask) into an unsigned running maximum with two independent
+/// chains (one AND and one MAX per vector), tests it once, and only a block that holds a non-finite value is
+/// searched element by element; the block kScanAhead bytes ahead is prefetched into L2 (prefetcht1; into L1
+/// it was slower from memory, and without it the scan reached ~90 % of a plain read pass instead of ~100 %).
+constexpr std::int64_t kScanAhead = 8192;
 
-inline std::int64_t first_nonfinite_f32(const float* x, std::int64_t n) noexcept {
-  constexpr std::int64_t kB = 256;
-  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
-    const std::int64_t nb = n - b0 < kB ? n - b0 : kB;
-    if (b0 + kB + kScanAhead / 4 <= n) prefetch_bytes(x, 4 * b0 + kScanAhead, 4 * kB);
-    int bad = 0;
-    for (std::int64_t j = 0; j < nb; ++j) {
-      std::uint32_t u;
-      std::memcpy(&u, x + b0 + j, sizeof u);
-      bad |= (u & 0x7f800000u) == 0x7f800000u;
+template <class Bits>
+inline std::int64_t first_nonfinite_bits(const void* data, std::int64_t n) noexcept {
+  constexpr Bits kExp = static_cast<Bits>(sizeof(Bits) == 2 ? 0x7c00u : 0x7f800000u);
+  constexpr std::int64_t kSize = sizeof(Bits);
+  const char* x = static_cast<const char*>(data);
+  auto search = [&](std::int64_t from, std::int64_t to) -> std::int64_t {
+    for (std::int64_t j = from; j < to; ++j) {
+      Bits u;
+      std::memcpy(&u, x + j * kSize, sizeof u);
+      if ((u & kExp) == kExp) return j;
     }
-    if (bad)
-      for (std::int64_t j = 0; j < nb; ++j) {
-        std::uint32_t u;
-        std::memcpy(&u, x + b0 + j, sizeof u);
-        if ((u & 0x7f800000u) == 0x7f800000u) return b0 + j;
-      }
+    return -1;
+  };
+  std::int64_t b0 = 0;
+#if KVP_CPU_TU_ISA >= 1
+#if KVP_CPU_TU_ISA == 2
+  using V = __m512i;
+  const V m = kSize == 2 ? _mm512_set1_epi16(static_cast<short>(kExp)) : _mm512_set1_epi32(static_cast<int>(kExp));
+  auto load = [](const char* p) { return _mm512_loadu_si512(p); };
+  auto vmax = [](V a, V b) { return kSize == 2 ? _mm512_max_epu16(a, b) : _mm512_max_epu32(a, b); };
+  auto vand = [](V a, V b) { return _mm512_and_si512(a, b); };
+  auto hit = [&](V a) { return (kSize == 2 ? _mm512_cmpeq_epi16_mask(a, m) : _mm512_cmpeq_epi32_mask(a, m)) != 0; };
+  const V zero = _mm512_setzero_si512();
+#else
+  using V = __m256i;
+  const V m = kSize == 2 ? _mm256_set1_epi16(static_cast<short>(kExp)) : _mm256_set1_epi32(static_cast<int>(kExp));
+  auto load = [](const char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto vmax = [](V a, V b) { return kSize == 2 ? _mm256_max_epu16(a, b) : _mm256_max_epu32(a, b); };
+  auto vand = [](V a, V b) { return _mm256_and_si256(a, b); };
+  auto hit = [&](V a) { return _mm256_movemask_epi8(kSize == 2 ? _mm256_cmpeq_epi16(a, m) : _mm256_cmpeq_epi32(a, m)) != 0; };
+  const V zero = _mm256_setzero_si256();
+#endif
+  constexpr std::int64_t kB = 256, kVec = sizeof(V);  // elements per block, bytes per vector
+  for (; b0 + kB <= n; b0 += kB) {
+    const char* blk = x + b0 * kSize;
+    if (b0 + kB + kScanAhead / kSize <= n) prefetch_lines<true>(blk + kScanAhead, kB * kSize);
+    V a0 = zero, a1 = zero;
+    for (std::int64_t o = 0; o < kB * kSize; o += 2 * kVec) {
+      a0 = vmax(a0, vand(load(blk + o), m));
+      a1 = vmax(a1, vand(load(blk + o + kVec), m));
+    }
+    if (hit(vmax(a0, a1))) return search(b0, b0 + kB);
   }
-  return -1;
+#endif
+  return search(b0, n);
 }
+
+inline std::int64_t first_nonfinite_f32(const float* x, std::int64_t n) noexcept { return first_nonfinite_bits<std::uint32_t>(x, n); }
 inline std::int64_t first_nonfinite_f16(const half* x, std::int64_t n) noexcept {
-  constexpr std::int64_t kB = 256;
-  for (std::int64_t b0 = 0; b0 < n; b0 += kB) {
-    const std::int64_t nb = n - b0 < kB ? n - b0 : kB;
-    if (b0 + kB + kScanAhead / 2 <= n) prefetch_bytes(x, 2 * b0 + kScanAhead, 2 * kB);
-    int bad = 0;
-    for (std::int64_t j = 0; j < nb; ++j) bad |= (x[b0 + j].bits & 0x7c00u) == 0x7c00u;
-    if (bad)
-      for (std::int64_t j = 0; j < nb; ++j)
-        if ((x[b0 + j].bits & 0x7c00u) == 0x7c00u) return b0 + j;
-  }
-  return -1;
+  static_assert(sizeof(half) == sizeof(std::uint16_t));
+  return first_nonfinite_bits<std::uint16_t>(x, n);
 }
 
 }  // namespace cpu_detail::KVP_CPU_ISA_NS
