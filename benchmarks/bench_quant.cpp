@@ -11,6 +11,8 @@
 //   quantize/<format>    GgmlQuant / Fp8Quant / Int4Quant / KiviQuant::quantize: fp16 rows -> codes
 //                        (the policy: its finiteness check reads the rows once before the codes are written)
 //   quantize_op/<format> backend::Cpu::ggml_quantize_row on the same rows, one call per head (no check)
+//   dequantize/<format>/streaming  the ggml decoders with backend::Cpu::set_streaming_stores(true) (rows
+//                        written by non-temporal stores, no read for ownership)
 //   check_finite/fp16    backend::Cpu::first_nonfinite over the same rows (the policies' check alone)
 //   dequantize/<format>  ::dequantize: codes -> fp16 rows
 //   (<format>_rot: the Hadamard rotation of llama.cpp's rule in front, n = 128 keys / 64 values;
@@ -370,6 +372,25 @@ void register_all() {
         ->Unit(benchmark::kMillisecond)
         ->Repetitions(5)
         ->ReportAggregatesOnly();
+  // The decoders with backend::Cpu::set_streaming_stores(true): decoded rows reach memory without the read
+  // for ownership.
+  const auto streaming = [](auto fn) {
+    return [fn](benchmark::State& st) {
+      backend::Cpu::set_streaming_stores(true);
+      fn(st);
+      backend::Cpu::set_streaming_stores(false);
+    };
+  };
+  for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
+    const GgmlQuant p(GgmlQuantParams{t});
+    auto reg = [](const std::string& name, auto fn) {
+      benchmark::RegisterBenchmark((name + "/streaming").c_str(), fn)
+          ->Unit(benchmark::kMillisecond)
+          ->Repetitions(5)
+          ->ReportAggregatesOnly();
+    };
+    reg(std::string("dequantize/") + ggml_name(t), streaming([p](benchmark::State& st) { run(st, p, false); }));
+  }
   benchmark::RegisterBenchmark("read_pass/fp16", read_layer)->Unit(benchmark::kMillisecond)->Repetitions(5)->ReportAggregatesOnly();
   benchmark::RegisterBenchmark("check_finite/fp16", check_finite)->Unit(benchmark::kMillisecond)->Repetitions(5)->ReportAggregatesOnly();
   for (Fp8Scale s : {Fp8Scale::kPerTensor, Fp8Scale::kPerTokenHead}) {

@@ -506,6 +506,64 @@ TEST_CASE("codecs: ggml block quantizers on the CPU equal the reference on corne
   });
 }
 
+TEST_CASE("codecs: ggml rows decoded with streaming stores equal the normal stores", "[quant][codec][cpu][ggml]") {
+  // Cpu::set_streaming_stores(true): decoded outputs of 64 KiB and more are decoded 4096 values at a time and
+  // streamed. Lengths below, at and above the threshold, not a multiple of the piece; codes and outputs at
+  // several offsets from a 64-byte line (the copy's head and tail take normal stores); values around the
+  // output untouched. Then GgmlQuant end to end (the quantizers keep normal stores; codes must not change).
+  const bool saved = backend::Cpu::streaming_stores();
+  const auto x = corner_rows(64, 4096 + 96, 41, false);  // 274,944 values
+  const auto xh = to_halves(x);
+  for_each_isa([&](const std::string& isa) {
+    for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL})
+      for (std::int64_t n : {std::int64_t{1024}, std::int64_t{32768}, std::int64_t{65536 + 32}, static_cast<std::int64_t>(x.size())}) {
+        const std::int64_t bb = ggml_block_bytes(t), cb = n / 32 * bb;
+        for (std::int64_t off : {0, 1, 17, 63}) {
+          const std::string what = isa + " " + ggml_name(t) + " n=" + std::to_string(n) + " offset " + std::to_string(off);
+          std::vector<std::uint8_t> want(static_cast<std::size_t>(cb + 128), 0x5A);
+          backend::Cpu::set_streaming_stores(false);
+          backend::Cpu::ggml_quantize_row(t, xh.data(), n, want.data() + off);
+          // Decoding to fp16 (2-byte steps of misalignment) and fp32 (4-byte steps).
+          const std::int64_t eh = off / 2 + 1, ef = off / 4 + 1;
+          std::vector<half> ha(static_cast<std::size_t>(n + 64), half::from_bits(0x1234)), hb = ha;
+          std::vector<float> fa(static_cast<std::size_t>(n + 64), -3.0f), fb = fa;
+          backend::Cpu::ggml_dequantize_row(t, want.data() + off, n, ha.data() + eh);
+          backend::Cpu::ggml_dequantize_row(t, want.data() + off, n, fa.data() + ef);
+          backend::Cpu::set_streaming_stores(true);
+          backend::Cpu::ggml_dequantize_row(t, want.data() + off, n, hb.data() + eh);
+          backend::Cpu::ggml_dequantize_row(t, want.data() + off, n, fb.data() + ef);
+          require_same(ha, hb, what + " dequantize f16");
+          require_same(fa, fb, what + " dequantize f32");
+        }
+      }
+  });
+  // Through GgmlQuant: one call per head for contiguous rows, codes and outputs.
+  const std::int64_t H = 3, T = 700, d = 128;
+  std::vector<half> rows(static_cast<std::size_t>(H * T * d));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = xh[i];
+  const auto in = TensorView<const half, 3>::contiguous(rows.data(), {H, T, d});
+  for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_1}) {
+    const GgmlQuant p(GgmlQuantParams{t});
+    std::vector<std::uint8_t> ca(static_cast<std::size_t>(H * T * p.row_bytes(d))), cs(ca.size());
+    std::vector<half> ya(rows.size()), ys(rows.size());
+    GgmlQuant::State st;
+    auto run = [&](bool streaming, std::vector<std::uint8_t>& codes, std::vector<half>& y) {
+      backend::Cpu::set_streaming_stores(streaming);
+      QuantizedKV q;
+      q.layout = p.layout();
+      q.codes = TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, T, p.row_bytes(d)});
+      q.tokens = T;
+      REQUIRE(p.quantize(Context<backend::Cpu>{}, in, st, q).is_ok());
+      REQUIRE(p.dequantize(Context<backend::Cpu>{}, q, TensorView<half, 3>::contiguous(y.data(), {H, T, d})).is_ok());
+    };
+    run(false, ca, ya);
+    run(true, cs, ys);
+    require_same(ca, cs, std::string("GgmlQuant ") + ggml_name(t) + " codes");
+    require_same(ya, ys, std::string("GgmlQuant ") + ggml_name(t) + " decoded");
+  }
+  backend::Cpu::set_streaming_stores(saved);
+}
+
 namespace {
 /// The CPU KIVI quantizers' quotient (quant_codec_impl.hpp, div_fp16_by_recip) in scalar form: a / s through
 /// r = 1 / s, q = a r, then q + (a - q s) r with fused multiply-adds. Returns how many fp16 a >= 0 (all of them)

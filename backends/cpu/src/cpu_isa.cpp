@@ -136,6 +136,22 @@ bool set_bf16_dot_active(bool on) noexcept {
 }
 
 namespace {
+std::atomic<int> g_streaming_stores{kUnset};
+}  // namespace
+
+bool streaming_stores_active() noexcept {
+  int v = g_streaming_stores.load(std::memory_order_relaxed);
+  if (v != kUnset) return v != 0;
+  const char* env = std::getenv("KVP_CPU_STREAMING_STORES");
+  static const int first = (env != nullptr && std::strcmp(env, "1") == 0) ? 1 : 0;
+  int expected = kUnset;
+  g_streaming_stores.compare_exchange_strong(expected, first, std::memory_order_relaxed);
+  return g_streaming_stores.load(std::memory_order_relaxed) != 0;
+}
+
+void set_streaming_stores_active(bool on) noexcept { g_streaming_stores.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+namespace {
 std::atomic<std::uint64_t> g_reference_fallbacks{0};
 }  // namespace
 
@@ -152,6 +168,8 @@ bool Cpu::set_isa(CpuIsa isa) noexcept { return cpu_detail::set_active_isa(isa);
 bool Cpu::has_bf16_dot() noexcept { return cpu_detail::detected_bf16_dot(); }
 bool Cpu::bf16_dot() noexcept { return cpu_detail::bf16_dot_active(); }
 bool Cpu::set_bf16_dot(bool on) noexcept { return cpu_detail::set_bf16_dot_active(on); }
+bool Cpu::streaming_stores() noexcept { return cpu_detail::streaming_stores_active(); }
+void Cpu::set_streaming_stores(bool on) noexcept { cpu_detail::set_streaming_stores_active(on); }
 }  // namespace backend
 
 KVP_NAMESPACE_END

@@ -3,10 +3,89 @@
 // the kernels of quant_ops_<isa>.cpp.
 #include "kvpolicy/backends/cpu_quant_ops.hpp"
 
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "isa_dispatch.hpp"
 #include "quant_kernels.hpp"
 
 KVP_NAMESPACE_BEGIN
 namespace backend {
+
+namespace {
+
+constexpr std::int64_t kStreamPiece = 4096;                      // values decoded per piece (128 ggml blocks)
+constexpr std::int64_t kStreamMinBytes = std::int64_t{1} << 16;  // outputs below this keep normal stores
+
+/// bytes from src to dst: normal stores up to dst's first 64-byte line and after its last whole line,
+/// non-temporal 16-byte stores (SSE2, every x86-64) for the whole lines between, which reach memory without
+/// the read for ownership a normal store makes. The caller fences (`_mm_sfence`) before it returns.
+void stream_copy(void* dst, const void* src, std::int64_t bytes) noexcept {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  std::int64_t head = static_cast<std::int64_t>((64 - (reinterpret_cast<std::uintptr_t>(d) & 63)) & 63);
+  if (head > bytes) head = bytes;
+  std::memcpy(d, s, static_cast<std::size_t>(head));
+  d += head, s += head, bytes -= head;
+  for (; bytes >= 64; bytes -= 64, d += 64, s += 64)
+    for (int k = 0; k < 64; k += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + k), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k)));
+#endif
+  std::memcpy(d, s, static_cast<std::size_t>(bytes));
+}
+
+void stream_fence() noexcept {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+/// `code(v, m, piece)` for every piece of at most kStreamPiece values from value v, each piece's output
+/// (out_bytes(m) bytes) streamed to out + out_bytes(v). The input of the next piece (in_bytes(m) bytes at
+/// in + in_bytes(v + m)) is prefetched into L2 before a piece is coded: the kernels' own look-ahead does not
+/// reach past the end of the piece they are given.
+template <class Code, class InBytes, class OutBytes>
+void streamed(const void* in, std::int64_t n, void* out, Code code, InBytes in_bytes, OutBytes out_bytes) noexcept {
+  alignas(64) std::byte piece[kStreamPiece * sizeof(float)];
+  for (std::int64_t v = 0; v < n; v += kStreamPiece) {
+    const std::int64_t m = n - v < kStreamPiece ? n - v : kStreamPiece;
+#if defined(__SSE2__)
+    if (v + m < n) {
+      const char* next = static_cast<const char*>(in) + in_bytes(v + m);
+      const std::int64_t ahead = in_bytes(n - (v + m) < kStreamPiece ? n - (v + m) : kStreamPiece);
+      for (std::int64_t o = 0; o < ahead; o += 64) asm volatile("prefetcht1 %0" : : "m"(next[o]));
+    }
+#endif
+    code(v, m, piece);
+    stream_copy(static_cast<std::byte*>(out) + out_bytes(v), piece, out_bytes(m));
+  }
+  stream_fence();
+}
+
+template <class T>
+void dequantize_row_any(GgmlType t, const std::uint8_t* in, std::int64_t n, T* y) noexcept {
+  const auto& k = cpu_detail::quant_kernels();
+  auto run = [&](const std::uint8_t* c, std::int64_t m, T* o) {
+    if constexpr (std::is_same_v<T, float>)
+      k.dequantize_f32(t, c, m, o);
+    else
+      k.dequantize_f16(t, c, m, o);
+  };
+  auto value_bytes = [](std::int64_t values) { return values * static_cast<std::int64_t>(sizeof(T)); };
+  if (!cpu_detail::streaming_stores_active() || value_bytes(n) < kStreamMinBytes) return run(in, n, y);
+  const std::int64_t bb = ggml_block_bytes(t);
+  streamed(
+      in, n, y, [&](std::int64_t v, std::int64_t m, std::byte* p) { run(in + v / kGgmlBlock * bb, m, reinterpret_cast<T*>(p)); },
+      [bb](std::int64_t values) { return values / kGgmlBlock * bb; }, value_bytes);
+}
+
+}  // namespace
 
 void CpuQuantOps::quantize_row_kernel(GgmlType t, const float* x, std::int64_t n, std::uint8_t* out) noexcept {
   cpu_detail::quant_kernels().quantize_f32(t, x, n, out);
@@ -15,10 +94,10 @@ void CpuQuantOps::quantize_row_kernel(GgmlType t, const half* x, std::int64_t n,
   cpu_detail::quant_kernels().quantize_f16(t, x, n, out);
 }
 void CpuQuantOps::dequantize_row_kernel(GgmlType t, const std::uint8_t* in, std::int64_t n, float* y) noexcept {
-  cpu_detail::quant_kernels().dequantize_f32(t, in, n, y);
+  dequantize_row_any(t, in, n, y);
 }
 void CpuQuantOps::dequantize_row_kernel(GgmlType t, const std::uint8_t* in, std::int64_t n, half* y) noexcept {
-  cpu_detail::quant_kernels().dequantize_f16(t, in, n, y);
+  dequantize_row_any(t, in, n, y);
 }
 std::int64_t CpuQuantOps::first_nonfinite_kernel(const float* x, std::int64_t n) noexcept {
   return n <= 0 ? -1 : cpu_detail::quant_kernels().first_nonfinite_f32(x, n);

@@ -193,7 +193,10 @@ class GgmlQuant {
     } else {
       const std::int64_t n = rotation_block(d);
       if (n == 0) {
+        // As in quantize: one call per head when codes and output rows are both contiguous.
+        const bool flat = (out.stride(1) == d || T == 1) && (q.codes.stride(1) == row_bytes(d) || T == 1);
         ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+          if (flat && T > 0) return Backend::ggml_dequantize_row(params_.type, &q.codes(h, 0, 0), T * d, &out(h, 0, 0));
           for (std::int64_t t = 0; t < T; ++t) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t, 0), d, &out(h, t, 0));
         });
         return Status::ok();
