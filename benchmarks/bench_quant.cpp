@@ -11,8 +11,9 @@
 //   quantize/<format>    GgmlQuant / Fp8Quant / Int4Quant / KiviQuant::quantize: fp16 rows -> codes
 //                        (the policy: its finiteness check reads the rows once before the codes are written)
 //   quantize_op/<format> backend::Cpu::ggml_quantize_row on the same rows, one call per head (no check)
-//   dequantize/<format>/streaming  the ggml decoders with backend::Cpu::set_streaming_stores(true) (rows
-//                        written by non-temporal stores, no read for ownership)
+//   dequantize/<format>/streaming  the decoders with backend::Cpu::set_streaming_stores(true) (rows written
+//                        by non-temporal stores, no read for ownership): the ggml formats, int4_token, KIVI
+//                        values
 //   check_finite/fp16    backend::Cpu::first_nonfinite over the same rows (the policies' check alone)
 //   dequantize/<format>  ::dequantize: codes -> fp16 rows
 //   (<format>_rot: the Hadamard rotation of llama.cpp's rule in front, n = 128 keys / 64 values;
@@ -356,6 +357,16 @@ void paged_attention_fp16(benchmark::State& st) {
   st.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kH * kT), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// fn run with backend::Cpu::set_streaming_stores(true).
+template <class Fn>
+auto streaming(Fn fn) {
+  return [fn](benchmark::State& st) {
+    backend::Cpu::set_streaming_stores(true);
+    fn(st);
+    backend::Cpu::set_streaming_stores(false);
+  };
+}
+
 void register_all() {
   for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
     for (bool quantize : {true, false}) {
@@ -374,13 +385,6 @@ void register_all() {
         ->ReportAggregatesOnly();
   // The decoders with backend::Cpu::set_streaming_stores(true): decoded rows reach memory without the read
   // for ownership.
-  const auto streaming = [](auto fn) {
-    return [fn](benchmark::State& st) {
-      backend::Cpu::set_streaming_stores(true);
-      fn(st);
-      backend::Cpu::set_streaming_stores(false);
-    };
-  };
   for (GgmlType t : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ5_0, GgmlType::kQ5_1, GgmlType::kIQ4_NL}) {
     const GgmlQuant p(GgmlQuantParams{t});
     auto reg = [](const std::string& name, auto fn) {
@@ -425,6 +429,20 @@ void register_all() {
           reg(std::string("kivi_") + (r == QuantRole::kKeys ? "k" : "v") + "2/threads:2",
               [p](benchmark::State& st) { run_kivi(st, p, true, 2); });
       }
+  }
+  // The row decoders with streaming stores (a contiguous head is one call; see cpu.hpp).
+  auto reg_stream = [](const std::string& name, auto fn) {
+    benchmark::RegisterBenchmark(("dequantize/" + name + "/streaming").c_str(), streaming(fn))
+        ->Unit(benchmark::kMillisecond)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly();
+  };
+  reg_stream("int4_token", [](benchmark::State& st) {
+    run(st, Int4Quant(Int4QuantParams{4, HadamardMode::kNone, 128, QuantRole::kKeys}), false);
+  });
+  for (int bits : {2, 4}) {
+    const KiviQuant p(KiviQuantParams{QuantRole::kValues, bits, 32, 128});
+    reg_stream("kivi_v" + std::to_string(bits), [p](benchmark::State& st) { run_kivi(st, p, false); });
   }
   auto reg_score = [](const std::string& name, auto fn) {
     benchmark::RegisterBenchmark(("score/snapkv_" + name).c_str(), fn)

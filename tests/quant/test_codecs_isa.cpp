@@ -564,6 +564,53 @@ TEST_CASE("codecs: ggml rows decoded with streaming stores equal the normal stor
   backend::Cpu::set_streaming_stores(saved);
 }
 
+TEST_CASE("codecs: INT4 and KIVI value rows decoded with streaming stores equal the normal stores", "[quant][codec][cpu][kivi]") {
+  // Contiguous output rows of 64 KiB and more go out 4096 / d rows at a time through a stack buffer; row counts
+  // below and above the threshold and not a multiple of the piece, padded code strides, head dims that give
+  // pieces of 32, 16 and 4 rows, an output starting off a 64-byte line; the values around it untouched.
+  const bool saved = backend::Cpu::streaming_stores();
+  for_each_isa([&](const std::string& isa) {
+    for (std::int64_t d : {128, 256, 1024})
+      for (std::int64_t rows : {std::int64_t{8}, std::int64_t{300}, std::int64_t{1000}}) {
+        const auto x = corner_rows(rows, d, 43, false);
+        for (int bits : {4, 8}) {  // token-wise INT4 / INT8
+          const std::string what = isa + " int" + std::to_string(bits) + " d=" + std::to_string(d) + " rows=" + std::to_string(rows);
+          const std::int64_t is = int4q::row_bytes(d, bits) + 5;
+          std::vector<std::uint8_t> codes(static_cast<std::size_t>(rows * is), 0x11);
+          backend::Cpu::int4_quantize_rows(x.data(), rows, d, bits, codes.data(), is);
+          std::vector<half> ha(static_cast<std::size_t>(rows * d + 64), half::from_bits(0x2222)), hb = ha;
+          std::vector<float> fa(static_cast<std::size_t>(rows * d + 64), -5.0f), fb = fa;
+          backend::Cpu::set_streaming_stores(false);
+          backend::Cpu::int4_dequantize_rows(codes.data(), rows, is, d, bits, ha.data() + 3, d);
+          backend::Cpu::int4_dequantize_rows(codes.data(), rows, is, d, bits, fa.data() + 5, d);
+          backend::Cpu::set_streaming_stores(true);
+          backend::Cpu::int4_dequantize_rows(codes.data(), rows, is, d, bits, hb.data() + 3, d);
+          backend::Cpu::int4_dequantize_rows(codes.data(), rows, is, d, bits, fb.data() + 5, d);
+          require_same(ha, hb, what + " f16");
+          require_same(fa, fb, what + " f32");
+        }
+        for (int bits : {2, 4}) {  // KIVI values, group 32
+          const int group = 32;
+          const std::string what = isa + " kivi v" + std::to_string(bits) + " d=" + std::to_string(d) + " rows=" + std::to_string(rows);
+          const std::int64_t cs = kivi::value_row_code_bytes(d, bits) + 4, ss = kivi::value_row_scale_bytes(d, group) + 2;
+          std::vector<std::uint8_t> codes(static_cast<std::size_t>(rows * cs), 0x33), scales(static_cast<std::size_t>(rows * ss), 0x44);
+          backend::Cpu::kivi_quantize_value_rows(x.data(), rows, d, group, bits, codes.data(), cs, scales.data(), ss);
+          std::vector<half> ha(static_cast<std::size_t>(rows * d + 64), half::from_bits(0x2222)), hb = ha;
+          std::vector<float> fa(static_cast<std::size_t>(rows * d + 64), -5.0f), fb = fa;
+          backend::Cpu::set_streaming_stores(false);
+          backend::Cpu::kivi_dequantize_value_rows(codes.data(), cs, scales.data(), ss, rows, d, group, bits, ha.data() + 3, d);
+          backend::Cpu::kivi_dequantize_value_rows(codes.data(), cs, scales.data(), ss, rows, d, group, bits, fa.data() + 5, d);
+          backend::Cpu::set_streaming_stores(true);
+          backend::Cpu::kivi_dequantize_value_rows(codes.data(), cs, scales.data(), ss, rows, d, group, bits, hb.data() + 3, d);
+          backend::Cpu::kivi_dequantize_value_rows(codes.data(), cs, scales.data(), ss, rows, d, group, bits, fb.data() + 5, d);
+          require_same(ha, hb, what + " f16");
+          require_same(fa, fb, what + " f32");
+        }
+      }
+  });
+  backend::Cpu::set_streaming_stores(saved);
+}
+
 namespace {
 /// The CPU KIVI quantizers' quotient (quant_codec_impl.hpp, div_fp16_by_recip) in scalar form: a / s through
 /// r = 1 / s, q = a r, then q + (a - q s) r with fused multiply-adds. Returns how many fp16 a >= 0 (all of them)

@@ -46,6 +46,16 @@ void stream_fence() noexcept {
 #endif
 }
 
+/// Every 64-byte line of [p, p + bytes) into L2 (prefetcht1 through asm, which the compiler keeps).
+void prefetch_range(const void* p, std::int64_t bytes) noexcept {
+#if defined(__SSE2__)
+  const auto* c = static_cast<const char*>(p);
+  for (std::int64_t o = 0; o < bytes; o += 64) asm volatile("prefetcht1 %0" : : "m"(c[o]));
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 /// `code(v, m, piece)` for every piece of at most kStreamPiece values from value v, each piece's output
 /// (out_bytes(m) bytes) streamed to out + out_bytes(v). The input of the next piece (in_bytes(m) bytes at
 /// in + in_bytes(v + m)) is prefetched into L2 before a piece is coded: the kernels' own look-ahead does not
@@ -55,13 +65,8 @@ void streamed(const void* in, std::int64_t n, void* out, Code code, InBytes in_b
   alignas(64) std::byte piece[kStreamPiece * sizeof(float)];
   for (std::int64_t v = 0; v < n; v += kStreamPiece) {
     const std::int64_t m = n - v < kStreamPiece ? n - v : kStreamPiece;
-#if defined(__SSE2__)
-    if (v + m < n) {
-      const char* next = static_cast<const char*>(in) + in_bytes(v + m);
-      const std::int64_t ahead = in_bytes(n - (v + m) < kStreamPiece ? n - (v + m) : kStreamPiece);
-      for (std::int64_t o = 0; o < ahead; o += 64) asm volatile("prefetcht1 %0" : : "m"(next[o]));
-    }
-#endif
+    if (v + m < n)
+      prefetch_range(static_cast<const char*>(in) + in_bytes(v + m), in_bytes(n - (v + m) < kStreamPiece ? n - (v + m) : kStreamPiece));
     code(v, m, piece);
     stream_copy(static_cast<std::byte*>(out) + out_bytes(v), piece, out_bytes(m));
   }
@@ -83,6 +88,63 @@ void dequantize_row_any(GgmlType t, const std::uint8_t* in, std::int64_t n, T* y
   streamed(
       in, n, y, [&](std::int64_t v, std::int64_t m, std::byte* p) { run(in + v / kGgmlBlock * bb, m, reinterpret_cast<T*>(p)); },
       [bb](std::int64_t values) { return values / kGgmlBlock * bb; }, value_bytes);
+}
+
+/// The row decoders of token-wise INT4 and KIVI values: `decode(r0, m, dst, dst_stride)` decodes rows
+/// [r0, r0 + m) and returns false for a shape its kernel does not take. With streaming stores on, an output of
+/// contiguous rows (y_stride == d) of at least kStreamMinBytes is decoded kStreamPiece / d rows at a time into
+/// a stack buffer and streamed, `ahead(r0, m)` prefetching the inputs of the next piece; else one call.
+/// False (the caller then runs the reference over every row) only where the kernel refuses the shape.
+template <class T, class Decode, class Ahead>
+bool decode_rows(std::int64_t rows, std::int64_t d, T* y, std::int64_t y_stride, Decode decode, Ahead ahead) noexcept {
+  const std::int64_t bytes = rows * d * static_cast<std::int64_t>(sizeof(T));
+  if (!cpu_detail::streaming_stores_active() || y_stride != d || d > kStreamPiece || bytes < kStreamMinBytes)
+    return decode(std::int64_t{0}, rows, y, y_stride);
+  alignas(64) std::byte piece[kStreamPiece * sizeof(float)];
+  const std::int64_t per = kStreamPiece / d;
+  for (std::int64_t r0 = 0; r0 < rows; r0 += per) {
+    const std::int64_t m = rows - r0 < per ? rows - r0 : per;
+    if (r0 + m < rows) ahead(r0 + m, rows - (r0 + m) < per ? rows - (r0 + m) : per);
+    if (!decode(r0, m, reinterpret_cast<T*>(piece), d)) {
+      stream_fence();
+      return false;
+    }
+    stream_copy(y + r0 * d, piece, m * d * static_cast<std::int64_t>(sizeof(T)));
+  }
+  stream_fence();
+  return true;
+}
+
+template <class T>
+bool int4_decode(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, T* y, std::int64_t ys) noexcept {
+  const auto& k = cpu_detail::quant_kernels();
+  return decode_rows(
+      rows, d, y, ys,
+      [&](std::int64_t r0, std::int64_t m, T* o, std::int64_t os) {
+        if constexpr (std::is_same_v<T, float>)
+          return k.int4_dequantize_f32(in + r0 * is, m, is, d, bits, o, os);
+        else
+          return k.int4_dequantize_f16(in + r0 * is, m, is, d, bits, o, os);
+      },
+      [&](std::int64_t r0, std::int64_t m) { prefetch_range(in + r0 * is, m * is); });
+}
+
+template <class T>
+bool kivi_values_decode(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss, std::int64_t rows,
+                        std::int64_t d, int group, int bits, T* y, std::int64_t ys) noexcept {
+  const auto& k = cpu_detail::quant_kernels();
+  return decode_rows(
+      rows, d, y, ys,
+      [&](std::int64_t r0, std::int64_t m, T* o, std::int64_t os) {
+        if constexpr (std::is_same_v<T, float>)
+          return k.kivi_dequantize_values_f32(codes + r0 * cs, cs, scales + r0 * ss, ss, m, d, group, bits, o, os);
+        else
+          return k.kivi_dequantize_values_f16(codes + r0 * cs, cs, scales + r0 * ss, ss, m, d, group, bits, o, os);
+      },
+      [&](std::int64_t r0, std::int64_t m) {
+        prefetch_range(codes + r0 * cs, m * cs);
+        prefetch_range(scales + r0 * ss, m * ss);
+      });
 }
 
 }  // namespace
@@ -125,11 +187,11 @@ void CpuQuantOps::int4_quantize_rows(const float* x, std::int64_t rows, std::int
 }
 bool CpuQuantOps::int4_dequantize_kernel(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, float* y,
                                          std::int64_t ys) noexcept {
-  return cpu_detail::quant_kernels().int4_dequantize_f32(in, rows, is, d, bits, y, ys);
+  return int4_decode(in, rows, is, d, bits, y, ys);
 }
 bool CpuQuantOps::int4_dequantize_kernel(const std::uint8_t* in, std::int64_t rows, std::int64_t is, std::int64_t d, int bits, half* y,
                                          std::int64_t ys) noexcept {
-  return cpu_detail::quant_kernels().int4_dequantize_f16(in, rows, is, d, bits, y, ys);
+  return int4_decode(in, rows, is, d, bits, y, ys);
 }
 bool CpuQuantOps::fp8_quantize_kernel(Fp8Format f, const float* x, std::int64_t rows, std::int64_t xs, std::int64_t d, float scale,
                                       std::uint8_t* out, std::int64_t os) noexcept {
@@ -180,11 +242,11 @@ void CpuQuantOps::kivi_quantize_value_rows(const float* x, std::int64_t rows, st
 bool CpuQuantOps::kivi_dequantize_values_kernel(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
                                                 std::int64_t rows, std::int64_t d, int group, int bits, float* y,
                                                 std::int64_t ys) noexcept {
-  return cpu_detail::quant_kernels().kivi_dequantize_values_f32(codes, cs, scales, ss, rows, d, group, bits, y, ys);
+  return kivi_values_decode(codes, cs, scales, ss, rows, d, group, bits, y, ys);
 }
 bool CpuQuantOps::kivi_dequantize_values_kernel(const std::uint8_t* codes, std::int64_t cs, const std::uint8_t* scales, std::int64_t ss,
                                                 std::int64_t rows, std::int64_t d, int group, int bits, half* y, std::int64_t ys) noexcept {
-  return cpu_detail::quant_kernels().kivi_dequantize_values_f16(codes, cs, scales, ss, rows, d, group, bits, y, ys);
+  return kivi_values_decode(codes, cs, scales, ss, rows, d, group, bits, y, ys);
 }
 
 }  // namespace backend

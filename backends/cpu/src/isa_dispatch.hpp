@@ -56,7 +56,7 @@ bool detected_bf16_dot() noexcept;
 bool bf16_dot_active() noexcept;
 bool set_bf16_dot_active(bool on) noexcept;
 
-/// Whether the ggml row decoders write large outputs with streaming (non-temporal) stores (Cpu::set_streaming_stores;
+/// Whether the ggml, INT4 and KIVI-value decoders write large outputs with streaming (non-temporal) stores (Cpu::set_streaming_stores;
 /// at first use the environment variable KVP_CPU_STREAMING_STORES=1 turns them on).
 bool streaming_stores_active() noexcept;
 void set_streaming_stores_active(bool on) noexcept;

@@ -184,13 +184,13 @@ class Int4Quant {
       const std::int64_t n = rotation_block(d), chunk = std::max<std::int64_t>(1, kScratch / d);
       const bool unit = out.stride(2) == 1 || d == 1;
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
+        if (unit && n <= 1) {  // no rotation: the head decoded straight into out, in one call
+          if (T > 0) Backend::int4_dequantize_rows(&q.codes(h, 0, 0), T, q.codes.stride(1), d, params_.bits, &out(h, 0, 0), out.stride(1));
+          return;
+        }
         alignas(64) float y[kScratch];
         for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
           const std::int64_t m = std::min(chunk, T - t0);
-          if (unit && n <= 1) {  // no rotation: decoded straight into out
-            Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, &out(h, t0, 0), out.stride(1));
-            continue;
-          }
           Backend::int4_dequantize_rows(&q.codes(h, t0, 0), m, q.codes.stride(1), d, params_.bits, y, d);
           if (unit) {
             Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));

@@ -53,18 +53,21 @@ struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps, CpuQuantOps {
   static bool bf16_dot() noexcept;
   static bool set_bf16_dot(bool on) noexcept;
 
-  /// Streaming (non-temporal) stores for the ggml decoders' output (`ggml_dequantize_row`, so GgmlQuant's
-  /// dequantize without rotation), off by default. A normal store first reads the line it writes into the
+  /// Streaming (non-temporal) stores for the decoders' output, off by default: `ggml_dequantize_row` (so
+  /// GgmlQuant's dequantize without rotation), `int4_dequantize_rows` (Int4Quant without rotation) and
+  /// `kivi_dequantize_value_rows` (KiviQuant values). A normal store first reads the line it writes into the
   /// cache and later writes it back; a streaming store writes it to memory once and leaves nothing in the
-  /// cache. On: a call whose output is at least 64 KiB decodes 4096 values at a time into a buffer on the
-  /// stack, prefetches the next piece's codes, streams the piece to the output, and fences at the end; shorter
-  /// outputs keep normal stores. The values written are the same either way. Turn it on for bulk decodes whose
-  /// output is not read again soon (a layer decoded for a host-side pass or a copy); leave it off when the
-  /// next kernel reads the output, which would then come from memory. bench_quant dequantize/<format>/
-  /// streaming, from memory on the machine of the figures: q8_0 4.57 -> 3.60 ms, q4_0 4.23 -> 3.25 ms. The
-  /// quantizers keep normal stores: their codes are a third of what they read or less, and the same piecewise
-  /// form measured slower (q8_0 4.53 -> 5.49 ms). The environment variable KVP_CPU_STREAMING_STORES=1 turns
-  /// it on at first use. Process-wide, like `set_isa`.
+  /// cache. On: a call whose output is at least 64 KiB (rows contiguous, for the row decoders) decodes 4096
+  /// values at a time into a buffer on the stack, prefetches the next piece's codes, streams the piece to the
+  /// output (normal stores for a partial line at either end), and fences at the end; shorter outputs keep
+  /// normal stores. The values written are the same either way. Turn it on for bulk decodes whose output is
+  /// not read again soon (a layer decoded for a host-side pass or a copy); leave it off when the next kernel
+  /// reads the output, which would then come from memory. bench_quant dequantize/<format>/streaming, from
+  /// memory on the machine of the figures (one layer, 8 x 16384 x 128 fp16 out): q8_0 4.57 -> 3.60 ms, q4_0
+  /// 4.23 -> 3.25 ms, int4_token 4.23 -> 2.94 ms, kivi_v2 4.14 -> 3.64 ms. Where the same form measured slower
+  /// it is not used: the fp8 decoders (4.80 -> 5.17 ms, their decode costs more than the store it saves) and
+  /// the quantizers (q8_0 4.53 -> 5.49 ms; their codes are a third of their input or less). The environment
+  /// variable KVP_CPU_STREAMING_STORES=1 turns it on at first use. Process-wide, like `set_isa`.
   static bool streaming_stores() noexcept;
   static void set_streaming_stores(bool on) noexcept;
 
