@@ -169,6 +169,48 @@ TEST_CASE("codecs: the finiteness scan finds the first NaN / inf as the referenc
   });
 }
 
+TEST_CASE("codecs: first_not_below equals the reference for any bound", "[quant][codec][cpu][kivi]") {
+  // The CPU scan compares magnitude bits against those of the least value of the format >= bound: bounds exact
+  // and inexact in fp16, in the subnormal range, at and above the fp16 maximum, infinite, zero, negative, NaN;
+  // values spread over many binades with signed zeros, subnormals, infinities and NaN; planted at varied spots.
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> bounds = {32752.0f, 32744.0f, 1.0f, 1.0001f, 0.5f,  3.0e-6f, 6.0e-8f, 65504.0f,
+                                     65505.0f, 70000.0f, inf,  0.0f,    -1.0f, nan,     1e30f};
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> ex(-26.0f, 17.0f);
+  for_each_isa([&](const std::string& isa) {
+    for (std::int64_t n : {0, 7, 255, 256, 700, 3000}) {
+      for (float bound : bounds) {
+        for (int trial = 0; trial < 4; ++trial) {
+          std::vector<float> f(static_cast<std::size_t>(n));
+          for (auto& v : f)
+            v = std::ldexp(1.0f, static_cast<int>(ex(rng))) * (rng() % 2 ? -1.0f : 1.0f) *
+                (1.0f + static_cast<float>(rng() % 1000) / 1000.0f);
+          // Mostly below the bound, so the scan runs long before its first hit.
+          if (bound > 0.0f && trial < 3)
+            for (auto& v : f)
+              if (!(std::fabs(v) < bound)) v = std::copysign(bound * 0.25f, v);
+          if (n > 0) {
+            const float specials[] = {0.0f, -0.0f, inf, -inf, nan, bound, -bound, std::nextafter(bound, 0.0f), 1e-7f, 65504.0f};
+            f[static_cast<std::size_t>(rng() % static_cast<std::uint32_t>(n))] = specials[rng() % 10];
+            if (trial == 3) f[static_cast<std::size_t>(n - 1)] = specials[rng() % 10];
+          }
+          const auto h = to_halves(f);
+          INFO(isa << " n=" << n << " bound=" << bound << " trial " << trial);
+          CHECK(backend::Cpu::first_not_below(f.data(), n, bound) == backend::Scalar::first_not_below(f.data(), n, bound));
+          CHECK(backend::Cpu::first_not_below(h.data(), n, bound) == backend::Scalar::first_not_below(h.data(), n, bound));
+          if (n > 1) {
+            CHECK(backend::Cpu::first_not_below(f.data() + 1, n - 1, bound) ==
+                  backend::Scalar::first_not_below(f.data() + 1, n - 1, bound));
+            CHECK(backend::Cpu::first_not_below(h.data() + 1, n - 1, bound) ==
+                  backend::Scalar::first_not_below(h.data() + 1, n - 1, bound));
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST_CASE("codecs: Hadamard rotation on the CPU equals the reference", "[quant][codec][cpu]") {
   for_each_isa([](const std::string& isa) {
     for (std::int64_t d : {16, 32, 40, 64, 128, 256, 576})

@@ -1542,29 +1542,29 @@ inline bool ggml_dequantize_block_v(GgmlType, const std::uint8_t*, T*) noexcept 
 
 #endif
 
-/// First index i of x[0, n) with !(|x[i]| < bound), NaN included; -1 if none.
-template <class T>
-inline std::int64_t first_not_below(const T* x, std::int64_t n, float bound) noexcept {
-  std::int64_t i = 0;
-#if KVP_CPU_TU_ISA >= 1
-  const vf absmask = asf(set1i(0x7fffffff));
-  for (; i + 4 * kW <= n; i += 4 * kW) {
-    const vf a0 = asf(iand(asi(ld(x + i)), asi(absmask))), a1 = asf(iand(asi(ld(x + i + kW)), asi(absmask)));
-    const vf a2 = asf(iand(asi(ld(x + i + 2 * kW)), asi(absmask))), a3 = asf(iand(asi(ld(x + i + 3 * kW)), asi(absmask)));
-    const vf m = vmax(vmax(a0, a1), vmax(a2, a3));
-    // NaN lanes: MAXPS returns its second operand, so test each vector's own comparison as well.
-    if (!(hmax(m) < bound) || unord_any(a0, a1, a2, a3)) break;
-  }
-#endif
-  for (; i < n; ++i) {
-    float a = to_float(x[i]);
-    a = a < 0.0f ? -a : a;
-    if (!(a < bound)) return i;
-  }
-  return -1;
+/// First index i of x[0, n) with !(|x[i]| < bound), NaN included; -1 if none: first_magnitude_at_least
+/// (quant_kernels_impl.hpp) with the magnitude bits of the least value of x's format that is >= bound (none
+/// below it passes the test, all from it fail); bound <= 0 or NaN flags every element.
+inline std::int64_t first_not_below_f32(const float* x, std::int64_t n, float bound) noexcept {
+  std::uint32_t thr = 0;
+  if (bound > 0.0f) std::memcpy(&thr, &bound, sizeof thr);  // +inf included; magnitudes order as their bits
+  return first_magnitude_at_least<std::uint32_t>(x, n, thr);
 }
-inline std::int64_t first_not_below_f32(const float* x, std::int64_t n, float bound) noexcept { return first_not_below(x, n, bound); }
-inline std::int64_t first_not_below_f16(const half* x, std::int64_t n, float bound) noexcept { return first_not_below(x, n, bound); }
+inline std::int64_t first_not_below_f16(const half* x, std::int64_t n, float bound) noexcept {
+  std::uint16_t thr = 0;  // the least fp16 magnitude (0 .. 0x7c00 = inf) whose value is >= bound
+  if (bound > 0.0f) {
+    std::uint32_t lo = 0, hi = 0x7c00;
+    while (lo < hi) {
+      const std::uint32_t mid = (lo + hi) / 2;
+      if (half_to_float(static_cast<std::uint16_t>(mid)) >= bound)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    thr = static_cast<std::uint16_t>(lo);
+  }
+  return first_magnitude_at_least<std::uint16_t>(x, n, thr);
+}
 
 // Typed entry points of the kernel table.
 inline bool kivi_dequantize_keys_f32(const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t d, int group, int bits, float* y,
