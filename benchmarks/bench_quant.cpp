@@ -28,7 +28,9 @@
 //                          codecs and attention) against backend::Cpu (vectorised codecs, the SIMD paged op,
 //                          pages merged by log-sum-exp); paged_attention/fp16_cpu: the same step on an fp16
 //                          pool through backend::Cpu::paged_decode_attention (no decoding), the speed of light
-//                          the codes are compared with. Bytes: the codes (or fp16 rows) read once.
+//                          the codes are compared with. Bytes: the codes (or fp16 rows) read once. The pools
+//                          (17-64 MiB) are not rotated: where the last-level cache holds them, their GB/s are
+//                          cache figures, the same for the fp16 pool and the codes.
 //
 // Each run reports GB/s and pct_peak_bw over the bytes a pass cannot avoid
 // (fp16 rows read or written once, codes written or read once) against the
