@@ -19,7 +19,7 @@ namespace backend {
 
 namespace {
 
-constexpr std::int64_t kStreamPiece = 4096;                      // values decoded per piece (128 ggml blocks)
+constexpr std::int64_t kStreamPiece = 4096;                      // values decoded per piece
 constexpr std::int64_t kStreamMinBytes = std::int64_t{1} << 16;  // outputs below this keep normal stores
 
 /// bytes from src to dst: normal stores up to dst's first 64-byte line and after its last whole line,
@@ -56,42 +56,9 @@ void prefetch_range(const void* p, std::int64_t bytes) noexcept {
 #endif
 }
 
-/// `code(v, m, piece)` for every piece of at most kStreamPiece values from value v, each piece's output
-/// (out_bytes(m) bytes) streamed to out + out_bytes(v). The input of the next piece (in_bytes(m) bytes at
-/// in + in_bytes(v + m)) is prefetched into L2 before a piece is coded: the kernels' own look-ahead does not
-/// reach past the end of the piece they are given.
-template <class Code, class InBytes, class OutBytes>
-void streamed(const void* in, std::int64_t n, void* out, Code code, InBytes in_bytes, OutBytes out_bytes) noexcept {
-  alignas(64) std::byte piece[kStreamPiece * sizeof(float)];
-  for (std::int64_t v = 0; v < n; v += kStreamPiece) {
-    const std::int64_t m = n - v < kStreamPiece ? n - v : kStreamPiece;
-    if (v + m < n)
-      prefetch_range(static_cast<const char*>(in) + in_bytes(v + m), in_bytes(n - (v + m) < kStreamPiece ? n - (v + m) : kStreamPiece));
-    code(v, m, piece);
-    stream_copy(static_cast<std::byte*>(out) + out_bytes(v), piece, out_bytes(m));
-  }
-  stream_fence();
-}
-
-template <class T>
-void dequantize_row_any(GgmlType t, const std::uint8_t* in, std::int64_t n, T* y) noexcept {
-  const auto& k = cpu_detail::quant_kernels();
-  auto run = [&](const std::uint8_t* c, std::int64_t m, T* o) {
-    if constexpr (std::is_same_v<T, float>)
-      k.dequantize_f32(t, c, m, o);
-    else
-      k.dequantize_f16(t, c, m, o);
-  };
-  auto value_bytes = [](std::int64_t values) { return values * static_cast<std::int64_t>(sizeof(T)); };
-  if (!cpu_detail::streaming_stores_active() || value_bytes(n) < kStreamMinBytes) return run(in, n, y);
-  const std::int64_t bb = ggml_block_bytes(t);
-  streamed(
-      in, n, y, [&](std::int64_t v, std::int64_t m, std::byte* p) { run(in + v / kGgmlBlock * bb, m, reinterpret_cast<T*>(p)); },
-      [bb](std::int64_t values) { return values / kGgmlBlock * bb; }, value_bytes);
-}
-
-/// The row decoders of token-wise INT4 and KIVI values: `decode(r0, m, dst, dst_stride)` decodes rows
-/// [r0, r0 + m) and returns false for a shape its kernel does not take. With streaming stores on, an output of
+/// The decoders (ggml blocks as rows of 32 values, token-wise INT4 rows, KIVI value rows):
+/// `decode(r0, m, dst, dst_stride)` decodes rows [r0, r0 + m) and returns false for a shape its kernel does
+/// not take. With streaming stores on, an output of
 /// contiguous rows (y_stride == d) of at least kStreamMinBytes is decoded kStreamPiece / d rows at a time into
 /// a stack buffer and streamed, `ahead(r0, m)` prefetching the inputs of the next piece; else one call.
 /// False (the caller then runs the reference over every row) only where the kernel refuses the shape.
@@ -113,6 +80,23 @@ bool decode_rows(std::int64_t rows, std::int64_t d, T* y, std::int64_t y_stride,
   }
   stream_fence();
   return true;
+}
+
+/// A ggml row of n values decodes as n / 32 rows of one block each (codes bb bytes apart, values 32 apart).
+template <class T>
+void dequantize_row_any(GgmlType t, const std::uint8_t* in, std::int64_t n, T* y) noexcept {
+  const auto& k = cpu_detail::quant_kernels();
+  const std::int64_t bb = ggml_block_bytes(t);
+  decode_rows(
+      n / kGgmlBlock, kGgmlBlock, y, kGgmlBlock,
+      [&](std::int64_t r0, std::int64_t m, T* o, std::int64_t) {
+        if constexpr (std::is_same_v<T, float>)
+          k.dequantize_f32(t, in + r0 * bb, m * kGgmlBlock, o);
+        else
+          k.dequantize_f16(t, in + r0 * bb, m * kGgmlBlock, o);
+        return true;
+      },
+      [&](std::int64_t r0, std::int64_t m) { prefetch_range(in + r0 * bb, m * bb); });
 }
 
 template <class T>
