@@ -116,18 +116,22 @@ bool detected_bf16_dot() noexcept {
 }
 
 namespace {
+/// A process-wide on/off switch: its setter's value once set; before that, on where the environment variable
+/// `var` is "1" and the machine has what the switch needs (`available`), fixed at first use.
+bool switch_on(std::atomic<int>& flag, const char* var, bool available) noexcept {
+  const int v = flag.load(std::memory_order_relaxed);
+  if (v != kUnset) return v != 0;
+  const char* env = std::getenv(var);
+  int expected = kUnset;
+  flag.compare_exchange_strong(expected, (env != nullptr && std::strcmp(env, "1") == 0 && available) ? 1 : 0, std::memory_order_relaxed);
+  return flag.load(std::memory_order_relaxed) != 0;
+}
+
 std::atomic<int> g_bf16_dot{kUnset};
+std::atomic<int> g_streaming_stores{kUnset};
 }  // namespace
 
-bool bf16_dot_active() noexcept {
-  int v = g_bf16_dot.load(std::memory_order_relaxed);
-  if (v != kUnset) return v != 0;
-  const char* env = std::getenv("KVP_CPU_BF16_DOT");
-  static const int first = (env != nullptr && std::strcmp(env, "1") == 0 && detected_bf16_dot()) ? 1 : 0;
-  int expected = kUnset;
-  g_bf16_dot.compare_exchange_strong(expected, first, std::memory_order_relaxed);
-  return g_bf16_dot.load(std::memory_order_relaxed) != 0;
-}
+bool bf16_dot_active() noexcept { return switch_on(g_bf16_dot, "KVP_CPU_BF16_DOT", detected_bf16_dot()); }
 
 bool set_bf16_dot_active(bool on) noexcept {
   if (on && !detected_bf16_dot()) return false;
@@ -135,19 +139,7 @@ bool set_bf16_dot_active(bool on) noexcept {
   return true;
 }
 
-namespace {
-std::atomic<int> g_streaming_stores{kUnset};
-}  // namespace
-
-bool streaming_stores_active() noexcept {
-  int v = g_streaming_stores.load(std::memory_order_relaxed);
-  if (v != kUnset) return v != 0;
-  const char* env = std::getenv("KVP_CPU_STREAMING_STORES");
-  static const int first = (env != nullptr && std::strcmp(env, "1") == 0) ? 1 : 0;
-  int expected = kUnset;
-  g_streaming_stores.compare_exchange_strong(expected, first, std::memory_order_relaxed);
-  return g_streaming_stores.load(std::memory_order_relaxed) != 0;
-}
+bool streaming_stores_active() noexcept { return switch_on(g_streaming_stores, "KVP_CPU_STREAMING_STORES", true); }
 
 void set_streaming_stores_active(bool on) noexcept { g_streaming_stores.store(on ? 1 : 0, std::memory_order_relaxed); }
 
