@@ -15,10 +15,22 @@
 // caller's thread as worker 0 without taking the pool, so worker ids are
 // exclusive within a call, not across concurrent calls (each call's
 // workspace is its own).
+//
+// Waiting: an idle worker, and a caller waiting for its job's last items,
+// first polls for up to `spin` (default 200 us) and only then sleeps on a
+// condition variable. A worker that sleeps takes a wake-up through the OS
+// to start the next job: tens of microseconds on a virtual machine, more
+// than a small decision's whole work (measured on this project's 2-core
+// machine, bench_batching: 64 one-sequence Quest selections, 2 threads,
+// 9.5 ms with sleeping waits, while one thread takes 4.4 ms). Calls that
+// follow each other within the spin window (a loop over sequences, a decode
+// step's layers) find the workers awake. The cost: up to `spin` of busy CPU
+// per worker after each job. `spin = 0` sleeps at once.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -32,15 +44,19 @@ KVP_NAMESPACE_BEGIN
 
 class ThreadPool {
  public:
-  /// `threads` workers in total, the calling thread being worker 0.
-  explicit ThreadPool(int threads) : threads_(std::max(1, threads)) {
+  static constexpr std::chrono::microseconds kDefaultSpin{200};
+
+  /// `threads` workers in total, the calling thread being worker 0; `spin`: how long a waiting thread polls
+  /// before it sleeps (negative counts as 0).
+  explicit ThreadPool(int threads, std::chrono::microseconds spin = kDefaultSpin)
+      : threads_(std::max(1, threads)), spin_(std::max(spin, std::chrono::microseconds{0})) {
     for (int w = 1; w < threads_; ++w) workers_.emplace_back([this, w] { loop(w); });
   }
   ~ThreadPool() {
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
-      ++generation_;
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -49,6 +65,7 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const noexcept { return threads_; }
+  std::chrono::microseconds spin() const noexcept { return spin_; }
 
   ExecContext context() noexcept {
     ExecContext c;
@@ -78,8 +95,8 @@ class ThreadPool {
       body_ = body;
       ctx_ = ctx;
       next_.store(0);
-      pending_ = threads_ - 1;
-      ++generation_;
+      pending_.store(threads_ - 1);
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     std::exception_ptr error;
@@ -89,9 +106,9 @@ class ThreadPool {
       error = std::current_exception();
       next_.store(n);
     }
-    {
+    if (!poll([this] { return pending_.load() == 0; })) {
       std::unique_lock<std::mutex> lk(mu_);
-      done_cv_.wait(lk, [this] { return pending_ == 0; });
+      done_cv_.wait(lk, [this] { return pending_.load() == 0; });
     }
     if (error) std::rethrow_exception(error);
   }
@@ -108,18 +125,40 @@ class ThreadPool {
     const ActiveScope scope(this, w);
     std::uint64_t seen = 0;
     for (;;) {
+      poll([&] { return generation_.load() != seen; });
       {
+        // The job's fields are read under the lock they were written under (also after a poll saw the new
+        // generation).
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
+        cv_.wait(lk, [&] { return generation_.load() != seen; });
+        seen = generation_.load();
         if (stop_) return;
       }
       drain(w);
       {
         std::lock_guard<std::mutex> lk(mu_);
-        if (--pending_ == 0) done_cv_.notify_one();
+        if (pending_.fetch_sub(1) == 1) done_cv_.notify_one();
       }
     }
+  }
+
+  // Polls `ready` for up to spin_; whether it became true. Between polls the CPU's spin-wait hint.
+  template <class Ready>
+  bool poll(Ready&& ready) const {
+    if (spin_.count() == 0) return ready();
+    const auto end = std::chrono::steady_clock::now() + spin_;
+    for (unsigned i = 1;; ++i) {
+      if (ready()) return true;
+      relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= end) return ready();
+    }
+  }
+  static void relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
   }
 
   // The pool whose job the current thread is running (and under which worker id).
@@ -144,14 +183,16 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::mutex submit_mu_;  // held by the caller for a whole job
   std::mutex mu_;
+  std::chrono::microseconds spin_;
   std::condition_variable cv_, done_cv_;
-  std::uint64_t generation_ = 0;
+  // Written under mu_; atomic so that a polling thread may read them without it.
+  std::atomic<std::uint64_t> generation_{0};
   bool stop_ = false;
   std::int64_t n_ = 0;
   ParallelBody body_ = nullptr;
   void* ctx_ = nullptr;
   std::atomic<std::int64_t> next_{0};
-  int pending_ = 0;
+  std::atomic<int> pending_{0};
 };
 
 KVP_NAMESPACE_END
