@@ -30,11 +30,14 @@ std::vector<std::int32_t> run_topk_cpu(const std::vector<float>& s, std::int64_t
   return out;
 }
 
-/// Compares Cpu with Scalar for k in {0, 1, 64, n/100, n/8, n/8 + 1, n/2, n-1, n} on every ISA.
+/// Compares Cpu with Scalar for k in {0, 1, 64, n/100, n/32, n/8, n/8 + 1, n/2, n-1, n} on every ISA. n/32 is
+/// Quest's shape at a 4K-token budget (255 of 8191 pages): its threshold comes from 2k >= 256 block maxima and
+/// its cut from >= 256 candidates, the sizes where both take the bisection (kth_largest_key); n/8 and n/2 reach
+/// it through the other paths (more block maxima, every score a candidate).
 void check_all_k(const std::vector<float>& s, const std::string& what) {
   const auto n = static_cast<std::int64_t>(s.size());
   IsaGuard guard;
-  for (std::int64_t k : {std::int64_t{0}, std::int64_t{1}, std::int64_t{64}, n / 100, n / 8, n / 8 + 1, n / 2, n - 1, n}) {
+  for (std::int64_t k : {std::int64_t{0}, std::int64_t{1}, std::int64_t{64}, n / 100, n / 32, n / 8, n / 8 + 1, n / 2, n - 1, n}) {
     if (k < 0 || k > n) continue;
     const auto ref = run_topk_scalar(s, k);
     for (CpuIsa isa : available_isas()) {

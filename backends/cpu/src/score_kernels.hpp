@@ -98,6 +98,11 @@ struct ScoreKernels {
   /// vectors, one block per (run, lane), plus the trailing scores): a block maximum is a number of the row,
   /// except that a block of NaN alone reports -inf's key. Returns the block count (<= min(target + 16, n + 1)).
   std::int64_t (*block_max_keys)(const float* scores, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept;
+  /// How many of keys[0, m) are >= t.
+  std::int64_t (*count_keys_at_least)(const std::int32_t* keys, std::int64_t m, std::int32_t t) noexcept;
+  /// The rank-th largest of keys[0, m) (1 <= rank <= m): a bisection over the key bits below the keys' common
+  /// prefix, each step one vector pass counting the keys at or above the candidate.
+  std::int32_t (*kth_largest_key)(const std::int32_t* keys, std::int64_t m, std::int64_t rank) noexcept;
   // The outputs of collect_at_least, gather_keys, keep_in_key_range and keep_at_least need kCollectSlack entries of slack (whole
   // vectors are stored) and may alias their inputs.
 };

@@ -788,6 +788,89 @@ inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t 
   return nb;
 }
 
+// How many keys are >= t: one compare and one add per vector (the compare's all-ones lanes are -1), in two
+// accumulators.
+inline std::int64_t count_keys_at_least(const std::int32_t* keys, std::int64_t m, std::int32_t t) noexcept {
+  if (t == INT32_MIN) return m;
+  const std::int32_t below = t - 1;  // key >= t  <=>  key > t - 1
+  std::int64_t i = 0, c = 0;
+#if KVP_CPU_TU_ISA == 2
+  const __m512i tv = _mm512_set1_epi32(below), minus1 = _mm512_set1_epi32(-1);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+  for (; i + 32 <= m; i += 32) {
+    a0 = _mm512_mask_sub_epi32(a0, _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(keys + i), tv), a0, minus1);
+    a1 = _mm512_mask_sub_epi32(a1, _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(keys + i + 16), tv), a1, minus1);
+  }
+  if (i < m) {  // at most two masked vectors
+    const std::int64_t r = m - i;
+    const auto k0 = static_cast<__mmask16>(r >= 16 ? 0xffffu : (1u << r) - 1u);
+    a0 = _mm512_mask_sub_epi32(a0, _mm512_mask_cmpgt_epi32_mask(k0, _mm512_maskz_loadu_epi32(k0, keys + i), tv), a0, minus1);
+    if (r > 16) {
+      const auto k1 = static_cast<__mmask16>((1u << (r - 16)) - 1u);
+      a1 = _mm512_mask_sub_epi32(a1, _mm512_mask_cmpgt_epi32_mask(k1, _mm512_maskz_loadu_epi32(k1, keys + i + 16), tv), a1, minus1);
+    }
+    i = m;
+  }
+  c = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+#elif KVP_CPU_TU_ISA == 1
+  const __m256i tv = _mm256_set1_epi32(below);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+  for (; i + 16 <= m; i += 16) {
+    a0 = _mm256_sub_epi32(a0, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)), tv));
+    a1 = _mm256_sub_epi32(a1, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i + 8)), tv));
+  }
+  alignas(32) std::int32_t lane[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane), _mm256_add_epi32(a0, a1));
+  for (int q = 0; q < 8; ++q) c += lane[q];
+#else
+  const __m128i tv = _mm_set1_epi32(below);
+  __m128i a0 = _mm_setzero_si128(), a1 = a0;
+  for (; i + 8 <= m; i += 8) {
+    a0 = _mm_sub_epi32(a0, _mm_cmpgt_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i)), tv));
+    a1 = _mm_sub_epi32(a1, _mm_cmpgt_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i + 4)), tv));
+  }
+  alignas(16) std::int32_t lane[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lane), _mm_add_epi32(a0, a1));
+  for (int q = 0; q < 4; ++q) c += lane[q];
+#endif
+  for (; i < m; ++i) c += keys[i] > below ? 1 : 0;
+  return c;
+}
+
+// The rank-th largest key: the largest T with at least `rank` keys >= T, built bit by bit from the top in
+// the unsigned image of the keys (u = key ^ 2^31 orders as the keys do). Bits above the highest bit in which
+// the smallest and largest key differ are common to every key and taken as they are; each lower bit costs one
+// count_keys_at_least pass, so at most 32 passes over m keys, branch-free inside. For the few hundred keys of
+// the top-k's block maxima and candidates this is several times faster than std::nth_element, whose
+// comparisons mispredict.
+inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, std::int64_t rank) noexcept {
+  std::int32_t lo = INT32_MAX, hi = INT32_MIN;
+  std::int64_t i = 0;
+#if KVP_CPU_TU_ISA == 2
+  __m512i vlo = _mm512_set1_epi32(INT32_MAX), vhi = _mm512_set1_epi32(INT32_MIN);
+  for (; i + 16 <= m; i += 16) {
+    const __m512i k = _mm512_loadu_si512(keys + i);
+    vlo = _mm512_min_epi32(vlo, k);
+    vhi = _mm512_max_epi32(vhi, k);
+  }
+  lo = _mm512_reduce_min_epi32(vlo);
+  hi = _mm512_reduce_max_epi32(vhi);
+#endif
+  for (; i < m; ++i) {
+    lo = keys[i] < lo ? keys[i] : lo;
+    hi = keys[i] > hi ? keys[i] : hi;
+  }
+  const std::uint32_t ulo = static_cast<std::uint32_t>(lo) ^ 0x80000000u, uhi = static_cast<std::uint32_t>(hi) ^ 0x80000000u;
+  if (ulo == uhi || rank <= 1) return rank <= 1 ? hi : lo;
+  const int top = 31 - __builtin_clz(ulo ^ uhi);
+  std::uint32_t u = ulo & ~((2u << top) - 1u);  // the common prefix (2u << 31 wraps to 0: no prefix)
+  for (int b = top; b >= 0; --b) {
+    const std::uint32_t cand = u | (1u << b);
+    if (count_keys_at_least(keys, m, static_cast<std::int32_t>(cand ^ 0x80000000u)) >= rank) u = cand;
+  }
+  return static_cast<std::int32_t>(u ^ 0x80000000u);
+}
+
 // Stable compaction of (idx, key) pairs: keeps pair i when
 //   in_range:  key_lo <= key[i] < key_hi           (writes idx and key)
 //   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
