@@ -26,7 +26,7 @@ struct ReduceKernels {
   void (*row_dots_f32)(const float* q, const float* rows, std::int64_t n, std::int64_t d, float* out) noexcept;
   /// `ScalarReduceOps::expected_logits` for one lane-block of keys: `keys` holds `lanes` rows of d fp32
   /// values (row l = key l, d <= 256; rows past the block's keys hold 0); z[l] for l < nk. Each key's sums run in the reference's order
-  /// (mean dot over i, t[k] over i, the quadratic form over k; products rounded, then added). cov: nullptr drops the term.
+  /// (mean dot over i, t[k] over i, the quadratic form over k; each term one fused multiply-add). cov: nullptr drops the term.
   void (*expected_logits_block)(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                                 float* z) noexcept;
   /// `ScalarReduceOps::outer_upper_accumulate`: block[i * d + j] += c[t * d + i] * c[t * d + j] for

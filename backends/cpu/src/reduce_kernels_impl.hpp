@@ -5,6 +5,7 @@
 // here (isa_dispatch.hpp's rule for per-ISA units).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -16,6 +17,23 @@ namespace cpu_detail::KVP_CPU_ISA_NS {
 
 using RF = xsimd::batch<float, Arch>;
 inline constexpr std::int64_t kRL = static_cast<std::int64_t>(RF::size);
+
+// a * b + c rounded once (the reference's std::fma): the FMA instruction on AVX2 and AVX-512; lane by lane
+// through std::fma on SSE2, which has no such instruction (slow, but exact).
+inline RF fma_exact(RF a, RF b, RF c) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  return RF(_mm512_fmadd_ps(a, b, c));
+#elif KVP_CPU_TU_ISA == 1
+  return RF(_mm256_fmadd_ps(a, b, c));
+#else
+  alignas(16) float x[kRL], y[kRL], z[kRL];
+  a.store_aligned(x);
+  b.store_aligned(y);
+  c.store_aligned(z);
+  for (std::int64_t l = 0; l < kRL; ++l) z[l] = std::fma(x[l], y[l], z[l]);
+  return RF::load_aligned(z);
+#endif
+}
 
 inline float hmin_lanes(RF v) noexcept {
   alignas(64) float t[kRL];
@@ -207,7 +225,8 @@ inline void row_dots_f32(const float* q, const float* rows, std::int64_t n, std:
 
 /// expected_logits_block (reduce_kernels.hpp): keys transposed in registers (AVX-512) or element by element,
 /// then lanes across keys, so every key keeps the
-/// reference's sequential order; 8 columns of the quadratic form at a time (independent chains).
+/// reference's sequential order of fused multiply-adds; kQuadCols columns of the quadratic form at a time
+/// (independent chains: with AVX-512's 16 they cover the FMA's latency at two per cycle).
 inline void expected_logits_block(const float* mean, const float* cov, std::int64_t d, const float* keys, std::int64_t nk, float sqrt_d,
                                   float* z) noexcept {
   // The block's keys (row l = key l) into kT (row i = element i of every key, lane l = key l).
@@ -224,10 +243,14 @@ inline void expected_logits_block(const float* mean, const float* cov, std::int6
   for (; i0 < d; ++i0)
     for (std::int64_t l = 0; l < kRL; ++l) kT[i0 * kRL + l] = keys[l * d + i0];
   RF dot(0.0f);
-  for (std::int64_t i = 0; i < d; ++i) dot = dot + RF(mean[i]) * RF::load_unaligned(kT + i * kRL);
+  for (std::int64_t i = 0; i < d; ++i) dot = fma_exact(RF(mean[i]), RF::load_unaligned(kT + i * kRL), dot);
   RF zv = dot / RF(sqrt_d);
   if (cov != nullptr) {
+#if KVP_CPU_TU_ISA == 2
+    constexpr std::int64_t kC = 16;
+#else
     constexpr std::int64_t kC = 8;
+#endif
     RF quad(0.0f);
     std::int64_t k0 = 0;
     for (; k0 + kC <= d; k0 += kC) {
@@ -236,14 +259,14 @@ inline void expected_logits_block(const float* mean, const float* cov, std::int6
       for (std::int64_t i = 0; i < d; ++i) {
         const RF ki = RF::load_unaligned(kT + i * kRL);
         const float* row = cov + i * d + k0;
-        for (std::int64_t c = 0; c < kC; ++c) acc[c] = acc[c] + ki * RF(row[c]);
+        for (std::int64_t c = 0; c < kC; ++c) acc[c] = fma_exact(ki, RF(row[c]), acc[c]);
       }
-      for (std::int64_t c = 0; c < kC; ++c) quad = quad + acc[c] * RF::load_unaligned(kT + (k0 + c) * kRL);
+      for (std::int64_t c = 0; c < kC; ++c) quad = fma_exact(acc[c], RF::load_unaligned(kT + (k0 + c) * kRL), quad);
     }
     for (; k0 < d; ++k0) {
       RF acc(0.0f);
-      for (std::int64_t i = 0; i < d; ++i) acc = acc + RF::load_unaligned(kT + i * kRL) * RF(cov[i * d + k0]);
-      quad = quad + acc * RF::load_unaligned(kT + k0 * kRL);
+      for (std::int64_t i = 0; i < d; ++i) acc = fma_exact(RF::load_unaligned(kT + i * kRL), RF(cov[i * d + k0]), acc);
+      quad = fma_exact(acc, RF::load_unaligned(kT + k0 * kRL), quad);
     }
     zv = zv + quad / RF(static_cast<float>(d)) / RF(2.0f);
   }
@@ -271,7 +294,7 @@ inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t 
         for (std::int64_t v = 0; v < kV; ++v) cj[v] = RF::load_unaligned(ct + j0 + v * kRL);
         for (std::int64_t r = 0; r < kR; ++r) {
           const RF ci(ct[i0 + r]);
-          for (std::int64_t v = 0; v < kV; ++v) acc[r][v] = acc[r][v] + ci * cj[v];
+          for (std::int64_t v = 0; v < kV; ++v) acc[r][v] = fma_exact(ci, cj[v], acc[r][v]);
         }
       }
       for (std::int64_t r = 0; r < kR; ++r)
@@ -282,7 +305,7 @@ inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t 
       for (std::int64_t r = 0; r < kR; ++r) acc[r] = RF::load_unaligned(block + (i0 + r) * d + j0);
       for (std::int64_t t = 0; t < n; ++t) {
         const RF cj = RF::load_unaligned(c + t * d + j0);
-        for (std::int64_t r = 0; r < kR; ++r) acc[r] = acc[r] + RF(c[t * d + i0 + r]) * cj;
+        for (std::int64_t r = 0; r < kR; ++r) acc[r] = fma_exact(RF(c[t * d + i0 + r]), cj, acc[r]);
       }
       for (std::int64_t r = 0; r < kR; ++r) acc[r].store_unaligned(block + (i0 + r) * d + j0);
     }
@@ -290,14 +313,14 @@ inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t 
     for (std::int64_t r = 0; r < kR; ++r)
       for (std::int64_t j = dv > i0 + r ? dv : i0 + r; j < d; ++j) {
         float a = block[(i0 + r) * d + j];
-        for (std::int64_t t = 0; t < n; ++t) a = a + c[t * d + i0 + r] * c[t * d + j];
+        for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0 + r], c[t * d + j], a);
         block[(i0 + r) * d + j] = a;
       }
   }
   for (; i0 < d; ++i0)
     for (std::int64_t j = i0; j < d; ++j) {
       float a = block[i0 * d + j];
-      for (std::int64_t t = 0; t < n; ++t) a = a + c[t * d + i0] * c[t * d + j];
+      for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0], c[t * d + j], a);
       block[i0 * d + j] = a;
     }
 }

@@ -82,7 +82,7 @@ __global__ void cov_kernel(QueryView<Tq> q, std::int64_t head, std::int64_t t0, 
     for (std::int64_t t = tb; t < te; ++t) {
       const float ci = __double2float_rn(__dsub_rn(static_cast<double>(q.at(head, t, i)), mi));
       const float cj = __double2float_rn(__dsub_rn(static_cast<double>(q.at(head, t, j)), mj));
-      blk = __fadd_rn(blk, __fmul_rn(ci, cj));
+      blk = __fmaf_rn(ci, cj, blk);
     }
     acc = __dadd_rn(acc, static_cast<double>(blk));
   }
@@ -126,14 +126,14 @@ __global__ void logits_kernel(const float* __restrict__ mean, const float* __res
   if (j >= j1) return;
   const Tk* kr = keys.row(j);
   float dot = 0.0f;
-  for (std::int64_t i = 0; i < d; ++i) dot = __fadd_rn(dot, __fmul_rn(mean[i], load_f32(kr + i)));
+  for (std::int64_t i = 0; i < d; ++i) dot = __fmaf_rn(mean[i], load_f32(kr + i), dot);
   float zj = __fdiv_rn(dot, sqrt_d);
   if (cov != nullptr) {
     float quad = 0.0f;
     for (std::int64_t k = 0; k < d; ++k) {
       float tk = 0.0f;  // t[k] = sum_i k_i cov[i][k], i ascending
-      for (std::int64_t i = 0; i < d; ++i) tk = __fadd_rn(tk, __fmul_rn(load_f32(kr + i), cov[i * d + k]));
-      quad = __fadd_rn(quad, __fmul_rn(tk, load_f32(kr + k)));
+      for (std::int64_t i = 0; i < d; ++i) tk = __fmaf_rn(load_f32(kr + i), cov[i * d + k], tk);
+      quad = __fmaf_rn(tk, load_f32(kr + k), quad);
     }
     zj = __fadd_rn(zj, __fdiv_rn(__fdiv_rn(quad, static_cast<float>(d)), 2.0f));
   }

@@ -31,7 +31,7 @@ inline constexpr std::int64_t kExpectedMaxDeviceDim = 256;
 /// Mean and (use_cov) population covariance of query head `head`, pre-RoPE,
 /// over rows [t0, q.extent(1)) in double: token-order sums per channel; the
 /// covariance's upper triangle from fp32 products of the centred rows summed
-/// in blocks of 64 tokens (products rounded, then added), the blocks summed in
+/// in blocks of 64 tokens (one fused multiply-add per term), the blocks summed in
 /// double, then divided by N and mirrored. `block`: d*d floats, `c`: 64*d floats.
 template <class B, class Tq>
 void expected_statistics_reference(const TensorView<const Tq, 3>& queries, std::int64_t head, std::int64_t t0, std::int64_t d, bool use_cov,

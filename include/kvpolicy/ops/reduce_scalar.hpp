@@ -108,6 +108,10 @@ struct ScalarReduceOps {
   /// (rotated) mean `mean` and covariance `cov` (d x d, row-major; nullptr
   /// drops the term): z[j] = <mean, k_j> / sqrt(d) + k_j^T cov k_j / (2 d),
   /// fp32 with the quadratic form as t = sum_i k_i cov[i, :] then <t, k>.
+  /// Every sum adds its terms in index order through a fused multiply-add
+  /// (std::fma: the product is not rounded before the add), the operation the
+  /// CPU kernels (FMA3 / AVX-512) and the device (__fmaf_rn) run natively, so
+  /// all of them give these bits.
   /// Returns max_j z[j] (-inf for an empty range). `scratch`: 2 d floats.
   template <class Tk>
   static float expected_logits(const float* mean, const float* cov, std::int64_t d, const Rows<Tk>& keys, std::int64_t j0, std::int64_t j1,
@@ -120,17 +124,17 @@ struct ScalarReduceOps {
       const Tk* kr = keys.row(j);
       for (std::int64_t i = 0; i < d; ++i) kf[i] = to_float(kr[i]);
       float dot = 0.0f;
-      for (std::int64_t i = 0; i < d; ++i) dot += mean[i] * kf[i];
+      for (std::int64_t i = 0; i < d; ++i) dot = std::fma(mean[i], kf[i], dot);
       float zj = dot / sqrt_d;
       if (cov != nullptr) {
         std::fill(t, t + d, 0.0f);
         for (std::int64_t i = 0; i < d; ++i) {
           const float* row = cov + i * d;
           const float ki = kf[i];
-          for (std::int64_t k = 0; k < d; ++k) t[k] += ki * row[k];
+          for (std::int64_t k = 0; k < d; ++k) t[k] = std::fma(ki, row[k], t[k]);
         }
         float quad = 0.0f;
-        for (std::int64_t k = 0; k < d; ++k) quad += t[k] * kf[k];
+        for (std::int64_t k = 0; k < d; ++k) quad = std::fma(t[k], kf[k], quad);
         zj += quad / static_cast<float>(d) / 2.0f;
       }
       z[j] = zj;
@@ -156,14 +160,14 @@ struct ScalarReduceOps {
   }
 
   /// Covariance products of n centred rows c (n x d, row-major): for t < n in order,
-  /// block[i * d + j] += c[t * d + i] * c[t * d + j] for j >= i (fp32, product rounded, then added).
+  /// block[i * d + j] += c[t * d + i] * c[t * d + j] for j >= i (fp32, one fused multiply-add: std::fma).
   static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
     for (std::int64_t t = 0; t < n; ++t) {
       const float* ct = c + t * d;
       for (std::int64_t i = 0; i < d; ++i) {
         const float ci = ct[i];
         float* row = block + i * d;
-        for (std::int64_t j = i; j < d; ++j) row[j] += ci * ct[j];
+        for (std::int64_t j = i; j < d; ++j) row[j] = std::fma(ci, ct[j], row[j]);
       }
     }
   }
