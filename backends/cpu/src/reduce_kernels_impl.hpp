@@ -259,6 +259,8 @@ inline void expected_logits_block(const float* mean, const float* cov, std::int6
       for (std::int64_t i = 0; i < d; ++i) {
         const RF ki = RF::load_unaligned(kT + i * kRL);
         const float* row = cov + i * d + k0;
+        // cov (d^2 floats, 64 KiB at d = 128) lives in L2: its rows are requested 8 steps ahead.
+        if (i + 8 < d) prefetch_l1(row + 8 * d);
         for (std::int64_t c = 0; c < kC; ++c) acc[c] = fma_exact(ki, RF(row[c]), acc[c]);
       }
       for (std::int64_t c = 0; c < kC; ++c) quad = fma_exact(acc[c], RF::load_unaligned(kT + (k0 + c) * kRL), quad);
@@ -275,10 +277,15 @@ inline void expected_logits_block(const float* mean, const float* cov, std::int6
   for (std::int64_t l = 0; l < nk; ++l) z[l] = t[l];
 }
 
-/// outer_upper_accumulate (reduce_kernels.hpp): register tiles of 4 rows x 2 vectors of
-/// columns held across all n tokens, so each entry adds its products in token order.
+/// outer_upper_accumulate (reduce_kernels.hpp): register tiles of kR rows x 2 vectors of
+/// columns held across all n tokens, so each entry adds its products in token order (AVX-512: 8 rows, 16
+/// independent FMA chains, enough to cover the FMA's latency at two per cycle; 4 rows on the 16-register levels).
 inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  constexpr std::int64_t kR = 8, kV = 2;
+#else
   constexpr std::int64_t kR = 4, kV = 2;
+#endif
   const std::int64_t dv = d / kRL * kRL;
   std::int64_t i0 = 0;
   for (; i0 + kR <= d; i0 += kR) {
