@@ -60,13 +60,13 @@ void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys,
 // candidates at or above that pair, in index order. Rows of 256 to 32K scores
 // take step 1 from block maxima instead (the k-th largest of 2k block maxima,
 // one SIMD pass); large k (> n/8) and rows below 256 go straight to step 3
-// on all scores. A k-th largest key among 256 to 4096 keys (the block maxima
-// of step 1, the candidates of step 3) comes from kth_largest_key's bisection
+// on all scores. The k-th largest of 256 or more block maxima (step 1), and
+// of 256 to 4096 candidates (step 3), comes from kth_largest_key's bisection
 // over the key bits (up to 32 branch-free counting passes); smaller sets take
-// std::nth_element (faster there), larger ones the histogram rounds. At Quest's
-// 4K-token budget (255 of 8191 pages per head) the bisection took the top-k
-// from 5.3 to 2.2 us per head (bench_quest topk/cpu/4096: 32 heads 172 -> 72 us,
-// medians; nth_element over those block maxima was the cost).
+// std::nth_element (faster there), more candidates the histogram rounds. At
+// Quest's 4K-token budget (255 of 8191 pages per head) the bisection took the
+// top-k from 5.3 to 2.2 us per head (bench_quest topk/cpu/4096: 32 heads
+// 172 -> 72 us, medians; the profile had put the time in nth_element).
 
 constexpr std::int64_t kSampleRun = 8;                      // neighbouring scores per sample run (one cache line)
 constexpr std::int64_t kSampleRuns = 256;                   // runs spread over the row

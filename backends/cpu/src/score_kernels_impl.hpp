@@ -812,26 +812,15 @@ inline std::int64_t count_keys_at_least(const std::int32_t* keys, std::int64_t m
     i = m;
   }
   c = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
-#elif KVP_CPU_TU_ISA == 1
-  const __m256i tv = _mm256_set1_epi32(below);
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0;
-  for (; i + 16 <= m; i += 16) {
-    a0 = _mm256_sub_epi32(a0, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)), tv));
-    a1 = _mm256_sub_epi32(a1, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i + 8)), tv));
-  }
-  alignas(32) std::int32_t lane[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lane), _mm256_add_epi32(a0, a1));
-  for (int q = 0; q < 8; ++q) c += lane[q];
 #else
-  const __m128i tv = _mm_set1_epi32(below);
-  __m128i a0 = _mm_setzero_si128(), a1 = a0;
-  for (; i + 8 <= m; i += 8) {
-    a0 = _mm_sub_epi32(a0, _mm_cmpgt_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i)), tv));
-    a1 = _mm_sub_epi32(a1, _mm_cmpgt_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i + 4)), tv));
+  // AVX2 / SSE2: a compare gives all-ones (-1) lanes as an integer vector (batch_bool's register), subtracted.
+  const I tv(below);
+  I a0(0), a1(0);
+  for (; i + 2 * kLanes <= m; i += 2 * kLanes) {
+    a0 -= I((I::load_unaligned(keys + i) > tv).data);
+    a1 -= I((I::load_unaligned(keys + i + kLanes) > tv).data);
   }
-  alignas(16) std::int32_t lane[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(lane), _mm_add_epi32(a0, a1));
-  for (int q = 0; q < 4; ++q) c += lane[q];
+  c = xsimd::hadd(a0 + a1);
 #endif
   for (; i < m; ++i) c += keys[i] > below ? 1 : 0;
   return c;
