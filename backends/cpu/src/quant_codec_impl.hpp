@@ -1249,6 +1249,15 @@ inline bool ggml_quantize_block_v(GgmlType t, const float* x, std::uint8_t* out)
   }
 }
 
+/// The blocks whose bits are set in `mask` again through the per-block kernel (after the group's own stores,
+/// so these bytes are the ones that stay).
+inline void requantize_blocks(GgmlType t, const float* f, std::uint8_t* out, std::int32_t bb, std::uint32_t mask) noexcept {
+  for (; mask; mask &= mask - 1) {
+    const int b = __builtin_ctz(mask);
+    ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
+  }
+}
+
 #if KVP_CPU_TU_ISA == 2
 // ---- 16 ggml blocks at once (AVX-512) ------------------------------------------------------------------
 // A group of 16 blocks (512 values) runs each step over all 16 before the next: the block statistics reduce
@@ -1293,14 +1302,6 @@ inline void block_extremes16(const float* f, vf& mn, vf& mx) noexcept {
   }
   mn = reduce16<false>(lo);
   mx = reduce16<true>(hi);
-}
-/// The blocks whose bits are set in `mask` again through the per-block kernel (after the group's own stores,
-/// so these bytes are the ones that stay).
-inline void requantize_blocks(GgmlType t, const float* f, std::uint8_t* out, std::int32_t bb, std::uint32_t mask) noexcept {
-  for (; mask; mask &= mask - 1) {
-    const int b = __builtin_ctz(mask);
-    ggml_quantize_block_v(t, f + 32 * b, out + b * bb);
-  }
 }
 
 /// Blocks [0, 16) of f (512 finite floats) into out (16 blocks of ggml_block_bytes(t)).
@@ -1422,6 +1423,138 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
     }
     default: return false;
   }
+}
+#elif KVP_CPU_TU_ISA == 1
+// ---- 8 ggml blocks at once (AVX2) ----------------------------------------------------------------------
+// The AVX-512 group's design at 8 lanes: a group of 8 blocks reduces its statistics through one transposing
+// tree (lane b = block b), divides its scales as one vector and codes each block with its scale broadcast
+// from its lane. The per-block kernel spent most of its time in the horizontal reductions and the two
+// dependent scalar divisions of every block. Same values as the per-block kernel (the reasoning of the
+// AVX-512 group above: exact reductions, the same IEEE operations, and the blocks whose signed extremes
+// depend on lane order (zeros, ties of both signs) requantized by the per-block kernel).
+
+/// Lane b <- the maximum (Max) or minimum of the 8 lanes of m[b].
+template <bool Max>
+inline vf reduce8(const vf* m) noexcept {
+  const auto op = [](vf a, vf b) { return Max ? _mm256_max_ps(a, b) : _mm256_min_ps(a, b); };
+  vf t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = op(_mm256_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm256_unpackhi_ps(m[2 * i], m[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) u[i] = op(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+/// Lane b of v in every lane.
+inline vf lane_of8(vf v, int b) noexcept { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(b)); }
+/// Bits of the lanes where m is set.
+inline std::uint32_t mask_bits(vm m) noexcept { return static_cast<std::uint32_t>(_mm256_movemask_ps(m)); }
+/// 1 / d, and 0 where d is zero (the reference's `d != 0 ? 1 / d : 0`).
+inline vf recip_or_zero(vf d) noexcept { return _mm256_and_ps(div(set1(1.0f), d), _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_NEQ_UQ)); }
+/// The 8 scales as fp16 into each block's first two bytes (and, with m, the min into the next two).
+inline void put_scales8(std::uint8_t* out, std::int32_t bb, vf d, const vf* m) noexcept {
+  alignas(16) std::uint16_t h[8], hm[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(h), _mm256_cvtps_ph(d, kRne));
+  if (m) _mm_store_si128(reinterpret_cast<__m128i*>(hm), _mm256_cvtps_ph(*m, kRne));
+  for (int b = 0; b < 8; ++b) {
+    std::memcpy(out + b * bb, h + b, 2);
+    if (m) std::memcpy(out + b * bb + 2, hm + b, 2);
+  }
+}
+/// Lane b <- the minimum (mn) and maximum (mx) of block b of f's 8 blocks.
+inline void block_extremes8(const float* f, vf& mn, vf& mx) noexcept {
+  vf lo[8], hi[8];
+  for (int b = 0; b < 8; ++b) {
+    const vf v0 = ld(f + 32 * b), v1 = ld(f + 32 * b + 8), v2 = ld(f + 32 * b + 16), v3 = ld(f + 32 * b + 24);
+    lo[b] = vmin(vmin(v0, v1), vmin(v2, v3));
+    hi[b] = vmax(vmax(v0, v1), vmax(v2, v3));
+  }
+  mn = reduce8<false>(lo);
+  mx = reduce8<true>(hi);
+}
+
+/// Blocks [0, 8) of f (256 finite floats) into out (8 blocks of ggml_block_bytes(t)); false for iq4_nl (the
+/// per-block kernel's).
+inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) noexcept {
+  const std::int32_t bb = ggml_block_bytes(t);
+  const vf absmask = asf(set1i(0x7fffffff)), zero = _mm256_setzero_ps();
+  switch (t) {
+    case GgmlType::kQ8_0: {
+      vf m[8];
+      for (int b = 0; b < 8; ++b) {
+        const float* x = f + 32 * b;
+        m[b] = vmax(vmax(_mm256_and_ps(ld(x), absmask), _mm256_and_ps(ld(x + 8), absmask)),
+                    vmax(_mm256_and_ps(ld(x + 16), absmask), _mm256_and_ps(ld(x + 24), absmask)));
+      }
+      const vf d = div(reduce8<true>(m), set1(127.0f));
+      const vf id = recip_or_zero(d);
+      put_scales8(out, bb, d, nullptr);
+      // Round half away from zero as trunc(p + copysign(0.49999997, p)) (the AVX-512 group's form).
+      const vf half_ = asf(set1i(0x3effffff)), sign = asf(set1i(static_cast<std::int32_t>(0x80000000u)));
+      for (int b = 0; b < 8; ++b) {
+        const vf s = lane_of8(id, b);
+        for (int i = 0; i < 4; ++i) {
+          const vf p = mul(ld(f + 32 * b + 8 * i), s);
+          const vf c = _mm256_or_ps(_mm256_and_ps(p, sign), half_);
+          st_i8(out + b * bb + 2 + 8 * i, toi(add(p, c)));
+        }
+      }
+      return true;
+    }
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ5_0: {
+      const int levels = t == GgmlType::kQ4_0 ? 8 : 16, top = 2 * levels - 1;
+      vf mn, mxv;
+      block_extremes8(f, mn, mxv);
+      const vf nmn = sub(zero, mn);
+      const std::uint32_t ties = mask_bits(_mm256_cmp_ps(mxv, nmn, _CMP_EQ_OQ));
+      const vf mx = sel(gt(nmn, mxv), mn, mxv);
+      const vf d = div(mx, set1(static_cast<float>(-levels)));
+      const vf id = recip_or_zero(d);
+      put_scales8(out, bb, d, nullptr);
+      const vf bias = set1(static_cast<float>(levels) + 0.5f);
+      const vi vtop = set1i(top);
+      for (int b = 0; b < 8; ++b) {
+        const vf s = lane_of8(id, b);
+        vi q[4];
+        for (int i = 0; i < 4; ++i) q[i] = imin(toi(add(mul(ld(f + 32 * b + 8 * i), s), bias)), vtop);
+        if (t == GgmlType::kQ4_0) {
+          st_nibbles(out + b * bb + 2, q);
+        } else {
+          put_u32(out + b * bb + 2, bit4_bits(q));
+          st_nibbles(out + b * bb + 6, q);
+        }
+      }
+      requantize_blocks(t, f, out, bb, ties);
+      return true;
+    }
+    case GgmlType::kQ4_1:
+    case GgmlType::kQ5_1: {
+      const int top = t == GgmlType::kQ4_1 ? 15 : 31;
+      vf mn, mx;
+      block_extremes8(f, mn, mx);
+      const std::uint32_t zeros = mask_bits(_mm256_or_ps(_mm256_cmp_ps(mn, zero, _CMP_EQ_OQ), _mm256_cmp_ps(mx, zero, _CMP_EQ_OQ)));
+      const vf d = div(sub(mx, mn), set1(static_cast<float>(top)));
+      const vf id = recip_or_zero(d);
+      put_scales8(out, bb, d, &mn);
+      const vf half_ = set1(0.5f);
+      const vi vtop = set1i(top);
+      const int qs = t == GgmlType::kQ4_1 ? 4 : 8;
+      for (int b = 0; b < 8; ++b) {
+        const vf s = lane_of8(id, b), m0 = lane_of8(mn, b);
+        vi q[4];
+        for (int i = 0; i < 4; ++i) q[i] = imin(toi(add(mul(sub(ld(f + 32 * b + 8 * i), m0), s), half_)), vtop);
+        if (t == GgmlType::kQ5_1) put_u32(out + b * bb + 4, bit4_bits(q));
+        st_nibbles(out + b * bb + qs, q);
+      }
+      requantize_blocks(t, f, out, bb, zeros);
+      return true;
+    }
+    default: return false;
+  }
+}
+
+/// Blocks [0, 16) of f as two groups of 8.
+inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out) noexcept {
+  if (!ggml_quantize_group8(t, f, out)) return false;
+  return ggml_quantize_group8(t, f + 8 * 32, out + 8 * ggml_block_bytes(t));
 }
 #else
 inline bool ggml_quantize_group16(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
