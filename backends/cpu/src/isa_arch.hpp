@@ -100,6 +100,24 @@ inline void transpose16(const __m512* r, __m512* c) noexcept {
 #elif KVP_CPU_TU_ISA == 1
 using Arch = xsimd::fma3<xsimd::avx2>;
 inline constexpr CpuIsa kIsa = CpuIsa::kAvx2;
+/// c[j] lane i <- r[i] lane j (an 8 x 8 transpose in registers).
+inline void transpose8(const __m256* r, __m256* c) noexcept {
+  __m256 t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    c[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
 #else
 using Arch = xsimd::sse2;
 inline constexpr CpuIsa kIsa = CpuIsa::kSse2;

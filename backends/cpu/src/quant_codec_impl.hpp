@@ -1144,16 +1144,19 @@ inline vi iq4nl_index_v(vf x) noexcept {
   const vf thr = _mm512_permutex2var_ps(thr_lo, b, thr_hi);
   return _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(x, thr, _CMP_GE_OQ), base, set1i(1));
 #else
-  vi below = set1i(0);  // levels 1..15 at or below x (the levels are sorted: the last one at or below x)
-  for (int k = 1; k < 16; ++k) {
-    const vf level = set1(static_cast<float>(kIq4nlValues[k]));
-    below = _mm256_sub_epi32(below, _mm256_castps_si256(_mm256_cmp_ps(level, x, _CMP_LE_OQ)));
-  }
-  const vi lo = imin(below, set1i(14)), hi = iadd(lo, set1i(1));
-  vi idx = seli(lt(sub(x, iq4nl_lookup(lo)), sub(iq4nl_lookup(hi), x)), lo, hi);
-  idx = seli(mnot(gt(x, set1(static_cast<float>(kIq4nlValues[0])))), set1i(0), idx);    // x <= first level
-  idx = seli(mnot(lt(x, set1(static_cast<float>(kIq4nlValues[15])))), set1i(15), idx);  // x >= last level
-  return idx;
+  // The same buckets, each 32-entry lookup as four 8-entry permutes picked by bits 3 and 4 of the bucket
+  // (blendv reads each lane's top bit). A 15-level comparison scan here cost twice the whole group kernel.
+  const vf y = _mm256_min_ps(_mm256_max_ps(mul(x, set1(0.125f)), set1(-16.0f)), set1(15.0f));
+  const vi b = iadd(_mm256_cvttps_epi32(_mm256_floor_ps(y)), set1i(16));
+  const vf bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 28)), bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 27));
+  const auto lookup32 = [&](const float* table) {
+    const vf p0 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), b), p1 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), b);
+    const vf p2 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 16), b), p3 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 24), b);
+    return _mm256_blendv_ps(_mm256_blendv_ps(p0, p1, bit3), _mm256_blendv_ps(p2, p3, bit3), bit4);
+  };
+  const vi base = _mm256_castps_si256(lookup32(reinterpret_cast<const float*>(kIq4nlBucketBase)));
+  const vf thr = lookup32(kIq4nlBucketMid);
+  return _mm256_sub_epi32(base, _mm256_castps_si256(_mm256_cmp_ps(x, thr, _CMP_GE_OQ)));
 #endif
 }
 /// iq4_nl: codes of the nearest levels to x / d0, then d from the least-squares sums, accumulated in the
@@ -1470,8 +1473,7 @@ inline void block_extremes8(const float* f, vf& mn, vf& mx) noexcept {
   mx = reduce8<true>(hi);
 }
 
-/// Blocks [0, 8) of f (256 finite floats) into out (8 blocks of ggml_block_bytes(t)); false for iq4_nl (the
-/// per-block kernel's).
+/// Blocks [0, 8) of f (256 finite floats) into out (8 blocks of ggml_block_bytes(t)).
 inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) noexcept {
   const std::int32_t bb = ggml_block_bytes(t);
   const vf absmask = asf(set1i(0x7fffffff)), zero = _mm256_setzero_ps();
@@ -1545,6 +1547,46 @@ inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) 
         st_nibbles(out + b * bb + qs, q);
       }
       requantize_blocks(t, f, out, bb, zeros);
+      return true;
+    }
+    case GgmlType::kIQ4_NL: {
+      // The AVX-512 group's form: the signed maximum from the extremes (ties of both signs, and blocks below
+      // the reference's 1e-15, take the per-block kernel); the least-squares sums with lane b = block b, each
+      // lane adding its block's products in the reference's element order (transposed 8 x 8 in registers).
+      vf mn, mxv;
+      block_extremes8(f, mn, mxv);
+      const vf nmn = sub(zero, mn);
+      const vf amax = vmax(mxv, nmn);
+      const std::uint32_t slow =
+          mask_bits(_mm256_or_ps(_mm256_cmp_ps(mxv, nmn, _CMP_EQ_OQ), _mm256_cmp_ps(amax, set1(1e-15f), _CMP_LT_OQ)));
+      const vf mx = sel(gt(nmn, mxv), mn, mxv);
+      const vf d0 = div(mx, set1(static_cast<float>(kIq4nlValues[0])));
+      const vf id = div(set1(1.0f), d0);
+      alignas(32) float tqx[8 * 32], tq2[8 * 32];
+      for (int b = 0; b < 8; ++b) {
+        const vf s = lane_of8(id, b);
+        vi q[4];
+        for (int i = 0; i < 4; ++i) {
+          const vf v = ld(f + 32 * b + 8 * i);
+          q[i] = iq4nl_index_v(mul(s, v));
+          const vf lv = iq4nl_lookup(q[i]), w = mul(v, v), wl = mul(w, lv);
+          st(tqx + 32 * b + 8 * i, mul(wl, v));
+          st(tq2 + 32 * b + 8 * i, mul(wl, lv));
+        }
+        st_nibbles(out + b * bb + 2, q);
+      }
+      vf sqx = zero, sq2 = zero;
+      for (int h = 0; h < 4; ++h) {  // elements 8 h .. 8 h + 7 of every block, as columns
+        vf r[8], c[8];
+        for (int b = 0; b < 8; ++b) r[b] = ld(tqx + 32 * b + 8 * h);
+        transpose8(r, c);
+        for (int j = 0; j < 8; ++j) sqx = add(sqx, c[j]);
+        for (int b = 0; b < 8; ++b) r[b] = ld(tq2 + 32 * b + 8 * h);
+        transpose8(r, c);
+        for (int j = 0; j < 8; ++j) sq2 = add(sq2, c[j]);
+      }
+      put_scales8(out, bb, div(sqx, sq2), nullptr);
+      requantize_blocks(t, f, out, bb, slow);
       return true;
     }
     default: return false;
