@@ -103,7 +103,6 @@ inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
   return (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q)) != 0;
 }
 inline float hmax(vf v) noexcept { return _mm512_reduce_max_ps(v); }
-inline std::uint32_t hor(vi v) noexcept { return static_cast<std::uint32_t>(_mm512_reduce_or_epi32(v)); }
 /// Lane indices 0 .. kW-1.
 inline vi iota() noexcept { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 #else
@@ -182,12 +181,6 @@ inline float hmax(vf v) noexcept {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
-inline std::uint32_t hor(vi v) noexcept {
-  __m128i m = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  m = _mm_or_si128(m, _mm_shuffle_epi32(m, 0x4E));
-  m = _mm_or_si128(m, _mm_shuffle_epi32(m, 0xB1));
-  return static_cast<std::uint32_t>(_mm_cvtsi128_si32(m));
-}
 inline vi iota() noexcept { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 #endif
 
@@ -220,6 +213,40 @@ inline vf reduce16(const vf* m) noexcept {
 }
 /// Lane b of v in every lane.
 inline vf lane_of(vf v, int b) noexcept { return _mm512_permutexvar_ps(_mm512_set1_epi32(b), v); }
+/// Bits of the lanes where v == 0 (either sign).
+inline std::uint32_t zero_bits(vf v) noexcept { return static_cast<std::uint32_t>(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_EQ_OQ)); }
+/// -v, bit for bit (the sign flipped, so -0 for +0).
+inline vf vneg(vf v) noexcept { return asf(_mm512_xor_si512(asi(v), set1i(static_cast<std::int32_t>(0x80000000u)))); }
+#elif KVP_CPU_TU_ISA == 1
+/// Lane b <- the maximum (Max) or minimum of the 8 lanes of m[b]. The tree leaves the lanes in block order.
+template <bool Max>
+inline vf reduce8(const vf* m) noexcept {
+  const auto op = [](vf a, vf b) { return Max ? _mm256_max_ps(a, b) : _mm256_min_ps(a, b); };
+  vf t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = op(_mm256_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm256_unpackhi_ps(m[2 * i], m[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) u[i] = op(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+/// Lane b of v in every lane.
+inline vf lane_of(vf v, int b) noexcept { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(b)); }
+/// Bits of the lanes where v == 0 (either sign).
+inline std::uint32_t zero_bits(vf v) noexcept {
+  return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ)));
+}
+/// -v, bit for bit (the sign flipped, so -0 for +0).
+inline vf vneg(vf v) noexcept { return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<std::int32_t>(0x80000000u)))); }
+#endif
+#if KVP_CPU_TU_ISA >= 1
+/// The kW-vector reduction of the level: lane b <- the maximum (Max) or minimum of the lanes of m[b]. The
+/// group kernels below (kW rows or blocks at once) reduce their statistics with it.
+template <bool Max>
+inline vf reduce_lanes(const vf* m) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  return reduce16<Max>(m);
+#else
+  return reduce8<Max>(m);
+#endif
+}
 #endif
 
 // ---- Hadamard ---------------------------------------------------------------------------------------
@@ -443,13 +470,13 @@ inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int
     codes(r, scale, -lo / scale);
   };
   std::int64_t r = 0;
-#if KVP_CPU_TU_ISA == 2
-  // 16 rows at once: their minima and maxima reduce through one tree, scales and zero points divide as one
-  // vector (the per-row scalar divisions were a serial chain). A row whose minimum or maximum is zero takes
-  // the per-row path, which finds the reference's signed zero.
-  for (; r + 16 <= rows; r += 16) {
-    vf lo[16], hi[16];
-    for (int i = 0; i < 16; ++i) {
+#if KVP_CPU_TU_ISA >= 1
+  // kW rows at once (16 on AVX-512, 8 on AVX2): their minima and maxima reduce through one tree, scales and
+  // zero points divide as one vector (the per-row scalar divisions were a serial chain). A row whose minimum
+  // or maximum is zero takes the per-row path, which finds the reference's signed zero.
+  for (; r + kW <= rows; r += kW) {
+    vf lo[kW], hi[kW];
+    for (int i = 0; i < kW; ++i) {
       const float* xr = x + (r + i) * d;
       vf mn = ld(xr), mx = mn;
       for (std::int64_t c = kW; c < d; c += kW) {
@@ -459,15 +486,14 @@ inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int
       }
       lo[i] = mn, hi[i] = mx;
     }
-    const vf vlo = reduce16<false>(lo), vhi = reduce16<true>(hi), range = sub(vhi, vlo);
+    const vf vlo = reduce_lanes<false>(lo), vhi = reduce_lanes<true>(hi), range = sub(vhi, vlo);
     const vf scale = div(sel(gt(range, set1(1e-8f)), range, set1(1e-8f)), vtop);
-    const vf zero = div(asf(_mm512_xor_si512(asi(vlo), set1i(static_cast<std::int32_t>(0x80000000u)))), scale);
-    const std::uint32_t zeros =
-        static_cast<std::uint32_t>(_mm512_cmp_ps_mask(vlo, vzero, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(vhi, vzero, _CMP_EQ_OQ));
-    alignas(64) float sc[16], zp[16];
+    const vf zero = div(vneg(vlo), scale);
+    const std::uint32_t zeros = zero_bits(vlo) | zero_bits(vhi);
+    alignas(64) float sc[kW], zp[kW];
     st(sc, scale);
     st(zp, zero);
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kW; ++i) {
       if (zeros >> i & 1u)
         row(r + i);
       else
@@ -569,24 +595,24 @@ inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_
   if (d % kW != 0 || d == 0) return false;
   const vf absmask = asf(set1i(0x7fffffff));
   std::int64_t r = 0;
-#if KVP_CPU_TU_ISA == 2
-  // Per-row scales, 16 rows at once: their absolute maxima reduce through one tree and the scales divide as
+#if KVP_CPU_TU_ISA >= 1
+  // Per-row scales, kW rows at once: their absolute maxima reduce through one tree and the scales divide as
   // one vector (per row, the reduction and the scalar division were a serial chain in front of the codes).
   if (scale <= 0.0f)
-    for (; r + 16 <= rows; r += 16) {
-      vf am[16];
-      for (int i = 0; i < 16; ++i) {
+    for (; r + kW <= rows; r += kW) {
+      vf am[kW];
+      for (int i = 0; i < kW; ++i) {
         const T* xr = x + (r + i) * x_stride;
         prefetch_row(x + (r + i + kPrefetchRows) * x_stride, d, r + i + kPrefetchRows < rows);
         vf m = set1(0.0f);
         for (std::int64_t c = 0; c < d; c += kW) m = vmax(asf(iand(asi(ld(xr + c)), asi(absmask))), m);
         am[i] = m;
       }
-      const vf amax = reduce16<true>(am);
+      const vf amax = reduce_lanes<true>(am);
       const vf s16 = sel(gt(amax, set1(0.0f)), div(amax, set1(fp8_consts(f).max)), set1(1.0f));
-      alignas(64) float sv[16];
+      alignas(64) float sv[kW];
       st(sv, s16);
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < kW; ++i) {
         const T* xr = x + (r + i) * x_stride;
         std::uint8_t* o = out + (r + i) * out_stride;
         std::memcpy(o + d, sv + i, sizeof(float));
@@ -798,7 +824,7 @@ inline vi kivi_lane_shifts(int bits, int first_in_word) noexcept {
 template <int Bits>
 inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::int64_t d, int group, std::uint8_t* codes,
                                       std::int64_t codes_stride, std::uint8_t* scales, std::int64_t scales_stride) noexcept {
-  constexpr int bits = Bits, f = 32 / Bits;
+  constexpr int bits = Bits;
   if (group % kW != 0 || d % group != 0) return false;
   const std::int64_t groups = d / group;
   const vf top = set1(static_cast<float>((1 << bits) - 1));
@@ -811,8 +837,8 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
       const vi q = kivi_code<kRecip>(ld(xg + c), vlo, vscale, top, vrecip);
       const std::int64_t ch = g * group + c;  // first channel of the vector
 #if KVP_CPU_TU_ISA == 2
-      // 16 codes as bytes, combined pairwise by multiply-adds: lane j lands at bit bits * j of the little-endian
-      // words, as the shifts below would put it.
+      // 16 codes as bytes, combined pairwise by multiply-adds: channel j's code lands at bit bits * (j mod
+      // 32 / bits) of its little-endian 32-bit word (KIVI's packing).
       if (bits != 8) {
         const __m128i b8 = _mm512_cvtepi32_epi8(q);
         if (bits == 4) {
@@ -827,30 +853,29 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
         }
         continue;
       }
-#endif
-      if (bits == 8) {
-        st_u8(cw + ch, q);
-      } else if (kW >= f) {  // kW / f whole words
-        const vi sh = sllv(q, kivi_lane_shifts(bits, 0));
-        alignas(64) std::uint32_t lanes[kW];
-        sti(reinterpret_cast<std::uint8_t*>(lanes), sh);
-        for (std::int64_t w = 0; w < kW / f; ++w) {
-          std::uint32_t word = 0;
-          if (kW == f) {
-            word = hor(sh);
-          } else {
-            for (int j = 0; j < f; ++j) word |= lanes[w * f + j];
-          }
-          std::memcpy(cw + 4 * ((ch / f) + w), &word, 4);
+#elif KVP_CPU_TU_ISA == 1
+      // The same byte packing for 8 codes (shifting the codes into words and OR-ing the lanes together cost
+      // most of this kernel's time on AVX2). 2 bits: the vector is half of a 16-code word and writes its own two
+      // bytes only (groups of 8 share words, and a group requantized after its batch must not clear its
+      // neighbour's codes); a row ending mid-word zeroes the word's upper half.
+      if (bits != 8) {
+        const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        const __m128i b8 = _mm_packus_epi16(w16, w16);  // bytes 0..7: the codes
+        if (bits == 4) {
+          const __m128i u = _mm_maddubs_epi16(b8, _mm_set1_epi16(0x1001));  // b_2k + 16 b_2k+1
+          const std::uint32_t word = static_cast<std::uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi16(u, u)));
+          std::memcpy(cw + ch / 2, &word, 4);
+        } else {
+          const __m128i u = _mm_maddubs_epi16(b8, _mm_set1_epi16(0x0401));                  // b_2k + 4 b_2k+1
+          const __m128i v = _mm_madd_epi16(u, _mm_set1_epi32(0x00100001));                  // u_2m + 16 u_2m+1
+          const __m128i w = _mm_packus_epi16(_mm_packus_epi32(v, v), _mm_setzero_si128());  // bytes 0, 1
+          const std::uint32_t bits16 = static_cast<std::uint32_t>(_mm_cvtsi128_si32(w)) & 0xffffu;
+          std::memcpy(cw + ch / 4, &bits16, ch % 16 == 0 && ch + 8 >= d ? 4 : 2);
         }
-      } else {  // f > kW: this vector fills part of one word
-        const std::int64_t w = ch / f;
-        const vi sh = sllv(q, kivi_lane_shifts(bits, static_cast<int>(ch % f)));
-        std::uint32_t word;
-        std::memcpy(&word, cw + 4 * w, 4);
-        word = (ch % f == 0 ? 0u : word) | hor(sh);
-        std::memcpy(cw + 4 * w, &word, 4);
+        continue;
       }
+#endif
+      st_u8(cw + ch, q);  // 8 bits: one byte per code
     }
   };
   const auto codes_of = [&](std::int64_t r, std::int64_t g, vf vlo, vf vscale, vf vrecip) {
@@ -883,14 +908,15 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
   };
   const std::int64_t total = rows * groups;  // groups in row order: group k is row k / groups, group k % groups
   std::int64_t k = 0;
-#if KVP_CPU_TU_ISA == 2
-  // 16 groups at once: minima and maxima through one reduction tree each, the ranges and scales as one
-  // vector (per group, the reductions and the scale were a serial chain in front of the codes). A group
-  // whose minimum or maximum is zero takes the per-group path, which finds the reference's signed zero.
+#if KVP_CPU_TU_ISA >= 1
+  // kW groups at once (16 on AVX-512, 8 on AVX2): minima and maxima through one reduction tree each, the
+  // ranges and scales as one vector (per group, the reductions and the scale were a serial chain in front of
+  // the codes). A group whose minimum or maximum is zero takes the per-group path, which finds the
+  // reference's signed zero.
   std::int64_t gr = 0, gg = 0;  // row and group of group k
-  for (; k + 16 <= total; k += 16) {
-    vf lo[16], hi[16];
-    for (int i = 0; i < 16; ++i) {
+  for (; k + kW <= total; k += kW) {
+    vf lo[kW], hi[kW];
+    for (int i = 0; i < kW; ++i) {
       const float* xg = x + k * group + i * group;  // groups are contiguous, rows of d = groups * group
       vf mn = ld(xg), mx = mn;
       for (int c = static_cast<int>(kW); c < group; c += static_cast<int>(kW)) {
@@ -900,20 +926,19 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
       }
       lo[i] = mn, hi[i] = mx;
     }
-    const vf vlo = reduce16<false>(lo), vhi = reduce16<true>(hi);
-    const std::uint32_t zeros =
-        static_cast<std::uint32_t>(_mm512_cmp_ps_mask(vlo, set1(0.0f), _CMP_EQ_OQ) | _mm512_cmp_ps_mask(vhi, set1(0.0f), _CMP_EQ_OQ));
+    const vf vlo = reduce_lanes<false>(lo), vhi = reduce_lanes<true>(hi);
+    const std::uint32_t zeros = zero_bits(vlo) | zero_bits(vhi);
     const vf vsc = r16(div(r16(sub(vhi, vlo)), top)), vrec = div(set1(1.0f), vsc);
-    if (16 % groups == 0) {  // whole rows: each row's scales and minima as fp16 runs of `groups`
-      alignas(32) std::uint16_t hs[16], hl[16];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(hs), _mm512_cvtps_ph(vsc, kRne));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(hl), _mm512_cvtps_ph(vlo, kRne));
-      for (std::int64_t i = 0; i < 16; i += groups) {
+    if (kW % groups == 0) {  // whole rows: each row's scales and minima as fp16 runs of `groups`
+      alignas(32) std::uint16_t hs[kW], hl[kW];
+      st_h16(reinterpret_cast<std::uint8_t*>(hs), vsc);
+      st_h16(reinterpret_cast<std::uint8_t*>(hl), vlo);
+      for (std::int64_t i = 0; i < kW; i += groups) {
         std::uint8_t* sc = scales + (gr + i / groups) * scales_stride;
         std::memcpy(sc, hs + i, static_cast<std::size_t>(2 * groups));
         std::memcpy(sc + 2 * groups, hl + i, static_cast<std::size_t>(2 * groups));
       }
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < kW; ++i) {
         codes_of(gr, gg, lane_of(vlo, i), lane_of(vsc, i), lane_of(vrec, i));
         if (++gg == groups) gg = 0, ++gr;
       }
@@ -923,10 +948,10 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
       }
       continue;
     }
-    alignas(64) float lv[16], sv[16];
+    alignas(64) float lv[kW], sv[kW];
     st(lv, vlo);
     st(sv, vsc);
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kW; ++i) {
       if (zeros >> i & 1u)
         one_group(gr, gg);
       else
@@ -1436,17 +1461,6 @@ inline bool ggml_quantize_group16(GgmlType t, const float* f, std::uint8_t* out)
 // AVX-512 group above: exact reductions, the same IEEE operations, and the blocks whose signed extremes
 // depend on lane order (zeros, ties of both signs) requantized by the per-block kernel).
 
-/// Lane b <- the maximum (Max) or minimum of the 8 lanes of m[b].
-template <bool Max>
-inline vf reduce8(const vf* m) noexcept {
-  const auto op = [](vf a, vf b) { return Max ? _mm256_max_ps(a, b) : _mm256_min_ps(a, b); };
-  vf t[4], u[2];
-  for (int i = 0; i < 4; ++i) t[i] = op(_mm256_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm256_unpackhi_ps(m[2 * i], m[2 * i + 1]));
-  for (int i = 0; i < 2; ++i) u[i] = op(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
-}
-/// Lane b of v in every lane.
-inline vf lane_of8(vf v, int b) noexcept { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(b)); }
 /// Bits of the lanes where m is set.
 inline std::uint32_t mask_bits(vm m) noexcept { return static_cast<std::uint32_t>(_mm256_movemask_ps(m)); }
 /// 1 / d, and 0 where d is zero (the reference's `d != 0 ? 1 / d : 0`).
@@ -1491,7 +1505,7 @@ inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) 
       // Round half away from zero as trunc(p + copysign(0.49999997, p)) (the AVX-512 group's form).
       const vf half_ = asf(set1i(0x3effffff)), sign = asf(set1i(static_cast<std::int32_t>(0x80000000u)));
       for (int b = 0; b < 8; ++b) {
-        const vf s = lane_of8(id, b);
+        const vf s = lane_of(id, b);
         for (int i = 0; i < 4; ++i) {
           const vf p = mul(ld(f + 32 * b + 8 * i), s);
           const vf c = _mm256_or_ps(_mm256_and_ps(p, sign), half_);
@@ -1514,7 +1528,7 @@ inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) 
       const vf bias = set1(static_cast<float>(levels) + 0.5f);
       const vi vtop = set1i(top);
       for (int b = 0; b < 8; ++b) {
-        const vf s = lane_of8(id, b);
+        const vf s = lane_of(id, b);
         vi q[4];
         for (int i = 0; i < 4; ++i) q[i] = imin(toi(add(mul(ld(f + 32 * b + 8 * i), s), bias)), vtop);
         if (t == GgmlType::kQ4_0) {
@@ -1540,7 +1554,7 @@ inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) 
       const vi vtop = set1i(top);
       const int qs = t == GgmlType::kQ4_1 ? 4 : 8;
       for (int b = 0; b < 8; ++b) {
-        const vf s = lane_of8(id, b), m0 = lane_of8(mn, b);
+        const vf s = lane_of(id, b), m0 = lane_of(mn, b);
         vi q[4];
         for (int i = 0; i < 4; ++i) q[i] = imin(toi(add(mul(sub(ld(f + 32 * b + 8 * i), m0), s), half_)), vtop);
         if (t == GgmlType::kQ5_1) put_u32(out + b * bb + 4, bit4_bits(q));
@@ -1564,7 +1578,7 @@ inline bool ggml_quantize_group8(GgmlType t, const float* f, std::uint8_t* out) 
       const vf id = div(set1(1.0f), d0);
       alignas(32) float tqx[8 * 32], tq2[8 * 32];
       for (int b = 0; b < 8; ++b) {
-        const vf s = lane_of8(id, b);
+        const vf s = lane_of(id, b);
         vi q[4];
         for (int i = 0; i < 4; ++i) {
           const vf v = ld(f + 32 * b + 8 * i);
