@@ -165,9 +165,6 @@ inline void st_u8(std::uint8_t* p, vi v) noexcept {  // lanes hold 0..255
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
 }
-inline vi spread_words(const std::uint8_t* p, vi idx) noexcept {
-  return _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), idx);
-}
 inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
   return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q))) != 0;
 }
@@ -800,6 +797,23 @@ inline bool kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* 
         }
       continue;
     }
+#else
+    if (bits == 2) {
+      // As on AVX-512, with each code's two bits shifted to the lanes' sign bits for blendv.
+      vf tab[kBlock][4];
+      for (int i = 0; i < nb; ++i)
+        for (int k = 0; k < 4; ++k) tab[i][k] = kivi_decode(set1i(k), scale[i], mn[i]);
+      for (int w = 0; w < group / 16; ++w)
+        for (int j = 0; j < 16; ++j) {
+          T* yr = y + (w * 16 + j) * y_stride + c0;
+          for (int i = 0; i < nb; ++i) {
+            const vi word = ldi(codes + 4 * (w * d + c0 + i * kW));
+            const vf lo = asf(sll(word, 31 - 2 * j)), hi = asf(sll(word, 30 - 2 * j));
+            st(yr + i * kW, _mm256_blendv_ps(_mm256_blendv_ps(tab[i][0], tab[i][1], lo), _mm256_blendv_ps(tab[i][2], tab[i][3], lo), hi));
+          }
+        }
+      continue;
+    }
 #endif
     for (int w = 0; w < group / f; ++w)
       for (int j = 0; j < f; ++j) {
@@ -969,10 +983,10 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
   if (bits == 4) return kivi_quantize_values_bits<4>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
   return kivi_quantize_values_bits<8>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
 }
-#if KVP_CPU_TU_ISA == 2
-/// AVX-512, 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j,
-/// by its own operations), so each code's value is one permute, bit-identical to decoding it. A vector of
-/// 16 channels takes its codes from one word (2 bits) or two (4 bits).
+/// 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j, by its own
+/// operations), so each code's value is one permute (AVX2, 4 bits: two, and a blend on the code's bit 3),
+/// bit-identical to decoding it. A vector of 16 channels (AVX-512) takes its codes from one word (2 bits) or
+/// two (4 bits); a vector of 8 (AVX2) from half a word or one.
 template <int kBits, class T>
 inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
                                          std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, T* y,
@@ -980,7 +994,11 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
   constexpr int f = 32 / kBits;
   const std::int64_t groups = d / group;
   const vi mask = set1i((1 << kBits) - 1), shifts = kivi_lane_shifts(kBits, 0);
+#if KVP_CPU_TU_ISA == 2
   const vi word_of_lane = srl(iota(), kBits == 2 ? 4 : 3);  // l / f
+#else
+  const vi shifts_hi = kivi_lane_shifts(kBits, 8);  // 2 bits: channels 8..15 of a word
+#endif
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::uint8_t* cw = codes + r * codes_stride;
     const std::uint8_t* sc = scales + r * scales_stride;
@@ -990,8 +1008,13 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
       prefetch_l1(cw + 16 * codes_stride);
     }
     for (std::int64_t g = 0; g < groups; ++g) {
-      const vf table = kivi_decode(iota(), set1(get_half(sc + 2 * g)), set1(get_half(sc + 2 * (groups + g))));
+      const vf gs = set1(get_half(sc + 2 * g)), gm = set1(get_half(sc + 2 * (groups + g)));
+      const vf table = kivi_decode(iota(), gs, gm);
+#if KVP_CPU_TU_ISA == 1
+      const vf table_hi = kBits == 4 ? kivi_decode(iadd(iota(), set1i(8)), gs, gm) : table;  // codes 8..15
+#endif
       for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += kW) {
+#if KVP_CPU_TU_ISA == 2
         vi w;
         if constexpr (kBits == 2) {
           std::uint32_t one;
@@ -1001,11 +1024,19 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
           w = spread_words(cw + 4 * (ch / f), word_of_lane);
         }
         st(yr + ch, _mm512_permutexvar_ps(iand(srlv(w, shifts), mask), table));
+#else
+        std::uint32_t one;
+        std::memcpy(&one, cw + 4 * (ch / f), 4);
+        const vi q = iand(srlv(set1i(static_cast<std::int32_t>(one)), kBits == 2 && ch % f != 0 ? shifts_hi : shifts), mask);
+        vf v = _mm256_permutevar8x32_ps(table, q);
+        if constexpr (kBits == 4)
+          v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(table_hi, q), _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+        st(yr + ch, v);
+#endif
       }
     }
   }
 }
-#endif
 
 /// Value rows decoded into y (row r at y + r * y_stride; T float or half, exact as for the keys).
 template <class T>
@@ -1013,7 +1044,6 @@ inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes
                                    std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, int bits, T* y,
                                    std::int64_t y_stride) noexcept {
   if (group % kW != 0 || d % group != 0) return false;
-#if KVP_CPU_TU_ISA == 2
   if (bits == 2 || bits == 4) {
     if (bits == 2)
       kivi_dequantize_values_table<2>(codes, codes_stride, scales, scales_stride, rows, d, group, y, y_stride);
@@ -1021,39 +1051,15 @@ inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes
       kivi_dequantize_values_table<4>(codes, codes_stride, scales, scales_stride, rows, d, group, y, y_stride);
     return true;
   }
-#endif
+  // 8 bits: one byte per code.
   const std::int64_t groups = d / group;
-  const int f = 32 / bits;
-  const std::int64_t nw = kW >= f ? kW / f : 1;
-  const vi mask = set1i((1 << bits) - 1), shifts0 = kivi_lane_shifts(bits, 0);
-  const vi word_of_lane = srl(iota(), bits == 2 ? 4 : (bits == 4 ? 3 : 2));  // l / f
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::uint8_t* cw = codes + r * codes_stride;
     const std::uint8_t* sc = scales + r * scales_stride;
     T* yr = y + r * y_stride;
     for (std::int64_t g = 0; g < groups; ++g) {
       const vf scale = set1(get_half(sc + 2 * g)), mn = set1(get_half(sc + 2 * (groups + g)));
-      for (std::int64_t c = 0; c < group; c += kW) {
-        const std::int64_t ch = g * group + c;
-        vi q;
-        if (bits == 8) {
-          q = ld_u8(cw + ch);
-        } else {
-          // Lane l holds channel ch + l: word ch / f + l / f (the vector spans kW / f words, or part of one),
-          // shifted by bits * ((ch + l) % f).
-          const std::uint8_t* wp = cw + 4 * (ch / f);
-          vi w;
-          if (nw == 1) {
-            std::uint32_t one;
-            std::memcpy(&one, wp, 4);
-            w = set1i(static_cast<std::int32_t>(one));
-          } else {
-            w = spread_words(wp, word_of_lane);
-          }
-          q = iand(srlv(w, ch % f == 0 ? shifts0 : kivi_lane_shifts(bits, static_cast<int>(ch % f))), mask);
-        }
-        st(yr + ch, kivi_decode(q, scale, mn));
-      }
+      for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += kW) st(yr + ch, kivi_decode(ld_u8(cw + ch), scale, mn));
     }
   }
   return true;
