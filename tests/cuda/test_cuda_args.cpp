@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -26,7 +27,9 @@
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
+#include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
+#include "kvpolicy/policy/merging/kvpress_cam.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
@@ -886,4 +889,72 @@ TEST_CASE("cuda merge_nearest / merge_apply / d2o_decide: bad arguments are reco
                    "need H >= 1");
   require_recorded([] { Cuda::d2o_decide(fake<const float>(1), fake<std::int32_t>(2), 2, 5, 0.5f, 0.5f, nullptr); },
                    "sim, target or state is null");
+}
+
+TEST_CASE("cuda CaM ops: bad arguments are recorded, nothing enqueued", "[cuda][args][merging][cam]") {
+  using kvpolicy::TensorView;
+  const Rows<float> rows{fake<const float>(1), 16, nullptr, 0, 0};
+  const kvpolicy::ops::CamAttention attn{fake<const float>(2), 10, 1, 1};
+  require_recorded([] { Cuda::torch_uniforms(1, -1, fake<float>(3)); }, "n is -1");
+  require_recorded([] { Cuda::torch_uniforms(1, 5, nullptr); }, "u is null");
+  require_recorded([] { Cuda::evicted_ids(fake<const std::int32_t>(2), 11, 10, fake<std::int32_t>(3)); }, "need 0 <= C <= T");
+  require_recorded([] { Cuda::evicted_ids(nullptr, 4, 10, fake<std::int32_t>(3)); }, "kept or evicted is null");
+  const auto scores = TensorView<const float, 2>::contiguous(fake<const float>(4), {2, 10});
+  require_recorded(
+      [&] {
+        Cuda::cam_candidates(scores, fake<const std::int32_t>(2), 4, 10, 3, fake<std::int32_t>(3), Workspace{fake<void>(9), 8});
+      },
+      "workspace is 8 bytes");
+  require_recorded(
+      [&] {
+        Cuda::cam_candidates(TensorView<const float, 2>::contiguous(fake<const float>(4), {2, 9}), fake<const std::int32_t>(2), 4, 10, 3,
+                             fake<std::int32_t>(3), Workspace{fake<void>(9), Cuda::cam_candidates_workspace(10)});
+      },
+      "scores has shape (2, 9)");
+  require_recorded(
+      [&] {
+        Cuda::cam_merge_head(kvpolicy::ops::CamRule{0, true}, attn, 0, rows, fake<const std::int32_t>(2), 4, fake<const std::int32_t>(3), 6,
+                             16, fake<const float>(5), 1, fake<std::int32_t>(6), fake<std::int32_t>(7), fake<float>(8), nullptr, 0,
+                             fake<std::int64_t>(9));
+      },
+      "need window, d, group >= 1");
+  require_recorded(
+      [&] {
+        Cuda::cam_merge_head(kvpolicy::ops::CamRule{}, attn, 0, rows, fake<const std::int32_t>(2), 4, fake<const std::int32_t>(3), 6, 16,
+                             nullptr, 1, fake<std::int32_t>(6), fake<std::int32_t>(7), fake<float>(8), nullptr, 0, fake<std::int64_t>(9));
+      },
+      "are null");
+}
+
+TEST_CASE("cuda CaM / CAMPress: host checks before anything is enqueued", "[cuda][policy][merging][cam]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t H = 2, T = 10, d = 16;
+  std::vector<std::int32_t> indptr{0, 4, 8};
+  MergeInput<half> in;
+  in.values = KVSource<half>::from(TensorView<const half, 3>::contiguous(fake<const half>(1), {H, T, d}, gpu));
+  in.attention_sums = TensorView<const float, 2>::contiguous(fake<const float>(2), {H, T}, gpu);
+  const KeepSet keep{indptr.data(), fake<std::int32_t>(3), H, 8};
+  const std::int64_t cap = H * T * 32;
+  std::vector<std::int32_t> out_indptr(H + 1, -7);
+  MergePlan plan{out_indptr.data(), fake<std::int32_t>(5), fake<std::int32_t>(6), fake<float>(7), H, cap};
+  plan.merged_values = TensorView<float, 2>::contiguous(fake<float>(8), {H * T, d}, gpu);
+  plan.slots_per_row = T;
+  const CaM cam;
+  const auto req = cam.requirements(Context<Cuda>{}, ProblemShape{H, H, d, T, 1});
+  REQUIRE(req.status.is_ok());
+  const Context<Cuda> cx{Workspace{fake<void>(9), req.workspace_bytes}};
+  require_refused(cam.merge(cx.with_workspace(Workspace{fake<void>(9), 32}), in, keep, plan), StatusCode::kWorkspaceTooSmall, "workspace");
+  MergeInput<half> host_sums = in;
+  host_sums.attention_sums = TensorView<const float, 2>::contiguous(fake<const float>(2), {H, T});
+  require_refused(cam.merge(cx, host_sums, keep, plan), StatusCode::kInvalidArgument, "attention_sums is a host tensor");
+  require_refused(CaM(CaMParams::prefill(2, 2)).merge(cx, in, keep, plan), StatusCode::kUnsupported, "host backends only");
+  std::vector<std::int32_t> ragged{0, 4, 9};
+  const KvpressCAM press;
+  const auto preq = press.requirements(Context<Cuda>{}, ProblemShape{H, H, d, T, 1});
+  REQUIRE(preq.status.is_ok());
+  require_refused(press.merge(Context<Cuda>{Workspace{fake<void>(9), preq.workspace_bytes}}, in,
+                              KeepSet{ragged.data(), fake<std::int32_t>(3), H, 9}, plan),
+                  StatusCode::kInvalidArgument, "evicts the same tokens from every kv head");
+  REQUIRE(std::all_of(out_indptr.begin(), out_indptr.end(), [](std::int32_t x) { return x == -7; }));
 }

@@ -1574,3 +1574,123 @@ int main(int argc, char** argv) {
   if (!kvp_cuda_test::have_device()) return 77;
   return Catch::Session().run(argc, argv);
 }
+
+namespace {
+
+/// CaM (streaming) or kvpress CAMPress on Scalar (host, compacted plan) and on Cuda (device, dense plan:
+/// `window` entries per candidate): drawn entries and merged value rows bit-identical, the draws being
+/// torch's CPU generator reproduced on the device.
+template <class T, class Policy>
+void require_cuda_cam(const Policy& policy, std::int64_t window, bool shared_keep, std::int64_t group, std::int64_t new_tokens,
+                      std::uint32_t seed) {
+  Stream st;
+  const std::int64_t H = 4, T_ = 157, d = 40, cap = H * T_ * window, rows = H * T_, R = H * group;
+  const auto v = random_vector<T>(static_cast<std::size_t>(H * T_ * d), 61);
+  std::mt19937 rng(62);
+  std::uniform_real_distribution<float> ud(0.0f, 2.0f);
+  std::vector<float> sums(static_cast<std::size_t>(R * T_)), scores(static_cast<std::size_t>(H * T_));
+  for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = (i * 13 + 5) % 11 == 0 ? 0.0f : ud(rng) * (i % 9 == 0 ? 40.0f : 1.0f);
+  for (std::size_t i = 0; i < scores.size(); ++i) scores[i] = static_cast<float>((i * 7) % 5);  // tied means
+  std::vector<std::int32_t> kindptr{0}, kind;
+  for (std::int64_t h = 0; h < H; ++h) {
+    for (std::int32_t j = 0; j < T_; ++j)
+      if (shared_keep ? (j < 4 || j >= T_ - 6 || j % 3 == 0) : (h != 2 && (j < 4 || j >= T_ - 8 || (j * 7 + h) % 5 == 0)))
+        kind.push_back(j);
+    kindptr.push_back(static_cast<std::int32_t>(kind.size()));
+  }
+  auto input = [&](const T* vp, const float* sp, const float* scp, kvp::Device dev) {
+    kvp::MergeInput<T> in;
+    in.values = kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(vp, {H, T_, d}, dev));
+    in.attention_sums = kvp::TensorView<const float, 2>::contiguous(sp, {R, T_}, dev);
+    in.scores = kvp::TensorView<const float, 2>::contiguous(scp, {H, T_}, dev);
+    in.new_tokens = new_tokens;
+    in.seed = seed;
+    return in;
+  };
+  const kvp::ProblemShape shape{R, H, d, T_, 1};
+  std::vector<std::int32_t> hindptr(H + 1), hdst(cap), hsrc(cap);
+  std::vector<float> hweight(cap), hvalues(rows * d, -7.0f);
+  kvp::MergePlan hplan{hindptr.data(), hdst.data(), hsrc.data(), hweight.data(), H, cap};
+  hplan.merged_values = kvp::TensorView<float, 2>::contiguous(hvalues.data(), {rows, d});
+  hplan.slots_per_row = T_;
+  const auto hreq = policy.requirements(kvp::Context<Scalar>{}, shape);
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  KVP_REQUIRE_OK(policy.merge(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, input(v.data(), sums.data(), scores.data(), {}),
+                              kvp::KeepSet{kindptr.data(), kind.data(), H, static_cast<std::int64_t>(kind.size())}, hplan));
+  const kvp::Device dev{kvp::DeviceType::kCUDA, 0};
+  DeviceBuffer dv(v), dsums(sums), dscores(scores), dkind(kind), ddst(cap * sizeof(std::int32_t)), dsrc(cap * sizeof(std::int32_t)),
+      dweight(cap * sizeof(float)), dvalues(std::vector<float>(rows * d, -7.0f));
+  std::vector<std::int32_t> dindptr(H + 1);
+  kvp::MergePlan dplan{dindptr.data(), ddst.get<std::int32_t>(), dsrc.get<std::int32_t>(), dweight.get<float>(), H, cap};
+  dplan.merged_values = kvp::TensorView<float, 2>::contiguous(dvalues.get<float>(), {rows, d}, dev);
+  dplan.slots_per_row = T_;
+  const auto dreq = policy.requirements(kvp::Context<Cuda>{}, shape);
+  KVP_REQUIRE_OK(dreq.status);
+  DeviceBuffer dws(dreq.workspace_bytes);
+  KVP_REQUIRE_OK(policy.merge(kvp::Context<Cuda>{dws.workspace(), {}, st.s},
+                              input(dv.get<const T>(), dsums.get<const float>(), dscores.get<const float>(), dev),
+                              kvp::KeepSet{kindptr.data(), dkind.get<std::int32_t>(), H, static_cast<std::int64_t>(kind.size())}, dplan));
+  st.sync();
+  const auto gdst = ddst.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
+  const auto gsrc = dsrc.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
+  const auto gweight = dweight.download<float>(static_cast<std::size_t>(dindptr[H]));
+  std::int64_t merged = 0;
+  for (std::int64_t h = 0; h < H; ++h) {
+    REQUIRE((dindptr[h + 1] - dindptr[h]) % window == 0);
+    std::int32_t hi = hindptr[h];
+    for (std::int32_t i = dindptr[h]; i < dindptr[h + 1]; ++i) {
+      INFO("head " << h << " dense entry " << i - dindptr[h]);
+      REQUIRE(gsrc[i] == gsrc[i - (i - dindptr[h]) % window]);
+      if (gdst[i] < 0) {
+        REQUIRE(gweight[i] == 0.0f);
+        continue;
+      }
+      REQUIRE(hi < hindptr[h + 1]);
+      REQUIRE(gdst[i] == hdst[hi]);
+      REQUIRE(gsrc[i] == hsrc[hi]);
+      REQUIRE(same_bits({gweight[i]}, {hweight[hi]}));
+      ++hi;
+      ++merged;
+    }
+    REQUIRE(hi == hindptr[h + 1]);
+  }
+  REQUIRE(merged > 0);
+  REQUIRE(same_bits(dvalues.download<float>(hvalues.size()), hvalues));
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda merging: CaM streaming (torch's generator on the device) equals Scalar bit for bit", "[cuda][merging][cam]", float,
+                   kvp::half, kvp::bfloat16) {
+  for (const std::int64_t group : {1, 2})
+    for (const std::int32_t M : {16, 5})
+      for (const std::uint32_t seed : {0u, 1234u}) {
+        INFO("group " << group << " merge_num " << M << " seed " << seed);
+        require_cuda_cam<TestType>(kvp::CaM(kvp::CaMParams::streaming(M)), M, false, group, -1, seed);
+      }
+}
+
+TEMPLATE_TEST_CASE("cuda merging: kvpress CAMPress (candidates ranked on the device) equals Scalar bit for bit", "[cuda][merging][cam]",
+                   float, kvp::half) {
+  for (const std::int64_t group : {1, 4})
+    for (const std::int64_t k : {std::int64_t{-1}, std::int64_t{9}, std::int64_t{70}}) {
+      INFO("group " << group << " new_tokens " << k);
+      require_cuda_cam<TestType>(kvp::KvpressCAM(kvp::KvpressCAMParams{32}), 32, true, group, k, 77);
+      require_cuda_cam<TestType>(kvp::KvpressCAM(kvp::KvpressCAMParams{3}), 3, true, group, k, 78);
+    }
+}
+
+TEST_CASE("cuda torch_uniforms: torch's CPU generator over several twists, bit for bit", "[cuda][merging][cam]") {
+  Stream st;
+  for (const std::int64_t n : {std::int64_t{1}, std::int64_t{624}, std::int64_t{625}, std::int64_t{5000}}) {
+    DeviceBuffer du(static_cast<std::size_t>(n) * sizeof(float));
+    std::vector<float> want(static_cast<std::size_t>(n));
+    Scalar::torch_uniforms(99, n, want.data());
+    Cuda::CallScope scope(st.s, 1);
+    KVP_REQUIRE_OK(scope.begin());
+    Cuda::torch_uniforms(99, n, du.get<float>());
+    KVP_REQUIRE_OK(scope.end());
+    st.sync();
+    REQUIRE(same_bits(du.download<float>(static_cast<std::size_t>(n)), want));
+  }
+}

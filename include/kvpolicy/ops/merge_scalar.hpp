@@ -19,11 +19,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <span>
 
 #include "kvpolicy/core/dtype.hpp"
 #include "kvpolicy/core/rows.hpp"
+#include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/workspace.hpp"
+#include "kvpolicy/ops/cam_steps.hpp"
+#include "kvpolicy/ops/order_key.hpp"
 #include "kvpolicy/ops/reduce_scalar.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -428,6 +432,88 @@ struct ScalarMergeOps {
       for (std::int64_t g = 0; g < H; ++g) m += sim[g * E + i];
       if (!(m / static_cast<float>(H) >= tau))
         for (std::int64_t g = 0; g < H; ++g) target[g * E + i] = -1;
+    }
+  }
+
+  // ---- CaM's streaming merge and kvpress CAMPress (ops/cam_steps.hpp) ----
+  // What their device paths call: the draws, the candidates, and one kv
+  // head's dense entries (rule.window per candidate, cam_entries) with the
+  // merged value rows of the slots they reach (cam_merged_value; rows of
+  // slots no drawn candidate reaches are not written).
+
+  /// u[i] = the i-th uniform of torch's CPU generator after manual_seed(seed), i < n (TorchBernoulli's draws).
+  static void torch_uniforms(std::uint32_t seed, std::int64_t n, float* u) noexcept {
+    std::mt19937 g(seed);
+    for (std::int64_t i = 0; i < n; ++i) u[i] = ops::torch_uniform(static_cast<std::uint32_t>(g()));
+  }
+
+  /// The T - C evicted ids, ascending: the complement of the ascending kept[0, C) in [0, T).
+  static void evicted_ids(const std::int32_t* kept, std::int64_t C, std::int64_t T, std::int32_t* evicted) noexcept {
+    std::int64_t i = 0, s = 0;
+    for (std::int32_t j = 0; j < T; ++j) {
+      if (s < C && kept[s] == j)
+        ++s;
+      else
+        evicted[i++] = j;
+    }
+  }
+
+  /// Bytes of workspace `cam_candidates` needs for T tokens.
+  static std::size_t cam_candidates_workspace(std::int64_t T) noexcept {
+    const auto t = static_cast<std::size_t>(T > 1 ? T : 1);
+    return WorkspacePlan{}.add<std::int32_t>(t).add<std::uint64_t>(t).total();
+  }
+
+  /// kvpress CAMPress's merge candidates: of the tokens not in the ascending
+  /// kept[0, C) (E of them), the min(k, E) with the highest mean over the rows
+  /// of `scores` (H, T) (summed in row order, divided by H), ties to the later
+  /// token (`score_order_key`, then the id), written ascending to `cand`.
+  static void cam_candidates(TensorView<const float, 2> scores, const std::int32_t* kept, std::int64_t C, std::int64_t T, std::int64_t k,
+                             std::int32_t* cand, Workspace ws) noexcept {
+    WorkspaceCarver c(ws);
+    const auto t = static_cast<std::size_t>(T > 1 ? T : 1);
+    std::int32_t* ev = c.take<std::int32_t>(t);
+    std::uint64_t* key = c.take<std::uint64_t>(t);
+    const std::int64_t E = T - C, H = scores.extent(0);
+    evicted_ids(kept, C, T, ev);
+    if (k >= E) {
+      std::copy(ev, ev + E, cand);
+      return;
+    }
+    for (std::int64_t i = 0; i < E; ++i) {
+      float acc = 0.0f;
+      for (std::int64_t h = 0; h < H; ++h) acc += scores(h, ev[i]);
+      key[i] = (static_cast<std::uint64_t>(score_order_key(acc / static_cast<float>(H))) << 32) | static_cast<std::uint32_t>(ev[i]);
+    }
+    std::sort(key, key + E, [](std::uint64_t a, std::uint64_t b) { return a > b; });
+    for (std::int64_t i = 0; i < k; ++i) cand[i] = static_cast<std::int32_t>(key[i] & 0xffffffffu);
+    std::sort(cand, cand + k);
+  }
+
+  /// Kv head h of a CaM-rule merge: for each of the n ascending candidates
+  /// (evicted ids) its rule.window dense entries at dst / src / weight + j *
+  /// window, with draw u[j * u_stride] (`ops::cam_entries`, window slots of
+  /// the ascending kept[0, C)); then, when `merged_values` is given, the
+  /// merged rows (head_dim d, row stride vld) of every kept slot a drawn
+  /// candidate reaches. `start`: n scratch slots (each candidate's first
+  /// window slot). `attn` reads the accumulated attention of kv head h.
+  template <class Tk>
+  static void cam_merge_head(const ops::CamRule& rule, const ops::CamAttention& attn, std::int64_t h, const Rows<Tk>& values,
+                             const std::int32_t* kept, std::int64_t C, const std::int32_t* cand, std::int64_t n, std::int64_t d,
+                             const float* u, std::int64_t u_stride, std::int32_t* dst, std::int32_t* src, float* weight,
+                             float* merged_values, std::int64_t vld, std::int64_t* start) noexcept {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const std::int64_t e = j * rule.window;
+      start[j] = ops::cam_entries(rule, attn, h, kept, C, cand[j], u[j * u_stride], dst + e, src + e, weight + e);
+    }
+    if (merged_values == nullptr) return;
+    for (std::int64_t s = 0; s < C; ++s) {
+      bool touched = false;
+      for (std::int64_t c = 0; c < d; ++c) {
+        const float v = ops::cam_merged_value(rule, values, kept, cand, start, n, dst, weight, s, c, &touched);
+        if (!touched) break;
+        merged_values[s * vld + c] = v;
+      }
     }
   }
 };

@@ -103,8 +103,9 @@ class CaM {
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& s) const noexcept {
     const std::int64_t per_token = params_.form == CaMForm::kStreaming ? params_.merge_num : params_.recent;
-    Requirements r =
-        detail::merge_requirements(kName, validate_params(), s, workspace(s.num_kv_heads, s.max_kv_len, s.head_dim).total(), 1);
+    const std::size_t ws = kDeviceBackend<Backend> ? device_workspace(s.num_kv_heads, s.max_kv_len).total()
+                                                   : workspace(s.num_kv_heads, s.max_kv_len, s.head_dim).total();
+    Requirements r = detail::merge_requirements(kName, validate_params(), s, ws, 1);
     if (r.status.is_ok()) r.output.capacity = s.num_kv_heads * capacity_per_row(s.max_kv_len, per_token);
     return r;
   }
@@ -112,9 +113,20 @@ class CaM {
   /// Streaming: reads values and attention_sums. Prefill: reads values and
   /// attention (num_q_heads, T, T). Both: seed. Writes the plan and
   /// merged_values (merged_keys must be empty).
+  ///
+  /// On a device backend (views tagged kCUDA) the streaming form runs as
+  /// `Backend::torch_uniforms`, then per kv head `evicted_ids` and
+  /// `cam_merge_head`; the plan's `indptr` is a host array written from the
+  /// keep set's row sizes and its rows are dense: merge_num entries per
+  /// evicted token, in ascending token order, dst = -1 and weight 0 where the
+  /// draw failed or the window is short (dropping them gives the host plan).
+  /// The attention sums are not scanned for NaN / negatives there. The
+  /// prefill form reads the full T x T attention and runs on host backends
+  /// only (kUnsupported on a device).
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
+    if constexpr (kDeviceBackend<Backend>) return merge_device(cx, in, keep, out);
     std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
     KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
@@ -171,6 +183,48 @@ class CaM {
   }
 
  private:
+  template <class Backend, class Tk>
+  Status merge_device(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan& out) const noexcept {
+    if (params_.form != CaMForm::kStreaming)
+      return Status::error(StatusCode::kUnsupported,
+                           "cam: the prefill form reads the full T x T attention and runs on host backends only; use the streaming form "
+                           "on a device");
+    std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d, /*on_device=*/true));
+    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted, /*on_device=*/true));
+    KVP_RETURN_IF_ERROR(detail::check_attention_sums(kName, in.attention_sums, H, T, /*on_device=*/true));
+    const std::int64_t M = params_.merge_num;
+    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted * M, /*merges_keys=*/false, /*on_device=*/true));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, device_workspace(H, T).total()));
+    const std::int64_t events = max_evicted(keep, H, T);
+    WorkspaceCarver c(cx.workspace);
+    const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    float* u = c.take<float>(t * static_cast<std::size_t>(H));
+    std::int32_t* cand = c.take<std::int32_t>(t);
+    std::int64_t* start = c.take<std::int64_t>(t);
+    const ops::CamAttention attn = detail::cam_attention(in.attention_sums, H);
+    const ops::CamRule rule{params_.merge_num, /*divide_by_window=*/true};
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    out.indptr[0] = 0;
+    for (std::int64_t h = 0; h < H; ++h) out.indptr[h + 1] = static_cast<std::int32_t>(out.indptr[h] + (T - keep.row_size(h)) * M);
+    if (events > 0) Backend::torch_uniforms(in.seed, events * H, u);  // event-major, head-minor
+    const detail::MergedRows m{out};
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t C = keep.row_size(h), E = T - C, pos = out.indptr[h];
+      if (E == 0) continue;
+      const std::int32_t* kept = keep.indices + keep.indptr[h];
+      Backend::evicted_ids(kept, C, T, cand);
+      Backend::cam_merge_head(rule, attn, h, in.values.rows(h), kept, C, cand, E, d, u + h, H, out.dst + pos, out.src + pos,
+                              out.weight + pos, m.values(h), m.vld(), start);
+    }
+    return call.end();
+  }
+  /// Device path: the draws (H x kv_len), the evicted ids and their first window slots.
+  static WorkspacePlan device_workspace(std::int64_t H, std::int64_t T) noexcept {
+    const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    return WorkspacePlan{}.add<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(H, 1))).add<std::int32_t>(t).add<std::int64_t>(t);
+  }
   /// Draws, the fp32 copy of a head's values (prefill form only: the cascade), per-token scratch.
   WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) const noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
@@ -231,14 +285,12 @@ class CaM {
                              const float* u, std::int32_t* ids, MergePlan& out, std::int64_t pos) const noexcept {
     const std::int64_t E = detail::evicted_of(kept, T, ids), M = params_.merge_num;
     const float inv = 1.0f / static_cast<float>(M);
+    const ops::CamAttention attn = detail::cam_attention(in.attention_sums, H);
     for (std::int64_t i = 0; i < E; ++i) {
       const std::int32_t e = ids[i];
       const auto s0 = static_cast<std::int64_t>(std::upper_bound(kept.begin(), kept.end(), e) - kept.begin());
       const std::int64_t n = std::min<std::int64_t>(M, static_cast<std::int64_t>(kept.size()) - s0);
-      float sum = 0.0f;
-      for (std::int64_t w = 0; w < n; ++w) sum += detail::attention_of(in.attention_sums, H, h, kept[static_cast<std::size_t>(s0 + w)]);
-      const float p = merge_prob(detail::attention_of(in.attention_sums, H, h, e), sum / static_cast<float>(n));
-      if (n == 0 || !(u[i * H + h] < p)) continue;
+      if (n == 0 || !(u[i * H + h] < ops::cam_probability(attn, h, kept.data(), s0, n, e))) continue;
       for (std::int64_t w = 0; w < n; ++w) {
         out.dst[pos] = static_cast<std::int32_t>(s0 + w);
         out.src[pos] = e;

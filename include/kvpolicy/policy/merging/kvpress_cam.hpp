@@ -70,8 +70,12 @@ class KvpressCAM {
 
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& shape) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), shape, workspace(shape.max_kv_len, shape.head_dim).total(),
-                                      params_.merge_budget);
+    std::size_t ws = 0;
+    if constexpr (kDeviceBackend<Backend>)
+      ws = device_workspace<Backend>(shape.num_kv_heads, shape.max_kv_len).total();
+    else
+      ws = workspace(shape.max_kv_len, shape.head_dim).total();
+    return detail::merge_requirements(kName, validate_params(), shape, ws, params_.merge_budget);
   }
 
   /// Step 0: keep the `target_size` tokens of highest head-mean score, the same in
@@ -106,9 +110,20 @@ class KvpressCAM {
 
   /// Steps 1-5. Reads values, attention_sums, scores (see above), new_tokens,
   /// seed; writes the plan and `merged_values` (merged_keys must be empty).
+  ///
+  /// On a device backend (views tagged kCUDA: values, attention_sums, scores,
+  /// the keep set's ids and the plan's arrays) the merge runs as
+  /// `Backend::evicted_ids` or `cam_candidates` (row 0's tokens),
+  /// `torch_uniforms`, then `cam_merge_head` per kv head; the plan's `indptr`
+  /// is a host array and its rows are dense: merge_budget entries per
+  /// candidate, dst = -1 and weight 0 where the draw failed or the window is
+  /// short (dropping them gives the host plan). Device memory is not read on
+  /// the host: the keep set's rows are not compared with row 0 and the
+  /// attention sums are not scanned for NaN / negatives there.
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
+    if constexpr (kDeviceBackend<Backend>) return merge_device(cx, in, keep, out);
     std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
     KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
@@ -146,6 +161,7 @@ class KvpressCAM {
 
     TorchBernoulli rng(in.seed);
     const std::int64_t M = params_.merge_budget;
+    const ops::CamAttention attn = detail::cam_attention(in.attention_sums, H);
     std::int64_t pos = 0;
     out.indptr[0] = 0;
     for (std::int64_t h = 0; h < H; ++h) {
@@ -154,14 +170,8 @@ class KvpressCAM {
       const std::int64_t first = pos;
       for (std::int64_t j = 0; j < n; ++j) {
         const std::int64_t actual = std::min<std::int64_t>(M, C - start[j]);
-        float sum = 0.0f;
-        for (std::int64_t w = 0; w < actual; ++w) sum += detail::attention_of(in.attention_sums, H, h, kept[start[j] + w]);
-        const float mean_attn = sum / static_cast<float>(std::max<std::int64_t>(actual, 1));
-        float p = detail::attention_of(in.attention_sums, H, h, cand[j]) / mean_attn;
-        if (std::isnan(p)) p = 0.0f;
-        if (std::isinf(p)) p = 1.0f;
-        p = std::clamp(p, 0.0f, 1.0f);
-        if (!rng.draw(p) || actual == 0) continue;
+        const float p = ops::cam_probability(attn, h, kept.data(), start[j], actual, cand[j]);
+        if (!rng.draw(p) || actual == 0) continue;  // every candidate takes its draw
         const float scale = 1.0f / static_cast<float>(actual);
         for (std::int64_t w = 0; w < actual; ++w) {
           out.dst[pos] = start[j] + static_cast<std::int32_t>(w);
@@ -177,6 +187,71 @@ class KvpressCAM {
   }
 
  private:
+  template <class Backend, class Tk>
+  Status merge_device(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan& out) const noexcept {
+    std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d, /*on_device=*/true));
+    KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted, /*on_device=*/true));
+    const std::int64_t C = keep.row_size(0), n_evict = T - C;
+    for (std::int64_t h = 1; h < H; ++h)
+      KVP_REQUIRE(keep.row_size(h) == C,
+                  "kvpress_cam: keep set row %lld has %lld tokens, row 0 %lld; CAMPress evicts the same tokens from "
+                  "every kv head",
+                  static_cast<long long>(h), static_cast<long long>(keep.row_size(h)), static_cast<long long>(C));
+    const std::int64_t k = in.new_tokens < 0 ? n_evict : std::min(in.new_tokens, n_evict);
+    KVP_RETURN_IF_ERROR(detail::check_attention_sums(kName, in.attention_sums, H, T, /*on_device=*/true));
+    if (k < n_evict) {
+      KVP_RETURN_IF_ERROR(in.scores.check_basic(kName, "scores"));
+      KVP_REQUIRE(in.scores.data() != nullptr && in.scores.extent(0) == H && in.scores.extent(1) == T,
+                  "kvpress_cam: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld): needed to pick %lld of %lld "
+                  "evicted tokens",
+                  static_cast<long long>(in.scores.extent(0)), static_cast<long long>(in.scores.extent(1)), static_cast<long long>(H),
+                  static_cast<long long>(T), static_cast<long long>(k), static_cast<long long>(n_evict));
+      KVP_REQUIRE(!in.scores.device().is_host(),
+                  "kvpress_cam: scores is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+    }
+    const std::int64_t M = params_.merge_budget;
+    KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted * M, /*merges_keys=*/false, /*on_device=*/true));
+    const WorkspacePlan plan = device_workspace<Backend>(H, T);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, plan.total()));
+    WorkspaceCarver c(cx.workspace);
+    const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    float* u = c.take<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(H, 1)));
+    std::int32_t* cand = c.take<std::int32_t>(t);
+    std::int64_t* start = c.take<std::int64_t>(t);
+    std::byte* scratch = c.take<std::byte>(Backend::cam_candidates_workspace(T));
+    const ops::CamAttention attn = detail::cam_attention(in.attention_sums, H);
+    const ops::CamRule rule{params_.merge_budget, /*divide_by_window=*/false};
+    const std::int64_t n = std::min(k, n_evict);
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    out.indptr[0] = 0;
+    for (std::int64_t h = 0; h < H; ++h) out.indptr[h + 1] = static_cast<std::int32_t>(out.indptr[h] + n * M);
+    if (n > 0) {
+      const std::int32_t* kept0 = keep.indices + keep.indptr[0];
+      if (n < n_evict)
+        Backend::cam_candidates(in.scores, kept0, C, T, n, cand, Workspace{scratch, Backend::cam_candidates_workspace(T)});
+      else
+        Backend::evicted_ids(kept0, C, T, cand);
+      Backend::torch_uniforms(in.seed, H * n, u);  // (kv head, candidate), row-major
+      const detail::MergedRows m{out};
+      for (std::int64_t h = 0; h < H; ++h)
+        Backend::cam_merge_head(rule, attn, h, in.values.rows(h), keep.indices + keep.indptr[h], C, cand, n, d, u + h * n, 1,
+                                out.dst + out.indptr[h], out.src + out.indptr[h], out.weight + out.indptr[h], m.values(h), m.vld(), start);
+    }
+    return call.end();
+  }
+  /// Device path: the draws (H x kv_len), the candidates, their first window slots, the candidates' scratch.
+  template <class Backend>
+  static WorkspacePlan device_workspace(std::int64_t H, std::int64_t T) noexcept {
+    const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
+    return WorkspacePlan{}
+        .add<float>(t * static_cast<std::size_t>(std::max<std::int64_t>(H, 1)))
+        .add<std::int32_t>(t)
+        .add<std::int64_t>(t)
+        .add_bytes(Backend::cam_candidates_workspace(T));
+  }
+
   static WorkspacePlan workspace(std::int64_t T, std::int64_t d) noexcept {
     const auto t = static_cast<std::size_t>(std::max<std::int64_t>(T, 1));
     return WorkspacePlan{}.add<std::int32_t>(t).add<std::int32_t>(t).add<float>(t).add<std::uint64_t>(t).add<std::int32_t>(t).add<float>(

@@ -29,6 +29,7 @@
 #include "kvpolicy/apply/compact.hpp"
 #include "kvpolicy/core/keep_set.hpp"
 #include "kvpolicy/core/kv_source.hpp"
+#include "kvpolicy/ops/cam_steps.hpp"
 #include "kvpolicy/ops/merge_scalar.hpp"
 #include "kvpolicy/policy/decisions.hpp"
 #include "kvpolicy/policy/policy.hpp"
@@ -51,11 +52,12 @@ struct MergeInput {
 /// `torch.manual_seed(seed)`, `torch.bernoulli(p)` on a float tensor draws,
 /// element by element in memory order, one 32-bit mt19937 output x,
 /// u = (x & 0xFFFFFF) * 2^-24 (a float in [0, 1)), and returns u < p.
-/// (The CUDA generator is Philox-based and is not reproduced.)
+/// (torch's CUDA generator is Philox-based and is not reproduced; the CUDA
+/// backend reproduces this CPU generator on the device, `Cuda::torch_uniforms`.)
 class TorchBernoulli {
  public:
   explicit TorchBernoulli(std::uint32_t seed) noexcept : engine_(seed) {}
-  float uniform() noexcept { return static_cast<float>(static_cast<double>(engine_() & 0xFFFFFFu) * (1.0 / 16777216.0)); }
+  float uniform() noexcept { return ops::torch_uniform(static_cast<std::uint32_t>(engine_())); }
   bool draw(float p) noexcept { return uniform() < p; }
 
  private:
@@ -152,22 +154,29 @@ inline Status check_merge_plan(const char* who, const MergePlan& plan, std::int6
 /// Accumulated attention of kv head h at token j from sums given per kv head
 /// or per query head (then the mean over the head's GQA group, as kvpress's
 /// `_aggregate_attention_per_kv_head`).
+/// (`ops::CamAttention`, shared with the device kernels).
+inline ops::CamAttention cam_attention(const TensorView<const float, 2>& sums, std::int64_t H) noexcept {
+  return ops::CamAttention{sums.data(), sums.stride(0), sums.stride(1), H > 0 ? sums.extent(0) / H : 1};
+}
 inline float attention_of(const TensorView<const float, 2>& sums, std::int64_t H, std::int64_t h, std::int64_t j) noexcept {
-  const std::int64_t G = sums.extent(0) / H;
-  if (G == 1) return sums(h, j);
-  float acc = 0.0f;
-  for (std::int64_t g = 0; g < G; ++g) acc += sums(h * G + g, j);
-  return acc / static_cast<float>(G);
+  return cam_attention(sums, H).of(h, j);
 }
 
-inline Status check_attention_sums(const char* who, const TensorView<const float, 2>& s, std::int64_t H, std::int64_t T) noexcept {
+/// `on_device`: the sums are device memory (tagged kCUDA): shape only, their values are not read.
+inline Status check_attention_sums(const char* who, const TensorView<const float, 2>& s, std::int64_t H, std::int64_t T,
+                                   bool on_device = false) noexcept {
   KVP_RETURN_IF_ERROR(s.check_basic(who, "attention_sums"));
   KVP_REQUIRE(s.data() != nullptr || T == 0, "%s: attention_sums is required (accumulated attention per token)", who);
-  KVP_REQUIRE(s.device().is_host(), "%s: attention_sums is a device tensor; this entry point reads host memory", who);
+  if (on_device)
+    KVP_REQUIRE(!s.device().is_host(), "%s: attention_sums is a host tensor; a device backend reads device memory (tag the view kCUDA)",
+                who);
+  else
+    KVP_REQUIRE(s.device().is_host(), "%s: attention_sums is a device tensor; this entry point reads host memory", who);
   KVP_REQUIRE(s.extent(0) >= H && s.extent(0) % H == 0 && s.extent(1) == T,
               "%s: attention_sums has shape (%lld, %lld), expected (a multiple of num_kv_heads=%lld, kv_len=%lld)", who,
               static_cast<long long>(s.extent(0)), static_cast<long long>(s.extent(1)), static_cast<long long>(H),
               static_cast<long long>(T));
+  if (on_device) return Status::ok();
   for (std::int64_t r = 0; r < s.extent(0); ++r)
     for (std::int64_t j = 0; j < T; ++j)
       KVP_REQUIRE(std::isfinite(s(r, j)) && s(r, j) >= 0.0f, "%s: attention_sums(%lld, %lld) is %g, must be finite and >= 0", who,

@@ -332,6 +332,35 @@ struct Cuda {
   static void d2o_decide(const float* sim_device, std::int32_t* target_device, std::int64_t H, std::int64_t E, float alpha, float beta,
                          D2OState* state_device) noexcept;
 
+  // ---- merging: CaM's streaming merge and kvpress CAMPress ----------------
+
+  /// `ScalarMergeOps::torch_uniforms` on the device, bit-identical: torch's
+  /// CPU generator (mt19937) seeded and twisted in one block (the twist in
+  /// the three phases of ops/cam_steps.hpp, one thread per element), n
+  /// uniforms into u. Cost: n / 624 twists of six barriers each.
+  static void torch_uniforms(std::uint32_t seed, std::int64_t n, float* u_device) noexcept;
+  /// `ScalarMergeOps::evicted_ids` on the device (one thread per token, a binary search in the kept row).
+  static void evicted_ids(const std::int32_t* kept_device, std::int64_t C, std::int64_t T, std::int32_t* evicted_device) noexcept;
+  /// Bytes of device workspace `cam_candidates` needs for T tokens (evicted ids, order keys, flags).
+  static std::size_t cam_candidates_workspace(std::int64_t T) noexcept;
+  /// `ScalarMergeOps::cam_candidates` on the device, the same ids: each
+  /// evicted token's order key, its rank counted against every other key
+  /// (O(E^2) comparisons, tiled through shared memory; E = T - C, the tokens
+  /// one compression interval evicts), the k best compacted in ascending order
+  /// by one block. `scores_device`: (H, T) device view.
+  static void cam_candidates(TensorView<const float, 2> scores_device, const std::int32_t* kept_device, std::int64_t C, std::int64_t T,
+                             std::int64_t k, std::int32_t* cand_device, Workspace ws_device) noexcept;
+  /// `ScalarMergeOps::cam_merge_head` on the device, bit-identical (one
+  /// thread per candidate for the dense entries, then one block per kept
+  /// slot, threads over head_dim, for the merged rows; compiled without FMA
+  /// contraction). Every pointer, `attn.data` included, is device memory.
+  template <class Tk>
+  static void cam_merge_head(const ops::CamRule& rule, const ops::CamAttention& attn, std::int64_t h, const Rows<Tk>& values_device,
+                             const std::int32_t* kept_device, std::int64_t C, const std::int32_t* cand_device, std::int64_t n,
+                             std::int64_t d, const float* u_device, std::int64_t u_stride, std::int32_t* dst_device,
+                             std::int32_t* src_device, float* weight_device, float* merged_values_device, std::int64_t vld,
+                             std::int64_t* start_device) noexcept;
+
   // ---- Ada-KV: one sequence's decision on the device ----------------------
 
   /// Bytes of device workspace `adakv_keep` needs for a (rows, T) score map:
