@@ -30,6 +30,7 @@
 #include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
 #include "kvpolicy/policy/merging/kvpress_cam.hpp"
+#include "kvpolicy/policy/merging/minicache.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
 #include "kvpolicy/policy/merging/lookm.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
@@ -957,4 +958,50 @@ TEST_CASE("cuda CaM / CAMPress: host checks before anything is enqueued", "[cuda
                               KeepSet{ragged.data(), fake<std::int32_t>(3), H, 9}, plan),
                   StatusCode::kInvalidArgument, "evicts the same tokens from every kv head");
   REQUIRE(std::all_of(out_indptr.begin(), out_indptr.end(), [](std::int32_t x) { return x == -7; }));
+}
+
+TEST_CASE("cuda MiniCache: bad arguments recorded, host checks before anything is enqueued", "[cuda][args][merging][minicache]") {
+  using namespace kvpolicy;
+  const Rows<float> rows{fake<const float>(1), 16, nullptr, 0, 0};
+  const Workspace ws{fake<void>(9), Cuda::minicache_workspace(10, 16)};
+  require_recorded(
+      [&] {
+        Cuda::minicache_head(1.5f, 0.1f, rows, rows, 10, 16, 0, fake<float>(2), fake<float>(3), 1, 1, fake<float>(4), 16,
+                             fake<std::int32_t>(5), fake<std::int32_t>(6), fake<float>(7), 16, fake<float>(8), 16, ws);
+      },
+      "t and gamma in [0, 1]");
+  require_recorded(
+      [&] {
+        Cuda::minicache_head(0.5f, 0.1f, rows, rows, 10, 16, 0, nullptr, fake<float>(3), 1, 1, fake<float>(4), 16, fake<std::int32_t>(5),
+                             fake<std::int32_t>(6), fake<float>(7), 16, fake<float>(8), 16, ws);
+      },
+      "is null");
+  require_recorded(
+      [&] {
+        Cuda::minicache_head(0.5f, 0.1f, rows, rows, 10, 16, 0, fake<float>(2), fake<float>(3), 1, 1, fake<float>(4), 16,
+                             fake<std::int32_t>(5), fake<std::int32_t>(6), fake<float>(7), 16, fake<float>(8), 16,
+                             Workspace{fake<void>(9), 64});
+      },
+      "workspace is 64 bytes");
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  const std::int64_t H = 2, T = 10, d = 16;
+  const MiniCacheInput<half> in{KVSource<half>::from(TensorView<const half, 3>::contiguous(fake<const half>(1), {H, T, d}, gpu)),
+                                KVSource<half>::from(TensorView<const half, 3>::contiguous(fake<const half>(2), {H, T, d}, gpu))};
+  MiniCacheMerged m;
+  m.direction = TensorView<float, 3>::contiguous(fake<float>(3), {H, T, d}, gpu);
+  m.norm_prev = TensorView<float, 2>::contiguous(fake<float>(4), {H, T}, gpu);
+  m.norm_cur = TensorView<float, 2>::contiguous(fake<float>(5), {H, T}, gpu);
+  m.retained = KeepSet{fake<std::int32_t>(6), fake<std::int32_t>(7), H, H * T};
+  m.retained_prev = TensorView<float, 2>::contiguous(fake<float>(8), {H * T, d}, gpu);
+  m.retained_cur = TensorView<float, 2>::contiguous(fake<float>(9), {H * T - 1, d}, gpu);
+  const MiniCache mc;
+  const auto req = mc.requirements(Context<Cuda>{}, ProblemShape{H, H, d, T, 1});
+  REQUIRE(req.status.is_ok());
+  REQUIRE(req.workspace_bytes == Cuda::minicache_workspace(T, d));
+  const Context<Cuda> cx{Workspace{fake<void>(10), req.workspace_bytes}};
+  require_refused(mc.merge(cx, in, m), StatusCode::kInvalidArgument, "worst case");
+  m.retained_cur = TensorView<float, 2>::contiguous(fake<float>(9), {H * T, d});
+  require_refused(mc.merge(cx, in, m), StatusCode::kInvalidArgument, "retained_cur is a host tensor");
+  m.retained_cur = TensorView<float, 2>::contiguous(fake<float>(9), {H * T, d}, gpu);
+  require_refused(mc.merge(cx.with_workspace(Workspace{fake<void>(10), 8}), in, m), StatusCode::kWorkspaceTooSmall, "workspace");
 }

@@ -1694,3 +1694,87 @@ TEST_CASE("cuda torch_uniforms: torch's CPU generator over several twists, bit f
     REQUIRE(same_bits(du.download<float>(static_cast<std::size_t>(n)), want));
   }
 }
+
+TEMPLATE_TEST_CASE(
+    "cuda merging: MiniCache norms and retained rows bit-identical to Scalar, directions within 1e-5, retention up to "
+    "threshold ties",
+    "[cuda][merging][minicache]", float, kvp::half, kvp::bfloat16) {
+  using T = TestType;
+  Stream st;
+  const std::int64_t H = 3, T_ = 211, d = 64, rows = H * T_;
+  auto prev = random_vector<T>(static_cast<std::size_t>(rows * d), 71);
+  auto cur = random_vector<T>(static_cast<std::size_t>(rows * d), 72);
+  for (std::size_t i = 0; i < cur.size(); ++i)  // mostly near-parallel pairs
+    if (i / d % 5 != 0) cur[i] = kvp::from_float<T>(kvp::to_float(prev[i]) + 0.05f * kvp::to_float(cur[i]));
+  for (std::int64_t c = 0; c < d; ++c) prev[(T_ + 3) * d + c] = kvp::from_float<T>(0.0f);
+  const kvp::Device dev{kvp::DeviceType::kCUDA, 0};
+  for (const kvp::MiniCacheParams p : {kvp::MiniCacheParams{}, kvp::MiniCacheParams{0.3f, 0.4f}}) {
+    INFO("t " << p.t << " gamma " << p.gamma);
+    const kvp::MiniCache mc(p);
+    std::vector<float> hdir(rows * d), hnp(rows), hnc(rows), hrp(rows * d), hrc(rows * d);
+    std::vector<std::int32_t> hindptr(H + 1), hidx(rows);
+    kvp::MiniCacheMerged hm;
+    hm.direction = kvp::TensorView<float, 3>::contiguous(hdir.data(), {H, T_, d});
+    hm.norm_prev = kvp::TensorView<float, 2>::contiguous(hnp.data(), {H, T_});
+    hm.norm_cur = kvp::TensorView<float, 2>::contiguous(hnc.data(), {H, T_});
+    hm.retained = kvp::KeepSet{hindptr.data(), hidx.data(), H, rows};
+    hm.retained_prev = kvp::TensorView<float, 2>::contiguous(hrp.data(), {rows, d});
+    hm.retained_cur = kvp::TensorView<float, 2>::contiguous(hrc.data(), {rows, d});
+    const kvp::ProblemShape shape{H, H, d, T_, 1};
+    std::vector<std::byte> hws(mc.requirements(kvp::Context<Scalar>{}, shape).workspace_bytes);
+    KVP_REQUIRE_OK(mc.merge(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}},
+                            kvp::MiniCacheInput<T>{kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(prev.data(), {H, T_, d})),
+                                                   kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(cur.data(), {H, T_, d}))},
+                            hm));
+    DeviceBuffer dprev(prev), dcur(cur), ddir(rows * d * sizeof(float)), dnp(rows * sizeof(float)), dnc(rows * sizeof(float)),
+        drp(rows * d * sizeof(float)), drc(rows * d * sizeof(float)), dindptr((H + 1) * sizeof(std::int32_t)),
+        didx(rows * sizeof(std::int32_t));
+    kvp::MiniCacheMerged dm;
+    dm.direction = kvp::TensorView<float, 3>::contiguous(ddir.get<float>(), {H, T_, d}, dev);
+    dm.norm_prev = kvp::TensorView<float, 2>::contiguous(dnp.get<float>(), {H, T_}, dev);
+    dm.norm_cur = kvp::TensorView<float, 2>::contiguous(dnc.get<float>(), {H, T_}, dev);
+    dm.retained = kvp::KeepSet{dindptr.get<std::int32_t>(), didx.get<std::int32_t>(), H, rows};
+    dm.retained_prev = kvp::TensorView<float, 2>::contiguous(drp.get<float>(), {rows, d}, dev);
+    dm.retained_cur = kvp::TensorView<float, 2>::contiguous(drc.get<float>(), {rows, d}, dev);
+    const auto req = mc.requirements(kvp::Context<Cuda>{}, shape);
+    KVP_REQUIRE_OK(req.status);
+    DeviceBuffer dws(req.workspace_bytes);
+    KVP_REQUIRE_OK(mc.merge(
+        kvp::Context<Cuda>{dws.workspace(), {}, st.s},
+        kvp::MiniCacheInput<T>{kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(dprev.get<const T>(), {H, T_, d}, dev)),
+                               kvp::KVSource<T>::from(kvp::TensorView<const T, 3>::contiguous(dcur.get<const T>(), {H, T_, d}, dev))},
+        dm));
+    st.sync();
+    REQUIRE(same_bits(dnp.download<float>(rows), hnp));
+    REQUIRE(same_bits(dnc.download<float>(rows), hnc));
+    const auto gdir = ddir.download<float>(rows * d);
+    for (std::size_t i = 0; i < gdir.size(); ++i) REQUIRE(std::fabs(gdir[i] - hdir[i]) <= 1e-5f);
+    const auto gindptr = dindptr.download<std::int32_t>(H + 1);
+    const auto gidx = didx.download<std::int32_t>(static_cast<std::size_t>(std::max(gindptr[H], 1)));
+    const auto grp = drp.download<float>(rows * d), grc = drc.download<float>(rows * d);
+    REQUIRE(gindptr[0] == 0);
+    for (std::int64_t h = 0; h < H; ++h) {
+      // The host's distances and threshold: tokens retained on one side only must sit at the threshold.
+      std::vector<float> a(d), b(d), dist(T_);
+      for (std::int64_t j = 0; j < T_; ++j) {
+        for (std::int64_t c = 0; c < d; ++c)
+          a[c] = kvp::to_float(prev[(h * T_ + j) * d + c]), b[c] = kvp::to_float(cur[(h * T_ + j) * d + c]);
+        dist[j] = kvp::ops::minicache_distance(a.data(), kvp::ops::norm16(a.data(), d), b.data(), kvp::ops::norm16(b.data(), d), d);
+      }
+      const auto [lo, hi] = std::minmax_element(dist.begin(), dist.end());
+      const float thr = kvp::ops::minicache_threshold(*lo, *hi, p.gamma);
+      std::set<std::int32_t> hs(hidx.begin() + hindptr[h], hidx.begin() + hindptr[h + 1]),
+          gs(gidx.begin() + gindptr[h], gidx.begin() + gindptr[h + 1]);
+      for (std::int32_t j = 0; j < T_; ++j)
+        if (hs.count(j) != gs.count(j)) REQUIRE(std::fabs(dist[j] - thr) <= 1e-6f);
+      for (std::int32_t i = gindptr[h]; i < gindptr[h + 1]; ++i) {
+        const auto it = std::find(hidx.begin() + hindptr[h], hidx.begin() + hindptr[h + 1], gidx[i]);
+        if (it == hidx.begin() + hindptr[h + 1]) continue;
+        const auto hi_row = static_cast<std::size_t>(it - hidx.begin());
+        REQUIRE(std::equal(grp.begin() + i * d, grp.begin() + (i + 1) * d, hrp.begin() + hi_row * d));
+        REQUIRE(std::equal(grc.begin() + i * d, grc.begin() + (i + 1) * d, hrc.begin() + hi_row * d));
+      }
+      if (p.gamma < 1.0f) REQUIRE(!gs.empty());
+    }
+  }
+}

@@ -27,6 +27,7 @@
 #include "kvpolicy/core/tensor_view.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/cam_steps.hpp"
+#include "kvpolicy/ops/minicache_steps.hpp"
 #include "kvpolicy/ops/order_key.hpp"
 #include "kvpolicy/ops/reduce_scalar.hpp"
 
@@ -515,6 +516,57 @@ struct ScalarMergeOps {
         merged_values[s * vld + c] = v;
       }
     }
+  }
+
+  // ---- MiniCache (ops/minicache_steps.hpp): one kv head of a layer pair ----
+
+  /// Bytes of workspace `minicache_head` needs for T tokens of head_dim d (both layers' widened rows, the distances).
+  static std::size_t minicache_workspace(std::int64_t T, std::int64_t d) noexcept {
+    const auto t = static_cast<std::size_t>(T > 1 ? T : 1), dd = static_cast<std::size_t>(d > 1 ? d : 1);
+    return WorkspacePlan{}.add<float>(t * dd).add<float>(t * dd).add<float>(t).total();
+  }
+
+  /// Kv head h of MiniCache's merge of rows `prev` (layer l-1) and `cur` (layer l), T tokens of head_dim d:
+  /// per token the norms (norm16, at norm_prev / norm_cur + j x their strides), the unit SLERP direction at
+  /// t (direction + j x dir_stride) and the distance; then the head's threshold at gamma and its retained
+  /// tokens (distance strictly above it), ascending, appended after the previous heads': ids at
+  /// retained_ids + indptr[h], widened rows at retained_prev / retained_cur rows from indptr[h];
+  /// indptr[h + 1] written (indptr[0] = 0 written by head 0). Retained buffers hold the worst case.
+  template <class Tk>
+  static void minicache_head(float t, float gamma, const Rows<Tk>& prev, const Rows<Tk>& cur, std::int64_t T, std::int64_t d,
+                             std::int64_t h, float* norm_prev, float* norm_cur, std::int64_t np_stride, std::int64_t nc_stride,
+                             float* direction, std::int64_t dir_stride, std::int32_t* indptr, std::int32_t* retained_ids,
+                             float* retained_prev, std::int64_t rp_stride, float* retained_cur, std::int64_t rc_stride,
+                             Workspace ws) noexcept {
+    WorkspaceCarver c(ws);
+    const auto t1 = static_cast<std::size_t>(T > 1 ? T : 1), dd = static_cast<std::size_t>(d > 1 ? d : 1);
+    float* a = c.take<float>(t1 * dd);
+    float* b = c.take<float>(t1 * dd);
+    float* dist = c.take<float>(t1);
+    for (std::int64_t j = 0; j < T; ++j) {
+      float *aj = a + j * d, *bj = b + j * d;
+      for (std::int64_t k = 0; k < d; ++k) aj[k] = to_float(prev.row(j)[k]), bj[k] = to_float(cur.row(j)[k]);
+      const float na = ops::norm16(aj, d), nb = ops::norm16(bj, d);
+      norm_prev[j * np_stride] = na;
+      norm_cur[j * nc_stride] = nb;
+      dist[j] = ops::minicache_distance(aj, na, bj, nb, d);
+      ops::minicache_slerp(t, aj, na, bj, nb, d, direction + j * dir_stride);
+    }
+    if (h == 0) indptr[0] = 0;
+    std::int64_t pos = indptr[h];
+    if (T > 0) {
+      float lo = dist[0], hi = dist[0];
+      for (std::int64_t j = 1; j < T; ++j) lo = dist[j] < lo ? dist[j] : lo, hi = dist[j] > hi ? dist[j] : hi;
+      const float thr = ops::minicache_threshold(lo, hi, gamma);
+      for (std::int64_t j = 0; j < T; ++j) {
+        if (!(dist[j] > thr)) continue;
+        retained_ids[pos] = static_cast<std::int32_t>(j);
+        std::copy(a + j * d, a + (j + 1) * d, retained_prev + pos * rp_stride);
+        std::copy(b + j * d, b + (j + 1) * d, retained_cur + pos * rc_stride);
+        ++pos;
+      }
+    }
+    indptr[h + 1] = static_cast<std::int32_t>(pos);
   }
 };
 

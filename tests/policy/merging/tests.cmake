@@ -5,7 +5,7 @@ kvp_add_test(test_merging
   ${CMAKE_CURRENT_LIST_DIR}/test_apply_merge.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_pipeline.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_merging_device.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/test_cam_device.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/test_merging_device_more.cpp)
 
 # Cross-checks against kvpress 0.5.5 and the original repositories (committed fixtures; need nlohmann-json).
 find_package(nlohmann_json 3 QUIET)

@@ -126,7 +126,15 @@ class CaM {
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    if constexpr (kDeviceBackend<Backend>) return merge_device(cx, in, keep, out);
+    if constexpr (kDeviceBackend<Backend>)
+      return merge_device(cx, in, keep, out);
+    else
+      return merge_host(cx, in, keep, out);
+  }
+
+ private:
+  template <class Backend, class Tk>
+  Status merge_host(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan& out) const noexcept {
     std::int64_t H = -1, T = 0, d = 0, max_kept = 0, evicted = 0;
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.values, "values", &H, &T, &d));
     KVP_RETURN_IF_ERROR(detail::check_merge_keep(kName, keep, H, T, &max_kept, &evicted));
@@ -182,7 +190,6 @@ class CaM {
     return Status::ok();
   }
 
- private:
   template <class Backend, class Tk>
   Status merge_device(const Context<Backend>& cx, const MergeInput<Tk>& in, const KeepSet& keep, MergePlan& out) const noexcept {
     if (params_.form != CaMForm::kStreaming)

@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <numbers>
 
+#include "kvpolicy/ops/minicache_steps.hpp"
 #include "kvpolicy/policy/merging/merge_common.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -85,7 +86,7 @@ class MiniCache {
   using Params = MiniCacheParams;
   static constexpr const char* kName = "minicache";
   /// sin Omega below which the SLERP falls back to the normalised lerp (fp32: see the header comment).
-  static constexpr float kLerpBelow = 1e-3f;
+  static constexpr float kLerpBelow = ops::kMiniCacheLerpBelow;
 
   constexpr MiniCache() noexcept = default;
   explicit constexpr MiniCache(const Params& p) noexcept : params_(p) {}
@@ -103,7 +104,12 @@ class MiniCache {
   /// capacity = every token retained (the worst case).
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& s) const noexcept {
-    return detail::merge_requirements(kName, validate_params(), s, workspace(s.num_kv_heads, s.max_kv_len, s.head_dim).total(), 1);
+    std::size_t ws = 0;
+    if constexpr (kDeviceBackend<Backend>)
+      ws = Backend::minicache_workspace(s.max_kv_len, s.head_dim);
+    else
+      ws = workspace(s.num_kv_heads, s.max_kv_len, s.head_dim).total();
+    return detail::merge_requirements(kName, validate_params(), s, ws, 1);
   }
 
   /// Bytes per (token, kv head) of the pair, fp32 store, for a retained fraction `f`.
@@ -111,9 +117,31 @@ class MiniCache {
     return 4.0 * (static_cast<double>(head_dim) + 2.0) + retained_fraction * 8.0 * static_cast<double>(head_dim);
   }
 
+  ///
+  /// On a device backend (every view tagged kCUDA, `retained.indptr` and
+  /// `retained.indices` device memory) each kv head is one
+  /// `Backend::minicache_head` (norms, directions and distances per token,
+  /// then the head's threshold and its retained ids and rows compacted after
+  /// the previous head's, `retained.indptr[h + 1]` written on the device);
+  /// nothing is read back, so the retained capacity and the retained row
+  /// buffers must hold the worst case, num_kv_heads x T (the requirements'
+  /// output capacity), and direction / retained rows must be contiguous along
+  /// head_dim. The device's acosf / sinf are CUDA's (glibc's on the host):
+  /// norms are bit-identical, distances and directions within a few ulp, and
+  /// a token whose distance lies within that of its head's threshold may be
+  /// retained on one side only.
   template <class Backend, class Tk>
   Status merge(const Context<Backend>& cx, const MiniCacheInput<Tk>& in, MiniCacheMerged out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
+    if constexpr (kDeviceBackend<Backend>)
+      return merge_device(cx, in, out);
+    else
+      return merge_host(cx, in, out);
+  }
+
+ private:
+  template <class Backend, class Tk>
+  Status merge_host(const Context<Backend>& cx, const MiniCacheInput<Tk>& in, MiniCacheMerged& out) const noexcept {
     std::int64_t H = -1, T = 0, d = 0;
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.prev, "prev", &H, &T, &d));
     KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.cur, "cur", &H, &T, &d));
@@ -150,13 +178,14 @@ class MiniCache {
           std::copy(w, w + d, &out.retained_cur(pos, 0));
           ++pos;
         }
-        slerp(u, np, w, nq, d, &out.direction(h, j, 0));
+        ops::minicache_slerp(params_.t, u, np, w, nq, d, &out.direction(h, j, 0));
       }
       out.retained.indptr[h + 1] = static_cast<std::int32_t>(pos);
     }
     return Status::ok();
   }
 
+ public:
   /// Rebuild layer l-1 (`layer` = 0) or l (`layer` = 1): out (H, T, d) = norm x direction,
   /// retained rows overwritten with the originals.
   template <class T>
@@ -183,6 +212,40 @@ class MiniCache {
   }
 
  private:
+  template <class Backend, class Tk>
+  Status merge_device(const Context<Backend>& cx, const MiniCacheInput<Tk>& in, MiniCacheMerged& out) const noexcept {
+    std::int64_t H = -1, T = 0, d = 0;
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.prev, "prev", &H, &T, &d, /*on_device=*/true));
+    KVP_RETURN_IF_ERROR(detail::check_merge_source(kName, in.cur, "cur", &H, &T, &d, /*on_device=*/true));
+    KVP_RETURN_IF_ERROR(check_store(out, H, T, d));
+    const bool host_view[] = {out.direction.device().is_host(), out.norm_prev.device().is_host(), out.norm_cur.device().is_host(),
+                              out.retained_prev.device().is_host(), out.retained_cur.device().is_host()};
+    const char* names[] = {"direction", "norm_prev", "norm_cur", "retained_prev", "retained_cur"};
+    for (int i = 0; i < 5; ++i)
+      KVP_REQUIRE(!host_view[i], "minicache: %s is a host tensor; a device backend writes device memory (tag the view kCUDA)", names[i]);
+    KVP_REQUIRE((out.direction.stride(2) == 1 || d == 1) && (out.retained_prev.stride(1) == 1 || d == 1) &&
+                    (out.retained_cur.stride(1) == 1 || d == 1),
+                "minicache: direction and the retained rows must be contiguous along head_dim on a device");
+    const std::int64_t worst = H * T;
+    KVP_RETURN_IF_ERROR(out.retained.check_output(kName, H, worst));
+    KVP_REQUIRE(
+        out.retained_prev.extent(0) >= worst && out.retained_cur.extent(0) >= worst,
+        "minicache: retained_prev / retained_cur hold %lld / %lld rows; on a device they must hold the worst case, num_kv_heads x T "
+        "= %lld",
+        static_cast<long long>(out.retained_prev.extent(0)), static_cast<long long>(out.retained_cur.extent(0)),
+        static_cast<long long>(worst));
+    KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, Backend::minicache_workspace(T, d)));
+    const detail::BackendCall<Backend> call(cx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    for (std::int64_t h = 0; h < H; ++h)
+      Backend::minicache_head(params_.t, params_.gamma, in.prev.rows(h), in.cur.rows(h), T, d, h, T > 0 ? &out.norm_prev(h, 0) : nullptr,
+                              T > 0 ? &out.norm_cur(h, 0) : nullptr, out.norm_prev.stride(1), out.norm_cur.stride(1),
+                              T > 0 ? &out.direction(h, 0, 0) : nullptr, out.direction.stride(1), out.retained.indptr, out.retained.indices,
+                              out.retained_prev.data(), out.retained_prev.stride(0), out.retained_cur.data(), out.retained_cur.stride(0),
+                              cx.workspace);
+    return call.end();
+  }
+
   static WorkspacePlan workspace(std::int64_t H, std::int64_t T, std::int64_t d) noexcept {
     const auto dd = static_cast<std::size_t>(std::max<std::int64_t>(d, 1));
     return WorkspacePlan{}.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(H * T, 1))).add<float>(dd).add<float>(dd);
@@ -213,9 +276,8 @@ class MiniCache {
                          float* w) const noexcept {
     const Rows<Tk> P = in.prev.rows(h), Q = in.cur.rows(h);
     for (std::int64_t j = 0; j < T; ++j) {
-      const float np = detail::load_row<Backend>(P, j, d, u, 1e-30f), nq = detail::load_row<Backend>(Q, j, d, w, 1e-30f);
-      const float cs = (np == 0.0f || nq == 0.0f) ? 1.0f : std::clamp(detail::dot(u, w, d), -1.0f, 1.0f);
-      dist[j] = std::acos(cs) / std::numbers::pi_v<float>;
+      const float np = detail::load_row<Backend>(P, j, d, u, 0.0f), nq = detail::load_row<Backend>(Q, j, d, w, 0.0f);
+      dist[j] = ops::minicache_distance(u, np, w, nq, d);
     }
     const float thr = threshold(dist, T);
     std::int64_t n = 0;
@@ -228,39 +290,7 @@ class MiniCache {
     const auto [lo, hi] = std::minmax_element(dist, dist + T);
     // (1 - gamma) lo + gamma hi: exactly lo at gamma = 0 and exactly hi at gamma = 1 (lo + gamma (hi - lo) can
     // round below hi). gamma == 1 or a flat distribution retains nothing (strictly above the max).
-    const float g = params_.gamma;
-    return (1.0f - g) * *lo + g * *hi + (*hi == *lo ? 1.0f : 0.0f);
-  }
-
-  /// e = SLERP of the directions of a (norm na) and b (norm nb); a, b are raw rows.
-  void slerp(const float* a, float na, const float* b, float nb, std::int64_t d, float* e) const noexcept {
-    const float t = params_.t;
-    if (na == 0.0f && nb == 0.0f) {
-      std::fill(e, e + d, 0.0f);
-      return;
-    }
-    const float ia = na > 0.0f ? 1.0f / na : 0.0f, ib = nb > 0.0f ? 1.0f / nb : 0.0f;
-    float cs = 0.0f;
-    for (std::int64_t c = 0; c < d; ++c) cs += (a[c] * ia) * (b[c] * ib);
-    if (na == 0.0f || nb == 0.0f) cs = 1.0f;
-    cs = std::clamp(cs, -1.0f, 1.0f);
-    const float om = std::acos(cs), so = std::sin(om);
-    float ca = 1.0f - t, cb = t;
-    if (so >= kLerpBelow) {
-      ca = std::sin((1.0f - t) * om) / so;
-      cb = std::sin(t * om) / so;
-    }
-    double nn = 0.0;
-    for (std::int64_t c = 0; c < d; ++c) {
-      const float ua = na > 0.0f ? a[c] * ia : b[c] * ib, ub = nb > 0.0f ? b[c] * ib : a[c] * ia;
-      e[c] = ca * ua + cb * ub;
-      nn += static_cast<double>(e[c]) * e[c];
-    }
-    // Unit in both branches: the lerp needs it, the SLERP of unit vectors is unit up to rounding.
-    if (nn > 0.0) {
-      const auto inv = static_cast<float>(1.0 / std::sqrt(nn));
-      for (std::int64_t c = 0; c < d; ++c) e[c] *= inv;
-    }
+    return ops::minicache_threshold(*lo, *hi, params_.gamma);
   }
 
   Params params_{};

@@ -361,6 +361,25 @@ struct Cuda {
                              std::int32_t* src_device, float* weight_device, float* merged_values_device, std::int64_t vld,
                              std::int64_t* start_device) noexcept;
 
+  // ---- merging: MiniCache (one kv head of a layer pair) -------------------
+
+  /// Bytes of device workspace `minicache_head` needs (both layers' widened rows, the distances).
+  static std::size_t minicache_workspace(std::int64_t T, std::int64_t d) noexcept;
+  /// `ScalarMergeOps::minicache_head` on the device: one thread per token
+  /// (norms, distance, SLERP direction: ops/minicache_steps.hpp without FMA
+  /// contraction, CUDA's acosf / sinf), then one block for the threshold and
+  /// the retained tokens, compacted after the previous heads' from indptr[h]
+  /// (read on the device; indptr[h + 1] written there). Norms and retained
+  /// rows are bit-identical to the host's; distances and directions differ
+  /// only through acosf / sinf (a few ulp). NaN distances are ignored by the
+  /// device's min / max.
+  template <class Tk>
+  static void minicache_head(float t, float gamma, const Rows<Tk>& prev_device, const Rows<Tk>& cur_device, std::int64_t T, std::int64_t d,
+                             std::int64_t h, float* norm_prev_device, float* norm_cur_device, std::int64_t np_stride,
+                             std::int64_t nc_stride, float* direction_device, std::int64_t dir_stride, std::int32_t* indptr_device,
+                             std::int32_t* retained_ids_device, float* retained_prev_device, std::int64_t rp_stride,
+                             float* retained_cur_device, std::int64_t rc_stride, Workspace ws_device) noexcept;
+
   // ---- Ada-KV: one sequence's decision on the device ----------------------
 
   /// Bytes of device workspace `adakv_keep` needs for a (rows, T) score map:

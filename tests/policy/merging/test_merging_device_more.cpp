@@ -1,9 +1,10 @@
-// CaM's streaming merge and kvpress CAMPress on a device backend (the
-// emulated device: backend::Scalar's reference ops behind a device call
+// CaM's streaming merge, kvpress CAMPress and MiniCache on a device backend
+// (the emulated device: backend::Scalar's reference ops behind a device call
 // scope): torch's generator in the phases the device twists it in, dense plan
 // rows whose drawn entries are the host plan's, merged value rows bit-identical
-// to the host path's, and the device path's refusals with nothing written.
-// backend::Cuda runs the same comparison in tests/cuda/test_cuda_policies.cpp.
+// to the host path's, MiniCache's store with device-written retained offsets,
+// and the device paths' refusals with nothing written. backend::Cuda runs the
+// same comparisons in tests/cuda/test_cuda_policies.cpp.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "kvpolicy/ops/cam_steps.hpp"
 #include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/kvpress_cam.hpp"
+#include "kvpolicy/policy/merging/minicache.hpp"
 #include "merge_test_util.hpp"
 #include "policy/emulated_device.hpp"
 
@@ -213,4 +215,110 @@ TEST_CASE(
   const Requirements r = press.requirements(Context<EmulatedDevice>{}, ProblemShape{H, H, d, T, 1});
   REQUIRE(r.status.is_ok());
   REQUIRE(r.workspace_bytes >= static_cast<std::size_t>(H * T) * sizeof(float) + backend::Scalar::cam_candidates_workspace(T));
+}
+
+namespace {
+
+/// MiniCache's store for (H, T, d), worst-case retained capacity, optionally tagged as device memory.
+struct MiniBuffers {
+  std::vector<float> dir, np, nc, rp, rc;
+  std::vector<std::int32_t> indptr, idx;
+  MiniCacheMerged m;
+  MiniBuffers(std::int64_t H, std::int64_t T, std::int64_t d, Device dev)
+      : dir(H * T * d, -7.0f),
+        np(H * T, -7.0f),
+        nc(H * T, -7.0f),
+        rp(H * T * d, -7.0f),
+        rc(H * T * d, -7.0f),
+        indptr(H + 1, -7),
+        idx(H * T, -7) {
+    m.direction = TensorView<float, 3>::contiguous(dir.data(), {H, T, d}, dev);
+    m.norm_prev = TensorView<float, 2>::contiguous(np.data(), {H, T}, dev);
+    m.norm_cur = TensorView<float, 2>::contiguous(nc.data(), {H, T}, dev);
+    m.retained = KeepSet{indptr.data(), idx.data(), H, H * T};
+    m.retained_prev = TensorView<float, 2>::contiguous(rp.data(), {H * T, d}, dev);
+    m.retained_cur = TensorView<float, 2>::contiguous(rc.data(), {H * T, d}, dev);
+  }
+  bool untouched() const {
+    auto all = [](const auto& v, auto x) { return std::all_of(v.begin(), v.end(), [&](auto y) { return y == x; }); };
+    return all(dir, -7.0f) && all(np, -7.0f) && all(nc, -7.0f) && all(rp, -7.0f) && all(rc, -7.0f) && all(indptr, -7) && all(idx, -7);
+  }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("MiniCache on a device backend: norms, directions, retained ids and rows equal backend::Scalar's",
+                   "[merging][minicache][device]", float, half, bfloat16) {
+  const std::int64_t H = 3, T = 45, d = 20;
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd;
+  std::vector<TestType> prev(H * T * d), cur(H * T * d);
+  for (std::size_t i = 0; i < prev.size(); ++i) {
+    const float x = nd(rng);
+    prev[i] = from_float<TestType>(x);
+    cur[i] = from_float<TestType>(i % 7 == 0 ? nd(rng) : x + 0.1f * nd(rng));  // mostly near-parallel pairs, some far apart
+  }
+  for (std::int64_t c = 0; c < d; ++c) {
+    prev[(1 * T + 3) * d + c] = from_float<TestType>(0.0f);                                 // a zero row in layer l-1
+    cur[(2 * T + 4) * d + c] = from_float<TestType>(0.0f);                                  // and in layer l
+    cur[(2 * T + 5) * d + c] = from_float<TestType>(-to_float(prev[(2 * T + 5) * d + c]));  // an antipodal pair
+  }
+  auto input = [&](Device dev) {
+    return MiniCacheInput<TestType>{KVSource<TestType>::from(TensorView<const TestType, 3>::contiguous(prev.data(), {H, T, d}, dev)),
+                                    KVSource<TestType>::from(TensorView<const TestType, 3>::contiguous(cur.data(), {H, T, d}, dev))};
+  };
+  for (const MiniCacheParams p :
+       {MiniCacheParams{}, MiniCacheParams{0.5f, 0.0f}, MiniCacheParams{0.3f, 0.4f}, MiniCacheParams{1.0f, 1.0f}}) {
+    INFO("t " << p.t << " gamma " << p.gamma);
+    const MiniCache mc(p);
+    MiniBuffers hb(H, T, d, kHost), db(H, T, d, kEmulatedDevice);
+    auto hws = workspace_for<backend::Scalar>(mc, H, T, d);
+    const Status hs = mc.merge(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, input(kHost), hb.m);
+    INFO(hs.message());
+    REQUIRE(hs.is_ok());
+    auto dws = workspace_for<EmulatedDevice>(mc, H, T, d);
+    const Status ds = mc.merge(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, input(kEmulatedDevice), db.m);
+    INFO(ds.message());
+    REQUIRE(ds.is_ok());
+    REQUIRE(hb.np == db.np);
+    REQUIRE(hb.nc == db.nc);
+    REQUIRE(hb.dir == db.dir);
+    REQUIRE(hb.indptr == db.indptr);
+    const auto n = static_cast<std::size_t>(hb.indptr[H]);
+    REQUIRE(std::equal(hb.idx.begin(), hb.idx.begin() + n, db.idx.begin()));
+    REQUIRE(std::equal(hb.rp.begin(), hb.rp.begin() + n * d, db.rp.begin()));
+    REQUIRE(std::equal(hb.rc.begin(), hb.rc.begin() + n * d, db.rc.begin()));
+    if (p.gamma < 1.0f) REQUIRE(n > 0);
+  }
+}
+
+TEST_CASE("MiniCache on a device backend: host memory, short retained buffers and workspaces are refused, nothing written",
+          "[merging][minicache][device]") {
+  const std::int64_t H = 2, T = 12, d = 8;
+  std::vector<float> x(H * T * d, 0.5f);
+  const MiniCacheInput<float> dev{KVSource<float>::from(TensorView<const float, 3>::contiguous(x.data(), {H, T, d}, kEmulatedDevice)),
+                                  KVSource<float>::from(TensorView<const float, 3>::contiguous(x.data(), {H, T, d}, kEmulatedDevice))};
+  const MiniCacheInput<float> host{KVSource<float>::from(TensorView<const float, 3>::contiguous(x.data(), {H, T, d})),
+                                   KVSource<float>::from(TensorView<const float, 3>::contiguous(x.data(), {H, T, d}))};
+  const MiniCache mc;
+  auto ws = workspace_for<EmulatedDevice>(mc, H, T, d);
+  auto refused = [&](const MiniCacheInput<float>& in, MiniBuffers& b, std::size_t ws_bytes, const char* what) {
+    const Status s = mc.merge(Context<EmulatedDevice>{Workspace{ws.data(), std::min(ws_bytes, ws.size())}}, in, b.m);
+    INFO(s.message());
+    REQUIRE(!s.is_ok());
+    REQUIRE_THAT(s.message(), Contains(what));
+    REQUIRE(b.untouched());
+  };
+  MiniBuffers ok(H, T, d, kEmulatedDevice), host_store(H, T, d, kHost), short_rows(H, T, d, kEmulatedDevice),
+      small(H, T, d, kEmulatedDevice);
+  refused(host, ok, SIZE_MAX, "prev is a host tensor");
+  refused(dev, host_store, SIZE_MAX, "direction is a host tensor");
+  short_rows.m.retained_prev = TensorView<float, 2>::contiguous(short_rows.rp.data(), {H * T - 1, d}, kEmulatedDevice);
+  refused(dev, short_rows, SIZE_MAX, "worst case");
+  small.m.retained.capacity = H * T - 1;
+  refused(dev, small, SIZE_MAX, "capacity");
+  refused(dev, ok, 16, "workspace");
+  const Requirements r = mc.requirements(Context<EmulatedDevice>{}, ProblemShape{H, H, d, T, 1});
+  REQUIRE(r.status.is_ok());
+  REQUIRE(r.workspace_bytes == backend::Scalar::minicache_workspace(T, d));
 }
