@@ -64,7 +64,9 @@
 #include "kvpolicy/policy/eviction/expected_attention.hpp"
 #include "kvpolicy/policy/eviction/h2o.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
+#include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/kvpress_merging.hpp"
+#include "kvpolicy/policy/merging/minicache.hpp"
 #include "kvpolicy/policy/quantization/fp8_quant.hpp"
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
@@ -601,6 +603,104 @@ void CudaMerge(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 BENCHMARK(CudaMerge)->Arg(4096)->Arg(16384)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+/// CaM's streaming merge over a half cache: every other token evicted, merge_num 16, attention sums per kv
+/// head. Bytes: the values read (evicted and kept rows), the sums, the dense plan and the merged rows written.
+void CudaCaM(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t H = 8, d = 128, M = 16;
+  const std::int64_t T = state.range(0), C = T / 2, E = T - C;
+  const std::vector<kvp::half>& hv = normal_halves(static_cast<std::size_t>(H * T * d), 13);
+  std::vector<float> sums(static_cast<std::size_t>(H * T));
+  std::mt19937 rng(14);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  for (auto& x : sums) x = ud(rng);
+  std::vector<std::int32_t> indptr(H + 1), kept(static_cast<std::size_t>(H * C));
+  for (std::int64_t h = 0; h <= H; ++h) indptr[static_cast<std::size_t>(h)] = static_cast<std::int32_t>(h * C);
+  for (std::int64_t i = 0; i < H * C; ++i) kept[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(2 * (i % C) + 1);
+  const kvp::CaM policy(kvp::CaMParams::streaming(M));
+  const kvp::Requirements req = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{H, H, d, T, 1});
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  const std::size_t entries = static_cast<std::size_t>(H * E * M);
+  DeviceBuffer dv(hv.size() * sizeof(kvp::half)), dsums(sums.size() * sizeof(float)), dkept(kept.size() * sizeof(std::int32_t)),
+      ddst(entries * sizeof(std::int32_t)), dsrc(entries * sizeof(std::int32_t)), dw(entries * sizeof(float)),
+      dmv(static_cast<std::size_t>(H * C * d) * sizeof(float)), dws(req.workspace_bytes);
+  if (!(dv.ok && dsums.ok && dkept.ok && ddst.ok && dsrc.ok && dw.ok && dmv.ok && dws.ok)) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dv.ptr, hv.data(), hv.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dsums.ptr, sums.data(), sums.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaMemcpy(dkept.ptr, kept.data(), kept.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  kvp::MergeInput<kvp::half> in;
+  in.values = kvp::KVSource<kvp::half>::from(
+      kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(dv.ptr), {H, T, d}, gpu));
+  in.attention_sums = kvp::TensorView<const float, 2>::contiguous(static_cast<const float*>(dsums.ptr), {H, T}, gpu);
+  in.seed = 7;
+  const kvp::KeepSet keep{indptr.data(), static_cast<std::int32_t*>(dkept.ptr), H, H * C};
+  std::vector<std::int32_t> plan_indptr(H + 1);
+  kvp::MergePlan plan{plan_indptr.data(),
+                      static_cast<std::int32_t*>(ddst.ptr),
+                      static_cast<std::int32_t*>(dsrc.ptr),
+                      static_cast<float*>(dw.ptr),
+                      H,
+                      static_cast<std::int64_t>(entries)};
+  plan.merged_values = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(dmv.ptr), {H * C, d}, gpu);
+  plan.slots_per_row = C;
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  timed_loop(state, s, [&] { return policy.merge(cx, in, keep, plan); });
+  const double bytes = static_cast<double>(H * T * d) * sizeof(kvp::half) + static_cast<double>(H * T) * sizeof(float) +
+                       static_cast<double>(entries) * 12.0 + static_cast<double>(H * C * d) * sizeof(float);
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+BENCHMARK(CudaCaM)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+/// MiniCache over a layer pair of half rows (H = 8, d = 128). Bytes: both layers read, norms and fp32
+/// directions written (the retained rows are a small fraction and not counted).
+void CudaMiniCache(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int64_t H = 8, d = 128;
+  const std::int64_t T = state.range(0), rows = H * T;
+  const std::vector<kvp::half>& hp = normal_halves(static_cast<std::size_t>(rows * d), 15);
+  const std::vector<kvp::half>& hc = normal_halves(static_cast<std::size_t>(rows * d), 16);
+  const kvp::MiniCache policy;
+  const kvp::Requirements req = policy.requirements(kvp::Context<Cuda>{}, kvp::ProblemShape{H, H, d, T, 1});
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  const auto n = static_cast<std::size_t>(rows);
+  DeviceBuffer dp(hp.size() * sizeof(kvp::half)), dc(hc.size() * sizeof(kvp::half)), ddir(n * d * sizeof(float)), dnp(n * sizeof(float)),
+      dnc(n * sizeof(float)), drp(n * d * sizeof(float)), drc(n * d * sizeof(float)), dind((H + 1) * sizeof(std::int32_t)),
+      didx(n * sizeof(std::int32_t)), dws(req.workspace_bytes);
+  if (!(dp.ok && dc.ok && ddir.ok && dnp.ok && dnc.ok && drp.ok && drc.ok && dind.ok && didx.ok && dws.ok))
+    return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dp.ptr, hp.data(), hp.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dc.ptr, hc.data(), hc.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  const kvp::MiniCacheInput<kvp::half> in{kvp::KVSource<kvp::half>::from(kvp::TensorView<const kvp::half, 3>::contiguous(
+                                              static_cast<const kvp::half*>(dp.ptr), {H, T, d}, gpu)),
+                                          kvp::KVSource<kvp::half>::from(kvp::TensorView<const kvp::half, 3>::contiguous(
+                                              static_cast<const kvp::half*>(dc.ptr), {H, T, d}, gpu))};
+  kvp::MiniCacheMerged m;
+  m.direction = kvp::TensorView<float, 3>::contiguous(static_cast<float*>(ddir.ptr), {H, T, d}, gpu);
+  m.norm_prev = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(dnp.ptr), {H, T}, gpu);
+  m.norm_cur = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(dnc.ptr), {H, T}, gpu);
+  m.retained = kvp::KeepSet{static_cast<std::int32_t*>(dind.ptr), static_cast<std::int32_t*>(didx.ptr), H, rows};
+  m.retained_prev = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(drp.ptr), {rows, d}, gpu);
+  m.retained_cur = kvp::TensorView<float, 2>::contiguous(static_cast<float*>(drc.ptr), {rows, d}, gpu);
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  timed_loop(state, s, [&] { return policy.merge(cx, in, m); });
+  const double bytes = 2.0 * static_cast<double>(rows * d) * sizeof(kvp::half) + static_cast<double>(rows * d) * sizeof(float) +
+                       2.0 * static_cast<double>(rows) * sizeof(float);
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+BENCHMARK(CudaMiniCache)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {
   int devices = 0;
