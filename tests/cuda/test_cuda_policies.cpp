@@ -1382,6 +1382,37 @@ TEST_CASE("cuda QuantizedKeys<SnapKV, *> and <TOVA, *>: scores from ggml / INT4 
 
 namespace {
 
+/// Dense device plan rows against the host's compacted plan, row by row: `window` entries per candidate
+/// (one src per block of them; 1 for the MergeRule policies), the entries with dst >= 0, in order, equal
+/// to the host's, the others of weight 0. Returns the number of merged entries.
+std::int64_t require_dense_rows(const std::vector<std::int32_t>& dindptr, const std::vector<std::int32_t>& gdst,
+                                const std::vector<std::int32_t>& gsrc, const std::vector<float>& gweight,
+                                const std::vector<std::int32_t>& hindptr, const std::vector<std::int32_t>& hdst,
+                                const std::vector<std::int32_t>& hsrc, const std::vector<float>& hweight, std::int64_t H,
+                                std::int64_t window) {
+  std::int64_t merged = 0;
+  for (std::int64_t h = 0; h < H; ++h) {
+    REQUIRE((dindptr[h + 1] - dindptr[h]) % window == 0);
+    std::int32_t hi = hindptr[h];
+    for (std::int32_t i = dindptr[h]; i < dindptr[h + 1]; ++i) {
+      INFO("head " << h << " dense entry " << i - dindptr[h]);
+      REQUIRE(gsrc[i] == gsrc[i - (i - dindptr[h]) % window]);
+      if (gdst[i] < 0) {
+        REQUIRE(gweight[i] == 0.0f);
+        continue;
+      }
+      REQUIRE(hi < hindptr[h + 1]);
+      REQUIRE(gdst[i] == hdst[hi]);
+      REQUIRE(gsrc[i] == hsrc[hi]);
+      REQUIRE(same_bits({gweight[i]}, {hweight[hi]}));
+      ++hi;
+      ++merged;
+    }
+    REQUIRE(hi == hindptr[h + 1]);
+  }
+  return merged;
+}
+
 /// One merge policy on Scalar (host, compacted plan) and on Cuda (device, dense plan rows): entries of merged
 /// tokens, merged rows and state weights bit-identical; every dense entry names its evicted token.
 template <class T, class Policy, class MakeInput>
@@ -1436,26 +1467,8 @@ void require_cuda_merge(const Policy& policy, MakeInput&& make_input, std::int64
   const auto gdst = ddst.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
   const auto gsrc = dsrc.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
   const auto gweight = dweight.download<float>(static_cast<std::size_t>(dindptr[H]));
-  std::int64_t merged = 0;
-  for (std::int64_t h = 0; h < H; ++h) {
-    REQUIRE(dindptr[h + 1] - dindptr[h] == T_ - (kindptr[h + 1] - kindptr[h]));
-    std::int32_t hi = hindptr[h];
-    for (std::int32_t i = dindptr[h]; i < dindptr[h + 1]; ++i) {
-      INFO("head " << h << " dense entry " << i - dindptr[h]);
-      if (gdst[i] < 0) {
-        REQUIRE(gweight[i] == 0.0f);
-        continue;
-      }
-      REQUIRE(hi < hindptr[h + 1]);
-      REQUIRE(gdst[i] == hdst[hi]);
-      REQUIRE(gsrc[i] == hsrc[hi]);
-      REQUIRE(same_bits({gweight[i]}, {hweight[hi]}));
-      ++hi;
-      ++merged;
-    }
-    REQUIRE(hi == hindptr[h + 1]);
-  }
-  REQUIRE(merged > 0);
+  for (std::int64_t h = 0; h < H; ++h) REQUIRE(dindptr[h + 1] - dindptr[h] == T_ - (kindptr[h + 1] - kindptr[h]));
+  REQUIRE(require_dense_rows(dindptr, gdst, gsrc, gweight, hindptr, hdst, hsrc, hweight, H, 1) > 0);
   if (keys) REQUIRE(same_bits(dkeys.download<float>(hkeys.size()), hkeys));
   REQUIRE(same_bits(dvalues.download<float>(hvalues.size()), hvalues));
   if (state) REQUIRE(same_bits(dw.download<float>(hw.size()), hw));
@@ -1634,27 +1647,7 @@ void require_cuda_cam(const Policy& policy, std::int64_t window, bool shared_kee
   const auto gdst = ddst.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
   const auto gsrc = dsrc.download<std::int32_t>(static_cast<std::size_t>(dindptr[H]));
   const auto gweight = dweight.download<float>(static_cast<std::size_t>(dindptr[H]));
-  std::int64_t merged = 0;
-  for (std::int64_t h = 0; h < H; ++h) {
-    REQUIRE((dindptr[h + 1] - dindptr[h]) % window == 0);
-    std::int32_t hi = hindptr[h];
-    for (std::int32_t i = dindptr[h]; i < dindptr[h + 1]; ++i) {
-      INFO("head " << h << " dense entry " << i - dindptr[h]);
-      REQUIRE(gsrc[i] == gsrc[i - (i - dindptr[h]) % window]);
-      if (gdst[i] < 0) {
-        REQUIRE(gweight[i] == 0.0f);
-        continue;
-      }
-      REQUIRE(hi < hindptr[h + 1]);
-      REQUIRE(gdst[i] == hdst[hi]);
-      REQUIRE(gsrc[i] == hsrc[hi]);
-      REQUIRE(same_bits({gweight[i]}, {hweight[hi]}));
-      ++hi;
-      ++merged;
-    }
-    REQUIRE(hi == hindptr[h + 1]);
-  }
-  REQUIRE(merged > 0);
+  REQUIRE(require_dense_rows(dindptr, gdst, gsrc, gweight, hindptr, hdst, hsrc, hweight, H, window) > 0);
   REQUIRE(same_bits(dvalues.download<float>(hvalues.size()), hvalues));
 }
 

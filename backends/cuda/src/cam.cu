@@ -20,12 +20,8 @@ constexpr int kThreads = 128;
 constexpr int kTwistThreads = 256;
 constexpr int kCompactThreads = 1024;
 constexpr int kRankTile = 256;
-constexpr std::int64_t kMaxGridX = 2147483647;
 
-unsigned blocks_for(std::int64_t n) noexcept {
-  const std::int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < kMaxGridX ? (b > 0 ? b : 1) : kMaxGridX);
-}
+unsigned blocks_for(std::int64_t n) noexcept { return grid_blocks(n, kThreads); }
 
 /// One block: seed, then per 624 outputs one twist in its three phases (every element of a phase
 /// computed from the state, a barrier, written back, a barrier) and the tempered outputs.
@@ -92,22 +88,14 @@ __global__ void __launch_bounds__(kCompactThreads)
     compact_kernel(const std::int32_t* __restrict__ ev, const std::uint8_t* __restrict__ flag, std::int64_t E,
                    std::int32_t* __restrict__ cand) {
   __shared__ int warp_sum[kCompactThreads / 32];
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   std::int64_t base = 0;
   for (std::int64_t c0 = 0; c0 < E; c0 += kCompactThreads) {
     const std::int64_t i = c0 + threadIdx.x;
     const bool f = i < E && flag[i] != 0;
-    const unsigned ballot = __ballot_sync(0xffffffffu, f);
-    if (lane == 0) warp_sum[warp] = __popc(ballot);
-    __syncthreads();
-    int before = __popc(ballot & ((1u << lane) - 1u)), total = 0;
-    for (int w = 0; w < kCompactThreads / 32; ++w) {
-      if (w < warp) before += warp_sum[w];
-      total += warp_sum[w];
-    }
+    int total = 0;
+    const int before = block_flag_rank<kCompactThreads>(f, warp_sum, &total);
     if (f) cand[base + before] = ev[i];
     base += total;
-    __syncthreads();
   }
 }
 

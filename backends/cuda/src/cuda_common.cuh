@@ -35,6 +35,33 @@ inline cudaStream_t as_stream(void* stream) noexcept { return static_cast<cudaSt
 /// call wins; `Cuda::CallScope::end` returns it). Defined in contract_ops.cu.
 void record_error(const Status& s) noexcept;
 
+/// Blocks of `threads` threads that cover n items (at least one, at most the grid's x limit: kernels launched
+/// with it loop grid-stride).
+inline unsigned grid_blocks(std::int64_t n, int threads) noexcept {
+  constexpr std::int64_t kMaxGridX = 2147483647;
+  const std::int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < kMaxGridX ? (b > 0 ? b : 1) : kMaxGridX);
+}
+
+/// One chunk of a block-wide ordered compaction: every thread of the block (kBlock threads) passes its
+/// flag; returns how many flagged threads precede it in the block and sets *total to the chunk's flagged
+/// count. `warp_sum`: kBlock / 32 shared ints. Ends with a barrier, so the next chunk can call it again.
+template <int kBlock>
+__device__ __forceinline__ int block_flag_rank(bool flag, int* warp_sum, int* total) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) warp_sum[warp] = __popc(ballot);
+  __syncthreads();
+  int before = __popc(ballot & ((1u << lane) - 1u)), all = 0;
+  for (int w = 0; w < kBlock / 32; ++w) {
+    if (w < warp) before += warp_sum[w];
+    all += warp_sum[w];
+  }
+  *total = all;
+  __syncthreads();
+  return before;
+}
+
 /// Exact widening loads (every half / bfloat16 is a float).
 __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const half* p) { return __half2float(__ushort_as_half(p->bits)); }

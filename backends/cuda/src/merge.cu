@@ -35,12 +35,8 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kRuleThreads = 1024;
-constexpr std::int64_t kMaxGridX = 2147483647;
 
-unsigned blocks_for(std::int64_t n) noexcept {
-  const std::int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < kMaxGridX ? (b > 0 ? b : 1) : kMaxGridX);
-}
+unsigned blocks_for(std::int64_t n) noexcept { return grid_blocks(n, kThreads); }
 
 /// The reference's 16-partial-sum tree (ScalarReduceOps::sum16).
 __device__ __forceinline__ float sum16(const float* p) {

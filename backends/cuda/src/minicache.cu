@@ -22,12 +22,8 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kRetainThreads = 1024;
-constexpr std::int64_t kMaxGridX = 2147483647;
 
-unsigned blocks_for(std::int64_t n) noexcept {
-  const std::int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < kMaxGridX ? (b > 0 ? b : 1) : kMaxGridX);
-}
+unsigned blocks_for(std::int64_t n) noexcept { return grid_blocks(n, kThreads); }
 
 /// A head with no tokens: retains nothing.
 __global__ void empty_head_kernel(std::int64_t h, std::int32_t* __restrict__ indptr) {
@@ -75,19 +71,12 @@ __global__ void __launch_bounds__(kRetainThreads)
   hi = hi_part[0];
   for (int w = 1; w < kWarps; ++w) lo = fminf(lo, lo_part[w]), hi = fmaxf(hi, hi_part[w]);
   const float thr = ops::minicache_threshold(lo, hi, gamma);
-  const std::int64_t first = h == 0 ? 0 : indptr[h];
-  std::int64_t base = first;
+  std::int64_t base = h == 0 ? 0 : indptr[h];
   for (std::int64_t c0 = 0; c0 < T; c0 += kRetainThreads) {
     const std::int64_t j = c0 + threadIdx.x;
     const bool f = j < T && dist[j] > thr;
-    const unsigned ballot = __ballot_sync(0xffffffffu, f);
-    if (lane == 0) warp_sum[warp] = __popc(ballot);
-    __syncthreads();
-    int before = __popc(ballot & ((1u << lane) - 1u)), total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      if (w < warp) before += warp_sum[w];
-      total += warp_sum[w];
-    }
+    int total = 0;
+    const int before = block_flag_rank<kRetainThreads>(f, warp_sum, &total);
     if (f) {
       const std::int64_t pos = base + before;
       ids[pos] = static_cast<std::int32_t>(j);
@@ -95,7 +84,6 @@ __global__ void __launch_bounds__(kRetainThreads)
         retained_prev[pos * rp_stride + k] = a[j * d + k], retained_cur[pos * rc_stride + k] = b[j * d + k];
     }
     base += total;
-    __syncthreads();
   }
   if (threadIdx.x == 0) {
     if (h == 0) indptr[0] = 0;

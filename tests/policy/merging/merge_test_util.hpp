@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kvpolicy/policy/decisions.hpp"
@@ -54,6 +55,27 @@ struct PlanBuffer {
     return e;
   }
 };
+
+inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+/// Row h of a device backend's dense plan (`all`) against the host's compacted row (`want`): its entries
+/// with dst >= 0, in order, equal the host's bit for bit; the others weigh 0.
+inline void require_dense_matches(const std::vector<PlanBuffer::Entry>& all, const std::vector<PlanBuffer::Entry>& want, std::int64_t h) {
+  std::vector<PlanBuffer::Entry> merged;
+  for (const PlanBuffer::Entry& e : all) {
+    if (e.dst >= 0)
+      merged.push_back(e);
+    else
+      REQUIRE(same_bits(e.weight, 0.0f));
+  }
+  REQUIRE(merged.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO("head " << h << " entry " << i);
+    REQUIRE(merged[i].dst == want[i].dst);
+    REQUIRE(merged[i].src == want[i].src);
+    REQUIRE(same_bits(merged[i].weight, want[i].weight));
+  }
+}
 
 /// KeepSet storage from per-row id lists.
 struct Keep {

@@ -27,8 +27,6 @@ using kvp_test::kEmulatedDevice;
 
 namespace {
 
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
-
 /// Values (H, T, d) of type Tk and accumulated attention sums (rows, T) with zeros (0 / 0 windows) and a spread of magnitudes.
 template <class Tk>
 struct CamCase {
@@ -66,24 +64,12 @@ MergePlan values_on_device(PlanBuffer& b) {
 std::int64_t require_cam_dense_of(const PlanBuffer& dev, const PlanBuffer& host, std::int64_t h, std::int64_t window) {
   const auto all = dev.entries(h);
   REQUIRE(all.size() % static_cast<std::size_t>(window) == 0);
-  std::vector<PlanBuffer::Entry> drawn;
   for (std::size_t i = 0; i < all.size(); ++i) {
     INFO("head " << h << " dense entry " << i);
     REQUIRE(all[i].src == all[i - i % static_cast<std::size_t>(window)].src);
     if (i >= static_cast<std::size_t>(window) && i % static_cast<std::size_t>(window) == 0) REQUIRE(all[i].src > all[i - 1].src);
-    if (all[i].dst >= 0)
-      drawn.push_back(all[i]);
-    else
-      REQUIRE(same_bits(all[i].weight, 0.0f));
   }
-  const auto want = host.entries(h);
-  REQUIRE(drawn.size() == want.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    INFO("head " << h << " entry " << i);
-    REQUIRE(drawn[i].dst == want[i].dst);
-    REQUIRE(drawn[i].src == want[i].src);
-    REQUIRE(same_bits(drawn[i].weight, want[i].weight));
-  }
+  require_dense_matches(all, host.entries(h), h);
   return static_cast<std::int64_t>(all.size()) / window;
 }
 

@@ -142,14 +142,7 @@ class KvpressCAM {
     const std::int64_t n_evict = H > 0 ? T - keep.row_size(0) : 0;
     const std::int64_t k = in.new_tokens < 0 ? n_evict : std::min(in.new_tokens, n_evict);
     KVP_RETURN_IF_ERROR(detail::check_attention_sums(kName, in.attention_sums, H, T));
-    if (k < n_evict) {
-      KVP_RETURN_IF_ERROR(in.scores.check_basic(kName, "scores"));
-      KVP_REQUIRE(in.scores.data() != nullptr && in.scores.extent(0) == H && in.scores.extent(1) == T,
-                  "kvpress_cam: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld): needed to pick %lld of %lld "
-                  "evicted tokens",
-                  static_cast<long long>(in.scores.extent(0)), static_cast<long long>(in.scores.extent(1)), static_cast<long long>(H),
-                  static_cast<long long>(T), static_cast<long long>(k), static_cast<long long>(n_evict));
-    }
+    KVP_RETURN_IF_ERROR(check_scores(in, H, T, k, n_evict, /*on_device=*/false));
     KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted * params_.merge_budget, /*merges_keys=*/false));
     KVP_RETURN_IF_ERROR(check_workspace(kName, cx.workspace, workspace(T, d).total()));
 
@@ -207,16 +200,7 @@ class KvpressCAM {
                   static_cast<long long>(h), static_cast<long long>(keep.row_size(h)), static_cast<long long>(C));
     const std::int64_t k = in.new_tokens < 0 ? n_evict : std::min(in.new_tokens, n_evict);
     KVP_RETURN_IF_ERROR(detail::check_attention_sums(kName, in.attention_sums, H, T, /*on_device=*/true));
-    if (k < n_evict) {
-      KVP_RETURN_IF_ERROR(in.scores.check_basic(kName, "scores"));
-      KVP_REQUIRE(in.scores.data() != nullptr && in.scores.extent(0) == H && in.scores.extent(1) == T,
-                  "kvpress_cam: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld): needed to pick %lld of %lld "
-                  "evicted tokens",
-                  static_cast<long long>(in.scores.extent(0)), static_cast<long long>(in.scores.extent(1)), static_cast<long long>(H),
-                  static_cast<long long>(T), static_cast<long long>(k), static_cast<long long>(n_evict));
-      KVP_REQUIRE(!in.scores.device().is_host(),
-                  "kvpress_cam: scores is a host tensor; a device backend reads device memory (tag the view kCUDA)");
-    }
+    KVP_RETURN_IF_ERROR(check_scores(in, H, T, k, n_evict, /*on_device=*/true));
     const std::int64_t M = params_.merge_budget;
     KVP_RETURN_IF_ERROR(detail::check_merge_plan(kName, out, H, d, max_kept, evicted * M, /*merges_keys=*/false, /*on_device=*/true));
     const WorkspacePlan plan = device_workspace<Backend>(H, T);
@@ -248,6 +232,24 @@ class KvpressCAM {
     }
     return call.end();
   }
+  /// The base press's scores, needed when only k of the n_evict evicted tokens merge: (num_kv_heads, kv_len),
+  /// device memory on a device backend.
+  template <class Tk>
+  static Status check_scores(const MergeInput<Tk>& in, std::int64_t H, std::int64_t T, std::int64_t k, std::int64_t n_evict,
+                             bool on_device) noexcept {
+    if (k >= n_evict) return Status::ok();
+    KVP_RETURN_IF_ERROR(in.scores.check_basic(kName, "scores"));
+    KVP_REQUIRE(in.scores.data() != nullptr && in.scores.extent(0) == H && in.scores.extent(1) == T,
+                "kvpress_cam: scores has shape (%lld, %lld), expected (num_kv_heads=%lld, kv_len=%lld): needed to pick %lld of %lld "
+                "evicted tokens",
+                static_cast<long long>(in.scores.extent(0)), static_cast<long long>(in.scores.extent(1)), static_cast<long long>(H),
+                static_cast<long long>(T), static_cast<long long>(k), static_cast<long long>(n_evict));
+    if (on_device)
+      KVP_REQUIRE(!in.scores.device().is_host(),
+                  "kvpress_cam: scores is a host tensor; a device backend reads device memory (tag the view kCUDA)");
+    return Status::ok();
+  }
+
   /// Device path: the draws (H x kv_len), the candidates, their first window slots, the candidates' scratch.
   template <class Backend>
   static WorkspacePlan device_workspace(std::int64_t H, std::int64_t T) noexcept {

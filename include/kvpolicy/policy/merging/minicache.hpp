@@ -47,7 +47,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numbers>
 
 #include "kvpolicy/ops/minicache_steps.hpp"
 #include "kvpolicy/policy/merging/merge_common.hpp"
