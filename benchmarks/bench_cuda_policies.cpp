@@ -39,6 +39,11 @@
 //                       32K tokens (page 16, fp16 metadata, budget 2048
 //                       tokens, kPerQueryHead), graph-replayed; hbm_frac counts
 //                       the metadata bytes the bounds must read.
+//   CudaQuestLookahead/B  one Quest-lookahead prediction for the same batch
+//                       (lookahead budget 256 pages, kPerQueryHead): the
+//                       selection per sequence, votes, priorities and the
+//                       ordered request over every page; enqueued per
+//                       iteration; hbm_frac as CudaQuestSelect.
 //
 // Counters: `fp32_frac` = logit flops (2*Hq*w*T*d) per second / fp32 peak
 // (kept against the fp32 peak although fp16 keys now take the tensor-core
@@ -71,6 +76,7 @@
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 
 namespace kvp = kvpolicy;
@@ -543,6 +549,66 @@ void CudaQuestSelect(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+// One Quest-lookahead prediction (policy/prefetch/quest_lookahead.hpp) for B
+// sequences of 32K tokens: per sequence Quest's device selection with a
+// lookahead budget of 256 pages, the vote counts, then the priorities and the
+// ordered request (radix sort + the one-block listing) over every page of the
+// batch; enqueued each iteration (the history's serial advances, so a graph
+// replay would list nothing). hbm_frac counts the metadata bytes the bounds read.
+void CudaQuestLookahead(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int32_t P = 16, Hq = 32, Hkv = 8, d = 128;
+  constexpr std::int64_t T = 32768;
+  const auto batch = static_cast<std::int32_t>(state.range(0));
+  const std::int32_t pages_per_seq = static_cast<std::int32_t>(T / P), pool = batch * pages_per_seq;
+  const std::int64_t meta_elems = kvp::PageMetaView<kvp::half>::contiguous_size(pool, Hkv, d);
+  DeviceBuffer dmeta(static_cast<std::size_t>(meta_elems) * sizeof(kvp::half)), dids(static_cast<std::size_t>(pool) * sizeof(std::int32_t));
+  DeviceBuffer dq(static_cast<std::size_t>(batch * Hq * d) * sizeof(float));
+  DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(pool)) * sizeof(std::int64_t));
+  DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
+  if (!dmeta.ok || !dids.ok || !dq.ok || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  {
+    std::vector<kvp::half> m(static_cast<std::size_t>(meta_elems));
+    for (auto& x : m) x = kvp::to_half(nd(rng));
+    cudaMemcpy(dmeta.ptr, m.data(), m.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(pool));
+    for (std::int32_t i = 0; i < pool; ++i) ids[static_cast<std::size_t>(i)] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    cudaMemcpy(dids.ptr, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+    std::vector<float> q(static_cast<std::size_t>(batch * Hq * d));
+    for (auto& x : q) x = nd(rng);
+    cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
+  }
+  std::vector<std::int32_t> indptr(static_cast<std::size_t>(batch + 1)), last(static_cast<std::size_t>(batch), P);
+  for (std::int32_t b = 0; b <= batch; ++b) indptr[static_cast<std::size_t>(b)] = b * pages_per_seq;
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  const kvp::PageTable table{indptr.data(), static_cast<const std::int32_t*>(dids.ptr), last.data(), batch};
+  const kvp::DecodeInput<float> in{kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {batch, Hq, d}, gpu),
+                                   table, P, 5};
+  const kvp::QuestLookahead<kvp::half> pol(kvp::QuestLookaheadParams{.page_budget = 256});
+  const kvp::ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = T, .batch = batch};
+  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, P);
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  DeviceBuffer dws(req.workspace_bytes);
+  if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  kvp::QuestLookaheadState<kvp::half> st{
+      kvp::PageMetaView<const kvp::half>::contiguous(static_cast<const kvp::half*>(dmeta.ptr), pool, Hkv, d, gpu),
+      kvp::PrefetchHistory::wrap(static_cast<std::int64_t*>(dhist.ptr), pool)};
+  if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
+  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
+  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
+  const double bytes = static_cast<double>(meta_elems) * sizeof(kvp::half);
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
 }  // namespace
 
 BENCHMARK(CudaSnapKV)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -555,6 +621,7 @@ BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::
 BENCHMARK(CudaQuant)->ArgsProduct({{32768}, {0, 1, 2, 3}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaKivi)->ArgsProduct({{32768}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaQuestLookahead)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void CudaMerge(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");

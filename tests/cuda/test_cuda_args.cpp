@@ -26,6 +26,8 @@
 #include "kvpolicy/policy/eviction/pyramidkv.hpp"
 #include "kvpolicy/policy/eviction/snapkv.hpp"
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
+#include "kvpolicy/policy/prefetch/infinigen.hpp"
+#include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
@@ -1004,4 +1006,76 @@ TEST_CASE("cuda MiniCache: bad arguments recorded, host checks before anything i
   require_refused(mc.merge(cx, in, m), StatusCode::kInvalidArgument, "retained_cur is a host tensor");
   m.retained_cur = TensorView<float, 2>::contiguous(fake<float>(9), {H * T, d}, gpu);
   require_refused(mc.merge(cx.with_workspace(Workspace{fake<void>(10), 8}), in, m), StatusCode::kWorkspaceTooSmall, "workspace");
+}
+
+static_assert(kvpolicy::PrefetchOps<Cuda>, "backend::Cuda models the prefetch ops");
+
+TEST_CASE("cuda prefetch ops: bad arguments are recorded, nothing enqueued", "[cuda][args][prefetch]") {
+  using namespace kvpolicy;
+  require_recorded([] { Cuda::prefetch_history_reset(nullptr, 4); }, "buf is null");
+  require_recorded([] { Cuda::prefetch_history_reset(fake<std::int64_t>(1), -1); }, "must be >= 0");
+  require_recorded([] { Cuda::prefetch_votes(fake<const std::int32_t>(1), 3, 4, 2, 10, fake<std::int32_t>(2)); }, "ld >= row_len");
+  require_recorded([] { Cuda::prefetch_votes(nullptr, 3, 4, 4, 10, fake<std::int32_t>(2)); }, "is null");
+  require_recorded([] { Cuda::prefetch_vote_priorities(nullptr, fake<const std::int32_t>(1), 8, 0.5f, nullptr, -1, 0.0f, fake<float>(2)); },
+                   "is null");
+  require_recorded(
+      [] {
+        Cuda::prefetch_vote_priorities(fake<const std::int32_t>(1), fake<const std::int32_t>(2), 8, 0.5f, nullptr, 3, 0.0f, fake<float>(2));
+      },
+      "is null");
+  const auto write = [](Workspace ws, std::int64_t* pending) {
+    Cuda::prefetch_write_request(fake<const float>(1), fake<const std::int32_t>(2), 100, fake<std::int64_t>(3), fake<const std::int64_t>(4),
+                                 pending, 1, 2, fake<std::int32_t>(5), nullptr, nullptr, ws);
+  };
+  require_recorded([&] { write(Workspace{fake<void>(6), 64}, fake<std::int64_t>(7)); }, "workspace is 64 bytes");
+  require_recorded([&] { write(Workspace{fake<void>(6), Cuda::prefetch_request_workspace(100)}, nullptr); }, "pending is null");
+  CHECK(Cuda::prefetch_request_workspace(100) >= 2 * 100 * sizeof(std::uint64_t));
+  CHECK(Cuda::prefetch_request_workspace(0) == 0);
+  PrefetchCounters* counters = fake<PrefetchCounters>(8);
+  require_recorded(
+      [&] {
+        Cuda::prefetch_observe(fake<const std::int32_t>(1), -1, fake<std::int64_t>(2), fake<const std::int64_t>(3),
+                               fake<const std::int64_t>(4), 0, false, 0, counters);
+      },
+      "must be >= 0");
+  require_recorded(
+      [&] {
+        Cuda::prefetch_observe(fake<const std::int32_t>(1), 5, fake<std::int64_t>(2), fake<const std::int64_t>(3),
+                               fake<const std::int64_t>(4), 0, false, 0, nullptr);
+      },
+      "is null");
+}
+
+TEST_CASE("cuda prefetch policies: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  constexpr std::int32_t P = 8, d = 16;
+  const std::int32_t indptr[3] = {0, 3, 5}, last[2] = {4, 2};
+  const PageTable table{indptr, fake<const std::int32_t>(1), last, 2};
+  const QuestLookahead<float> pol(QuestLookaheadParams{.page_budget = 2, .dense_layers = 0});
+  const ProblemShape shape{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = d, .max_kv_len = 12, .batch = 2};
+  const auto req = pol.requirements(Context<Cuda>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  const Context<Cuda> cx{Workspace{fake<void>(2), req.workspace_bytes}};
+  QuestLookaheadState<float> st{PageMetaView<const float>::contiguous(fake<const float>(3), P, 1, d, gpu),
+                                PrefetchHistory::wrap(fake<std::int64_t>(4), P)};
+  PrefetchRequest out{fake<std::int32_t>(5), nullptr, 5, 0};
+  const DecodeInput<float> dev{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}, gpu), table, 4, 3};
+  const DecodeInput<float> host{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}), table, 4, 3};
+  require_refused(pol.predict(cx, st, host, out), StatusCode::kInvalidArgument, "queries is host memory");
+  PrefetchRequest small{fake<std::int32_t>(5), nullptr, 4, 0};
+  require_refused(pol.predict(cx, st, dev, small), StatusCode::kOutputTooSmall, "capacity is 4");
+  require_refused(pol.predict(cx.with_workspace(Workspace{fake<void>(2), 64}), st, dev, out), StatusCode::kWorkspaceTooSmall, "workspace");
+  QuestLookaheadState<float> host_meta{PageMetaView<const float>::contiguous(fake<const float>(3), P, 1, d), st.history};
+  require_refused(pol.predict(cx, host_meta, dev, out), StatusCode::kInvalidArgument, "metadata is host memory");
+  CHECK(out.size == 0);
+  CHECK(st.history.serial == 0);
+  const std::int32_t bad_indptr[3] = {0, 3, 2}, sel_last[2] = {1, 1};
+  const PageSelection bad{const_cast<std::int32_t*>(bad_indptr), fake<std::int32_t>(7), const_cast<std::int32_t*>(sel_last), nullptr, 2, 3};
+  PrefetchCounters* counters = fake<PrefetchCounters>(8);
+  require_refused(pol.observe(cx, st, bad, *counters), StatusCode::kInvalidArgument, "decreases");
+  CHECK(st.history.step == 0);
+  const InfiniGen ig;
+  InfiniGenState igs{};
+  require_refused(ig.observe(cx, igs, bad, *counters), StatusCode::kUnsupported, "not available on a device backend");
 }

@@ -786,6 +786,136 @@ TEST_CASE("cuda Quest: a select captured in a CUDA graph and replayed on new que
   CUDA_REQUIRE(cudaGraphDestroy(graph));
 }
 
+namespace {
+
+bool same_float_bits(float a, float b) {
+  std::uint32_t x = 0, y = 0;
+  std::memcpy(&x, &a, 4);
+  std::memcpy(&y, &b, 4);
+  return x == y;
+}
+
+/// Quest lookahead over several steps on the host (Scalar) and on the device: the requests (pages, priorities,
+/// the size the device writes, the -1 padding), the history stamps and the counters equal after every step.
+void check_quest_lookahead(const kvp::QuestLookaheadParams& params, QuestTwin<float, float>& tw, unsigned seed) {
+  const kvp::QuestLookahead<float> pol(params);
+  std::int64_t max_len = 0;
+  for (std::int32_t b = 0; b < tw.cache.batch(); ++b)
+    max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, tw.cache.page_size));
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq,
+                                .num_kv_heads = tw.cache.kv_heads,
+                                .head_dim = tw.cache.head_dim,
+                                .max_kv_len = max_len,
+                                .batch = tw.cache.batch()};
+  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, tw.cache.page_size);
+  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, tw.cache.page_size);
+  KVP_REQUIRE_OK(hreq.status);
+  KVP_REQUIRE_OK(dreq.status);
+  const std::int32_t P = tw.cache.num_pages;
+  const auto hist_n = static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(P));
+  std::vector<std::int64_t> hbuf(hist_n);
+  kvp::QuestLookaheadState<float> hst{tw.meta.cview(), kvp::PrefetchHistory::over(hbuf.data(), P)};
+  DeviceBuffer dbuf(hist_n * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
+  kvp::QuestLookaheadState<float> dst{tw.dev_meta(), kvp::PrefetchHistory::wrap(dbuf.get<std::int64_t>(), P)};
+  Stream st;
+  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
+  KVP_REQUIRE_OK(dst.history.reset(dctx));
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
+  const auto E = static_cast<std::size_t>(tw.cache.table().indptr[tw.cache.batch()]);
+  DeviceBuffer dpages(E * sizeof(std::int32_t)), dprio(E * sizeof(float)), dsize(sizeof(std::int64_t));
+  DeviceBuffer dcounters(sizeof(kvp::PrefetchCounters));
+  CUDA_REQUIRE(cudaMemset(dcounters.get(), 0, sizeof(kvp::PrefetchCounters)));
+  kvp::PrefetchCounters hc;
+
+  kvp::QuestParams ap;
+  ap.budget = kvp::Budget::tokens(256);
+  ap.dense_layers = 0;
+  const kvp::Quest actual(ap);
+  for (int step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    tw.new_queries(seed * 17 + static_cast<unsigned>(step));
+    const int layer = step % 3;  // layer 0 is dense when dense_layers >= 1
+    if (step != 4) {
+      std::vector<std::int32_t> hpages(E, -7);
+      std::vector<float> hprio(E, -7.0f);
+      kvp::PrefetchRequest hr{hpages.data(), hprio.data(), static_cast<std::int64_t>(E), 0};
+      KVP_REQUIRE_OK(pol.predict(hctx, hst, tw.host_in(layer), hr));
+      kvp::PrefetchRequest dr{dpages.get<std::int32_t>(), dprio.get<float>(), static_cast<std::int64_t>(E), 0};
+      dr.device_size = dsize.get<std::int64_t>();
+      KVP_REQUIRE_OK(pol.predict(dctx, dst, tw.dev_in(layer), dr));
+      st.sync();
+      REQUIRE(dr.size == -1);
+      REQUIRE(dsize.download<std::int64_t>(1)[0] == hr.size);
+      const auto pages = dpages.download<std::int32_t>(E);
+      const auto prio = dprio.download<float>(E);
+      for (std::size_t j = 0; j < E; ++j) {
+        INFO("request entry " << j);
+        if (static_cast<std::int64_t>(j) < hr.size) {
+          REQUIRE(pages[j] == hpages[j]);
+          REQUIRE(same_float_bits(prio[j], hprio[j]));
+        } else {
+          REQUIRE(pages[j] == -1);
+          REQUIRE(std::isnan(prio[j]));
+        }
+      }
+      const auto pending = dbuf.download<std::int64_t>(hist_n);
+      REQUIRE(pending[hist_n - 2] == hst.history.predicted_count);
+      REQUIRE(pending[hist_n - 1] == hst.history.predicted_new);
+    }
+    kvp::Quest::Plan plan;
+    KVP_REQUIRE_OK(actual.plan(hctx, tw.host_in(layer), shape, plan));
+    quest_test::SelectionBuffer sel(plan.requirements.output.rows, plan.requirements.output.capacity);
+    std::vector<std::byte> qws(plan.requirements.workspace_bytes);
+    KVP_REQUIRE_OK(actual.select(kvp::Context<Scalar>{kvp::Workspace{qws.data(), qws.size()}}, plan, tw.host_in(layer), tw.meta.cview(),
+                                 sel.view(false)));
+    KVP_REQUIRE_OK(pol.observe(hctx, hst, sel.view(false), hc));
+    DeviceBuffer dids(std::max<std::size_t>(sel.indices.size(), 1) * sizeof(std::int32_t));
+    dids.upload(sel.indices);
+    kvp::PageSelection dsel = sel.view(false);
+    dsel.indices = dids.get<std::int32_t>();
+    KVP_REQUIRE_OK(pol.observe(dctx, dst, dsel, *dcounters.get<kvp::PrefetchCounters>()));
+    st.sync();
+    kvp::PrefetchCounters dc;
+    CUDA_REQUIRE(cudaMemcpy(&dc, dcounters.get(), sizeof(dc), cudaMemcpyDeviceToHost));
+    REQUIRE(dc.hits == hc.hits);
+    REQUIRE(dc.misses == hc.misses);
+    REQUIRE(dc.wasted == hc.wasted);
+    REQUIRE(dc.predicted == hc.predicted);
+    REQUIRE(dc.needed == hc.needed);
+    REQUIRE(dc.reused == hc.reused);
+    REQUIRE(dc.reuse_total == hc.reuse_total);
+    REQUIRE(dc.late == hc.late);
+    REQUIRE(dc.transferred == hc.transferred);
+    REQUIRE(dc.steps == hc.steps);
+    REQUIRE(dc.predicted_steps == hc.predicted_steps);
+    const auto stamps = dbuf.download<std::int64_t>(hist_n);
+    REQUIRE(std::equal(stamps.begin(), stamps.begin() + 2 * P, hbuf.begin()));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda QuestLookahead: requests, history and counters match Scalar over several steps", "[cuda][prefetch]") {
+  QuestTwin<float, float> tw(16, 2, 4, 64, {1000, 37, 513, 16, 2000}, 21);
+  kvp::QuestLookaheadParams p;
+  p.page_budget = 12;
+  p.dense_layers = 1;
+  SECTION("per query head, reuse") { check_quest_lookahead(p, tw, 1); }
+  SECTION("group max, no reuse") {
+    p.gqa = kvp::QuestGqa::kGroupMax;
+    p.reuse_previous = false;
+    check_quest_lookahead(p, tw, 2);
+  }
+  SECTION("a long batch: requests over many chunks of the one-block listing") {
+    QuestTwin<float, float> big(4, 2, 2, 32, {9000, 4000, 12000}, 23);
+    kvp::QuestLookaheadParams q;
+    q.page_budget = 700;
+    q.dense_layers = 1;
+    check_quest_lookahead(q, big, 3);
+  }
+}
+
 TEST_CASE("cuda PyramidKV: per-layer budgets over SnapKV scores match Scalar", "[cuda][pyramidkv]") {
   const std::int64_t Hq = 8, Hkv = 2, d = 64, T = 1024, w = 64;
   SnapProblem<kvp::half> p(Hq, Hkv, d, T, w, 71);

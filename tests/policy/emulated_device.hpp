@@ -45,6 +45,24 @@ struct EmulatedDevice : kvpolicy::backend::Scalar {
   static void iota_rows(std::int32_t* dst, std::int64_t dst_ld, std::int64_t rows, std::int64_t first, std::int64_t n) noexcept {
     for (std::int64_t r = 0; r < rows; ++r) iota(dst + r * dst_ld, first, n);
   }
+  // Quest's page-selection rows (backend::Cuda::gather_page_rows' contract).
+  static void gather_page_rows(const std::int32_t* pages, const std::int32_t* sel, std::int64_t sel_ld, std::int64_t rows, std::int64_t k,
+                               std::int64_t last, std::int32_t* dst, std::int32_t* logical, std::int64_t dst_ld) noexcept {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int32_t* s = sel != nullptr ? sel + r * sel_ld : nullptr;
+      gather_ids(pages, s, k, dst + r * dst_ld);
+      if (logical != nullptr) {
+        if (s != nullptr)
+          copy_ids(s, k, logical + r * dst_ld);
+        else
+          iota(logical + r * dst_ld, 0, k);
+      }
+      if (last >= 0) {
+        dst[r * dst_ld + k] = pages[last];
+        if (logical != nullptr) logical[r * dst_ld + k] = static_cast<std::int32_t>(last);
+      }
+    }
+  }
 };
 static_assert(kvpolicy::kDeviceBackend<EmulatedDevice>);
 

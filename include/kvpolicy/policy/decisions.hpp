@@ -126,7 +126,13 @@ struct PrefetchRequest {
   std::int32_t* pages = nullptr;  // (capacity) physical page ids
   float* priority = nullptr;      // (capacity) optional, higher = sooner
   std::int64_t capacity = 0;
-  std::int64_t size = 0;  ///< written by the policy
+  std::int64_t size = 0;  ///< written by the policy (-1 on a device backend: the size is device data)
+  /// Device backends: optional device memory the policy writes the size to
+  /// (`pages` / `priority` are device memory there too). On every backend
+  /// the entries past the size, up to the table's entry count, are -1
+  /// (priority NaN), so a consumer kernel can stop at the first -1 without a
+  /// host read.
+  std::int64_t* device_size = nullptr;
 
   Status check_output(const char* who, std::int64_t needed) const noexcept {
     KVP_REQUIRE(needed == 0 || pages != nullptr, "%s: prefetch request pages is null with %lld needed", who,

@@ -1,8 +1,10 @@
 # Prefetch: the hit-rate history, Quest lookahead, InfiniGen, SpeCache, ShadowKV-style landmarks
-# (hand-computed cases, bad input) and the offload simulator (eval/offload_sim.hpp).
+# (hand-computed cases, bad input), Quest lookahead's device path on the emulated device, and the
+# offload simulator (eval/offload_sim.hpp).
 kvp_add_test(test_prefetch
   ${CMAKE_CURRENT_LIST_DIR}/test_prefetch_history.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_prefetch_policies.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_prefetch_device.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_offload_sim.cpp)
 
 # The four policies on the CPU backend against the scalar reference.

@@ -13,7 +13,17 @@
 //   predicted_at[p]  the serial number of the last prediction that named page p
 //   used_at[p]       the last observation that read page p
 //
-// plus the observation counter `step` and the prediction counter `serial`.
+// plus the observation counter `step` and the prediction counter `serial`
+// (host values), and the size of the current prediction with its count of
+// pages the previous observation had not read (host fields on a host
+// backend; two `pending` slots of the buffer on a device backend, where they
+// depend on page ids the host never reads: ops/prefetch_ops.hpp).
+//
+// On a device backend the buffer is device memory: wrap it with
+// `PrefetchHistory::wrap` and clear it with `reset(ctx)` (one op on the
+// context's stream); `observe` then reads the selection's page ids on the
+// device and adds into a `PrefetchCounters` in device memory, so nothing
+// returns to the host (copy the counters back when the rates are wanted).
 // `predict` targets observation `step` (the next `observe`): a next-layer predictor (InfiniGen) predicts layer
 // l + 1 of the current step before that layer runs; a next-step predictor
 // (Quest lookahead, SpeCache, ShadowKV) predicts after the current step's
@@ -54,8 +64,10 @@
 #include "kvpolicy/core/page_selection.hpp"
 #include "kvpolicy/core/paged_kv_view.hpp"
 #include "kvpolicy/core/status.hpp"
+#include "kvpolicy/ops/prefetch_ops.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/policy/decisions.hpp"
+#include "kvpolicy/policy/vocabulary.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -67,29 +79,51 @@ struct PrefetchHistory {
   std::int64_t step = 0;                 ///< observations made so far
   std::int64_t serial = 0;               ///< predictions made so far
   std::int64_t predicted_for = -1;       ///< observation the current prediction targets (-1: none)
-  std::int64_t predicted_count = 0;      ///< distinct pages of that prediction
-  std::int64_t predicted_new = 0;        ///< of those, pages the previous observation had not read
+  std::int64_t predicted_count = 0;      ///< distinct pages of that prediction (host backends)
+  std::int64_t predicted_new = 0;        ///< of those, pages the previous observation had not read (host backends)
+  std::int64_t* pending = nullptr;       ///< (2) the two counts above on a device backend (device memory)
 
-  /// int64 elements `over` needs for a pool of `num_pages` pages.
-  static constexpr std::int64_t buffer_size(std::int32_t num_pages) noexcept { return 2 * static_cast<std::int64_t>(num_pages); }
-  /// A fresh history over `buf` (`buffer_size(num_pages)` elements), reset.
-  static PrefetchHistory over(std::int64_t* buf, std::int32_t num_pages) noexcept {
+  /// int64 elements a history of a pool of `num_pages` pages needs.
+  static constexpr std::int64_t buffer_size(std::int32_t num_pages) noexcept { return 2 * static_cast<std::int64_t>(num_pages) + 2; }
+  /// A history over `buf` (`buffer_size(num_pages)` elements), not cleared:
+  /// the form for device memory, cleared with `reset(ctx)`.
+  static PrefetchHistory wrap(std::int64_t* buf, std::int32_t num_pages) noexcept {
     PrefetchHistory h;
     h.predicted_at = buf;
-    h.used_at = buf == nullptr ? nullptr : buf + num_pages;
+    h.used_at = buf == nullptr ? nullptr : buf + std::max(num_pages, 0);
+    h.pending = buf == nullptr ? nullptr : buf + 2 * static_cast<std::int64_t>(std::max(num_pages, 0));
     h.num_pages = num_pages;
+    return h;
+  }
+  /// A fresh history over host memory `buf` (`buffer_size(num_pages)` elements), reset.
+  static PrefetchHistory over(std::int64_t* buf, std::int32_t num_pages) noexcept {
+    PrefetchHistory h = wrap(buf, num_pages);
     h.reset();
     return h;
   }
-  /// Forgets every prediction and observation (a new request).
+  /// Forgets every prediction and observation (a new request); host memory.
   void reset() noexcept {
     if (predicted_at != nullptr) std::fill(predicted_at, predicted_at + std::max(num_pages, 0), std::int64_t{-1});
     if (used_at != nullptr) std::fill(used_at, used_at + std::max(num_pages, 0), std::int64_t{-1});
-    step = 0;
-    serial = 0;
-    predicted_for = -1;
-    predicted_count = 0;
-    predicted_new = 0;
+    if (pending != nullptr) pending[0] = pending[1] = 0;
+    reset_counters();
+  }
+  /// `reset()` on `ctx`'s backend: on a device backend the buffer (device
+  /// memory, built with `wrap`) is cleared by one op on the context's stream.
+  template <class Backend>
+  Status reset(const Context<Backend>& ctx) noexcept {
+    KVP_RETURN_IF_ERROR(check("prefetch history"));
+    if constexpr (kDeviceBackend<Backend>) {
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      if (num_pages > 0) ops::prefetch_history_reset<Backend>(predicted_at, num_pages);
+      reset_counters();
+      return call.end();
+    } else {
+      (void)ctx;
+      reset();
+      return Status::ok();
+    }
   }
   Status check(const char* who) const noexcept {
     KVP_REQUIRE(num_pages >= 0, "%s: history num_pages is %d, must be >= 0", who, num_pages);
@@ -98,12 +132,32 @@ struct PrefetchHistory {
     KVP_REQUIRE(step >= 0, "%s: history step is %lld, must be >= 0", who, static_cast<long long>(step));
     return Status::ok();
   }
+  /// `check` plus what a device backend reads: the `pending` slots after the stamps.
+  Status check_device(const char* who) const noexcept {
+    KVP_RETURN_IF_ERROR(check(who));
+    KVP_REQUIRE(num_pages == 0 || pending != nullptr,
+                "%s: history pending slots are null (a device history is one buffer of buffer_size(num_pages) elements: "
+                "PrefetchHistory::wrap)",
+                who);
+    return Status::ok();
+  }
+
+ private:
+  void reset_counters() noexcept {
+    step = 0;
+    serial = 0;
+    predicted_for = -1;
+    predicted_count = 0;
+    predicted_new = 0;
+  }
 };
 
 namespace prefetch_detail {
 
 /// Rows of `actual` well formed over a pool of `num_pages` pages (CSR, ids in range).
-inline Status check_actual(const char* who, const PageSelection& actual, std::int32_t num_pages) noexcept {
+/// On a device (`on_device`) the ids are device memory: the CSR structure
+/// (host) is checked, the ids are not (that would need a device read).
+inline Status check_actual(const char* who, const PageSelection& actual, std::int32_t num_pages, bool on_device = false) noexcept {
   KVP_REQUIRE(actual.num_rows >= 0, "%s: actual selection has %lld rows, must be >= 0", who, static_cast<long long>(actual.num_rows));
   if (actual.num_rows == 0) return Status::ok();
   KVP_REQUIRE(actual.indptr != nullptr, "%s: actual selection indptr is null", who);
@@ -115,6 +169,7 @@ inline Status check_actual(const char* who, const PageSelection& actual, std::in
   KVP_REQUIRE(n <= actual.capacity, "%s: actual selection holds %d entries, beyond its capacity %lld", who, n,
               static_cast<long long>(actual.capacity));
   KVP_REQUIRE(n == 0 || actual.indices != nullptr, "%s: actual selection indices is null with %d entries", who, n);
+  if (on_device) return Status::ok();
   for (std::int32_t i = 0; i < n; ++i)
     KVP_REQUIRE(actual.indices[i] >= 0 && actual.indices[i] < num_pages, "%s: actual selection indices[%d] is %d, out of the pool [0, %d)",
                 who, i, actual.indices[i], num_pages);
@@ -122,38 +177,47 @@ inline Status check_actual(const char* who, const PageSelection& actual, std::in
 }
 
 /// The shared `observe`: validates, then counts `actual` into `c` and
-/// advances the history by one observation (see the header comment).
-inline Status observe(const char* who, PrefetchHistory& h, const PageSelection& actual, PrefetchCounters& c) noexcept {
-  KVP_RETURN_IF_ERROR(h.check(who));
-  KVP_RETURN_IF_ERROR(check_actual(who, actual, h.num_pages));
+/// advances the history by one observation (see the header comment). On a
+/// device backend `actual.indices`, the history's buffer and `c` are device
+/// memory (`actual.indptr` is a host array), counted by one op.
+template <class Backend>
+Status observe(const Context<Backend>& ctx, const char* who, PrefetchHistory& h, const PageSelection& actual,
+               PrefetchCounters& c) noexcept {
+  constexpr bool on_device = kDeviceBackend<Backend>;
+  KVP_RETURN_IF_ERROR(on_device ? h.check_device(who) : h.check(who));
+  KVP_RETURN_IF_ERROR(check_actual(who, actual, h.num_pages, on_device));
   const std::int64_t s = h.step;
   const bool has_prediction = h.predicted_for == s;
-  PrefetchCounters d;
   const std::int32_t n = actual.num_rows == 0 ? 0 : actual.indptr[actual.num_rows];
-  for (std::int32_t i = 0; i < n; ++i) {
-    const std::int32_t p = actual.indices[i];
-    if (h.used_at[p] == s) continue;  // another row (head, sequence) already read it
-    const bool prev = s >= 1 && h.used_at[p] == s - 1;
-    const bool pred = has_prediction && h.predicted_at[p] == h.serial;
-    ++d.needed;
-    if (has_prediction) ++(pred ? d.hits : d.misses);
-    if (s >= 1) {
-      ++d.reuse_total;
-      if (prev) ++d.reused;
-    }
-    if (!prev && !pred) ++d.late;
-    h.used_at[p] = s;
+  if constexpr (on_device) {
+    const detail::BackendCall<Backend> call(ctx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    ops::prefetch_observe<Backend>(actual.indices, n, h.used_at, h.predicted_at, h.pending, s, has_prediction, h.serial, &c);
+    KVP_RETURN_IF_ERROR(call.end());
+  } else {
+    (void)ctx;
+    const std::int64_t pending[2] = {h.predicted_count, h.predicted_new};
+    ops::prefetch_ref::observe(actual.indices, n, h.used_at, h.predicted_at, pending, s, has_prediction, h.serial, &c);
   }
-  if (has_prediction) {
-    d.predicted = h.predicted_count;
-    d.wasted = h.predicted_count - d.hits;
-    d.predicted_steps = 1;
-  }
-  d.transferred = (has_prediction ? h.predicted_new : 0) + d.late;
-  d.steps = 1;
-  c += d;
   h.step = s + 1;
   return Status::ok();
+}
+
+/// `observe` of a host history (backend::Scalar's).
+inline Status observe(const char* who, PrefetchHistory& h, const PageSelection& actual, PrefetchCounters& c) noexcept {
+  return observe(Context<backend::Scalar>{}, who, h, actual, c);
+}
+
+/// kUnsupported for a prefetcher that has no device path yet, before anything is read.
+template <class Backend>
+Status refuse_device(const char* who) noexcept {
+  if constexpr (kDeviceBackend<Backend>)
+    return Status::error(StatusCode::kUnsupported,
+                         "%s: not available on a device backend (its prediction runs on the host only; "
+                         "quest_lookahead runs on a device)",
+                         who);
+  else
+    return Status::ok();
 }
 
 /// Priority of a table entry the prediction does not name.
@@ -174,27 +238,29 @@ inline std::int64_t table_entries(const PageTable& table) noexcept { return tabl
 inline void write_request(PrefetchHistory& h, const PageTable& table, const float* prio, std::uint64_t* keys,
                           PrefetchRequest& out) noexcept {
   const std::int64_t n = table_entries(table);
-  std::int64_t m = 0;
-  for (std::int64_t i = 0; i < n; ++i)
-    if (!std::isnan(prio[i])) keys[m++] = (static_cast<std::uint64_t>(score_order_key(prio[i])) << 32) | static_cast<std::uint64_t>(i);
-  std::sort(keys, keys + m, [](std::uint64_t a, std::uint64_t b) { return a > b; });
   const std::int64_t target = h.step, serial = h.serial + 1;
-  std::int64_t size = 0, fresh = 0;
-  for (std::int64_t j = 0; j < m; ++j) {
-    const auto i = static_cast<std::int64_t>(keys[j] & 0xffffffffu);
-    const std::int32_t p = table.indices[i];
-    if (h.predicted_at[p] == serial) continue;
-    h.predicted_at[p] = serial;
-    if (!(target >= 1 && h.used_at[p] == target - 1)) ++fresh;
-    out.pages[size] = p;
-    if (out.priority != nullptr) out.priority[size] = prio[i];
-    ++size;
-  }
-  out.size = size;
+  std::int64_t pending[2] = {0, 0};
+  ops::prefetch_ref::write_request(prio, table.indices, n, h.predicted_at, h.used_at, pending, target, serial, out.pages, out.priority,
+                                   &out.size, keys);
   h.serial = serial;
   h.predicted_for = target;
-  h.predicted_count = size;
-  h.predicted_new = fresh;
+  h.predicted_count = pending[0];
+  h.predicted_new = pending[1];
+}
+
+/// `write_request` on a device backend (inside the caller's backend call):
+/// `prio`, `table.indices`, the history's buffer, `out.pages` /
+/// `out.priority` and `ws` (`ops::prefetch_request_workspace`) are device
+/// memory. The size goes to `h.pending[0]` and `out.device_size` (when set);
+/// `out.size` is set to -1 (unknown to the host), the pages past the size to -1.
+template <class Backend>
+void write_request_on_device(PrefetchHistory& h, const PageTable& table, const float* prio, PrefetchRequest& out, Workspace ws) noexcept {
+  const std::int64_t target = h.step, serial = h.serial + 1;
+  ops::prefetch_write_request<Backend>(prio, table.indices, table_entries(table), h.predicted_at, h.used_at, h.pending, target, serial,
+                                       out.pages, out.priority, out.device_size, ws);
+  out.size = -1;
+  h.serial = serial;
+  h.predicted_for = target;
 }
 
 /// Marks every entry of `table` predicted with priority 1 (a dense layer).
@@ -213,15 +279,20 @@ inline void add_reuse(const PrefetchHistory& h, const PageTable& table, float re
 }
 
 /// Common checks of a predict call: history against the pool, the table,
-/// queries shape against the heads, output capacity for the whole table.
+/// queries shape against the heads, output capacity for the whole table
+/// (`on_device`: the page ids are not read, the queries must be device memory).
 template <class Tq>
 Status check_predict(const char* who, const PrefetchHistory& h, const TensorView<const Tq, 3>& queries, const PageTable& table,
                      std::int32_t page_size, std::int32_t num_kv_heads, std::int32_t head_dim, const PrefetchRequest& out,
-                     std::int32_t* group) noexcept {
-  KVP_RETURN_IF_ERROR(h.check(who));
-  KVP_RETURN_IF_ERROR(table.validate(who, h.num_pages, page_size));
+                     std::int32_t* group, bool on_device = false) noexcept {
+  KVP_RETURN_IF_ERROR(on_device ? h.check_device(who) : h.check(who));
+  KVP_RETURN_IF_ERROR(table.validate(who, h.num_pages, page_size, /*check_ids=*/!on_device));
   KVP_RETURN_IF_ERROR(queries.check_basic(who, "queries"));
-  KVP_REQUIRE(queries.device().is_host(), "%s: queries is a device tensor; this entry point reads host memory", who);
+  if (on_device) {
+    KVP_REQUIRE(!queries.device().is_host(), "%s: queries is host memory; a device backend reads device memory (tag the view kCUDA)", who);
+  } else {
+    KVP_REQUIRE(queries.device().is_host(), "%s: queries is a device tensor; this entry point reads host memory", who);
+  }
   KVP_REQUIRE(queries.extent(0) == table.batch, "%s: queries has %lld sequences, the page table has batch %d", who,
               static_cast<long long>(queries.extent(0)), table.batch);
   KVP_REQUIRE(queries.extent(2) == head_dim, "%s: queries head_dim is %lld, the state has %d", who,

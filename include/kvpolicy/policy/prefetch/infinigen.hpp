@@ -192,6 +192,7 @@ class InfiniGen {
   template <class Backend, class Tq, class Tk>
   Status prepare(const Context<Backend>& ctx, TensorView<const Tq, 3> queries, const PagedKVView<const Tk>& keys,
                  State& st) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     KVP_RETURN_IF_ERROR(check_keys(keys, st));
@@ -253,6 +254,7 @@ class InfiniGen {
   /// sequence; nullptr: every token of the table). Needs `prepare` first.
   template <class Backend, class Tk>
   Status on_append(const Context<Backend>&, const AppendInput<Tk>& app, State& st) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(check_state(st));
     KVP_REQUIRE(st.prepared, "infinigen: on_append before prepare (the partial channels come from the prompt queries)");
     KVP_RETURN_IF_ERROR(check_keys(app.kv, st));
@@ -270,6 +272,7 @@ class InfiniGen {
   /// input is validated before `out` or the history is written.
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
@@ -340,6 +343,7 @@ class InfiniGen {
                                                                       const PageTable& table, std::int32_t target_layer,
                                                                       TensorView<float, 3> q, PrefetchRequest& out)
   const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_REQUIRE(positions != nullptr || table.batch == 0, "infinigen: positions is null");
     KVP_REQUIRE(x.extent(0) == table.batch && q.extent(0) == table.batch,
                 "infinigen: x has %lld rows and q %lld sequences, the page table has batch %d", static_cast<long long>(x.extent(0)),
@@ -360,6 +364,7 @@ class InfiniGen {
 
   template <class Backend>
   Status observe(const Context<Backend>&, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     return prefetch_detail::observe(kName, st.history, actual, counters);
   }
 

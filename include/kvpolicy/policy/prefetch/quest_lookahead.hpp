@@ -37,8 +37,24 @@
 // Cost: one Quest select per layer and step (O(pages * Hq * d)) plus the
 // request sort (O(E log E), E = table entries). Thread-safety: const; the
 // state is the caller's.
+//
+// On a device backend (`predict` / `observe` with e.g. backend::Cuda) the
+// queries, the metadata, `table.indices`, the history's buffer (built with
+// `PrefetchHistory::wrap`, cleared with `reset(ctx)`), the request's pages and
+// priorities, the counters of `observe` and the workspace are device memory;
+// `table.indptr` / `last_page_len` and the observed selection's `indptr` are
+// host arrays, as for Quest. Per sequence: Quest's device selection, then one
+// vote-count launch over its rows' logical pages; then one launch turning the
+// votes into priorities (the same fp32 additions as the host, so the same
+// bits), and the request (a radix sort of the (priority, entry) keys and one
+// block listing each page at its most urgent entry). Nothing returns to the
+// host: the request's size is device data (`PrefetchRequest::device_size`,
+// `size` = -1) and its pages past the size are -1. At most
+// `kMaxDeviceRows` selection rows per sequence (query heads with kPerQueryHead,
+// else kv heads); the same requests and counters as on the host, bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -102,7 +118,11 @@ class QuestLookahead {
       return r;
     }
     const std::int64_t entries = shape.batch * ((shape.max_kv_len + page_size - 1) / page_size);
-    r.workspace_bytes = layout(q.workspace_bytes, q.output.rows, q.output.capacity, entries).total();
+    if constexpr (kDeviceBackend<Backend>) {
+      r.workspace_bytes = device_layout<Backend>(q.workspace_bytes, q.output.capacity, entries).total();
+    } else {
+      r.workspace_bytes = layout(q.workspace_bytes, q.output.rows, q.output.capacity, entries).total();
+    }
     r.output = OutputSize{1, entries};
     r.query_window = 1;
     return r;
@@ -115,6 +135,36 @@ class QuestLookahead {
   /// history.
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    if constexpr (kDeviceBackend<Backend>)
+      return predict_on_device(ctx, st, next, out);
+    else
+      return predict_on_host(ctx, st, next, out);
+  }
+
+  /// Counts the pages the step actually read (`actual`, any rows over the
+  /// pool) into `counters` and advances the history (history.hpp).
+  /// On a device backend `actual.indices`, the history and `counters` are
+  /// device memory (`actual.indptr` a host array): one launch, nothing read back.
+  template <class Backend>
+  Status observe(const Context<Backend>& ctx, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
+    return prefetch_detail::observe(ctx, kName, st.history, actual, counters);
+  }
+
+  /// Selection rows per sequence a device prediction handles (their offsets live on the host stack).
+  static constexpr std::int64_t kMaxDeviceRows = 1024;
+
+  /// The Quest selection the prediction runs (page budget B_L).
+  constexpr Quest quest() const noexcept {
+    QuestParams qp;
+    qp.page_budget = params_.page_budget;
+    qp.dense_layers = params_.dense_layers;
+    qp.gqa = params_.gqa;
+    return Quest(qp);
+  }
+
+ private:
+  template <class Backend, class Tq>
+  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(st.meta.check_basic(kName));
     KVP_REQUIRE(st.meta.num_pages == st.history.num_pages, "quest_lookahead: metadata has %d pages, the history %d", st.meta.num_pages,
@@ -155,23 +205,91 @@ class QuestLookahead {
     return Status::ok();
   }
 
-  /// Counts the pages the step actually read (`actual`, any rows over the
-  /// pool) into `counters` and advances the history (history.hpp).
+  /// `predict` on a device backend (header comment, "On a device backend").
+  template <class Backend, class Tq>
+  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(st.meta.check_basic(kName, /*on_device=*/true));
+    KVP_REQUIRE(st.meta.num_pages == st.history.num_pages, "quest_lookahead: metadata has %d pages, the history %d", st.meta.num_pages,
+                st.history.num_pages);
+    std::int32_t G = 0;
+    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.meta.num_kv_heads,
+                                                       st.meta.head_dim, out, &G, /*on_device=*/true));
+    const Quest q = quest();
+    const ProblemShape shape{.num_q_heads = next.queries.extent(1), .num_kv_heads = st.meta.num_kv_heads, .head_dim = st.meta.head_dim};
+    Quest::Plan plan;
+    KVP_RETURN_IF_ERROR(q.plan(ctx, next, shape, plan));
+    const PageTable& table = next.table;
+    const std::int64_t entries = prefetch_detail::table_entries(table);
+    const std::int64_t rows = table.batch == 0 ? 0 : plan.requirements.output.rows / table.batch;
+    KVP_REQUIRE(rows <= kMaxDeviceRows, "quest_lookahead: %lld selection rows per sequence on a device, at most %lld",
+                static_cast<long long>(rows), static_cast<long long>(kMaxDeviceRows));
+    const DeviceLayout lay = device_layout<Backend>(plan.requirements.workspace_bytes, plan.requirements.output.capacity, entries);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, lay.total()));
+    WorkspaceCarver c(ctx.workspace);
+    std::byte* qws = c.take<std::byte>(lay.quest_bytes);
+    std::int32_t* sel_ids = c.take<std::int32_t>(lay.cap);
+    std::int32_t* sel_logical = c.take<std::int32_t>(lay.cap);
+    std::int32_t* counts = c.take<std::int32_t>(lay.entries);
+    float* prio = c.take<float>(lay.entries);
+    std::byte* rws = c.take<std::byte>(lay.request_bytes);
+
+    // Every sequence's plan before anything is enqueued, so a refusal changes nothing.
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      if (table.num_pages(b) == 0) continue;
+      const std::int32_t sub_indptr[2] = {0, table.num_pages(b)};
+      Quest::Plan pb;
+      KVP_RETURN_IF_ERROR(q.plan(ctx, sequence_input(next, b, sub_indptr), shape, pb));
+      KVP_REQUIRE(pb.requirements.workspace_bytes <= lay.quest_bytes && pb.requirements.output.capacity <= lay.cap &&
+                      pb.requirements.output.rows == rows,
+                  "quest_lookahead: sequence %d's selection does not fit the batch's plan", b);
+    }
+    const detail::BackendCall<Backend> call(ctx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    std::int32_t indptr[kMaxDeviceRows + 1], last[kMaxDeviceRows];
+    for (std::int32_t b = 0; b < table.batch; ++b) {
+      const std::int32_t n = table.num_pages(b);
+      if (n == 0) continue;
+      const std::int32_t sub_indptr[2] = {0, n};
+      const DecodeInput<Tq> in = sequence_input(next, b, sub_indptr);
+      Quest::Plan pb;
+      KVP_RETURN_IF_ERROR(q.plan(ctx, in, shape, pb));
+      const PageSelection sel{indptr, sel_ids, last, sel_logical, rows, pb.requirements.output.capacity};
+      KVP_RETURN_IF_ERROR(q.select(ctx.with_workspace(Workspace{qws, lay.quest_bytes}), pb, in, st.meta, sel));
+      const std::int64_t len = rows == 0 ? 0 : indptr[1] - indptr[0];  // Quest's rows of one sequence have one length
+      ops::prefetch_votes<Backend>(sel_logical, rows, len, len, n, counts + table.indptr[b]);
+    }
+    const float unit = 1.0f / static_cast<float>(std::max<std::int64_t>(rows, 1));
+    const std::int64_t reuse_step = params_.reuse_previous && st.history.step >= 1 ? st.history.step - 1 : -1;
+    ops::prefetch_vote_priorities<Backend>(counts, table.indices, entries, unit, st.history.used_at, reuse_step, 0.0f, prio);
+    prefetch_detail::write_request_on_device<Backend>(st.history, table, prio, out, Workspace{rws, lay.request_bytes});
+    return call.end();
+  }
+
+  /// Sequence b of `next` as a batch of one (`sub_indptr` = {0, its pages}).
+  template <class Tq>
+  static DecodeInput<Tq> sequence_input(const DecodeInput<Tq>& next, std::int32_t b, const std::int32_t* sub_indptr) noexcept {
+    DecodeInput<Tq> in = next;
+    in.queries = next.queries.narrow(0, b, 1);
+    in.table = PageTable{sub_indptr, next.table.indices + next.table.indptr[b], next.table.last_page_len + b, 1};
+    return in;
+  }
+
+  struct DeviceLayout {
+    std::size_t quest_bytes = 0, request_bytes = 0;
+    std::int64_t cap = 0, entries = 0;
+    std::size_t total() const noexcept {
+      WorkspacePlan p;
+      p.add_bytes(quest_bytes).add<std::int32_t>(static_cast<std::size_t>(cap)).add<std::int32_t>(static_cast<std::size_t>(cap));
+      p.add<std::int32_t>(static_cast<std::size_t>(entries)).add<float>(static_cast<std::size_t>(entries)).add_bytes(request_bytes);
+      return p.total();
+    }
+  };
   template <class Backend>
-  Status observe(const Context<Backend>&, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
-    return prefetch_detail::observe(kName, st.history, actual, counters);
+  static DeviceLayout device_layout(std::size_t quest_bytes, std::int64_t cap, std::int64_t entries) noexcept {
+    return DeviceLayout{quest_bytes, ops::prefetch_request_workspace<Backend>(entries), std::max<std::int64_t>(cap, 1), entries};
   }
 
-  /// The Quest selection the prediction runs (page budget B_L).
-  constexpr Quest quest() const noexcept {
-    QuestParams qp;
-    qp.page_budget = params_.page_budget;
-    qp.dense_layers = params_.dense_layers;
-    qp.gqa = params_.gqa;
-    return Quest(qp);
-  }
-
- private:
   struct Layout {
     std::size_t quest_bytes = 0;
     std::int64_t rows = 0, cap = 0, entries = 0;

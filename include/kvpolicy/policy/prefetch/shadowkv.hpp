@@ -159,6 +159,7 @@ class ShadowKV {
   /// (`app.append_len[b]` per sequence; nullptr: every complete chunk of the table).
   template <class Backend, class Tk>
   Status on_append(const Context<Backend>&, const AppendInput<Tk>& app, State& st) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(check_state(st));
     const PagedKVView<const Tk>& keys = app.kv;
     KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false));
@@ -211,6 +212,7 @@ class ShadowKV {
   /// queries `next.queries` (batch, Hq, d) post-RoPE (the current step's).
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
     KVP_RETURN_IF_ERROR(
@@ -299,6 +301,7 @@ class ShadowKV {
 
   template <class Backend>
   Status observe(const Context<Backend>&, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     return prefetch_detail::observe(kName, st.history, actual, counters);
   }
 

@@ -150,6 +150,7 @@ class SpeCache {
   /// checked finite before anything is written.
   template <class Backend, class Tk>
   Status on_append(const Context<Backend>&, const AppendInput<Tk>& app, State& st) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     const PagedKVView<const Tk>& keys = app.kv;
@@ -195,6 +196,7 @@ class SpeCache {
   /// speculative token's queries `next.queries` (batch, Hq, d) post-RoPE.
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_RETURN_IF_ERROR(check_state(st));
     std::int32_t G = 0;
@@ -254,6 +256,7 @@ class SpeCache {
 
   template <class Backend>
   Status observe(const Context<Backend>&, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
+    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
     return prefetch_detail::observe(kName, st.history, actual, counters);
   }
 

@@ -35,6 +35,7 @@
 #include "kvpolicy/core/status.hpp"
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/adakv_keep.hpp"
+#include "kvpolicy/ops/prefetch_ops.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 #include "kvpolicy/quant/fp8.hpp"
@@ -381,6 +382,37 @@ struct Cuda {
                              float* retained_cur_device, std::int64_t rc_stride, Workspace ws_device) noexcept;
 
   // ---- Ada-KV: one sequence's decision on the device ----------------------
+
+  // ---- prefetch (ops/prefetch_ops.hpp: semantics and host reference) ----
+
+  /// A history buffer of `num_pages` pages: stamps -1, the two pending counts 0.
+  static void prefetch_history_reset(std::int64_t* buf_device, std::int32_t num_pages) noexcept;
+  /// counts[0..entries) zeroed, then one integer atomic add per logical page
+  /// of `rows` rows (row r at logical + r * ld, `row_len` entries).
+  static void prefetch_votes(const std::int32_t* logical_device, std::int64_t rows, std::int64_t row_len, std::int64_t ld,
+                             std::int64_t entries, std::int32_t* counts_device) noexcept;
+  /// A thread per entry: `unit` added counts[e] times in fp32 (the host's
+  /// additions, the same bits), else the reuse priority, else NaN.
+  static void prefetch_vote_priorities(const std::int32_t* counts_device, const std::int32_t* entry_pages_device, std::int64_t entries,
+                                       float unit, const std::int64_t* used_at_device, std::int64_t reuse_step, float reuse_priority,
+                                       float* prio_device) noexcept;
+  /// Bytes of device workspace `prefetch_write_request` needs (the keys twice and cub's radix-sort scratch).
+  static std::size_t prefetch_request_workspace(std::int64_t entries) noexcept;
+  /// The request: (score_order_key, entry) keys radix-sorted descending, then
+  /// one block walks them in order; a page is claimed by its most urgent
+  /// entry through an atomicMin on its `predicted_at` stamp, the winners are
+  /// compacted in order (pages, priorities), the rest padded with -1 / NaN;
+  /// pending = {size, pages the previous observation had not read}; `out_size` optional.
+  static void prefetch_write_request(const float* prio_device, const std::int32_t* entry_pages_device, std::int64_t entries,
+                                     std::int64_t* predicted_at_device, const std::int64_t* used_at_device, std::int64_t* pending_device,
+                                     std::int64_t target, std::int64_t serial, std::int32_t* out_pages_device, float* out_priority_device,
+                                     std::int64_t* out_size_device, Workspace ws_device) noexcept;
+  /// One block: each read page's `used_at` stamp swapped for `step` (a page
+  /// read by several rows counts once, whichever comes first), integer counts
+  /// added into `*counters` (device memory).
+  static void prefetch_observe(const std::int32_t* pages_device, std::int64_t n, std::int64_t* used_at_device,
+                               const std::int64_t* predicted_at_device, const std::int64_t* pending_device, std::int64_t step,
+                               bool has_prediction, std::int64_t serial, PrefetchCounters* counters_device) noexcept;
 
   /// Bytes of device workspace `adakv_keep` needs for a (rows, T) score map:
   /// a ranked copy of the map (the original's normalisation), one threshold

@@ -1,0 +1,341 @@
+// Quest lookahead's device path on the emulated device (the scalar ops behind
+// a CallScope, tests/policy/emulated_device.hpp) against the host path: the
+// same requests, priorities, history stamps and counters over several steps,
+// with the device's dense request form (pages past the size -1); the history
+// reset on a device; and the refusals (host memory on a device, a history
+// without its pending slots, the prefetchers that have no device path).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../emulated_device.hpp"
+#include "kvpolicy/ops/prefetch_ops.hpp"
+#include "prefetch_fixture.hpp"
+
+using namespace kvpolicy;
+using namespace prefetch_test;
+using backend::Scalar;
+using kvp_test::EmulatedDevice;
+using kvp_test::kEmulatedDevice;
+
+namespace {
+
+bool same_bits(float a, float b) {
+  std::uint32_t x = 0, y = 0;
+  std::memcpy(&x, &a, 4);
+  std::memcpy(&y, &b, 4);
+  return x == y;
+}
+
+void require_same_counters(const PrefetchCounters& a, const PrefetchCounters& b) {
+  CHECK(a.hits == b.hits);
+  CHECK(a.misses == b.misses);
+  CHECK(a.wasted == b.wasted);
+  CHECK(a.predicted == b.predicted);
+  CHECK(a.needed == b.needed);
+  CHECK(a.reused == b.reused);
+  CHECK(a.reuse_total == b.reuse_total);
+  CHECK(a.late == b.late);
+  CHECK(a.transferred == b.transferred);
+  CHECK(a.steps == b.steps);
+  CHECK(a.predicted_steps == b.predicted_steps);
+}
+
+/// A batch over one pool: sequences of `lens` tokens on distinct, shuffled pages.
+Pool make_pool(const std::vector<std::int64_t>& lens, std::int32_t kv_heads, std::int32_t page_size, std::int32_t d, unsigned seed) {
+  std::int32_t pages = 3;
+  for (auto l : lens) pages += static_cast<std::int32_t>((l + page_size - 1) / page_size);
+  Pool pool(pages, kv_heads, page_size, d);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(pages));
+  for (std::int32_t i = 0; i < pages; ++i) ids[static_cast<std::size_t>(i)] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::size_t at = 0;
+  for (auto l : lens) {
+    const auto n = static_cast<std::size_t>((l + page_size - 1) / page_size);
+    pool.add_sequence(
+        std::vector<std::int32_t>(ids.begin() + static_cast<std::ptrdiff_t>(at), ids.begin() + static_cast<std::ptrdiff_t>(at + n)), l);
+    at += n;
+  }
+  pool.fill_integers(seed, 3);  // integer keys: ties between pages' bounds are common
+  return pool;
+}
+
+struct Case {
+  QuestLookaheadParams params;
+  std::vector<std::int64_t> lens;
+  std::int32_t kv_heads = 2, group = 2, page_size = 4, head_dim = 8;
+  std::int32_t actual_budget = 3;  // pages per row the engine's own Quest selection reads
+  int layers_from = 0;             // first layer of the run (dense_layers decides which are dense)
+};
+
+void run_case(const Case& cs, unsigned seed) {
+  Pool pool = make_pool(cs.lens, cs.kv_heads, cs.page_size, cs.head_dim, seed);
+  QuestMeta qm(pool);
+  const PageMetaView<const float> host_meta = qm.meta;
+  const PageMetaView<const float> dev_meta =
+      PageMetaView<const float>::contiguous(qm.buf.data(), pool.num_pages, pool.kv_heads, pool.head_dim, kEmulatedDevice);
+  const QuestLookahead<float> pol(cs.params);
+  const std::int32_t Hq = cs.kv_heads * cs.group;
+  std::int64_t max_len = 0;
+  for (auto l : cs.lens) max_len = std::max(max_len, l);
+  const ProblemShape shape{.num_q_heads = Hq,
+                           .num_kv_heads = cs.kv_heads,
+                           .head_dim = cs.head_dim,
+                           .max_kv_len = max_len,
+                           .batch = static_cast<std::int64_t>(cs.lens.size())};
+  const Requirements hreq = pol.requirements(Context<Scalar>{}, shape, cs.page_size);
+  const Requirements dreq = pol.requirements(Context<EmulatedDevice>{}, shape, cs.page_size);
+  REQUIRE(hreq.status.is_ok());
+  REQUIRE(dreq.status.is_ok());
+  REQUIRE(dreq.output.capacity == hreq.output.capacity);
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes, kvp_test::kWorkspacePoison);
+  const Context<Scalar> hctx{Workspace{hws.data(), hws.size()}};
+  const Context<EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
+
+  HistoryBuf hb;
+  QuestLookaheadState<float> hst{host_meta, hb.make(pool.num_pages)};
+  std::vector<std::int64_t> dbuf(static_cast<std::size_t>(PrefetchHistory::buffer_size(pool.num_pages)), 77);
+  QuestLookaheadState<float> dst{dev_meta, PrefetchHistory::wrap(dbuf.data(), pool.num_pages)};
+  REQUIRE(dst.history.reset(dctx).is_ok());
+  REQUIRE(dbuf == hb.buf);
+
+  QuestParams ap;
+  ap.page_budget = cs.actual_budget;
+  ap.dense_layers = 0;
+  const Quest actual_quest(ap);
+  PrefetchCounters hc, dc;
+  std::mt19937 rng(seed * 31 + 7);
+  std::uniform_int_distribution<int> qv(-3, 3);
+  const std::int64_t E = pool.indptr.back();
+  for (int step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    const int layer = cs.layers_from + (step % 3);
+    std::vector<float> q(static_cast<std::size_t>(cs.lens.size()) * static_cast<std::size_t>(Hq * cs.head_dim));
+    for (auto& x : q) x = static_cast<float>(qv(rng));
+    const auto b = static_cast<std::int64_t>(cs.lens.size());
+    const DecodeInput<float> hin{TensorView<const float, 3>::contiguous(q.data(), {b, Hq, cs.head_dim}), pool.table(), cs.page_size, layer};
+    const DecodeInput<float> din{TensorView<const float, 3>::contiguous(q.data(), {b, Hq, cs.head_dim}, kEmulatedDevice), pool.table(),
+                                 cs.page_size, layer};
+    if (step != 2) {  // one step without a prediction: observe counts it as such on both sides
+      Request hr(hreq.output.capacity), dr(dreq.output.capacity);
+      std::int64_t dsize = -5;
+      dr.req.device_size = &dsize;
+      REQUIRE(pol.predict(hctx, hst, hin, hr.req).is_ok());
+      REQUIRE(pol.predict(dctx, dst, din, dr.req).is_ok());
+      CHECK(dr.req.size == -1);
+      REQUIRE(dsize == hr.req.size);
+      for (std::int64_t j = 0; j < hr.req.size; ++j) {
+        INFO("request entry " << j);
+        REQUIRE(dr.pages[static_cast<std::size_t>(j)] == hr.pages[static_cast<std::size_t>(j)]);
+        REQUIRE(same_bits(dr.priority[static_cast<std::size_t>(j)], hr.priority[static_cast<std::size_t>(j)]));
+      }
+      for (std::int64_t j = hr.req.size; j < E; ++j) {
+        CHECK(dr.pages[static_cast<std::size_t>(j)] == -1);
+        CHECK(std::isnan(dr.priority[static_cast<std::size_t>(j)]));
+      }
+      CHECK(dbuf[static_cast<std::size_t>(2 * pool.num_pages)] == hst.history.predicted_count);
+      CHECK(dbuf[static_cast<std::size_t>(2 * pool.num_pages) + 1] == hst.history.predicted_new);
+    }
+    // The step's real selection (the engine's Quest with its own budget), observed on both sides.
+    Quest::Plan plan;
+    REQUIRE(actual_quest.plan(hctx, hin, shape, plan).is_ok());
+    std::vector<std::int32_t> indptr(static_cast<std::size_t>(plan.requirements.output.rows + 1)),
+        ids(static_cast<std::size_t>(std::max<std::int64_t>(plan.requirements.output.capacity, 1))),
+        last(static_cast<std::size_t>(plan.requirements.output.rows));
+    std::vector<std::byte> qws(plan.requirements.workspace_bytes);
+    const PageSelection sel{
+        indptr.data(), ids.data(), last.data(), nullptr, plan.requirements.output.rows, plan.requirements.output.capacity};
+    REQUIRE(actual_quest.select(Context<Scalar>{Workspace{qws.data(), qws.size()}}, plan, hin, host_meta, sel).is_ok());
+    REQUIRE(pol.observe(hctx, hst, sel, hc).is_ok());
+    REQUIRE(pol.observe(dctx, dst, sel, dc).is_ok());
+    require_same_counters(dc, hc);
+    // Stamps equal (the pending slots are device-only: the host keeps fields).
+    REQUIRE(std::equal(dbuf.begin(), dbuf.begin() + 2 * pool.num_pages, hb.buf.begin()));
+    CHECK(dst.history.step == hst.history.step);
+    CHECK(dst.history.serial == hst.history.serial);
+    CHECK(dst.history.predicted_for == hst.history.predicted_for);
+  }
+  CHECK(hc.steps == 6);
+  CHECK(hc.predicted_steps >= 1);
+}
+
+}  // namespace
+
+TEST_CASE("quest_lookahead on a device path: requests, priorities, stamps and counters equal the host's", "[prefetch][device]") {
+  Case base;
+  base.params.page_budget = 3;
+  base.params.dense_layers = 1;
+  base.lens = {37, 5, 64, 0, 21};
+  SECTION("per query head, reuse, a dense layer among sparse ones") { run_case(base, 1); }
+  SECTION("kv-head rows (group max), no reuse") {
+    Case c = base;
+    c.params.gqa = QuestGqa::kGroupMax;
+    c.params.reuse_previous = false;
+    c.layers_from = 1;
+    run_case(c, 2);
+  }
+  SECTION("group sum, a budget larger than some sequences, MHA") {
+    Case c = base;
+    c.params.gqa = QuestGqa::kGroupSum;
+    c.params.page_budget = 6;
+    c.group = 1;
+    c.kv_heads = 3;
+    c.lens = {90, 17, 4, 33};
+    run_case(c, 3);
+  }
+  SECTION("one sequence, page size 1") {
+    Case c = base;
+    c.page_size = 1;
+    c.lens = {23};
+    c.actual_budget = 5;
+    run_case(c, 4);
+  }
+}
+
+TEST_CASE("prefetch ops: the dense request form and the observe counts on the host reference", "[prefetch][device]") {
+  // Entries 0..4 over pages {4, 2, 4, 1, 0}: page 4 twice (its better entry wins), entry 4 not predicted.
+  const std::int32_t pages[5] = {4, 2, 4, 1, 0};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float prio[5] = {0.5f, 0.5f, 1.0f, 0.0f, nan};
+  std::vector<std::int64_t> buf(static_cast<std::size_t>(PrefetchHistory::buffer_size(5)));
+  ops::prefetch_history_reset<EmulatedDevice>(buf.data(), 5);
+  std::int64_t* predicted_at = buf.data();
+  std::int64_t* used_at = buf.data() + 5;
+  std::int64_t* pending = buf.data() + 10;
+  used_at[1] = 0;  // page 1 was read by observation 0
+  std::int32_t out[5];
+  float out_prio[5];
+  std::int64_t size = -3;
+  std::vector<std::byte> ws(ops::prefetch_request_workspace<EmulatedDevice>(5));
+  ops::prefetch_write_request<EmulatedDevice>(prio, pages, 5, predicted_at, used_at, pending, /*target=*/1, /*serial=*/1, out, out_prio,
+                                              &size, Workspace{ws.data(), ws.size()});
+  // 1.0 (entry 2, page 4), 0.5 ties -> later entry first: entry 1 (page 2), entry 0 (page 4: listed), 0.0 (page 1).
+  CHECK(size == 3);
+  CHECK(std::vector<std::int32_t>(out, out + 5) == std::vector<std::int32_t>{4, 2, 1, -1, -1});
+  CHECK(out_prio[0] == 1.0f);
+  CHECK(out_prio[1] == 0.5f);
+  CHECK(out_prio[2] == 0.0f);
+  CHECK(std::isnan(out_prio[3]));
+  CHECK(pending[0] == 3);
+  CHECK(pending[1] == 2);  // page 1 was read by observation 0 = target - 1
+  CHECK(predicted_at[4] == 1);
+  CHECK(predicted_at[0] == -1);
+
+  // Observation 1 reads pages 4, 0, 4 (two rows share page 4).
+  const std::int32_t read[3] = {4, 0, 4};
+  PrefetchCounters c;
+  ops::prefetch_observe<EmulatedDevice>(read, 3, used_at, predicted_at, pending, /*step=*/1, /*has_prediction=*/true, /*serial=*/1, &c);
+  CHECK(c.needed == 2);
+  CHECK(c.hits == 1);
+  CHECK(c.misses == 1);
+  CHECK(c.wasted == 2);
+  CHECK(c.predicted == 3);
+  CHECK(c.late == 1);
+  CHECK(c.reuse_total == 2);
+  CHECK(c.reused == 0);
+  CHECK(c.transferred == 2 + 1);
+  CHECK(used_at[4] == 1);
+  CHECK(used_at[0] == 1);
+  CHECK(used_at[1] == 0);
+
+  // Votes and priorities: three rows of two logical pages over 4 entries, unit 1/3.
+  const std::int32_t logical[6] = {0, 3, 3, 1, 3, 0};
+  std::int32_t counts[4] = {9, 9, 9, 9};
+  ops::prefetch_votes<EmulatedDevice>(logical, 3, 2, 2, 4, counts);
+  CHECK(std::vector<std::int32_t>(counts, counts + 4) == std::vector<std::int32_t>{2, 1, 0, 3});
+  const std::int32_t epages[4] = {0, 1, 2, 3};
+  float p4[4];
+  used_at[2] = 0;
+  ops::prefetch_vote_priorities<EmulatedDevice>(counts, epages, 4, 1.0f / 3.0f, used_at, /*reuse_step=*/0, -1.0f, p4);
+  CHECK(p4[0] == (1.0f / 3.0f) + (1.0f / 3.0f));
+  CHECK(p4[2] == -1.0f);  // reused page 2
+  CHECK(p4[3] == ((1.0f / 3.0f) + (1.0f / 3.0f)) + (1.0f / 3.0f));
+  ops::prefetch_vote_priorities<EmulatedDevice>(counts, epages, 4, 1.0f / 3.0f, used_at, /*reuse_step=*/-1, -1.0f, p4);
+  CHECK(std::isnan(p4[2]));
+}
+
+TEST_CASE("quest_lookahead on a device path: bad input is refused and nothing is written", "[prefetch][device]") {
+  Pool pool = make_pool({12, 7}, 1, 4, 4, 9);
+  QuestMeta qm(pool);
+  const PageMetaView<const float> dev_meta =
+      PageMetaView<const float>::contiguous(qm.buf.data(), pool.num_pages, pool.kv_heads, pool.head_dim, kEmulatedDevice);
+  const QuestLookahead<float> pol(QuestLookaheadParams{.page_budget = 2, .dense_layers = 0});
+  const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 4, .max_kv_len = 12, .batch = 2};
+  const Requirements req = pol.requirements(Context<EmulatedDevice>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<EmulatedDevice> ctx{Workspace{ws.data(), ws.size()}};
+  std::vector<std::int64_t> buf(static_cast<std::size_t>(PrefetchHistory::buffer_size(pool.num_pages)));
+  QuestLookaheadState<float> st{dev_meta, PrefetchHistory::wrap(buf.data(), pool.num_pages)};
+  REQUIRE(st.history.reset(ctx).is_ok());
+  const std::vector<std::int64_t> before = buf;
+  std::vector<float> q(8, 1.0f);
+  const DecodeInput<float> host_q{TensorView<const float, 3>::contiguous(q.data(), {2, 1, 4}), pool.table(), 4, 3};
+  const DecodeInput<float> dev_q{TensorView<const float, 3>::contiguous(q.data(), {2, 1, 4}, kEmulatedDevice), pool.table(), 4, 3};
+  Request r(req.output.capacity);
+
+  Status s = pol.predict(ctx, st, host_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("queries is host memory") != std::string::npos);
+
+  QuestLookaheadState<float> host_meta_st{qm.meta, st.history};
+  s = pol.predict(ctx, host_meta_st, dev_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("metadata is host memory") != std::string::npos);
+
+  QuestLookaheadState<float> no_pending{dev_meta, st.history};
+  no_pending.history.pending = nullptr;
+  s = pol.predict(ctx, no_pending, dev_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("pending") != std::string::npos);
+
+  Request small(pool.indptr.back() - 1);  // one entry short of the table
+  CHECK(pol.predict(ctx, st, dev_q, small.req).code() == StatusCode::kOutputTooSmall);
+
+  const Context<EmulatedDevice> tight{Workspace{ws.data(), ws.size() - 8}};
+  CHECK(pol.predict(tight, st, dev_q, r.req).code() == StatusCode::kWorkspaceTooSmall);
+
+  CHECK(buf == before);
+  CHECK(r.pages[0] == -7);
+  CHECK(st.history.serial == 0);
+
+  // Observe: a malformed CSR is refused before the device is touched.
+  std::vector<std::int32_t> bad_indptr{0, 3, 2}, ids{0, 1, 2}, last{1, 1};
+  const PageSelection bad{bad_indptr.data(), ids.data(), last.data(), nullptr, 2, 3};
+  PrefetchCounters c;
+  CHECK(pol.observe(ctx, st, bad, c).code() == StatusCode::kInvalidArgument);
+  CHECK(buf == before);
+  CHECK(st.history.step == 0);
+  CHECK(c.steps == 0);
+}
+
+TEST_CASE("prefetchers without a device path refuse a device backend by name", "[prefetch][device]") {
+  Pool pool = make_pool({12}, 1, 4, 4, 5);
+  const Context<EmulatedDevice> ctx{};
+  PrefetchCounters c;
+  Selection actual(PageRows{{0}});
+  {
+    const InfiniGen p;
+    InfiniGenBuf b(p, pool);
+    const Status s = p.observe(ctx, b.st, actual.sel, c);
+    CHECK(s.code() == StatusCode::kUnsupported);
+    CHECK(std::string(s.message()).find("infinigen") != std::string::npos);
+  }
+  {
+    const SpeCache p;
+    SpeCacheBuf b(p, pool);
+    CHECK(p.observe(ctx, b.st, actual.sel, c).code() == StatusCode::kUnsupported);
+    CHECK(p.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, b.st).code() == StatusCode::kUnsupported);
+  }
+  {
+    const ShadowKV p;
+    ShadowKVBuf b(p, pool);
+    CHECK(p.observe(ctx, b.st, actual.sel, c).code() == StatusCode::kUnsupported);
+  }
+  CHECK(c.steps == 0);
+}
