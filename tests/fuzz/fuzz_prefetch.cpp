@@ -2,7 +2,9 @@
 // page tables (sometimes repeated, out-of-range or short), queries (NaN / Inf
 // now and then), budgets, layers, request capacities and workspaces:
 // QuestLookahead (predict, then observe an actual selection) and SpeCache
-// (on_append of a ggml key copy, then predict), on Scalar and Cpu.
+// (on_append of a ggml key copy, then predict), on Scalar and Cpu; and
+// QuestLookahead's device path on the emulated device against the host path
+// (equal requests, stamps and counters whenever the host accepts the input).
 // Contract: no crash or sanitizer report; a failed call leaves the request
 // (pages, priorities, size), the history and the copied codes byte-identical;
 // an accepted request holds at most `capacity` distinct pages of the
@@ -11,6 +13,7 @@
 
 #include "fuzz_util.hpp"
 #include "kvpolicy/backends/cpu.hpp"
+#include "policy/emulated_device_ops.hpp"
 #include "policy/prefetch/prefetch_fixture.hpp"
 
 using namespace kvpolicy;
@@ -161,15 +164,103 @@ void specache(FuzzedDataProvider& fdp) {
   if (!s.is_ok()) KVP_FUZZ_CHECK(buf.hist == hist0, "specache predict failed but changed the history");
 }
 
+/// Quest lookahead's device path (the emulated device: the scalar ops behind a CallScope) against the host
+/// path on the same valid pool, table, finite queries and actual selections, over three steps: whenever the
+/// host accepts a call the device accepts it too, with the same request (pages, priorities, size; -1 past
+/// the size), the same history stamps and the same counters. (A device path does not read page ids or
+/// values on the host, so only inputs the host accepts are compared.)
+void quest_lookahead_device(FuzzedDataProvider& fdp) {
+  Setup su(fdp, fdp.ConsumeIntegralInRange<std::int32_t>(1, 8));
+  if (!su.pool.table().validate("fuzz", su.pool.num_pages, su.pool.page_size).is_ok()) return;
+  const std::int64_t E = su.pool.indptr[static_cast<std::size_t>(su.batch())];  // the table's entries (a short indptr uses fewer ids)
+  std::vector<int> uses(static_cast<std::size_t>(su.pool.num_pages), 0);
+  for (std::int64_t e = 0; e < E; ++e)  // ids past indptr[batch] are not the table's (and may be out of range)
+    if (uses[static_cast<std::size_t>(su.pool.indices[static_cast<std::size_t>(e)])]++ > 0)
+      return;  // repeated: host refuses, device does not check
+  QuestLookaheadParams p;
+  p.page_budget = mostly_in(fdp, 1, 5);
+  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  p.reuse_previous = fdp.ConsumeBool();
+  constexpr QuestGqa kModes[3] = {QuestGqa::kPerQueryHead, QuestGqa::kGroupMax, QuestGqa::kGroupSum};  // kUnion: host only
+  p.gqa = kModes[fdp.ConsumeIntegralInRange<int>(0, 2)];
+  const QuestLookahead<float> pol(p);
+  QuestMeta qm(su.pool);
+  const PageMetaView<const float> dmeta = PageMetaView<const float>::contiguous(qm.buf.data(), su.pool.num_pages, su.pool.kv_heads,
+                                                                                su.pool.head_dim, kvp_test::kEmulatedDevice);
+  HistoryBuf hb;
+  QuestLookaheadState<float> hst{qm.meta, hb.make(su.pool.num_pages)};
+  std::vector<std::int64_t> dbuf(hb.buf.size(), 5);
+  QuestLookaheadState<float> dst{dmeta, PrefetchHistory::wrap(dbuf.data(), su.pool.num_pages)};
+  const ProblemShape shape{.num_q_heads = su.Hq,
+                           .num_kv_heads = su.pool.kv_heads,
+                           .head_dim = su.pool.head_dim,
+                           .max_kv_len = static_cast<std::int64_t>(su.pool.num_pages) * su.pool.page_size,
+                           .batch = su.batch()};
+  const Requirements hreq = pol.requirements(Context<backend::Scalar>{}, shape, su.pool.page_size);
+  const Requirements dreq = pol.requirements(Context<kvp_test::EmulatedDevice>{}, shape, su.pool.page_size);
+  KVP_FUZZ_CHECK(hreq.status.is_ok() == dreq.status.is_ok(), "requirements disagree: %s / %s", hreq.status.message(),
+                 dreq.status.message());
+  if (!hreq.status.is_ok()) return;
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes, std::byte{0xFF});
+  const Context<backend::Scalar> hctx{Workspace{hws.data(), hws.size()}};
+  const Context<kvp_test::EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
+  KVP_FUZZ_CHECK(dst.history.reset(dctx).is_ok() && dbuf == hb.buf, "device history reset differs from the host's");
+  PrefetchCounters hc, dc;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> q(static_cast<std::size_t>(su.batch() * su.Hq * su.pool.head_dim));
+    for (auto& x : q) x = fdp.ConsumeFloatingPointInRange<float>(-2, 2);
+    const std::int32_t layer = fdp.ConsumeIntegralInRange<std::int32_t>(0, 3);
+    const DecodeInput<float> hin{TensorView<const float, 3>::contiguous(q.data(), {su.batch(), su.Hq, su.pool.head_dim}), su.pool.table(),
+                                 su.pool.page_size, layer};
+    const DecodeInput<float> din{
+        TensorView<const float, 3>::contiguous(q.data(), {su.batch(), su.Hq, su.pool.head_dim}, kvp_test::kEmulatedDevice), su.pool.table(),
+        su.pool.page_size, layer};
+    if (fdp.ConsumeBool()) {
+      Request hr(E), dr(E);
+      std::int64_t dsize = -9;
+      dr.req.device_size = &dsize;
+      const Status hs = pol.predict(hctx, hst, hin, hr.req);
+      if (!hs.is_ok()) return;
+      const Status ds = pol.predict(dctx, dst, din, dr.req);
+      KVP_FUZZ_CHECK(ds.is_ok(), "the host accepted a prediction the device refused: %s", ds.message());
+      KVP_FUZZ_CHECK(dr.req.size == -1 && dsize == hr.req.size, "device size %lld, host %lld", static_cast<long long>(dsize),
+                     static_cast<long long>(hr.req.size));
+      for (std::int64_t j = 0; j < E; ++j) {
+        const auto u = static_cast<std::size_t>(j);
+        if (j < hr.req.size)
+          KVP_FUZZ_CHECK(dr.pages[u] == hr.pages[u] && same_bytes(std::vector<float>{dr.priority[u]}, std::vector<float>{hr.priority[u]}),
+                         "request entry %lld differs", static_cast<long long>(j));
+        else
+          KVP_FUZZ_CHECK(dr.pages[u] == -1 && hr.pages[u] == -1, "entry %lld past the size %lld is not -1 (device %d, host %d)",
+                         static_cast<long long>(j), static_cast<long long>(hr.req.size), dr.pages[u], hr.pages[u]);
+      }
+    }
+    PageRows rows(static_cast<std::size_t>(su.batch() * su.pool.kv_heads));
+    for (auto& row : rows)
+      for (std::int64_t e = 0; e < E; ++e)
+        if (fdp.ConsumeBool()) row.push_back(su.pool.indices[static_cast<std::size_t>(e)]);
+    Selection actual(rows);
+    const Status ho = pol.observe(hctx, hst, actual.sel, hc);
+    const Status dob = pol.observe(dctx, dst, actual.sel, dc);
+    KVP_FUZZ_CHECK(ho.is_ok() && dob.is_ok(), "observe refused a valid selection: %s / %s", ho.message(), dob.message());
+    KVP_FUZZ_CHECK(std::equal(dbuf.begin(), dbuf.end() - 2, hb.buf.begin()), "history stamps differ after step %d", step);
+    KVP_FUZZ_CHECK(dc.hits == hc.hits && dc.misses == hc.misses && dc.wasted == hc.wasted && dc.predicted == hc.predicted &&
+                       dc.needed == hc.needed && dc.reused == hc.reused && dc.reuse_total == hc.reuse_total && dc.late == hc.late &&
+                       dc.transferred == hc.transferred && dc.steps == hc.steps && dc.predicted_steps == hc.predicted_steps,
+                   "counters differ after step %d", step);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
-  switch (fdp.ConsumeIntegralInRange<int>(0, 3)) {
+  switch (fdp.ConsumeIntegralInRange<int>(0, 4)) {
     case 0: quest_lookahead<backend::Scalar>(fdp); break;
     case 1: quest_lookahead<backend::Cpu>(fdp); break;
     case 2: specache<backend::Scalar>(fdp); break;
-    default: specache<backend::Cpu>(fdp); break;
+    case 3: specache<backend::Cpu>(fdp); break;
+    default: quest_lookahead_device(fdp); break;
   }
   return 0;
 }
