@@ -338,4 +338,10 @@ TEST_CASE("prefetchers without a device path refuse a device backend by name", "
     CHECK(p.observe(ctx, b.st, actual.sel, c).code() == StatusCode::kUnsupported);
   }
   CHECK(c.steps == 0);
+  // The size queries refuse too, so a caller learns it before allocating.
+  const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 32, .max_kv_len = 12, .batch = 1};
+  CHECK(InfiniGen{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
+  CHECK(SpeCache{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
+  CHECK(ShadowKV{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
+  CHECK(SpeCache{}.requirements(Context<backend::Scalar>{}, shape, 4).status.is_ok());
 }

@@ -171,7 +171,8 @@ class InfiniGen {
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& shape, std::int32_t page_size) const noexcept {
     Requirements r;
-    r.status = validate_params();
+    r.status = prefetch_detail::refuse_device<Backend>(kName);
+    if (r.status.is_ok()) r.status = validate_params();
     if (r.status.is_ok() && (page_size < 1 || shape.head_dim < 1 || shape.max_kv_len < 0 || shape.batch < 1 || shape.num_q_heads < 1))
       r.status = KVP_INVALID("infinigen: shape (batch %lld, q heads %lld, head_dim %lld, max_kv_len %lld) or page_size %d out of range",
                              static_cast<long long>(shape.batch), static_cast<long long>(shape.num_q_heads),

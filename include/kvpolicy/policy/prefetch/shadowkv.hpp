@@ -140,7 +140,8 @@ class ShadowKV {
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& shape, std::int32_t page_size) const noexcept {
     Requirements r;
-    r.status = validate_params();
+    r.status = prefetch_detail::refuse_device<Backend>(kName);
+    if (r.status.is_ok()) r.status = validate_params();
     if (r.status.is_ok() && (page_size < 1 || shape.max_kv_len < 0 || shape.batch < 1 || shape.num_q_heads < 1 || shape.num_kv_heads < 1 ||
                              shape.num_q_heads % shape.num_kv_heads != 0))
       r.status = KVP_INVALID("shadowkv: shape (batch %lld, heads %lld/%lld, max_kv_len %lld) or page_size %d out of range",
