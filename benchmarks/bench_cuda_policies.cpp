@@ -493,36 +493,59 @@ void CudaH2OStep(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+/// A Quest decode step's inputs on the device: `batch` sequences of 32K tokens on shuffled pages (page 16),
+/// fp16 metadata and fp32 queries drawn from N(0, 1) with `seed`; the table's lengths on the host.
+struct QuestDecodeCase {
+  static constexpr std::int32_t P = 16, Hq = 32, Hkv = 8, d = 128;
+  static constexpr std::int64_t T = 32768;
+  static constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  std::int32_t batch, pages_per_seq, pool;
+  std::int64_t meta_elems;
+  DeviceBuffer dmeta, dids, dq;
+  std::vector<std::int32_t> indptr, last;
+  QuestDecodeCase(std::int32_t b, unsigned seed)
+      : batch(b),
+        pages_per_seq(static_cast<std::int32_t>(T / P)),
+        pool(b * pages_per_seq),
+        meta_elems(kvp::PageMetaView<kvp::half>::contiguous_size(pool, Hkv, d)),
+        dmeta(static_cast<std::size_t>(meta_elems) * sizeof(kvp::half)),
+        dids(static_cast<std::size_t>(pool) * sizeof(std::int32_t)),
+        dq(static_cast<std::size_t>(batch * Hq * d) * sizeof(float)),
+        indptr(static_cast<std::size_t>(batch + 1)),
+        last(static_cast<std::size_t>(batch), P) {
+    if (!ok()) return;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    {
+      std::vector<kvp::half> m(static_cast<std::size_t>(meta_elems));
+      for (auto& x : m) x = kvp::to_half(nd(rng));
+      cudaMemcpy(dmeta.ptr, m.data(), m.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(pool));
+      for (std::int32_t i = 0; i < pool; ++i) ids[static_cast<std::size_t>(i)] = i;
+      std::shuffle(ids.begin(), ids.end(), rng);
+      cudaMemcpy(dids.ptr, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+      std::vector<float> q(static_cast<std::size_t>(batch * Hq * d));
+      for (auto& x : q) x = nd(rng);
+      cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
+    }
+    for (std::int32_t i = 0; i <= batch; ++i) indptr[static_cast<std::size_t>(i)] = i * pages_per_seq;
+  }
+  bool ok() const { return dmeta.ok && dids.ok && dq.ok; }
+  kvp::DecodeInput<float> input() const {
+    const kvp::PageTable table{indptr.data(), static_cast<const std::int32_t*>(dids.ptr), last.data(), batch};
+    return {kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {batch, Hq, d}, gpu), table, P, 5};
+  }
+  kvp::PageMetaView<const kvp::half> meta() const {
+    return kvp::PageMetaView<const kvp::half>::contiguous(static_cast<const kvp::half*>(dmeta.ptr), pool, Hkv, d, gpu);
+  }
+};
+
 void CudaQuestSelect(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
-  constexpr std::int32_t P = 16, Hq = 32, Hkv = 8, d = 128;
-  constexpr std::int64_t T = 32768;
-  const auto batch = static_cast<std::int32_t>(state.range(0));
-  const std::int32_t pages_per_seq = static_cast<std::int32_t>(T / P), pool = batch * pages_per_seq;
-  const std::int64_t meta_elems = kvp::PageMetaView<kvp::half>::contiguous_size(pool, Hkv, d);
-  DeviceBuffer dmeta(static_cast<std::size_t>(meta_elems) * sizeof(kvp::half)), dids(static_cast<std::size_t>(pool) * sizeof(std::int32_t));
-  DeviceBuffer dq(static_cast<std::size_t>(batch * Hq * d) * sizeof(float));
-  if (!dmeta.ok || !dids.ok || !dq.ok) return state.SkipWithError("cudaMalloc failed");
-  std::mt19937 rng(9);
-  std::normal_distribution<float> nd;
-  {
-    std::vector<kvp::half> m(static_cast<std::size_t>(meta_elems));
-    for (auto& x : m) x = kvp::to_half(nd(rng));
-    cudaMemcpy(dmeta.ptr, m.data(), m.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(pool));
-    for (std::int32_t i = 0; i < pool; ++i) ids[static_cast<std::size_t>(i)] = i;
-    std::shuffle(ids.begin(), ids.end(), rng);
-    cudaMemcpy(dids.ptr, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
-    std::vector<float> q(static_cast<std::size_t>(batch * Hq * d));
-    for (auto& x : q) x = nd(rng);
-    cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
-  }
-  std::vector<std::int32_t> indptr(static_cast<std::size_t>(batch + 1)), last(static_cast<std::size_t>(batch), P);
-  for (std::int32_t b = 0; b <= batch; ++b) indptr[static_cast<std::size_t>(b)] = b * pages_per_seq;
-  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
-  const kvp::PageTable table{indptr.data(), static_cast<const std::int32_t*>(dids.ptr), last.data(), batch};
-  const kvp::DecodeInput<float> in{kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {batch, Hq, d}, gpu),
-                                   table, P, 5};
+  constexpr std::int32_t Hq = QuestDecodeCase::Hq, Hkv = QuestDecodeCase::Hkv, d = QuestDecodeCase::d;
+  const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 9);
+  if (!qc.ok()) return state.SkipWithError("cudaMalloc failed");
+  const kvp::DecodeInput<float> in = qc.input();
   kvp::QuestParams qp;
   qp.budget = kvp::Budget::tokens(2048);
   const kvp::Quest quest(qp);
@@ -538,12 +561,12 @@ void CudaQuestSelect(benchmark::State& state) {
       olast(static_cast<std::size_t>(plan.requirements.output.rows));
   const kvp::PageSelection out{oindptr.data(), static_cast<std::int32_t*>(dout.ptr), olast.data(),
                                nullptr,        plan.requirements.output.rows,        plan.requirements.output.capacity};
-  const auto meta = kvp::PageMetaView<const kvp::half>::contiguous(static_cast<const kvp::half*>(dmeta.ptr), pool, Hkv, d, gpu);
+  const auto meta = qc.meta();
   cudaStream_t s = nullptr;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, plan.requirements.workspace_bytes}, {}, s};
   graph_loop(state, s, [&] { return quest.select(cx, plan, in, meta, out); });
-  const double bytes = static_cast<double>(meta_elems) * sizeof(kvp::half);
+  const double bytes = static_cast<double>(qc.meta_elems) * sizeof(kvp::half);
   if (g_peaks.read_bytes_per_s > 0)
     state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
   cudaStreamDestroy(s);
@@ -557,52 +580,27 @@ void CudaQuestSelect(benchmark::State& state) {
 // replay would list nothing). hbm_frac counts the metadata bytes the bounds read.
 void CudaQuestLookahead(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
-  constexpr std::int32_t P = 16, Hq = 32, Hkv = 8, d = 128;
-  constexpr std::int64_t T = 32768;
-  const auto batch = static_cast<std::int32_t>(state.range(0));
-  const std::int32_t pages_per_seq = static_cast<std::int32_t>(T / P), pool = batch * pages_per_seq;
-  const std::int64_t meta_elems = kvp::PageMetaView<kvp::half>::contiguous_size(pool, Hkv, d);
-  DeviceBuffer dmeta(static_cast<std::size_t>(meta_elems) * sizeof(kvp::half)), dids(static_cast<std::size_t>(pool) * sizeof(std::int32_t));
-  DeviceBuffer dq(static_cast<std::size_t>(batch * Hq * d) * sizeof(float));
+  using C = QuestDecodeCase;
+  const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 11);
+  const std::int32_t pool = qc.pool;
   DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(pool)) * sizeof(std::int64_t));
   DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
-  if (!dmeta.ok || !dids.ok || !dq.ok || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
-  std::mt19937 rng(11);
-  std::normal_distribution<float> nd;
-  {
-    std::vector<kvp::half> m(static_cast<std::size_t>(meta_elems));
-    for (auto& x : m) x = kvp::to_half(nd(rng));
-    cudaMemcpy(dmeta.ptr, m.data(), m.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(pool));
-    for (std::int32_t i = 0; i < pool; ++i) ids[static_cast<std::size_t>(i)] = i;
-    std::shuffle(ids.begin(), ids.end(), rng);
-    cudaMemcpy(dids.ptr, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
-    std::vector<float> q(static_cast<std::size_t>(batch * Hq * d));
-    for (auto& x : q) x = nd(rng);
-    cudaMemcpy(dq.ptr, q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice);
-  }
-  std::vector<std::int32_t> indptr(static_cast<std::size_t>(batch + 1)), last(static_cast<std::size_t>(batch), P);
-  for (std::int32_t b = 0; b <= batch; ++b) indptr[static_cast<std::size_t>(b)] = b * pages_per_seq;
-  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
-  const kvp::PageTable table{indptr.data(), static_cast<const std::int32_t*>(dids.ptr), last.data(), batch};
-  const kvp::DecodeInput<float> in{kvp::TensorView<const float, 3>::contiguous(static_cast<const float*>(dq.ptr), {batch, Hq, d}, gpu),
-                                   table, P, 5};
+  if (!qc.ok() || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
+  const kvp::DecodeInput<float> in = qc.input();
   const kvp::QuestLookahead<kvp::half> pol(kvp::QuestLookaheadParams{.page_budget = 256});
-  const kvp::ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = T, .batch = batch};
-  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, P);
+  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
+  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
   if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
   DeviceBuffer dws(req.workspace_bytes);
   if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
   cudaStream_t s = nullptr;
   cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
-  kvp::QuestLookaheadState<kvp::half> st{
-      kvp::PageMetaView<const kvp::half>::contiguous(static_cast<const kvp::half*>(dmeta.ptr), pool, Hkv, d, gpu),
-      kvp::PrefetchHistory::wrap(static_cast<std::int64_t*>(dhist.ptr), pool)};
+  kvp::QuestLookaheadState<kvp::half> st{qc.meta(), kvp::PrefetchHistory::wrap(static_cast<std::int64_t*>(dhist.ptr), pool)};
   if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
   kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
   timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
-  const double bytes = static_cast<double>(meta_elems) * sizeof(kvp::half);
+  const double bytes = static_cast<double>(qc.meta_elems) * sizeof(kvp::half);
   if (g_peaks.read_bytes_per_s > 0)
     state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
