@@ -28,6 +28,7 @@
 #include "kvpolicy/policy/eviction/streaming_llm.hpp"
 #include "kvpolicy/policy/prefetch/infinigen.hpp"
 #include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
+#include "kvpolicy/policy/prefetch/shadowkv.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
@@ -1044,6 +1045,80 @@ TEST_CASE("cuda prefetch ops: bad arguments are recorded, nothing enqueued", "[c
                                fake<const std::int64_t>(4), 0, false, 0, nullptr);
       },
       "is null");
+}
+
+TEST_CASE("cuda ShadowKV ops and the reuse op: bad arguments are recorded, nothing enqueued", "[cuda][args][prefetch]") {
+  using kvpolicy::ops::ChunkGeometry;
+  const ChunkGeometry geo{16, 8, 2, 64}, bad_geo{12, 8, 2, 64};
+  const kvpolicy::PageStrides ks = kvpolicy::PageStrides::contiguous(kvpolicy::PageLayout::kNHD, 2, 16, 64);
+  require_recorded(
+      [&] {
+        Cuda::shadowkv_landmarks(fake<const float>(1), ks, fake<const std::int32_t>(2), bad_geo, 0, 4, fake<float>(3), fake<float>(4));
+      },
+      "positive multiple of the chunk");
+  require_recorded(
+      [&] { Cuda::shadowkv_landmarks(fake<const float>(1), ks, fake<const std::int32_t>(2), geo, -1, 4, fake<float>(3), fake<float>(4)); },
+      "must be >= 0");
+  require_recorded([&] { Cuda::shadowkv_landmarks(fake<const kvpolicy::half>(1), ks, nullptr, geo, 0, 4, fake<float>(3), fake<float>(4)); },
+                   "is null");
+  require_recorded([&] { Cuda::shadowkv_outlier_keys(fake<const float>(1), fake<const std::int32_t>(2), geo, -3, fake<float>(3)); },
+                   "must be >= 0");
+  require_recorded([&] { Cuda::shadowkv_outlier_keys(nullptr, fake<const std::int32_t>(2), geo, 5, fake<float>(3)); }, "is null");
+  require_recorded(
+      [&] {
+        Cuda::shadowkv_chunk_scores(fake<const float>(1), 64, 1, 2, 0.125f, fake<const float>(2), fake<const std::int32_t>(3), geo, 4,
+                                    fake<const std::int32_t>(4), 5, fake<float>(5), fake<float>(6));
+      },
+      "outliers <= cand");
+  require_recorded(
+      [&] {
+        Cuda::shadowkv_chunk_scores(fake<const kvpolicy::bfloat16>(1), 64, 1, 2, 0.125f, fake<const float>(2), fake<const std::int32_t>(3),
+                                    geo, 10, nullptr, 3, fake<float>(5), fake<float>(6));
+      },
+      "is null");
+  require_recorded(
+      [&] {
+        Cuda::shadowkv_priorities(geo, 40, 6, fake<const std::int32_t>(1), 2, fake<const std::int32_t>(2), 3, fake<const float>(3),
+                                  fake<float>(4));
+      },
+      "cand <= n / chunk");
+  require_recorded(
+      [&] { Cuda::shadowkv_priorities(geo, 100, 10, fake<const std::int32_t>(1), 2, nullptr, 3, fake<const float>(3), fake<float>(4)); },
+      "is null");
+  require_recorded(
+      [&] { Cuda::prefetch_add_reuse(fake<float>(1), fake<const std::int32_t>(2), -1, fake<const std::int64_t>(3), 0, -1.0f); },
+      "must be >= 0");
+  require_recorded([&] { Cuda::prefetch_add_reuse(fake<float>(1), nullptr, 5, fake<const std::int64_t>(3), 0, -1.0f); }, "is null");
+}
+
+TEST_CASE("cuda ShadowKV: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  constexpr std::int32_t P = 8, d = 16;
+  const std::int32_t indptr[3] = {0, 3, 5}, last[2] = {4, 2};
+  const PageTable table{indptr, fake<const std::int32_t>(1), last, 2};
+  const ShadowKV pol(ShadowKVParams{.chunk_size = 2, .chunk_budget = 2, .outlier_chunks = 1, .local_chunks = 1});
+  const ProblemShape shape{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = d, .max_kv_len = 12, .batch = 2};
+  const auto req = pol.requirements(Context<Cuda>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  const Context<Cuda> cx{Workspace{fake<void>(2), req.workspace_bytes}};
+  ShadowKVState st, host_st;
+  REQUIRE(pol.make_state(fake<float>(3), fake<std::int64_t>(4), P, 4, 1, d, &st, gpu).is_ok());
+  host_st = st;
+  host_st.device = Device{};
+  PrefetchRequest out{fake<std::int32_t>(5), nullptr, 5, 0};
+  const DecodeInput<float> dev{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}, gpu), table, 4, 3};
+  const DecodeInput<float> host{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}), table, 4, 3};
+  require_refused(pol.predict(cx, st, host, out), StatusCode::kInvalidArgument, "queries is host memory");
+  require_refused(pol.predict(cx, host_st, dev, out), StatusCode::kInvalidArgument, "state is host memory");
+  PrefetchRequest small{fake<std::int32_t>(5), nullptr, 4, 0};
+  require_refused(pol.predict(cx, st, dev, small), StatusCode::kOutputTooSmall, "capacity is 4");
+  require_refused(pol.predict(cx.with_workspace(Workspace{fake<void>(2), 64}), st, dev, out), StatusCode::kWorkspaceTooSmall, "workspace");
+  PagedKVView<const float> keys{
+      fake<const float>(7), nullptr, PageStrides::contiguous(PageLayout::kNHD, 1, 4, d), {}, P, 1, 4, d, table, {}};
+  require_refused(pol.on_append(cx, AppendInput<float>{keys, nullptr}, st), StatusCode::kInvalidArgument, "keys are host memory");
+  CHECK(out.size == 0);
+  CHECK(st.history.serial == 0);
 }
 
 TEST_CASE("cuda prefetch policies: host checks before anything is enqueued", "[cuda][policy][prefetch]") {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -913,6 +914,169 @@ TEST_CASE("cuda QuestLookahead: requests, history and counters match Scalar over
     q.page_budget = 700;
     q.dense_layers = 1;
     check_quest_lookahead(q, big, 3);
+  }
+}
+
+namespace {
+
+/// ShadowKV on the host (Scalar) and on the device over several steps. The landmarks and outlier scores are
+/// bit-identical. The scores use the device's expf, so the requests are compared with a tolerance: pages on both
+/// sides carry priorities within 1e-5 relative (the tail's and outliers' +inf and the reuse -1 exactly), a page on
+/// one side only must be a selected chunk's (finite, >= 0) and at most two per step; the device's list is in
+/// descending priority and padded with -1 / NaN; while every request so far named the same pages, the history
+/// stamps and counters are equal too.
+template <class Tk>
+void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
+  const kvp::ShadowKV pol(params);
+  const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
+  std::int64_t max_len = 0;
+  for (std::int32_t b = 0; b < tw.cache.batch(); ++b) max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, ps));
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = max_len, .batch = tw.cache.batch()};
+  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, ps);
+  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, ps);
+  KVP_REQUIRE_OK(hreq.status);
+  KVP_REQUIRE_OK(dreq.status);
+  const auto sz = pol.state_size(P, ps, Hkv, d);
+  std::vector<float> hfl(static_cast<std::size_t>(sz.floats), 0.0f);
+  std::vector<std::int64_t> hbuf(static_cast<std::size_t>(sz.history));
+  kvp::ShadowKVState hst, dst;
+  KVP_REQUIRE_OK(pol.make_state(hfl.data(), hbuf.data(), P, ps, Hkv, d, &hst));
+  DeviceBuffer dfl(hfl.size() * sizeof(float)), dbuf(hbuf.size() * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
+  CUDA_REQUIRE(cudaMemset(dfl.get(), 0, hfl.size() * sizeof(float)));
+  KVP_REQUIRE_OK(pol.make_state(dfl.get<float>(), dbuf.get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
+  Stream st;
+  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
+  KVP_REQUIRE_OK(dst.history.reset(dctx));
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
+
+  DeviceBuffer dk(tw.cache.k);
+  kvp::PagedKVView<const Tk> dview = tw.cache.view();
+  dview.k_data = dk.get<const Tk>();
+  dview.v_data = nullptr;
+  dview.table.indices = tw.dids.template get<const std::int32_t>();
+  dview.device = kGpu;
+  KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
+  KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{dview, nullptr}, dst));
+  st.sync();
+  const auto got = dfl.download<float>(hfl.size());
+  REQUIRE(std::memcmp(got.data(), hfl.data(), hfl.size() * sizeof(float)) == 0);
+
+  const auto E = static_cast<std::size_t>(tw.cache.table().indptr[tw.cache.batch()]);
+  DeviceBuffer dpages(E * sizeof(std::int32_t)), dprio(E * sizeof(float)), dsize(sizeof(std::int64_t));
+  DeviceBuffer dcounters(sizeof(kvp::PrefetchCounters));
+  CUDA_REQUIRE(cudaMemset(dcounters.get(), 0, sizeof(kvp::PrefetchCounters)));
+  kvp::PrefetchCounters hc;
+  bool same_so_far = true;
+  std::mt19937 rng(seed);
+  for (int step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    tw.new_queries(seed * 13 + static_cast<unsigned>(step));
+    const int layer = step % 3;
+    std::vector<std::int32_t> hpages(E, -7);
+    std::vector<float> hprio(E, -7.0f);
+    kvp::PrefetchRequest hr{hpages.data(), hprio.data(), static_cast<std::int64_t>(E), 0};
+    KVP_REQUIRE_OK(pol.predict(hctx, hst, tw.host_in(layer), hr));
+    kvp::PrefetchRequest dr{dpages.get<std::int32_t>(), dprio.get<float>(), static_cast<std::int64_t>(E), 0};
+    dr.device_size = dsize.get<std::int64_t>();
+    KVP_REQUIRE_OK(pol.predict(dctx, dst, tw.dev_in(layer), dr));
+    st.sync();
+    REQUIRE(dr.size == -1);
+    const std::int64_t dn = dsize.download<std::int64_t>(1)[0];
+    const auto pages = dpages.download<std::int32_t>(E);
+    const auto prio = dprio.download<float>(E);
+    std::map<std::int32_t, float> want, have;
+    for (std::int64_t j = 0; j < hr.size; ++j) want[hpages[static_cast<std::size_t>(j)]] = hprio[static_cast<std::size_t>(j)];
+    for (std::size_t j = 0; j < E; ++j) {
+      INFO("request entry " << j);
+      if (static_cast<std::int64_t>(j) < dn) {
+        REQUIRE(pages[j] >= 0);
+        have[pages[j]] = prio[j];
+        if (j > 0) REQUIRE(kvp::score_order_key(prio[j - 1]) >= kvp::score_order_key(prio[j]));
+      } else {
+        REQUIRE(pages[j] == -1);
+        REQUIRE(std::isnan(prio[j]));
+      }
+    }
+    REQUIRE(have.size() == static_cast<std::size_t>(dn));
+    int one_sided = 0;
+    for (const auto& [page, p] : want) {
+      INFO("page " << page << " host priority " << p);
+      const auto it = have.find(page);
+      if (it == have.end()) {
+        ++one_sided;
+        REQUIRE((std::isfinite(p) && p >= 0.0f));
+        continue;
+      }
+      if (std::isinf(p) || p == -1.0f) {
+        REQUIRE(it->second == p);
+      } else {
+        REQUIRE(std::fabs(it->second - p) <= 1e-5f * std::fabs(p) + 1e-9f);
+      }
+    }
+    for (const auto& [page, p] : have)
+      if (!want.count(page)) {
+        ++one_sided;
+        REQUIRE((std::isfinite(p) && p >= 0.0f));
+      }
+    REQUIRE(one_sided <= 2);
+    same_so_far = same_so_far && one_sided == 0;
+    if (same_so_far) {
+      const auto pending = dbuf.download<std::int64_t>(hbuf.size());
+      REQUIRE(pending[hbuf.size() - 2] == hst.history.predicted_count);
+      REQUIRE(pending[hbuf.size() - 1] == hst.history.predicted_new);
+    }
+    // The step's reads: four random pages of every sequence (one row each).
+    std::vector<std::int32_t> indptr{0}, ids, last;
+    for (std::int32_t b = 0; b < tw.cache.batch(); ++b) {
+      const auto& sp = tw.cache.seq_pages[static_cast<std::size_t>(b)];
+      if (sp.empty()) continue;
+      for (int i = 0; i < 4; ++i) ids.push_back(sp[rng() % sp.size()]);
+      indptr.push_back(static_cast<std::int32_t>(ids.size()));
+      last.push_back(1);
+    }
+    const kvp::PageSelection hsel{
+        indptr.data(), ids.data(), last.data(), nullptr, static_cast<std::int32_t>(last.size()), static_cast<std::int64_t>(ids.size())};
+    KVP_REQUIRE_OK(pol.observe(hctx, hst, hsel, hc));
+    DeviceBuffer dids(ids);
+    kvp::PageSelection dsel = hsel;
+    dsel.indices = dids.get<std::int32_t>();
+    KVP_REQUIRE_OK(pol.observe(dctx, dst, dsel, *dcounters.get<kvp::PrefetchCounters>()));
+    st.sync();
+    if (same_so_far) {
+      kvp::PrefetchCounters dc;
+      CUDA_REQUIRE(cudaMemcpy(&dc, dcounters.get(), sizeof(dc), cudaMemcpyDeviceToHost));
+      REQUIRE(dc.hits == hc.hits);
+      REQUIRE(dc.misses == hc.misses);
+      REQUIRE(dc.wasted == hc.wasted);
+      REQUIRE(dc.predicted == hc.predicted);
+      REQUIRE(dc.needed == hc.needed);
+      REQUIRE(dc.late == hc.late);
+      REQUIRE(dc.transferred == hc.transferred);
+      REQUIRE(dc.steps == hc.steps);
+      const auto stamps = dbuf.download<std::int64_t>(hbuf.size());
+      REQUIRE(std::equal(stamps.begin(), stamps.begin() + 2 * P, hbuf.begin()));
+    }
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("cuda ShadowKV: landmarks bit-identical, requests and counters match Scalar within the exp tolerance",
+                   "[cuda][prefetch]", float, kvp::half) {
+  QuestTwin<TestType, float> tw(16, 2, 4, 64, {1000, 37, 513, 16, 2000}, 31);
+  kvp::ShadowKVParams p;
+  p.chunk_size = 8;
+  p.chunk_budget = 24;
+  p.outlier_chunks = 6;
+  p.local_chunks = 2;
+  p.dense_layers = 1;
+  SECTION("reuse, a dense layer") { check_shadowkv(p, tw, 1); }
+  SECTION("no reuse, no outliers, chunk = page") {
+    p.chunk_size = 16;
+    p.outlier_chunks = 0;
+    p.reuse_previous = false;
+    check_shadowkv(p, tw, 2);
   }
 }
 

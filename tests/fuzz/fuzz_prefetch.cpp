@@ -3,8 +3,9 @@
 // now and then), budgets, layers, request capacities and workspaces:
 // QuestLookahead (predict, then observe an actual selection) and SpeCache
 // (on_append of a ggml key copy, then predict), on Scalar and Cpu; and
-// QuestLookahead's device path on the emulated device against the host path
-// (equal requests, stamps and counters whenever the host accepts the input).
+// the device paths of QuestLookahead and ShadowKV on the emulated device
+// against the host path (equal requests, stamps and counters whenever the host
+// accepts the input; ShadowKV's landmarks byte-identical).
 // Contract: no crash or sanitizer report; a failed call leaves the request
 // (pages, priorities, size), the history and the copied codes byte-identical;
 // an accepted request holds at most `capacity` distinct pages of the
@@ -251,16 +252,103 @@ void quest_lookahead_device(FuzzedDataProvider& fdp) {
   }
 }
 
+/// ShadowKV's device path (ops/shadowkv_ops.hpp on the emulated device) against the host path on a valid
+/// pool (its keys fuzzed: zeros, NaN and Inf included), table and queries, over three steps: the landmarks and
+/// outlier scores byte-identical after on_append, and whenever the host accepts a call the device accepts it
+/// too, with the same request, history stamps and counters.
+void shadowkv_device(FuzzedDataProvider& fdp) {
+  Setup su(fdp, fdp.ConsumeIntegralInRange<std::int32_t>(1, 12));
+  if (!su.pool.table().validate("fuzz", su.pool.num_pages, su.pool.page_size).is_ok()) return;
+  const std::int64_t E = su.pool.indptr[static_cast<std::size_t>(su.batch())];
+  std::vector<int> uses(static_cast<std::size_t>(su.pool.num_pages), 0);
+  for (std::int64_t e = 0; e < E; ++e)
+    if (uses[static_cast<std::size_t>(su.pool.indices[static_cast<std::size_t>(e)])]++ > 0) return;  // repeated ids
+  ShadowKVParams p;
+  p.chunk_size = fdp.ConsumeBool() ? 1 : su.pool.page_size;
+  p.chunk_budget = mostly_in(fdp, 0, 6);
+  p.outlier_chunks = fdp.ConsumeIntegralInRange<std::int32_t>(0, 3);
+  p.local_chunks = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  p.reuse_previous = fdp.ConsumeBool();
+  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  const ShadowKV pol(p);
+  if (!pol.validate_params().is_ok()) return;
+  ShadowKVBuf hb(pol, su.pool), db(pol, su.pool, kvp_test::kEmulatedDevice);
+  const ProblemShape shape{.num_q_heads = su.Hq,
+                           .num_kv_heads = su.pool.kv_heads,
+                           .head_dim = su.pool.head_dim,
+                           .max_kv_len = static_cast<std::int64_t>(su.pool.num_pages) * su.pool.page_size,
+                           .batch = su.batch()};
+  const Requirements hreq = pol.requirements(Context<backend::Scalar>{}, shape, su.pool.page_size);
+  const Requirements dreq = pol.requirements(Context<kvp_test::EmulatedDevice>{}, shape, su.pool.page_size);
+  KVP_FUZZ_CHECK(hreq.status.is_ok() == dreq.status.is_ok(), "requirements disagree: %s / %s", hreq.status.message(),
+                 dreq.status.message());
+  if (!hreq.status.is_ok()) return;
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes, std::byte{0xFF});
+  const Context<backend::Scalar> hctx{Workspace{hws.data(), hws.size()}};
+  const Context<kvp_test::EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
+  KVP_FUZZ_CHECK(db.st.history.reset(dctx).is_ok() && db.hist == hb.hist, "device history reset differs from the host's");
+  PagedKVView<const float> dview = su.pool.cview();
+  dview.device = kvp_test::kEmulatedDevice;
+  const Status ha = pol.on_append(hctx, AppendInput<float>{su.pool.cview(), nullptr}, hb.st);
+  const Status da = pol.on_append(dctx, AppendInput<float>{dview, nullptr}, db.st);
+  KVP_FUZZ_CHECK(ha.is_ok() && da.is_ok(), "on_append refused a valid pool: %s / %s", ha.message(), da.message());
+  KVP_FUZZ_CHECK(same_bytes(hb.floats, db.floats), "landmarks or outlier scores differ");
+  PrefetchCounters hc, dc;
+  for (int step = 0; step < 3; ++step) {
+    const auto q = fuzz_queries(fdp, static_cast<std::size_t>(su.batch() * su.Hq * su.pool.head_dim));
+    const std::int32_t layer = fdp.ConsumeIntegralInRange<std::int32_t>(0, 3);
+    const DecodeInput<float> hin{TensorView<const float, 3>::contiguous(q.data(), {su.batch(), su.Hq, su.pool.head_dim}), su.pool.table(),
+                                 su.pool.page_size, layer};
+    const DecodeInput<float> din{
+        TensorView<const float, 3>::contiguous(q.data(), {su.batch(), su.Hq, su.pool.head_dim}, kvp_test::kEmulatedDevice), su.pool.table(),
+        su.pool.page_size, layer};
+    if (fdp.ConsumeBool()) {
+      Request hr(E), dr(E);
+      std::int64_t dsize = -9;
+      dr.req.device_size = &dsize;
+      const Status hs = pol.predict(hctx, hb.st, hin, hr.req);
+      if (!hs.is_ok()) return;
+      const Status ds = pol.predict(dctx, db.st, din, dr.req);
+      KVP_FUZZ_CHECK(ds.is_ok(), "the host accepted a prediction the device refused: %s", ds.message());
+      KVP_FUZZ_CHECK(dr.req.size == -1 && dsize == hr.req.size, "device size %lld, host %lld", static_cast<long long>(dsize),
+                     static_cast<long long>(hr.req.size));
+      for (std::int64_t j = 0; j < E; ++j) {
+        const auto u = static_cast<std::size_t>(j);
+        if (j < hr.req.size)
+          KVP_FUZZ_CHECK(dr.pages[u] == hr.pages[u] && same_bytes(std::vector<float>{dr.priority[u]}, std::vector<float>{hr.priority[u]}),
+                         "request entry %lld differs", static_cast<long long>(j));
+        else
+          KVP_FUZZ_CHECK(dr.pages[u] == -1 && hr.pages[u] == -1, "entry %lld past the size %lld is not -1 (device %d, host %d)",
+                         static_cast<long long>(j), static_cast<long long>(hr.req.size), dr.pages[u], hr.pages[u]);
+      }
+    }
+    PageRows rows(static_cast<std::size_t>(su.batch()));
+    for (auto& row : rows)
+      for (std::int64_t e = 0; e < E; ++e)
+        if (fdp.ConsumeBool()) row.push_back(su.pool.indices[static_cast<std::size_t>(e)]);
+    Selection actual(rows);
+    const Status ho = pol.observe(hctx, hb.st, actual.sel, hc);
+    const Status dob = pol.observe(dctx, db.st, actual.sel, dc);
+    KVP_FUZZ_CHECK(ho.is_ok() && dob.is_ok(), "observe refused a valid selection: %s / %s", ho.message(), dob.message());
+    KVP_FUZZ_CHECK(std::equal(db.hist.begin(), db.hist.end() - 2, hb.hist.begin()), "history stamps differ after step %d", step);
+    KVP_FUZZ_CHECK(dc.hits == hc.hits && dc.misses == hc.misses && dc.wasted == hc.wasted && dc.predicted == hc.predicted &&
+                       dc.needed == hc.needed && dc.reused == hc.reused && dc.reuse_total == hc.reuse_total && dc.late == hc.late &&
+                       dc.transferred == hc.transferred && dc.steps == hc.steps && dc.predicted_steps == hc.predicted_steps,
+                   "counters differ after step %d", step);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
-  switch (fdp.ConsumeIntegralInRange<int>(0, 4)) {
+  switch (fdp.ConsumeIntegralInRange<int>(0, 5)) {
     case 0: quest_lookahead<backend::Scalar>(fdp); break;
     case 1: quest_lookahead<backend::Cpu>(fdp); break;
     case 2: specache<backend::Scalar>(fdp); break;
     case 3: specache<backend::Cpu>(fdp); break;
-    default: quest_lookahead_device(fdp); break;
+    case 4: quest_lookahead_device(fdp); break;
+    default: shadowkv_device(fdp); break;
   }
   return 0;
 }

@@ -19,6 +19,8 @@
 //                           (the host's order, so the same bits), else the
 //                           reuse priority when the previous observation read
 //                           the entry's page, else NaN (not predicted).
+//   prefetch_add_reuse      prio[e] = the reuse priority where prio[e] is NaN
+//                           and the previous observation read the entry's page.
 //   prefetch_write_request  the entries with a priority, most urgent first
 //                           (score_order_key descending, ties: the later
 //                           entry), a page listed once at its most urgent
@@ -61,6 +63,19 @@ concept PrefetchOps = requires(std::int64_t* buf, const std::int64_t* cbuf, std:
 };
 
 namespace ops {
+
+/// Chunk geometry of ShadowKV's state (ops/shadowkv_ops.hpp): chunk ch of a
+/// sequence whose page ids are seq_pages has state slot `slot(seq_pages, ch, g)`
+/// for kv head g (`ShadowKVState::slot`).
+struct ChunkGeometry {
+  std::int32_t page_size = 0, chunk_size = 0, num_kv_heads = 0, head_dim = 0;
+  KVP_HOST_DEVICE std::int32_t chunks_per_page() const noexcept { return page_size / chunk_size; }
+  KVP_HOST_DEVICE std::int64_t slot(const std::int32_t* seq_pages, std::int64_t ch, std::int32_t g) const noexcept {
+    const std::int32_t cpp = chunks_per_page();
+    return (static_cast<std::int64_t>(seq_pages[ch / cpp]) * cpp + ch % cpp) * num_kv_heads + g;
+  }
+};
+
 namespace prefetch_ref {
 
 inline void history_reset(std::int64_t* buf, std::int32_t num_pages) noexcept {
@@ -90,6 +105,12 @@ inline void vote_priorities(const std::int32_t* counts, const std::int32_t* entr
     }
     prio[e] = v;
   }
+}
+
+inline void add_reuse(float* prio, const std::int32_t* entry_pages, std::int64_t entries, const std::int64_t* used_at,
+                      std::int64_t reuse_step, float reuse_priority) noexcept {
+  for (std::int64_t e = 0; e < entries; ++e)
+    if (std::isnan(prio[e]) && used_at[entry_pages[e]] == reuse_step) prio[e] = reuse_priority;
 }
 
 inline std::size_t request_workspace(std::int64_t entries) noexcept {
@@ -180,6 +201,16 @@ void prefetch_vote_priorities(const std::int32_t* counts, const std::int32_t* en
     B::prefetch_vote_priorities(counts, entry_pages, entries, unit, used_at, reuse_step, reuse_priority, prio);
   else
     prefetch_ref::vote_priorities(counts, entry_pages, entries, unit, used_at, reuse_step, reuse_priority, prio);
+}
+
+/// Entries not predicted (NaN) whose page observation `reuse_step` read get `reuse_priority`.
+template <class B>
+void prefetch_add_reuse(float* prio, const std::int32_t* entry_pages, std::int64_t entries, const std::int64_t* used_at,
+                        std::int64_t reuse_step, float reuse_priority) noexcept {
+  if constexpr (requires { B::prefetch_add_reuse(prio, entry_pages, entries, used_at, reuse_step, reuse_priority); })
+    B::prefetch_add_reuse(prio, entry_pages, entries, used_at, reuse_step, reuse_priority);
+  else
+    prefetch_ref::add_reuse(prio, entry_pages, entries, used_at, reuse_step, reuse_priority);
 }
 
 /// Workspace bytes of `prefetch_write_request` over `entries` entries.

@@ -4,6 +4,8 @@
 // with the device's dense request form (pages past the size -1); the history
 // reset on a device; and the refusals (host memory on a device, a history
 // without its pending slots, the prefetchers that have no device path).
+// ShadowKV's device path likewise: landmarks, requests and counters against
+// the host path, and its refusals.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -197,6 +199,155 @@ TEST_CASE("quest_lookahead on a device path: requests, priorities, stamps and co
   }
 }
 
+namespace {
+
+struct ShadowCase {
+  ShadowKVParams params;
+  std::vector<std::int64_t> lens;
+  std::int32_t kv_heads = 2, group = 2, page_size = 4, head_dim = 8;
+  bool integer_data = true;  // integer keys and queries: exact ties between chunks are common
+};
+
+/// ShadowKV's device path (ops/shadowkv_ops.hpp on the emulated device) against the host path:
+/// the same landmarks and outlier scores, requests, priorities, stamps and counters over six steps.
+void run_shadowkv_case(const ShadowCase& cs, unsigned seed) {
+  Pool pool = make_pool(cs.lens, cs.kv_heads, cs.page_size, cs.head_dim, seed);
+  if (!cs.integer_data) pool.fill_random(seed + 100);
+  const ShadowKV pol(cs.params);
+  const std::int32_t Hq = cs.kv_heads * cs.group;
+  std::int64_t max_len = 0;
+  for (auto l : cs.lens) max_len = std::max(max_len, l);
+  const auto B = static_cast<std::int64_t>(cs.lens.size());
+  const ProblemShape shape{.num_q_heads = Hq, .num_kv_heads = cs.kv_heads, .head_dim = cs.head_dim, .max_kv_len = max_len, .batch = B};
+  const Requirements hreq = pol.requirements(Context<Scalar>{}, shape, cs.page_size);
+  const Requirements dreq = pol.requirements(Context<EmulatedDevice>{}, shape, cs.page_size);
+  REQUIRE(hreq.status.is_ok());
+  REQUIRE(dreq.status.is_ok());
+  REQUIRE(dreq.output.capacity == hreq.output.capacity);
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes, kvp_test::kWorkspacePoison);
+  const Context<Scalar> hctx{Workspace{hws.data(), hws.size()}};
+  const Context<EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
+
+  ShadowKVBuf hb(pol, pool), db(pol, pool, kEmulatedDevice);
+  std::fill(db.floats.begin(), db.floats.end(), 5.0f);  // every slot the device writes is compared below
+  std::fill(db.hist.begin(), db.hist.end(), 77);
+  REQUIRE(db.st.history.reset(dctx).is_ok());
+  REQUIRE(db.hist == hb.hist);
+
+  // Landmarks: the device in two appends (the first half of each sequence's tokens, then the rest), the host in one.
+  PagedKVView<const float> dview = pool.cview();
+  dview.device = kEmulatedDevice;
+  REQUIRE(pol.on_append(hctx, AppendInput<float>{pool.cview(), nullptr}, hb.st).is_ok());
+  {
+    std::vector<std::int32_t> short_last(pool.last), short_indptr{0}, short_ids;
+    for (std::size_t b = 0; b < cs.lens.size(); ++b) {
+      const std::int64_t half = cs.lens[b] / 2;
+      const std::int64_t np = (half + cs.page_size - 1) / cs.page_size;
+      for (std::int64_t i = 0; i < np; ++i) short_ids.push_back(pool.indices[static_cast<std::size_t>(pool.indptr[b] + i)]);
+      short_indptr.push_back(static_cast<std::int32_t>(short_ids.size()));
+      short_last[b] = np == 0 ? 0 : static_cast<std::int32_t>(half - (np - 1) * cs.page_size);
+    }
+    PagedKVView<const float> first = dview;
+    first.table = PageTable{short_indptr.data(), short_ids.data(), short_last.data(), static_cast<std::int32_t>(B)};
+    REQUIRE(pol.on_append(dctx, AppendInput<float>{first, nullptr}, db.st).is_ok());
+    std::vector<std::int32_t> appended(cs.lens.size());
+    for (std::size_t b = 0; b < cs.lens.size(); ++b) appended[b] = static_cast<std::int32_t>(cs.lens[b] - cs.lens[b] / 2);
+    REQUIRE(pol.on_append(dctx, AppendInput<float>{dview, appended.data()}, db.st).is_ok());
+  }
+  // Every slot of a complete chunk equal bit for bit (the rest: never written on either side).
+  const std::int32_t C = cs.params.chunk_size, cpp = cs.page_size / C;
+  for (std::size_t b = 0; b < cs.lens.size(); ++b)
+    for (std::int64_t ch = 0; ch < cs.lens[b] / C; ++ch)
+      for (std::int32_t g = 0; g < cs.kv_heads; ++g) {
+        const std::int32_t page = pool.indices[static_cast<std::size_t>(pool.indptr[b] + ch / cpp)];
+        const std::int64_t slot = hb.st.slot(page, static_cast<std::int32_t>(ch % cpp), g);
+        INFO("sequence " << b << " chunk " << ch << " head " << g);
+        REQUIRE(same_bits(db.st.outlier[slot], hb.st.outlier[slot]));
+        for (std::int32_t i = 0; i < cs.head_dim; ++i)
+          REQUIRE(same_bits(db.st.landmarks[slot * cs.head_dim + i], hb.st.landmarks[slot * cs.head_dim + i]));
+      }
+
+  PrefetchCounters hc, dc;
+  std::mt19937 rng(seed * 17 + 3);
+  std::uniform_int_distribution<int> qv(-3, 3);
+  std::normal_distribution<float> qn(0.0f, 2.0f);
+  const std::int64_t E = pool.indptr.back();
+  for (int step = 0; step < 6; ++step) {
+    INFO("step " << step);
+    const int layer = step % 3;
+    std::vector<float> q(static_cast<std::size_t>(B * Hq * cs.head_dim));
+    for (auto& x : q) x = cs.integer_data ? static_cast<float>(qv(rng)) : qn(rng);
+    const DecodeInput<float> hin{TensorView<const float, 3>::contiguous(q.data(), {B, Hq, cs.head_dim}), pool.table(), cs.page_size, layer};
+    const DecodeInput<float> din{TensorView<const float, 3>::contiguous(q.data(), {B, Hq, cs.head_dim}, kEmulatedDevice), pool.table(),
+                                 cs.page_size, layer};
+    if (step != 3) {
+      Request hr(hreq.output.capacity), dr(dreq.output.capacity);
+      std::int64_t dsize = -5;
+      dr.req.device_size = &dsize;
+      REQUIRE(pol.predict(hctx, hb.st, hin, hr.req).is_ok());
+      REQUIRE(pol.predict(dctx, db.st, din, dr.req).is_ok());
+      CHECK(dr.req.size == -1);
+      REQUIRE(dsize == hr.req.size);
+      for (std::int64_t j = 0; j < hr.req.size; ++j) {
+        INFO("request entry " << j);
+        REQUIRE(dr.pages[static_cast<std::size_t>(j)] == hr.pages[static_cast<std::size_t>(j)]);
+        REQUIRE(same_bits(dr.priority[static_cast<std::size_t>(j)], hr.priority[static_cast<std::size_t>(j)]));
+      }
+      for (std::int64_t j = hr.req.size; j < E; ++j) {
+        CHECK(dr.pages[static_cast<std::size_t>(j)] == -1);
+        CHECK(std::isnan(dr.priority[static_cast<std::size_t>(j)]));
+      }
+      CHECK(db.hist[static_cast<std::size_t>(2 * pool.num_pages)] == hb.st.history.predicted_count);
+      CHECK(db.hist[static_cast<std::size_t>(2 * pool.num_pages) + 1] == hb.st.history.predicted_new);
+    }
+    // The step's reads: a few random pages of each non-empty sequence (one row each).
+    PageRows rows;
+    for (std::size_t b = 0; b < cs.lens.size(); ++b) {
+      const std::int32_t np = pool.indptr[b + 1] - pool.indptr[b];
+      if (np == 0) continue;
+      std::vector<std::int32_t> row;
+      for (int i = 0; i < 3; ++i)
+        row.push_back(pool.indices[static_cast<std::size_t>(pool.indptr[b]) + static_cast<std::size_t>(rng() % static_cast<unsigned>(np))]);
+      rows.push_back(row);
+    }
+    Selection actual(rows);
+    REQUIRE(pol.observe(hctx, hb.st, actual.sel, hc).is_ok());
+    REQUIRE(pol.observe(dctx, db.st, actual.sel, dc).is_ok());
+    require_same_counters(dc, hc);
+    REQUIRE(std::equal(db.hist.begin(), db.hist.begin() + 2 * pool.num_pages, hb.hist.begin()));
+    CHECK(db.st.history.serial == hb.st.history.serial);
+  }
+  CHECK(hc.predicted_steps == 5);
+}
+
+}  // namespace
+
+TEST_CASE("shadowkv on a device path: landmarks, requests, priorities, stamps and counters equal the host's", "[prefetch][device]") {
+  ShadowCase base;
+  base.params = ShadowKVParams{.chunk_size = 2, .chunk_budget = 3, .outlier_chunks = 2, .local_chunks = 1, .dense_layers = 1};
+  base.lens = {37, 5, 64, 0, 21};
+  SECTION("integer data (ties), GQA, reuse, a dense layer") { run_shadowkv_case(base, 1); }
+  SECTION("real-valued data, MHA, no outliers, no reuse, head_dim off the 8-lane blocks") {
+    ShadowCase c = base;
+    c.params = ShadowKVParams{.chunk_size = 4, .chunk_budget = 5, .outlier_chunks = 0, .local_chunks = 2, .reuse_previous = false};
+    c.integer_data = false;
+    c.kv_heads = 3;
+    c.group = 1;
+    c.page_size = 8;
+    c.head_dim = 12;
+    c.lens = {90, 17, 4, 33};
+    run_shadowkv_case(c, 2);
+  }
+  SECTION("chunk = page, budgets past the candidates, outliers take every chunk of short sequences") {
+    ShadowCase c = base;
+    c.params = ShadowKVParams{.chunk_size = 4, .chunk_budget = 40, .outlier_chunks = 3, .local_chunks = 0};
+    c.integer_data = false;
+    c.group = 4;
+    c.lens = {23, 9, 50};
+    run_shadowkv_case(c, 3);
+  }
+}
+
 TEST_CASE("prefetch ops: the dense request form and the observe counts on the host reference", "[prefetch][device]") {
   // Entries 0..4 over pages {4, 2, 4, 1, 0}: page 4 twice (its better entry wins), entry 4 not predicted.
   const std::int32_t pages[5] = {4, 2, 4, 1, 0};
@@ -314,6 +465,55 @@ TEST_CASE("quest_lookahead on a device path: bad input is refused and nothing is
   CHECK(c.steps == 0);
 }
 
+TEST_CASE("shadowkv on a device path: host memory and bad input are refused, nothing is written", "[prefetch][device]") {
+  Pool pool = make_pool({12, 7}, 1, 4, 4, 9);
+  const ShadowKV pol(ShadowKVParams{.chunk_size = 2, .chunk_budget = 2, .outlier_chunks = 1, .local_chunks = 1});
+  const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 4, .max_kv_len = 12, .batch = 2};
+  const Requirements req = pol.requirements(Context<EmulatedDevice>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<EmulatedDevice> ctx{Workspace{ws.data(), ws.size()}};
+  ShadowKVBuf dev(pol, pool, kEmulatedDevice), host(pol, pool);
+  REQUIRE(dev.st.history.reset(ctx).is_ok());
+  PagedKVView<const float> dview = pool.cview();
+  dview.device = kEmulatedDevice;
+  REQUIRE(pol.on_append(ctx, AppendInput<float>{dview, nullptr}, dev.st).is_ok());
+  const std::vector<float> floats_before = dev.floats;
+  const std::vector<std::int64_t> hist_before = dev.hist;
+  std::vector<float> q(8, 1.0f);
+  const DecodeInput<float> host_q{TensorView<const float, 3>::contiguous(q.data(), {2, 1, 4}), pool.table(), 4, 3};
+  const DecodeInput<float> dev_q{TensorView<const float, 3>::contiguous(q.data(), {2, 1, 4}, kEmulatedDevice), pool.table(), 4, 3};
+  Request r(req.output.capacity);
+
+  Status s = pol.predict(ctx, dev.st, host_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("queries is host memory") != std::string::npos);
+  s = pol.predict(ctx, host.st, dev_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("state is host memory") != std::string::npos);
+  s = pol.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, dev.st);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("keys are host memory") != std::string::npos);
+  s = pol.predict(Context<Scalar>{Workspace{ws.data(), ws.size()}}, dev.st, host_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("state is device memory") != std::string::npos);
+  ShadowKVState no_pending = dev.st;
+  no_pending.history.pending = nullptr;
+  s = pol.predict(ctx, no_pending, dev_q, r.req);
+  CHECK(s.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(s.message()).find("pending") != std::string::npos);
+  Request small(pool.indptr.back() - 1);
+  CHECK(pol.predict(ctx, dev.st, dev_q, small.req).code() == StatusCode::kOutputTooSmall);
+  const Context<EmulatedDevice> tight{Workspace{ws.data(), ws.size() - 8}};
+  CHECK(pol.predict(tight, dev.st, dev_q, r.req).code() == StatusCode::kWorkspaceTooSmall);
+  CHECK(dev.floats == floats_before);
+  CHECK(dev.hist == hist_before);
+  CHECK(r.pages[0] == -7);
+  CHECK(dev.st.history.serial == 0);
+  REQUIRE(pol.predict(ctx, dev.st, dev_q, r.req).is_ok());  // and the good call goes through
+  CHECK(dev.st.history.serial == 1);
+}
+
 TEST_CASE("prefetchers without a device path refuse a device backend by name", "[prefetch][device]") {
   Pool pool = make_pool({12}, 1, 4, 4, 5);
   const Context<EmulatedDevice> ctx{};
@@ -332,16 +532,11 @@ TEST_CASE("prefetchers without a device path refuse a device backend by name", "
     CHECK(p.observe(ctx, b.st, actual.sel, c).code() == StatusCode::kUnsupported);
     CHECK(p.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, b.st).code() == StatusCode::kUnsupported);
   }
-  {
-    const ShadowKV p;
-    ShadowKVBuf b(p, pool);
-    CHECK(p.observe(ctx, b.st, actual.sel, c).code() == StatusCode::kUnsupported);
-  }
   CHECK(c.steps == 0);
   // The size queries refuse too, so a caller learns it before allocating.
   const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 32, .max_kv_len = 12, .batch = 1};
   CHECK(InfiniGen{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
   CHECK(SpeCache{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
-  CHECK(ShadowKV{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
+  CHECK(ShadowKV{}.requirements(ctx, shape, 4).status.is_ok());  // ShadowKV has a device path
   CHECK(SpeCache{}.requirements(Context<backend::Scalar>{}, shape, 4).status.is_ok());
 }

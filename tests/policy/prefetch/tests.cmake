@@ -1,5 +1,5 @@
 # Prefetch: the hit-rate history, Quest lookahead, InfiniGen, SpeCache, ShadowKV-style landmarks
-# (hand-computed cases, bad input), Quest lookahead's device path on the emulated device, and the
+# (hand-computed cases, bad input), the device paths of Quest lookahead and ShadowKV on the emulated device, and the
 # offload simulator (eval/offload_sim.hpp).
 kvp_add_test(test_prefetch
   ${CMAKE_CURRENT_LIST_DIR}/test_prefetch_history.cpp

@@ -43,6 +43,22 @@
 // State: caller-owned (`ShadowKVState`), one per layer: landmarks
 // (num_pages, page_size / C, Hkv, d), outlier scores (num_pages, page_size / C,
 // Hkv), the history. Thread-safety: const; the state is the caller's.
+//
+// On a device backend (`on_append` / `predict` / `observe` with e.g.
+// backend::Cuda) the state (built by `make_state` with a device tag; its
+// history cleared with `history.reset(ctx)`), the keys' pool, the queries,
+// `table.indices`, the request, the counters of `observe` and the workspace
+// are device memory; `table.indptr` / `last_page_len`, `app.append_len` and
+// the observed selection's `indptr` are host arrays. The loops are the ops of
+// ops/shadowkv_ops.hpp, a few launches per sequence: landmarks on append;
+// outlier keys, a top-k over the kv-head rows, the chunk scores, a second
+// top-k and the entries' priorities on predict; then the reuse and the
+// request of the prefetch ops. Nothing returns to the host: the request's
+// size is device data (`PrefetchRequest::device_size`, `size` = -1), its pages
+// past the size -1. The landmarks and outlier scores are the host's bits; the
+// scores use the device's exp, so a chunk whose score sits within a few ulp of
+// its head's k-th may be chosen on one side only, and the priorities of the
+// selected chunks agree with the host's to about 1e-6 relative.
 #pragma once
 
 #include <algorithm>
@@ -50,6 +66,7 @@
 #include <cstdint>
 
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/ops/shadowkv_ops.hpp"
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/prefetch/history.hpp"
@@ -80,6 +97,7 @@ struct ShadowKVState {
   float* outlier = nullptr;    // (num_pages, chunks_per_page, num_kv_heads) min cosine
   std::int32_t num_pages = 0, page_size = 0, chunk_size = 0, num_kv_heads = 0, head_dim = 0;
   PrefetchHistory history{};
+  Device device{};  ///< where the buffers live (a device backend needs device memory)
 
   std::int32_t chunks_per_page() const noexcept { return chunk_size > 0 ? page_size / chunk_size : 0; }
   std::int64_t slot(std::int32_t page, std::int32_t chunk_in_page, std::int32_t g) const noexcept {
@@ -115,8 +133,12 @@ class ShadowKV {
         params_.chunk_size > 0 ? static_cast<std::int64_t>(num_pages) * (page_size / params_.chunk_size) * num_kv_heads : 0;
     return StateSize{slots * (head_dim + 1), PrefetchHistory::buffer_size(num_pages)};
   }
+  /// A state over `floats` (`state_size(...).floats`) and `history`
+  /// (`.history` int64). Host memory (the default `device`): the history is
+  /// cleared here. Device memory (`device` not host): nothing is written here;
+  /// clear the history with `out->history.reset(ctx)` on the device's backend.
   Status make_state(float* floats, std::int64_t* history, std::int32_t num_pages, std::int32_t page_size, std::int32_t num_kv_heads,
-                    std::int32_t head_dim, State* out) const noexcept {
+                    std::int32_t head_dim, State* out, Device device = {}) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(num_pages >= 0 && page_size >= 1 && num_kv_heads >= 1 && head_dim >= 1,
                 "shadowkv: state (num_pages %d, page_size %d, kv heads %d, head_dim %d) must be >= 0, >= 1, >= 1, >= 1", num_pages,
@@ -132,7 +154,8 @@ class ShadowKV {
     s.head_dim = head_dim;
     s.landmarks = floats;
     s.outlier = floats == nullptr ? nullptr : floats + static_cast<std::int64_t>(num_pages) * s.chunks_per_page() * num_kv_heads * head_dim;
-    s.history = PrefetchHistory::over(history, num_pages);
+    s.history = device.is_host() ? PrefetchHistory::over(history, num_pages) : PrefetchHistory::wrap(history, num_pages);
+    s.device = device;
     *out = s;
     return Status::ok();
   }
@@ -140,8 +163,7 @@ class ShadowKV {
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& shape, std::int32_t page_size) const noexcept {
     Requirements r;
-    r.status = prefetch_detail::refuse_device<Backend>(kName);
-    if (r.status.is_ok()) r.status = validate_params();
+    r.status = validate_params();
     if (r.status.is_ok() && (page_size < 1 || shape.max_kv_len < 0 || shape.batch < 1 || shape.num_q_heads < 1 || shape.num_kv_heads < 1 ||
                              shape.num_q_heads % shape.num_kv_heads != 0))
       r.status = KVP_INVALID("shadowkv: shape (batch %lld, heads %lld/%lld, max_kv_len %lld) or page_size %d out of range",
@@ -149,8 +171,11 @@ class ShadowKV {
                              static_cast<long long>(shape.num_kv_heads), static_cast<long long>(shape.max_kv_len), page_size);
     if (!r.status.is_ok()) return r;
     const std::int64_t entries = shape.batch * ((shape.max_kv_len + page_size - 1) / page_size);
-    r.workspace_bytes =
-        layout<Backend>(shape.max_kv_len / params_.chunk_size, entries, shape.num_q_heads / shape.num_kv_heads, shape.head_dim).total();
+    const std::int64_t M = shape.max_kv_len / params_.chunk_size, G = shape.num_q_heads / shape.num_kv_heads;
+    if constexpr (kDeviceBackend<Backend>)
+      r.workspace_bytes = device_layout<Backend>(M, entries, G, shape.num_kv_heads).total();
+    else
+      r.workspace_bytes = layout<Backend>(M, entries, G, shape.head_dim).total();
     r.output = OutputSize{1, entries};
     r.query_window = 1;
     return r;
@@ -159,12 +184,17 @@ class ShadowKV {
   /// Landmarks and outlier scores of the chunks the append completed
   /// (`app.append_len[b]` per sequence; nullptr: every complete chunk of the table).
   template <class Backend, class Tk>
-  Status on_append(const Context<Backend>&, const AppendInput<Tk>& app, State& st) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
-    KVP_RETURN_IF_ERROR(check_state(st));
+  Status on_append(const Context<Backend>& ctx, const AppendInput<Tk>& app, State& st) const noexcept {
+    constexpr bool on_device = kDeviceBackend<Backend>;
+    KVP_RETURN_IF_ERROR(check_state(st, on_device));
     const PagedKVView<const Tk>& keys = app.kv;
-    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false));
-    KVP_REQUIRE(keys.device.is_host(), "shadowkv: keys are on a device; this entry point reads host memory");
+    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false, /*check_ids=*/!on_device));
+    if constexpr (on_device) {
+      KVP_REQUIRE(!keys.device.is_host(), "shadowkv: keys are host memory; a device backend reads device memory (tag the view kCUDA)");
+    } else {
+      KVP_REQUIRE(keys.device.is_host(), "shadowkv: keys are on a device; this entry point reads host memory");
+    }
+    KVP_REQUIRE(keys.k_strides.dim == 1, "shadowkv: keys' dim stride is %lld, must be 1", static_cast<long long>(keys.k_strides.dim));
     KVP_REQUIRE(keys.num_pages == st.num_pages && keys.page_size == st.page_size && keys.num_kv_heads == st.num_kv_heads &&
                     keys.head_dim == st.head_dim,
                 "shadowkv: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)", keys.num_pages,
@@ -176,6 +206,20 @@ class ShadowKV {
                     static_cast<long long>(keys.seq_len(b)));
     const std::int32_t C = st.chunk_size;
     const std::int64_t d = st.head_dim;
+    if constexpr (on_device) {
+      const ops::ChunkGeometry geo = geometry(st);
+      const detail::BackendCall<Backend> call(ctx);
+      KVP_RETURN_IF_ERROR(call.begin());
+      for (std::int32_t b = 0; b < keys.table.batch; ++b) {
+        const std::int64_t len = keys.seq_len(b), from = app.append_len ? len - app.append_len[b] : 0;
+        const std::int64_t first = from / C, count = len / C - first;  // chunks completed by tokens [from, len)
+        if (count > 0)
+          ops::shadowkv_landmarks<Backend>(keys.k_data, keys.k_strides, keys.table.indices + keys.table.indptr[b], geo, first, count,
+                                           st.landmarks, st.outlier);
+      }
+      return call.end();
+    }
+    (void)ctx;
     for (std::int32_t b = 0; b < keys.table.batch; ++b) {
       const std::int64_t len = keys.seq_len(b), from = app.append_len ? len - app.append_len[b] : 0;
       for (std::int64_t c = from / C; (c + 1) * C <= len; ++c) {  // chunks completed by tokens [from, len)
@@ -213,8 +257,22 @@ class ShadowKV {
   /// queries `next.queries` (batch, Hq, d) post-RoPE (the current step's).
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
-    KVP_RETURN_IF_ERROR(check_state(st));
+    if constexpr (kDeviceBackend<Backend>)
+      return predict_on_device(ctx, st, next, out);
+    else
+      return predict_on_host(ctx, st, next, out);
+  }
+
+  template <class Backend>
+  Status observe(const Context<Backend>& ctx, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
+    KVP_RETURN_IF_ERROR(check_state(st, kDeviceBackend<Backend>));
+    return prefetch_detail::observe(ctx, kName, st.history, actual, counters);
+  }
+
+ private:
+  template <class Backend, class Tq>
+  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(check_state(st, false));
     std::int32_t G = 0;
     KVP_RETURN_IF_ERROR(
         prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
@@ -300,14 +358,68 @@ class ShadowKV {
     return Status::ok();
   }
 
-  template <class Backend>
-  Status observe(const Context<Backend>&, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
-    return prefetch_detail::observe(kName, st.history, actual, counters);
+  /// `predict` on a device backend (header comment, "On a device backend").
+  template <class Backend, class Tq>
+  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(check_state(st, true));
+    std::int32_t G = 0;
+    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
+                                                       st.head_dim, out, &G, /*on_device=*/true));
+    KVP_REQUIRE(next.page_size == st.page_size, "shadowkv: page_size is %d, the state has %d", next.page_size, st.page_size);
+    KVP_REQUIRE(next.layer >= 0, "shadowkv: layer is %d, must be >= 0", next.layer);
+    const PageTable& table = next.table;
+    const std::int32_t C = st.chunk_size;
+    std::int64_t M = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) M = std::max(M, table.seq_len(b, st.page_size) / C);
+    const std::int64_t entries = prefetch_detail::table_entries(table);
+    const DeviceLayout L = device_layout<Backend>(M, entries, G, st.num_kv_heads);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, L.total()));
+    WorkspaceCarver c(ctx.workspace);
+    float* prio = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(entries, 1)));
+    float* keys_or_scores = c.take<float>(static_cast<std::size_t>(L.rows_floats));
+    float* logits = c.take<float>(static_cast<std::size_t>(L.logits_floats));
+    std::int32_t* oidx = c.take<std::int32_t>(static_cast<std::size_t>(L.rows_floats));
+    std::int32_t* sidx = c.take<std::int32_t>(static_cast<std::size_t>(L.rows_floats));
+    const Workspace topk_ws{c.take<std::byte>(L.topk_bytes), L.topk_bytes};
+    const Workspace request_ws{c.take<std::byte>(L.request_bytes), L.request_bytes};
+
+    const ops::ChunkGeometry geo = geometry(st);
+    const std::int32_t Hkv = st.num_kv_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(st.head_dim));
+    const detail::BackendCall<Backend> call(ctx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    const bool dense = next.layer < params_.dense_layers;
+    if (entries > 0) Backend::fill(prio, entries, 1, dense ? 1.0f : prefetch_detail::kNotPredicted);
+    for (std::int32_t b = 0; b < table.batch && !dense; ++b) {
+      const std::int64_t n = table.seq_len(b, st.page_size), m = n / C;
+      if (n == 0) continue;
+      const std::int64_t cand = m - std::min<std::int64_t>(params_.local_chunks, m);
+      const std::int32_t* seq_pages = table.indices + table.indptr[b];
+      const std::int64_t no = std::min<std::int64_t>(params_.outlier_chunks, cand);
+      const std::int64_t k = std::max<std::int64_t>(std::min<std::int64_t>(params_.chunk_budget, cand - no), 0);
+      if (no > 0) {
+        ops::shadowkv_outlier_keys<Backend>(st.outlier, seq_pages, geo, cand, keys_or_scores);
+        Backend::topk_rows_strided(keys_or_scores, cand, Hkv, cand, no, oidx, no, topk_ws);
+      }
+      if (k > 0) {
+        const Tq* q = next.queries.data() + b * next.queries.stride(0);
+        ops::shadowkv_chunk_scores<Backend>(q, next.queries.stride(1), next.queries.stride(2), G, scale, st.landmarks, seq_pages, geo, cand,
+                                            oidx, no, logits, keys_or_scores);
+        Backend::topk_rows_strided(keys_or_scores, cand, Hkv, cand, k, sidx, k, topk_ws);
+      }
+      ops::shadowkv_priorities<Backend>(geo, n, cand, oidx, no, sidx, k, keys_or_scores, prio + table.indptr[b]);
+    }
+    if (params_.reuse_previous && st.history.step >= 1 && entries > 0)
+      ops::prefetch_add_reuse<Backend>(prio, table.indices, entries, st.history.used_at, st.history.step - 1, -1.0f);
+    prefetch_detail::write_request_on_device<Backend>(st.history, table, prio, out, request_ws);
+    return call.end();
   }
 
- private:
-  Status check_state(const State& st) const noexcept {
+  static ops::ChunkGeometry geometry(const State& st) noexcept {
+    return ops::ChunkGeometry{st.page_size, st.chunk_size, st.num_kv_heads, st.head_dim};
+  }
+
+  Status check_state(const State& st, bool on_device) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(st.chunk_size == params_.chunk_size, "shadowkv: state chunk_size is %d, the policy's %d; build it with make_state",
                 st.chunk_size, params_.chunk_size);
@@ -316,7 +428,34 @@ class ShadowKV {
                 st.num_kv_heads, st.head_dim);
     KVP_REQUIRE((st.landmarks != nullptr && st.outlier != nullptr) || st.num_pages == 0, "shadowkv: state buffers are null");
     KVP_REQUIRE(st.history.num_pages == st.num_pages, "shadowkv: history has %d pages, the state %d", st.history.num_pages, st.num_pages);
+    if (on_device) {
+      KVP_REQUIRE(!st.device.is_host() || st.num_pages == 0,
+                  "shadowkv: state is host memory; a device backend reads device memory (make_state with the device)");
+      return st.history.check_device(kName);
+    }
+    KVP_REQUIRE(st.device.is_host(), "shadowkv: state is device memory; this entry point reads host memory");
     return st.history.check(kName);
+  }
+
+  /// Device workspace: priorities, one (Hkv, M) score map (the outlier keys,
+  /// then the chunk scores), the logits (Hkv * G * M), two index maps, the
+  /// top-k's and the request's scratch.
+  struct DeviceLayout {
+    std::int64_t entries = 0, rows_floats = 0, logits_floats = 0;
+    std::size_t topk_bytes = 0, request_bytes = 0;
+    std::size_t total() const noexcept {
+      WorkspacePlan p;
+      p.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(entries, 1))).add<float>(static_cast<std::size_t>(rows_floats));
+      p.add<float>(static_cast<std::size_t>(logits_floats));
+      p.add<std::int32_t>(static_cast<std::size_t>(rows_floats)).add<std::int32_t>(static_cast<std::size_t>(rows_floats));
+      p.add_bytes(topk_bytes).add_bytes(request_bytes);
+      return p.total();
+    }
+  };
+  template <class Backend>
+  static DeviceLayout device_layout(std::int64_t M, std::int64_t entries, std::int64_t G, std::int64_t Hkv) noexcept {
+    const std::int64_t m = std::max<std::int64_t>(M, 1);
+    return DeviceLayout{entries, Hkv * m, Hkv * G * m, Backend::topk_workspace(m), ops::prefetch_request_workspace<Backend>(entries)};
   }
   template <class Backend>
   static WorkspacePlan layout(std::int64_t M, std::int64_t entries, std::int64_t G, std::int64_t d) noexcept {

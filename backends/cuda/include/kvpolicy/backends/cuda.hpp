@@ -413,6 +413,47 @@ struct Cuda {
   static void prefetch_observe(const std::int32_t* pages_device, std::int64_t n, std::int64_t* used_at_device,
                                const std::int64_t* predicted_at_device, const std::int64_t* pending_device, std::int64_t step,
                                bool has_prediction, std::int64_t serial, PrefetchCounters* counters_device) noexcept;
+  /// A thread per entry: prio[e] = reuse_priority where prio[e] is NaN and used_at[entry_pages[e]] == reuse_step.
+  static void prefetch_add_reuse(float* prio_device, const std::int32_t* entry_pages_device, std::int64_t entries,
+                                 const std::int64_t* used_at_device, std::int64_t reuse_step, float reuse_priority) noexcept;
+
+  // ---- ShadowKV (ops/shadowkv_ops.hpp: semantics and host reference) ----
+
+  /// A thread per (chunk, kv head) of chunks [first, first + count) of one
+  /// sequence (`seq_pages_device`: its page ids): landmark and min cosine with
+  /// the host's operations, order and rounding (the same bits).
+  static void shadowkv_landmarks(const float* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                                 const ops::ChunkGeometry& geo, std::int64_t first, std::int64_t count, float* landmarks_device,
+                                 float* outlier_device) noexcept;
+  static void shadowkv_landmarks(const half* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                                 const ops::ChunkGeometry& geo, std::int64_t first, std::int64_t count, float* landmarks_device,
+                                 float* outlier_device) noexcept;
+  static void shadowkv_landmarks(const bfloat16* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                                 const ops::ChunkGeometry& geo, std::int64_t first, std::int64_t count, float* landmarks_device,
+                                 float* outlier_device) noexcept;
+  /// out (Hkv, cand) = -outlier score, a thread per element.
+  static void shadowkv_outlier_keys(const float* outlier_device, const std::int32_t* seq_pages_device, const ops::ChunkGeometry& geo,
+                                    std::int64_t cand, float* out_device) noexcept;
+  /// A block per kv head: masked logits in the host's order, each query
+  /// head's softmax (expf, block-wide double sum), the group max; `logits`:
+  /// Hkv * G * cand floats of device scratch.
+  static void shadowkv_chunk_scores(const float* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G,
+                                    float scale, const float* landmarks_device, const std::int32_t* seq_pages_device,
+                                    const ops::ChunkGeometry& geo, std::int64_t cand, const std::int32_t* oidx_device, std::int64_t no,
+                                    float* logits_device, float* score_device) noexcept;
+  static void shadowkv_chunk_scores(const half* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G,
+                                    float scale, const float* landmarks_device, const std::int32_t* seq_pages_device,
+                                    const ops::ChunkGeometry& geo, std::int64_t cand, const std::int32_t* oidx_device, std::int64_t no,
+                                    float* logits_device, float* score_device) noexcept;
+  static void shadowkv_chunk_scores(const bfloat16* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G,
+                                    float scale, const float* landmarks_device, const std::int32_t* seq_pages_device,
+                                    const ops::ChunkGeometry& geo, std::int64_t cand, const std::int32_t* oidx_device, std::int64_t no,
+                                    float* logits_device, float* score_device) noexcept;
+  /// A thread per entry of one sequence of n tokens: the tail, outlier and
+  /// selected chunks found by binary search in the ascending rows, raised as the host does.
+  static void shadowkv_priorities(const ops::ChunkGeometry& geo, std::int64_t n, std::int64_t cand, const std::int32_t* oidx_device,
+                                  std::int64_t no, const std::int32_t* sidx_device, std::int64_t k, const float* score_device,
+                                  float* prio_device) noexcept;
 
   /// Bytes of device workspace `adakv_keep` needs for a (rows, T) score map:
   /// a ranked copy of the map (the original's normalisation), one threshold
