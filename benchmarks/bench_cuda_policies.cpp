@@ -44,6 +44,13 @@
 //                       selection per sequence, votes, priorities and the
 //                       ordered request over every page; enqueued per
 //                       iteration; hbm_frac as CudaQuestSelect.
+//   CudaShadowKV/B      one ShadowKV prediction for the same batch (default
+//                       parameters): outlier and chunk top-k, chunk scores,
+//                       priorities, request; hbm_frac counts landmark bytes.
+//   CudaSpeCache/B      one SpeCache prediction for the same batch (q4_0 copy,
+//                       top 64 tokens per kv head): logits from the copy,
+//                       softmax, group mean, top-k, priorities, request;
+//                       hbm_frac counts the copy's bytes.
 //
 // Counters: `fp32_frac` = logit flops (2*Hq*w*T*d) per second / fp32 peak
 // (kept against the fp32 peak although fp16 keys now take the tensor-core
@@ -77,6 +84,8 @@
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
+#include "kvpolicy/policy/prefetch/shadowkv.hpp"
+#include "kvpolicy/policy/prefetch/specache.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 
 namespace kvp = kvpolicy;
@@ -607,6 +616,116 @@ void CudaQuestLookahead(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+// One ShadowKV prediction (policy/prefetch/shadowkv.hpp, default parameters:
+// chunks of 8 tokens, 256 selected and 48 outlier chunks per kv head, 4 local)
+// for the same batch shape as CudaQuestSelect: per sequence the outlier top-k,
+// the chunk scores (every landmark read once per kv head's group), the second
+// top-k and the entries' priorities, then the reuse and the ordered request;
+// landmarks and outlier scores drawn from N(0, 1) (the state on_append would
+// build); enqueued per iteration. hbm_frac counts the landmark bytes read.
+void CudaShadowKV(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  using C = QuestDecodeCase;
+  const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 13);
+  const std::int32_t pool = qc.pool;
+  const kvp::ShadowKV pol;
+  const auto sz = pol.state_size(pool, C::P, C::Hkv, C::d);
+  DeviceBuffer dstate(static_cast<std::size_t>(sz.floats) * sizeof(float)),
+      dhist(static_cast<std::size_t>(sz.history) * sizeof(std::int64_t));
+  DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
+  if (!qc.ok() || !dstate.ok || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
+  {
+    std::mt19937 rng(17);
+    std::normal_distribution<float> nd;
+    std::vector<float> x(static_cast<std::size_t>(sz.floats));
+    for (auto& v : x) v = nd(rng);
+    cudaMemcpy(dstate.ptr, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
+  }
+  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
+  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  DeviceBuffer dws(req.workspace_bytes);
+  if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  kvp::ShadowKVState st;
+  if (const kvp::Status ms =
+          pol.make_state(static_cast<float*>(dstate.ptr), static_cast<std::int64_t*>(dhist.ptr), pool, C::P, C::Hkv, C::d, &st, C::gpu);
+      !ms.is_ok())
+    return state.SkipWithError(ms.message());
+  if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
+  const kvp::DecodeInput<float> in = qc.input();
+  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
+  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
+  const double bytes = static_cast<double>(qc.batch) * (C::T / 8) * C::Hkv * C::d * sizeof(float);
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
+// One SpeCache prediction (policy/prefetch/specache.hpp: q4_0 key copy, top 64
+// tokens per kv head) for the same batch shape: per sequence the logits from
+// the copy, the softmax and group mean, the top-k and the priorities, then the
+// ordered request; the copy quantized from N(0, 1) keys by on_append on the
+// device first. hbm_frac counts the copy's bytes read.
+void CudaSpeCache(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  using C = QuestDecodeCase;
+  const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 19);
+  const std::int32_t pool = qc.pool;
+  const kvp::SpeCache pol;
+  const std::int64_t code_bytes = pol.codes_bytes(pool, C::P, C::Hkv, C::d);
+  const std::size_t key_elems = static_cast<std::size_t>(pool) * C::P * C::Hkv * C::d;
+  DeviceBuffer dcodes(static_cast<std::size_t>(code_bytes)), dkeys(key_elems * sizeof(kvp::half));
+  DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(pool)) * sizeof(std::int64_t));
+  DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
+  if (!qc.ok() || !dcodes.ok || !dkeys.ok || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
+  {
+    std::mt19937 rng(23);
+    std::normal_distribution<float> nd;
+    std::vector<kvp::half> table(1 << 20), k(key_elems);  // a million N(0, 1) draws, strided over the pool (setup time)
+    for (auto& v : table) v = kvp::to_half(nd(rng));
+    for (std::size_t i = 0; i < key_elems; ++i) k[i] = table[(i * 7919) & (table.size() - 1)];
+    cudaMemcpy(dkeys.ptr, k.data(), k.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  }
+  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
+  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  DeviceBuffer dws(req.workspace_bytes);
+  if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  kvp::SpeCacheState st;
+  if (const kvp::Status ms = pol.make_state(static_cast<std::uint8_t*>(dcodes.ptr), static_cast<std::int64_t*>(dhist.ptr), pool, C::P,
+                                            C::Hkv, C::d, &st, C::gpu);
+      !ms.is_ok())
+    return state.SkipWithError(ms.message());
+  if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
+  const kvp::DecodeInput<float> in = qc.input();
+  const kvp::PagedKVView<const kvp::half> keys{static_cast<const kvp::half*>(dkeys.ptr),
+                                               nullptr,
+                                               kvp::PageStrides::contiguous(kvp::PageLayout::kHND, C::Hkv, C::P, C::d),
+                                               {},
+                                               pool,
+                                               C::Hkv,
+                                               C::P,
+                                               C::d,
+                                               in.table,
+                                               C::gpu};
+  if (const kvp::Status as = pol.on_append(cx, kvp::AppendInput<kvp::half>{keys, nullptr}, st); !as.is_ok())
+    return state.SkipWithError(as.message());
+  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
+  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] =
+        benchmark::Counter(static_cast<double>(code_bytes) / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
 }  // namespace
 
 BENCHMARK(CudaSnapKV)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -620,6 +739,8 @@ BENCHMARK(CudaQuant)->ArgsProduct({{32768}, {0, 1, 2, 3}, {0, 1}})->UseManualTim
 BENCHMARK(CudaKivi)->ArgsProduct({{32768}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestLookahead)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaShadowKV)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaSpeCache)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void CudaMerge(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");

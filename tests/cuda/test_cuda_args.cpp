@@ -29,6 +29,7 @@
 #include "kvpolicy/policy/prefetch/infinigen.hpp"
 #include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
 #include "kvpolicy/policy/prefetch/shadowkv.hpp"
+#include "kvpolicy/policy/prefetch/specache.hpp"
 #include "kvpolicy/policy/eviction/tova.hpp"
 #include "kvpolicy/policy/merging/cam.hpp"
 #include "kvpolicy/policy/merging/d2o.hpp"
@@ -1089,6 +1090,64 @@ TEST_CASE("cuda ShadowKV ops and the reuse op: bad arguments are recorded, nothi
       [&] { Cuda::prefetch_add_reuse(fake<float>(1), fake<const std::int32_t>(2), -1, fake<const std::int64_t>(3), 0, -1.0f); },
       "must be >= 0");
   require_recorded([&] { Cuda::prefetch_add_reuse(fake<float>(1), nullptr, 5, fake<const std::int64_t>(3), 0, -1.0f); }, "is null");
+}
+
+TEST_CASE("cuda SpeCache ops: bad arguments are recorded, nothing enqueued", "[cuda][args][prefetch]") {
+  using kvpolicy::ops::KeyCopyGeometry;
+  const KeyCopyGeometry geo{16, 2, 64, 2 * 18, kvpolicy::GgmlType::kQ4_0}, bad_geo{16, 2, 48, 2 * 18, kvpolicy::GgmlType::kQ4_0};
+  const kvpolicy::PageStrides ks = kvpolicy::PageStrides::contiguous(kvpolicy::PageLayout::kNHD, 2, 16, 64);
+  require_recorded(
+      [&] { Cuda::specache_encode(fake<const float>(1), ks, fake<const std::int32_t>(2), bad_geo, 0, 4, fake<std::uint8_t>(3)); },
+      "multiple of 32");
+  require_recorded(
+      [&] { Cuda::specache_encode(fake<const kvpolicy::half>(1), ks, fake<const std::int32_t>(2), geo, 0, -4, fake<std::uint8_t>(3)); },
+      "must be >= 0");
+  require_recorded([&] { Cuda::specache_encode(fake<const float>(1), ks, nullptr, geo, 0, 4, fake<std::uint8_t>(3)); }, "is null");
+  require_recorded(
+      [&] {
+        Cuda::specache_scores(fake<const float>(1), 64, 1, 0, 0.125f, fake<const std::uint8_t>(2), fake<const std::int32_t>(3), geo, 10,
+                              fake<float>(4), fake<float>(5));
+      },
+      "group >= 1");
+  require_recorded(
+      [&] {
+        Cuda::specache_scores(fake<const kvpolicy::bfloat16>(1), 64, 1, 2, 0.125f, nullptr, fake<const std::int32_t>(3), geo, 10,
+                              fake<float>(4), fake<float>(5));
+      },
+      "is null");
+  require_recorded([&] { Cuda::specache_priorities(16, 10, 2, fake<const std::int32_t>(1), 11, fake<const float>(2), fake<float>(3)); },
+                   "0 <= k <= n");
+  require_recorded([&] { Cuda::specache_priorities(16, 10, 2, nullptr, 3, fake<const float>(2), fake<float>(3)); }, "is null");
+}
+
+TEST_CASE("cuda SpeCache: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  constexpr std::int32_t P = 8, d = 32;
+  const std::int32_t indptr[3] = {0, 3, 5}, last[2] = {4, 2};
+  const PageTable table{indptr, fake<const std::int32_t>(1), last, 2};
+  const SpeCache pol(SpeCacheParams{.topk = 3});
+  const ProblemShape shape{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = d, .max_kv_len = 12, .batch = 2};
+  const auto req = pol.requirements(Context<Cuda>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  const Context<Cuda> cx{Workspace{fake<void>(2), req.workspace_bytes}};
+  SpeCacheState st, host_st;
+  REQUIRE(pol.make_state(fake<std::uint8_t>(3), fake<std::int64_t>(4), P, 4, 1, d, &st, gpu).is_ok());
+  host_st = st;
+  host_st.device = Device{};
+  PrefetchRequest out{fake<std::int32_t>(5), nullptr, 5, 0};
+  const DecodeInput<float> dev{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}, gpu), table, 4, 3};
+  const DecodeInput<float> host{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}), table, 4, 3};
+  require_refused(pol.predict(cx, st, host, out), StatusCode::kInvalidArgument, "queries is host memory");
+  require_refused(pol.predict(cx, host_st, dev, out), StatusCode::kInvalidArgument, "state is host memory");
+  PrefetchRequest small{fake<std::int32_t>(5), nullptr, 4, 0};
+  require_refused(pol.predict(cx, st, dev, small), StatusCode::kOutputTooSmall, "capacity is 4");
+  require_refused(pol.predict(cx.with_workspace(Workspace{fake<void>(2), 64}), st, dev, out), StatusCode::kWorkspaceTooSmall, "workspace");
+  PagedKVView<const float> keys{
+      fake<const float>(7), nullptr, PageStrides::contiguous(PageLayout::kNHD, 1, 4, d), {}, P, 1, 4, d, table, {}};
+  require_refused(pol.on_append(cx, AppendInput<float>{keys, nullptr}, st), StatusCode::kInvalidArgument, "keys are host memory");
+  CHECK(out.size == 0);
+  CHECK(st.history.serial == 0);
 }
 
 TEST_CASE("cuda ShadowKV: host checks before anything is enqueued", "[cuda][policy][prefetch]") {

@@ -919,49 +919,17 @@ TEST_CASE("cuda QuestLookahead: requests, history and counters match Scalar over
 
 namespace {
 
-/// ShadowKV on the host (Scalar) and on the device over several steps. The landmarks and outlier scores are
-/// bit-identical. The scores use the device's expf, so the requests are compared with a tolerance: pages on both
-/// sides carry priorities within 1e-5 relative (the tail's and outliers' +inf and the reuse -1 exactly), a page on
-/// one side only must be a selected chunk's (finite, >= 0) and at most two per step; the device's list is in
+/// A prefetcher's predictions over several steps on the host (Scalar) and on the device, after the states were
+/// built and compared by the caller. The scores use the device's expf, so the requests are compared with a
+/// tolerance: pages on both sides carry priorities within 1e-5 relative (+inf and the reuse -1 exactly), a page on
+/// one side only must be a selected one's (finite, >= 0) and at most two per step; the device's list is in
 /// descending priority and padded with -1 / NaN; while every request so far named the same pages, the history
 /// stamps and counters are equal too.
-template <class Tk>
-void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
-  const kvp::ShadowKV pol(params);
-  const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
-  std::int64_t max_len = 0;
-  for (std::int32_t b = 0; b < tw.cache.batch(); ++b) max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, ps));
-  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = max_len, .batch = tw.cache.batch()};
-  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, ps);
-  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, ps);
-  KVP_REQUIRE_OK(hreq.status);
-  KVP_REQUIRE_OK(dreq.status);
-  const auto sz = pol.state_size(P, ps, Hkv, d);
-  std::vector<float> hfl(static_cast<std::size_t>(sz.floats), 0.0f);
-  std::vector<std::int64_t> hbuf(static_cast<std::size_t>(sz.history));
-  kvp::ShadowKVState hst, dst;
-  KVP_REQUIRE_OK(pol.make_state(hfl.data(), hbuf.data(), P, ps, Hkv, d, &hst));
-  DeviceBuffer dfl(hfl.size() * sizeof(float)), dbuf(hbuf.size() * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
-  CUDA_REQUIRE(cudaMemset(dfl.get(), 0, hfl.size() * sizeof(float)));
-  KVP_REQUIRE_OK(pol.make_state(dfl.get<float>(), dbuf.get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
-  Stream st;
-  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
-  KVP_REQUIRE_OK(dst.history.reset(dctx));
-  std::vector<std::byte> hws(hreq.workspace_bytes);
-  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
-
-  DeviceBuffer dk(tw.cache.k);
-  kvp::PagedKVView<const Tk> dview = tw.cache.view();
-  dview.k_data = dk.get<const Tk>();
-  dview.v_data = nullptr;
-  dview.table.indices = tw.dids.template get<const std::int32_t>();
-  dview.device = kGpu;
-  KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
-  KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{dview, nullptr}, dst));
-  st.sync();
-  const auto got = dfl.download<float>(hfl.size());
-  REQUIRE(std::memcmp(got.data(), hfl.data(), hfl.size() * sizeof(float)) == 0);
-
+template <class Pol, class State, class Tk>
+void compare_predictions(const Pol& pol, QuestTwin<Tk, float>& tw, State& hst, State& dst, const std::vector<std::int64_t>& hbuf,
+                         DeviceBuffer& dbuf, const kvp::Context<Scalar>& hctx, const kvp::Context<Cuda>& dctx, cudaStream_t stream,
+                         unsigned seed) {
+  const std::int32_t P = tw.cache.num_pages;
   const auto E = static_cast<std::size_t>(tw.cache.table().indptr[tw.cache.batch()]);
   DeviceBuffer dpages(E * sizeof(std::int32_t)), dprio(E * sizeof(float)), dsize(sizeof(std::int64_t));
   DeviceBuffer dcounters(sizeof(kvp::PrefetchCounters));
@@ -980,7 +948,7 @@ void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw,
     kvp::PrefetchRequest dr{dpages.get<std::int32_t>(), dprio.get<float>(), static_cast<std::int64_t>(E), 0};
     dr.device_size = dsize.get<std::int64_t>();
     KVP_REQUIRE_OK(pol.predict(dctx, dst, tw.dev_in(layer), dr));
-    st.sync();
+    CUDA_REQUIRE(cudaStreamSynchronize(stream));
     REQUIRE(dr.size == -1);
     const std::int64_t dn = dsize.download<std::int64_t>(1)[0];
     const auto pages = dpages.download<std::int32_t>(E);
@@ -1042,7 +1010,7 @@ void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw,
     kvp::PageSelection dsel = hsel;
     dsel.indices = dids.get<std::int32_t>();
     KVP_REQUIRE_OK(pol.observe(dctx, dst, dsel, *dcounters.get<kvp::PrefetchCounters>()));
-    st.sync();
+    CUDA_REQUIRE(cudaStreamSynchronize(stream));
     if (same_so_far) {
       kvp::PrefetchCounters dc;
       CUDA_REQUIRE(cudaMemcpy(&dc, dcounters.get(), sizeof(dc), cudaMemcpyDeviceToHost));
@@ -1058,6 +1026,83 @@ void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw,
       REQUIRE(std::equal(stamps.begin(), stamps.begin() + 2 * P, hbuf.begin()));
     }
   }
+}
+
+/// The twin's key pool on the device (keys only, device page ids).
+template <class Tk>
+kvp::PagedKVView<const Tk> device_keys(QuestTwin<Tk, float>& tw, const DeviceBuffer& dk) {
+  kvp::PagedKVView<const Tk> v = tw.cache.view();
+  v.k_data = dk.get<const Tk>();
+  v.v_data = nullptr;
+  v.table.indices = tw.dids.template get<const std::int32_t>();
+  v.device = kGpu;
+  return v;
+}
+
+/// ShadowKV: landmarks and outlier scores built on both sides (bit-identical), then the predictions.
+template <class Tk>
+void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
+  const kvp::ShadowKV pol(params);
+  const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
+  std::int64_t max_len = 0;
+  for (std::int32_t b = 0; b < tw.cache.batch(); ++b) max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, ps));
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = max_len, .batch = tw.cache.batch()};
+  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, ps);
+  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, ps);
+  KVP_REQUIRE_OK(hreq.status);
+  KVP_REQUIRE_OK(dreq.status);
+  const auto sz = pol.state_size(P, ps, Hkv, d);
+  std::vector<float> hfl(static_cast<std::size_t>(sz.floats), 0.0f);
+  std::vector<std::int64_t> hbuf(static_cast<std::size_t>(sz.history));
+  kvp::ShadowKVState hst, dst;
+  KVP_REQUIRE_OK(pol.make_state(hfl.data(), hbuf.data(), P, ps, Hkv, d, &hst));
+  DeviceBuffer dfl(hfl.size() * sizeof(float)), dbuf(hbuf.size() * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
+  CUDA_REQUIRE(cudaMemset(dfl.get(), 0, hfl.size() * sizeof(float)));
+  KVP_REQUIRE_OK(pol.make_state(dfl.get<float>(), dbuf.get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
+  Stream st;
+  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
+  KVP_REQUIRE_OK(dst.history.reset(dctx));
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
+  DeviceBuffer dk(tw.cache.k);
+  KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
+  KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{device_keys(tw, dk), nullptr}, dst));
+  st.sync();
+  const auto got = dfl.download<float>(hfl.size());
+  REQUIRE(std::memcmp(got.data(), hfl.data(), hfl.size() * sizeof(float)) == 0);
+  compare_predictions(pol, tw, hst, dst, hbuf, dbuf, hctx, dctx, st.s, seed);
+}
+
+/// SpeCache: the low-bit key copy written on both sides (byte-identical), then the predictions.
+template <class Tk>
+void check_specache(const kvp::SpeCacheParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
+  const kvp::SpeCache pol(params);
+  const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
+  std::int64_t max_len = 0;
+  for (std::int32_t b = 0; b < tw.cache.batch(); ++b) max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, ps));
+  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = max_len, .batch = tw.cache.batch()};
+  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, ps);
+  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, ps);
+  KVP_REQUIRE_OK(hreq.status);
+  KVP_REQUIRE_OK(dreq.status);
+  std::vector<std::uint8_t> hcodes(static_cast<std::size_t>(pol.codes_bytes(P, ps, Hkv, d)), 0);
+  std::vector<std::int64_t> hbuf(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(P)));
+  kvp::SpeCacheState hst, dst;
+  KVP_REQUIRE_OK(pol.make_state(hcodes.data(), hbuf.data(), P, ps, Hkv, d, &hst));
+  DeviceBuffer dcodes(hcodes.size()), dbuf(hbuf.size() * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
+  CUDA_REQUIRE(cudaMemset(dcodes.get(), 0, hcodes.size()));
+  KVP_REQUIRE_OK(pol.make_state(dcodes.get<std::uint8_t>(), dbuf.get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
+  Stream st;
+  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
+  KVP_REQUIRE_OK(dst.history.reset(dctx));
+  std::vector<std::byte> hws(hreq.workspace_bytes);
+  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
+  DeviceBuffer dk(tw.cache.k);
+  KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
+  KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{device_keys(tw, dk), nullptr}, dst));
+  st.sync();
+  REQUIRE(dcodes.download<std::uint8_t>(hcodes.size()) == hcodes);
+  compare_predictions(pol, tw, hst, dst, hbuf, dbuf, hctx, dctx, st.s, seed);
 }
 
 }  // namespace
@@ -1078,6 +1123,13 @@ TEMPLATE_TEST_CASE("cuda ShadowKV: landmarks bit-identical, requests and counter
     p.reuse_previous = false;
     check_shadowkv(p, tw, 2);
   }
+}
+
+TEMPLATE_TEST_CASE("cuda SpeCache: the key copy byte-identical, requests and counters match Scalar within the exp tolerance",
+                   "[cuda][prefetch]", float, kvp::half) {
+  QuestTwin<TestType, float> tw(16, 2, 4, 64, {1000, 37, 513, 16, 2000}, 37);
+  SECTION("q4_0, top 64, a dense layer") { check_specache(kvp::SpeCacheParams{.topk = 64, .dense_layers = 1}, tw, 1); }
+  SECTION("q8_0, top 300") { check_specache(kvp::SpeCacheParams{.type = kvp::GgmlType::kQ8_0, .topk = 300}, tw, 2); }
 }
 
 TEST_CASE("cuda PyramidKV: per-layer budgets over SnapKV scores match Scalar", "[cuda][pyramidkv]") {

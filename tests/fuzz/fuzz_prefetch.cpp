@@ -3,9 +3,10 @@
 // now and then), budgets, layers, request capacities and workspaces:
 // QuestLookahead (predict, then observe an actual selection) and SpeCache
 // (on_append of a ggml key copy, then predict), on Scalar and Cpu; and
-// the device paths of QuestLookahead and ShadowKV on the emulated device
-// against the host path (equal requests, stamps and counters whenever the host
-// accepts the input; ShadowKV's landmarks byte-identical).
+// the device paths of QuestLookahead, ShadowKV and SpeCache on the emulated
+// device against the host path (equal requests, stamps and counters whenever
+// the host accepts the input; ShadowKV's landmarks and SpeCache's key copy
+// byte-identical).
 // Contract: no crash or sanitizer report; a failed call leaves the request
 // (pages, priorities, size), the history and the copied codes byte-identical;
 // an accepted request holds at most `capacity` distinct pages of the
@@ -252,47 +253,13 @@ void quest_lookahead_device(FuzzedDataProvider& fdp) {
   }
 }
 
-/// ShadowKV's device path (ops/shadowkv_ops.hpp on the emulated device) against the host path on a valid
-/// pool (its keys fuzzed: zeros, NaN and Inf included), table and queries, over three steps: the landmarks and
-/// outlier scores byte-identical after on_append, and whenever the host accepts a call the device accepts it
-/// too, with the same request, history stamps and counters.
-void shadowkv_device(FuzzedDataProvider& fdp) {
-  Setup su(fdp, fdp.ConsumeIntegralInRange<std::int32_t>(1, 12));
-  if (!su.pool.table().validate("fuzz", su.pool.num_pages, su.pool.page_size).is_ok()) return;
+/// The steps shared by the device-path cases: three predictions (each skipped now and then) and observations on
+/// the host and on the emulated device; whenever the host accepts a prediction the device accepts it too, with
+/// the same request (pages, priorities, size; -1 past the size), and the stamps and counters stay equal.
+template <class Pol, class Buf>
+void compare_device_steps(FuzzedDataProvider& fdp, const Pol& pol, Setup& su, Buf& hb, Buf& db, const Context<backend::Scalar>& hctx,
+                          const Context<kvp_test::EmulatedDevice>& dctx) {
   const std::int64_t E = su.pool.indptr[static_cast<std::size_t>(su.batch())];
-  std::vector<int> uses(static_cast<std::size_t>(su.pool.num_pages), 0);
-  for (std::int64_t e = 0; e < E; ++e)
-    if (uses[static_cast<std::size_t>(su.pool.indices[static_cast<std::size_t>(e)])]++ > 0) return;  // repeated ids
-  ShadowKVParams p;
-  p.chunk_size = fdp.ConsumeBool() ? 1 : su.pool.page_size;
-  p.chunk_budget = mostly_in(fdp, 0, 6);
-  p.outlier_chunks = fdp.ConsumeIntegralInRange<std::int32_t>(0, 3);
-  p.local_chunks = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
-  p.reuse_previous = fdp.ConsumeBool();
-  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
-  const ShadowKV pol(p);
-  if (!pol.validate_params().is_ok()) return;
-  ShadowKVBuf hb(pol, su.pool), db(pol, su.pool, kvp_test::kEmulatedDevice);
-  const ProblemShape shape{.num_q_heads = su.Hq,
-                           .num_kv_heads = su.pool.kv_heads,
-                           .head_dim = su.pool.head_dim,
-                           .max_kv_len = static_cast<std::int64_t>(su.pool.num_pages) * su.pool.page_size,
-                           .batch = su.batch()};
-  const Requirements hreq = pol.requirements(Context<backend::Scalar>{}, shape, su.pool.page_size);
-  const Requirements dreq = pol.requirements(Context<kvp_test::EmulatedDevice>{}, shape, su.pool.page_size);
-  KVP_FUZZ_CHECK(hreq.status.is_ok() == dreq.status.is_ok(), "requirements disagree: %s / %s", hreq.status.message(),
-                 dreq.status.message());
-  if (!hreq.status.is_ok()) return;
-  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes, std::byte{0xFF});
-  const Context<backend::Scalar> hctx{Workspace{hws.data(), hws.size()}};
-  const Context<kvp_test::EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
-  KVP_FUZZ_CHECK(db.st.history.reset(dctx).is_ok() && db.hist == hb.hist, "device history reset differs from the host's");
-  PagedKVView<const float> dview = su.pool.cview();
-  dview.device = kvp_test::kEmulatedDevice;
-  const Status ha = pol.on_append(hctx, AppendInput<float>{su.pool.cview(), nullptr}, hb.st);
-  const Status da = pol.on_append(dctx, AppendInput<float>{dview, nullptr}, db.st);
-  KVP_FUZZ_CHECK(ha.is_ok() && da.is_ok(), "on_append refused a valid pool: %s / %s", ha.message(), da.message());
-  KVP_FUZZ_CHECK(same_bytes(hb.floats, db.floats), "landmarks or outlier scores differ");
   PrefetchCounters hc, dc;
   for (int step = 0; step < 3; ++step) {
     const auto q = fuzz_queries(fdp, static_cast<std::size_t>(su.batch() * su.Hq * su.pool.head_dim));
@@ -338,17 +305,90 @@ void shadowkv_device(FuzzedDataProvider& fdp) {
   }
 }
 
+/// A valid pool for a device-path case: its table validates and names no page twice (the host refuses
+/// repeated ids; a device path does not read them).
+bool valid_for_device(const Setup& su) {
+  if (!su.pool.table().validate("fuzz", su.pool.num_pages, su.pool.page_size).is_ok()) return false;
+  const std::int64_t E = su.pool.indptr[static_cast<std::size_t>(su.batch())];
+  std::vector<int> uses(static_cast<std::size_t>(su.pool.num_pages), 0);
+  for (std::int64_t e = 0; e < E; ++e)
+    if (uses[static_cast<std::size_t>(su.pool.indices[static_cast<std::size_t>(e)])]++ > 0) return false;
+  return true;
+}
+
+/// A prefetcher's device path (its ops on the emulated device) against the host path: sizes, the state after
+/// on_append (`same_state`), then `compare_device_steps`. Returns early where the host refuses.
+template <class Pol, class Buf, class SameState>
+void device_case(FuzzedDataProvider& fdp, const Pol& pol, Setup& su, SameState same_state) {
+  Buf hb(pol, su.pool), db(pol, su.pool, kvp_test::kEmulatedDevice);
+  const ProblemShape shape{.num_q_heads = su.Hq,
+                           .num_kv_heads = su.pool.kv_heads,
+                           .head_dim = su.pool.head_dim,
+                           .max_kv_len = static_cast<std::int64_t>(su.pool.num_pages) * su.pool.page_size,
+                           .batch = su.batch()};
+  const Requirements hreq = pol.requirements(Context<backend::Scalar>{}, shape, su.pool.page_size);
+  const Requirements dreq = pol.requirements(Context<kvp_test::EmulatedDevice>{}, shape, su.pool.page_size);
+  KVP_FUZZ_CHECK(hreq.status.is_ok() == dreq.status.is_ok(), "requirements disagree: %s / %s", hreq.status.message(),
+                 dreq.status.message());
+  if (!hreq.status.is_ok()) return;
+  std::vector<std::byte> hws(hreq.workspace_bytes), dws(dreq.workspace_bytes, std::byte{0xFF});
+  const Context<backend::Scalar> hctx{Workspace{hws.data(), hws.size()}};
+  const Context<kvp_test::EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
+  KVP_FUZZ_CHECK(db.st.history.reset(dctx).is_ok() && db.hist == hb.hist, "device history reset differs from the host's");
+  PagedKVView<const float> dview = su.pool.cview();
+  dview.device = kvp_test::kEmulatedDevice;
+  const Status ha = pol.on_append(hctx, AppendInput<float>{su.pool.cview(), nullptr}, hb.st);
+  if (!ha.is_ok()) return;  // SpeCache refuses non-finite keys on the host (the device does not scan them)
+  const Status da = pol.on_append(dctx, AppendInput<float>{dview, nullptr}, db.st);
+  KVP_FUZZ_CHECK(da.is_ok(), "the host accepted an append the device refused: %s", da.message());
+  same_state(hb, db);
+  compare_device_steps(fdp, pol, su, hb, db, hctx, dctx);
+}
+
+/// ShadowKV's device path: keys fuzzed (zeros, NaN and Inf included), landmarks and outlier scores byte-identical.
+void shadowkv_device(FuzzedDataProvider& fdp) {
+  Setup su(fdp, fdp.ConsumeIntegralInRange<std::int32_t>(1, 12));
+  if (!valid_for_device(su)) return;
+  ShadowKVParams p;
+  p.chunk_size = fdp.ConsumeBool() ? 1 : su.pool.page_size;
+  p.chunk_budget = mostly_in(fdp, 0, 6);
+  p.outlier_chunks = fdp.ConsumeIntegralInRange<std::int32_t>(0, 3);
+  p.local_chunks = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  p.reuse_previous = fdp.ConsumeBool();
+  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  const ShadowKV pol(p);
+  if (!pol.validate_params().is_ok()) return;
+  device_case<ShadowKV, ShadowKVBuf>(fdp, pol, su, [](const ShadowKVBuf& hb, const ShadowKVBuf& db) {
+    KVP_FUZZ_CHECK(same_bytes(hb.floats, db.floats), "landmarks or outlier scores differ");
+  });
+}
+
+/// SpeCache's device path: the low-bit key copy byte-identical (on keys the host accepts: finite).
+void specache_device(FuzzedDataProvider& fdp) {
+  Setup su(fdp, 32 * fdp.ConsumeIntegralInRange<std::int32_t>(1, 2));
+  if (!valid_for_device(su)) return;
+  SpeCacheParams p;
+  constexpr GgmlType kTypes[3] = {GgmlType::kQ4_0, GgmlType::kQ8_0, GgmlType::kQ5_1};
+  p.type = kTypes[fdp.ConsumeIntegralInRange<int>(0, 2)];
+  p.topk = mostly_in(fdp, 1, 8);
+  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  const SpeCache pol(p);
+  device_case<SpeCache, SpeCacheBuf>(
+      fdp, pol, su, [](const SpeCacheBuf& hb, const SpeCacheBuf& db) { KVP_FUZZ_CHECK(hb.codes == db.codes, "key copies differ"); });
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
-  switch (fdp.ConsumeIntegralInRange<int>(0, 5)) {
+  switch (fdp.ConsumeIntegralInRange<int>(0, 6)) {
     case 0: quest_lookahead<backend::Scalar>(fdp); break;
     case 1: quest_lookahead<backend::Cpu>(fdp); break;
     case 2: specache<backend::Scalar>(fdp); break;
     case 3: specache<backend::Cpu>(fdp); break;
     case 4: quest_lookahead_device(fdp); break;
-    default: shadowkv_device(fdp); break;
+    case 5: shadowkv_device(fdp); break;
+    default: specache_device(fdp); break;
   }
   return 0;
 }

@@ -10,10 +10,9 @@
 // table entry finding its chunks in the ascending top-k rows by binary search
 // (the host's max, in any order, is the same value). No allocation, no
 // synchronisation: every launch goes on the calling thread's current stream.
-#include <cub/block/block_reduce.cuh>
-
 #include <cstdint>
 
+#include "block_softmax.cuh"
 #include "cuda_common.cuh"
 #include "kvpolicy/backends/cuda.hpp"
 
@@ -95,24 +94,13 @@ __global__ void outlier_keys_kernel(const float* __restrict__ outlier, const std
   }
 }
 
-struct MaxAsHost {  // std::max(a, b): b when a < b (a NaN partial never arises: the rows start at -inf)
-  __device__ __forceinline__ float operator()(float a, float b) const { return a < b ? b : a; }
-};
-
 template <class Tq>
 __global__ void __launch_bounds__(kThreads)
     chunk_scores_kernel(const Tq* __restrict__ q, std::int64_t qhs, std::int64_t qds, std::int32_t G, float scale,
                         const float* __restrict__ landmarks, const std::int32_t* __restrict__ seq_pages, ops::ChunkGeometry geo,
                         std::int64_t cand, const std::int32_t* __restrict__ oidx, std::int64_t no, float* __restrict__ logits,
                         float* __restrict__ score) {
-  using MaxReduce = cub::BlockReduce<float, kThreads>;
-  using SumReduce = cub::BlockReduce<double, kThreads>;
-  __shared__ union {
-    typename MaxReduce::TempStorage mx;
-    typename SumReduce::TempStorage sum;
-  } tmp;
-  __shared__ float s_max;
-  __shared__ double s_sum;
+  __shared__ typename BlockSoftmax<kThreads>::Shared sm;
   const std::int32_t g = blockIdx.x;
   const std::int64_t d = geo.head_dim;
   const std::int32_t* orow = oidx + static_cast<std::int64_t>(g) * no;
@@ -137,27 +125,9 @@ __global__ void __launch_bounds__(kThreads)
     lgg[idx] = s;
   }
   __syncthreads();
-  for (std::int32_t j = 0; j < G; ++j) {
-    float* lg = lgg + static_cast<std::int64_t>(j) * cand;
-    float m = neg_inf();
-    for (std::int64_t ch = threadIdx.x; ch < cand; ch += blockDim.x) m = m < lg[ch] ? lg[ch] : m;
-    m = MaxReduce(tmp.mx).Reduce(m, MaxAsHost{});
-    if (threadIdx.x == 0) s_max = m;
-    __syncthreads();
-    const float mx = s_max;
-    double sum = 0.0;
-    for (std::int64_t ch = threadIdx.x; ch < cand; ch += blockDim.x) {
-      const float e = in_sorted(orow, no, ch) ? 0.0f : expf(__fsub_rn(lg[ch], mx));
-      lg[ch] = e;
-      sum += static_cast<double>(e);
-    }
-    sum = SumReduce(tmp.sum).Sum(sum);
-    if (threadIdx.x == 0) s_sum = sum;
-    __syncthreads();
-    const float inv = __double2float_rn(1.0 / s_sum);
-    for (std::int64_t ch = threadIdx.x; ch < cand; ch += blockDim.x) lg[ch] = __fmul_rn(lg[ch], inv);
-    __syncthreads();  // the next row's reductions reuse the shared storage; the group max reads every row
-  }
+  for (std::int32_t j = 0; j < G; ++j)
+    BlockSoftmax<kThreads>::run(
+        lgg + static_cast<std::int64_t>(j) * cand, cand, [&](std::int64_t ch) { return in_sorted(orow, no, ch); }, sm);
   float* sc = score + static_cast<std::int64_t>(g) * cand;
   for (std::int64_t ch = threadIdx.x; ch < cand; ch += blockDim.x) {
     float acc = lgg[ch];

@@ -45,6 +45,7 @@
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/order_key.hpp"
 #include "kvpolicy/policy/decisions.hpp"
+#include "kvpolicy/quant/ggml.hpp"
 
 KVP_NAMESPACE_BEGIN
 
@@ -73,6 +74,19 @@ struct ChunkGeometry {
   KVP_HOST_DEVICE std::int64_t slot(const std::int32_t* seq_pages, std::int64_t ch, std::int32_t g) const noexcept {
     const std::int32_t cpp = chunks_per_page();
     return (static_cast<std::int64_t>(seq_pages[ch / cpp]) * cpp + ch % cpp) * num_kv_heads + g;
+  }
+};
+
+/// SpeCache's low-bit key copy (ops/specache_ops.hpp): rows of `row_bytes`
+/// (head_dim / 32 ggml blocks of `type`) indexed (page, kv head, slot), as
+/// `SpeCacheState::row`; token t of a sequence whose page ids are seq_pages.
+struct KeyCopyGeometry {
+  std::int32_t page_size = 0, num_kv_heads = 0, head_dim = 0;
+  std::int64_t row_bytes = 0;
+  GgmlType type = GgmlType::kQ4_0;
+  KVP_HOST_DEVICE std::int64_t offset(const std::int32_t* seq_pages, std::int64_t t, std::int32_t g) const noexcept {
+    const std::int64_t page = seq_pages[t / page_size];
+    return ((page * num_kv_heads + g) * page_size + t % page_size) * row_bytes;
   }
 };
 

@@ -130,10 +130,11 @@ struct SpeCacheBuf {
   std::vector<std::uint8_t> codes;
   std::vector<std::int64_t> hist;
   SpeCacheState st{};
-  SpeCacheBuf(const SpeCache& p, const Pool& pool) {
+  /// `device` not host: the buffers are tagged as a device's (an emulated device reads them), the history left to `reset(ctx)`.
+  SpeCacheBuf(const SpeCache& p, const Pool& pool, Device device = {}) {
     codes.assign(static_cast<std::size_t>(p.codes_bytes(pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim)), 0);
     hist.assign(static_cast<std::size_t>(PrefetchHistory::buffer_size(pool.num_pages)), 0);
-    (void)p.make_state(codes.data(), hist.data(), pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim, &st);
+    (void)p.make_state(codes.data(), hist.data(), pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim, &st, device);
   }
 };
 

@@ -201,19 +201,20 @@ TEST_CASE("quest_lookahead on a device path: requests, priorities, stamps and co
 
 namespace {
 
-struct ShadowCase {
-  ShadowKVParams params;
+/// A batch for the device-path comparisons of ShadowKV and SpeCache.
+struct DeviceRun {
   std::vector<std::int64_t> lens;
   std::int32_t kv_heads = 2, group = 2, page_size = 4, head_dim = 8;
-  bool integer_data = true;  // integer keys and queries: exact ties between chunks are common
+  bool integer_data = true;  // integer keys and queries: exact ties between chunks / tokens are common
 };
 
-/// ShadowKV's device path (ops/shadowkv_ops.hpp on the emulated device) against the host path:
-/// the same landmarks and outlier scores, requests, priorities, stamps and counters over six steps.
-void run_shadowkv_case(const ShadowCase& cs, unsigned seed) {
+/// A prefetcher's device path (its ops on the emulated device) against the host path: the state built on
+/// append equal (`same_state(host_buf, device_buf)`; the device appends in two halves, the host in one), then
+/// the same requests, priorities, history stamps and counters over six steps (one without a prediction).
+template <class Pol, class Buf, class SameState>
+void run_device_case(const Pol& pol, const DeviceRun& cs, unsigned seed, SameState same_state) {
   Pool pool = make_pool(cs.lens, cs.kv_heads, cs.page_size, cs.head_dim, seed);
   if (!cs.integer_data) pool.fill_random(seed + 100);
-  const ShadowKV pol(cs.params);
   const std::int32_t Hq = cs.kv_heads * cs.group;
   std::int64_t max_len = 0;
   for (auto l : cs.lens) max_len = std::max(max_len, l);
@@ -228,13 +229,11 @@ void run_shadowkv_case(const ShadowCase& cs, unsigned seed) {
   const Context<Scalar> hctx{Workspace{hws.data(), hws.size()}};
   const Context<EmulatedDevice> dctx{Workspace{dws.data(), dws.size()}};
 
-  ShadowKVBuf hb(pol, pool), db(pol, pool, kEmulatedDevice);
-  std::fill(db.floats.begin(), db.floats.end(), 5.0f);  // every slot the device writes is compared below
+  Buf hb(pol, pool), db(pol, pool, kEmulatedDevice);
   std::fill(db.hist.begin(), db.hist.end(), 77);
   REQUIRE(db.st.history.reset(dctx).is_ok());
   REQUIRE(db.hist == hb.hist);
 
-  // Landmarks: the device in two appends (the first half of each sequence's tokens, then the rest), the host in one.
   PagedKVView<const float> dview = pool.cview();
   dview.device = kEmulatedDevice;
   REQUIRE(pol.on_append(hctx, AppendInput<float>{pool.cview(), nullptr}, hb.st).is_ok());
@@ -254,18 +253,7 @@ void run_shadowkv_case(const ShadowCase& cs, unsigned seed) {
     for (std::size_t b = 0; b < cs.lens.size(); ++b) appended[b] = static_cast<std::int32_t>(cs.lens[b] - cs.lens[b] / 2);
     REQUIRE(pol.on_append(dctx, AppendInput<float>{dview, appended.data()}, db.st).is_ok());
   }
-  // Every slot of a complete chunk equal bit for bit (the rest: never written on either side).
-  const std::int32_t C = cs.params.chunk_size, cpp = cs.page_size / C;
-  for (std::size_t b = 0; b < cs.lens.size(); ++b)
-    for (std::int64_t ch = 0; ch < cs.lens[b] / C; ++ch)
-      for (std::int32_t g = 0; g < cs.kv_heads; ++g) {
-        const std::int32_t page = pool.indices[static_cast<std::size_t>(pool.indptr[b] + ch / cpp)];
-        const std::int64_t slot = hb.st.slot(page, static_cast<std::int32_t>(ch % cpp), g);
-        INFO("sequence " << b << " chunk " << ch << " head " << g);
-        REQUIRE(same_bits(db.st.outlier[slot], hb.st.outlier[slot]));
-        for (std::int32_t i = 0; i < cs.head_dim; ++i)
-          REQUIRE(same_bits(db.st.landmarks[slot * cs.head_dim + i], hb.st.landmarks[slot * cs.head_dim + i]));
-      }
+  same_state(pool, hb, db);
 
   PrefetchCounters hc, dc;
   std::mt19937 rng(seed * 17 + 3);
@@ -320,31 +308,80 @@ void run_shadowkv_case(const ShadowCase& cs, unsigned seed) {
   CHECK(hc.predicted_steps == 5);
 }
 
+/// ShadowKV: every slot of a complete chunk (landmark and outlier score) equal bit for bit.
+void run_shadowkv_case(const ShadowKVParams& params, const DeviceRun& cs, unsigned seed) {
+  run_device_case<ShadowKV, ShadowKVBuf>(ShadowKV(params), cs, seed, [&](const Pool& pool, const ShadowKVBuf& hb, const ShadowKVBuf& db) {
+    const std::int32_t C = params.chunk_size, cpp = cs.page_size / C;
+    for (std::size_t b = 0; b < cs.lens.size(); ++b)
+      for (std::int64_t ch = 0; ch < cs.lens[b] / C; ++ch)
+        for (std::int32_t g = 0; g < cs.kv_heads; ++g) {
+          const std::int32_t page = pool.indices[static_cast<std::size_t>(pool.indptr[b] + ch / cpp)];
+          const std::int64_t slot = hb.st.slot(page, static_cast<std::int32_t>(ch % cpp), g);
+          INFO("sequence " << b << " chunk " << ch << " head " << g);
+          REQUIRE(same_bits(db.st.outlier[slot], hb.st.outlier[slot]));
+          for (std::int32_t i = 0; i < cs.head_dim; ++i)
+            REQUIRE(same_bits(db.st.landmarks[slot * cs.head_dim + i], hb.st.landmarks[slot * cs.head_dim + i]));
+        }
+  });
+}
+
+/// SpeCache: the low-bit key copy equal byte for byte.
+void run_specache_case(const SpeCacheParams& params, const DeviceRun& cs, unsigned seed) {
+  run_device_case<SpeCache, SpeCacheBuf>(SpeCache(params), cs, seed,
+                                         [](const Pool&, const SpeCacheBuf& hb, const SpeCacheBuf& db) { REQUIRE(db.codes == hb.codes); });
+}
+
 }  // namespace
 
 TEST_CASE("shadowkv on a device path: landmarks, requests, priorities, stamps and counters equal the host's", "[prefetch][device]") {
-  ShadowCase base;
-  base.params = ShadowKVParams{.chunk_size = 2, .chunk_budget = 3, .outlier_chunks = 2, .local_chunks = 1, .dense_layers = 1};
+  DeviceRun base;
   base.lens = {37, 5, 64, 0, 21};
-  SECTION("integer data (ties), GQA, reuse, a dense layer") { run_shadowkv_case(base, 1); }
+  SECTION("integer data (ties), GQA, reuse, a dense layer") {
+    run_shadowkv_case(ShadowKVParams{.chunk_size = 2, .chunk_budget = 3, .outlier_chunks = 2, .local_chunks = 1, .dense_layers = 1}, base,
+                      1);
+  }
   SECTION("real-valued data, MHA, no outliers, no reuse, head_dim off the 8-lane blocks") {
-    ShadowCase c = base;
-    c.params = ShadowKVParams{.chunk_size = 4, .chunk_budget = 5, .outlier_chunks = 0, .local_chunks = 2, .reuse_previous = false};
+    DeviceRun c = base;
     c.integer_data = false;
     c.kv_heads = 3;
     c.group = 1;
     c.page_size = 8;
     c.head_dim = 12;
     c.lens = {90, 17, 4, 33};
-    run_shadowkv_case(c, 2);
+    run_shadowkv_case(ShadowKVParams{.chunk_size = 4, .chunk_budget = 5, .outlier_chunks = 0, .local_chunks = 2, .reuse_previous = false},
+                      c, 2);
   }
   SECTION("chunk = page, budgets past the candidates, outliers take every chunk of short sequences") {
-    ShadowCase c = base;
-    c.params = ShadowKVParams{.chunk_size = 4, .chunk_budget = 40, .outlier_chunks = 3, .local_chunks = 0};
+    DeviceRun c = base;
     c.integer_data = false;
     c.group = 4;
     c.lens = {23, 9, 50};
-    run_shadowkv_case(c, 3);
+    run_shadowkv_case(ShadowKVParams{.chunk_size = 4, .chunk_budget = 40, .outlier_chunks = 3, .local_chunks = 0}, c, 3);
+  }
+}
+
+TEST_CASE("specache on a device path: key copy, requests, priorities, stamps and counters equal the host's", "[prefetch][device]") {
+  DeviceRun base;
+  base.head_dim = 32;
+  base.lens = {37, 5, 64, 0, 21};
+  SECTION("integer data (ties), q4_0, GQA, a dense layer") { run_specache_case(SpeCacheParams{.topk = 6, .dense_layers = 1}, base, 1); }
+  SECTION("real-valued data, q8_0, MHA, head_dim 64, top-k past short sequences") {
+    DeviceRun c = base;
+    c.integer_data = false;
+    c.kv_heads = 3;
+    c.group = 1;
+    c.page_size = 8;
+    c.head_dim = 64;
+    c.lens = {90, 17, 4, 33};
+    run_specache_case(SpeCacheParams{.type = GgmlType::kQ8_0, .topk = 20}, c, 2);
+  }
+  SECTION("real-valued data, iq4_nl, a wide group, page size 1") {
+    DeviceRun c = base;
+    c.integer_data = false;
+    c.group = 4;
+    c.page_size = 1;
+    c.lens = {23, 9, 50};
+    run_specache_case(SpeCacheParams{.type = GgmlType::kIQ4_NL, .topk = 7}, c, 3);
   }
 }
 
@@ -514,6 +551,47 @@ TEST_CASE("shadowkv on a device path: host memory and bad input are refused, not
   CHECK(dev.st.history.serial == 1);
 }
 
+TEST_CASE("specache on a device path: host memory and bad input are refused, nothing is written", "[prefetch][device]") {
+  Pool pool = make_pool({12, 7}, 1, 4, 32, 9);
+  const SpeCache pol(SpeCacheParams{.topk = 3});
+  const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 32, .max_kv_len = 12, .batch = 2};
+  const Requirements req = pol.requirements(Context<EmulatedDevice>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<EmulatedDevice> ctx{Workspace{ws.data(), ws.size()}};
+  SpeCacheBuf dev(pol, pool, kEmulatedDevice), host(pol, pool);
+  REQUIRE(dev.st.history.reset(ctx).is_ok());
+  PagedKVView<const float> dview = pool.cview();
+  dview.device = kEmulatedDevice;
+  REQUIRE(pol.on_append(ctx, AppendInput<float>{dview, nullptr}, dev.st).is_ok());
+  const auto codes_before = dev.codes;
+  const auto hist_before = dev.hist;
+  std::vector<float> q(64, 1.0f);
+  const DecodeInput<float> host_q{TensorView<const float, 3>::contiguous(q.data(), {2, 1, 32}), pool.table(), 4, 3};
+  const DecodeInput<float> dev_q{TensorView<const float, 3>::contiguous(q.data(), {2, 1, 32}, kEmulatedDevice), pool.table(), 4, 3};
+  Request r(req.output.capacity);
+  auto refused = [](const Status& s, StatusCode code, const char* what) {
+    CHECK(s.code() == code);
+    CHECK(std::string(s.message()).find(what) != std::string::npos);
+  };
+  refused(pol.predict(ctx, dev.st, host_q, r.req), StatusCode::kInvalidArgument, "queries is host memory");
+  refused(pol.predict(ctx, host.st, dev_q, r.req), StatusCode::kInvalidArgument, "state is host memory");
+  refused(pol.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, dev.st), StatusCode::kInvalidArgument, "keys are host memory");
+  refused(pol.predict(Context<Scalar>{Workspace{ws.data(), ws.size()}}, dev.st, host_q, r.req), StatusCode::kInvalidArgument,
+          "state is device memory");
+  std::vector<std::int32_t> too_long{13, 0};
+  refused(pol.on_append(ctx, AppendInput<float>{dview, too_long.data()}, dev.st), StatusCode::kInvalidArgument, "append_len[0] is 13");
+  Request small(pool.indptr.back() - 1);
+  CHECK(pol.predict(ctx, dev.st, dev_q, small.req).code() == StatusCode::kOutputTooSmall);
+  const Context<EmulatedDevice> tight{Workspace{ws.data(), ws.size() - 8}};
+  CHECK(pol.predict(tight, dev.st, dev_q, r.req).code() == StatusCode::kWorkspaceTooSmall);
+  CHECK(dev.codes == codes_before);
+  CHECK(dev.hist == hist_before);
+  CHECK(r.pages[0] == -7);
+  REQUIRE(pol.predict(ctx, dev.st, dev_q, r.req).is_ok());
+  CHECK(dev.st.history.serial == 1);
+}
+
 TEST_CASE("prefetchers without a device path refuse a device backend by name", "[prefetch][device]") {
   Pool pool = make_pool({12}, 1, 4, 4, 5);
   const Context<EmulatedDevice> ctx{};
@@ -526,17 +604,11 @@ TEST_CASE("prefetchers without a device path refuse a device backend by name", "
     CHECK(s.code() == StatusCode::kUnsupported);
     CHECK(std::string(s.message()).find("infinigen") != std::string::npos);
   }
-  {
-    const SpeCache p;
-    SpeCacheBuf b(p, pool);
-    CHECK(p.observe(ctx, b.st, actual.sel, c).code() == StatusCode::kUnsupported);
-    CHECK(p.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, b.st).code() == StatusCode::kUnsupported);
-  }
   CHECK(c.steps == 0);
   // The size queries refuse too, so a caller learns it before allocating.
   const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 32, .max_kv_len = 12, .batch = 1};
   CHECK(InfiniGen{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
-  CHECK(SpeCache{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
+  CHECK(SpeCache{}.requirements(ctx, shape, 4).status.is_ok());  // SpeCache has a device path
   CHECK(ShadowKV{}.requirements(ctx, shape, 4).status.is_ok());  // ShadowKV has a device path
   CHECK(SpeCache{}.requirements(Context<backend::Scalar>{}, shape, 4).status.is_ok());
 }

@@ -214,7 +214,7 @@ Status refuse_device(const char* who) noexcept {
   if constexpr (kDeviceBackend<Backend>)
     return Status::error(StatusCode::kUnsupported,
                          "%s: not available on a device backend (its prediction runs on the host only; "
-                         "quest_lookahead and shadowkv run on a device)",
+                         "quest_lookahead, shadowkv and specache run on a device)",
                          who);
   else
     return Status::ok();

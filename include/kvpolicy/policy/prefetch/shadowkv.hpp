@@ -204,53 +204,19 @@ class ShadowKV {
         KVP_REQUIRE(app.append_len[b] >= 0 && app.append_len[b] <= keys.seq_len(b),
                     "shadowkv: append_len[%d] is %d, must be in [0, sequence length %lld]", b, app.append_len[b],
                     static_cast<long long>(keys.seq_len(b)));
+    // The same op on every backend: on the host its reference (ops/shadowkv_ops.hpp), on a device its kernel.
     const std::int32_t C = st.chunk_size;
-    const std::int64_t d = st.head_dim;
-    if constexpr (on_device) {
-      const ops::ChunkGeometry geo = geometry(st);
-      const detail::BackendCall<Backend> call(ctx);
-      KVP_RETURN_IF_ERROR(call.begin());
-      for (std::int32_t b = 0; b < keys.table.batch; ++b) {
-        const std::int64_t len = keys.seq_len(b), from = app.append_len ? len - app.append_len[b] : 0;
-        const std::int64_t first = from / C, count = len / C - first;  // chunks completed by tokens [from, len)
-        if (count > 0)
-          ops::shadowkv_landmarks<Backend>(keys.k_data, keys.k_strides, keys.table.indices + keys.table.indptr[b], geo, first, count,
-                                           st.landmarks, st.outlier);
-      }
-      return call.end();
-    }
-    (void)ctx;
+    const ops::ChunkGeometry geo = geometry(st);
+    const detail::BackendCall<Backend> call(ctx);
+    KVP_RETURN_IF_ERROR(call.begin());
     for (std::int32_t b = 0; b < keys.table.batch; ++b) {
       const std::int64_t len = keys.seq_len(b), from = app.append_len ? len - app.append_len[b] : 0;
-      for (std::int64_t c = from / C; (c + 1) * C <= len; ++c) {  // chunks completed by tokens [from, len)
-        const std::int64_t t0 = c * C;
-        const std::int32_t page = keys.table.page_of(b, t0, st.page_size);
-        const auto cip = static_cast<std::int32_t>((t0 % st.page_size) / C);
-        for (std::int32_t g = 0; g < st.num_kv_heads; ++g) {
-          float* L = st.landmarks + st.slot(page, cip, g) * d;
-          for (std::int64_t i = 0; i < d; ++i) {
-            float s = 0.0f;
-            for (std::int32_t j = 0; j < C; ++j) s += to_float(keys.key(b, g, t0 + j)[i]);
-            L[i] = s / static_cast<float>(C);
-          }
-          float ln = 0.0f;
-          for (std::int64_t i = 0; i < d; ++i) ln += L[i] * L[i];
-          float mn = 1.0f;
-          for (std::int32_t j = 0; j < C; ++j) {
-            const Tk* k = keys.key(b, g, t0 + j);
-            float dot = 0.0f, kn = 0.0f;
-            for (std::int64_t i = 0; i < d; ++i) {
-              dot += L[i] * to_float(k[i]);
-              kn += to_float(k[i]) * to_float(k[i]);
-            }
-            const float cs = ln > 0.0f && kn > 0.0f ? dot / (std::sqrt(ln) * std::sqrt(kn)) : 1.0f;
-            mn = std::min(mn, cs);
-          }
-          st.outlier[st.slot(page, cip, g)] = mn;
-        }
-      }
+      const std::int64_t first = from / C, count = len / C - first;  // chunks completed by tokens [from, len)
+      if (count > 0)
+        ops::shadowkv_landmarks<Backend>(keys.k_data, keys.k_strides, keys.table.indices + keys.table.indptr[b], geo, first, count,
+                                         st.landmarks, st.outlier);
     }
-    return Status::ok();
+    return call.end();
   }
 
   /// Predicts the pages the next observation of `next.layer` reads from the

@@ -417,6 +417,33 @@ struct Cuda {
   static void prefetch_add_reuse(float* prio_device, const std::int32_t* entry_pages_device, std::int64_t entries,
                                  const std::int64_t* used_at_device, std::int64_t reuse_step, float reuse_priority) noexcept;
 
+  // ---- SpeCache (ops/specache_ops.hpp: semantics and host reference) ----
+
+  /// Tokens [first, first + count) of one sequence into the low-bit key
+  /// copy, a thread per (token, kv head, ggml block): the host's bytes. Keys
+  /// are not scanned for NaN / Inf (a non-finite key: unspecified codes in its row).
+  static void specache_encode(const float* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                              const ops::KeyCopyGeometry& geo, std::int64_t first, std::int64_t count, std::uint8_t* codes_device) noexcept;
+  static void specache_encode(const half* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                              const ops::KeyCopyGeometry& geo, std::int64_t first, std::int64_t count, std::uint8_t* codes_device) noexcept;
+  static void specache_encode(const bfloat16* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                              const ops::KeyCopyGeometry& geo, std::int64_t first, std::int64_t count, std::uint8_t* codes_device) noexcept;
+  /// Logits from the copy (a thread per kv head, query head and token; the
+  /// host's bits), then a block per kv head: each query head's softmax (expf,
+  /// block-wide double sum) and the group mean. `probs`: Hkv * G * n floats.
+  static void specache_scores(const float* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G, float scale,
+                              const std::uint8_t* codes_device, const std::int32_t* seq_pages_device, const ops::KeyCopyGeometry& geo,
+                              std::int64_t n, float* probs_device, float* mean_device) noexcept;
+  static void specache_scores(const half* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G, float scale,
+                              const std::uint8_t* codes_device, const std::int32_t* seq_pages_device, const ops::KeyCopyGeometry& geo,
+                              std::int64_t n, float* probs_device, float* mean_device) noexcept;
+  static void specache_scores(const bfloat16* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G, float scale,
+                              const std::uint8_t* codes_device, const std::int32_t* seq_pages_device, const ops::KeyCopyGeometry& geo,
+                              std::int64_t n, float* probs_device, float* mean_device) noexcept;
+  /// A thread per entry of one sequence: the selected tokens' means added in the host's order.
+  static void specache_priorities(std::int32_t page_size, std::int64_t n, std::int32_t num_kv_heads, const std::int32_t* idx_device,
+                                  std::int64_t k, const float* mean_device, float* prio_device) noexcept;
+
   // ---- ShadowKV (ops/shadowkv_ops.hpp: semantics and host reference) ----
 
   /// A thread per (chunk, kv head) of chunks [first, first + count) of one
