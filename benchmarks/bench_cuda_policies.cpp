@@ -51,6 +51,10 @@
 //                       top 64 tokens per kv head): logits from the copy,
 //                       softmax, group mean, top-k, priorities, request;
 //                       hbm_frac counts the copy's bytes.
+//   CudaInfiniGen/B     one InfiniGen speculation for the same batch (r = 25
+//                       of 128 channels): skewed queries, partial logits,
+//                       counts, radix-select thresholds, request; hbm_frac
+//                       counts the partial keys' bytes.
 //
 // Counters: `fp32_frac` = logit flops (2*Hq*w*T*d) per second / fp32 peak
 // (kept against the fp32 peak although fp16 keys now take the tensor-core
@@ -84,6 +88,7 @@
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
 #include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
+#include "kvpolicy/policy/prefetch/infinigen.hpp"
 #include "kvpolicy/policy/prefetch/shadowkv.hpp"
 #include "kvpolicy/policy/prefetch/specache.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
@@ -581,149 +586,159 @@ void CudaQuestSelect(benchmark::State& state) {
   cudaStreamDestroy(s);
 }
 
+/// N(0, 1) draws for a large device buffer: a million draws from `seed`, strided over `n` elements
+/// (generating every element would dominate the setup of the 16-sequence cases).
+template <class T>
+std::vector<T> strided_normals(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> table(std::size_t{1} << 20);
+  for (auto& v : table) v = nd(rng);
+  std::vector<T> x(n);
+  for (std::size_t i = 0; i < n; ++i) x[i] = kvp::from_float<T>(table[(i * 7919) & (table.size() - 1)]);
+  return x;
+}
+
+/// The timed part of a prefetcher's benchmark over a QuestDecodeCase: the policy's device requirements, the
+/// workspace and the request (one entry per page), a stream, `prepare(cx)` (the caller's state set-up on the
+/// stream), the history reset, then one prediction per iteration, enqueued (the history's serial advances, so
+/// a graph replay would list nothing). hbm_frac counts `bytes` read per prediction.
+template <class Pol, class State, class Prepare>
+void time_prediction(benchmark::State& state, const QuestDecodeCase& qc, const Pol& pol, State& st, double bytes, Prepare prepare) {
+  using C = QuestDecodeCase;
+  const std::int32_t pool = qc.pool;
+  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
+  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
+  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
+  DeviceBuffer dws(req.workspace_bytes), dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)),
+      dprio(static_cast<std::size_t>(pool) * sizeof(float));
+  if (!dws.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  kvp::Status ps = prepare(cx);
+  if (ps.is_ok()) ps = st.history.reset(cx);
+  if (!ps.is_ok()) {
+    cudaStreamDestroy(s);
+    return state.SkipWithError(ps.message());
+  }
+  const kvp::DecodeInput<float> in = qc.input();
+  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
+  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
+}
+
+kvp::Status no_preparation(const kvp::Context<Cuda>&) { return kvp::Status::ok(); }
+
 // One Quest-lookahead prediction (policy/prefetch/quest_lookahead.hpp) for B
 // sequences of 32K tokens: per sequence Quest's device selection with a
 // lookahead budget of 256 pages, the vote counts, then the priorities and the
 // ordered request (radix sort + the one-block listing) over every page of the
-// batch; enqueued each iteration (the history's serial advances, so a graph
-// replay would list nothing). hbm_frac counts the metadata bytes the bounds read.
+// batch. hbm_frac counts the metadata bytes the bounds read.
 void CudaQuestLookahead(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
-  using C = QuestDecodeCase;
   const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 11);
-  const std::int32_t pool = qc.pool;
-  DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(pool)) * sizeof(std::int64_t));
-  DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
-  if (!qc.ok() || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
-  const kvp::DecodeInput<float> in = qc.input();
+  DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(qc.pool)) * sizeof(std::int64_t));
+  if (!qc.ok() || !dhist.ok) return state.SkipWithError("cudaMalloc failed");
   const kvp::QuestLookahead<kvp::half> pol(kvp::QuestLookaheadParams{.page_budget = 256});
-  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
-  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
-  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
-  DeviceBuffer dws(req.workspace_bytes);
-  if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
-  cudaStream_t s = nullptr;
-  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
-  kvp::QuestLookaheadState<kvp::half> st{qc.meta(), kvp::PrefetchHistory::wrap(static_cast<std::int64_t*>(dhist.ptr), pool)};
-  if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
-  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
-  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
-  const double bytes = static_cast<double>(qc.meta_elems) * sizeof(kvp::half);
-  if (g_peaks.read_bytes_per_s > 0)
-    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
-  cudaStreamDestroy(s);
+  kvp::QuestLookaheadState<kvp::half> st{qc.meta(), kvp::PrefetchHistory::wrap(static_cast<std::int64_t*>(dhist.ptr), qc.pool)};
+  time_prediction(state, qc, pol, st, static_cast<double>(qc.meta_elems) * sizeof(kvp::half), no_preparation);
 }
 
 // One ShadowKV prediction (policy/prefetch/shadowkv.hpp, default parameters:
 // chunks of 8 tokens, 256 selected and 48 outlier chunks per kv head, 4 local)
-// for the same batch shape as CudaQuestSelect: per sequence the outlier top-k,
-// the chunk scores (every landmark read once per kv head's group), the second
-// top-k and the entries' priorities, then the reuse and the ordered request;
-// landmarks and outlier scores drawn from N(0, 1) (the state on_append would
-// build); enqueued per iteration. hbm_frac counts the landmark bytes read.
+// for the same batch: per sequence the outlier top-k, the chunk scores (every
+// landmark read once per kv head's group), the second top-k and the entries'
+// priorities, then the reuse and the ordered request; landmarks and outlier
+// scores drawn from N(0, 1). hbm_frac counts the landmark bytes read.
 void CudaShadowKV(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
   using C = QuestDecodeCase;
   const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 13);
-  const std::int32_t pool = qc.pool;
   const kvp::ShadowKV pol;
-  const auto sz = pol.state_size(pool, C::P, C::Hkv, C::d);
+  const auto sz = pol.state_size(qc.pool, C::P, C::Hkv, C::d);
   DeviceBuffer dstate(static_cast<std::size_t>(sz.floats) * sizeof(float)),
       dhist(static_cast<std::size_t>(sz.history) * sizeof(std::int64_t));
-  DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
-  if (!qc.ok() || !dstate.ok || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
-  {
-    std::mt19937 rng(17);
-    std::normal_distribution<float> nd;
-    std::vector<float> x(static_cast<std::size_t>(sz.floats));
-    for (auto& v : x) v = nd(rng);
-    cudaMemcpy(dstate.ptr, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
-  }
-  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
-  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
-  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
-  DeviceBuffer dws(req.workspace_bytes);
-  if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
-  cudaStream_t s = nullptr;
-  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  if (!qc.ok() || !dstate.ok || !dhist.ok) return state.SkipWithError("cudaMalloc failed");
+  const auto x = strided_normals<float>(static_cast<std::size_t>(sz.floats), 17);
+  cudaMemcpy(dstate.ptr, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
   kvp::ShadowKVState st;
   if (const kvp::Status ms =
-          pol.make_state(static_cast<float*>(dstate.ptr), static_cast<std::int64_t*>(dhist.ptr), pool, C::P, C::Hkv, C::d, &st, C::gpu);
+          pol.make_state(static_cast<float*>(dstate.ptr), static_cast<std::int64_t*>(dhist.ptr), qc.pool, C::P, C::Hkv, C::d, &st, C::gpu);
       !ms.is_ok())
     return state.SkipWithError(ms.message());
-  if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
-  const kvp::DecodeInput<float> in = qc.input();
-  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
-  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
-  const double bytes = static_cast<double>(qc.batch) * (C::T / 8) * C::Hkv * C::d * sizeof(float);
-  if (g_peaks.read_bytes_per_s > 0)
-    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
-  cudaStreamDestroy(s);
+  time_prediction(state, qc, pol, st, static_cast<double>(qc.batch) * (C::T / 8) * C::Hkv * C::d * sizeof(float), no_preparation);
 }
 
 // One SpeCache prediction (policy/prefetch/specache.hpp: q4_0 key copy, top 64
-// tokens per kv head) for the same batch shape: per sequence the logits from
-// the copy, the softmax and group mean, the top-k and the priorities, then the
-// ordered request; the copy quantized from N(0, 1) keys by on_append on the
-// device first. hbm_frac counts the copy's bytes read.
+// tokens per kv head) for the same batch: per sequence the logits from the
+// copy, the softmax and group mean, the top-k and the priorities, then the
+// ordered request; the copy quantized from N(0, 1) fp16 keys by on_append on
+// the device first (untimed). hbm_frac counts the copy's bytes read.
 void CudaSpeCache(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");
   using C = QuestDecodeCase;
   const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 19);
-  const std::int32_t pool = qc.pool;
   const kvp::SpeCache pol;
-  const std::int64_t code_bytes = pol.codes_bytes(pool, C::P, C::Hkv, C::d);
-  const std::size_t key_elems = static_cast<std::size_t>(pool) * C::P * C::Hkv * C::d;
+  const std::int64_t code_bytes = pol.codes_bytes(qc.pool, C::P, C::Hkv, C::d);
+  const std::size_t key_elems = static_cast<std::size_t>(qc.pool) * C::P * C::Hkv * C::d;
   DeviceBuffer dcodes(static_cast<std::size_t>(code_bytes)), dkeys(key_elems * sizeof(kvp::half));
-  DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(pool)) * sizeof(std::int64_t));
-  DeviceBuffer dpages(static_cast<std::size_t>(pool) * sizeof(std::int32_t)), dprio(static_cast<std::size_t>(pool) * sizeof(float));
-  if (!qc.ok() || !dcodes.ok || !dkeys.ok || !dhist.ok || !dpages.ok || !dprio.ok) return state.SkipWithError("cudaMalloc failed");
-  {
-    std::mt19937 rng(23);
-    std::normal_distribution<float> nd;
-    std::vector<kvp::half> table(1 << 20), k(key_elems);  // a million N(0, 1) draws, strided over the pool (setup time)
-    for (auto& v : table) v = kvp::to_half(nd(rng));
-    for (std::size_t i = 0; i < key_elems; ++i) k[i] = table[(i * 7919) & (table.size() - 1)];
-    cudaMemcpy(dkeys.ptr, k.data(), k.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
-  }
-  const kvp::ProblemShape shape{.num_q_heads = C::Hq, .num_kv_heads = C::Hkv, .head_dim = C::d, .max_kv_len = C::T, .batch = qc.batch};
-  const kvp::Requirements req = pol.requirements(kvp::Context<Cuda>{}, shape, C::P);
-  if (!req.status.is_ok()) return state.SkipWithError(req.status.message());
-  DeviceBuffer dws(req.workspace_bytes);
-  if (!dws.ok) return state.SkipWithError("cudaMalloc failed");
-  cudaStream_t s = nullptr;
-  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, req.workspace_bytes}, {}, s};
+  DeviceBuffer dhist(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(qc.pool)) * sizeof(std::int64_t));
+  if (!qc.ok() || !dcodes.ok || !dkeys.ok || !dhist.ok) return state.SkipWithError("cudaMalloc failed");
+  const auto k = strided_normals<kvp::half>(key_elems, 23);
+  cudaMemcpy(dkeys.ptr, k.data(), k.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
   kvp::SpeCacheState st;
-  if (const kvp::Status ms = pol.make_state(static_cast<std::uint8_t*>(dcodes.ptr), static_cast<std::int64_t*>(dhist.ptr), pool, C::P,
+  if (const kvp::Status ms = pol.make_state(static_cast<std::uint8_t*>(dcodes.ptr), static_cast<std::int64_t*>(dhist.ptr), qc.pool, C::P,
                                             C::Hkv, C::d, &st, C::gpu);
       !ms.is_ok())
     return state.SkipWithError(ms.message());
-  if (const kvp::Status rs = st.history.reset(cx); !rs.is_ok()) return state.SkipWithError(rs.message());
-  const kvp::DecodeInput<float> in = qc.input();
   const kvp::PagedKVView<const kvp::half> keys{static_cast<const kvp::half*>(dkeys.ptr),
                                                nullptr,
                                                kvp::PageStrides::contiguous(kvp::PageLayout::kHND, C::Hkv, C::P, C::d),
                                                {},
-                                               pool,
+                                               qc.pool,
                                                C::Hkv,
                                                C::P,
                                                C::d,
-                                               in.table,
+                                               qc.input().table,
                                                C::gpu};
-  if (const kvp::Status as = pol.on_append(cx, kvp::AppendInput<kvp::half>{keys, nullptr}, st); !as.is_ok())
-    return state.SkipWithError(as.message());
-  kvp::PrefetchRequest out{static_cast<std::int32_t*>(dpages.ptr), static_cast<float*>(dprio.ptr), pool, 0};
-  timed_loop(state, s, [&] { return pol.predict(cx, st, in, out); });
-  if (g_peaks.read_bytes_per_s > 0)
-    state.counters["hbm_frac"] =
-        benchmark::Counter(static_cast<double>(code_bytes) / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["pages_per_s"] = benchmark::Counter(static_cast<double>(pool), benchmark::Counter::kIsIterationInvariantRate);
-  cudaStreamDestroy(s);
+  time_prediction(state, qc, pol, st, static_cast<double>(code_bytes), [&](const kvp::Context<Cuda>& cx) {
+    return pol.on_append(cx, kvp::AppendInput<kvp::half>{keys, nullptr}, st);
+  });
+}
+
+// One InfiniGen speculation (policy/prefetch/infinigen.hpp: alpha 5, r = 25
+// partial channels of 128, max_num_kv 400) for the same batch: per sequence
+// the skewed queries, the partial logits and the counts, then per sequence the
+// radix-select threshold and the entries, then the request; the state (skew,
+// channels, partial keys) drawn from N(0, 1). hbm_frac counts the partial
+// keys' bytes read.
+void CudaInfiniGen(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  using C = QuestDecodeCase;
+  const QuestDecodeCase qc(static_cast<std::int32_t>(state.range(0)), 29);
+  const kvp::InfiniGen pol(kvp::InfiniGenParams{.dense_layers = 0});
+  const auto sz = pol.state_size(qc.pool, C::P, C::Hkv, C::d);
+  const std::int32_t r = pol.partial_dim(C::d);
+  DeviceBuffer dfl(static_cast<std::size_t>(sz.floats) * sizeof(float)), dints(static_cast<std::size_t>(sz.ints) * sizeof(std::int32_t));
+  DeviceBuffer dhist(static_cast<std::size_t>(sz.history) * sizeof(std::int64_t));
+  if (!qc.ok() || !dfl.ok || !dints.ok || !dhist.ok) return state.SkipWithError("cudaMalloc failed");
+  const auto x = strided_normals<float>(static_cast<std::size_t>(sz.floats), 31);
+  cudaMemcpy(dfl.ptr, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
+  std::vector<std::int32_t> ch(static_cast<std::size_t>(sz.ints));
+  for (std::size_t i = 0; i < ch.size(); ++i)
+    ch[i] = static_cast<std::int32_t>((i % static_cast<std::size_t>(r)) * 5);  // ascending per head
+  cudaMemcpy(dints.ptr, ch.data(), ch.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+  kvp::InfiniGenState st;
+  if (const kvp::Status ms = pol.make_state(static_cast<float*>(dfl.ptr), static_cast<std::int32_t*>(dints.ptr),
+                                            static_cast<std::int64_t*>(dhist.ptr), qc.pool, C::P, C::Hkv, C::d, &st, C::gpu);
+      !ms.is_ok())
+    return state.SkipWithError(ms.message());
+  st.prepared = true;
+  time_prediction(state, qc, pol, st, static_cast<double>(qc.batch) * C::T * C::Hkv * r * sizeof(float), no_preparation);
 }
 
 }  // namespace
@@ -741,6 +756,7 @@ BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kM
 BENCHMARK(CudaQuestLookahead)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaShadowKV)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaSpeCache)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaInfiniGen)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void CudaMerge(benchmark::State& state) {
   if (!g_have_device) return state.SkipWithError("no CUDA device");

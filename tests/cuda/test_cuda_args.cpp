@@ -1120,20 +1120,21 @@ TEST_CASE("cuda SpeCache ops: bad arguments are recorded, nothing enqueued", "[c
   require_recorded([&] { Cuda::specache_priorities(16, 10, 2, nullptr, 3, fake<const float>(2), fake<float>(3)); }, "is null");
 }
 
-TEST_CASE("cuda SpeCache: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
+/// A device prefetcher's host checks (`st`: a device-tagged state over fake pointers, its history in place):
+/// host queries, a host-tagged copy of the state, a short request, a short workspace and host keys are each
+/// refused before anything is enqueued.
+template <class Pol, class State>
+void require_prefetcher_host_checks(const Pol& pol, State& st, std::int32_t d) {
   using namespace kvpolicy;
   constexpr Device gpu{DeviceType::kCUDA, 0};
-  constexpr std::int32_t P = 8, d = 32;
+  constexpr std::int32_t P = 8;
   const std::int32_t indptr[3] = {0, 3, 5}, last[2] = {4, 2};
   const PageTable table{indptr, fake<const std::int32_t>(1), last, 2};
-  const SpeCache pol(SpeCacheParams{.topk = 3});
   const ProblemShape shape{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = d, .max_kv_len = 12, .batch = 2};
   const auto req = pol.requirements(Context<Cuda>{}, shape, 4);
   REQUIRE(req.status.is_ok());
   const Context<Cuda> cx{Workspace{fake<void>(2), req.workspace_bytes}};
-  SpeCacheState st, host_st;
-  REQUIRE(pol.make_state(fake<std::uint8_t>(3), fake<std::int64_t>(4), P, 4, 1, d, &st, gpu).is_ok());
-  host_st = st;
+  State host_st = st;
   host_st.device = Device{};
   PrefetchRequest out{fake<std::int32_t>(5), nullptr, 5, 0};
   const DecodeInput<float> dev{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}, gpu), table, 4, 3};
@@ -1150,34 +1151,28 @@ TEST_CASE("cuda SpeCache: host checks before anything is enqueued", "[cuda][poli
   CHECK(st.history.serial == 0);
 }
 
-TEST_CASE("cuda ShadowKV: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
+TEST_CASE("cuda ShadowKV, SpeCache and InfiniGen: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
   using namespace kvpolicy;
   constexpr Device gpu{DeviceType::kCUDA, 0};
-  constexpr std::int32_t P = 8, d = 16;
-  const std::int32_t indptr[3] = {0, 3, 5}, last[2] = {4, 2};
-  const PageTable table{indptr, fake<const std::int32_t>(1), last, 2};
-  const ShadowKV pol(ShadowKVParams{.chunk_size = 2, .chunk_budget = 2, .outlier_chunks = 1, .local_chunks = 1});
-  const ProblemShape shape{.num_q_heads = 2, .num_kv_heads = 1, .head_dim = d, .max_kv_len = 12, .batch = 2};
-  const auto req = pol.requirements(Context<Cuda>{}, shape, 4);
-  REQUIRE(req.status.is_ok());
-  const Context<Cuda> cx{Workspace{fake<void>(2), req.workspace_bytes}};
-  ShadowKVState st, host_st;
-  REQUIRE(pol.make_state(fake<float>(3), fake<std::int64_t>(4), P, 4, 1, d, &st, gpu).is_ok());
-  host_st = st;
-  host_st.device = Device{};
-  PrefetchRequest out{fake<std::int32_t>(5), nullptr, 5, 0};
-  const DecodeInput<float> dev{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}, gpu), table, 4, 3};
-  const DecodeInput<float> host{TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 2, d}), table, 4, 3};
-  require_refused(pol.predict(cx, st, host, out), StatusCode::kInvalidArgument, "queries is host memory");
-  require_refused(pol.predict(cx, host_st, dev, out), StatusCode::kInvalidArgument, "state is host memory");
-  PrefetchRequest small{fake<std::int32_t>(5), nullptr, 4, 0};
-  require_refused(pol.predict(cx, st, dev, small), StatusCode::kOutputTooSmall, "capacity is 4");
-  require_refused(pol.predict(cx.with_workspace(Workspace{fake<void>(2), 64}), st, dev, out), StatusCode::kWorkspaceTooSmall, "workspace");
-  PagedKVView<const float> keys{
-      fake<const float>(7), nullptr, PageStrides::contiguous(PageLayout::kNHD, 1, 4, d), {}, P, 1, 4, d, table, {}};
-  require_refused(pol.on_append(cx, AppendInput<float>{keys, nullptr}, st), StatusCode::kInvalidArgument, "keys are host memory");
-  CHECK(out.size == 0);
-  CHECK(st.history.serial == 0);
+  {
+    const ShadowKV pol(ShadowKVParams{.chunk_size = 2, .chunk_budget = 2, .outlier_chunks = 1, .local_chunks = 1});
+    ShadowKVState st;
+    REQUIRE(pol.make_state(fake<float>(3), fake<std::int64_t>(4), 8, 4, 1, 16, &st, gpu).is_ok());
+    require_prefetcher_host_checks(pol, st, 16);
+  }
+  {
+    const SpeCache pol(SpeCacheParams{.topk = 3});
+    SpeCacheState st;
+    REQUIRE(pol.make_state(fake<std::uint8_t>(3), fake<std::int64_t>(4), 8, 4, 1, 32, &st, gpu).is_ok());
+    require_prefetcher_host_checks(pol, st, 32);
+  }
+  {
+    const InfiniGen pol(InfiniGenParams{.partial_ratio = 0.5f, .dense_layers = 0});
+    InfiniGenState st;
+    REQUIRE(pol.make_state(fake<float>(3), fake<std::int32_t>(8), fake<std::int64_t>(4), 8, 4, 1, 16, &st, gpu).is_ok());
+    st.prepared = true;
+    require_prefetcher_host_checks(pol, st, 16);
+  }
 }
 
 TEST_CASE("cuda prefetch policies: host checks before anything is enqueued", "[cuda][policy][prefetch]") {
@@ -1211,5 +1206,49 @@ TEST_CASE("cuda prefetch policies: host checks before anything is enqueued", "[c
   CHECK(st.history.step == 0);
   const InfiniGen ig;
   InfiniGenState igs{};
-  require_refused(ig.observe(cx, igs, bad, *counters), StatusCode::kUnsupported, "not available on a device backend");
+  require_refused(ig.observe(cx, igs, bad, *counters), StatusCode::kInvalidArgument, "state buffers are null");
+  require_refused(
+      ig.prepare(cx, TensorView<const float, 3>::contiguous(fake<const float>(6), {2, 1, d}, gpu), PagedKVView<const float>{}, igs),
+      StatusCode::kUnsupported, "prepare runs on the host");
+}
+
+TEST_CASE("cuda InfiniGen ops: bad arguments are recorded, nothing enqueued", "[cuda][args][prefetch]") {
+  using kvpolicy::ops::PartialKeyGeometry;
+  const PartialKeyGeometry geo{16, 2, 64, 12}, bad_geo{16, 2, 64, 65};
+  const kvpolicy::PageStrides ks = kvpolicy::PageStrides::contiguous(kvpolicy::PageLayout::kNHD, 2, 16, 64);
+  require_recorded(
+      [&] {
+        Cuda::infinigen_fold(fake<const float>(1), ks, fake<const std::int32_t>(2), bad_geo, fake<const float>(3),
+                             fake<const std::int32_t>(4), 0, 4, fake<float>(5));
+      },
+      "partial_dim <= head_dim");
+  require_recorded(
+      [&] {
+        Cuda::infinigen_fold(fake<const kvpolicy::half>(1), ks, nullptr, geo, fake<const float>(3), fake<const std::int32_t>(4), 0, 4,
+                             fake<float>(5));
+      },
+      "is null");
+  require_recorded(
+      [&] {
+        Cuda::infinigen_scores(fake<const float>(1), 64, 1, 2, 0.125f, fake<const float>(2), fake<const std::int32_t>(3),
+                               fake<const float>(4), fake<const std::int32_t>(5), geo, 100, fake<float>(6), fake<float>(7), 50);
+      },
+      "n <= ld");
+  require_recorded(
+      [&] {
+        Cuda::infinigen_scores(fake<const kvpolicy::bfloat16>(1), 64, 1, 2, 0.125f, nullptr, fake<const std::int32_t>(3),
+                               fake<const float>(4), fake<const std::int32_t>(5), geo, 10, fake<float>(6), fake<float>(7), 10);
+      },
+      "is null");
+  require_recorded([&] { Cuda::infinigen_counts(fake<const float>(1), 4, 10, 5, 2.0f, fake<std::int64_t>(2)); }, "ld >= n");
+  require_recorded([&] { Cuda::infinigen_counts(nullptr, 4, 10, 10, 2.0f, fake<std::int64_t>(2)); }, "is null");
+  require_recorded(
+      [&] {
+        Cuda::infinigen_select(fake<const float>(1), 4, 10, 10, fake<const std::int64_t>(2), 4, 0, 16, fake<std::uint64_t>(3),
+                               fake<float>(4));
+      },
+      "max_num_kv and page_size >= 1");
+  require_recorded(
+      [&] { Cuda::infinigen_select(fake<const float>(1), 4, 10, 10, nullptr, 4, 8, 16, fake<std::uint64_t>(3), fake<float>(4)); },
+      "is null");
 }

@@ -924,11 +924,12 @@ namespace {
 /// tolerance: pages on both sides carry priorities within 1e-5 relative (+inf and the reuse -1 exactly), a page on
 /// one side only must be a selected one's (finite, >= 0) and at most two per step; the device's list is in
 /// descending priority and padded with -1 / NaN; while every request so far named the same pages, the history
-/// stamps and counters are equal too.
+/// stamps and counters are equal too. `exact`: the policy's device path is bit-identical (no exp), so every
+/// request must equal the host's, priorities bit for bit.
 template <class Pol, class State, class Tk>
 void compare_predictions(const Pol& pol, QuestTwin<Tk, float>& tw, State& hst, State& dst, const std::vector<std::int64_t>& hbuf,
                          DeviceBuffer& dbuf, const kvp::Context<Scalar>& hctx, const kvp::Context<Cuda>& dctx, cudaStream_t stream,
-                         unsigned seed) {
+                         unsigned seed, bool exact = false) {
   const std::int32_t P = tw.cache.num_pages;
   const auto E = static_cast<std::size_t>(tw.cache.table().indptr[tw.cache.batch()]);
   DeviceBuffer dpages(E * sizeof(std::int32_t)), dprio(E * sizeof(float)), dsize(sizeof(std::int64_t));
@@ -976,7 +977,9 @@ void compare_predictions(const Pol& pol, QuestTwin<Tk, float>& tw, State& hst, S
         REQUIRE((std::isfinite(p) && p >= 0.0f));
         continue;
       }
-      if (std::isinf(p) || p == -1.0f) {
+      if (exact) {
+        REQUIRE(same_float_bits(it->second, p));
+      } else if (std::isinf(p) || p == -1.0f) {
         REQUIRE(it->second == p);
       } else {
         REQUIRE(std::fabs(it->second - p) <= 1e-5f * std::fabs(p) + 1e-9f);
@@ -987,7 +990,8 @@ void compare_predictions(const Pol& pol, QuestTwin<Tk, float>& tw, State& hst, S
         ++one_sided;
         REQUIRE((std::isfinite(p) && p >= 0.0f));
       }
-    REQUIRE(one_sided <= 2);
+    REQUIRE(one_sided <= (exact ? 0 : 2));
+    if (exact) REQUIRE(std::equal(pages.begin(), pages.begin() + dn, hpages.begin()));  // the same order too
     same_so_far = same_so_far && one_sided == 0;
     if (same_so_far) {
       const auto pending = dbuf.download<std::int64_t>(hbuf.size());
@@ -1039,73 +1043,134 @@ kvp::PagedKVView<const Tk> device_keys(QuestTwin<Tk, float>& tw, const DeviceBuf
   return v;
 }
 
+/// What every prefetcher's twin check needs: the batch's shape, the host and device requirements, both
+/// workspaces, a stream and the two contexts; the device history buffer and the host one (`history` int64 each).
+template <class Pol, class Tk>
+struct PrefetchTwin {
+  kvp::ProblemShape shape;
+  kvp::Requirements hreq, dreq;
+  std::vector<std::byte> hws;
+  DeviceBuffer dws;
+  Stream st;
+  kvp::Context<Scalar> hctx;
+  kvp::Context<Cuda> dctx;
+  std::vector<std::int64_t> hbuf;
+  DeviceBuffer dbuf;
+  PrefetchTwin(const Pol& pol, const QuestTwin<Tk, float>& tw)
+      : shape(batch_shape(tw)),
+        hreq(pol.requirements(kvp::Context<Scalar>{}, shape, tw.cache.page_size)),
+        dreq(pol.requirements(kvp::Context<Cuda>{}, shape, tw.cache.page_size)),
+        hws(hreq.workspace_bytes),
+        dws(dreq.workspace_bytes),
+        hctx{kvp::Workspace{hws.data(), hws.size()}},
+        dctx{dws.workspace(), {}, st.s},
+        hbuf(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(tw.cache.num_pages))),
+        dbuf(hbuf.size() * sizeof(std::int64_t)) {
+    KVP_REQUIRE_OK(hreq.status);
+    KVP_REQUIRE_OK(dreq.status);
+  }
+  static kvp::ProblemShape batch_shape(const QuestTwin<Tk, float>& tw) {
+    std::int64_t max_len = 0;
+    for (std::int32_t b = 0; b < tw.cache.batch(); ++b)
+      max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, tw.cache.page_size));
+    return {.num_q_heads = tw.Hq,
+            .num_kv_heads = tw.cache.kv_heads,
+            .head_dim = tw.cache.head_dim,
+            .max_kv_len = max_len,
+            .batch = tw.cache.batch()};
+  }
+  /// Both states built: the device history cleared on the stream, then on_append of every cached token on
+  /// each side (the caller prepared what must come first) and `same_state()` compared after a sync.
+  template <class State, class SameState>
+  void append_and_compare(const Pol& pol, QuestTwin<Tk, float>& tw, State& hst, State& dst, SameState same_state) {
+    KVP_REQUIRE_OK(dst.history.reset(dctx));
+    DeviceBuffer dk(tw.cache.k);
+    KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
+    KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{device_keys(tw, dk), nullptr}, dst));
+    st.sync();
+    same_state();
+  }
+};
+
 /// ShadowKV: landmarks and outlier scores built on both sides (bit-identical), then the predictions.
 template <class Tk>
 void check_shadowkv(const kvp::ShadowKVParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
   const kvp::ShadowKV pol(params);
+  PrefetchTwin<kvp::ShadowKV, Tk> x(pol, tw);
   const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
-  std::int64_t max_len = 0;
-  for (std::int32_t b = 0; b < tw.cache.batch(); ++b) max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, ps));
-  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = max_len, .batch = tw.cache.batch()};
-  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, ps);
-  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, ps);
-  KVP_REQUIRE_OK(hreq.status);
-  KVP_REQUIRE_OK(dreq.status);
-  const auto sz = pol.state_size(P, ps, Hkv, d);
-  std::vector<float> hfl(static_cast<std::size_t>(sz.floats), 0.0f);
-  std::vector<std::int64_t> hbuf(static_cast<std::size_t>(sz.history));
-  kvp::ShadowKVState hst, dst;
-  KVP_REQUIRE_OK(pol.make_state(hfl.data(), hbuf.data(), P, ps, Hkv, d, &hst));
-  DeviceBuffer dfl(hfl.size() * sizeof(float)), dbuf(hbuf.size() * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
+  std::vector<float> hfl(static_cast<std::size_t>(pol.state_size(P, ps, Hkv, d).floats), 0.0f);
+  DeviceBuffer dfl(hfl.size() * sizeof(float));
   CUDA_REQUIRE(cudaMemset(dfl.get(), 0, hfl.size() * sizeof(float)));
-  KVP_REQUIRE_OK(pol.make_state(dfl.get<float>(), dbuf.get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
-  Stream st;
-  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
-  KVP_REQUIRE_OK(dst.history.reset(dctx));
-  std::vector<std::byte> hws(hreq.workspace_bytes);
-  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
-  DeviceBuffer dk(tw.cache.k);
-  KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
-  KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{device_keys(tw, dk), nullptr}, dst));
-  st.sync();
-  const auto got = dfl.download<float>(hfl.size());
-  REQUIRE(std::memcmp(got.data(), hfl.data(), hfl.size() * sizeof(float)) == 0);
-  compare_predictions(pol, tw, hst, dst, hbuf, dbuf, hctx, dctx, st.s, seed);
+  kvp::ShadowKVState hst, dst;
+  KVP_REQUIRE_OK(pol.make_state(hfl.data(), x.hbuf.data(), P, ps, Hkv, d, &hst));
+  KVP_REQUIRE_OK(pol.make_state(dfl.get<float>(), x.dbuf.template get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
+  x.append_and_compare(pol, tw, hst, dst, [&] {
+    const auto got = dfl.download<float>(hfl.size());
+    REQUIRE(std::memcmp(got.data(), hfl.data(), hfl.size() * sizeof(float)) == 0);
+  });
+  compare_predictions(pol, tw, hst, dst, x.hbuf, x.dbuf, x.hctx, x.dctx, x.st.s, seed);
 }
 
 /// SpeCache: the low-bit key copy written on both sides (byte-identical), then the predictions.
 template <class Tk>
 void check_specache(const kvp::SpeCacheParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
   const kvp::SpeCache pol(params);
+  PrefetchTwin<kvp::SpeCache, Tk> x(pol, tw);
   const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
-  std::int64_t max_len = 0;
-  for (std::int32_t b = 0; b < tw.cache.batch(); ++b) max_len = std::max<std::int64_t>(max_len, tw.cache.table().seq_len(b, ps));
-  const kvp::ProblemShape shape{.num_q_heads = tw.Hq, .num_kv_heads = Hkv, .head_dim = d, .max_kv_len = max_len, .batch = tw.cache.batch()};
-  const auto hreq = pol.requirements(kvp::Context<Scalar>{}, shape, ps);
-  const auto dreq = pol.requirements(kvp::Context<Cuda>{}, shape, ps);
-  KVP_REQUIRE_OK(hreq.status);
-  KVP_REQUIRE_OK(dreq.status);
   std::vector<std::uint8_t> hcodes(static_cast<std::size_t>(pol.codes_bytes(P, ps, Hkv, d)), 0);
-  std::vector<std::int64_t> hbuf(static_cast<std::size_t>(kvp::PrefetchHistory::buffer_size(P)));
-  kvp::SpeCacheState hst, dst;
-  KVP_REQUIRE_OK(pol.make_state(hcodes.data(), hbuf.data(), P, ps, Hkv, d, &hst));
-  DeviceBuffer dcodes(hcodes.size()), dbuf(hbuf.size() * sizeof(std::int64_t)), dws(dreq.workspace_bytes);
+  DeviceBuffer dcodes(hcodes.size());
   CUDA_REQUIRE(cudaMemset(dcodes.get(), 0, hcodes.size()));
-  KVP_REQUIRE_OK(pol.make_state(dcodes.get<std::uint8_t>(), dbuf.get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
-  Stream st;
-  const kvp::Context<Cuda> dctx{dws.workspace(), {}, st.s};
-  KVP_REQUIRE_OK(dst.history.reset(dctx));
-  std::vector<std::byte> hws(hreq.workspace_bytes);
-  const kvp::Context<Scalar> hctx{kvp::Workspace{hws.data(), hws.size()}};
+  kvp::SpeCacheState hst, dst;
+  KVP_REQUIRE_OK(pol.make_state(hcodes.data(), x.hbuf.data(), P, ps, Hkv, d, &hst));
+  KVP_REQUIRE_OK(pol.make_state(dcodes.get<std::uint8_t>(), x.dbuf.template get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
+  x.append_and_compare(pol, tw, hst, dst, [&] { REQUIRE(dcodes.download<std::uint8_t>(hcodes.size()) == hcodes); });
+  compare_predictions(pol, tw, hst, dst, x.hbuf, x.dbuf, x.hctx, x.dctx, x.st.s, seed);
+}
+
+/// InfiniGen: prepared on the host (skew, channels, partial keys) from prompt queries, the skew and channels
+/// copied into the device state, the partial keys folded on the device (bit-identical), then the predictions
+/// (bit-identical too).
+template <class Tk>
+void check_infinigen(const kvp::InfiniGenParams& params, QuestTwin<Tk, float>& tw, unsigned seed) {
+  const kvp::InfiniGen pol(params);
+  PrefetchTwin<kvp::InfiniGen, Tk> x(pol, tw);
+  const std::int32_t P = tw.cache.num_pages, ps = tw.cache.page_size, Hkv = tw.cache.kv_heads, d = tw.cache.head_dim;
+  const auto sz = pol.state_size(P, ps, Hkv, d);
+  std::vector<float> hfl(static_cast<std::size_t>(sz.floats), 0.0f);
+  std::vector<std::int32_t> hints(static_cast<std::size_t>(sz.ints), 0);
+  kvp::InfiniGenState hst, dst;
+  KVP_REQUIRE_OK(pol.make_state(hfl.data(), hints.data(), x.hbuf.data(), P, ps, Hkv, d, &hst));
+  const std::int64_t W = 16;
+  const auto prompt = random_vector<float>(static_cast<std::size_t>(tw.Hq * W * d), seed + 3);
+  KVP_REQUIRE_OK(pol.prepare(x.hctx, kvp::TensorView<const float, 3>::contiguous(prompt.data(), {tw.Hq, W, d}), tw.cache.view(), hst));
+  DeviceBuffer dfl(hfl.size() * sizeof(float)), dints(hints);
+  CUDA_REQUIRE(cudaMemset(dfl.get(), 0, hfl.size() * sizeof(float)));
+  CUDA_REQUIRE(cudaMemcpy(dfl.get(), hfl.data(), static_cast<std::size_t>(Hkv) * d * d * sizeof(float), cudaMemcpyHostToDevice));
+  KVP_REQUIRE_OK(
+      pol.make_state(dfl.get<float>(), dints.get<std::int32_t>(), x.dbuf.template get<std::int64_t>(), P, ps, Hkv, d, &dst, kGpu));
+  dst.prepared = true;
+  // The host folded its partial keys in prepare; append nothing more there (append_len 0), everything on the device.
+  KVP_REQUIRE_OK(dst.history.reset(x.dctx));
   DeviceBuffer dk(tw.cache.k);
-  KVP_REQUIRE_OK(pol.on_append(hctx, kvp::AppendInput<Tk>{tw.cache.view(), nullptr}, hst));
-  KVP_REQUIRE_OK(pol.on_append(dctx, kvp::AppendInput<Tk>{device_keys(tw, dk), nullptr}, dst));
-  st.sync();
-  REQUIRE(dcodes.download<std::uint8_t>(hcodes.size()) == hcodes);
-  compare_predictions(pol, tw, hst, dst, hbuf, dbuf, hctx, dctx, st.s, seed);
+  KVP_REQUIRE_OK(pol.on_append(x.dctx, kvp::AppendInput<Tk>{device_keys(tw, dk), nullptr}, dst));
+  x.st.sync();
+  const auto got = dfl.download<float>(hfl.size());
+  REQUIRE(std::memcmp(got.data(), hfl.data(), hfl.size() * sizeof(float)) == 0);
+  compare_predictions(pol, tw, hst, dst, x.hbuf, x.dbuf, x.hctx, x.dctx, x.st.s, seed, /*exact=*/true);
 }
 
 }  // namespace
+
+TEMPLATE_TEST_CASE("cuda InfiniGen: partial keys, requests, history and counters bit-identical to Scalar", "[cuda][prefetch]", float,
+                   kvp::half) {
+  QuestTwin<TestType, float> tw(16, 2, 4, 64, {1000, 37, 513, 16, 2000}, 41);
+  SECTION("skewed, alpha 5, a dense layer") {
+    check_infinigen(kvp::InfiniGenParams{.alpha = 5.0f, .max_num_kv = 400, .dense_layers = 1}, tw, 1);
+  }
+  SECTION("A = I, alpha 2, ratio 0.3 (r off the 8-lane blocks)") {
+    check_infinigen(kvp::InfiniGenParams{.alpha = 2.0f, .partial_ratio = 0.3f, .max_num_kv = 64, .dense_layers = 0, .skew = false}, tw, 2);
+  }
+}
 
 TEMPLATE_TEST_CASE("cuda ShadowKV: landmarks bit-identical, requests and counters match Scalar within the exp tolerance",
                    "[cuda][prefetch]", float, kvp::half) {

@@ -3,10 +3,10 @@
 // now and then), budgets, layers, request capacities and workspaces:
 // QuestLookahead (predict, then observe an actual selection) and SpeCache
 // (on_append of a ggml key copy, then predict), on Scalar and Cpu; and
-// the device paths of QuestLookahead, ShadowKV and SpeCache on the emulated
-// device against the host path (equal requests, stamps and counters whenever
-// the host accepts the input; ShadowKV's landmarks and SpeCache's key copy
-// byte-identical).
+// the device paths of QuestLookahead, ShadowKV, SpeCache and InfiniGen on the
+// emulated device against the host path (equal requests, stamps and counters
+// whenever the host accepts the input; ShadowKV's landmarks, SpeCache's key
+// copy and InfiniGen's partial keys byte-identical).
 // Contract: no crash or sanitizer report; a failed call leaves the request
 // (pages, priorities, size), the history and the copied codes byte-identical;
 // an accepted request holds at most `capacity` distinct pages of the
@@ -318,8 +318,9 @@ bool valid_for_device(const Setup& su) {
 
 /// A prefetcher's device path (its ops on the emulated device) against the host path: sizes, the state after
 /// on_append (`same_state`), then `compare_device_steps`. Returns early where the host refuses.
-template <class Pol, class Buf, class SameState>
-void device_case(FuzzedDataProvider& fdp, const Pol& pol, Setup& su, SameState same_state) {
+template <class Pol, class Buf, class SameState, class Prepare = bool (*)(Buf&, Buf&)>
+void device_case(
+    FuzzedDataProvider& fdp, const Pol& pol, Setup& su, SameState same_state, Prepare prepare = [](Buf&, Buf&) { return true; }) {
   Buf hb(pol, su.pool), db(pol, su.pool, kvp_test::kEmulatedDevice);
   const ProblemShape shape{.num_q_heads = su.Hq,
                            .num_kv_heads = su.pool.kv_heads,
@@ -337,6 +338,7 @@ void device_case(FuzzedDataProvider& fdp, const Pol& pol, Setup& su, SameState s
   KVP_FUZZ_CHECK(db.st.history.reset(dctx).is_ok() && db.hist == hb.hist, "device history reset differs from the host's");
   PagedKVView<const float> dview = su.pool.cview();
   dview.device = kvp_test::kEmulatedDevice;
+  if (!prepare(hb, db)) return;
   const Status ha = pol.on_append(hctx, AppendInput<float>{su.pool.cview(), nullptr}, hb.st);
   if (!ha.is_ok()) return;  // SpeCache refuses non-finite keys on the host (the device does not scan them)
   const Status da = pol.on_append(dctx, AppendInput<float>{dview, nullptr}, db.st);
@@ -377,18 +379,55 @@ void specache_device(FuzzedDataProvider& fdp) {
       fdp, pol, su, [](const SpeCacheBuf& hb, const SpeCacheBuf& db) { KVP_FUZZ_CHECK(hb.codes == db.codes, "key copies differ"); });
 }
 
+/// InfiniGen's device path: prepared on the host from fuzzed prompt queries (nothing folded there), the skew
+/// and channels copied into the device state; then the partial keys byte-identical and the steps as above.
+void infinigen_device(FuzzedDataProvider& fdp) {
+  Setup su(fdp, fdp.ConsumeIntegralInRange<std::int32_t>(1, 12));
+  if (!valid_for_device(su)) return;
+  InfiniGenParams p;
+  p.alpha = fdp.ConsumeFloatingPointInRange<float>(0.25f, 8.0f);
+  p.partial_ratio = fdp.ConsumeFloatingPointInRange<float>(0.1f, 1.0f);
+  p.max_num_kv = mostly_in(fdp, 1, 8);
+  p.dense_layers = fdp.ConsumeIntegralInRange<std::int32_t>(0, 2);
+  p.skew = fdp.ConsumeBool();
+  const InfiniGen pol(p);
+  if (!pol.validate_params().is_ok() || pol.partial_dim(su.pool.head_dim) < 1) return;
+  const std::int64_t W = fdp.ConsumeIntegralInRange<std::int64_t>(1, 4);
+  const auto prompt = fuzz_queries(fdp, static_cast<std::size_t>(su.Hq * W * su.pool.head_dim));
+  auto prepare = [&](InfiniGenBuf& hb, InfiniGenBuf& db) {
+    const ProblemShape shape{
+        .num_q_heads = su.Hq, .num_kv_heads = su.pool.kv_heads, .head_dim = su.pool.head_dim, .max_kv_len = 1, .batch = 1};
+    std::vector<std::byte> ws(pol.requirements(Context<backend::Scalar>{}, shape, su.pool.page_size).workspace_bytes);
+    PagedKVView<const float> none = su.pool.cview();
+    const std::int32_t zero = 0;
+    none.table = PageTable{&zero, nullptr, nullptr, 0};
+    const auto pq = TensorView<const float, 3>::contiguous(prompt.data(), {su.Hq, W, su.pool.head_dim});
+    if (!pol.prepare(Context<backend::Scalar>{Workspace{ws.data(), ws.size()}}, pq, none, hb.st).is_ok()) return false;
+    const auto skew_n = static_cast<std::ptrdiff_t>(su.pool.kv_heads) * su.pool.head_dim * su.pool.head_dim;
+    std::copy(hb.floats.begin(), hb.floats.begin() + skew_n, db.floats.begin());
+    db.ints = hb.ints;
+    db.st.prepared = true;
+    return true;
+  };
+  device_case<InfiniGen, InfiniGenBuf>(
+      fdp, pol, su,
+      [](const InfiniGenBuf& hb, const InfiniGenBuf& db) { KVP_FUZZ_CHECK(same_bytes(hb.floats, db.floats), "partial keys differ"); },
+      prepare);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
-  switch (fdp.ConsumeIntegralInRange<int>(0, 6)) {
+  switch (fdp.ConsumeIntegralInRange<int>(0, 7)) {
     case 0: quest_lookahead<backend::Scalar>(fdp); break;
     case 1: quest_lookahead<backend::Cpu>(fdp); break;
     case 2: specache<backend::Scalar>(fdp); break;
     case 3: specache<backend::Cpu>(fdp); break;
     case 4: quest_lookahead_device(fdp); break;
     case 5: shadowkv_device(fdp); break;
-    default: specache_device(fdp); break;
+    case 6: specache_device(fdp); break;
+    default: infinigen_device(fdp); break;
   }
   return 0;
 }

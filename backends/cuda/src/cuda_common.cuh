@@ -62,6 +62,23 @@ __device__ __forceinline__ int block_flag_rank(bool flag, int* warp_sum, int* to
   return before;
 }
 
+/// -inf / +inf as device constants.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+/// First position of the ascending row[0..n) holding a value >= v (n when none).
+__device__ __forceinline__ std::int64_t sorted_lower_bound(const std::int32_t* row, std::int64_t n, std::int64_t v) {
+  std::int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (row[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 /// Exact widening loads (every half / bfloat16 is a float).
 __device__ __forceinline__ float load_f32(const float* p) { return *p; }
 __device__ __forceinline__ float load_f32(const half* p) { return __half2float(__ushort_as_half(p->bits)); }

@@ -37,8 +37,6 @@ KVP_NAMESPACE_BEGIN
 namespace cuda_detail {
 namespace {
 
-__device__ __forceinline__ float f32_neg_inf() { return __uint_as_float(0xff800000u); }
-__device__ __forceinline__ float f32_pos_inf() { return __uint_as_float(0x7f800000u); }
 __device__ __forceinline__ float f32_nan() { return __uint_as_float(0x7fc00000u); }
 
 // ---- exact conversions of the reference (core/dtype.hpp) on the device --------
@@ -73,7 +71,7 @@ __global__ void __launch_bounds__(kFoldChannels* kFoldSlices)
   const std::int64_t chunk = (num_rows + kFoldSlices - 1) / kFoldSlices;
   const std::int64_t r0 = y * chunk;
   const std::int64_t r1 = r0 + chunk < num_rows ? r0 + chunk : num_rows;
-  float hi = f32_neg_inf(), lo = f32_pos_inf();
+  float hi = neg_inf(), lo = pos_inf();
   if (c < head_dim) {
     for (std::int64_t r = r0; r < r1; ++r) {
       const float v = load_f32(rows + r * row_stride + c);
@@ -85,8 +83,8 @@ __global__ void __launch_bounds__(kFoldChannels* kFoldSlices)
   s_lo[y][x] = lo;
   __syncthreads();
   if (y == 0 && c < head_dim) {
-    float h = fresh ? f32_neg_inf() : exact_f32(max + c);
-    float l = fresh ? f32_pos_inf() : exact_f32(min + c);
+    float h = fresh ? neg_inf() : exact_f32(max + c);
+    float l = fresh ? pos_inf() : exact_f32(min + c);
     for (int k = 0; k < kFoldSlices; ++k) {
       const float a = s_hi[k][x], b = s_lo[k][x];
       h = a > h ? a : h;
@@ -117,8 +115,8 @@ __global__ void __launch_bounds__(kAppendThreads)
   Tm* mn = min_data + page * m_page + h * m_head;
   const bool fresh = slot0 == 0;
   for (std::int64_t c = threadIdx.x; c < head_dim; c += blockDim.x) {
-    float hi = fresh ? f32_neg_inf() : exact_f32(mx + c);
-    float lo = fresh ? f32_pos_inf() : exact_f32(mn + c);
+    float hi = fresh ? neg_inf() : exact_f32(mx + c);
+    float lo = fresh ? pos_inf() : exact_f32(mn + c);
     for (std::int64_t r = 0; r < rows; ++r) {
       const float v = load_f32(base + r * s_slot + c);
       hi = v > hi ? v : hi;
@@ -282,7 +280,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     qs = q + g0 * head_dim;
   }
   if (tid < kAttnHeads) {
-    s_max[tid] = f32_neg_inf();
+    s_max[tid] = neg_inf();
     s_sum[tid] = 0.0f;
   }
 
@@ -333,7 +331,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     // (2) per head (one warp each): block max / NaN, state update, p = exp(s - max) in place
     for (int g = warp; g < gn; g += kAttnWarps) {
       float* sg = s + g * block;
-      float bmax = f32_neg_inf();
+      float bmax = neg_inf();
       bool nan = false;
       for (std::int64_t t = lane; t < bn; t += 32) {
         const float x = sg[t];
@@ -355,7 +353,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         new_sum = f32_nan();
       } else {
         new_max = bmax > old_max ? bmax : old_max;
-        if (new_max == f32_neg_inf()) {
+        if (new_max == neg_inf()) {
           mode = kModePending;
         } else {
           mode = kModeAccumulate;
@@ -458,12 +456,12 @@ __global__ void __launch_bounds__(kAttnThreads) attn_merge_kernel(AttnLayout ws,
   const int tid = static_cast<int>(threadIdx.x);
   bool nan = false;
   int first = -1;
-  float M = f32_neg_inf();
+  float M = neg_inf();
   for (int s = 0; s < nsplit; ++s) {
     const float m = ws.m[s * group + g], l = ws.l[s * group + g];
     if (l != l) {
       nan = true;
-    } else if (m > f32_neg_inf()) {
+    } else if (m > neg_inf()) {
       if (first < 0) first = s;
       M = m > M ? m : M;
     }
@@ -472,14 +470,14 @@ __global__ void __launch_bounds__(kAttnThreads) attn_merge_kernel(AttnLayout ws,
   if (nan || first < 0) {
     const float fill = nan ? f32_nan() : 0.0f;
     for (std::int64_t c = tid; c < head_dim; c += kAttnThreads) o[c] = fill;
-    if (lse != nullptr && tid == 0) lse[g] = nan ? f32_nan() : f32_neg_inf();
+    if (lse != nullptr && tid == 0) lse[g] = nan ? f32_nan() : neg_inf();
     return;
   }
   // Weight of split s: exp(m_s - M) when its max is finite (it may underflow to 0: then, as in the
   // reference's rescale by 0, a NaN or inf in its partial output still yields NaN); -1: no finite logit.
   for (int s = tid; s < nsplit; s += kAttnThreads) {
     const float m = ws.m[s * group + g];
-    s_w[s] = m > f32_neg_inf() ? expf(m - M) : -1.0f;
+    s_w[s] = m > neg_inf() ? expf(m - M) : -1.0f;
   }
   __syncthreads();
   float L = 0.0f;

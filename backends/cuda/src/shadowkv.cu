@@ -24,23 +24,8 @@ constexpr int kThreads = 256;
 
 unsigned blocks_for(std::int64_t n) noexcept { return grid_blocks(n, kThreads); }
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
-
-/// First position of ascending row[0..n) holding a value >= v.
-__device__ __forceinline__ std::int64_t lower_bound(const std::int32_t* row, std::int64_t n, std::int64_t v) {
-  std::int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (row[mid] < v)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
 __device__ __forceinline__ bool in_sorted(const std::int32_t* row, std::int64_t n, std::int64_t v) {
-  const std::int64_t p = lower_bound(row, n, v);
+  const std::int64_t p = sorted_lower_bound(row, n, v);
   return p < n && row[p] == v;
 }
 
@@ -157,9 +142,9 @@ __global__ void priorities_kernel(ops::ChunkGeometry geo, std::int64_t n, std::i
     const std::int64_t lo = e * cpp, hi = lo + cpp;
     for (std::int32_t g = 0; g < geo.num_kv_heads; ++g) {
       const std::int32_t* orow = oidx + static_cast<std::int64_t>(g) * no;
-      for (std::int64_t p = lower_bound(orow, no, lo); p < no && orow[p] < hi; ++p) raise_to(cur, pos_inf());
+      for (std::int64_t p = sorted_lower_bound(orow, no, lo); p < no && orow[p] < hi; ++p) raise_to(cur, pos_inf());
       const std::int32_t* srow = sidx + static_cast<std::int64_t>(g) * k;
-      for (std::int64_t p = lower_bound(srow, k, lo); p < k && srow[p] < hi; ++p) raise_to(cur, score[g * cand + srow[p]]);
+      for (std::int64_t p = sorted_lower_bound(srow, k, lo); p < k && srow[p] < hi; ++p) raise_to(cur, score[g * cand + srow[p]]);
     }
     prio[e] = cur;
   }

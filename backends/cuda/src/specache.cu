@@ -87,19 +87,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// First position of ascending row[0..n) holding a value >= v.
-__device__ __forceinline__ std::int64_t lower_bound(const std::int32_t* row, std::int64_t n, std::int64_t v) {
-  std::int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (row[mid] < v)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 __global__ void priorities_kernel(std::int32_t page_size, std::int64_t n, std::int32_t Hkv, const std::int32_t* __restrict__ idx,
                                   std::int64_t k, const float* __restrict__ mean, float* __restrict__ prio) {
   const std::int64_t entries = (n + page_size - 1) / page_size;
@@ -109,7 +96,7 @@ __global__ void priorities_kernel(std::int32_t page_size, std::int64_t n, std::i
     const std::int64_t lo = e * page_size, hi = lo + page_size;
     for (std::int32_t g = 0; g < Hkv; ++g) {
       const std::int32_t* row = idx + static_cast<std::int64_t>(g) * k;
-      for (std::int64_t p = lower_bound(row, k, lo); p < k && row[p] < hi; ++p) {
+      for (std::int64_t p = sorted_lower_bound(row, k, lo); p < k && row[p] < hi; ++p) {
         const float m = mean[static_cast<std::int64_t>(g) * n + row[p]];
         v = __fadd_rn(v != v ? 0.0f : v, m != m ? 0.0f : m);
       }

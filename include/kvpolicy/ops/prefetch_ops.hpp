@@ -90,6 +90,16 @@ struct KeyCopyGeometry {
   }
 };
 
+/// InfiniGen's partial key cache (ops/infinigen_ops.hpp): rows of
+/// `partial_dim` floats indexed (page, kv head, slot), as `InfiniGenState::key_row`.
+struct PartialKeyGeometry {
+  std::int32_t page_size = 0, num_kv_heads = 0, head_dim = 0, partial_dim = 0;
+  KVP_HOST_DEVICE std::int64_t offset(const std::int32_t* seq_pages, std::int64_t t, std::int32_t g) const noexcept {
+    const std::int64_t page = seq_pages[t / page_size];
+    return ((page * num_kv_heads + g) * page_size + t % page_size) * partial_dim;
+  }
+};
+
 namespace prefetch_ref {
 
 inline void history_reset(std::int64_t* buf, std::int32_t num_pages) noexcept {

@@ -115,15 +115,8 @@ void chunk_scores(const Tq* q, std::int64_t q_head_stride, std::int64_t q_dim_st
         lgg[j * cand + ch] = s;
       }
     }
-    for (std::int32_t j = 0; j < G; ++j) {
-      float* lg = lgg + j * cand;
-      float mx = -kInf;
-      for (std::int64_t ch = 0; ch < cand; ++ch) mx = std::max(mx, lg[ch]);
-      double sum = 0.0;
-      for (std::int64_t ch = 0; ch < cand; ++ch) sum += (lg[ch] = in_sorted(orow, no, ch) ? 0.0f : std::exp(lg[ch] - mx));
-      const float inv = static_cast<float>(1.0 / sum);
-      for (std::int64_t ch = 0; ch < cand; ++ch) lg[ch] *= inv;
-    }
+    for (std::int32_t j = 0; j < G; ++j)
+      prefetch_detail::softmax(lgg + j * cand, cand, [&](std::int64_t ch) { return in_sorted(orow, no, ch); });
     float* sc = score + g * cand;
     for (std::int64_t ch = 0; ch < cand; ++ch) {  // backend::Scalar::group_reduce's kMax
       float acc = lgg[ch];

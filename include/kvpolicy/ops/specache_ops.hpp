@@ -64,7 +64,7 @@ void scores(const Tq* q, std::int64_t q_head_stride, std::int64_t q_dim_stride, 
         const Tq* qh = q + static_cast<std::int64_t>(g * G + j) * q_head_stride;
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (std::int64_t blk = 0; blk < blocks; ++blk) {
-          float y[kGgmlBlock];
+          float y[kGgmlBlock] = {};  // (the type is valid: the block is written before it is read)
           ggml_dequantize_block(geo.type, row + blk * bb, y);
           for (int i = 0; i < kGgmlBlock; i += 8)
             for (int l = 0; l < 8; ++l) acc[l] += (to_float(qh[(blk * kGgmlBlock + i + l) * q_dim_stride]) * scale) * y[i + l];
@@ -72,15 +72,7 @@ void scores(const Tq* q, std::int64_t q_head_stride, std::int64_t q_dim_stride, 
         pg[j * n + t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
     }
-    for (std::int32_t j = 0; j < G; ++j) {  // SpeCache::softmax
-      float* x = pg + j * n;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, x[t]);
-      double sum = 0.0;
-      for (std::int64_t t = 0; t < n; ++t) sum += (x[t] = std::exp(x[t] - mx));
-      const float inv = static_cast<float>(1.0 / sum);
-      for (std::int64_t t = 0; t < n; ++t) x[t] *= inv;
-    }
+    for (std::int32_t j = 0; j < G; ++j) prefetch_detail::softmax(pg + j * n, n);
     for (std::int64_t t = 0; t < n; ++t) {
       float acc = pg[t];
       for (std::int32_t j = 1; j < G; ++j) acc = acc + pg[j * n + t];

@@ -117,12 +117,13 @@ struct InfiniGenBuf {
   std::vector<std::int32_t> ints;
   std::vector<std::int64_t> hist;
   InfiniGenState st{};
-  InfiniGenBuf(const InfiniGen& p, const Pool& pool) {
+  /// `device` not host: the buffers are tagged as a device's (an emulated device reads them), the history left to `reset(ctx)`.
+  InfiniGenBuf(const InfiniGen& p, const Pool& pool, Device device = {}) {
     const auto n = p.state_size(pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim);
     floats.assign(static_cast<std::size_t>(n.floats), 0.0f);
     ints.assign(static_cast<std::size_t>(n.ints), 0);
     hist.assign(static_cast<std::size_t>(n.history), 0);
-    (void)p.make_state(floats.data(), ints.data(), hist.data(), pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim, &st);
+    (void)p.make_state(floats.data(), ints.data(), hist.data(), pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim, &st, device);
   }
 };
 

@@ -3,9 +3,10 @@
 // same requests, priorities, history stamps and counters over several steps,
 // with the device's dense request form (pages past the size -1); the history
 // reset on a device; and the refusals (host memory on a device, a history
-// without its pending slots, the prefetchers that have no device path).
-// ShadowKV's device path likewise: landmarks, requests and counters against
-// the host path, and its refusals.
+// without its pending slots). ShadowKV's, SpeCache's and InfiniGen's device
+// paths likewise (their states built on append equal, then requests and
+// counters against the host path), and their refusals (InfiniGen's prepare
+// stays on the host).
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -211,8 +212,9 @@ struct DeviceRun {
 /// A prefetcher's device path (its ops on the emulated device) against the host path: the state built on
 /// append equal (`same_state(host_buf, device_buf)`; the device appends in two halves, the host in one), then
 /// the same requests, priorities, history stamps and counters over six steps (one without a prediction).
-template <class Pol, class Buf, class SameState>
-void run_device_case(const Pol& pol, const DeviceRun& cs, unsigned seed, SameState same_state) {
+template <class Pol, class Buf, class SameState, class Prepare = void (*)(const Pool&, Buf&, Buf&)>
+void run_device_case(
+    const Pol& pol, const DeviceRun& cs, unsigned seed, SameState same_state, Prepare prepare = [](const Pool&, Buf&, Buf&) {}) {
   Pool pool = make_pool(cs.lens, cs.kv_heads, cs.page_size, cs.head_dim, seed);
   if (!cs.integer_data) pool.fill_random(seed + 100);
   const std::int32_t Hq = cs.kv_heads * cs.group;
@@ -236,6 +238,7 @@ void run_device_case(const Pol& pol, const DeviceRun& cs, unsigned seed, SameSta
 
   PagedKVView<const float> dview = pool.cview();
   dview.device = kEmulatedDevice;
+  prepare(pool, hb, db);
   REQUIRE(pol.on_append(hctx, AppendInput<float>{pool.cview(), nullptr}, hb.st).is_ok());
   {
     std::vector<std::int32_t> short_last(pool.last), short_indptr{0}, short_ids;
@@ -331,7 +334,63 @@ void run_specache_case(const SpeCacheParams& params, const DeviceRun& cs, unsign
                                          [](const Pool&, const SpeCacheBuf& hb, const SpeCacheBuf& db) { REQUIRE(db.codes == hb.codes); });
 }
 
+/// InfiniGen: prepared on the host from the prompt queries (keys with an empty table: nothing folded), the
+/// skew and channels copied into the device state, then the partial keys folded on both sides (equal bit for bit).
+void run_infinigen_case(const InfiniGenParams& params, const DeviceRun& cs, unsigned seed) {
+  const InfiniGen pol(params);
+  const std::int32_t Hq = cs.kv_heads * cs.group, W = 5;
+  std::vector<float> prompt(static_cast<std::size_t>(Hq * W * cs.head_dim));
+  std::mt19937 rng(seed + 7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& x : prompt) x = cs.integer_data ? std::round(2.0f * nd(rng)) : nd(rng);
+  auto prepare = [&](const Pool& pool, InfiniGenBuf& hb, InfiniGenBuf& db) {
+    const auto pq = TensorView<const float, 3>::contiguous(prompt.data(), {Hq, W, cs.head_dim});
+    std::vector<std::byte> pws(
+        pol.requirements(Context<Scalar>{},
+                         ProblemShape{.num_q_heads = Hq, .num_kv_heads = cs.kv_heads, .head_dim = cs.head_dim, .max_kv_len = 1, .batch = 1},
+                         cs.page_size)
+            .workspace_bytes);
+    PagedKVView<const float> none = const_cast<Pool&>(pool).cview();
+    const std::int32_t zero = 0;
+    none.table = PageTable{&zero, nullptr, nullptr, 0};
+    REQUIRE(pol.prepare(Context<Scalar>{Workspace{pws.data(), pws.size()}}, pq, none, hb.st).is_ok());
+    // The device state: the host's skew and channels copied in, then marked prepared.
+    const std::size_t skew_n = static_cast<std::size_t>(cs.kv_heads) * cs.head_dim * cs.head_dim;
+    std::copy(hb.floats.begin(), hb.floats.begin() + static_cast<std::ptrdiff_t>(skew_n), db.floats.begin());
+    db.ints = hb.ints;
+    db.st.prepared = true;
+  };
+  run_device_case<InfiniGen, InfiniGenBuf>(
+      pol, cs, seed, [](const Pool&, const InfiniGenBuf& hb, const InfiniGenBuf& db) { REQUIRE(db.floats == hb.floats); }, prepare);
+}
+
 }  // namespace
+
+TEST_CASE("infinigen on a device path: partial keys, requests, priorities, stamps and counters equal the host's", "[prefetch][device]") {
+  DeviceRun base;
+  base.lens = {37, 5, 64, 0, 21};
+  SECTION("integer data (ties), GQA, a dense layer, skewed") {
+    run_infinigen_case(InfiniGenParams{.alpha = 3.0f, .partial_ratio = 0.5f, .max_num_kv = 6, .dense_layers = 1}, base, 1);
+  }
+  SECTION("real-valued data, MHA, r off the 8-lane blocks, no dense layer, k capped by short sequences") {
+    DeviceRun c = base;
+    c.integer_data = false;
+    c.kv_heads = 3;
+    c.group = 1;
+    c.page_size = 8;
+    c.head_dim = 24;
+    c.lens = {90, 17, 4, 33};
+    run_infinigen_case(InfiniGenParams{.alpha = 8.0f, .partial_ratio = 0.5f, .max_num_kv = 40, .dense_layers = 0}, c, 2);
+  }
+  SECTION("real-valued data, a wide group, A = I, page size 1") {
+    DeviceRun c = base;
+    c.integer_data = false;
+    c.group = 4;
+    c.page_size = 1;
+    c.lens = {23, 9, 50};
+    run_infinigen_case(InfiniGenParams{.alpha = 1.0f, .partial_ratio = 0.25f, .max_num_kv = 10, .dense_layers = 0, .skew = false}, c, 3);
+  }
+}
 
 TEST_CASE("shadowkv on a device path: landmarks, requests, priorities, stamps and counters equal the host's", "[prefetch][device]") {
   DeviceRun base;
@@ -592,23 +651,43 @@ TEST_CASE("specache on a device path: host memory and bad input are refused, not
   CHECK(dev.st.history.serial == 1);
 }
 
-TEST_CASE("prefetchers without a device path refuse a device backend by name", "[prefetch][device]") {
-  Pool pool = make_pool({12}, 1, 4, 4, 5);
-  const Context<EmulatedDevice> ctx{};
-  PrefetchCounters c;
-  Selection actual(PageRows{{0}});
-  {
-    const InfiniGen p;
-    InfiniGenBuf b(p, pool);
-    const Status s = p.observe(ctx, b.st, actual.sel, c);
-    CHECK(s.code() == StatusCode::kUnsupported);
-    CHECK(std::string(s.message()).find("infinigen") != std::string::npos);
-  }
-  CHECK(c.steps == 0);
-  // The size queries refuse too, so a caller learns it before allocating.
-  const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 32, .max_kv_len = 12, .batch = 1};
-  CHECK(InfiniGen{}.requirements(ctx, shape, 4).status.code() == StatusCode::kUnsupported);
-  CHECK(SpeCache{}.requirements(ctx, shape, 4).status.is_ok());  // SpeCache has a device path
-  CHECK(ShadowKV{}.requirements(ctx, shape, 4).status.is_ok());  // ShadowKV has a device path
-  CHECK(SpeCache{}.requirements(Context<backend::Scalar>{}, shape, 4).status.is_ok());
+TEST_CASE("infinigen on a device path: prepare stays on the host, host memory is refused", "[prefetch][device]") {
+  Pool pool = make_pool({12}, 1, 4, 8, 5);
+  const InfiniGen p(InfiniGenParams{.partial_ratio = 0.5f, .dense_layers = 0});
+  const ProblemShape shape{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 8, .max_kv_len = 12, .batch = 1};
+  const Requirements req = p.requirements(Context<EmulatedDevice>{}, shape, 4);
+  REQUIRE(req.status.is_ok());
+  std::vector<std::byte> ws(req.workspace_bytes);
+  const Context<EmulatedDevice> ctx{Workspace{ws.data(), ws.size()}};
+  InfiniGenBuf dev(p, pool, kEmulatedDevice), host(p, pool);
+  REQUIRE(dev.st.history.reset(ctx).is_ok());
+  std::vector<float> prompt(8, 1.0f);
+  PagedKVView<const float> dview = pool.cview();
+  dview.device = kEmulatedDevice;
+  const Status s = p.prepare(ctx, TensorView<const float, 3>::contiguous(prompt.data(), {1, 1, 8}, kEmulatedDevice), dview, dev.st);
+  CHECK(s.code() == StatusCode::kUnsupported);
+  CHECK(std::string(s.message()).find("prepare runs on the host") != std::string::npos);
+  Status a = p.on_append(ctx, AppendInput<float>{dview, nullptr}, dev.st);
+  CHECK(a.code() == StatusCode::kInvalidArgument);
+  CHECK(std::string(a.message()).find("before prepare") != std::string::npos);
+  dev.st.prepared = true;
+  a = p.on_append(ctx, AppendInput<float>{pool.cview(), nullptr}, dev.st);
+  CHECK(std::string(a.message()).find("keys are host memory") != std::string::npos);
+  std::vector<float> q(8, 1.0f);
+  Request r(3);
+  const DecodeInput<float> dev_q{TensorView<const float, 3>::contiguous(q.data(), {1, 1, 8}, kEmulatedDevice), pool.table(), 4, 3};
+  const DecodeInput<float> host_q{TensorView<const float, 3>::contiguous(q.data(), {1, 1, 8}), pool.table(), 4, 3};
+  a = p.predict(ctx, host.st, dev_q, r.req);
+  CHECK(std::string(a.message()).find("state is host memory") != std::string::npos);
+  a = p.predict(ctx, dev.st, host_q, r.req);
+  CHECK(std::string(a.message()).find("queries is host memory") != std::string::npos);
+  a = p.predict(Context<Scalar>{Workspace{ws.data(), ws.size()}}, dev.st, host_q, r.req);
+  CHECK(std::string(a.message()).find("state is device memory") != std::string::npos);
+  CHECK(r.pages[0] == -7);
+  CHECK(dev.st.history.serial == 0);
+  // Every prefetcher's size query accepts a device backend.
+  const ProblemShape s32{.num_q_heads = 1, .num_kv_heads = 1, .head_dim = 32, .max_kv_len = 12, .batch = 1};
+  CHECK(InfiniGen{}.requirements(ctx, s32, 4).status.is_ok());
+  CHECK(SpeCache{}.requirements(ctx, s32, 4).status.is_ok());
+  CHECK(ShadowKV{}.requirements(ctx, s32, 4).status.is_ok());
 }

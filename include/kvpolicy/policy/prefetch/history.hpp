@@ -208,16 +208,16 @@ inline Status observe(const char* who, PrefetchHistory& h, const PageSelection& 
   return observe(Context<backend::Scalar>{}, who, h, actual, c);
 }
 
-/// kUnsupported for a prefetcher that has no device path yet, before anything is read.
-template <class Backend>
-Status refuse_device(const char* who) noexcept {
-  if constexpr (kDeviceBackend<Backend>)
-    return Status::error(StatusCode::kUnsupported,
-                         "%s: not available on a device backend (its prediction runs on the host only; "
-                         "quest_lookahead, shadowkv and specache run on a device)",
-                         who);
-  else
-    return Status::ok();
+/// A prefetcher state's memory against the call: a device backend reads
+/// device memory (a state built by `make_state` with its device tag) and the
+/// history's pending slots, a host backend host memory.
+inline Status check_state_memory(const char* who, Device device, const PrefetchHistory& h, bool on_device) noexcept {
+  if (on_device) {
+    KVP_REQUIRE(!device.is_host(), "%s: state is host memory; a device backend reads device memory (make_state with the device)", who);
+    return h.check_device(who);
+  }
+  KVP_REQUIRE(device.is_host(), "%s: state is device memory; this entry point reads host memory", who);
+  return h.check(who);
 }
 
 /// Priority of a table entry the prediction does not name.
@@ -322,6 +322,22 @@ inline float dot(const float* a, const float* b, std::int64_t n) noexcept {
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+/// In-place softmax of x[0..n), the prefetchers' form: the max as a std::max
+/// fold, exp(x - max) summed in double, every entry times the fp32 reciprocal
+/// of that sum; `masked(i)` entries become 0 and stay out of the sum.
+template <class Masked>
+void softmax(float* x, std::int64_t n, Masked masked) noexcept {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, x[t]);
+  double sum = 0.0;
+  for (std::int64_t t = 0; t < n; ++t) sum += (x[t] = masked(t) ? 0.0f : std::exp(x[t] - mx));
+  const float inv = static_cast<float>(1.0 / sum);
+  for (std::int64_t t = 0; t < n; ++t) x[t] *= inv;
+}
+inline void softmax(float* x, std::int64_t n) noexcept {
+  softmax(x, n, [](std::int64_t) { return false; });
 }
 
 /// prio[e] = max(prio[e], v) treating kNotPredicted as absent.

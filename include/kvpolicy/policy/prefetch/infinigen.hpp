@@ -51,6 +51,25 @@
 // State: caller-owned (`InfiniGenState`), one per layer: A (Hkv, d, d), S
 // (Hkv, r), K~ indexed by physical page and slot (num_pages, page_size, Hkv,
 // r), the hit-rate history. Thread-safety: const; the state is the caller's.
+//
+// On a device backend (`on_append` / `predict` / `observe` with e.g.
+// backend::Cuda) the state (`make_state` with a device tag; its history
+// cleared with `history.reset(ctx)`), the keys' pool, the queries,
+// `table.indices`, the request, the counters of `observe` and the workspace
+// are device memory; `table.indptr` / `last_page_len`, `app.append_len` and
+// the observed selection's `indptr` are host arrays. `prepare` stays on the
+// host (its Jacobi eigen-decomposition is a serial prefill step): run it on a
+// host state with the prompt queries (keys whose table is empty fold
+// nothing), copy its skew (the first Hkv * d * d floats) and channels (the
+// ints) into the device state's buffers, set the device state's `prepared`,
+// then `on_append` every cached token on the device. The loops are the ops of
+// ops/infinigen_ops.hpp: the fold on append; per sequence the skewed queries
+// and logits, then each row's count above the threshold; then per sequence
+// the selection (the call's k from the counts on the device, each row's k-th
+// best (key, token) composite found by a radix select) raising the entries;
+// then the request of the prefetch ops (device size, -1 padding). Every step
+// is fixed-order fp32 arithmetic and exact keys, so the requests, priorities,
+// stamps and counters are the host's bit for bit.
 #pragma once
 
 #include <algorithm>
@@ -58,6 +77,7 @@
 #include <cstdint>
 
 #include "kvpolicy/core/paged_kv_view.hpp"
+#include "kvpolicy/ops/infinigen_ops.hpp"
 #include "kvpolicy/policy/concepts.hpp"
 #include "kvpolicy/policy/params.hpp"
 #include "kvpolicy/policy/prefetch/history.hpp"
@@ -88,6 +108,7 @@ struct InfiniGenState {
   std::int32_t num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0, partial_dim = 0;
   bool prepared = false;
   PrefetchHistory history{};
+  Device device{};  ///< where the buffers live (a device backend needs device memory)
 
   float* key_row(std::int32_t page, std::int32_t slot, std::int32_t g) const noexcept {
     return partial_keys + ((static_cast<std::int64_t>(page) * num_kv_heads + g) * page_size + slot) * partial_dim;
@@ -141,8 +162,11 @@ class InfiniGen {
         static_cast<std::int64_t>(num_kv_heads) * r, PrefetchHistory::buffer_size(num_pages)};
   }
   /// A state over caller buffers of `state_size` elements (not yet prepared).
+  /// Host memory (the default `device`): the history is cleared here. Device
+  /// memory: nothing is written here; clear the history with
+  /// `out->history.reset(ctx)` on the device's backend.
   Status make_state(float* floats, std::int32_t* ints, std::int64_t* history, std::int32_t num_pages, std::int32_t page_size,
-                    std::int32_t num_kv_heads, std::int32_t head_dim, State* out) const noexcept {
+                    std::int32_t num_kv_heads, std::int32_t head_dim, State* out, Device device = {}) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
     KVP_REQUIRE(num_pages >= 0 && page_size >= 1 && num_kv_heads >= 1 && head_dim >= 1,
                 "infinigen: state (num_pages %d, page_size %d, kv heads %d, head_dim %d) must be >= 0, >= 1, >= 1, >= 1", num_pages,
@@ -160,7 +184,8 @@ class InfiniGen {
     s.num_kv_heads = num_kv_heads;
     s.head_dim = head_dim;
     s.partial_dim = r;
-    s.history = PrefetchHistory::over(history, num_pages);
+    s.history = device.is_host() ? PrefetchHistory::over(history, num_pages) : PrefetchHistory::wrap(history, num_pages);
+    s.device = device;
     *out = s;
     return Status::ok();
   }
@@ -171,17 +196,19 @@ class InfiniGen {
   template <class Backend>
   Requirements requirements(const Context<Backend>&, const ProblemShape& shape, std::int32_t page_size) const noexcept {
     Requirements r;
-    r.status = prefetch_detail::refuse_device<Backend>(kName);
-    if (r.status.is_ok()) r.status = validate_params();
+    r.status = validate_params();
     if (r.status.is_ok() && (page_size < 1 || shape.head_dim < 1 || shape.max_kv_len < 0 || shape.batch < 1 || shape.num_q_heads < 1))
       r.status = KVP_INVALID("infinigen: shape (batch %lld, q heads %lld, head_dim %lld, max_kv_len %lld) or page_size %d out of range",
                              static_cast<long long>(shape.batch), static_cast<long long>(shape.num_q_heads),
                              static_cast<long long>(shape.head_dim), static_cast<long long>(shape.max_kv_len), page_size);
     if (!r.status.is_ok()) return r;
     const std::int64_t entries = shape.batch * ((shape.max_kv_len + page_size - 1) / page_size);
-    r.workspace_bytes =
-        std::max(prepare_layout<Backend>(shape.head_dim).total(),
-                 predict_layout<Backend>(shape.max_kv_len, entries, shape.batch * shape.num_q_heads, shape.head_dim).total());
+    if constexpr (kDeviceBackend<Backend>)
+      r.workspace_bytes = device_layout<Backend>(shape.max_kv_len, entries, shape.batch, shape.num_q_heads, shape.head_dim).total();
+    else
+      r.workspace_bytes =
+          std::max(prepare_layout<Backend>(shape.head_dim).total(),
+                   predict_layout<Backend>(shape.max_kv_len, entries, shape.batch * shape.num_q_heads, shape.head_dim).total());
     r.output = OutputSize{1, entries};
     r.query_window = 1;
     return r;
@@ -193,10 +220,13 @@ class InfiniGen {
   template <class Backend, class Tq, class Tk>
   Status prepare(const Context<Backend>& ctx, TensorView<const Tq, 3> queries, const PagedKVView<const Tk>& keys,
                  State& st) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
+    if constexpr (kDeviceBackend<Backend>)
+      return Status::error(StatusCode::kUnsupported,
+                           "infinigen: prepare runs on the host (a serial eigen-decomposition per kv head): run it on a host state, copy "
+                           "its skew and channels into the device state, set `prepared`, then on_append the keys on the device");
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st));
-    KVP_RETURN_IF_ERROR(check_keys(keys, st));
+    KVP_RETURN_IF_ERROR(check_state(st, false));
+    KVP_RETURN_IF_ERROR(check_keys(keys, st, false));
     KVP_RETURN_IF_ERROR(queries.check_basic(kName, "queries"));
     KVP_REQUIRE(queries.device().is_host(), "infinigen: queries is a device tensor; this entry point reads host memory");
     KVP_REQUIRE(queries.extent(2) == st.head_dim, "infinigen: queries head_dim is %lld, the state has %d",
@@ -247,25 +277,23 @@ class InfiniGen {
       Backend::topk(acc, d, st.partial_dim, st.channels + static_cast<std::int64_t>(g) * st.partial_dim, topk_ws);
     }
     st.prepared = true;
-    fold_keys(keys, st, nullptr);
-    return Status::ok();
+    return fold_keys(ctx, keys, st, nullptr);
   }
 
   /// Partial keys of the tokens just appended (`app.append_len[b]` per
   /// sequence; nullptr: every token of the table). Needs `prepare` first.
   template <class Backend, class Tk>
-  Status on_append(const Context<Backend>&, const AppendInput<Tk>& app, State& st) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
-    KVP_RETURN_IF_ERROR(check_state(st));
+  Status on_append(const Context<Backend>& ctx, const AppendInput<Tk>& app, State& st) const noexcept {
+    constexpr bool on_device = kDeviceBackend<Backend>;
+    KVP_RETURN_IF_ERROR(check_state(st, on_device));
     KVP_REQUIRE(st.prepared, "infinigen: on_append before prepare (the partial channels come from the prompt queries)");
-    KVP_RETURN_IF_ERROR(check_keys(app.kv, st));
+    KVP_RETURN_IF_ERROR(check_keys(app.kv, st, on_device));
     if (app.append_len != nullptr)
       for (std::int32_t b = 0; b < app.kv.table.batch; ++b)
         KVP_REQUIRE(app.append_len[b] >= 0 && app.append_len[b] <= app.kv.seq_len(b),
                     "infinigen: append_len[%d] is %d, must be in [0, sequence length %lld]", b, app.append_len[b],
                     static_cast<long long>(app.kv.seq_len(b)));
-    fold_keys(app.kv, st, app.append_len);
-    return Status::ok();
+    return fold_keys(ctx, app.kv, st, app.append_len);
   }
 
   /// Speculates the pages layer `next.layer` reads: `next.queries` (batch,
@@ -273,9 +301,17 @@ class InfiniGen {
   /// input is validated before `out` or the history is written.
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
+    if constexpr (kDeviceBackend<Backend>)
+      return predict_on_device(ctx, st, next, out);
+    else
+      return predict_on_host(ctx, st, next, out);
+  }
+
+ private:
+  template <class Backend, class Tq>
+  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st));
+    KVP_RETURN_IF_ERROR(check_state(st, false));
     std::int32_t G = 0;
     KVP_RETURN_IF_ERROR(
         prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
@@ -333,6 +369,62 @@ class InfiniGen {
     return Status::ok();
   }
 
+  /// `predict` on a device backend (header comment, "On a device backend").
+  template <class Backend, class Tq>
+  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    KVP_RETURN_IF_ERROR(validate_params());
+    KVP_RETURN_IF_ERROR(check_state(st, true));
+    std::int32_t G = 0;
+    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
+                                                       st.head_dim, out, &G, /*on_device=*/true));
+    KVP_REQUIRE(next.page_size == st.page_size, "infinigen: page_size is %d, the state has %d", next.page_size, st.page_size);
+    KVP_REQUIRE(next.layer >= 0, "infinigen: layer is %d, must be >= 0", next.layer);
+    const bool dense = next.layer < params_.dense_layers;
+    KVP_REQUIRE(dense || st.prepared, "infinigen: predict before prepare");
+    const PageTable& table = next.table;
+    std::int64_t T = 0;
+    for (std::int32_t b = 0; b < table.batch; ++b) T = std::max(T, table.seq_len(b, st.page_size));
+    const std::int64_t entries = prefetch_detail::table_entries(table), Hq = next.queries.extent(1);
+    const DeviceLayout L = device_layout<Backend>(T, entries, table.batch, Hq, st.head_dim);
+    KVP_RETURN_IF_ERROR(check_workspace(kName, ctx.workspace, L.total()));
+    WorkspaceCarver c(ctx.workspace);
+    const std::int64_t t1 = std::max<std::int64_t>(T, 1);
+    float* prio = c.take<float>(static_cast<std::size_t>(std::max<std::int64_t>(entries, 1)));
+    float* scores = c.take<float>(static_cast<std::size_t>(table.batch * Hq * t1));  // (batch * Hq, T)
+    float* qt = c.take<float>(static_cast<std::size_t>(Hq * st.head_dim));
+    std::int64_t* counts = c.take<std::int64_t>(static_cast<std::size_t>(std::max<std::int64_t>(table.batch * Hq, 1)));
+    std::uint64_t* thr = c.take<std::uint64_t>(static_cast<std::size_t>(Hq));
+    std::uint64_t* keys = c.take<std::uint64_t>(L.select_bytes / sizeof(std::uint64_t));
+    const Workspace request_ws{c.take<std::byte>(L.request_bytes), L.request_bytes};
+
+    const ops::PartialKeyGeometry geo = geometry(st);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(st.head_dim));
+    const detail::BackendCall<Backend> call(ctx);
+    KVP_RETURN_IF_ERROR(call.begin());
+    if (entries > 0) Backend::fill(prio, entries, 1, dense ? 1.0f : prefetch_detail::kNotPredicted);
+    if (!dense) {
+      std::int64_t count_rows = 0;  // rows of the non-empty sequences, in order
+      for (std::int32_t b = 0; b < table.batch; ++b) {
+        const std::int64_t n = table.seq_len(b, st.page_size);
+        if (n == 0) continue;
+        float* sb = scores + b * Hq * t1;
+        ops::infinigen_scores<Backend>(next.queries.data() + b * next.queries.stride(0), next.queries.stride(1), next.queries.stride(2), G,
+                                       scale, st.skew, st.channels, st.partial_keys, table.indices + table.indptr[b], geo, n, qt, sb, t1);
+        ops::infinigen_counts<Backend>(sb, Hq, n, t1, params_.alpha, counts + count_rows);
+        count_rows += Hq;
+      }
+      for (std::int32_t b = 0; b < table.batch; ++b) {
+        const std::int64_t n = table.seq_len(b, st.page_size);
+        if (n == 0) continue;
+        ops::infinigen_select<Backend>(scores + b * Hq * t1, Hq, n, t1, counts, count_rows, params_.max_num_kv, st.page_size, keys, thr,
+                                       prio + table.indptr[b]);
+      }
+    }
+    prefetch_detail::write_request_on_device<Backend>(st.history, table, prio, out, request_ws);
+    return call.end();
+  }
+
+ public:
   /// `predict` from layer `target_layer - 1`'s normalised attention input
   /// `x` (batch, d_model): the adapter writes the speculative query into `q`
   /// (batch, Hq, d; caller scratch), then `predict` runs on it. The state,
@@ -344,7 +436,7 @@ class InfiniGen {
                                                                       const PageTable& table, std::int32_t target_layer,
                                                                       TensorView<float, 3> q, PrefetchRequest& out)
   const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
+    constexpr bool on_device = kDeviceBackend<Backend>;
     KVP_REQUIRE(positions != nullptr || table.batch == 0, "infinigen: positions is null");
     KVP_REQUIRE(x.extent(0) == table.batch && q.extent(0) == table.batch,
                 "infinigen: x has %lld rows and q %lld sequences, the page table has batch %d", static_cast<long long>(x.extent(0)),
@@ -352,11 +444,11 @@ class InfiniGen {
     KVP_RETURN_IF_ERROR(x.check_basic(kName, "x"));
     // Everything predict checks, before the adapter writes q (a failing adapter leaves out and the history alone).
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st));
+    KVP_RETURN_IF_ERROR(check_state(st, on_device));
     std::int32_t G = 0;
     const DecodeInput<float> in{TensorView<const float, 3>(q), table, st.page_size, target_layer};
-    KVP_RETURN_IF_ERROR(
-        prefetch_detail::check_predict(kName, st.history, in.queries, table, st.page_size, st.num_kv_heads, st.head_dim, out, &G));
+    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, in.queries, table, st.page_size, st.num_kv_heads, st.head_dim,
+                                                       out, &G, on_device));
     KVP_REQUIRE(target_layer >= 0, "infinigen: layer is %d, must be >= 0", target_layer);
     KVP_REQUIRE(target_layer < params_.dense_layers || st.prepared, "infinigen: predict before prepare");
     KVP_RETURN_IF_ERROR(adapter.speculative_query(target_layer, positions, x, q));
@@ -364,9 +456,9 @@ class InfiniGen {
   }
 
   template <class Backend>
-  Status observe(const Context<Backend>&, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
-    KVP_RETURN_IF_ERROR(prefetch_detail::refuse_device<Backend>(kName));
-    return prefetch_detail::observe(kName, st.history, actual, counters);
+  Status observe(const Context<Backend>& ctx, State& st, const PageSelection& actual, PrefetchCounters& counters) const noexcept {
+    KVP_RETURN_IF_ERROR(check_state(st, kDeviceBackend<Backend>));
+    return prefetch_detail::observe(ctx, kName, st.history, actual, counters);
   }
 
   /// Eigen-decomposition of the symmetric n x n matrix `a` (row-major,
@@ -441,18 +533,23 @@ class InfiniGen {
     return l;
   }
 
-  static Status check_state(const State& st) noexcept {
+  static Status check_state(const State& st, bool on_device) noexcept {
     KVP_REQUIRE(st.skew != nullptr && st.channels != nullptr && st.partial_keys != nullptr, "infinigen: state buffers are null");
     KVP_REQUIRE(st.page_size >= 1 && st.num_kv_heads >= 1 && st.head_dim >= 1 && st.partial_dim >= 1 && st.partial_dim <= st.head_dim,
                 "infinigen: state dims (page_size %d, kv heads %d, head_dim %d, partial_dim %d) are invalid; build it with make_state",
                 st.page_size, st.num_kv_heads, st.head_dim, st.partial_dim);
     KVP_REQUIRE(st.history.num_pages == st.num_pages, "infinigen: history has %d pages, the state %d", st.history.num_pages, st.num_pages);
-    return st.history.check(kName);
+    return prefetch_detail::check_state_memory(kName, st.device, st.history, on_device);
   }
   template <class Tk>
-  static Status check_keys(const PagedKVView<const Tk>& keys, const State& st) noexcept {
-    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false));
-    KVP_REQUIRE(keys.device.is_host(), "infinigen: keys are on a device; this entry point reads host memory");
+  static Status check_keys(const PagedKVView<const Tk>& keys, const State& st, bool on_device) noexcept {
+    KVP_RETURN_IF_ERROR(keys.validate(kName, /*need_values=*/false, /*check_ids=*/!on_device));
+    if (on_device) {
+      KVP_REQUIRE(!keys.device.is_host(), "infinigen: keys are host memory; a device backend reads device memory (tag the view kCUDA)");
+    } else {
+      KVP_REQUIRE(keys.device.is_host(), "infinigen: keys are on a device; this entry point reads host memory");
+    }
+    KVP_REQUIRE(keys.k_strides.dim == 1, "infinigen: keys' dim stride is %lld, must be 1", static_cast<long long>(keys.k_strides.dim));
     KVP_REQUIRE(keys.num_pages == st.num_pages && keys.page_size == st.page_size && keys.num_kv_heads == st.num_kv_heads &&
                     keys.head_dim == st.head_dim,
                 "infinigen: keys (pages %d, page_size %d, kv heads %d, head_dim %d) do not match the state (%d, %d, %d, %d)",
@@ -460,28 +557,46 @@ class InfiniGen {
     return Status::ok();
   }
 
-  /// K~ of tokens [len - append[b], len) (append null: every token).
-  template <class Tk>
-  static void fold_keys(const PagedKVView<const Tk>& keys, State& st, const std::int32_t* append) noexcept {
-    const std::int64_t d = st.head_dim;
+  /// K~ of tokens [len - append[b], len) (append null: every token): one op per sequence on every backend
+  /// (on the host its reference, ops/infinigen_ops.hpp).
+  template <class Backend, class Tk>
+  static Status fold_keys(const Context<Backend>& ctx, const PagedKVView<const Tk>& keys, State& st, const std::int32_t* append) noexcept {
+    const ops::PartialKeyGeometry geo = geometry(st);
+    const detail::BackendCall<Backend> call(ctx);
+    KVP_RETURN_IF_ERROR(call.begin());
     for (std::int32_t b = 0; b < keys.table.batch; ++b) {
-      const std::int64_t len = keys.seq_len(b);
-      for (std::int64_t t = append ? len - append[b] : 0; t < len; ++t) {
-        const std::int32_t page = keys.table.page_of(b, t, keys.page_size);
-        const auto slot = static_cast<std::int32_t>(t % keys.page_size);
-        for (std::int32_t g = 0; g < st.num_kv_heads; ++g) {
-          const Tk* k = keys.k_ptr(page, g, slot);
-          const float* A = st.skew + g * d * d;
-          const std::int32_t* ch = st.channels + static_cast<std::int64_t>(g) * st.partial_dim;
-          float* dst = st.key_row(page, slot, g);
-          for (std::int32_t j = 0; j < st.partial_dim; ++j) {
-            float v = 0.0f;
-            for (std::int64_t i = 0; i < d; ++i) v += to_float(k[i]) * A[i * d + ch[j]];
-            dst[j] = v;
-          }
-        }
-      }
+      const std::int64_t len = keys.seq_len(b), from = append ? len - append[b] : 0;
+      if (len > from)
+        ops::infinigen_fold<Backend>(keys.k_data, keys.k_strides, keys.table.indices + keys.table.indptr[b], geo, st.skew, st.channels,
+                                     from, len - from, st.partial_keys);
     }
+    return call.end();
+  }
+
+  static ops::PartialKeyGeometry geometry(const State& st) noexcept {
+    return ops::PartialKeyGeometry{st.page_size, st.num_kv_heads, st.head_dim, st.partial_dim};
+  }
+
+  /// Device workspace: priorities, the scores (batch * Hq, T), the skewed
+  /// queries, the per-row counts, the row thresholds, the select op's scratch
+  /// and the request's.
+  struct DeviceLayout {
+    std::int64_t entries = 0, T = 0, batch = 0, Hq = 0, d = 0;
+    std::size_t select_bytes = 0, request_bytes = 0;
+    std::size_t total() const noexcept {
+      WorkspacePlan p;
+      const std::int64_t t1 = std::max<std::int64_t>(T, 1);
+      p.add<float>(static_cast<std::size_t>(std::max<std::int64_t>(entries, 1))).add<float>(static_cast<std::size_t>(batch * Hq * t1));
+      p.add<float>(static_cast<std::size_t>(Hq * d)).add<std::int64_t>(static_cast<std::size_t>(std::max<std::int64_t>(batch * Hq, 1)));
+      p.add<std::uint64_t>(static_cast<std::size_t>(Hq)).add<std::uint64_t>(select_bytes / sizeof(std::uint64_t));
+      p.add_bytes(request_bytes);
+      return p.total();
+    }
+  };
+  template <class Backend>
+  static DeviceLayout device_layout(std::int64_t T, std::int64_t entries, std::int64_t batch, std::int64_t Hq, std::int64_t d) noexcept {
+    return DeviceLayout{
+        entries, T, batch, Hq, d, ops::infinigen_select_workspace<Backend>(T), ops::prefetch_request_workspace<Backend>(entries)};
   }
 
   /// Speculative logits of the G query heads of kv head g of sequence b

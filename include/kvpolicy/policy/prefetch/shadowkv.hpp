@@ -302,15 +302,8 @@ class ShadowKV {
             const float* Lm = st.landmarks + slot_of(b, ch, g) * d;
             for (std::int32_t j = 0; j < G; ++j) logits[j * cand + ch] = is_outlier[ch] ? -kInf : prefetch_detail::dot(qf + j * d, Lm, d);
           }
-          for (std::int32_t j = 0; j < G; ++j) {
-            float* lg = logits + j * cand;
-            float mx = -kInf;
-            for (std::int64_t ch = 0; ch < cand; ++ch) mx = std::max(mx, lg[ch]);
-            double sum = 0.0;
-            for (std::int64_t ch = 0; ch < cand; ++ch) sum += (lg[ch] = is_outlier[ch] ? 0.0f : std::exp(lg[ch] - mx));
-            const float inv = static_cast<float>(1.0 / sum);
-            for (std::int64_t ch = 0; ch < cand; ++ch) lg[ch] *= inv;
-          }
+          for (std::int32_t j = 0; j < G; ++j)
+            prefetch_detail::softmax(logits + j * cand, cand, [&](std::int64_t ch) { return is_outlier[ch] != 0; });
           Backend::group_reduce(logits, G, cand, cand, GroupReduce::kMax, score);
           for (std::int64_t ch = 0; ch < cand; ++ch)
             if (is_outlier[ch]) score[ch] = -kInf;  // already kept; never re-selected
@@ -394,13 +387,7 @@ class ShadowKV {
                 st.num_kv_heads, st.head_dim);
     KVP_REQUIRE((st.landmarks != nullptr && st.outlier != nullptr) || st.num_pages == 0, "shadowkv: state buffers are null");
     KVP_REQUIRE(st.history.num_pages == st.num_pages, "shadowkv: history has %d pages, the state %d", st.history.num_pages, st.num_pages);
-    if (on_device) {
-      KVP_REQUIRE(!st.device.is_host() || st.num_pages == 0,
-                  "shadowkv: state is host memory; a device backend reads device memory (make_state with the device)");
-      return st.history.check_device(kName);
-    }
-    KVP_REQUIRE(st.device.is_host(), "shadowkv: state is device memory; this entry point reads host memory");
-    return st.history.check(kName);
+    return prefetch_detail::check_state_memory(kName, st.device, st.history, on_device);
   }
 
   /// Device workspace: priorities, one (Hkv, M) score map (the outlier keys,

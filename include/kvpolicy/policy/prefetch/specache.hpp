@@ -302,7 +302,7 @@ class SpeCache {
             for (std::int64_t sl = 0; sl < slots; ++sl)
               for (std::int32_t j = 0; j < G; ++j) probs[j * n + t0 + sl] = prefetch_detail::dot(qf + j * d, krow + sl * d, d);
           }
-          for (std::int32_t j = 0; j < G; ++j) softmax(probs + j * n, n);
+          for (std::int32_t j = 0; j < G; ++j) prefetch_detail::softmax(probs + j * n, n);
           Backend::group_reduce(probs, G, n, n, GroupReduce::kMean, mean);
           const std::int64_t k = std::min<std::int64_t>(params_.topk, n);
           Backend::topk(mean, n, k, idx, topk_ws);
@@ -398,13 +398,7 @@ class SpeCache {
         st.page_size, st.num_kv_heads, static_cast<long long>(st.row_bytes), ggml_name(params_.type));
     KVP_REQUIRE(st.codes != nullptr || st.num_pages == 0, "specache: state codes is null");
     KVP_REQUIRE(st.history.num_pages == st.num_pages, "specache: history has %d pages, the state %d", st.history.num_pages, st.num_pages);
-    if (on_device) {
-      KVP_REQUIRE(!st.device.is_host() || st.num_pages == 0,
-                  "specache: state is host memory; a device backend reads device memory (make_state with the device)");
-      return st.history.check_device(kName);
-    }
-    KVP_REQUIRE(st.device.is_host(), "specache: state is device memory; this entry point reads host memory");
-    return st.history.check(kName);
+    return prefetch_detail::check_state_memory(kName, st.device, st.history, on_device);
   }
   template <class Backend>
   static WorkspacePlan layout(std::int64_t T, std::int64_t entries, std::int64_t G, std::int64_t d, std::int64_t page_size) noexcept {
@@ -415,15 +409,6 @@ class SpeCache {
     p.add_bytes(Backend::topk_workspace(T));
     p.add<float>(static_cast<std::size_t>(entries)).add<std::uint64_t>(static_cast<std::size_t>(entries));
     return p;
-  }
-  /// In-place softmax of x[0..n) (max-subtracted, double sum).
-  static void softmax(float* x, std::int64_t n) noexcept {
-    float mx = -std::numeric_limits<float>::infinity();
-    for (std::int64_t t = 0; t < n; ++t) mx = std::max(mx, x[t]);
-    double sum = 0.0;
-    for (std::int64_t t = 0; t < n; ++t) sum += (x[t] = std::exp(x[t] - mx));
-    const float inv = static_cast<float>(1.0 / sum);
-    for (std::int64_t t = 0; t < n; ++t) x[t] *= inv;
   }
 
   Params params_{};

@@ -417,6 +417,43 @@ struct Cuda {
   static void prefetch_add_reuse(float* prio_device, const std::int32_t* entry_pages_device, std::int64_t entries,
                                  const std::int64_t* used_at_device, std::int64_t reuse_step, float reuse_priority) noexcept;
 
+  // ---- InfiniGen (ops/infinigen_ops.hpp: semantics and host reference) ----
+
+  /// Partial keys of tokens [first, first + count) of one sequence, a thread
+  /// per (token, kv head, channel): the host's sums in its order (its bits).
+  static void infinigen_fold(const float* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                             const ops::PartialKeyGeometry& geo, const float* skew_device, const std::int32_t* channels_device,
+                             std::int64_t first, std::int64_t count, float* partial_keys_device) noexcept;
+  static void infinigen_fold(const half* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                             const ops::PartialKeyGeometry& geo, const float* skew_device, const std::int32_t* channels_device,
+                             std::int64_t first, std::int64_t count, float* partial_keys_device) noexcept;
+  static void infinigen_fold(const bfloat16* k_device, const PageStrides& ks, const std::int32_t* seq_pages_device,
+                             const ops::PartialKeyGeometry& geo, const float* skew_device, const std::int32_t* channels_device,
+                             std::int64_t first, std::int64_t count, float* partial_keys_device) noexcept;
+  /// The skewed queries (a thread per head and channel), then the logits (a
+  /// thread per head and token), both the host's bits. `qt`: Hq * r floats.
+  static void infinigen_scores(const float* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G, float scale,
+                               const float* skew_device, const std::int32_t* channels_device, const float* partial_keys_device,
+                               const std::int32_t* seq_pages_device, const ops::PartialKeyGeometry& geo, std::int64_t n, float* qt_device,
+                               float* out_device, std::int64_t ld) noexcept;
+  static void infinigen_scores(const half* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G, float scale,
+                               const float* skew_device, const std::int32_t* channels_device, const float* partial_keys_device,
+                               const std::int32_t* seq_pages_device, const ops::PartialKeyGeometry& geo, std::int64_t n, float* qt_device,
+                               float* out_device, std::int64_t ld) noexcept;
+  static void infinigen_scores(const bfloat16* q_device, std::int64_t q_head_stride, std::int64_t q_dim_stride, std::int32_t G, float scale,
+                               const float* skew_device, const std::int32_t* channels_device, const float* partial_keys_device,
+                               const std::int32_t* seq_pages_device, const ops::PartialKeyGeometry& geo, std::int64_t n, float* qt_device,
+                               float* out_device, std::int64_t ld) noexcept;
+  /// A block per row: its max, then how many tokens lie above max - alpha.
+  static void infinigen_counts(const float* scores_device, std::int64_t rows, std::int64_t n, std::int64_t ld, float alpha,
+                               std::int64_t* out_device) noexcept;
+  /// A block per row: the call's k from `counts` (device), then an 8-pass
+  /// radix select of the row's k-th best (order key, token) composite into
+  /// `thr` (Hq uint64, device); then a thread per entry raising its selected tokens.
+  static void infinigen_select(const float* scores_device, std::int64_t rows, std::int64_t n, std::int64_t ld,
+                               const std::int64_t* counts_device, std::int64_t count_rows, std::int64_t max_num_kv, std::int32_t page_size,
+                               std::uint64_t* thr_device, float* prio_device) noexcept;
+
   // ---- SpeCache (ops/specache_ops.hpp: semantics and host reference) ----
 
   /// Tokens [first, first + count) of one sequence into the low-bit key
