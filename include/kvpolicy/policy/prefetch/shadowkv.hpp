@@ -58,7 +58,7 @@
 // past the size -1. The landmarks and outlier scores are the host's bits; the
 // scores use the device's exp, so a chunk whose score sits within a few ulp of
 // its head's k-th may be chosen on one side only, and the priorities of the
-// selected chunks agree with the host's to about 1e-6 relative.
+// selected chunks agree with the host's to within 1e-5 relative.
 #pragma once
 
 #include <algorithm>
