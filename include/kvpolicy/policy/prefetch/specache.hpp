@@ -47,8 +47,8 @@
 // `table.indices`, the request, the counters of `observe` and the workspace
 // are device memory; `table.indptr` / `last_page_len`, `app.append_len` and
 // the observed selection's `indptr` are host arrays. on_append is one
-// `encode_token_rows` per (page touched, kv head), bit-identical with the host
-// copy; as for GgmlQuant on a device, the keys are not scanned for NaN / Inf
+// `specache_encode` op per sequence (ops/specache_ops.hpp), bit-identical with
+// the host copy; as for GgmlQuant on a device, the keys are not scanned for NaN / Inf
 // (that needs a synchronisation): a non-finite key gives unspecified codes in
 // its own row only. predict, per sequence: the scores op (logits from the
 // copy with the host's rounding, each query head's softmax, the group mean;
