@@ -166,6 +166,22 @@ void specache(FuzzedDataProvider& fdp) {
   if (!s.is_ok()) KVP_FUZZ_CHECK(buf.hist == hist0, "specache predict failed but changed the history");
 }
 
+/// The device's request (its size in `dsize`, `size` -1) equals the host's entry for entry (pages, priority
+/// bytes), both padded with -1 past the size up to the table's `E` entries.
+void check_same_request(const Request& hr, const Request& dr, std::int64_t dsize, std::int64_t E) {
+  KVP_FUZZ_CHECK(dr.req.size == -1 && dsize == hr.req.size, "device size %lld, host %lld", static_cast<long long>(dsize),
+                 static_cast<long long>(hr.req.size));
+  for (std::int64_t j = 0; j < E; ++j) {
+    const auto u = static_cast<std::size_t>(j);
+    if (j < hr.req.size)
+      KVP_FUZZ_CHECK(dr.pages[u] == hr.pages[u] && same_bytes(std::vector<float>{dr.priority[u]}, std::vector<float>{hr.priority[u]}),
+                     "request entry %lld differs", static_cast<long long>(j));
+    else
+      KVP_FUZZ_CHECK(dr.pages[u] == -1 && hr.pages[u] == -1, "entry %lld past the size %lld is not -1 (device %d, host %d)",
+                     static_cast<long long>(j), static_cast<long long>(hr.req.size), dr.pages[u], hr.pages[u]);
+  }
+}
+
 /// Quest lookahead's device path (the emulated device: the scalar ops behind a CallScope) against the host
 /// path on the same valid pool, table, finite queries and actual selections, over three steps: whenever the
 /// host accepts a call the device accepts it too, with the same request (pages, priorities, size; -1 past
@@ -225,17 +241,7 @@ void quest_lookahead_device(FuzzedDataProvider& fdp) {
       if (!hs.is_ok()) return;
       const Status ds = pol.predict(dctx, dst, din, dr.req);
       KVP_FUZZ_CHECK(ds.is_ok(), "the host accepted a prediction the device refused: %s", ds.message());
-      KVP_FUZZ_CHECK(dr.req.size == -1 && dsize == hr.req.size, "device size %lld, host %lld", static_cast<long long>(dsize),
-                     static_cast<long long>(hr.req.size));
-      for (std::int64_t j = 0; j < E; ++j) {
-        const auto u = static_cast<std::size_t>(j);
-        if (j < hr.req.size)
-          KVP_FUZZ_CHECK(dr.pages[u] == hr.pages[u] && same_bytes(std::vector<float>{dr.priority[u]}, std::vector<float>{hr.priority[u]}),
-                         "request entry %lld differs", static_cast<long long>(j));
-        else
-          KVP_FUZZ_CHECK(dr.pages[u] == -1 && hr.pages[u] == -1, "entry %lld past the size %lld is not -1 (device %d, host %d)",
-                         static_cast<long long>(j), static_cast<long long>(hr.req.size), dr.pages[u], hr.pages[u]);
-      }
+      check_same_request(hr, dr, dsize, E);
     }
     PageRows rows(static_cast<std::size_t>(su.batch() * su.pool.kv_heads));
     for (auto& row : rows)
@@ -277,17 +283,7 @@ void compare_device_steps(FuzzedDataProvider& fdp, const Pol& pol, Setup& su, Bu
       if (!hs.is_ok()) return;
       const Status ds = pol.predict(dctx, db.st, din, dr.req);
       KVP_FUZZ_CHECK(ds.is_ok(), "the host accepted a prediction the device refused: %s", ds.message());
-      KVP_FUZZ_CHECK(dr.req.size == -1 && dsize == hr.req.size, "device size %lld, host %lld", static_cast<long long>(dsize),
-                     static_cast<long long>(hr.req.size));
-      for (std::int64_t j = 0; j < E; ++j) {
-        const auto u = static_cast<std::size_t>(j);
-        if (j < hr.req.size)
-          KVP_FUZZ_CHECK(dr.pages[u] == hr.pages[u] && same_bytes(std::vector<float>{dr.priority[u]}, std::vector<float>{hr.priority[u]}),
-                         "request entry %lld differs", static_cast<long long>(j));
-        else
-          KVP_FUZZ_CHECK(dr.pages[u] == -1 && hr.pages[u] == -1, "entry %lld past the size %lld is not -1 (device %d, host %d)",
-                         static_cast<long long>(j), static_cast<long long>(hr.req.size), dr.pages[u], hr.pages[u]);
-      }
+      check_same_request(hr, dr, dsize, E);
     }
     PageRows rows(static_cast<std::size_t>(su.batch()));
     for (auto& row : rows)

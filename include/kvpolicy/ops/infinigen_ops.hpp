@@ -81,16 +81,7 @@ void scores(const Tq* q, std::int64_t q_head_stride, std::int64_t q_dim_stride, 
   for (std::int64_t h = 0; h < Hq; ++h) {
     const auto g = static_cast<std::int32_t>(h / G);
     const float* qv = qt + h * r;
-    for (std::int64_t t = 0; t < n; ++t) {
-      const float* kp = partial_keys + geo.offset(seq_pages, t, g);
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      std::int64_t i = 0;
-      for (; i + 8 <= r; i += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += qv[i + l] * kp[i + l];
-      float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; i < r; ++i) s += qv[i] * kp[i];
-      out[h * ld + t] = s;
-    }
+    for (std::int64_t t = 0; t < n; ++t) out[h * ld + t] = prefetch_detail::dot(qv, partial_keys + geo.offset(seq_pages, t, g), r);
   }
 }
 

@@ -48,6 +48,33 @@ void require_same_counters(const PrefetchCounters& a, const PrefetchCounters& b)
   CHECK(a.predicted_steps == b.predicted_steps);
 }
 
+/// One prediction on each side (host `hst` through `hctx`, device `dst` through `dctx`): the device's size is
+/// device data, its request equals the host's entry for entry (pages, priority bits), the rest of its `E` entries
+/// are -1 / NaN, and its pending slots (`dhist` after the stamps of `P` pages) hold the host's counts.
+template <class Pol, class State, class DeviceCtx>
+void require_same_prediction(const Pol& pol, const Context<Scalar>& hctx, State& hst, const DeviceCtx& dctx, State& dst,
+                             const DecodeInput<float>& hin, const DecodeInput<float>& din, std::int64_t capacity, std::int64_t E,
+                             const std::vector<std::int64_t>& dhist, std::int32_t P) {
+  Request hr(capacity), dr(capacity);
+  std::int64_t dsize = -5;
+  dr.req.device_size = &dsize;
+  REQUIRE(pol.predict(hctx, hst, hin, hr.req).is_ok());
+  REQUIRE(pol.predict(dctx, dst, din, dr.req).is_ok());
+  CHECK(dr.req.size == -1);
+  REQUIRE(dsize == hr.req.size);
+  for (std::int64_t j = 0; j < hr.req.size; ++j) {
+    INFO("request entry " << j);
+    REQUIRE(dr.pages[static_cast<std::size_t>(j)] == hr.pages[static_cast<std::size_t>(j)]);
+    REQUIRE(same_bits(dr.priority[static_cast<std::size_t>(j)], hr.priority[static_cast<std::size_t>(j)]));
+  }
+  for (std::int64_t j = hr.req.size; j < E; ++j) {
+    CHECK(dr.pages[static_cast<std::size_t>(j)] == -1);
+    CHECK(std::isnan(dr.priority[static_cast<std::size_t>(j)]));
+  }
+  CHECK(dhist[static_cast<std::size_t>(2 * P)] == hst.history.predicted_count);
+  CHECK(dhist[static_cast<std::size_t>(2 * P) + 1] == hst.history.predicted_new);
+}
+
 /// A batch over one pool: sequences of `lens` tokens on distinct, shuffled pages.
 Pool make_pool(const std::vector<std::int64_t>& lens, std::int32_t kv_heads, std::int32_t page_size, std::int32_t d, unsigned seed) {
   std::int32_t pages = 3;
@@ -124,26 +151,8 @@ void run_case(const Case& cs, unsigned seed) {
     const DecodeInput<float> hin{TensorView<const float, 3>::contiguous(q.data(), {b, Hq, cs.head_dim}), pool.table(), cs.page_size, layer};
     const DecodeInput<float> din{TensorView<const float, 3>::contiguous(q.data(), {b, Hq, cs.head_dim}, kEmulatedDevice), pool.table(),
                                  cs.page_size, layer};
-    if (step != 2) {  // one step without a prediction: observe counts it as such on both sides
-      Request hr(hreq.output.capacity), dr(dreq.output.capacity);
-      std::int64_t dsize = -5;
-      dr.req.device_size = &dsize;
-      REQUIRE(pol.predict(hctx, hst, hin, hr.req).is_ok());
-      REQUIRE(pol.predict(dctx, dst, din, dr.req).is_ok());
-      CHECK(dr.req.size == -1);
-      REQUIRE(dsize == hr.req.size);
-      for (std::int64_t j = 0; j < hr.req.size; ++j) {
-        INFO("request entry " << j);
-        REQUIRE(dr.pages[static_cast<std::size_t>(j)] == hr.pages[static_cast<std::size_t>(j)]);
-        REQUIRE(same_bits(dr.priority[static_cast<std::size_t>(j)], hr.priority[static_cast<std::size_t>(j)]));
-      }
-      for (std::int64_t j = hr.req.size; j < E; ++j) {
-        CHECK(dr.pages[static_cast<std::size_t>(j)] == -1);
-        CHECK(std::isnan(dr.priority[static_cast<std::size_t>(j)]));
-      }
-      CHECK(dbuf[static_cast<std::size_t>(2 * pool.num_pages)] == hst.history.predicted_count);
-      CHECK(dbuf[static_cast<std::size_t>(2 * pool.num_pages) + 1] == hst.history.predicted_new);
-    }
+    if (step != 2)  // one step without a prediction: observe counts it as such on both sides
+      require_same_prediction(pol, hctx, hst, dctx, dst, hin, din, hreq.output.capacity, E, dbuf, pool.num_pages);
     // The step's real selection (the engine's Quest with its own budget), observed on both sides.
     Quest::Plan plan;
     REQUIRE(actual_quest.plan(hctx, hin, shape, plan).is_ok());
@@ -271,26 +280,7 @@ void run_device_case(
     const DecodeInput<float> hin{TensorView<const float, 3>::contiguous(q.data(), {B, Hq, cs.head_dim}), pool.table(), cs.page_size, layer};
     const DecodeInput<float> din{TensorView<const float, 3>::contiguous(q.data(), {B, Hq, cs.head_dim}, kEmulatedDevice), pool.table(),
                                  cs.page_size, layer};
-    if (step != 3) {
-      Request hr(hreq.output.capacity), dr(dreq.output.capacity);
-      std::int64_t dsize = -5;
-      dr.req.device_size = &dsize;
-      REQUIRE(pol.predict(hctx, hb.st, hin, hr.req).is_ok());
-      REQUIRE(pol.predict(dctx, db.st, din, dr.req).is_ok());
-      CHECK(dr.req.size == -1);
-      REQUIRE(dsize == hr.req.size);
-      for (std::int64_t j = 0; j < hr.req.size; ++j) {
-        INFO("request entry " << j);
-        REQUIRE(dr.pages[static_cast<std::size_t>(j)] == hr.pages[static_cast<std::size_t>(j)]);
-        REQUIRE(same_bits(dr.priority[static_cast<std::size_t>(j)], hr.priority[static_cast<std::size_t>(j)]));
-      }
-      for (std::int64_t j = hr.req.size; j < E; ++j) {
-        CHECK(dr.pages[static_cast<std::size_t>(j)] == -1);
-        CHECK(std::isnan(dr.priority[static_cast<std::size_t>(j)]));
-      }
-      CHECK(db.hist[static_cast<std::size_t>(2 * pool.num_pages)] == hb.st.history.predicted_count);
-      CHECK(db.hist[static_cast<std::size_t>(2 * pool.num_pages) + 1] == hb.st.history.predicted_new);
-    }
+    if (step != 3) require_same_prediction(pol, hctx, hb.st, dctx, db.st, hin, din, hreq.output.capacity, E, db.hist, pool.num_pages);
     // The step's reads: a few random pages of each non-empty sequence (one row each).
     PageRows rows;
     for (std::size_t b = 0; b < cs.lens.size(); ++b) {

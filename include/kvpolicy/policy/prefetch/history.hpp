@@ -272,10 +272,7 @@ inline void predict_all(const PageTable& table, float* prio) noexcept {
 /// Entries of pages the previous observation read and the prediction does
 /// not name get `reuse_priority` (ShadowKV-style reuse of the previous selection).
 inline void add_reuse(const PrefetchHistory& h, const PageTable& table, float reuse_priority, float* prio) noexcept {
-  if (h.step < 1) return;
-  const std::int64_t n = table_entries(table);
-  for (std::int64_t i = 0; i < n; ++i)
-    if (std::isnan(prio[i]) && h.used_at[table.indices[i]] == h.step - 1) prio[i] = reuse_priority;
+  if (h.step >= 1) ops::prefetch_ref::add_reuse(prio, table.indices, table_entries(table), h.used_at, h.step - 1, reuse_priority);
 }
 
 /// Common checks of a predict call: history against the pool, the table,

@@ -301,24 +301,35 @@ class InfiniGen {
   /// input is validated before `out` or the history is written.
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    std::int32_t G = 0;
+    KVP_RETURN_IF_ERROR(check_predict_call(st, next, out, kDeviceBackend<Backend>, &G));
     if constexpr (kDeviceBackend<Backend>)
-      return predict_on_device(ctx, st, next, out);
+      return predict_on_device(ctx, st, next, G, out);
     else
-      return predict_on_host(ctx, st, next, out);
+      return predict_on_host(ctx, st, next, G, out);
   }
 
  private:
-  template <class Backend, class Tq>
-  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+  /// Everything `predict` checks before it writes: the parameters and state (its memory against the
+  /// backend), the history, queries, table and request, the page size and layer; a prepared state for a sparse layer.
+  /// `*G` receives the query heads per kv head.
+  template <class Tq>
+  Status check_predict_call(const State& st, const DecodeInput<Tq>& next, const PrefetchRequest& out, bool on_device,
+                            std::int32_t* G) const noexcept {
     KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st, false));
-    std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(
-        prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
+    KVP_RETURN_IF_ERROR(check_state(st, on_device));
+    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
+                                                       st.head_dim, out, G, on_device));
     KVP_REQUIRE(next.page_size == st.page_size, "infinigen: page_size is %d, the state has %d", next.page_size, st.page_size);
     KVP_REQUIRE(next.layer >= 0, "infinigen: layer is %d, must be >= 0", next.layer);
+    KVP_REQUIRE(next.layer < params_.dense_layers || st.prepared, "infinigen: predict before prepare");
+    return Status::ok();
+  }
+
+  template <class Backend, class Tq>
+  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, std::int32_t G,
+                         PrefetchRequest& out) const noexcept {
     const bool dense = next.layer < params_.dense_layers;
-    KVP_REQUIRE(dense || st.prepared, "infinigen: predict before prepare");
     const PageTable& table = next.table;
     std::int64_t T = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) T = std::max(T, table.seq_len(b, st.page_size));
@@ -371,16 +382,9 @@ class InfiniGen {
 
   /// `predict` on a device backend (header comment, "On a device backend").
   template <class Backend, class Tq>
-  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
-    KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st, true));
-    std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
-                                                       st.head_dim, out, &G, /*on_device=*/true));
-    KVP_REQUIRE(next.page_size == st.page_size, "infinigen: page_size is %d, the state has %d", next.page_size, st.page_size);
-    KVP_REQUIRE(next.layer >= 0, "infinigen: layer is %d, must be >= 0", next.layer);
+  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, std::int32_t G,
+                           PrefetchRequest& out) const noexcept {
     const bool dense = next.layer < params_.dense_layers;
-    KVP_REQUIRE(dense || st.prepared, "infinigen: predict before prepare");
     const PageTable& table = next.table;
     std::int64_t T = 0;
     for (std::int32_t b = 0; b < table.batch; ++b) T = std::max(T, table.seq_len(b, st.page_size));
@@ -436,21 +440,15 @@ class InfiniGen {
                                                                       const PageTable& table, std::int32_t target_layer,
                                                                       TensorView<float, 3> q, PrefetchRequest& out)
   const noexcept {
-    constexpr bool on_device = kDeviceBackend<Backend>;
     KVP_REQUIRE(positions != nullptr || table.batch == 0, "infinigen: positions is null");
     KVP_REQUIRE(x.extent(0) == table.batch && q.extent(0) == table.batch,
                 "infinigen: x has %lld rows and q %lld sequences, the page table has batch %d", static_cast<long long>(x.extent(0)),
                 static_cast<long long>(q.extent(0)), table.batch);
     KVP_RETURN_IF_ERROR(x.check_basic(kName, "x"));
     // Everything predict checks, before the adapter writes q (a failing adapter leaves out and the history alone).
-    KVP_RETURN_IF_ERROR(validate_params());
-    KVP_RETURN_IF_ERROR(check_state(st, on_device));
-    std::int32_t G = 0;
     const DecodeInput<float> in{TensorView<const float, 3>(q), table, st.page_size, target_layer};
-    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, in.queries, table, st.page_size, st.num_kv_heads, st.head_dim,
-                                                       out, &G, on_device));
-    KVP_REQUIRE(target_layer >= 0, "infinigen: layer is %d, must be >= 0", target_layer);
-    KVP_REQUIRE(target_layer < params_.dense_layers || st.prepared, "infinigen: predict before prepare");
+    std::int32_t G = 0;
+    KVP_RETURN_IF_ERROR(check_predict_call(st, in, out, kDeviceBackend<Backend>, &G));
     KVP_RETURN_IF_ERROR(adapter.speculative_query(target_layer, positions, x, q));
     return predict(ctx, st, in, out);
   }

@@ -223,10 +223,12 @@ class ShadowKV {
   /// queries `next.queries` (batch, Hq, d) post-RoPE (the current step's).
   template <class Backend, class Tq>
   Status predict(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
+    std::int32_t G = 0;
+    KVP_RETURN_IF_ERROR(check_predict_call(st, next, out, kDeviceBackend<Backend>, &G));
     if constexpr (kDeviceBackend<Backend>)
-      return predict_on_device(ctx, st, next, out);
+      return predict_on_device(ctx, st, next, G, out);
     else
-      return predict_on_host(ctx, st, next, out);
+      return predict_on_host(ctx, st, next, G, out);
   }
 
   template <class Backend>
@@ -236,14 +238,23 @@ class ShadowKV {
   }
 
  private:
-  template <class Backend, class Tq>
-  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
-    KVP_RETURN_IF_ERROR(check_state(st, false));
-    std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(
-        prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads, st.head_dim, out, &G));
+  /// Everything `predict` checks before it writes: the parameters and state (its memory against the
+  /// backend), the history, queries, table and request, the page size and layer.
+  /// `*G` receives the query heads per kv head.
+  template <class Tq>
+  Status check_predict_call(const State& st, const DecodeInput<Tq>& next, const PrefetchRequest& out, bool on_device,
+                            std::int32_t* G) const noexcept {
+    KVP_RETURN_IF_ERROR(check_state(st, on_device));
+    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
+                                                       st.head_dim, out, G, on_device));
     KVP_REQUIRE(next.page_size == st.page_size, "shadowkv: page_size is %d, the state has %d", next.page_size, st.page_size);
     KVP_REQUIRE(next.layer >= 0, "shadowkv: layer is %d, must be >= 0", next.layer);
+    return Status::ok();
+  }
+
+  template <class Backend, class Tq>
+  Status predict_on_host(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, std::int32_t G,
+                         PrefetchRequest& out) const noexcept {
     const PageTable& table = next.table;
     const std::int32_t C = st.chunk_size;
     std::int64_t M = 0;
@@ -319,13 +330,8 @@ class ShadowKV {
 
   /// `predict` on a device backend (header comment, "On a device backend").
   template <class Backend, class Tq>
-  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, PrefetchRequest& out) const noexcept {
-    KVP_RETURN_IF_ERROR(check_state(st, true));
-    std::int32_t G = 0;
-    KVP_RETURN_IF_ERROR(prefetch_detail::check_predict(kName, st.history, next.queries, next.table, next.page_size, st.num_kv_heads,
-                                                       st.head_dim, out, &G, /*on_device=*/true));
-    KVP_REQUIRE(next.page_size == st.page_size, "shadowkv: page_size is %d, the state has %d", next.page_size, st.page_size);
-    KVP_REQUIRE(next.layer >= 0, "shadowkv: layer is %d, must be >= 0", next.layer);
+  Status predict_on_device(const Context<Backend>& ctx, State& st, const DecodeInput<Tq>& next, std::int32_t G,
+                           PrefetchRequest& out) const noexcept {
     const PageTable& table = next.table;
     const std::int32_t C = st.chunk_size;
     std::int64_t M = 0;
