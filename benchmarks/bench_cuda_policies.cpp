@@ -26,6 +26,15 @@
 //                       2 INT4 (Int4Quant defaults: rotated), 3 fp8 e4m3 with
 //                       per-(token, head) scales; one launch per kv head;
 //                       hbm_frac counts the fp16 rows plus the codes once.
+//   CudaQuantizedPaged/T/f  decode attention of one layer (32 query heads, 8
+//                       kv heads, head_dim 128) over a paged quantized pool of
+//                       T tokens (page 16, NHD), format f: 0 q8_0, 1 q4_0;
+//                       one quantized_paged_decode_attention call per kv head
+//                       (per 1024-row chunk: gather the code rows, decode,
+//                       attend, merge by lse); hbm_frac counts the key and
+//                       value codes once (the decoded fp32 rows it also
+//                       writes and reads are not counted: the gap is the cost
+//                       of not fusing the decode into the attention).
 //   CudaKivi/T/role     KIVI-2 (group 32) one-shot quantize of one layer's
 //                       rows (role 0 keys, 1 values), 8 kv heads x T tokens
 //                       x 128, fp16; hbm_frac counts rows, codes and scales.
@@ -87,6 +96,7 @@
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
 #include "kvpolicy/policy/prefetch/quest_lookahead.hpp"
 #include "kvpolicy/policy/prefetch/infinigen.hpp"
 #include "kvpolicy/policy/prefetch/shadowkv.hpp"
@@ -392,6 +402,68 @@ void CudaQuant(benchmark::State& state) {
     default:
       return run(kvp::Fp8Quant(kvp::Fp8QuantParams{kvp::Fp8Format::kE4M3, kvp::Fp8Scale::kPerTokenHead, 1.0f}), "fp8 e4m3 per token");
   }
+}
+
+void CudaQuantizedPaged(benchmark::State& state) {
+  if (!g_have_device) return state.SkipWithError("no CUDA device");
+  constexpr std::int32_t H = 8, P = 16;
+  constexpr std::int64_t G = 4, d = 128;
+  const std::int64_t T = state.range(0);
+  const kvp::GgmlQuant q(kvp::GgmlQuantParams{state.range(1) == 0 ? kvp::GgmlType::kQ8_0 : kvp::GgmlType::kQ4_0});
+  state.SetLabel(state.range(1) == 0 ? "q8_0" : "q4_0");
+  const std::int64_t rb = q.row_bytes(d);
+  const auto pages = static_cast<std::int32_t>((T + P - 1) / P);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(pages)), indptr{0, pages}, last{static_cast<std::int32_t>(T - (pages - 1) * P)};
+  for (std::int32_t i = 0; i < pages; ++i) ids[static_cast<std::size_t>(i)] = i;
+  const std::vector<kvp::half>& rows = normal_halves(static_cast<std::size_t>(H * T * d), 11);
+  const std::vector<kvp::half>& queries = normal_halves(static_cast<std::size_t>(H * G * d), 12);
+  std::vector<float> qf(queries.size());
+  for (std::size_t i = 0; i < qf.size(); ++i) qf[i] = kvp::to_float(queries[i]);
+  const std::size_t pool_bytes = static_cast<std::size_t>(pages) * H * P * static_cast<std::size_t>(rb);
+  const std::size_t ws_bytes =
+      std::max(kvp::quantized_paged_attention_workspace<Cuda>(q, P, d, G), kvp::quantize_paged_append_workspace<Cuda>(q, P, d, H));
+  DeviceBuffer dk(pool_bytes), dv(pool_bytes), dids(ids.size() * sizeof(std::int32_t)), drows(rows.size() * sizeof(kvp::half)),
+      dq(qf.size() * sizeof(float)), dout(qf.size() * sizeof(float)), dlse(static_cast<std::size_t>(H * G) * sizeof(float)), dws(ws_bytes);
+  if (!(dk.ok && dv.ok && dids.ok && drows.ok && dq.ok && dout.ok && dlse.ok && dws.ok)) return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dids.ptr, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice);
+  cudaMemcpy(drows.ptr, rows.data(), rows.size() * sizeof(kvp::half), cudaMemcpyHostToDevice);
+  cudaMemcpy(dq.ptr, qf.data(), qf.size() * sizeof(float), cudaMemcpyHostToDevice);
+  constexpr kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  const kvp::PageTable table{indptr.data(), static_cast<const std::int32_t*>(dids.ptr), last.data(), 1};
+  const kvp::PageStrides cs = kvp::PageStrides::contiguous(kvp::PageLayout::kNHD, H, P, rb);
+  const kvp::PagedKVView<std::uint8_t> pool{static_cast<std::uint8_t*>(dk.ptr),
+                                            static_cast<std::uint8_t*>(dv.ptr),
+                                            cs,
+                                            cs,
+                                            pages,
+                                            H,
+                                            P,
+                                            static_cast<std::int32_t>(rb),
+                                            table,
+                                            gpu};
+  cudaStream_t s = nullptr;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const kvp::Context<Cuda> cx{kvp::Workspace{dws.ptr, ws_bytes}, {}, s};
+  const auto x = kvp::TensorView<const kvp::half, 3>::contiguous(static_cast<const kvp::half*>(drows.ptr), {H, T, d}, gpu);
+  for (const bool values : {false, true})
+    if (const kvp::Status st = kvp::quantize_paged_append(cx, q, pool, 0, x, values); !st.is_ok()) {
+      cudaStreamDestroy(s);
+      return state.SkipWithError(st.message());
+    }
+  cudaStreamSynchronize(s);
+  const kvp::PagedKVView<const std::uint8_t> cpool = pool;
+  timed_loop(state, s, [&] {
+    for (std::int32_t h = 0; h < H; ++h)
+      KVP_RETURN_IF_ERROR(kvp::quantized_paged_decode_attention(
+          cx, q, q, cpool, h, static_cast<const std::int32_t*>(dids.ptr), T, static_cast<const float*>(dq.ptr) + h * G * d, G, d, 0.088f,
+          static_cast<float*>(dout.ptr) + h * G * d, static_cast<float*>(dlse.ptr) + h * G));
+    return kvp::Status::ok();
+  });
+  const double bytes = 2.0 * static_cast<double>(H * T) * static_cast<double>(rb);
+  if (g_peaks.read_bytes_per_s > 0)
+    state.counters["hbm_frac"] = benchmark::Counter(bytes / g_peaks.read_bytes_per_s, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  cudaStreamDestroy(s);
 }
 
 void CudaKivi(benchmark::State& state) {
@@ -751,6 +823,7 @@ BENCHMARK(CudaExpectedAttention)->Arg(4096)->Arg(32768)->Iterations(3)->UseManua
 BENCHMARK(CudaTopk)->ArgsProduct({{8192, 32768, 131072}, {1, 50}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaH2OStep)->Arg(4096)->Arg(32768)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuant)->ArgsProduct({{32768}, {0, 1, 2, 3}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(CudaQuantizedPaged)->ArgsProduct({{32768}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaKivi)->ArgsProduct({{32768}, {0, 1}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestSelect)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(CudaQuestLookahead)->Arg(1)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -20,6 +20,7 @@
 #include "kvpolicy/policy/quantization/ggml_quant.hpp"
 #include "kvpolicy/policy/quantization/int4_quant.hpp"
 #include "kvpolicy/policy/quantization/kivi_quant.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
 #include "kvpolicy/policy/eviction/knorm.hpp"
 #include "kvpolicy/policy/eviction/laq.hpp"
 #include "kvpolicy/policy/eviction/observed_attention.hpp"
@@ -716,6 +717,62 @@ TEST_CASE("cuda GgmlQuant / Int4Quant: host checks before anything is enqueued",
              "bits must be 4 or 8");
   op_refuses([] { Cuda::encode_token_rows(TokenRowCodec::int_tokens(8), fake<const float>(1), -1, 64, 64, fake<std::uint8_t>(1), 72); },
              "rows=-1");
+}
+
+TEST_CASE("cuda paged quantized pool: host checks before anything is enqueued", "[cuda][policy][quantized]") {
+  using namespace kvpolicy;
+  constexpr Device gpu{DeviceType::kCUDA, 0};
+  constexpr std::int32_t H = 2, P = 16, pages = 8;
+  constexpr std::int64_t d = 64;
+  const GgmlQuant q(GgmlQuantParams{GgmlType::kQ4_0});
+  const std::int64_t rb = q.row_bytes(d);
+  const std::int32_t indptr[3] = {0, 3, 5}, last[2] = {8, 13};
+  const PageTable table{indptr, fake<const std::int32_t>(9), last, 2};  // the ids are device memory: never read on the host
+  const PageStrides cs = PageStrides::contiguous(PageLayout::kNHD, H, P, rb);
+  const PagedKVView<std::uint8_t> pool{
+      fake<std::uint8_t>(1), fake<std::uint8_t>(2), cs, cs, pages, H, P, static_cast<std::int32_t>(rb), table, gpu};
+  PagedKVView<std::uint8_t> host_pool = pool;
+  host_pool.device = {};
+  const auto rows = TensorView<const float, 3>(fake<const float>(3), {H, 40, d}, {40 * d, d, 1}, gpu);
+  const std::size_t aw = quantize_paged_append_workspace<Cuda>(q, P, d, H);
+  REQUIRE(aw >= static_cast<std::size_t>(H * 1024 * rb));
+  const Context<Cuda> cx{Workspace{fake<std::byte>(4), aw}};
+  ExecContext two_workers{pool_fn, nullptr, 2};
+  require_refused(quantize_paged_append(cx, q, host_pool, 0, rows, false), StatusCode::kInvalidArgument, "the code pool is host memory");
+  require_refused(
+      quantize_paged_append(cx, q, pool, 0, TensorView<const float, 3>(fake<const float>(3), {H, 40, d}, {40 * d, d, 1}), false),
+      StatusCode::kInvalidArgument, "rows is a host tensor");
+  require_refused(quantize_paged_append(Context<Cuda>{Workspace{fake<std::byte>(4), aw - 1}}, q, pool, 0, rows, false),
+                  StatusCode::kWorkspaceTooSmall, "workspace");
+  require_refused(
+      quantize_paged_append(cx, q, pool, 0, TensorView<const float, 3>(fake<const float>(3), {H, 41, d}, {41 * d, d, 1}, gpu), false),
+      StatusCode::kInvalidArgument, "41 rows for a sequence of 40 tokens");
+  require_refused(quantize_paged_append(Context<Cuda>{Workspace{fake<std::byte>(4), aw}, two_workers}, q, pool, 0, rows, false),
+                  StatusCode::kUnsupported, "2 workers");
+  const PagedKVView<const std::uint8_t> cpool = pool;
+  const std::size_t mw = quantized_page_meta_workspace<Cuda>(q, P, d, H);
+  const auto meta = PageMetaView<float>::contiguous(fake<float>(5), pages, H, static_cast<std::int32_t>(d), gpu);
+  require_refused(quantized_page_meta_append(Context<Cuda>{Workspace{fake<std::byte>(4), mw}}, q, cpool, d, nullptr,
+                                             PageMetaView<float>::contiguous(fake<float>(5), pages, H, static_cast<std::int32_t>(d))),
+                  StatusCode::kInvalidArgument, "metadata is host memory");
+  require_refused(quantized_page_meta_append(Context<Cuda>{Workspace{fake<std::byte>(4), mw - 1}}, q, cpool, d, nullptr, meta),
+                  StatusCode::kWorkspaceTooSmall, "workspace");
+  const std::int32_t too_many[2] = {41, 0};
+  require_refused(quantized_page_meta_append(Context<Cuda>{Workspace{fake<std::byte>(4), mw}}, q, cpool, d, too_many, meta),
+                  StatusCode::kInvalidArgument, "append_len[0] is 41");
+  const std::size_t tw = quantized_paged_attention_workspace<Cuda>(q, P, d, 4);
+  const auto attend = [&](Workspace ws, std::int32_t h, const PagedKVView<const std::uint8_t>& p) {
+    return quantized_paged_decode_attention(Context<Cuda>{ws}, q, q, p, h, fake<const std::int32_t>(9), 40, fake<const float>(6), 4, d,
+                                            0.125f, fake<float>(7), fake<float>(8));
+  };
+  require_refused(attend(Workspace{fake<std::byte>(4), tw - 1}, 0, cpool), StatusCode::kWorkspaceTooSmall, "workspace");
+  require_refused(attend(Workspace{fake<std::byte>(4), tw}, 2, cpool), StatusCode::kInvalidArgument, "kv head 2 out of range");
+  require_refused(attend(Workspace{fake<std::byte>(4), tw}, 0, host_pool), StatusCode::kInvalidArgument, "the code pool is host memory");
+  const GgmlQuant q8(GgmlQuantParams{GgmlType::kQ8_0});
+  require_refused(
+      quantized_paged_decode_attention(Context<Cuda>{Workspace{fake<std::byte>(4), tw}}, q, q8, cpool, 0, fake<const std::int32_t>(9), 40,
+                                       fake<const float>(6), 4, d, 0.125f, fake<float>(7), nullptr),
+      StatusCode::kInvalidArgument, "differ from the keys'");
 }
 
 TEST_CASE("cuda KiviQuant: host checks before anything is enqueued", "[cuda][policy][kivi]") {

@@ -7,7 +7,12 @@
 //   and |lse - ref| <= 2e-5 * |ref| + 2e-5 (expf and summation order), with
 //   exactly the reference's NaN / inf / "nothing attended" outputs;
 // - arguments rejected by recording an error, workspace bounds respected, and
-//   the three ops captured in a CUDA graph.
+//   the three ops captured in a CUDA graph;
+// - the paged quantized pool (policy/quantization/quantized_paged.hpp) on the
+//   device: the appended code bytes and Quest metadata bit-identical to the
+//   host's, decode attention over the codes within 5e-5 relative + 2e-4
+//   absolute of the scalar overload (the device attention's and the merge's
+//   expf), the NaN / empty rules exactly.
 //
 // Own main: without a usable CUDA device the program prints "SKIPPED: ..."
 // and exits with 77, which ctest reports as skipped.
@@ -29,6 +34,10 @@
 #include "cuda_test_util.hpp"
 #include "kvpolicy/backends/cuda.hpp"
 #include "kvpolicy/kvpolicy.hpp"
+#include "kvpolicy/policy/quantization/fp8_quant.hpp"
+#include "kvpolicy/policy/quantization/ggml_quant.hpp"
+#include "kvpolicy/policy/quantization/int4_quant.hpp"
+#include "kvpolicy/policy/quantization/quantized_paged.hpp"
 
 namespace kvp = kvpolicy;
 using kvp::bfloat16;
@@ -41,6 +50,7 @@ using kvp_cuda_test::Stream;
 
 static_assert(kvp::PageOps<Cuda, float, float> && kvp::PageOps<Cuda, half, half> && kvp::PageOps<Cuda, bfloat16, bfloat16>,
               "backend::Cuda models the page-op family for every key dtype");
+static_assert(kvp::QuantizedPagedOps<Cuda>, "backend::Cuda has its own form of every op of the paged quantized pool");
 
 namespace {
 
@@ -646,6 +656,160 @@ TEST_CASE("cuda page ops can be captured in a CUDA graph", "[cuda][pages][graph]
   require_same_floats(dlse.download<float>(static_cast<std::size_t>(G)), lse1, "graph lse");
   CUDA_REQUIRE(cudaGraphExecDestroy(exec));
   CUDA_REQUIRE(cudaGraphDestroy(graph));
+}
+
+namespace {
+
+/// Two sequences (1100 tokens: two 1024-row device chunks at P = 16; and 29) over a shuffled page list: the
+/// device path of the paged quantized pool against the host path.
+template <class Q>
+void check_quantized_pool(const Q& q, kvp::PageLayout layout, const char* name) {
+  INFO(name << (layout == kvp::PageLayout::kHND ? " HND" : " NHD"));
+  constexpr std::int32_t H = 2, P = 16;
+  constexpr std::int64_t d = 128, G = 5;
+  const kvp::Device gpu{kvp::DeviceType::kCUDA, 0};
+  const std::int64_t lens[2] = {1100, 29};
+  const std::int32_t np0 = 69, np1 = 2, pages = np0 + np1 + 3;
+  std::vector<std::int32_t> ids(pages);
+  for (std::int32_t i = 0; i < pages; ++i) ids[static_cast<std::size_t>(i)] = (i * 31 + 5) % pages;
+  std::vector<std::int32_t> indptr{0, np0, np0 + np1}, indices(ids.begin(), ids.begin() + np0 + np1), last{1100 - 68 * P, 29 - P};
+  const kvp::PageTable htable{indptr.data(), indices.data(), last.data(), 2};
+  DeviceBuffer dindices(indices);
+  const kvp::PageTable dtable{indptr.data(), dindices.get<const std::int32_t>(), last.data(), 2};
+  const std::int64_t rb = q.row_bytes(d);
+  const kvp::PageStrides cs = kvp::PageStrides::contiguous(layout, H, P, rb);
+  std::vector<std::uint8_t> hk(static_cast<std::size_t>(pages * H * P * rb), 0x5A), hv(hk.size(), 0xA5);
+  DeviceBuffer dk(hk), dv(hv);
+  const kvp::PagedKVView<std::uint8_t> host{hk.data(), hv.data(), cs, cs, pages, H, P, static_cast<std::int32_t>(rb), htable, {}};
+  const kvp::PagedKVView<std::uint8_t> dev{
+      dk.get<std::uint8_t>(), dv.get<std::uint8_t>(), cs, cs, pages, H, P, static_cast<std::int32_t>(rb), dtable, gpu};
+  const Stream st;
+  DeviceBuffer aws(kvp::quantize_paged_append_workspace<Cuda>(q, P, d, H));
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  const auto append = [&](std::int32_t b, std::int64_t n) {
+    for (const bool values : {false, true}) {
+      std::vector<float> x(static_cast<std::size_t>(H * n * d));
+      for (auto& e : x) e = nd(rng);
+      DeviceBuffer dx(x);
+      KVP_REQUIRE_OK(kvp::quantize_paged_append(q, host, b, kvp::TensorView<const float, 3>::contiguous(x.data(), {H, n, d}), values));
+      KVP_REQUIRE_OK(kvp::quantize_paged_append(kvp::Context<Cuda>{aws.workspace(), {}, st.s}, q, dev, b,
+                                                kvp::TensorView<const float, 3>::contiguous(dx.get<const float>(), {H, n, d}, gpu),
+                                                values));
+      st.sync();
+    }
+    REQUIRE(dk.download<std::uint8_t>(hk.size()) == hk);
+    REQUIRE(dv.download<std::uint8_t>(hv.size()) == hv);
+  };
+  append(0, lens[0]);
+  append(1, lens[1]);
+  append(0, 37);  // a run that starts inside a page
+
+  // Metadata: every page, then the tail of each sequence folded into what the pages hold.
+  const kvp::PagedKVView<const std::uint8_t> hc = host, dc = dev;
+  const std::size_t msize = static_cast<std::size_t>(kvp::PageMetaView<float>::contiguous_size(pages, H, d));
+  std::vector<float> hm(msize, 3.0f);
+  DeviceBuffer dm(hm);
+  const auto hmeta = kvp::PageMetaView<float>::contiguous(hm.data(), pages, H, static_cast<std::int32_t>(d));
+  const auto dmeta = kvp::PageMetaView<float>::contiguous(dm.get<float>(), pages, H, static_cast<std::int32_t>(d), gpu);
+  std::vector<std::byte> hws(kvp::quantized_page_meta_workspace<Scalar>(q, P, d, H));
+  DeviceBuffer mws(kvp::quantized_page_meta_workspace<Cuda>(q, P, d, H));
+  KVP_REQUIRE_OK(kvp::quantized_page_meta_append(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, q, hc, d, nullptr, hmeta));
+  KVP_REQUIRE_OK(kvp::quantized_page_meta_append(kvp::Context<Cuda>{mws.workspace(), {}, st.s}, q, dc, d, nullptr, dmeta));
+  st.sync();
+  REQUIRE(dm.download<float>(msize) == hm);
+  std::fill(hm.begin(), hm.end(), 1.0f);
+  dm.upload(hm);
+  const std::int32_t tail[2] = {37, 29};
+  KVP_REQUIRE_OK(kvp::quantized_page_meta_append(kvp::Context<Scalar>{kvp::Workspace{hws.data(), hws.size()}}, q, hc, d, tail, hmeta));
+  KVP_REQUIRE_OK(kvp::quantized_page_meta_append(kvp::Context<Cuda>{mws.workspace(), {}, st.s}, q, dc, d, tail, dmeta));
+  st.sync();
+  REQUIRE(dm.download<float>(msize) == hm);
+
+  // Decode attention of a G-query group over each sequence's pages (two chunks for sequence 0).
+  std::vector<float> qv(static_cast<std::size_t>(G * d));
+  for (auto& x : qv) x = nd(rng);
+  DeviceBuffer dq(qv), dout(static_cast<std::size_t>(G * d) * sizeof(float)), dlse(static_cast<std::size_t>(G) * sizeof(float));
+  std::vector<std::byte> sws(kvp::quantized_paged_workspace(P, d, G));
+  DeviceBuffer ews(kvp::quantized_paged_attention_workspace<Cuda>(q, P, d, G));
+  const auto attend = [&](std::int32_t b, std::int32_t h, std::int64_t n, const DeviceBuffer& queries) {
+    KVP_REQUIRE_OK(kvp::quantized_paged_decode_attention(kvp::Context<Cuda>{ews.workspace(), {}, st.s}, q, q, dc, h,
+                                                         dindices.get<const std::int32_t>() + indptr[static_cast<std::size_t>(b)], n,
+                                                         queries.get<const float>(), G, d, 0.125f, dout.get<float>(), dlse.get<float>()));
+    st.sync();
+  };
+  for (std::int32_t b = 0; b < 2; ++b)
+    for (std::int32_t h = 0; h < H; ++h)
+      for (const std::int64_t n : {lens[b], std::int64_t{17}, std::int64_t{0}}) {
+        INFO("sequence " << b << " head " << h << " tokens " << n);
+        std::vector<float> o1(static_cast<std::size_t>(G * d)), l1(G);
+        KVP_REQUIRE_OK(kvp::quantized_paged_decode_attention(q, q, hc, h, indices.data() + indptr[static_cast<std::size_t>(b)], n,
+                                                             qv.data(), G, d, 0.125f, o1.data(), l1.data(),
+                                                             kvp::Workspace{sws.data(), sws.size()}));
+        attend(b, h, n, dq);
+        const auto o2 = dout.download<float>(o1.size()), l2 = dlse.download<float>(l1.size());
+        for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(std::fabs(o2[i] - o1[i]) <= 5e-5 * std::fabs(o1[i]) + 2e-4);
+        for (std::size_t i = 0; i < l1.size(); ++i) {
+          if (n == 0) {
+            REQUIRE((l2[i] == -kInf && l1[i] == -kInf));
+            continue;
+          }
+          REQUIRE(std::fabs(l2[i] - l1[i]) <= 5e-5 * std::fabs(l1[i]) + 5e-5);
+        }
+      }
+  // A NaN query head: its output and lse NaN, the others finite.
+  std::vector<float> qn = qv;
+  qn[static_cast<std::size_t>(3 * d + 1)] = kNaN;
+  DeviceBuffer dqn(qn);
+  attend(0, 1, lens[0], dqn);
+  const auto o = dout.download<float>(static_cast<std::size_t>(G * d)), l = dlse.download<float>(G);
+  for (std::int64_t g = 0; g < G; ++g) {
+    REQUIRE(std::isnan(l[static_cast<std::size_t>(g)]) == (g == 3));
+    REQUIRE(std::isnan(o[static_cast<std::size_t>(g * d + 7)]) == (g == 3));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda paged quantized pool: append bytes and Quest metadata bit-identical, attention within 5e-5 of Scalar",
+          "[cuda][pages][quantized]") {
+  for (const kvp::PageLayout layout : {kvp::PageLayout::kHND, kvp::PageLayout::kNHD}) {
+    check_quantized_pool(kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ4_0}), layout, "q4_0");
+    check_quantized_pool(kvp::GgmlQuant(kvp::GgmlQuantParams{kvp::GgmlType::kQ8_0, kvp::HadamardMode::kLlamaCpp}), layout, "q8_0 rotated");
+    check_quantized_pool(kvp::Int4Quant{}, layout, "int4");
+    check_quantized_pool(kvp::Fp8Quant{}, layout, "fp8");
+  }
+}
+
+TEST_CASE("cuda paged quantized pool ops: bad arguments are recorded, empty work enqueues nothing", "[cuda][pages][quantized][args]") {
+  const Stream st;
+  const kvp::ops::CodePageGeometry geo{kvp::PageStrides::contiguous(kvp::PageLayout::kNHD, 1, 4, 8), 4, 1, 8};
+  DeviceBuffer pool(64), buf(64), ids(std::vector<std::int32_t>{1, 0});
+  REQUIRE_THAT(
+      recorded(st, [&] { Cuda::code_rows_gather(pool.get<std::uint8_t>(), geo, ids.get<std::int32_t>(), -1, 2, buf.get<std::uint8_t>()); })
+          .message(),
+      Catch::Matchers::Contains("first and count >= 0"));
+  REQUIRE_THAT(
+      recorded(st, [&] { Cuda::code_rows_scatter(nullptr, geo, ids.get<std::int32_t>(), 0, 2, pool.get<std::uint8_t>()); }).message(),
+      Catch::Matchers::Contains("is null"));
+  KVP_REQUIRE_OK(recorded(st, [&] { Cuda::code_rows_scatter(nullptr, geo, nullptr, 0, 0, nullptr); }));
+  REQUIRE_THAT(recorded(st, [&] { Cuda::lse_merge_chunk(nullptr, nullptr, 0, 8, true, nullptr, nullptr, nullptr); }).message(),
+               Catch::Matchers::Contains("need 1 <= group"));
+  REQUIRE_THAT(recorded(st, [&] { Cuda::lse_merge_finish(nullptr, nullptr, nullptr, 2, 8, false, nullptr); }).message(),
+               Catch::Matchers::Contains("is null"));
+  REQUIRE_THAT(recorded(st, [&] { Cuda::code_page_meta_fold(nullptr, 0, geo, nullptr, 0, 4, kvp::PageMetaView<float>{}); }).message(),
+               Catch::Matchers::Contains("positive page_size and head_dim"));
+  // The copies move exactly the rows' bytes (word and byte paths) through the page list.
+  std::vector<std::uint8_t> hp(64);
+  std::iota(hp.begin(), hp.end(), std::uint8_t{0});
+  pool.upload(hp);
+  for (const std::int64_t rb : {8, 6}) {
+    const kvp::ops::CodePageGeometry g{kvp::PageStrides::contiguous(kvp::PageLayout::kNHD, 1, 4, rb), 4, 1, rb};
+    std::vector<std::uint8_t> want(static_cast<std::size_t>(3 * rb));
+    kvp::ops::quantized_paged_ref::gather(hp.data(), g, std::vector<std::int32_t>{1, 0}.data(), 2, 3, want.data());
+    run_ops(st, [&] { Cuda::code_rows_gather(pool.get<std::uint8_t>(), g, ids.get<std::int32_t>(), 2, 3, buf.get<std::uint8_t>()); });
+    REQUIRE(buf.download<std::uint8_t>(want.size()) == want);
+  }
 }
 
 int main(int argc, char** argv) {

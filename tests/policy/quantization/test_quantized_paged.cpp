@@ -1,7 +1,9 @@
 // A paged cache in a per-token quantization format: quantize-on-append at the
 // tokens' slots, Quest's page metadata from the codes (equal to Quest on the
 // decoded pool), decode attention over a page list of codes (equal to the
-// scalar reference over the decoded pool), NHD and HND pools, bad input.
+// scalar reference over the decoded pool), NHD and HND pools, bad input; and
+// the device path of all three (ops/quantized_paged_ops.hpp) on the emulated
+// device: the host's code bytes and metadata exactly, attention within 1e-5.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include "kvpolicy/policy/quantization/quantized_paged.hpp"
 #include "kvpolicy/policy/selection/quest.hpp"
 #include "kvpolicy/util/thread_pool.hpp"
+#include "../emulated_device.hpp"
 
 using namespace kvpolicy;
 using Catch::Matchers::Contains;
@@ -164,6 +167,163 @@ TEST_CASE("quantized paged cache: append, Quest metadata and decode attention fr
     check_format(Int4Quant{}, layout, "int4");
     check_format(Fp8Quant{}, layout, "fp8");
   }
+}
+
+namespace {
+
+using kvp_test::EmulatedDevice;
+using kvp_test::kEmulatedDevice;
+
+/// A long sequence (1100 tokens: two device chunks of 1024 rows at P = 16) and a short one over a shuffled
+/// page list; the device path on EmulatedDevice against the host path.
+template <class Q>
+void check_device_format(const Q& q, PageLayout layout, const char* name) {
+  INFO(name << (layout == PageLayout::kHND ? " HND" : " NHD"));
+  const std::int64_t lens[2] = {1100, 29};
+  const std::int32_t np0 = 69, np1 = 2, pages = np0 + np1 + 3;  // 3 pages nobody owns
+  std::vector<std::int32_t> ids(pages);
+  for (std::int32_t i = 0; i < pages; ++i) ids[static_cast<std::size_t>(i)] = (i * 31 + 5) % pages;
+  std::vector<std::int32_t> indptr{0, np0, np0 + np1}, indices(ids.begin(), ids.begin() + np0 + np1), last{1100 - 68 * P, 29 - P};
+  const PageTable table{indptr.data(), indices.data(), last.data(), 2};
+  const std::int64_t rb = q.row_bytes(d);
+  const PageStrides cs = PageStrides::contiguous(layout, H, P, rb);
+  std::vector<std::uint8_t> hk(static_cast<std::size_t>(pages * H * P * rb), 0x5A), hv(hk.size(), 0xA5), dk = hk, dv = hv;
+  const PagedKVView<std::uint8_t> host{hk.data(), hv.data(), cs, cs, pages, H, P, static_cast<std::int32_t>(rb), table, {}};
+  const PagedKVView<std::uint8_t> dev{dk.data(), dv.data(), cs, cs, pages, H, P, static_cast<std::int32_t>(rb), table, kEmulatedDevice};
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  std::vector<std::byte> aws(quantize_paged_append_workspace<EmulatedDevice>(q, P, d, H), kvp_test::kWorkspacePoison);
+  REQUIRE(quantize_paged_append_workspace<backend::Scalar>(q, P, d, H) == 0);
+  const auto append = [&](std::int32_t b, std::int64_t n) {
+    std::vector<float> k(static_cast<std::size_t>(H * n * d)), v(k.size());
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    for (const bool values : {false, true}) {
+      const std::vector<float>& x = values ? v : k;
+      REQUIRE(quantize_paged_append(q, host, b, TensorView<const float, 3>::contiguous(x.data(), {H, n, d}), values).is_ok());
+      const Status s = quantize_paged_append(Context<EmulatedDevice>{Workspace{aws.data(), aws.size()}}, q, dev, b,
+                                             TensorView<const float, 3>::contiguous(x.data(), {H, n, d}, kEmulatedDevice), values);
+      INFO(s.message());
+      REQUIRE(s.is_ok());
+    }
+    REQUIRE(dk == hk);
+    REQUIRE(dv == hv);
+  };
+  append(0, lens[0]);  // two chunks
+  append(1, lens[1]);
+  append(0, 37);  // the last 37 tokens rewritten: a run that starts inside a page
+
+  // Metadata: every page, then the last few tokens, each equal to the host's bits.
+  const PagedKVView<const std::uint8_t> hc = host, dc = dev;
+  const std::size_t msize = static_cast<std::size_t>(PageMetaView<float>::contiguous_size(pages, H, d));
+  std::vector<float> hm(msize, 3.0f), dm(msize, 3.0f);
+  const auto hmeta = PageMetaView<float>::contiguous(hm.data(), pages, H, static_cast<std::int32_t>(d));
+  const auto dmeta = PageMetaView<float>::contiguous(dm.data(), pages, H, static_cast<std::int32_t>(d), kEmulatedDevice);
+  std::vector<std::byte> hws(quantized_page_meta_workspace<backend::Scalar>(q, P, d, H));
+  std::vector<std::byte> dws(quantized_page_meta_workspace<EmulatedDevice>(q, P, d, H), kvp_test::kWorkspacePoison);
+  REQUIRE(quantized_page_meta_append(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, q, hc, d, nullptr, hmeta).is_ok());
+  REQUIRE(quantized_page_meta_append(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, q, dc, d, nullptr, dmeta).is_ok());
+  REQUIRE(dm == hm);
+  for (auto& x : hm) x = 1.0f;  // a partial append folds into what the pages hold
+  dm = hm;
+  const std::int32_t tail[2] = {37, 29};
+  REQUIRE(quantized_page_meta_append(Context<backend::Scalar>{Workspace{hws.data(), hws.size()}}, q, hc, d, tail, hmeta).is_ok());
+  REQUIRE(quantized_page_meta_append(Context<EmulatedDevice>{Workspace{dws.data(), dws.size()}}, q, dc, d, tail, dmeta).is_ok());
+  REQUIRE(dm == hm);
+
+  // Decode attention of a 5-query group (more than one 1024-row chunk for sequence 0).
+  constexpr std::int64_t G = 5;
+  std::vector<float> qv(static_cast<std::size_t>(G * d));
+  for (auto& x : qv) x = nd(rng);
+  std::vector<std::byte> sws(quantized_paged_workspace(P, d, G));
+  std::vector<std::byte> ews(quantized_paged_attention_workspace<EmulatedDevice>(q, P, d, G), kvp_test::kWorkspacePoison);
+  for (std::int32_t b = 0; b < 2; ++b)
+    for (std::int32_t h = 0; h < H; ++h)
+      for (const std::int64_t n : {lens[b], std::int64_t{17}, std::int64_t{0}}) {
+        INFO("sequence " << b << " head " << h << " tokens " << n);
+        const std::int32_t* list = indices.data() + indptr[static_cast<std::size_t>(b)];
+        std::vector<float> o1(static_cast<std::size_t>(G * d), 2.0f), l1(G, 2.0f), o2(o1.size(), 4.0f), l2(G, 4.0f);
+        REQUIRE(quantized_paged_decode_attention(q, q, hc, h, list, n, qv.data(), G, d, 0.125f, o1.data(), l1.data(),
+                                                 Workspace{sws.data(), sws.size()})
+                    .is_ok());
+        const Status s = quantized_paged_decode_attention(Context<EmulatedDevice>{Workspace{ews.data(), ews.size()}}, q, q, dc, h, list, n,
+                                                          qv.data(), G, d, 0.125f, o2.data(), l2.data());
+        INFO(s.message());
+        REQUIRE(s.is_ok());
+        for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(o2[i] == Approx(o1[i]).epsilon(1e-5).margin(1e-6));
+        for (std::size_t i = 0; i < l1.size(); ++i) REQUIRE(l2[i] == Approx(l1[i]).epsilon(1e-5));
+      }
+  // A NaN query head: its output and lse NaN, the others finite, as the host.
+  std::vector<float> qn = qv, o(static_cast<std::size_t>(G * d)), l(G);
+  qn[static_cast<std::size_t>(3 * d + 1)] = std::numeric_limits<float>::quiet_NaN();
+  REQUIRE(quantized_paged_decode_attention(Context<EmulatedDevice>{Workspace{ews.data(), ews.size()}}, q, q, dc, 1, indices.data(), lens[0],
+                                           qn.data(), G, d, 0.125f, o.data(), l.data())
+              .is_ok());
+  for (std::int64_t g = 0; g < G; ++g) {
+    REQUIRE(std::isnan(l[static_cast<std::size_t>(g)]) == (g == 3));
+    REQUIRE(std::isnan(o[static_cast<std::size_t>(g * d + 7)]) == (g == 3));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("quantized paged cache on a device backend (emulated): the host's bytes and metadata, attention within 1e-5",
+          "[quant][paged][device]") {
+  for (PageLayout layout : {PageLayout::kHND, PageLayout::kNHD}) {
+    check_device_format(GgmlQuant(GgmlQuantParams{GgmlType::kQ4_1}), layout, "q4_1");
+    check_device_format(GgmlQuant(GgmlQuantParams{GgmlType::kQ8_0, HadamardMode::kLlamaCpp}), layout, "q8_0 rotated");
+    check_device_format(Int4Quant{}, layout, "int4");
+    check_device_format(Fp8Quant{}, layout, "fp8");
+  }
+}
+
+TEST_CASE("quantized paged cache on a device backend (emulated): host-side checks before anything is written",
+          "[quant][paged][device][errors]") {
+  const Table tab;
+  const GgmlQuant q4(GgmlQuantParams{GgmlType::kQ4_0});
+  const std::int64_t rb = q4.row_bytes(d);
+  const PageStrides cs = PageStrides::contiguous(PageLayout::kNHD, H, P, rb);
+  std::vector<std::uint8_t> kc(static_cast<std::size_t>(kPages * H * P * rb), 0x11), vc(kc.size(), 0x22);
+  const auto k0 = kc;
+  PagedKVView<std::uint8_t> dev{kc.data(), vc.data(), cs, cs, kPages, H, P, static_cast<std::int32_t>(rb), tab.view(), kEmulatedDevice};
+  PagedKVView<std::uint8_t> hostpool = dev;
+  hostpool.device = {};
+  std::vector<float> rows(static_cast<std::size_t>(H * 40 * d), 0.5f);
+  const auto drows = TensorView<const float, 3>::contiguous(rows.data(), {H, 40, d}, kEmulatedDevice);
+  std::vector<std::byte> ws(quantize_paged_append_workspace<EmulatedDevice>(q4, P, d, H));
+  const Context<EmulatedDevice> ctx{Workspace{ws.data(), ws.size()}};
+  REQUIRE_THAT(quantize_paged_append(ctx, q4, hostpool, 0, drows, false).message(), Contains("the code pool is host memory"));
+  REQUIRE_THAT(quantize_paged_append(ctx, q4, dev, 0, TensorView<const float, 3>::contiguous(rows.data(), {H, 40, d}), false).message(),
+               Contains("rows is a host tensor"));
+  REQUIRE_THAT(quantize_paged_append(Context<EmulatedDevice>{Workspace{ws.data(), ws.size() - 128}}, q4, dev, 0, drows, false).message(),
+               Contains("workspace"));
+  REQUIRE(kc == k0);
+  // The device path does not read page ids on the host: an id out of range is not reported there.
+  std::vector<float> m(static_cast<std::size_t>(PageMetaView<float>::contiguous_size(kPages, H, d)), 7.0f);
+  const auto m0 = m;
+  std::vector<std::byte> mws(quantized_page_meta_workspace<EmulatedDevice>(q4, P, d, H));
+  const PagedKVView<const std::uint8_t> cdev = dev;
+  REQUIRE_THAT(quantized_page_meta_append(Context<EmulatedDevice>{Workspace{mws.data(), mws.size()}}, q4, cdev, d, nullptr,
+                                          PageMetaView<float>::contiguous(m.data(), kPages, H, static_cast<std::int32_t>(d)))
+                   .message(),
+               Contains("metadata is host memory"));
+  REQUIRE_THAT(
+      quantized_page_meta_append(Context<EmulatedDevice>{Workspace{mws.data(), mws.size() - 128}}, q4, cdev, d, nullptr,
+                                 PageMetaView<float>::contiguous(m.data(), kPages, H, static_cast<std::int32_t>(d), kEmulatedDevice))
+          .message(),
+      Contains("workspace"));
+  REQUIRE(m == m0);
+  std::vector<float> q(static_cast<std::size_t>(4 * d), 1.0f), o(q.size(), 3.0f);
+  std::vector<std::byte> aws(quantized_paged_attention_workspace<EmulatedDevice>(q4, P, d, 4));
+  REQUIRE_THAT(quantized_paged_decode_attention(Context<EmulatedDevice>{Workspace{aws.data(), aws.size() - 128}}, q4, q4, cdev, 0,
+                                                tab.indices.data(), 40, q.data(), 4, d, 0.125f, o.data(), nullptr)
+                   .message(),
+               Contains("workspace"));
+  REQUIRE_THAT(quantized_paged_decode_attention(Context<EmulatedDevice>{Workspace{aws.data(), aws.size()}}, q4, q4, cdev, 2,
+                                                tab.indices.data(), 40, q.data(), 4, d, 0.125f, o.data(), nullptr)
+                   .message(),
+               Contains("kv head 2 out of range"));
+  REQUIRE(std::all_of(o.begin(), o.end(), [](float x) { return x == 3.0f; }));
 }
 
 TEST_CASE("quantized paged cache: bad input is rejected and nothing is written", "[quant][paged][errors]") {

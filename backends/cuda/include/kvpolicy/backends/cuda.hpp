@@ -36,6 +36,7 @@
 #include "kvpolicy/core/workspace.hpp"
 #include "kvpolicy/ops/adakv_keep.hpp"
 #include "kvpolicy/ops/prefetch_ops.hpp"
+#include "kvpolicy/ops/quantized_paged_ops.hpp"
 #include "kvpolicy/ops/scalar.hpp"
 #include "kvpolicy/ops/types.hpp"
 #include "kvpolicy/quant/fp8.hpp"
@@ -667,6 +668,27 @@ struct Cuda {
   static void paged_decode_attention(const float* q_device, std::int64_t group, std::int64_t head_dim, Rows<Tk> keys_device,
                                      Rows<Tv> values_device, std::int64_t num_tokens, float scale, float* out_device, float* lse_device,
                                      Workspace ws_device) noexcept;
+
+  // ---- paged quantized pool (QuantizedPaged; ops/quantized_paged_ops.hpp: semantics and host reference) ----
+
+  /// Code rows of tokens [first, first + count) of one sequence to / from a contiguous
+  /// (num_heads, count, row_bytes) buffer: a thread per 4-byte word where every row and stride is 4-byte
+  /// aligned, else per byte. The same bytes as the reference.
+  static void code_rows_gather(const std::uint8_t* pool_device, const ops::CodePageGeometry& geo, const std::int32_t* seq_pages_device,
+                               std::int64_t first, std::int64_t count, std::uint8_t* dst_device) noexcept;
+  static void code_rows_scatter(const std::uint8_t* src_device, const ops::CodePageGeometry& geo, const std::int32_t* seq_pages_device,
+                                std::int64_t first, std::int64_t count, std::uint8_t* pool_device) noexcept;
+  /// A block per (page run, head), a thread per channel folding the run's rows in order: the reference's bits.
+  static void code_page_meta_fold(const float* rows_device, std::int64_t head_dim, const ops::CodePageGeometry& geo,
+                                  const std::int32_t* seq_pages_device, std::int64_t first, std::int64_t count,
+                                  PageMetaView<float> meta_device) noexcept;
+  /// A block per query head: the chunk's weights from the state (expf), then the products and sums rounded
+  /// as the reference's.
+  static void lse_merge_chunk(const float* po_device, const float* pl_device, std::int64_t group, std::int64_t d, bool first,
+                              float* out_device, float* m_device, float* sum_device) noexcept;
+  /// A thread per output element (the division rounded as the reference's; lse with logf).
+  static void lse_merge_finish(float* out_device, const float* m_device, const float* sum_device, std::int64_t group, std::int64_t d,
+                               bool empty, float* lse_device) noexcept;
 };
 
 }  // namespace backend
