@@ -12,7 +12,8 @@
 //   device: the appended code bytes and Quest metadata bit-identical to the
 //   host's, decode attention over the codes within 5e-5 relative + 2e-4
 //   absolute of the scalar overload (the device attention's and the merge's
-//   expf), the NaN / empty rules exactly.
+//   expf), the NaN / empty rules exactly, and the attention call captured in
+//   a CUDA graph and replayed with the eager call's bits.
 //
 // Own main: without a usable CUDA device the program prints "SKIPPED: ..."
 // and exits with 77, which ctest reports as skipped.
@@ -767,6 +768,27 @@ void check_quantized_pool(const Q& q, kvp::PageLayout layout, const char* name) 
     REQUIRE(std::isnan(l[static_cast<std::size_t>(g)]) == (g == 3));
     REQUIRE(std::isnan(o[static_cast<std::size_t>(g * d + 7)]) == (g == 3));
   }
+  // The attention call captured in a CUDA graph (no allocation, synchronisation or copy inside it) and
+  // replayed: the eager call's bits.
+  attend(0, 0, lens[0], dq);
+  const auto eager_o = dout.download<float>(static_cast<std::size_t>(G * d)), eager_l = dlse.download<float>(G);
+  CUDA_REQUIRE(cudaMemsetAsync(dout.get(), 0, dout.bytes(), st.s));
+  st.sync();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+  const kvp::Status cs_status =
+      kvp::quantized_paged_decode_attention(kvp::Context<Cuda>{ews.workspace(), {}, st.s}, q, q, dc, 0, dindices.get<const std::int32_t>(),
+                                            lens[0], dq.get<const float>(), G, d, 0.125f, dout.get<float>(), dlse.get<float>());
+  CUDA_REQUIRE(cudaStreamEndCapture(st.s, &graph));
+  KVP_REQUIRE_OK(cs_status);
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_REQUIRE(cudaGraphLaunch(exec, st.s));
+  st.sync();
+  REQUIRE(dout.download<float>(static_cast<std::size_t>(G * d)) == eager_o);
+  REQUIRE(dlse.download<float>(G) == eager_l);
+  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  CUDA_REQUIRE(cudaGraphDestroy(graph));
 }
 
 }  // namespace
