@@ -158,13 +158,12 @@ inline std::size_t quantized_paged_workspace(std::int32_t page_size, std::int64_
 
 /// Workspace of the `Context<Backend>` overload of quantized_paged_decode_attention (ctx.workspace): on
 /// backend::Scalar quantized_paged_workspace(page_size, head_dim, group); otherwise one page of decoded keys
-/// and values for a chunk of whole pages (>= 64 rows), the chunk's partial output and lse, and the backend
-/// op's own workspace.
+/// and values for a chunk of whole pages (>= 64 rows), the chunk's partial output and lse, the merge state
+/// (ops/quantized_paged_ops.hpp) and the backend op's own workspace.
 /// (A device backend's size depends on the format's row bytes: use the overload below, which takes it.)
 template <class Backend>
-  requires(!kDeviceBackend<Backend>)
-std::size_t quantized_paged_attention_workspace(std::int32_t page_size, std::int64_t head_dim, std::int64_t group)
-noexcept {
+std::size_t quantized_paged_attention_workspace(std::int32_t page_size, std::int64_t head_dim, std::int64_t group) noexcept
+    requires(!kDeviceBackend<Backend>) {
   if constexpr (std::is_same_v<Backend, backend::Scalar>) {
     return quantized_paged_workspace(page_size, head_dim, group);
   } else {
