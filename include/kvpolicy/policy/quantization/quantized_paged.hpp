@@ -146,6 +146,26 @@ Status decode_device_rows(const Context<Backend>& ctx, const Q& q, std::uint8_t*
   const QuantizedKV region{q.layout(), TensorView<std::uint8_t, 3>(codes, {heads, rows, rb}, {rows * rb, rb, 1}, dev), {}, rows};
   return q.dequantize(ctx.with_workspace({}), region, TensorView<float, 3>(out, {heads, rows, d}, {rows * d, d, 1}, dev));
 }
+
+/// The chunked attention's workspace, carved in this order by quantized_paged_decode_attention: R rows of
+/// decoded keys and of values, the chunk's output (group, d) and lse, the merge state (m, sum), R code rows
+/// of `code_row_bytes` (0 on the host: decoded straight from the pages), and the backend op's workspace.
+template <class Backend>
+std::size_t chunked_attention_workspace(std::int64_t R, std::int64_t head_dim, std::int64_t group, std::int64_t code_row_bytes) noexcept {
+  const auto r = static_cast<std::size_t>(R), d = static_cast<std::size_t>(head_dim < 1 ? 1 : head_dim),
+             g = static_cast<std::size_t>(group < 1 ? 1 : group);
+  const Rows<float> run{nullptr, head_dim, nullptr, 0, 0};
+  return WorkspacePlan{}
+      .add<float>(r * d)
+      .add<float>(r * d)
+      .add<float>(g * d)
+      .add<float>(g)
+      .add<float>(g)
+      .add<float>(g)
+      .add_bytes(r * static_cast<std::size_t>(code_row_bytes))
+      .add_bytes(Backend::paged_attention_workspace(group, Backend::attention_block(run), head_dim))
+      .total();
+}
 }  // namespace detail
 
 /// Workspace of quantized_page_meta_append / quantized_paged_decode_attention: one page of decoded rows
@@ -167,18 +187,7 @@ std::size_t quantized_paged_attention_workspace(std::int32_t page_size, std::int
   if constexpr (std::is_same_v<Backend, backend::Scalar>) {
     return quantized_paged_workspace(page_size, head_dim, group);
   } else {
-    const auto R = static_cast<std::size_t>(detail::quantized_attention_chunk(page_size));
-    const auto d = static_cast<std::size_t>(head_dim < 1 ? 1 : head_dim), g = static_cast<std::size_t>(group < 1 ? 1 : group);
-    const Rows<float> run{nullptr, head_dim, nullptr, 0, 0};
-    return WorkspacePlan{}
-        .add<float>(R * d)
-        .add<float>(R * d)
-        .add<float>(g * d)
-        .add<float>(g)
-        .add<float>(g)
-        .add<float>(g)
-        .add_bytes(Backend::paged_attention_workspace(group, Backend::attention_block(run), head_dim))
-        .total();
+    return detail::chunked_attention_workspace<Backend>(detail::quantized_attention_chunk(page_size), head_dim, group, 0);
   }
 }
 
@@ -191,20 +200,8 @@ std::size_t quantized_paged_attention_workspace(const Qk& qk, std::int32_t page_
   if constexpr (!kDeviceBackend<Backend>) {
     return quantized_paged_attention_workspace<Backend>(page_size, head_dim, group);
   } else {
-    const auto R = static_cast<std::size_t>(detail::quantized_device_chunk(page_size));
-    const auto d = static_cast<std::size_t>(head_dim < 1 ? 1 : head_dim), g = static_cast<std::size_t>(group < 1 ? 1 : group);
     const std::int64_t rb = qk.row_bytes(head_dim);
-    const Rows<float> run{nullptr, head_dim, nullptr, 0, 0};
-    return WorkspacePlan{}
-        .add<float>(R * d)
-        .add<float>(R * d)
-        .add<float>(g * d)
-        .add<float>(g)
-        .add<float>(g)
-        .add<float>(g)
-        .add_bytes(R * static_cast<std::size_t>(rb < 1 ? 1 : rb))
-        .add_bytes(Backend::paged_attention_workspace(group, Backend::attention_block(run), head_dim))
-        .total();
+    return detail::chunked_attention_workspace<Backend>(detail::quantized_device_chunk(page_size), head_dim, group, rb < 1 ? 1 : rb);
   }
 }
 
