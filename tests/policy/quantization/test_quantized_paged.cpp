@@ -253,6 +253,23 @@ void check_device_format(const Q& q, PageLayout layout, const char* name) {
         for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(o2[i] == Approx(o1[i]).epsilon(1e-5).margin(1e-6));
         for (std::size_t i = 0; i < l1.size(); ++i) REQUIRE(l2[i] == Approx(l1[i]).epsilon(1e-5));
       }
+  // backend::Cpu with a group wider than the reference's 16-head blocks (20 heads in one op call): within
+  // 1e-5 of the scalar overload.
+  {
+    constexpr std::int64_t G20 = 20;
+    std::vector<float> q20(static_cast<std::size_t>(G20 * d));
+    for (auto& x : q20) x = nd(rng);
+    std::vector<std::byte> s20(quantized_paged_workspace(P, d, G20)), c20(quantized_paged_attention_workspace<backend::Cpu>(q, P, d, G20));
+    std::vector<float> o1(q20.size()), l1(G20), o2(q20.size()), l2(G20);
+    REQUIRE(quantized_paged_decode_attention(q, q, hc, 1, indices.data(), lens[0], q20.data(), G20, d, 0.125f, o1.data(), l1.data(),
+                                             Workspace{s20.data(), s20.size()})
+                .is_ok());
+    REQUIRE(quantized_paged_decode_attention(Context<backend::Cpu>{Workspace{c20.data(), c20.size()}}, q, q, hc, 1, indices.data(), lens[0],
+                                             q20.data(), G20, d, 0.125f, o2.data(), l2.data())
+                .is_ok());
+    for (std::size_t i = 0; i < o1.size(); ++i) REQUIRE(o2[i] == Approx(o1[i]).epsilon(1e-5).margin(1e-6));
+    for (std::size_t i = 0; i < l1.size(); ++i) REQUIRE(l2[i] == Approx(l1[i]).epsilon(1e-5));
+  }
   // A NaN query head: its output and lse NaN, the others finite, as the host.
   std::vector<float> qn = qv, o(static_cast<std::size_t>(G * d)), l(G);
   qn[static_cast<std::size_t>(3 * d + 1)] = std::numeric_limits<float>::quiet_NaN();
