@@ -69,11 +69,11 @@ bool copy_args_ok(const char* who, const void* a, const void* b, const std::int3
   return true;
 }
 
-void launch_copy(const char* who, const std::uint8_t* src, std::uint8_t* dst, const std::uint8_t* pool, const ops::CodePageGeometry& geo,
+/// Copies between the pool and the contiguous buffer (to_pool: src is the buffer, dst the pool; else the reverse).
+void launch_copy(const char* who, const std::uint8_t* src, std::uint8_t* dst, const ops::CodePageGeometry& geo,
                  const std::int32_t* seq_pages, std::int64_t first, std::int64_t count, bool to_pool) noexcept {
   const cudaStream_t st = as_stream(backend::Cuda::current_stream());
-  const std::uint8_t* buffer = to_pool ? src : dst;
-  if (word_aligned(pool, buffer, geo)) {
+  if (word_aligned(src, dst, geo)) {
     const std::int64_t items = static_cast<std::int64_t>(geo.num_heads) * count * (geo.row_bytes / 4);
     copy_rows_kernel<std::uint32_t><<<blocks_for(items), kThreads, 0, st>>>(
         reinterpret_cast<const std::uint32_t*>(src), reinterpret_cast<std::uint32_t*>(dst), geo, seq_pages, first, count, to_pool);
@@ -177,7 +177,7 @@ void Cuda::code_rows_gather(const std::uint8_t* pool, const ops::CodePageGeometr
   using namespace cuda_detail;
   constexpr const char* who = "cuda code_rows_gather";
   if (!copy_args_ok(who, pool, dst, seq_pages, geo, first, count)) return;
-  launch_copy(who, pool, dst, pool, geo, seq_pages, first, count, /*to_pool=*/false);
+  launch_copy(who, pool, dst, geo, seq_pages, first, count, /*to_pool=*/false);
 }
 
 void Cuda::code_rows_scatter(const std::uint8_t* src, const ops::CodePageGeometry& geo, const std::int32_t* seq_pages, std::int64_t first,
@@ -185,7 +185,7 @@ void Cuda::code_rows_scatter(const std::uint8_t* src, const ops::CodePageGeometr
   using namespace cuda_detail;
   constexpr const char* who = "cuda code_rows_scatter";
   if (!copy_args_ok(who, src, pool, seq_pages, geo, first, count)) return;
-  launch_copy(who, src, pool, pool, geo, seq_pages, first, count, /*to_pool=*/true);
+  launch_copy(who, src, pool, geo, seq_pages, first, count, /*to_pool=*/true);
 }
 
 void Cuda::code_page_meta_fold(const float* rows, std::int64_t head_dim, const ops::CodePageGeometry& geo, const std::int32_t* seq_pages,

@@ -166,14 +166,19 @@ std::size_t chunked_attention_workspace(std::int64_t R, std::int64_t head_dim, s
       .add_bytes(Backend::paged_attention_workspace(group, Backend::attention_block(run), head_dim))
       .total();
 }
+
+/// One worker's slice of the host paths' workspace: a page of decoded keys and of values, and the page's
+/// logits for `group` heads (group 1 for the metadata).
+inline std::size_t page_slice_bytes(std::int32_t page_size, std::int64_t head_dim, std::int64_t group) noexcept {
+  return align_up(static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) * sizeof(float)) * 2 +
+         align_up(static_cast<std::size_t>(group * page_size) * sizeof(float));
+}
 }  // namespace detail
 
 /// Workspace of quantized_page_meta_append / quantized_paged_decode_attention: one page of decoded rows
 /// (keys; plus values and the page's logits for attention) per worker.
 inline std::size_t quantized_paged_workspace(std::int32_t page_size, std::int64_t head_dim, std::int64_t group, int workers = 1) noexcept {
-  const std::size_t per = align_up(static_cast<std::size_t>(page_size) * static_cast<std::size_t>(head_dim) * sizeof(float)) * 2 +
-                          align_up(static_cast<std::size_t>(group * page_size) * sizeof(float));
-  return detail::WorkerSlices::bytes(per, workers < 1 ? 1 : workers);
+  return detail::WorkerSlices::bytes(detail::page_slice_bytes(page_size, head_dim, group), workers < 1 ? 1 : workers);
 }
 
 /// Workspace of the `Context<Backend>` overload of quantized_paged_decode_attention (ctx.workspace): on
@@ -211,12 +216,11 @@ std::size_t quantized_paged_attention_workspace(const Qk& qk, std::int32_t page_
 template <class Backend, class Q>
 std::size_t quantized_page_meta_workspace(const Q& q, std::int32_t page_size, std::int64_t head_dim, std::int32_t num_kv_heads,
                                           int workers = 1) noexcept {
-  const auto d = static_cast<std::size_t>(head_dim < 1 ? 1 : head_dim);
   if constexpr (!kDeviceBackend<Backend>) {
-    const auto P = static_cast<std::size_t>(page_size < 1 ? 1 : page_size);
-    return detail::WorkerSlices::bytes(align_up(P * d * sizeof(float)) * 2 + align_up(P * sizeof(float)), workers < 1 ? 1 : workers);
+    return quantized_paged_workspace(page_size, head_dim, 1, workers);
   } else {
     (void)workers;
+    const auto d = static_cast<std::size_t>(head_dim < 1 ? 1 : head_dim);
     const auto rows =
         static_cast<std::size_t>(detail::quantized_device_chunk(page_size)) * static_cast<std::size_t>(num_kv_heads < 1 ? 1 : num_kv_heads);
     const std::int64_t rb = q.row_bytes(head_dim);
@@ -276,9 +280,7 @@ Status quantized_page_meta_append(const Context<Backend>& ctx, const Q& q, const
     }
     return call.end();
   } else {
-    const std::size_t per = align_up(static_cast<std::size_t>(P) * static_cast<std::size_t>(head_dim) * sizeof(float)) * 2 +
-                            align_up(static_cast<std::size_t>(P) * sizeof(float));
-    const auto slices = detail::WorkerSlices::carve(ctx.workspace, per);
+    const auto slices = detail::WorkerSlices::carve(ctx.workspace, detail::page_slice_bytes(P, head_dim, 1));
     ctx.exec.parallel_for(static_cast<std::int64_t>(keys.table.batch) * keys.num_kv_heads, [&](std::int64_t item, int worker) {
       WorkspaceCarver c(slices.slice(worker));
       float* rows_buf = c.take<float>(static_cast<std::size_t>(P * head_dim));
