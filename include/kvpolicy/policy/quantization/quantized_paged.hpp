@@ -167,6 +167,27 @@ std::size_t chunked_attention_workspace(std::int64_t R, std::int64_t head_dim, s
       .total();
 }
 
+/// Every check of a decode attention call but the workspace's. On a device the page list's ids are not read
+/// (they are device memory); on the host each one is range-checked.
+template <class Qk, class Qv>
+Status check_attention_call(const char* who, const Qk& qk, const Qv& qv, const PagedKVView<const std::uint8_t>& pool, std::int32_t h,
+                            const std::int32_t* pages, std::int64_t num_tokens, const float* q, std::int64_t group, std::int64_t head_dim,
+                            const float* out, bool on_device) noexcept {
+  KVP_RETURN_IF_ERROR(check_code_pool(who, qk, pool, head_dim, /*need_values=*/true, on_device));
+  KVP_REQUIRE(qv.validate_params().is_ok() && qv.row_bytes(head_dim) == qk.row_bytes(head_dim),
+              "%s: the value format's rows (%lld bytes) differ from the keys' (%lld): one pool holds both", who,
+              static_cast<long long>(qv.row_bytes(head_dim)), static_cast<long long>(qk.row_bytes(head_dim)));
+  KVP_REQUIRE(h >= 0 && h < pool.num_kv_heads, "%s: kv head %d out of range [0, %d)", who, h, pool.num_kv_heads);
+  KVP_REQUIRE(num_tokens >= 0 && (num_tokens == 0 || pages != nullptr), "%s: %lld tokens with a null page list", who,
+              static_cast<long long>(num_tokens));
+  KVP_REQUIRE(q != nullptr && out != nullptr && group >= 1, "%s: queries / out are null or group < 1", who);
+  if (!on_device)
+    for (std::int64_t i = 0; i * pool.page_size < num_tokens; ++i)
+      KVP_REQUIRE(pages[i] >= 0 && pages[i] < pool.num_pages, "%s: page %lld of the list is %d, out of range [0, %d)", who,
+                  static_cast<long long>(i), pages[i], pool.num_pages);
+  return Status::ok();
+}
+
 /// One worker's slice of the host paths' workspace: a page of decoded keys and of values, and the page's
 /// logits for `group` heads (group 1 for the metadata).
 inline std::size_t page_slice_bytes(std::int32_t page_size, std::int64_t head_dim, std::int64_t group) noexcept {
@@ -309,18 +330,8 @@ Status quantized_paged_decode_attention(const Qk& qk, const Qv& qv, const PagedK
                                         const std::int32_t* pages, std::int64_t num_tokens, const float* q, std::int64_t group,
                                         std::int64_t head_dim, float scale, float* out, float* lse, Workspace ws) noexcept {
   constexpr const char* who = "quantized_paged_attention";
-  KVP_RETURN_IF_ERROR(detail::check_code_pool(who, qk, pool, head_dim, /*need_values=*/true));
-  KVP_REQUIRE(qv.validate_params().is_ok() && qv.row_bytes(head_dim) == qk.row_bytes(head_dim),
-              "%s: the value format's rows (%lld bytes) differ from the keys' (%lld): one pool holds both", who,
-              static_cast<long long>(qv.row_bytes(head_dim)), static_cast<long long>(qk.row_bytes(head_dim)));
-  KVP_REQUIRE(h >= 0 && h < pool.num_kv_heads, "%s: kv head %d out of range [0, %d)", who, h, pool.num_kv_heads);
-  KVP_REQUIRE(num_tokens >= 0 && (num_tokens == 0 || pages != nullptr), "%s: %lld tokens with a null page list", who,
-              static_cast<long long>(num_tokens));
-  KVP_REQUIRE(q != nullptr && out != nullptr && group >= 1, "%s: queries / out are null or group < 1", who);
+  KVP_RETURN_IF_ERROR(detail::check_attention_call(who, qk, qv, pool, h, pages, num_tokens, q, group, head_dim, out, false));
   const std::int64_t P = pool.page_size;
-  for (std::int64_t i = 0; i * P < num_tokens; ++i)
-    KVP_REQUIRE(pages[i] >= 0 && pages[i] < pool.num_pages, "%s: page %lld of the list is %d, out of range [0, %d)", who,
-                static_cast<long long>(i), pages[i], pool.num_pages);
   KVP_RETURN_IF_ERROR(check_workspace(who, ws, quantized_paged_workspace(pool.page_size, head_dim, group)));
   WorkspaceCarver c(ws);
   float* kb = c.take<float>(static_cast<std::size_t>(P * head_dim));
@@ -396,19 +407,8 @@ Status quantized_paged_decode_attention(const Context<Backend>& ctx, const Qk& q
   } else {
     constexpr const char* who = "quantized_paged_attention";
     constexpr bool on_device = kDeviceBackend<Backend>;
-    KVP_RETURN_IF_ERROR(detail::check_code_pool(who, qk, pool, head_dim, /*need_values=*/true, on_device));
-    KVP_REQUIRE(qv.validate_params().is_ok() && qv.row_bytes(head_dim) == qk.row_bytes(head_dim),
-                "%s: the value format's rows (%lld bytes) differ from the keys' (%lld): one pool holds both", who,
-                static_cast<long long>(qv.row_bytes(head_dim)), static_cast<long long>(qk.row_bytes(head_dim)));
-    KVP_REQUIRE(h >= 0 && h < pool.num_kv_heads, "%s: kv head %d out of range [0, %d)", who, h, pool.num_kv_heads);
-    KVP_REQUIRE(num_tokens >= 0 && (num_tokens == 0 || pages != nullptr), "%s: %lld tokens with a null page list", who,
-                static_cast<long long>(num_tokens));
-    KVP_REQUIRE(q != nullptr && out != nullptr && group >= 1, "%s: queries / out are null or group < 1", who);
+    KVP_RETURN_IF_ERROR(detail::check_attention_call(who, qk, qv, pool, h, pages, num_tokens, q, group, head_dim, out, on_device));
     const std::int64_t P = pool.page_size;
-    if constexpr (!on_device)  // (device page ids are not read on the host)
-      for (std::int64_t i = 0; i * P < num_tokens; ++i)
-        KVP_REQUIRE(pages[i] >= 0 && pages[i] < pool.num_pages, "%s: page %lld of the list is %d, out of range [0, %d)", who,
-                    static_cast<long long>(i), pages[i], pool.num_pages);
     KVP_RETURN_IF_ERROR(
         check_workspace(who, ctx.workspace, quantized_paged_attention_workspace<Backend>(qk, pool.page_size, head_dim, group)));
     const detail::BackendCall<Backend> call(ctx);
