@@ -294,10 +294,11 @@ inline void butterfly(vf& a, vf& c) noexcept {
   a = add(t, c);
   c = sub(t, c);
 }
-/// The block of n = NV * kW values at `in` rotated in registers and scaled by s, written to `out` (which may be
-/// `in`; NV = 1, 2, 4 or 8; stages written out so that the vectors stay in registers). Loads widen and stores
-/// narrow through the codec's ld / st, so a row is read and written once whatever its types.
-template <int NV, class Ti, class To>
+/// The block of n = NV * kW values at `in` rotated in registers and scaled by s (unless Scaled is false: the
+/// additions only), written to `out` (which may be `in`; NV = 1, 2, 4 or 8; stages written out so that the vectors
+/// stay in registers). Loads widen and stores narrow through the codec's ld / st, so a row is read and written
+/// once whatever its types.
+template <int NV, bool Scaled = true, class Ti, class To>
 inline void fwht_regs(const Ti* in, To* out, vf s) noexcept {
   vf v0 = butterflies_in_lanes(ld(in)), v1, v2, v3, v4, v5, v6, v7;
   if constexpr (NV >= 2) v1 = butterflies_in_lanes(ld(in + kW));
@@ -327,17 +328,37 @@ inline void fwht_regs(const Ti* in, To* out, vf s) noexcept {
     butterfly(v2, v6);
     butterfly(v3, v7);
   }
-  st(out, mul(v0, s));
-  if constexpr (NV >= 2) st(out + kW, mul(v1, s));
+  const auto put = [&](To* o, vf v) {
+    if constexpr (Scaled)
+      st(o, mul(v, s));
+    else
+      st(o, v);
+  };
+  put(out, v0);
+  if constexpr (NV >= 2) put(out + kW, v1);
   if constexpr (NV >= 4) {
-    st(out + 2 * kW, mul(v2, s));
-    st(out + 3 * kW, mul(v3, s));
+    put(out + 2 * kW, v2);
+    put(out + 3 * kW, v3);
   }
   if constexpr (NV >= 8) {
-    st(out + 4 * kW, mul(v4, s));
-    st(out + 5 * kW, mul(v5, s));
-    st(out + 6 * kW, mul(v6, s));
-    st(out + 7 * kW, mul(v7, s));
+    put(out + 4 * kW, v4);
+    put(out + 5 * kW, v5);
+    put(out + 6 * kW, v6);
+    put(out + 7 * kW, v7);
+  }
+}
+/// The block of n = 16 kW values (128 on AVX2, 256 on AVX-512): each half's stages in registers (unscaled, into
+/// the float `work`, which may alias `in`), then the last stage (partners 8 kW apart) with the scale on the way
+/// to `out`. The same additions in the same order as the reference, so the same bits; one pass over L1-resident
+/// work in place of fwht_memory's seven.
+template <class Ti, class To>
+inline void fwht_regs16(const Ti* in, To* out, float* work, vf s) noexcept {
+  fwht_regs<8, false>(in, work, s);
+  fwht_regs<8, false>(in + 8 * kW, work + 8 * kW, s);
+  for (int i = 0; i < 8 * kW; i += kW) {
+    const vf a = ld(work + i), c = ld(work + i + 8 * kW);
+    st(out + i, mul(add(a, c), s));
+    st(out + i + 8 * kW, mul(sub(a, c), s));
   }
 }
 /// The block of n >= kW floats at b rotated in memory, stage by stage (blocks beyond the register tiles).
@@ -354,7 +375,8 @@ inline void fwht_memory(float* b, std::int64_t n, vf s) noexcept {
 }
 /// 1 / sqrt(n), the rotation's scale (as quant/hadamard.hpp computes it).
 inline vf fwht_scale(std::int64_t n) noexcept { return set1(static_cast<float>(1.0 / __builtin_sqrt(static_cast<double>(n)))); }
-/// Every row of `rows`: out row <- R (in row) with blocks of n = NV kW (in registers) or, for NV == 0, of any
+/// Every row of `rows`: out row <- R (in row) with blocks of n = NV kW (in registers; NV = 16 through fwht_regs16
+/// and the row's `work`) or, for NV == 0, of any
 /// n >= kW rotated in memory in the row's `work` (a float row of d that may be destroyed: the in or out row when
 /// that is a float row). quant/hadamard.hpp's hadamard_rotate; s = fwht_scale(n). `each(r, in, out, work)` names
 /// the rows (and prefetches); the block size is dispatched once per call, not per row.
@@ -363,7 +385,9 @@ inline void fwht_rows(std::int64_t rows, std::int64_t d, std::int64_t n, vf s, R
   for (std::int64_t r = 0; r < rows; ++r)
     each(r, [&](const auto* in, auto* out, float* work) {
       for (std::int64_t base = 0; base < d; base += n) {
-        if constexpr (NV > 0) {
+        if constexpr (NV == 16) {
+          fwht_regs16(in + base, out + base, work + base, s);
+        } else if constexpr (NV > 0) {
           fwht_regs<NV>(in + base, out + base, s);
         } else {
           float* w = work + base;
@@ -384,6 +408,7 @@ inline void fwht_rows_any(std::int64_t rows, std::int64_t d, std::int64_t n, Row
     case 2: fwht_rows<2>(rows, d, n, s, each); break;
     case 4: fwht_rows<4>(rows, d, n, s, each); break;
     case 8: fwht_rows<8>(rows, d, n, s, each); break;
+    case 16: fwht_rows<16>(rows, d, n, s, each); break;
     default: fwht_rows<0>(rows, d, n, s, each); break;
   }
 }
