@@ -350,7 +350,7 @@ inline void fwht_regs(const Ti* in, To* out, vf s) noexcept {
 /// The block of n = 16 kW values (128 on AVX2, 256 on AVX-512): each half's stages in registers (unscaled, into
 /// the float `work`, which may alias `in`), then the last stage (partners 8 kW apart) with the scale on the way
 /// to `out`. The same additions in the same order as the reference, so the same bits; one pass over L1-resident
-/// work in place of fwht_memory's seven.
+/// work in place of fwht_memory's pass per stage.
 template <class Ti, class To>
 inline void fwht_regs16(const Ti* in, To* out, float* work, vf s) noexcept {
   fwht_regs<8, false>(in, work, s);

@@ -201,12 +201,17 @@ class GgmlQuant {
         });
         return Status::ok();
       }
+      // Contiguous code rows decode a chunk in one call (the scratch holds its rows back to back).
+      const bool flat_codes = q.codes.stride(1) == row_bytes(d);
       ctx.exec.parallel_for(H, [&](std::int64_t h, int) {
         alignas(64) float y[kScratch];
         const std::int64_t chunk = kScratch / d;
         for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
           const std::int64_t m = std::min(chunk, T - t0);
-          for (std::int64_t r = 0; r < m; ++r) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t0 + r, 0), d, y + r * d);
+          if (flat_codes)
+            Backend::ggml_dequantize_row(params_.type, &q.codes(h, t0, 0), m * d, y);
+          else
+            for (std::int64_t r = 0; r < m; ++r) Backend::ggml_dequantize_row(params_.type, &q.codes(h, t0 + r, 0), d, y + r * d);
           Backend::rotate_rows_out(y, m, d, n, &out(h, t0, 0), out.stride(1));
         }
       });
