@@ -1035,6 +1035,18 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
     for (std::int64_t g = 0; g < groups; ++g) {
       const vf gs = set1(get_half(sc + 2 * g)), gm = set1(get_half(sc + 2 * (groups + g)));
       const vf table = kivi_decode(iota(), gs, gm);
+#if KVP_CPU_TU_ISA != 2
+      if (kBits == 2 && group % (2 * kW) == 0) {  // one word's 16 codes make two vectors: loaded once, no per-vector choice
+        for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 2 * kW) {
+          std::uint32_t one;
+          std::memcpy(&one, cw + 4 * (ch / f), 4);
+          const vi w = set1i(static_cast<std::int32_t>(one));
+          st(yr + ch, _mm256_permutevar8x32_ps(table, iand(srlv(w, shifts), mask)));
+          st(yr + ch + kW, _mm256_permutevar8x32_ps(table, iand(srlv(w, shifts_hi), mask)));
+        }
+        continue;
+      }
+#endif
       for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += kW) {
 #if KVP_CPU_TU_ISA == 2
         vi w;
