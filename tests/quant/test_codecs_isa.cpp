@@ -280,6 +280,34 @@ TEST_CASE("codecs: fp8 on the CPU equals the reference, every code decoded", "[q
         backend::Cpu::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, hb.data(), 256);
         require_same(ha, hb, isa + " fp8 all codes f16");
       }
+      // Every code again in rows of d (per level: whole pairs of vectors, single vectors, a mix), with scales at
+      // the edges of the kernel's folded scale (2^8 s exact up to FLT_MAX / 2^8; beyond it, and for inf / NaN,
+      // the per-code path), as the parameter and as each row's trailer (negative ones included).
+      const float huge = std::numeric_limits<float>::max(), inf = std::numeric_limits<float>::infinity();
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (std::int64_t d : {8, 16, 24, 32, 48, 64}) {
+        const std::int64_t rows = (256 + d - 1) / d, stride = d + 16;
+        for (float s : {1e-40f, 1.3e36f, huge / 256.0f, 3.0e38f, 0.0f})
+          for (float trailer : {0.37f, -2.5f, 1e-40f, huge / 256.0f, huge, -huge, inf, nan}) {
+            if (s > 0.0f && trailer != 0.37f) continue;  // the trailers matter only for the per-row kind
+            std::vector<std::uint8_t> codes(static_cast<std::size_t>(rows * stride));
+            for (std::int64_t r = 0; r < rows; ++r) {
+              for (std::int64_t j = 0; j < d; ++j)
+                codes[static_cast<std::size_t>(r * stride + j)] = static_cast<std::uint8_t>((r * d + j) % 256);
+              std::memcpy(codes.data() + r * stride + d, &trailer, 4);
+            }
+            const std::string what =
+                isa + " " + fp8_name(f) + " d=" + std::to_string(d) + " s=" + std::to_string(s) + " trailer=" + std::to_string(trailer);
+            std::vector<float> ya(static_cast<std::size_t>(rows * d)), yb(ya.size());
+            std::vector<half> ha(ya.size()), hb(ya.size());
+            backend::Scalar::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, ya.data(), d);
+            backend::Cpu::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, yb.data(), d);
+            require_same(ya, yb, what + " f32");
+            backend::Scalar::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, ha.data(), d);
+            backend::Cpu::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, hb.data(), d);
+            require_same(ha, hb, what + " f16");
+          }
+      }
       // Encode: rows with corner values, plus every midpoint between neighbouring codes and values beyond the max.
       for (std::int64_t d : {16, 40, 64, 128}) {
         auto x = corner_rows(kRows, d, 13, false);

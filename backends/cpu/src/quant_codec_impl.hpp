@@ -611,6 +611,46 @@ inline vf fp8_decode_v(Fp8Format f, vi c) noexcept {
   return sel(is_nan, asf(set1i(0x7fc00000)), asf(val));
 }
 
+/// The 2 kW codes at p widened: lo = codes [0, kW), hi = [kW, 2 kW), each code's value times 2^8 (e4m3) or 1
+/// (e5m2). An fp8 code is the top of an fp16 pattern: e5m2 is fp16's high byte; e4m3 shifted left 7 (the sign
+/// moved to bit 15) is an fp16 of the same sign and mantissa, 2^8 times smaller, subnormals included, because
+/// fp16's exponent bias is 8 above e4m3's. The hardware's fp16 conversion then gives the exact value (no
+/// special case for subnormal codes); NaN codes become the positive quiet NaN, as quant/fp8.hpp's fp8_decode.
+inline void fp8_decode_pair(Fp8Format f, const std::uint8_t* p, vf& lo, vf& hi) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i c7 = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
+  __m512i h;
+  __mmask32 nan;
+  if (f == Fp8Format::kE4M3) {
+    const __m512i t = _mm512_slli_epi16(c, 7);
+    h = _mm512_add_epi16(t, _mm512_and_si512(t, _mm512_set1_epi16(0x4000)));  // sign: bit 14 -> bit 15
+    nan = _mm512_cmpeq_epi16_mask(c7, _mm512_set1_epi16(0x7f));
+  } else {
+    h = _mm512_slli_epi16(c, 8);
+    nan = _mm512_cmpgt_epi16_mask(c7, _mm512_set1_epi16(0x7c));
+  }
+  h = _mm512_mask_blend_epi16(nan, h, _mm512_set1_epi16(0x7e00));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+#else
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i c7 = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+  __m256i h, nan;
+  if (f == Fp8Format::kE4M3) {
+    const __m256i t = _mm256_slli_epi16(c, 7);
+    h = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));  // sign: bit 14 -> bit 15
+    nan = _mm256_cmpeq_epi16(c7, _mm256_set1_epi16(0x7f));
+  } else {
+    h = _mm256_slli_epi16(c, 8);
+    nan = _mm256_cmpgt_epi16(c7, _mm256_set1_epi16(0x7c));
+  }
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), nan);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+#endif
+}
+
 template <class T>
 inline bool fp8_quantize(Fp8Format f, const T* x, std::int64_t rows, std::int64_t x_stride, std::int64_t d, float scale, std::uint8_t* out,
                          std::int64_t out_stride) noexcept {
@@ -679,12 +719,27 @@ template <class T>
 inline bool fp8_dequantize(Fp8Format f, const std::uint8_t* in, std::int64_t rows, std::int64_t in_stride, std::int64_t d, float scale,
                            T* y, std::int64_t y_stride) noexcept {
   if (d % kW != 0 || d == 0) return false;
+  // fp8_decode_pair's values carry a factor 2^8 (e4m3) that folds into the scale: v 2^8 is exact, so
+  // (v 2^8) * s and v * (2^8 s) round the same real number once, wherever 2^8 s is exact (|s| <= FLT_MAX / 2^8).
+  const float factor = f == Fp8Format::kE4M3 ? 256.0f : 1.0f;
+  const bool pairs = d % (2 * kW) == 0;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::uint8_t* i = in + r * in_stride;
+    T* yr = y + r * y_stride;
     float s = scale;
     if (s <= 0.0f) std::memcpy(&s, i + d, sizeof s);
+    if (pairs && __builtin_fabsf(s) <= 3.4028234663852886e38f / 256.0f) {
+      const vf vs = set1(s * factor);
+      for (std::int64_t c = 0; c < d; c += 2 * kW) {
+        vf lo, hi;
+        fp8_decode_pair(f, i + c, lo, hi);
+        st(yr + c, mul(lo, vs));
+        st(yr + c + kW, mul(hi, vs));
+      }
+      continue;
+    }
     const vf vs = set1(s);
-    for (std::int64_t c = 0; c < d; c += kW) st(y + r * y_stride + c, mul(fp8_decode_v(f, ld_u8(i + c)), vs));
+    for (std::int64_t c = 0; c < d; c += kW) st(yr + c, mul(fp8_decode_v(f, ld_u8(i + c)), vs));
   }
   return true;
 }

@@ -65,7 +65,8 @@ struct Cpu : CpuScoreOps, CpuPageOps, CpuReduceOps, CpuQuantOps {
   /// reads the output, which would then come from memory. bench_quant dequantize/<format>/streaming, from
   /// memory on the machine of the figures (one layer, 8 x 16384 x 128 fp16 out): q8_0 4.57 -> 3.60 ms, q4_0
   /// 4.23 -> 3.25 ms, int4_token 4.23 -> 2.94 ms, kivi_v2 4.14 -> 3.64 ms. Where the same form measured slower
-  /// it is not used: the fp8 decoders (4.80 -> 5.17 ms, their decode costs more than the store it saves) and
+  /// it is not used: the fp8 decoders (4.80 -> 5.17 ms; measured again on an AVX2 machine after their decode got
+  /// cheaper: 4.5-5.9 ms either way, no gain within its noise) and
   /// the quantizers (q8_0 4.53 -> 5.49 ms; their codes are a third of their input or less). The environment
   /// variable KVP_CPU_STREAMING_STORES=1 turns it on at first use. Process-wide, like `set_isa`.
   static bool streaming_stores() noexcept;
