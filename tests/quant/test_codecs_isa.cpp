@@ -442,9 +442,11 @@ namespace {
 
 template <class P>
 std::vector<std::uint8_t> policy_codes(const P& p, const Context<backend::Cpu>* cpu, const std::vector<half>& x, std::int64_t H,
-                                       std::int64_t T, std::int64_t d, std::vector<half>* decoded) {
-  std::vector<std::uint8_t> codes(static_cast<std::size_t>(H * T * p.row_bytes(d)), 0);
-  QuantizedKV q{p.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, T, p.row_bytes(d)}), {}, T};
+                                       std::int64_t T, std::int64_t d, std::vector<half>* decoded, std::int64_t pad = 0) {
+  // pad > 0: code rows `pad` bytes apart beyond their length (the strided-codes paths).
+  const std::int64_t rb = p.row_bytes(d);
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(H * T * (rb + pad)), 0);
+  QuantizedKV q{p.layout(), TensorView<std::uint8_t, 3>::contiguous(codes.data(), {H, T, rb + pad}).narrow(2, 0, rb), {}, T};
   typename P::State st{};
   const auto in = TensorView<const half, 3>::contiguous(x.data(), {H, T, d});
   decoded->assign(x.size(), half{});
@@ -469,14 +471,29 @@ TEST_CASE("codecs: the quantization policies give the same bytes on Scalar and C
   for_each_isa([&](const std::string& isa) {
     std::vector<half> da, db;
     for (HadamardMode rot : {HadamardMode::kNone, HadamardMode::kLlamaCpp, HadamardMode::kBlock}) {
-      for (int bits : {4, 8}) {
-        const Int4Quant p(Int4QuantParams{bits, rot, 32, QuantRole::kKeys});
-        require_same(policy_codes(p, nullptr, x, H, T, d, &da), policy_codes(p, &cpu, x, H, T, d, &db), isa + " int4 codes");
-        require_same(da, db, isa + " int4 decoded");
+      // Code rows back to back, then 8 bytes apart: the same values decoded either way (the policies pick
+      // their one-call paths by the stride, for both backends alike).
+      std::vector<half> flat_int4[2], flat_q4;
+      for (std::int64_t pad : {0, 8}) {
+        const std::string at = " pad=" + std::to_string(pad);
+        for (int bits : {4, 8}) {
+          const Int4Quant p(Int4QuantParams{bits, rot, 32, QuantRole::kKeys});
+          require_same(policy_codes(p, nullptr, x, H, T, d, &da, pad), policy_codes(p, &cpu, x, H, T, d, &db, pad),
+                       isa + " int4 codes" + at);
+          require_same(da, db, isa + " int4 decoded" + at);
+          if (pad == 0)
+            flat_int4[bits / 8] = da;
+          else
+            require_same(da, flat_int4[bits / 8], isa + " int4 decoded, strided codes");
+        }
+        const GgmlQuant g(GgmlQuantParams{GgmlType::kQ4_0, rot, 64, QuantRole::kValues});
+        require_same(policy_codes(g, nullptr, x, H, T, d, &da, pad), policy_codes(g, &cpu, x, H, T, d, &db, pad), isa + " q4_0 codes" + at);
+        require_same(da, db, isa + " q4_0 decoded" + at);
+        if (pad == 0)
+          flat_q4 = da;
+        else
+          require_same(da, flat_q4, isa + " q4_0 decoded, strided codes");
       }
-      const GgmlQuant g(GgmlQuantParams{GgmlType::kQ4_0, rot, 64, QuantRole::kValues});
-      require_same(policy_codes(g, nullptr, x, H, T, d, &da), policy_codes(g, &cpu, x, H, T, d, &db), isa + " q4_0 codes");
-      require_same(da, db, isa + " q4_0 decoded");
     }
     for (Fp8Scale sc : {Fp8Scale::kPerTensor, Fp8Scale::kPerTokenHead}) {
       const Fp8Quant p(Fp8QuantParams{Fp8Format::kE4M3, sc, 0.05f});
