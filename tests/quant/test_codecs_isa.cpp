@@ -270,16 +270,19 @@ TEST_CASE("codecs: fp8 on the CPU equals the reference, every code decoded", "[q
       for (int c = 0; c < 256; ++c) all[static_cast<std::size_t>(c)] = static_cast<std::uint8_t>(c);
       const float trailer = 0.37f;
       std::memcpy(all.data() + 256, &trailer, 4);
-      for (float s : {1.0f, 0.0f, 3.5e-3f}) {
-        std::vector<float> ya(256), yb(256);
-        std::vector<half> ha(256), hb(256);
-        backend::Scalar::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, ya.data(), 256);
-        backend::Cpu::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, yb.data(), 256);
-        require_same(ya, yb, isa + " fp8 all codes f32");
-        backend::Scalar::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, ha.data(), 256);
-        backend::Cpu::fp8_dequantize_rows(f, all.data(), 1, 272, 256, s, hb.data(), 256);
-        require_same(ha, hb, isa + " fp8 all codes f16");
-      }
+      // Rows of codes decoded to fp32 and to fp16 on both backends.
+      const auto decode_both = [&](const std::vector<std::uint8_t>& codes, std::int64_t rows, std::int64_t stride, std::int64_t d, float s,
+                                   const std::string& what) {
+        std::vector<float> ya(static_cast<std::size_t>(rows * d)), yb(ya.size());
+        std::vector<half> ha(ya.size()), hb(ya.size());
+        backend::Scalar::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, ya.data(), d);
+        backend::Cpu::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, yb.data(), d);
+        require_same(ya, yb, what + " f32");
+        backend::Scalar::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, ha.data(), d);
+        backend::Cpu::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, hb.data(), d);
+        require_same(ha, hb, what + " f16");
+      };
+      for (float s : {1.0f, 0.0f, 3.5e-3f}) decode_both(all, 1, 272, 256, s, isa + " fp8 all codes");
       // Every code again in rows of d (per level: whole pairs of vectors, single vectors, a mix), with scales at
       // the edges of the kernel's folded scale (2^8 s exact up to FLT_MAX / 2^8; beyond it, and for inf / NaN,
       // the per-code path), as the parameter and as each row's trailer (negative ones included).
@@ -296,16 +299,9 @@ TEST_CASE("codecs: fp8 on the CPU equals the reference, every code decoded", "[q
                 codes[static_cast<std::size_t>(r * stride + j)] = static_cast<std::uint8_t>((r * d + j) % 256);
               std::memcpy(codes.data() + r * stride + d, &trailer, 4);
             }
-            const std::string what =
-                isa + " " + fp8_name(f) + " d=" + std::to_string(d) + " s=" + std::to_string(s) + " trailer=" + std::to_string(trailer);
-            std::vector<float> ya(static_cast<std::size_t>(rows * d)), yb(ya.size());
-            std::vector<half> ha(ya.size()), hb(ya.size());
-            backend::Scalar::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, ya.data(), d);
-            backend::Cpu::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, yb.data(), d);
-            require_same(ya, yb, what + " f32");
-            backend::Scalar::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, ha.data(), d);
-            backend::Cpu::fp8_dequantize_rows(f, codes.data(), rows, stride, d, s, hb.data(), d);
-            require_same(ha, hb, what + " f16");
+            decode_both(
+                codes, rows, stride, d, s,
+                isa + " " + fp8_name(f) + " d=" + std::to_string(d) + " s=" + std::to_string(s) + " trailer=" + std::to_string(trailer));
           }
       }
       // Encode: rows with corner values, plus every midpoint between neighbouring codes and values beyond the max.
