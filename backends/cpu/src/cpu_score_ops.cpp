@@ -60,13 +60,16 @@ void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys,
 // candidates at or above that pair, in index order. Rows of 256 to 32K scores
 // take step 1 from block maxima instead (the k-th largest of 2k block maxima,
 // one SIMD pass); large k (> n/8) and rows below 256 go straight to step 3
-// on all scores. The k-th largest of 256 or more block maxima (step 1), and
-// of 256 to 4096 candidates (step 3), comes from kth_largest_key's bisection
-// over the key bits (up to 32 branch-free counting passes); smaller sets take
-// std::nth_element (faster there), more candidates the histogram rounds. At
-// Quest's 4K-token budget (255 of 8191 pages per head) the bisection took the
-// top-k from 5.3 to 2.2 us per head (bench_quest topk/cpu/4096: 32 heads
-// 172 -> 72 us, medians; the profile had put the time in nth_element).
+// on all scores. The k-th largest of 49 or more block maxima (step 1), and
+// of 49 to 4096 candidates (step 3), comes from kth_largest_key's bisection
+// over the key bits (branch-free counting passes; it stops once exactly k
+// keys remain at or above the bound, after about log2(m) + 2 passes for
+// distinct keys); smaller sets take std::nth_element, more candidates the
+// histogram rounds. At Quest's 4K-token budget (255 of 8191 pages per head)
+// the bisection took the top-k from 5.3 to 2.2 us per head (bench_quest
+// topk/cpu/4096: 32 heads 172 -> 72 us, medians; the profile had put the time
+// in nth_element). With the early stop it beats nth_element from 64 keys up
+// (AVX2, 64 / 129 / 513 keys: 123 / 127 / 679 ns vs 245 / 198 / 2039 ns).
 
 constexpr std::int64_t kSampleRun = 8;                      // neighbouring scores per sample run (one cache line)
 constexpr std::int64_t kSampleRuns = 256;                   // runs spread over the row
@@ -74,7 +77,7 @@ constexpr std::int64_t kSample = kSampleRun * kSampleRuns;  // sample size
 constexpr std::int64_t kBins = 2048;                        // histogram bins of one rank-search round
 constexpr std::int64_t kDirect = 4096;                      // below this length every score is a candidate
 constexpr std::int64_t kSmallSet = 48;                      // a boundary set this small is resolved by nth_element
-constexpr std::int64_t kBisectMin = 256;                    // key sets from this many ...
+constexpr std::int64_t kBisectMin = 49;                     // key sets from this many ...
 constexpr std::int64_t kBisectMax = 4096;                   // ... up to this many: kth_largest_key
 constexpr std::int64_t kBlockRowMin = 256;                  // rows of this length ...
 constexpr std::int64_t kBlockRowMax = 32768;                // ... up to this one take the block-maximum threshold

@@ -572,6 +572,7 @@ inline std::uint64_t ge_word(const float* s, __m512 thr) noexcept {
   return _cvtmask64_u64(_mm512_kunpackd(_mm512_kunpackw(k3, k2), _mm512_kunpackw(k1, k0)));
 }
 inline __m512 broadcast_threshold(float t) noexcept { return _mm512_set1_ps(t); }
+inline float threshold_of(__m512 t) noexcept { return _mm512_cvtss_f32(t); }
 #elif KVP_CPU_TU_ISA == 1
 inline std::uint64_t ge_word(const float* s, __m256 thr) noexcept {
   std::uint64_t w = 0;
@@ -583,6 +584,7 @@ inline std::uint64_t ge_word(const float* s, __m256 thr) noexcept {
   return w;
 }
 inline __m256 broadcast_threshold(float t) noexcept { return _mm256_set1_ps(t); }
+inline float threshold_of(__m256 t) noexcept { return _mm256_cvtss_f32(t); }
 #else
 inline std::uint64_t ge_word(const float* s, __m128 thr) noexcept {
   std::uint64_t w = 0;
@@ -594,12 +596,68 @@ inline std::uint64_t ge_word(const float* s, __m128 thr) noexcept {
   return w;
 }
 inline __m128 broadcast_threshold(float t) noexcept { return _mm_set1_ps(t); }
+inline float threshold_of(__m128 t) noexcept { return _mm_cvtss_f32(t); }
 #endif
 
 // Sparse rows (the caller expects at most 1 score in kSparse to pass) test each 64-score word through the
 // max of its four vectors first (NaN skipped; NaN never passes the ordered compare): one compare instead of
 // four, and the word's four masks only when some score passes. Dense rows take every word's masks.
 inline constexpr std::int64_t kSparse = 20;
+
+// The lanes of the vector at p that are >= thr (ordered compare: NaN fails), as the low kLanes bits.
+#if KVP_CPU_TU_ISA == 2
+inline std::uint64_t ge_lanes(const float* p, __m512 thr) noexcept {
+  return _cvtmask16_u32(_mm512_cmp_ps_mask(_mm512_loadu_ps(p), thr, _CMP_GE_OQ));
+}
+#elif KVP_CPU_TU_ISA == 1
+inline std::uint64_t ge_lanes(const float* p, __m256 thr) noexcept {
+  return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), thr, _CMP_GE_OQ)));
+}
+#else
+inline std::uint64_t ge_lanes(const float* p, __m128 thr) noexcept {
+  return static_cast<std::uint32_t>(_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p), thr)));
+}
+#endif
+
+// Appends base + (each set bit of w), ascending, at out[m] and advances m by the bit count. The first F
+// indices are stored without a branch (the stores past the count land in the output's slack and are
+// overwritten by later ones; ctz of w | 2^63 is defined when w is 0); only words with more than F bits loop.
+// A loop per word instead mispredicts its exit about once per word that holds candidates.
+template <int F>
+inline void emit_bits(std::uint64_t w, std::int32_t base, std::int32_t* out, std::int64_t& m) noexcept {
+  const auto c = static_cast<std::int64_t>(__builtin_popcountll(w));
+  std::int32_t* o = out + m;
+#pragma GCC unroll 8
+  for (int j = 0; j < F; ++j) {
+    o[j] = base + __builtin_ctzll(w | (std::uint64_t{1} << 63));
+    w &= w - 1;
+  }
+  if (c > F) [[unlikely]] {
+    for (o += F; w != 0; w &= w - 1) *o++ = base + __builtin_ctzll(w);
+  }
+  m += c;
+}
+
+// The dense scan of collect_at_least from score i0 on: a block of words, then their indices.
+template <int F, class T>
+inline std::int64_t collect_words(const float* s, std::int64_t n, std::int64_t i0, T thr, std::int32_t* out, std::int64_t m) noexcept {
+  std::uint64_t words[kCollectBlock / 64];
+  for (; i0 + 64 <= n; i0 += kCollectBlock) {
+    const std::int64_t nw = (n - i0 < kCollectBlock ? n - i0 : kCollectBlock) / 64;
+    for (std::int64_t w = 0; w < nw; ++w) words[w] = ge_word(s + i0 + 64 * w, thr);
+    for (std::int64_t w = 0; w < nw; ++w) emit_bits<F>(words[w], static_cast<std::int32_t>(i0 + 64 * w), out, m);
+  }
+  // The last < 64 scores: whole vectors into one word, then the < kLanes rest one by one.
+  const std::int64_t t0 = n / 64 * 64, tv = (n - t0) / kLanes;
+  std::uint64_t w = 0;
+  for (std::int64_t q = 0; q < tv; ++q) w |= ge_lanes(s + t0 + q * kLanes, thr) << (q * kLanes);
+  emit_bits<F>(w, static_cast<std::int32_t>(t0), out, m);
+  for (std::int64_t i = t0 + tv * kLanes; i < n; ++i) {
+    out[m] = static_cast<std::int32_t>(i);
+    m += s[i] >= threshold_of(thr) ? 1 : 0;
+  }
+  return m;
+}
 
 inline std::int64_t collect_at_least(const float* s, std::int64_t n, float threshold, std::int64_t expected, std::int32_t* out) noexcept {
   const auto thr = broadcast_threshold(threshold);
@@ -620,23 +678,12 @@ inline std::int64_t collect_at_least(const float* s, std::int64_t n, float thres
         out[m++] = base + __builtin_ctzll(bits);
     }
   }
-#else
-  (void)expected;
 #endif
-  std::uint64_t words[kCollectBlock / 64];
-  for (; i0 + 64 <= n; i0 += kCollectBlock) {
-    const std::int64_t nw = (n - i0 < kCollectBlock ? n - i0 : kCollectBlock) / 64;
-    for (std::int64_t w = 0; w < nw; ++w) words[w] = ge_word(s + i0 + 64 * w, thr);
-    for (std::int64_t w = 0; w < nw; ++w) {
-      const auto base = static_cast<std::int32_t>(i0 + 64 * w);
-      for (std::uint64_t bits = words[w]; bits != 0; bits &= bits - 1) out[m++] = base + __builtin_ctzll(bits);
-    }
-  }
-  for (std::int64_t i = n / 64 * 64; i < n; ++i) {
-    out[m] = static_cast<std::int32_t>(i);
-    m += s[i] >= threshold ? 1 : 0;
-  }
-  return m;
+  // Branch-free stores per word sized to the expected bits per word (2 up to 1.5 on average, then 4, then 8).
+  const std::int64_t twice_per_word = n > 0 ? expected * 128 / n : 0;
+  if (twice_per_word <= 3) return collect_words<2>(s, n, i0, thr, out, m);
+  if (twice_per_word <= 7) return collect_words<4>(s, n, i0, thr, out, m);
+  return collect_words<8>(s, n, i0, thr, out, m);
 }
 
 // Order keys of whole vectors of scores.
@@ -789,7 +836,7 @@ inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t 
 }
 
 // How many keys are >= t: one compare and one add per vector (the compare's all-ones lanes are -1), in two
-// accumulators.
+// accumulators (four below AVX-512, whose vectors are narrower).
 inline std::int64_t count_keys_at_least(const std::int32_t* keys, std::int64_t m, std::int32_t t) noexcept {
   if (t == INT32_MIN) return m;
   const std::int32_t below = t - 1;  // key >= t  <=>  key > t - 1
@@ -815,15 +862,48 @@ inline std::int64_t count_keys_at_least(const std::int32_t* keys, std::int64_t m
 #else
   // AVX2 / SSE2: a compare gives all-ones (-1) lanes as an integer vector (batch_bool's register), subtracted.
   const I tv(below);
-  I a0(0), a1(0);
-  for (; i + 2 * kLanes <= m; i += 2 * kLanes) {
+  I a0(0), a1(0), a2(0), a3(0);
+  for (; i + 4 * kLanes <= m; i += 4 * kLanes) {
     a0 -= I((I::load_unaligned(keys + i) > tv).data);
     a1 -= I((I::load_unaligned(keys + i + kLanes) > tv).data);
+    a2 -= I((I::load_unaligned(keys + i + 2 * kLanes) > tv).data);
+    a3 -= I((I::load_unaligned(keys + i + 3 * kLanes) > tv).data);
   }
-  c = xsimd::hadd(a0 + a1);
+  for (; i + kLanes <= m; i += kLanes) a0 -= I((I::load_unaligned(keys + i) > tv).data);
+  c = xsimd::hadd((a0 + a1) + (a2 + a3));
 #endif
   for (; i < m; ++i) c += keys[i] > below ? 1 : 0;
   return c;
+}
+
+// The smallest of keys[0, m) that is >= t (some key is).
+inline std::int32_t min_key_at_least(const std::int32_t* keys, std::int64_t m, std::int32_t t) noexcept {
+  std::int64_t i = 0;
+  std::int32_t r = INT32_MAX;
+#if KVP_CPU_TU_ISA == 2
+  const __m512i tv = _mm512_set1_epi32(t);
+  __m512i a0 = _mm512_set1_epi32(INT32_MAX), a1 = a0;
+  for (; i + 32 <= m; i += 32) {
+    const __m512i k0 = _mm512_loadu_si512(keys + i), k1 = _mm512_loadu_si512(keys + i + 16);
+    a0 = _mm512_mask_min_epi32(a0, _mm512_cmpge_epi32_mask(k0, tv), a0, k0);
+    a1 = _mm512_mask_min_epi32(a1, _mm512_cmpge_epi32_mask(k1, tv), a1, k1);
+  }
+  r = _mm512_reduce_min_epi32(_mm512_min_epi32(a0, a1));
+#else
+  // Keys below t become INT32_MAX (a select through the compare's all-ones lanes), then a vertical min.
+  const I tv(t), big(INT32_MAX);
+  I a0(big), a1(big);
+  for (; i + 2 * kLanes <= m; i += 2 * kLanes) {
+    const I k0 = I::load_unaligned(keys + i), k1 = I::load_unaligned(keys + i + kLanes);
+    a0 = xsimd::min(a0, xsimd::select(k0 < tv, big, k0));
+    a1 = xsimd::min(a1, xsimd::select(k1 < tv, big, k1));
+  }
+  alignas(64) std::int32_t lane[kLanes];
+  xsimd::min(a0, a1).store_aligned(lane);
+  for (std::int64_t l = 0; l < kLanes; ++l) r = lane[l] < r ? lane[l] : r;
+#endif
+  for (; i < m; ++i) r = (keys[i] >= t && keys[i] < r) ? keys[i] : r;
+  return r;
 }
 
 // The rank-th largest key: the largest T with at least `rank` keys >= T, built bit by bit from the top in
@@ -844,6 +924,20 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
   }
   lo = _mm512_reduce_min_epi32(vlo);
   hi = _mm512_reduce_max_epi32(vhi);
+#else
+  I vlo(INT32_MAX), vhi(INT32_MIN);
+  for (; i + kLanes <= m; i += kLanes) {
+    const I k = I::load_unaligned(keys + i);
+    vlo = xsimd::min(vlo, k);
+    vhi = xsimd::max(vhi, k);
+  }
+  alignas(64) std::int32_t l[kLanes], h[kLanes];
+  vlo.store_aligned(l);
+  vhi.store_aligned(h);
+  for (std::int64_t q = 0; q < kLanes; ++q) {
+    lo = l[q] < lo ? l[q] : lo;
+    hi = h[q] > hi ? h[q] : hi;
+  }
 #endif
   for (; i < m; ++i) {
     lo = keys[i] < lo ? keys[i] : lo;
@@ -855,7 +949,12 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
   std::uint32_t u = ulo & ~((2u << top) - 1u);  // the common prefix (2u << 31 wraps to 0: no prefix)
   for (int b = top; b >= 0; --b) {
     const std::uint32_t cand = u | (1u << b);
-    if (count_keys_at_least(keys, m, static_cast<std::int32_t>(cand ^ 0x80000000u)) >= rank) u = cand;
+    const std::int64_t c = count_keys_at_least(keys, m, static_cast<std::int32_t>(cand ^ 0x80000000u));
+    if (c < rank) continue;
+    u = cand;
+    // Exactly `rank` keys at or above u: the answer is the smallest of them (one pass instead of the
+    // remaining bits; distinct keys get here after about log2(m) + 2 bits).
+    if (c == rank) return min_key_at_least(keys, m, static_cast<std::int32_t>(u ^ 0x80000000u));
   }
   return static_cast<std::int32_t>(u ^ 0x80000000u);
 }
