@@ -31,9 +31,10 @@ std::vector<std::int32_t> run_topk_cpu(const std::vector<float>& s, std::int64_t
 }
 
 /// Compares Cpu with Scalar for k in {0, 1, 64, n/100, n/32, n/8, n/8 + 1, n/2, n-1, n} on every ISA. n/32 is
-/// Quest's shape at a 4K-token budget (255 of 8191 pages): its threshold comes from 2k >= 256 block maxima and
-/// its cut from >= 256 candidates, the sizes where both take the bisection (kth_largest_key); n/8 and n/2 reach
-/// it through the other paths (more block maxima, every score a candidate).
+/// Quest's shape at a 4K-token budget (255 of 8191 pages): its threshold comes from 2k block maxima in the lane
+/// layout and its cut from the bisection (kth_largest_key); k = 1 and 64 on the longer rows take the word layout
+/// (blocks of whole 64-score words, 20000 scores: blocks of 2.5 words on AVX2), whose collection reads only the
+/// blocks that reach the threshold; n/8 and n/2 take the other paths (more block maxima, every score a candidate).
 void check_all_k(const std::vector<float>& s, const std::string& what) {
   const auto n = static_cast<std::int64_t>(s.size());
   IsaGuard guard;
@@ -79,6 +80,7 @@ TEST_CASE("topk: many ties, all equal, signed zeros", "[cpu][topk]") {
   for (std::int64_t n : lengths()) {
     check_all_k(generate(n, [&](std::int64_t) { return static_cast<float>(small(rng)); }), "four values");
     check_all_k(generate(n, [&](std::int64_t) { return 0.5f; }), "all equal");
+    // The max instruction may report a block of +0 and -0 as -0: the word layout must still read it at a cut of +0.
     check_all_k(generate(n, [&](std::int64_t) { return small(rng) % 2 ? 0.0f : -0.0f; }), "+0 / -0");
   }
 }
@@ -103,7 +105,7 @@ TEST_CASE("topk: NaN and infinities", "[cpu][topk]") {
     check_all_k(generate(n, [&](std::int64_t i) { return i % 5 == 0 ? nd(rng) : nan; }), "mostly NaN");
     check_all_k(generate(n, [&](std::int64_t) { return nan; }), "all NaN");
     check_all_k(generate(n, [&](std::int64_t i) { return i % 2 ? -inf : nan; }), "-inf and NaN");
-    // Whole SIMD lanes of NaN (short rows' threshold blocks are lanes of runs of vectors: a block of NaN alone
+    // Whole SIMD lanes of NaN (short rows' threshold blocks can be lanes of runs of vectors: a block of NaN alone
     // must not count as a score), next to lanes of numbers and of -inf.
     check_all_k(generate(n, [&](std::int64_t i) { return i % 16 < 8 ? nan : nd(rng); }), "NaN lanes");
     check_all_k(generate(n, [&](std::int64_t i) { return i % 16 < 12 ? nan : (i % 16 < 14 ? -inf : nd(rng)); }), "NaN and -inf lanes");

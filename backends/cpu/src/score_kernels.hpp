@@ -95,9 +95,14 @@ struct ScoreKernels {
   /// keys[i] = signed order key of scores[i] for i < n, and their min / max (gather_keys over 0..n-1).
   void (*load_keys)(const float* scores, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept;
   /// Signed order keys of the maxima of about `target` disjoint blocks covering scores[0, n) (runs of whole
-  /// vectors, one block per (run, lane), plus the trailing scores): a block maximum is a number of the row,
-  /// except that a block of NaN alone reports -inf's key. Returns the block count (<= min(target + 16, n + 1)).
+  /// vectors, or one lane of each, plus the trailing scores): a block maximum is a number of the row, except
+  /// that a block of NaN alone reports -inf's key. Returns the block count (<= min(target + 16, n + 1)).
   std::int64_t (*block_max_keys)(const float* scores, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept;
+  /// collect_at_least(scores, n, the float of key `cut`) given block_max_keys(scores, n, target) (block_keys,
+  /// nb of them; cut above -inf's key): reads only the blocks whose maximum reaches the cut where the blocks
+  /// are whole runs of vectors. `list` is scratch of nb entries.
+  std::int64_t (*collect_in_blocks)(const float* scores, std::int64_t n, std::int64_t target, const std::int32_t* block_keys,
+                                    std::int64_t nb, std::int32_t cut, std::int32_t* list, std::int32_t* out) noexcept;
   /// How many of keys[0, m) are >= t.
   std::int64_t (*count_keys_at_least)(const std::int32_t* keys, std::int64_t m, std::int32_t t) noexcept;
   /// The rank-th largest of keys[0, m) (1 <= rank <= m): a bisection over the key bits below the keys' common

@@ -778,13 +778,24 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
       [&](std::int64_t i) { return s[i]; }, keys, lo, hi);
 }
 
-// Top-k's threshold for short rows: the maxima of disjoint blocks that cover scores[0, n). The row's whole
-// vectors split into runs of consecutive vectors, one block per (run, lane), about `target` blocks in all (at
-// least one run, at most one vector per run), plus one block for the < kLanes trailing scores. Writes the
-// signed order key of each block's largest number and returns the block count (at most target + kLanes).
-// A block maximum is a score of the row, except for a block of NaN alone, which reports -inf's key: the caller
-// takes a threshold above -inf only. One max per loaded vector, four runs of them in flight (the max returns
-// its second operand when the first is NaN, so NaN is skipped), so the pass runs at the speed of a read pass.
+// Top-k's threshold for short rows: the maxima of disjoint blocks that cover scores[0, n), about `target` of
+// them, plus one block for the < kLanes trailing scores. Writes the signed order key of each block's largest
+// number and returns the block count (at most target + kLanes, or n / kLanes + 1). A block maximum is a score
+// of the row, except for a block of NaN alone, which reports -inf's key: the caller takes a threshold above
+// -inf only. One max per loaded vector (the max returns its second operand when the first is NaN, so a chain
+// from -inf skips NaN), so the pass runs at the speed of a read pass. Two layouts, by the vectors per block
+// (block_vectors):
+//  - words:  blocks of whole 64-score words or more (few blocks: small k) are runs of consecutive vectors,
+//            reduced across lanes (kLanes blocks at a time on AVX2): collect_in_blocks then reads only the
+//            blocks whose maximum reaches the cut;
+//  - lanes:  smaller blocks are one lane of a run of vectors (kLanes blocks per run, no reduction across
+//            lanes); collect_in_blocks reads the whole row.
+inline constexpr std::int64_t kWordVecs = 64 / kLanes;  // vectors per 64-score word
+inline std::int64_t block_vectors(std::int64_t nvec, std::int64_t target) noexcept {
+  const std::int64_t per = target > 0 ? (nvec + target / 2) / target : nvec;  // the nearest to nvec / target
+  return per < 1 ? 1 : per;
+}
+
 // max(x, acc) that returns acc where x is NaN: the max instruction's operand rule (xsimd::max does not promise it).
 inline F max_skip_nan(F x, F acc) noexcept {
 #if KVP_CPU_TU_ISA == 2
@@ -796,35 +807,89 @@ inline F max_skip_nan(F x, F acc) noexcept {
 #endif
 }
 
+// The largest lane of a NaN-free vector.
+inline float lane_max(F v) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  return _mm512_reduce_max_ps(v);
+#elif KVP_CPU_TU_ISA == 1
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+#else
+  const __m128 x = _mm_max_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+#endif
+}
+
+#if KVP_CPU_TU_ISA == 1
+// Lane i of the result is the largest lane of v[i] (NaN-free vectors): an 8 x 8 transposing reduction,
+// 21 instructions for eight vectors instead of 6 each.
+inline __m256 lane_max8(const __m256* v) noexcept {
+  const auto pair = [](__m256 a, __m256 b) { return _mm256_max_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); };
+  const __m256 t0 = pair(v[0], v[1]), t1 = pair(v[2], v[3]), t2 = pair(v[4], v[5]), t3 = pair(v[6], v[7]);
+  const __m256 u0 = _mm256_max_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 u1 = _mm256_max_ps(_mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_max_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// The NaN-skipping maximum of the vectors v0 .. v1 - 1 (a vector of -inf where all are NaN), four chains.
+inline F vectors_max(const float* s, std::int64_t v0, std::int64_t v1) noexcept {
+  F a0(-kInf), a1 = a0, a2 = a0, a3 = a0;
+  std::int64_t v = v0;
+  for (; v + 4 <= v1; v += 4) {
+    a0 = max_skip_nan(F::load_unaligned(s + v * kLanes), a0);
+    a1 = max_skip_nan(F::load_unaligned(s + (v + 1) * kLanes), a1);
+    a2 = max_skip_nan(F::load_unaligned(s + (v + 2) * kLanes), a2);
+    a3 = max_skip_nan(F::load_unaligned(s + (v + 3) * kLanes), a3);
+  }
+  for (; v < v1; ++v) a0 = max_skip_nan(F::load_unaligned(s + v * kLanes), a0);
+  return max_skip_nan(max_skip_nan(a0, a1), max_skip_nan(a2, a3));  // no NaN left: operand order is free
+}
+
+inline void store_keys(F m, std::int32_t* out) noexcept {
+#if KVP_CPU_TU_ISA == 2
+  _mm512_storeu_si512(out, order_keys(m));
+#elif KVP_CPU_TU_ISA == 1
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), order_keys(m));
+#else
+  alignas(64) float lane[kLanes];
+  m.store_aligned(lane);
+  for (std::int64_t l = 0; l < kLanes; ++l) out[l] = order_key(lane[l]);
+#endif
+}
+
 inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept {
   const std::int64_t nvec = n / kLanes;
   std::int64_t nb = 0;
   if (nvec > 0) {
-    std::int64_t groups = (target + kLanes - 1) / kLanes;
-    groups = groups < 1 ? 1 : (groups > nvec ? nvec : groups);
-    const std::int64_t per = (nvec + groups - 1) / groups;  // vectors per run
-    [[maybe_unused]] alignas(64) float lane[kLanes];
-    for (std::int64_t v0 = 0; v0 < nvec; v0 += per) {
-      const std::int64_t v1 = v0 + per < nvec ? v0 + per : nvec;
-      F a0(-kInf), a1 = a0, a2 = a0, a3 = a0;
-      std::int64_t v = v0;
-      for (; v + 4 <= v1; v += 4) {
-        a0 = max_skip_nan(F::load_unaligned(s + v * kLanes), a0);
-        a1 = max_skip_nan(F::load_unaligned(s + (v + 1) * kLanes), a1);
-        a2 = max_skip_nan(F::load_unaligned(s + (v + 2) * kLanes), a2);
-        a3 = max_skip_nan(F::load_unaligned(s + (v + 3) * kLanes), a3);
+    const std::int64_t per = block_vectors(nvec, target);
+    if (per >= kWordVecs) {
+      const std::int64_t blocks = (nvec + per - 1) / per;
+#if KVP_CPU_TU_ISA == 1
+      for (std::int64_t b = 0; b < blocks; b += 8) {  // the last group padded with -inf; out has slack
+        __m256 v[8];
+        for (std::int64_t q = 0; q < 8; ++q) {
+          const std::int64_t v0 = (b + q) * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+          v[q] = b + q < blocks ? static_cast<__m256>(vectors_max(s, v0, v1)) : _mm256_set1_ps(-kInf);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), order_keys(lane_max8(v)));
       }
-      for (; v < v1; ++v) a0 = max_skip_nan(F::load_unaligned(s + v * kLanes), a0);
-      const F m = max_skip_nan(max_skip_nan(a0, a1), max_skip_nan(a2, a3));  // no NaN left: operand order is free
-#if KVP_CPU_TU_ISA == 2
-      _mm512_storeu_si512(out + nb, order_keys(m));
-#elif KVP_CPU_TU_ISA == 1
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + nb), order_keys(m));
 #else
-      m.store_aligned(lane);
-      for (std::int64_t l = 0; l < kLanes; ++l) out[nb + l] = order_key(lane[l]);
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        const std::int64_t v0 = b * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+        out[b] = order_key(lane_max(vectors_max(s, v0, v1)));
+      }
 #endif
-      nb += kLanes;
+      nb = blocks;
+    } else {
+      std::int64_t groups = (target + kLanes - 1) / kLanes;
+      groups = groups < 1 ? 1 : (groups > nvec ? nvec : groups);
+      const std::int64_t run = (nvec + groups - 1) / groups;  // vectors per run
+      for (std::int64_t v0 = 0; v0 < nvec; v0 += run) {
+        store_keys(vectors_max(s, v0, v0 + run < nvec ? v0 + run : nvec), out + nb);
+        nb += kLanes;
+      }
     }
   }
   if (n > nvec * kLanes) {
@@ -833,6 +898,47 @@ inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t 
     out[nb++] = order_key(m);
   }
   return nb;
+}
+
+// The indices of the scores >= key_float(cut) (cut above -inf's key), ascending, as collect_at_least; block_keys
+// (nb) are block_max_keys(s, n, target). In the word layout only the blocks whose maximum reaches the cut are
+// read (listed first without a branch per block: about half of them pass at the top-k's 2k blocks); in the lane
+// layout, the whole row. `list` is scratch of nb entries; out needs kCollectSlack entries of slack.
+inline std::int64_t collect_in_blocks(const float* s, std::int64_t n, std::int64_t target, const std::int32_t* block_keys, std::int64_t nb,
+                                      std::int32_t cut, std::int32_t* list, std::int32_t* out) noexcept {
+  const float t = std::bit_cast<float>(cut ^ ((cut >> 31) & 0x7fffffff));
+  const std::int64_t nvec = n / kLanes;
+  const std::int64_t per = block_vectors(nvec, target);
+  if (nvec == 0 || per < kWordVecs) return collect_at_least(s, n, t, target, out);
+  const auto thr = broadcast_threshold(t);
+  const std::int64_t whole = (nvec + per - 1) / per;  // blocks of whole vectors; block `whole` holds the trailing scores
+  // The max instruction returns either zero for the pair (+0, -0), so a block holding +0 may report -0's key
+  // (-1): at a cut of +0's key (0) such blocks are read too.
+  const std::int32_t read_from = cut == 0 ? -1 : cut;
+  std::int64_t listed = 0, m = 0;
+  for (std::int64_t b = 0; b < nb; ++b) {
+    list[listed] = static_cast<std::int32_t>(b);
+    listed += block_keys[b] >= read_from ? 1 : 0;
+  }
+  for (std::int64_t l = 0; l < listed; ++l) {
+    const std::int64_t b = list[l];
+    if (b == whole) {  // the trailing scores
+      for (std::int64_t i = nvec * kLanes; i < n; ++i) {
+        out[m] = static_cast<std::int32_t>(i);
+        m += s[i] >= t ? 1 : 0;
+      }
+      continue;
+    }
+    const std::int64_t v1 = (b + 1) * per < nvec ? (b + 1) * per : nvec;
+    std::int64_t v = b * per;
+    for (; v + kWordVecs <= v1; v += kWordVecs) emit_bits<2>(ge_word(s + v * kLanes, thr), static_cast<std::int32_t>(v * kLanes), out, m);
+    if (v < v1) {
+      std::uint64_t w = 0;
+      for (std::int64_t q = 0; v + q < v1; ++q) w |= ge_lanes(s + (v + q) * kLanes, thr) << (q * kLanes);
+      emit_bits<2>(w, static_cast<std::int32_t>(v * kLanes), out, m);
+    }
+  }
+  return m;
 }
 
 // How many keys are >= t: one compare and one add per vector (the compare's all-ones lanes are -1), in two
