@@ -204,8 +204,12 @@ std::uint64_t kth_pair(const cpu_detail::ScoreKernels& kern, const std::int32_t*
 [[gnu::noinline]] void cut_by_bisection(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int64_t k, const TopkScratch& t,
                                         std::int32_t* cut_key, std::int32_t* cut_idx) noexcept {
   const std::int32_t c = kern.kth_largest_key(t.keys, m, k);
-  std::int64_t need = k - (c == std::numeric_limits<std::int32_t>::max() ? 0 : kern.count_keys_at_least(t.keys, m, c + 1));
+  const std::int64_t above = c == std::numeric_limits<std::int32_t>::max() ? 0 : kern.count_keys_at_least(t.keys, m, c + 1);
+  std::int64_t need = k - above;
   *cut_key = c;
+  *cut_idx = std::numeric_limits<std::int32_t>::min();
+  // Every key equal to c is kept (the usual case: distinct keys): no index cut, and no scalar walk for it.
+  if (kern.count_keys_at_least(t.keys, m, c) - above == need) return;
   *cut_idx = 0;
   for (std::int64_t i = m - 1; i >= 0; --i) {
     if (t.keys[i] == c && --need == 0) {
@@ -336,8 +340,12 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
   // spread evenly over the row (runs share cache lines, so the sample costs
   // few memory accesses): aim at rank k*S/n plus three standard deviations
   // (and a little), and take the floor of that rank's histogram bin.
+  // The runs' cache lines are requested up front: a gather waits on its misses one vector at a time, so a row
+  // out of cache cost ~35K cycles in the sample alone (AVX2, 131072 scores of 32 rows: 14 % of the top-k).
   for (std::int64_t r = 0; r < kSampleRuns; ++r) {
     const std::int64_t start = (r * (n - kSampleRun)) / (kSampleRuns - 1);
+    __builtin_prefetch(scores + start);
+    __builtin_prefetch(scores + start + kSampleRun - 1);
     for (std::int64_t j = 0; j < kSampleRun; ++j) t.sample_idx[r * kSampleRun + j] = static_cast<std::int32_t>(start + j);
   }
   std::int32_t lo = 0, hi = 0;

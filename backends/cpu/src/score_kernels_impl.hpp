@@ -4,6 +4,7 @@
 // contracts and cpu_score_ops.cpp for the entry points.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -1070,6 +1071,27 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
 //   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
 // and returns the count. The outputs need kCollectSlack entries of slack;
 // they may alias the inputs (writes never pass reads).
+#if KVP_CPU_TU_ISA == 1
+// AVX2 has no compress: for each 8-bit mask, the lanes of its set bits ascending, one byte each, which
+// _mm256_permutevar8x32_epi32 uses to move a vector's kept lanes to its front (2 KiB, in L1 while in use).
+inline constexpr std::array<std::uint64_t, 256> kPackLanes = [] {
+  std::array<std::uint64_t, 256> t{};
+  for (unsigned mask = 0; mask < 256; ++mask) {
+    std::uint64_t v = 0;
+    unsigned o = 0;
+    for (unsigned l = 0; l < 8; ++l)
+      if ((mask >> l) & 1u) v |= static_cast<std::uint64_t>(l) << (8 * o++);
+    t[mask] = v;
+  }
+  return t;
+}();
+inline __m256i pack_kept(__m256i x, unsigned mask) noexcept {
+  const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kPackLanes[mask])));
+  return _mm256_permutevar8x32_epi32(x, perm);
+}
+inline unsigned lane_mask(__m256i keep) noexcept { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(keep))); }
+#endif
+
 inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
                                       std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept {
   std::int64_t o = 0, i = 0;
@@ -1086,8 +1108,22 @@ inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_
     _mm512_storeu_si512(out_key + o, _mm512_maskz_compress_epi32(keep, k));
     o += __builtin_popcount(keep);
   }
+#elif KVP_CPU_TU_ISA == 1
+  const __m256i lo = _mm256_set1_epi32(key_lo), all = _mm256_set1_epi32(-1);
+  const bool unbounded = key_hi > INT32_MAX;
+  const __m256i hi = _mm256_set1_epi32(unbounded ? INT32_MAX : static_cast<std::int32_t>(key_hi));
+  for (; i + 8 <= m; i += 8) {
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + i));
+    __m256i keep = _mm256_xor_si256(_mm256_cmpgt_epi32(lo, k), all);  // k >= lo
+    if (!unbounded) keep = _mm256_and_si256(keep, _mm256_cmpgt_epi32(hi, k));
+    const unsigned mask = lane_mask(keep);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_idx + o), pack_kept(x, mask));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_key + o), pack_kept(k, mask));
+    o += __builtin_popcount(mask);
+  }
 #endif
-  for (; i < m; ++i) {  // the tail (all of it below AVX-512)
+  for (; i < m; ++i) {  // the tail (all of it on SSE2)
     const std::int32_t k = key[i], x = idx[i];
     out_idx[o] = x;
     out_key[o] = k;
@@ -1105,6 +1141,17 @@ inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* k
     const __mmask16 keep = _mm512_cmpgt_epi32_mask(k, kl) | (_mm512_cmpeq_epi32_mask(k, kl) & _mm512_cmpge_epi32_mask(x, il));
     _mm512_storeu_si512(out_idx + o, _mm512_maskz_compress_epi32(keep, x));
     o += __builtin_popcount(keep);
+  }
+#elif KVP_CPU_TU_ISA == 1
+  const __m256i kl = _mm256_set1_epi32(key_lo), il = _mm256_set1_epi32(idx_lo);
+  for (; i + 8 <= m; i += 8) {
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + i));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+    const __m256i x_ge = _mm256_or_si256(_mm256_cmpgt_epi32(x, il), _mm256_cmpeq_epi32(x, il));
+    const __m256i keep = _mm256_or_si256(_mm256_cmpgt_epi32(k, kl), _mm256_and_si256(_mm256_cmpeq_epi32(k, kl), x_ge));
+    const unsigned mask = lane_mask(keep);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_idx + o), pack_kept(x, mask));
+    o += __builtin_popcount(mask);
   }
 #endif
   for (; i < m; ++i) {
