@@ -96,7 +96,8 @@ struct ScoreKernels {
   void (*load_keys)(const float* scores, std::int64_t n, std::int32_t* keys, std::int32_t* lo, std::int32_t* hi) noexcept;
   /// Signed order keys of the maxima of about `target` disjoint blocks covering scores[0, n) (runs of whole
   /// vectors, or one lane of each, plus the trailing scores): a block maximum is a number of the row, except
-  /// that a block of NaN alone reports -inf's key. Returns the block count (<= min(target + 16, n + 1)).
+  /// that a block of NaN alone reports -inf's key. Returns the block count: about target, at most n / lanes + 1
+  /// (out needs kCollectSlack entries of slack).
   std::int64_t (*block_max_keys)(const float* scores, std::int64_t n, std::int64_t target, std::int32_t* out) noexcept;
   /// collect_at_least(scores, n, the float of key `cut`) given block_max_keys(scores, n, target) (block_keys,
   /// nb of them; cut above -inf's key): reads only the blocks whose maximum reaches the cut where the blocks

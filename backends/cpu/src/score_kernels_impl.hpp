@@ -781,7 +781,7 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
 
 // Top-k's threshold for short rows: the maxima of disjoint blocks that cover scores[0, n), about `target` of
 // them, plus one block for the < kLanes trailing scores. Writes the signed order key of each block's largest
-// number and returns the block count (at most target + kLanes, or n / kLanes + 1). A block maximum is a score
+// number and returns the block count (about target; at most n / kLanes + 1). A block maximum is a score
 // of the row, except for a block of NaN alone, which reports -inf's key: the caller takes a threshold above
 // -inf only. One max per loaded vector (the max returns its second operand when the first is NaN, so a chain
 // from -inf skips NaN), so the pass runs at the speed of a read pass. Two layouts, by the vectors per block
