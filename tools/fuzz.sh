@@ -15,7 +15,7 @@ SECONDS_PER_TARGET=${1:-60}
 shift || true
 BUILD_DIR=${KVP_FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${KVP_JOBS:-$(nproc)}
-ALL=(fuzz_safetensors fuzz_trace fuzz_gguf fuzz_policy_spec fuzz_evict fuzz_quest_select fuzz_compact fuzz_quant fuzz_quant_paged fuzz_merge fuzz_prefetch fuzz_shard)
+ALL=(fuzz_safetensors fuzz_trace fuzz_gguf fuzz_policy_spec fuzz_evict fuzz_quest_select fuzz_compact fuzz_quant fuzz_quant_paged fuzz_merge fuzz_topk fuzz_prefetch fuzz_shard)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL[@]}")
 
