@@ -203,13 +203,14 @@ std::uint64_t kth_pair(const cpu_detail::ScoreKernels& kern, const std::int32_t*
 // order, so the last ones). Out of line: the small sets' path through select_exact stays as compact as before.
 [[gnu::noinline]] void cut_by_bisection(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int64_t k, const TopkScratch& t,
                                         std::int32_t* cut_key, std::int32_t* cut_idx) noexcept {
-  const std::int32_t c = kern.kth_largest_key(t.keys, m, k);
-  const std::int64_t above = c == std::numeric_limits<std::int32_t>::max() ? 0 : kern.count_keys_at_least(t.keys, m, c + 1);
-  std::int64_t need = k - above;
+  std::int64_t at_least = 0;
+  const std::int32_t c = kern.kth_largest_key(t.keys, m, k, &at_least);
   *cut_key = c;
   *cut_idx = std::numeric_limits<std::int32_t>::min();
-  // Every key equal to c is kept (the usual case: distinct keys): no index cut, and no scalar walk for it.
-  if (kern.count_keys_at_least(t.keys, m, c) - above == need) return;
+  // Exactly k keys >= c, so every key equal to c is kept (the usual case: distinct keys): no index cut, and
+  // no counting pass or scalar walk for it.
+  if (at_least == k) return;
+  std::int64_t need = k - (c == std::numeric_limits<std::int32_t>::max() ? 0 : kern.count_keys_at_least(t.keys, m, c + 1));
   *cut_idx = 0;
   for (std::int64_t i = m - 1; i >= 0; --i) {
     if (t.keys[i] == c && --need == 0) {
@@ -322,7 +323,7 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
     if (nb < k) return all_candidates();
     std::int32_t cut = 0;
     if (nb >= kBisectMin) {
-      cut = kern.kth_largest_key(t.set_key, nb, k);
+      cut = kern.kth_largest_key(t.set_key, nb, k, nullptr);
     } else {
       std::copy(t.set_key, t.set_key + nb, t.keys);  // the block order stays for collect_in_blocks
       std::nth_element(t.keys, t.keys + (k - 1), t.keys + nb, std::greater<std::int32_t>());

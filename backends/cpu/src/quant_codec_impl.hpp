@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "lane_reduce.hpp"
+
 KVP_NAMESPACE_BEGIN
 namespace cpu_detail::KVP_CPU_ISA_NS {
 
@@ -94,7 +96,6 @@ inline void sti(std::uint8_t* p, vi v) noexcept { _mm512_storeu_si512(p, v); }
 /// kW bytes zero-extended to lanes / the low byte of each lane stored.
 inline vi ld_u8(const std::uint8_t* p) noexcept { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void st_u8(std::uint8_t* p, vi v) noexcept { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v)); }
-inline float hmin(vf v) noexcept { return _mm512_reduce_min_ps(v); }
 /// Lane l <- word idx[l] of the two little-endian words at p (idx < 2).
 inline vi spread_words(const std::uint8_t* p, vi idx) noexcept {
   return _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -102,7 +103,6 @@ inline vi spread_words(const std::uint8_t* p, vi idx) noexcept {
 inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
   return (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q)) != 0;
 }
-inline float hmax(vf v) noexcept { return _mm512_reduce_max_ps(v); }
 /// Lane indices 0 .. kW-1.
 inline vi iota() noexcept { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 #else
@@ -168,16 +168,6 @@ inline void st_u8(std::uint8_t* p, vi v) noexcept {  // lanes hold 0..255
 inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
   return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q))) != 0;
 }
-inline float hmin(vf v) noexcept {
-  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-inline float hmax(vf v) noexcept {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
 inline vi iota() noexcept { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 #endif
 
@@ -197,17 +187,6 @@ inline float first_equal_zero(const float* x, std::int64_t n, float m) noexcept 
 }
 
 #if KVP_CPU_TU_ISA == 2
-/// Lane b <- the maximum (Max) or minimum of the 16 lanes of m[b]. The tree leaves the lanes in block order.
-template <bool Max>
-inline vf reduce16(const vf* m) noexcept {
-  const auto op = [](vf a, vf b) { return Max ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b); };
-  vf t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i) t[i] = op(_mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)
-    w[i] = op(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  return op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
 /// Lane b of v in every lane.
 inline vf lane_of(vf v, int b) noexcept { return _mm512_permutexvar_ps(_mm512_set1_epi32(b), v); }
 /// Bits of the lanes where v == 0 (either sign).
@@ -215,15 +194,6 @@ inline std::uint32_t zero_bits(vf v) noexcept { return static_cast<std::uint32_t
 /// -v, bit for bit (the sign flipped, so -0 for +0).
 inline vf vneg(vf v) noexcept { return asf(_mm512_xor_si512(asi(v), set1i(static_cast<std::int32_t>(0x80000000u)))); }
 #elif KVP_CPU_TU_ISA == 1
-/// Lane b <- the maximum (Max) or minimum of the 8 lanes of m[b]. The tree leaves the lanes in block order.
-template <bool Max>
-inline vf reduce8(const vf* m) noexcept {
-  const auto op = [](vf a, vf b) { return Max ? _mm256_max_ps(a, b) : _mm256_min_ps(a, b); };
-  vf t[4], u[2];
-  for (int i = 0; i < 4; ++i) t[i] = op(_mm256_unpacklo_ps(m[2 * i], m[2 * i + 1]), _mm256_unpackhi_ps(m[2 * i], m[2 * i + 1]));
-  for (int i = 0; i < 2; ++i) u[i] = op(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
-}
 /// Lane b of v in every lane.
 inline vf lane_of(vf v, int b) noexcept { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(b)); }
 /// Bits of the lanes where v == 0 (either sign).
@@ -232,18 +202,6 @@ inline std::uint32_t zero_bits(vf v) noexcept {
 }
 /// -v, bit for bit (the sign flipped, so -0 for +0).
 inline vf vneg(vf v) noexcept { return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<std::int32_t>(0x80000000u)))); }
-#endif
-#if KVP_CPU_TU_ISA >= 1
-/// The kW-vector reduction of the level: lane b <- the maximum (Max) or minimum of the lanes of m[b]. The
-/// group kernels below (kW rows or blocks at once) reduce their statistics with it.
-template <bool Max>
-inline vf reduce_lanes(const vf* m) noexcept {
-#if KVP_CPU_TU_ISA == 2
-  return reduce16<Max>(m);
-#else
-  return reduce8<Max>(m);
-#endif
-}
 #endif
 
 // ---- Hadamard ---------------------------------------------------------------------------------------

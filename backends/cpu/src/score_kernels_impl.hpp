@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "isa_arch.hpp"
+#include "lane_reduce.hpp"
 #include "score_kernels.hpp"
 
 KVP_NAMESPACE_BEGIN
@@ -563,6 +564,34 @@ inline std::int32_t order_key(float f) noexcept {
 // the ~1-2% of scores above the threshold cost more than a compare.
 inline constexpr std::int64_t kCollectBlock = 4096;
 
+// The lanes of the vector at p that are >= thr (ordered compare: NaN fails), as the low kLanes bits.
+#if KVP_CPU_TU_ISA == 2
+inline std::uint64_t ge_lanes(const float* p, __m512 thr) noexcept {
+  return _cvtmask16_u32(_mm512_cmp_ps_mask(_mm512_loadu_ps(p), thr, _CMP_GE_OQ));
+}
+inline __m512 broadcast_threshold(float t) noexcept { return _mm512_set1_ps(t); }
+#elif KVP_CPU_TU_ISA == 1
+inline std::uint64_t ge_lanes(const float* p, __m256 thr) noexcept {
+  return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), thr, _CMP_GE_OQ)));
+}
+inline __m256 broadcast_threshold(float t) noexcept { return _mm256_set1_ps(t); }
+#else
+inline std::uint64_t ge_lanes(const float* p, __m128 thr) noexcept {
+  return static_cast<std::uint32_t>(_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p), thr)));
+}
+inline __m128 broadcast_threshold(float t) noexcept { return _mm_set1_ps(t); }
+#endif
+
+// The masks of `count` consecutive vectors at p (count * kLanes <= 64) in one word, vector q at bit q * kLanes.
+template <class T>
+inline std::uint64_t ge_vectors(const float* p, std::int64_t count, T thr) noexcept {
+  std::uint64_t w = 0;
+#pragma GCC unroll 16
+  for (std::int64_t q = 0; q < count; ++q) w |= ge_lanes(p + q * kLanes, thr) << (q * kLanes);
+  return w;
+}
+
+// The word of 64 scores at s.
 #if KVP_CPU_TU_ISA == 2
 inline std::uint64_t ge_word(const float* s, __m512 thr) noexcept {
   // The four masks joined in mask registers: one move to a general register per word instead of four.
@@ -572,53 +601,17 @@ inline std::uint64_t ge_word(const float* s, __m512 thr) noexcept {
   const __mmask16 k3 = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + 48), thr, _CMP_GE_OQ);
   return _cvtmask64_u64(_mm512_kunpackd(_mm512_kunpackw(k3, k2), _mm512_kunpackw(k1, k0)));
 }
-inline __m512 broadcast_threshold(float t) noexcept { return _mm512_set1_ps(t); }
-inline float threshold_of(__m512 t) noexcept { return _mm512_cvtss_f32(t); }
-#elif KVP_CPU_TU_ISA == 1
-inline std::uint64_t ge_word(const float* s, __m256 thr) noexcept {
-  std::uint64_t w = 0;
-#pragma GCC unroll 8
-  for (int q = 0; q < 8; ++q) {
-    const auto k = static_cast<std::uint64_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + 8 * q), thr, _CMP_GE_OQ)));
-    w |= k << (8 * q);
-  }
-  return w;
-}
-inline __m256 broadcast_threshold(float t) noexcept { return _mm256_set1_ps(t); }
-inline float threshold_of(__m256 t) noexcept { return _mm256_cvtss_f32(t); }
 #else
-inline std::uint64_t ge_word(const float* s, __m128 thr) noexcept {
-  std::uint64_t w = 0;
-#pragma GCC unroll 16
-  for (int q = 0; q < 16; ++q) {
-    const auto k = static_cast<std::uint64_t>(_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(s + 4 * q), thr)));  // ordered: NaN fails
-    w |= k << (4 * q);
-  }
-  return w;
+template <class T>
+inline std::uint64_t ge_word(const float* s, T thr) noexcept {
+  return ge_vectors(s, 64 / kLanes, thr);
 }
-inline __m128 broadcast_threshold(float t) noexcept { return _mm_set1_ps(t); }
-inline float threshold_of(__m128 t) noexcept { return _mm_cvtss_f32(t); }
 #endif
 
 // Sparse rows (the caller expects at most 1 score in kSparse to pass) test each 64-score word through the
 // max of its four vectors first (NaN skipped; NaN never passes the ordered compare): one compare instead of
 // four, and the word's four masks only when some score passes. Dense rows take every word's masks.
 inline constexpr std::int64_t kSparse = 20;
-
-// The lanes of the vector at p that are >= thr (ordered compare: NaN fails), as the low kLanes bits.
-#if KVP_CPU_TU_ISA == 2
-inline std::uint64_t ge_lanes(const float* p, __m512 thr) noexcept {
-  return _cvtmask16_u32(_mm512_cmp_ps_mask(_mm512_loadu_ps(p), thr, _CMP_GE_OQ));
-}
-#elif KVP_CPU_TU_ISA == 1
-inline std::uint64_t ge_lanes(const float* p, __m256 thr) noexcept {
-  return static_cast<std::uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), thr, _CMP_GE_OQ)));
-}
-#else
-inline std::uint64_t ge_lanes(const float* p, __m128 thr) noexcept {
-  return static_cast<std::uint32_t>(_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p), thr)));
-}
-#endif
 
 // Appends base + (each set bit of w), ascending, at out[m] and advances m by the bit count. The first F
 // indices are stored without a branch (the stores past the count land in the output's slack and are
@@ -641,7 +634,8 @@ inline void emit_bits(std::uint64_t w, std::int32_t base, std::int32_t* out, std
 
 // The dense scan of collect_at_least from score i0 on: a block of words, then their indices.
 template <int F, class T>
-inline std::int64_t collect_words(const float* s, std::int64_t n, std::int64_t i0, T thr, std::int32_t* out, std::int64_t m) noexcept {
+inline std::int64_t collect_words(const float* s, std::int64_t n, std::int64_t i0, float threshold, T thr, std::int32_t* out,
+                                  std::int64_t m) noexcept {
   std::uint64_t words[kCollectBlock / 64];
   for (; i0 + 64 <= n; i0 += kCollectBlock) {
     const std::int64_t nw = (n - i0 < kCollectBlock ? n - i0 : kCollectBlock) / 64;
@@ -650,12 +644,10 @@ inline std::int64_t collect_words(const float* s, std::int64_t n, std::int64_t i
   }
   // The last < 64 scores: whole vectors into one word, then the < kLanes rest one by one.
   const std::int64_t t0 = n / 64 * 64, tv = (n - t0) / kLanes;
-  std::uint64_t w = 0;
-  for (std::int64_t q = 0; q < tv; ++q) w |= ge_lanes(s + t0 + q * kLanes, thr) << (q * kLanes);
-  emit_bits<F>(w, static_cast<std::int32_t>(t0), out, m);
+  emit_bits<F>(ge_vectors(s + t0, tv, thr), static_cast<std::int32_t>(t0), out, m);
   for (std::int64_t i = t0 + tv * kLanes; i < n; ++i) {
     out[m] = static_cast<std::int32_t>(i);
-    m += s[i] >= threshold_of(thr) ? 1 : 0;
+    m += s[i] >= threshold ? 1 : 0;
   }
   return m;
 }
@@ -682,9 +674,9 @@ inline std::int64_t collect_at_least(const float* s, std::int64_t n, float thres
 #endif
   // Branch-free stores per word sized to the expected bits per word (2 up to 1.5 on average, then 4, then 8).
   const std::int64_t twice_per_word = n > 0 ? expected * 128 / n : 0;
-  if (twice_per_word <= 3) return collect_words<2>(s, n, i0, thr, out, m);
-  if (twice_per_word <= 7) return collect_words<4>(s, n, i0, thr, out, m);
-  return collect_words<8>(s, n, i0, thr, out, m);
+  if (twice_per_word <= 3) return collect_words<2>(s, n, i0, threshold, thr, out, m);
+  if (twice_per_word <= 7) return collect_words<4>(s, n, i0, threshold, thr, out, m);
+  return collect_words<8>(s, n, i0, threshold, thr, out, m);
 }
 
 // Order keys of whole vectors of scores.
@@ -787,7 +779,8 @@ inline void load_keys(const float* s, std::int64_t n, std::int32_t* keys, std::i
 // from -inf skips NaN), so the pass runs at the speed of a read pass. Two layouts, by the vectors per block
 // (block_vectors):
 //  - words:  blocks of whole 64-score words or more (few blocks: small k) are runs of consecutive vectors,
-//            reduced across lanes (kLanes blocks at a time on AVX2): collect_in_blocks then reads only the
+//            reduced across lanes (kLanes blocks at a time through lane_reduce.hpp's tree, one by one on
+//            SSE2): collect_in_blocks then reads only the
 //            blocks whose maximum reaches the cut;
 //  - lanes:  smaller blocks are one lane of a run of vectors (kLanes blocks per run, no reduction across
 //            lanes); collect_in_blocks reads the whole row.
@@ -807,32 +800,6 @@ inline F max_skip_nan(F x, F acc) noexcept {
   return F(_mm_max_ps(x, acc));
 #endif
 }
-
-// The largest lane of a NaN-free vector.
-inline float lane_max(F v) noexcept {
-#if KVP_CPU_TU_ISA == 2
-  return _mm512_reduce_max_ps(v);
-#elif KVP_CPU_TU_ISA == 1
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
-#else
-  const __m128 x = _mm_max_ps(v, _mm_movehl_ps(v, v));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
-#endif
-}
-
-#if KVP_CPU_TU_ISA == 1
-// Lane i of the result is the largest lane of v[i] (NaN-free vectors): an 8 x 8 transposing reduction,
-// 21 instructions for eight vectors instead of 6 each.
-inline __m256 lane_max8(const __m256* v) noexcept {
-  const auto pair = [](__m256 a, __m256 b) { return _mm256_max_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); };
-  const __m256 t0 = pair(v[0], v[1]), t1 = pair(v[2], v[3]), t2 = pair(v[4], v[5]), t3 = pair(v[6], v[7]);
-  const __m256 u0 = _mm256_max_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 u1 = _mm256_max_ps(_mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm256_max_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-#endif
 
 // The NaN-skipping maximum of the vectors v0 .. v1 - 1 (a vector of -inf where all are NaN), four chains.
 inline F vectors_max(const float* s, std::int64_t v0, std::int64_t v1) noexcept {
@@ -867,19 +834,21 @@ inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t 
     const std::int64_t per = block_vectors(nvec, target);
     if (per >= kWordVecs) {
       const std::int64_t blocks = (nvec + per - 1) / per;
-#if KVP_CPU_TU_ISA == 1
-      for (std::int64_t b = 0; b < blocks; b += 8) {  // the last group padded with -inf; out has slack
-        __m256 v[8];
-        for (std::int64_t q = 0; q < 8; ++q) {
+#if KVP_CPU_TU_ISA >= 1
+      // kLanes blocks at a time through the transposing tree (lane_reduce.hpp); the last group is padded
+      // with -inf (out has slack).
+      for (std::int64_t b = 0; b < blocks; b += kLanes) {
+        typename F::register_type v[kLanes];
+        for (std::int64_t q = 0; q < kLanes; ++q) {
           const std::int64_t v0 = (b + q) * per, v1 = v0 + per < nvec ? v0 + per : nvec;
-          v[q] = b + q < blocks ? static_cast<__m256>(vectors_max(s, v0, v1)) : _mm256_set1_ps(-kInf);
+          v[q] = b + q < blocks ? vectors_max(s, v0, v1) : F(-kInf);
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), order_keys(lane_max8(v)));
+        store_keys(F(reduce_lanes<true>(v)), out + b);
       }
 #else
       for (std::int64_t b = 0; b < blocks; ++b) {
         const std::int64_t v0 = b * per, v1 = v0 + per < nvec ? v0 + per : nvec;
-        out[b] = order_key(lane_max(vectors_max(s, v0, v1)));
+        out[b] = order_key(hmax(vectors_max(s, v0, v1)));
       }
 #endif
       nb = blocks;
@@ -933,11 +902,7 @@ inline std::int64_t collect_in_blocks(const float* s, std::int64_t n, std::int64
     const std::int64_t v1 = (b + 1) * per < nvec ? (b + 1) * per : nvec;
     std::int64_t v = b * per;
     for (; v + kWordVecs <= v1; v += kWordVecs) emit_bits<2>(ge_word(s + v * kLanes, thr), static_cast<std::int32_t>(v * kLanes), out, m);
-    if (v < v1) {
-      std::uint64_t w = 0;
-      for (std::int64_t q = 0; v + q < v1; ++q) w |= ge_lanes(s + (v + q) * kLanes, thr) << (q * kLanes);
-      emit_bits<2>(w, static_cast<std::int32_t>(v * kLanes), out, m);
-    }
+    if (v < v1) emit_bits<2>(ge_vectors(s + v * kLanes, v1 - v, thr), static_cast<std::int32_t>(v * kLanes), out, m);
   }
   return m;
 }
@@ -1018,8 +983,9 @@ inline std::int32_t min_key_at_least(const std::int32_t* keys, std::int64_t m, s
 // the smallest and largest key differ are common to every key and taken as they are; each lower bit costs one
 // count_keys_at_least pass, so at most 32 passes over m keys, branch-free inside. For the few hundred keys of
 // the top-k's block maxima and candidates this is several times faster than std::nth_element, whose
-// comparisons mispredict.
-inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, std::int64_t rank) noexcept {
+// comparisons mispredict. *at_least (when not null) gets how many keys are >= the result: the bisection has
+// counted them already.
+inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, std::int64_t rank, std::int64_t* at_least) noexcept {
   std::int32_t lo = INT32_MAX, hi = INT32_MIN;
   std::int64_t i = 0;
 #if KVP_CPU_TU_ISA == 2
@@ -1051,19 +1017,26 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
     hi = keys[i] > hi ? keys[i] : hi;
   }
   const std::uint32_t ulo = static_cast<std::uint32_t>(lo) ^ 0x80000000u, uhi = static_cast<std::uint32_t>(hi) ^ 0x80000000u;
-  if (ulo == uhi || rank <= 1) return rank <= 1 ? hi : lo;
+  const auto done = [&](std::int32_t key, std::int64_t count) {
+    if (at_least != nullptr) *at_least = count;
+    return key;
+  };
+  if (ulo == uhi) return done(rank <= 1 ? hi : lo, m);  // all equal
+  if (rank <= 1) return done(hi, at_least != nullptr ? count_keys_at_least(keys, m, hi) : 0);
   const int top = 31 - __builtin_clz(ulo ^ uhi);
   std::uint32_t u = ulo & ~((2u << top) - 1u);  // the common prefix (2u << 31 wraps to 0: no prefix)
+  std::int64_t have = m;                        // keys >= u
   for (int b = top; b >= 0; --b) {
     const std::uint32_t cand = u | (1u << b);
     const std::int64_t c = count_keys_at_least(keys, m, static_cast<std::int32_t>(cand ^ 0x80000000u));
     if (c < rank) continue;
     u = cand;
+    have = c;
     // Exactly `rank` keys at or above u: the answer is the smallest of them (one pass instead of the
     // remaining bits; distinct keys get here after about log2(m) + 2 bits).
-    if (c == rank) return min_key_at_least(keys, m, static_cast<std::int32_t>(u ^ 0x80000000u));
+    if (c == rank) return done(min_key_at_least(keys, m, static_cast<std::int32_t>(u ^ 0x80000000u)), c);
   }
-  return static_cast<std::int32_t>(u ^ 0x80000000u);
+  return done(static_cast<std::int32_t>(u ^ 0x80000000u), have);
 }
 
 // Stable compaction of (idx, key) pairs: keeps pair i when
