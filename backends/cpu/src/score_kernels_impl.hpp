@@ -870,6 +870,57 @@ inline std::int64_t block_max_keys(const float* s, std::int64_t n, std::int64_t 
   return nb;
 }
 
+#if KVP_CPU_TU_ISA == 1
+// AVX2 has no compress: for each 8-bit mask, the lanes of its set bits ascending, one byte each, which
+// _mm256_permutevar8x32_epi32 uses to move a vector's kept lanes to its front (2 KiB, in L1 while in use).
+inline constexpr std::array<std::uint64_t, 256> kPackLanes = [] {
+  std::array<std::uint64_t, 256> t{};
+  for (unsigned mask = 0; mask < 256; ++mask) {
+    std::uint64_t v = 0;
+    unsigned o = 0;
+    for (unsigned l = 0; l < 8; ++l)
+      if ((mask >> l) & 1u) v |= static_cast<std::uint64_t>(l) << (8 * o++);
+    t[mask] = v;
+  }
+  return t;
+}();
+inline __m256i pack_kept(__m256i x, unsigned mask) noexcept {
+  const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kPackLanes[mask])));
+  return _mm256_permutevar8x32_epi32(x, perm);
+}
+inline unsigned lane_mask(__m256i keep) noexcept { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(keep))); }
+#endif
+
+// The positions i < m with key[i] >= t, ascending, at out (out needs kCollectSlack entries of slack); returns
+// their count. A vector of keys at a time (compressed stores) instead of a store and a dependent add per key.
+inline std::int64_t positions_at_least(const std::int32_t* key, std::int64_t m, std::int32_t t, std::int32_t* out) noexcept {
+  std::int64_t o = 0, i = 0;
+#if KVP_CPU_TU_ISA == 2
+  const __m512i tv = _mm512_set1_epi32(t), step = _mm512_set1_epi32(16);
+  __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; i + 16 <= m; i += 16, pos = _mm512_add_epi32(pos, step)) {
+    const __mmask16 keep = _mm512_cmpge_epi32_mask(_mm512_loadu_si512(key + i), tv);
+    _mm512_storeu_si512(out + o, _mm512_maskz_compress_epi32(keep, pos));
+    o += __builtin_popcount(keep);
+  }
+#elif KVP_CPU_TU_ISA == 1
+  const __m256i below = _mm256_set1_epi32(t - 1), step = _mm256_set1_epi32(8);  // key >= t <=> key > t - 1 (t > INT32_MIN)
+  __m256i pos = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if (t != INT32_MIN) {
+    for (; i + 8 <= m; i += 8, pos = _mm256_add_epi32(pos, step)) {
+      const unsigned mask = lane_mask(_mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + i)), below));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + o), pack_kept(pos, mask));
+      o += __builtin_popcount(mask);
+    }
+  }
+#endif
+  for (; i < m; ++i) {  // the tail (all of it on SSE2)
+    out[o] = static_cast<std::int32_t>(i);
+    o += key[i] >= t ? 1 : 0;
+  }
+  return o;
+}
+
 // The indices of the scores >= key_float(cut) (cut above -inf's key), ascending, as collect_at_least; block_keys
 // (nb) are block_max_keys(s, n, target). In the word layout only the blocks whose maximum reaches the cut are
 // read (listed first without a branch per block: about half of them pass at the top-k's 2k blocks); in the lane
@@ -885,11 +936,8 @@ inline std::int64_t collect_in_blocks(const float* s, std::int64_t n, std::int64
   // The max instruction returns either zero for the pair (+0, -0), so a block holding +0 may report -0's key
   // (-1): at a cut of +0's key (0) such blocks are read too.
   const std::int32_t read_from = cut == 0 ? -1 : cut;
-  std::int64_t listed = 0, m = 0;
-  for (std::int64_t b = 0; b < nb; ++b) {
-    list[listed] = static_cast<std::int32_t>(b);
-    listed += block_keys[b] >= read_from ? 1 : 0;
-  }
+  const std::int64_t listed = positions_at_least(block_keys, nb, read_from, list);
+  std::int64_t m = 0;
   for (std::int64_t l = 0; l < listed; ++l) {
     const std::int64_t b = list[l];
     if (b == whole) {  // the trailing scores
@@ -1029,12 +1077,14 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
   for (int b = top; b >= 0; --b) {
     const std::uint32_t cand = u | (1u << b);
     const std::int64_t c = count_keys_at_least(keys, m, static_cast<std::int32_t>(cand ^ 0x80000000u));
-    if (c < rank) continue;
-    u = cand;
-    have = c;
+    // Taking the bit or not is a select, not a branch: it goes either way about half the time.
+    const bool take = c >= rank;
+    u = take ? cand : u;
+    have = take ? c : have;
     // Exactly `rank` keys at or above u: the answer is the smallest of them (one pass instead of the
     // remaining bits; distinct keys get here after about log2(m) + 2 bits).
-    if (c == rank) return done(min_key_at_least(keys, m, static_cast<std::int32_t>(u ^ 0x80000000u)), c);
+    if (c == rank) [[unlikely]]
+      return done(min_key_at_least(keys, m, static_cast<std::int32_t>(u ^ 0x80000000u)), c);
   }
   return done(static_cast<std::int32_t>(u ^ 0x80000000u), have);
 }
@@ -1044,26 +1094,6 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
 //   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
 // and returns the count. The outputs need kCollectSlack entries of slack;
 // they may alias the inputs (writes never pass reads).
-#if KVP_CPU_TU_ISA == 1
-// AVX2 has no compress: for each 8-bit mask, the lanes of its set bits ascending, one byte each, which
-// _mm256_permutevar8x32_epi32 uses to move a vector's kept lanes to its front (2 KiB, in L1 while in use).
-inline constexpr std::array<std::uint64_t, 256> kPackLanes = [] {
-  std::array<std::uint64_t, 256> t{};
-  for (unsigned mask = 0; mask < 256; ++mask) {
-    std::uint64_t v = 0;
-    unsigned o = 0;
-    for (unsigned l = 0; l < 8; ++l)
-      if ((mask >> l) & 1u) v |= static_cast<std::uint64_t>(l) << (8 * o++);
-    t[mask] = v;
-  }
-  return t;
-}();
-inline __m256i pack_kept(__m256i x, unsigned mask) noexcept {
-  const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(kPackLanes[mask])));
-  return _mm256_permutevar8x32_epi32(x, perm);
-}
-inline unsigned lane_mask(__m256i keep) noexcept { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(keep))); }
-#endif
 
 inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
                                       std::int64_t key_hi, std::int32_t* out_idx, std::int32_t* out_key) noexcept {

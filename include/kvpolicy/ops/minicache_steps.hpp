@@ -50,7 +50,7 @@ KVP_HOST_DEVICE inline float minicache_distance(const float* a, float na, const 
   std::int64_t i = 0;
   for (; i + 8 <= d; i += 8)
     for (int k = 0; k < 8; ++k) acc[k] += (a[i + k] * ia) * (b[i + k] * ib);
-  for (; i < d; ++i) acc[i % 8] += (a[i] * ia) * (b[i] * ib);
+  for (int k = 0; k < 8 && i + k < d; ++k) acc[k] += (a[i + k] * ia) * (b[i + k] * ib);  // i % 8 == 0: element i + k goes to acc[k]
   const float dot = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
   const float cs = dot < -1.0f ? -1.0f : (1.0f < dot ? 1.0f : dot);  // std::clamp (a NaN stays NaN)
   return acosf(cs) / 3.14159265358979323846f;
