@@ -1677,10 +1677,12 @@ inline vi block_high(std::uint32_t h, int i) noexcept {
   return sll(iand(srlv(set1i(static_cast<std::int32_t>(h)), iadd(iota(), set1i(i * static_cast<int>(kW)))), set1i(1)), 4);
 }
 
-/// One block's bytes decoded into y[0, 32) (every ggml format): the
-/// reference's products and sums, fp16 outputs rounded to nearest even.
-template <class T>
-inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) noexcept {
+/// One block's bytes of format kT decoded into y[0, 32) (every ggml format): the reference's products and
+/// sums, fp16 outputs rounded to nearest even. The format is a template argument so that a row's loop over
+/// its blocks (ggml_dequantize_blocks_v) keeps its constants in registers and has no per-block branches on it.
+template <GgmlType kT, class T>
+inline void ggml_decode_block(const std::uint8_t* in, T* y) noexcept {
+  constexpr GgmlType t = kT;
   switch (t) {
     case GgmlType::kQ8_0: {
       const vf d = set1(get_half(in));
@@ -1692,42 +1694,62 @@ inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) no
 #endif
         st(y + i * kW, mul(tof(q), d));
       }
-      return true;
+      return;
     }
     case GgmlType::kQ4_0:
     case GgmlType::kQ5_0: {
-      const bool five = t == GgmlType::kQ5_0;
+      constexpr bool five = kT == GgmlType::kQ5_0;
       const vf d = set1(get_half(in));
       const std::uint8_t* qs = in + (five ? 6 : 2);
       std::uint32_t h = 0;
-      if (five) std::memcpy(&h, in + 2, 4);
+      if constexpr (five) std::memcpy(&h, in + 2, 4);
       const vi off = set1i(five ? 16 : 8);
       for (int i = 0; i < kBlockVecs; ++i) {
         vi q = block_nibbles(qs, i);
-        if (five) q = ior(q, block_high(h, i));
+        if constexpr (five) q = ior(q, block_high(h, i));
         st(y + i * kW, mul(d, tof(isub(q, off))));
       }
-      return true;
+      return;
     }
     case GgmlType::kQ4_1:
     case GgmlType::kQ5_1: {
-      const bool five = t == GgmlType::kQ5_1;
+      constexpr bool five = kT == GgmlType::kQ5_1;
       const vf d = set1(get_half(in)), m = set1(get_half(in + 2));
       const std::uint8_t* qs = in + (five ? 8 : 4);
       std::uint32_t h = 0;
-      if (five) std::memcpy(&h, in + 4, 4);
+      if constexpr (five) std::memcpy(&h, in + 4, 4);
       for (int i = 0; i < kBlockVecs; ++i) {
         vi q = block_nibbles(qs, i);
-        if (five) q = ior(q, block_high(h, i));
+        if constexpr (five) q = ior(q, block_high(h, i));
         st(y + i * kW, add(mul(d, tof(q)), m));
       }
-      return true;
+      return;
     }
     case GgmlType::kIQ4_NL: {
       const vf d = set1(get_half(in));
       for (int i = 0; i < kBlockVecs; ++i) st(y + i * kW, mul(d, iq4nl_lookup(block_nibbles(in + 2, i))));
-      return true;
+      return;
     }
+    default: return;
+  }
+}
+/// Blocks [0, nb) of one format, back to back from in (ggml_block_bytes(kT) each), into y.
+template <GgmlType kT, class T>
+inline void ggml_decode_blocks(const std::uint8_t* in, std::int64_t nb, T* y) noexcept {
+  constexpr std::int32_t bb = ggml_block_bytes(kT);
+  for (std::int64_t b = 0; b < nb; ++b) ggml_decode_block<kT>(in + b * bb, y + b * 32);
+}
+/// nb blocks of format t decoded into y, the format dispatched once per call; false where this level has no
+/// decoder for t (the caller runs the reference).
+template <class T>
+inline bool ggml_dequantize_blocks_v(GgmlType t, const std::uint8_t* in, std::int64_t nb, T* y) noexcept {
+  switch (t) {
+    case GgmlType::kQ8_0: ggml_decode_blocks<GgmlType::kQ8_0>(in, nb, y); return true;
+    case GgmlType::kQ4_0: ggml_decode_blocks<GgmlType::kQ4_0>(in, nb, y); return true;
+    case GgmlType::kQ4_1: ggml_decode_blocks<GgmlType::kQ4_1>(in, nb, y); return true;
+    case GgmlType::kQ5_0: ggml_decode_blocks<GgmlType::kQ5_0>(in, nb, y); return true;
+    case GgmlType::kQ5_1: ggml_decode_blocks<GgmlType::kQ5_1>(in, nb, y); return true;
+    case GgmlType::kIQ4_NL: ggml_decode_blocks<GgmlType::kIQ4_NL>(in, nb, y); return true;
     default: return false;
   }
 }
@@ -1776,7 +1798,7 @@ inline bool kivi_dequantize_values(const std::uint8_t*, std::int64_t, const std:
 inline bool ggml_quantize_block_v(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
 inline bool ggml_quantize_group16(GgmlType, const float*, std::uint8_t*) noexcept { return false; }
 template <class T>
-inline bool ggml_dequantize_block_v(GgmlType, const std::uint8_t*, T*) noexcept {
+inline bool ggml_dequantize_blocks_v(GgmlType, const std::uint8_t*, std::int64_t, T*) noexcept {
   return false;
 }
 

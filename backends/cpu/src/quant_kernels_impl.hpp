@@ -158,18 +158,18 @@ inline void quantize_f16(GgmlType t, const half* x, std::int64_t n, std::uint8_t
   }
 }
 template <class T>
-inline bool ggml_dequantize_block_v(GgmlType t, const std::uint8_t* in, T* y) noexcept;  // quant_codec_impl.hpp
+inline bool ggml_dequantize_blocks_v(GgmlType t, const std::uint8_t* in, std::int64_t nb, T* y) noexcept;  // quant_codec_impl.hpp
 
 inline void dequantize_f32(GgmlType t, const std::uint8_t* in, std::int64_t n, float* y) noexcept {
   const std::int32_t bb = ggml_block_bytes(t);
-  for (std::int64_t b = 0; b < n / kGgmlBlock; ++b)
-    if (!ggml_dequantize_block_v(t, in + b * bb, y + b * kGgmlBlock)) dequantize_block(t, in + b * bb, y + b * kGgmlBlock);
+  if (ggml_dequantize_blocks_v(t, in, n / kGgmlBlock, y)) return;
+  for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) dequantize_block(t, in + b * bb, y + b * kGgmlBlock);
 }
 inline void dequantize_f16(GgmlType t, const std::uint8_t* in, std::int64_t n, half* y) noexcept {
+  if (ggml_dequantize_blocks_v(t, in, n / kGgmlBlock, y)) return;
   const std::int32_t bb = ggml_block_bytes(t);
   alignas(64) float f[kGgmlBlock] = {};
   for (std::int64_t b = 0; b < n / kGgmlBlock; ++b) {
-    if (ggml_dequantize_block_v(t, in + b * bb, y + b * kGgmlBlock)) continue;
     dequantize_block(t, in + b * bb, f);
     narrow_block(f, y + b * kGgmlBlock);
   }
