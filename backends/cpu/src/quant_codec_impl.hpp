@@ -1025,6 +1025,29 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
 /// operations), so each code's value is one permute, bit-identical to decoding it (AVX2 at 4 bits decodes each
 /// code: 16 values take two vectors there). A vector of 16 channels (AVX-512) takes its codes from one word
 /// (2 bits) or two (4 bits); a vector of 8 (AVX2) from half a word or one.
+#if KVP_CPU_TU_ISA == 1
+/// The fp16 bits of 16 values (lv0: entries 0-7, lv1: 8-15), rounded to nearest even, as two byte tables
+/// repeated in both 128-bit lanes: lo holds each entry's low byte, hi its high byte (for _mm256_shuffle_epi8).
+inline void f16_byte_tables(vf lv0, vf lv1, __m256i& lo, __m256i& hi) noexcept {
+  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i a = _mm_shuffle_epi8(_mm256_cvtps_ph(lv0, kRne), split), b = _mm_shuffle_epi8(_mm256_cvtps_ph(lv1, kRne), split);
+  lo = _mm256_broadcastsi128_si256(_mm_unpacklo_epi64(a, b));
+  hi = _mm256_broadcastsi128_si256(_mm_unpackhi_epi64(a, b));
+}
+/// 32 channels of 4-bit KIVI value codes (byte j: channel 2j in the low nibble, 2j + 1 in the high one) into
+/// fp16 through f16_byte_tables' tables.
+inline void kivi4_lookup_f16(__m256i lo, __m256i hi, const std::uint8_t* codes, half* y) noexcept {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m256i idx = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), _mm256_set1_epi8(15));
+  const __m256i l = _mm256_shuffle_epi8(lo, idx), h = _mm256_shuffle_epi8(hi, idx);  // lane 0: even channels, lane 1: odd
+  const __m256i e0 = _mm256_unpacklo_epi8(l, h), e1 = _mm256_unpackhi_epi8(l, h);
+  const __m256i even = _mm256_permute2x128_si256(e0, e1, 0x20), odd = _mm256_permute2x128_si256(e0, e1, 0x31);
+  const __m256i c0 = _mm256_unpacklo_epi16(even, odd), c1 = _mm256_unpackhi_epi16(even, odd);  // channels 0-7 | 16-23, 8-15 | 24-31
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute2x128_si256(c0, c1, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), _mm256_permute2x128_si256(c0, c1, 0x31));
+}
+#endif
+
 template <int kBits, class T>
 inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
                                          std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, T* y,
@@ -1048,6 +1071,16 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
     for (std::int64_t g = 0; g < groups; ++g) {
       const vf gs = set1(get_half(sc + 2 * g)), gm = set1(get_half(sc + 2 * (groups + g)));
       const vf table = kivi_decode(iota(), gs, gm);
+#if KVP_CPU_TU_ISA == 1
+      if constexpr (kBits == 4 && std::is_same_v<T, half>) {
+        if (group % 32 == 0) {  // the group's 16 outputs as fp16 byte tables, 32 channels per lookup
+          __m256i lo, hi;
+          f16_byte_tables(table, kivi_decode(iadd(iota(), set1i(8)), gs, gm), lo, hi);
+          for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 32) kivi4_lookup_f16(lo, hi, cw + ch / 2, yr + ch);
+          continue;
+        }
+      }
+#endif
 #if KVP_CPU_TU_ISA != 2
       if (kBits == 2 && group % (2 * kW) == 0) {  // one word's 16 codes make two vectors: loaded once, no per-vector choice
         for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 2 * kW) {
@@ -1678,16 +1711,14 @@ inline vi block_high(std::uint32_t h, int i) noexcept {
 }
 
 #if KVP_CPU_TU_ISA == 1
-/// fp16 output of an iq4_nl block (AVX2): the block's 16 possible outputs,
-/// lv0 for codes 0-7 and lv1 for 8-15, computed as floats (the products and sums each element gets) and
-/// rounded to fp16 once, then each code's fp16 looked up by two byte shuffles (a table of the low bytes, one
-/// of the high bytes) and interleaved: the same bits as converting element by element, without a
-/// widen / convert / table permute / multiply / narrow per vector (in L1: 6.2 -> 3.8 ns per block; q4_0
-/// and q4_1, whose codes need no table, were 10 % slower this way and keep the vector path).
+/// fp16 output of an iq4_nl block (AVX2): the block's 16 possible outputs, lv0 for codes 0-7 and lv1 for 8-15,
+/// computed as floats (the products each element gets) and rounded to fp16 once (f16_byte_tables), then each
+/// code's fp16 looked up by two byte shuffles and interleaved: the same bits as converting element by element,
+/// without a widen / convert / table permute / multiply / narrow per vector (in L1: 6.2 -> 3.8 ns per block;
+/// q4_0 and q4_1, whose codes need no table, were 10 % slower this way and keep the vector path).
 inline void decode16_f16(vf lv0, vf lv1, const std::uint8_t* qs, half* y) noexcept {
-  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  const __m128i a = _mm_shuffle_epi8(_mm256_cvtps_ph(lv0, kRne), split), b = _mm_shuffle_epi8(_mm256_cvtps_ph(lv1, kRne), split);
-  const __m256i lo = _mm256_broadcastsi128_si256(_mm_unpacklo_epi64(a, b)), hi = _mm256_broadcastsi128_si256(_mm_unpackhi_epi64(a, b));
+  __m256i lo, hi;
+  f16_byte_tables(lv0, lv1, lo, hi);
   // Codes: element j < 16 is the low nibble of qs[j] (lane 0), element 16 + j its high nibble (lane 1).
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i idx = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), _mm256_set1_epi8(15));
