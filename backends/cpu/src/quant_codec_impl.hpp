@@ -1021,10 +1021,6 @@ inline bool kivi_quantize_values(const float* x, std::int64_t rows, std::int64_t
   if (bits == 4) return kivi_quantize_values_bits<4>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
   return kivi_quantize_values_bits<8>(x, rows, d, group, codes, codes_stride, scales, scales_stride);
 }
-/// 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j, by its own
-/// operations), so each code's value is one permute, bit-identical to decoding it (AVX2 at 4 bits decodes each
-/// code: 16 values take two vectors there). A vector of 16 channels (AVX-512) takes its codes from one word
-/// (2 bits) or two (4 bits); a vector of 8 (AVX2) from half a word or one.
 #if KVP_CPU_TU_ISA == 1
 /// The fp16 bits of 16 values (lv0: entries 0-7, lv1: 8-15), rounded to nearest even, as two byte tables
 /// repeated in both 128-bit lanes: lo holds each entry's low byte, hi its high byte (for _mm256_shuffle_epi8).
@@ -1048,6 +1044,12 @@ inline void kivi4_lookup_f16(__m256i lo, __m256i hi, const std::uint8_t* codes, 
 }
 #endif
 
+/// 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j, by its own
+/// operations), so each code's value is one permute, bit-identical to decoding it (AVX2 at 4 bits decodes each
+/// code: 16 values take two vectors there, except for fp16 output in groups of multiples of 32 channels, where
+/// the group's 16 values become fp16 byte tables and kivi4_lookup_f16 looks up 32 codes at a time). A vector of
+/// 16 channels (AVX-512) takes its codes from one word (2 bits) or two (4 bits); a vector of 8 (AVX2) from half
+/// a word or one.
 template <int kBits, class T>
 inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t codes_stride, const std::uint8_t* scales,
                                          std::int64_t scales_stride, std::int64_t rows, std::int64_t d, int group, T* y,
