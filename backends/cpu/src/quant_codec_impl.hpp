@@ -1030,11 +1030,16 @@ inline void f16_byte_tables(vf lv0, vf lv1, __m256i& lo, __m256i& hi) noexcept {
   lo = _mm256_broadcastsi128_si256(_mm_unpacklo_epi64(a, b));
   hi = _mm256_broadcastsi128_si256(_mm_unpackhi_epi64(a, b));
 }
+/// The 32 nibbles of 16 bytes as byte indices for _mm256_shuffle_epi8: the low nibbles of bytes 0-15 in the
+/// first 128-bit lane, their high nibbles in the second.
+inline __m256i nibble_lanes(const std::uint8_t* p) noexcept {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), _mm256_set1_epi8(15));
+}
 /// 32 channels of 4-bit KIVI value codes (byte j: channel 2j in the low nibble, 2j + 1 in the high one) into
 /// fp16 through f16_byte_tables' tables.
 inline void kivi4_lookup_f16(__m256i lo, __m256i hi, const std::uint8_t* codes, half* y) noexcept {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  const __m256i idx = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), _mm256_set1_epi8(15));
+  const __m256i idx = nibble_lanes(codes);
   const __m256i l = _mm256_shuffle_epi8(lo, idx), h = _mm256_shuffle_epi8(hi, idx);  // lane 0: even channels, lane 1: odd
   const __m256i e0 = _mm256_unpacklo_epi8(l, h), e1 = _mm256_unpackhi_epi8(l, h);
   const __m256i even = _mm256_permute2x128_si256(e0, e1, 0x20), odd = _mm256_permute2x128_si256(e0, e1, 0x31);
@@ -1226,13 +1231,18 @@ inline void st_nibbles(std::uint8_t* qs, const vi* q) noexcept {
 }
 inline void put_u32(std::uint8_t* p, std::uint32_t v) noexcept { std::memcpy(p, &v, 4); }
 
+/// The 16 iq4_nl levels (kIq4nlValues) as floats, for vector loads: the one copy the decoders read.
+alignas(64) inline constexpr float kIq4nlLevels[16] = {kIq4nlValues[0],  kIq4nlValues[1],  kIq4nlValues[2],  kIq4nlValues[3],
+                                                       kIq4nlValues[4],  kIq4nlValues[5],  kIq4nlValues[6],  kIq4nlValues[7],
+                                                       kIq4nlValues[8],  kIq4nlValues[9],  kIq4nlValues[10], kIq4nlValues[11],
+                                                       kIq4nlValues[12], kIq4nlValues[13], kIq4nlValues[14], kIq4nlValues[15]};
+
 /// Lanes of idx (0..15) looked up in the 16 iq4_nl levels (as floats).
 inline vf iq4nl_lookup(vi idx) noexcept {
 #if KVP_CPU_TU_ISA == 2
-  const vf table = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-  return _mm512_permutexvar_ps(idx, table);
+  return _mm512_permutexvar_ps(idx, _mm512_load_ps(kIq4nlLevels));
 #else
-  const vf lo = _mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10), hi = _mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113);
+  const vf lo = _mm256_load_ps(kIq4nlLevels), hi = _mm256_load_ps(kIq4nlLevels + 8);
   const vf a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
   return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7))));
 #endif
@@ -1722,8 +1732,7 @@ inline void decode16_f16(vf lv0, vf lv1, const std::uint8_t* qs, half* y) noexce
   __m256i lo, hi;
   f16_byte_tables(lv0, lv1, lo, hi);
   // Codes: element j < 16 is the low nibble of qs[j] (lane 0), element 16 + j its high nibble (lane 1).
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i idx = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), _mm256_set1_epi8(15));
+  const __m256i idx = nibble_lanes(qs);
   const __m256i l = _mm256_shuffle_epi8(lo, idx), h = _mm256_shuffle_epi8(hi, idx);
   const __m256i e0 = _mm256_unpacklo_epi8(l, h), e1 = _mm256_unpackhi_epi8(l, h);  // elements 0-7 | 16-23, 8-15 | 24-31
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute2x128_si256(e0, e1, 0x20));
@@ -1783,8 +1792,7 @@ inline void ggml_decode_block(const std::uint8_t* in, T* y) noexcept {
       const vf d = set1(get_half(in));
 #if KVP_CPU_TU_ISA == 1
       if constexpr (std::is_same_v<T, half>) {
-        decode16_f16(mul(d, _mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10)),
-                     mul(d, _mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113)), in + 2, y);
+        decode16_f16(mul(d, _mm256_load_ps(kIq4nlLevels)), mul(d, _mm256_load_ps(kIq4nlLevels + 8)), in + 2, y);
         return;
       }
 #endif
