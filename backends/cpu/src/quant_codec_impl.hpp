@@ -767,6 +767,15 @@ inline bool kivi_recip_ok(vf scale) noexcept {
   return all_lanes(mand(lt(scale, set1(std::numeric_limits<float>::infinity())), gt(scale, set1(0.0f))));
 }
 inline vf kivi_decode(vi q, vf scale, vf mn) noexcept { return r16(add(r16(mul(tof(q), scale)), mn)); }
+/// kivi_decode stored at p: fp16 output skips the last rounding's return trip (the store rounds to nearest
+/// even itself, and rounding twice to fp16 gives what rounding once does): four conversions per vector, not six.
+template <class T>
+inline void kivi_store(T* p, vi q, vf scale, vf mn) noexcept {
+  if constexpr (std::is_same_v<T, half>)
+    st(p, add(r16(mul(tof(q), scale)), mn));
+  else
+    st(p, kivi_decode(q, scale, mn));
+}
 
 inline bool kivi_quantize_keys(const float* x, std::int64_t d, int group, int bits, std::uint8_t* codes, std::uint8_t* scales) noexcept {
   if (d % kW != 0) return false;
@@ -853,11 +862,12 @@ inline bool kivi_dequantize_keys(const std::uint8_t* codes, const std::uint8_t* 
       continue;
     }
 #endif
+    // A vector of code words holds f tokens of its channels: loaded once, its f rows written from it.
     for (int w = 0; w < group / f; ++w)
-      for (int j = 0; j < f; ++j) {
-        T* yr = y + (w * f + j) * y_stride + c0;
-        for (int i = 0; i < nb; ++i)
-          st(yr + i * kW, kivi_decode(iand(srl(ldi(codes + 4 * (w * d + c0 + i * kW)), bits * j), mask), scale[i], mn[i]));
+      for (int i = 0; i < nb; ++i) {
+        const vi word = ldi(codes + 4 * (w * d + c0 + i * kW));
+        T* yc = y + w * f * y_stride + c0 + i * kW;
+        for (int j = 0; j < f; ++j) kivi_store(yc + j * y_stride, iand(srl(word, bits * j), mask), scale[i], mn[i]);
       }
   }
   return true;
@@ -1116,7 +1126,10 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
         std::memcpy(&one, cw + 4 * (ch / f), 4);
         const vi q = iand(srlv(set1i(static_cast<std::int32_t>(one)), kBits == 2 && ch % f != 0 ? shifts_hi : shifts), mask);
         // 4 bits: the decoder's own operations (two permutes and a blend measured 10 % slower than them).
-        st(yr + ch, kBits == 2 ? _mm256_permutevar8x32_ps(table, q) : kivi_decode(q, gs, gm));
+        if constexpr (kBits == 2)
+          st(yr + ch, _mm256_permutevar8x32_ps(table, q));
+        else
+          kivi_store(yr + ch, q, gs, gm);
 #endif
       }
     }
@@ -1144,7 +1157,7 @@ inline bool kivi_dequantize_values(const std::uint8_t* codes, std::int64_t codes
     T* yr = y + r * y_stride;
     for (std::int64_t g = 0; g < groups; ++g) {
       const vf scale = set1(get_half(sc + 2 * g)), mn = set1(get_half(sc + 2 * (groups + g)));
-      for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += kW) st(yr + ch, kivi_decode(ld_u8(cw + ch), scale, mn));
+      for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += kW) kivi_store(yr + ch, ld_u8(cw + ch), scale, mn);
     }
   }
   return true;
