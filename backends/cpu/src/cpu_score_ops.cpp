@@ -63,11 +63,12 @@ void run_window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys,
 // AVX2) step 2 reads only the ~k blocks whose maximum reaches the threshold
 // (AVX2, k = 63 of 8191 scores: 69 -> 61 us for 32 rows, medians, old and new
 // interleaved). Large k (> n/8) and rows below 256 go straight to step 3
-// on all scores. The k-th largest of 49 or more block maxima (step 1), and
-// of 49 to 4096 candidates (step 3), comes from kth_largest_key's bisection
-// over the key bits (branch-free counting passes; it stops once exactly k
-// keys remain at or above the bound, after about log2(m) + 2 passes for
-// distinct keys); smaller sets take std::nth_element, more candidates the
+// on all scores. The k-th largest of the block maxima (step 1), and of up to
+// 4096 candidates (step 3), comes from kth_largest_key: up to 48 keys by
+// counting, for every key, the keys at or above it (branch-free, one compare
+// per pair); more by bisection over the key bits (branch-free counting
+// passes; it stops once exactly k keys remain at or above the bound, after
+// about log2(m) + 2 passes for distinct keys); more candidates take the
 // histogram rounds. At Quest's 4K-token budget (255 of 8191 pages per head)
 // the bisection took the top-k from 5.3 to 2.2 us per head (bench_quest
 // topk/cpu/4096: 32 heads 172 -> 72 us, medians; the profile had put the time
@@ -80,8 +81,7 @@ constexpr std::int64_t kSample = kSampleRun * kSampleRuns;  // sample size
 constexpr std::int64_t kBins = 2048;                        // histogram bins of one rank-search round
 constexpr std::int64_t kDirect = 4096;                      // below this length every score is a candidate
 constexpr std::int64_t kSmallSet = 48;                      // a boundary set this small is resolved by nth_element
-constexpr std::int64_t kBisectMin = 49;                     // key sets from this many ...
-constexpr std::int64_t kBisectMax = 4096;                   // ... up to this many: kth_largest_key
+constexpr std::int64_t kBisectMax = 4096;                   // key sets up to this many: kth_largest_key
 constexpr std::int64_t kBlockRowMin = 256;                  // rows of this length ...
 constexpr std::int64_t kBlockRowMax = 32768;                // ... up to this one take the block-maximum threshold
 
@@ -229,7 +229,7 @@ void select_exact(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int
     return;
   }
   std::int32_t cut_key = 0, cut_idx = 0;
-  if (m >= kBisectMin && m <= kBisectMax) {
+  if (m <= kBisectMax) {
     cut_by_bisection(kern, m, k, t, &cut_key, &cut_idx);
   } else {
     const std::uint64_t cut = kth_pair(kern, t.candidates, t.keys, m, k, lo, hi, t);
@@ -321,14 +321,7 @@ void CpuScoreOps::topk(const float* scores, std::int64_t n, std::int64_t k, std:
     const std::int64_t target = std::min<std::int64_t>(2 * k, n);
     const std::int64_t nb = kern.block_max_keys(scores, n, target, t.set_key);
     if (nb < k) return all_candidates();
-    std::int32_t cut = 0;
-    if (nb >= kBisectMin) {
-      cut = kern.kth_largest_key(t.set_key, nb, k, nullptr);
-    } else {
-      std::copy(t.set_key, t.set_key + nb, t.keys);  // the block order stays for collect_in_blocks
-      std::nth_element(t.keys, t.keys + (k - 1), t.keys + nb, std::greater<std::int32_t>());
-      cut = t.keys[k - 1];
-    }
+    const std::int32_t cut = kern.kth_largest_key(t.set_key, nb, k, nullptr);  // reads the keys only: the block order stays
     if (cut <= signed_key(-std::numeric_limits<float>::infinity())) return all_candidates();
     // Blocks of whole words: only those whose maximum reaches the cut (about k of the 2k) hold candidates.
     const std::int64_t m = kern.collect_in_blocks(scores, n, target, t.set_key, nb, cut, t.set_idx, t.candidates);
