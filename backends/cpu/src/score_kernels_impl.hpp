@@ -1098,7 +1098,13 @@ inline std::int32_t kth_largest_by_count_v(const std::int32_t* keys, std::int64_
   }
   for (std::int64_t j = 0; j < m; ++j) {
     const I kj(keys[j]);
-    for (int v = 0; v < kVecs; ++v) below[v] += I((key[v] > kj).data);  // the compare's true lanes are -1
+    for (int v = 0; v < kVecs; ++v) {
+#if KVP_CPU_TU_ISA == 2  // the compare gives a mask register: subtract one in its lanes
+      below[v] = _mm512_mask_sub_epi32(below[v], _mm512_cmpgt_epi32_mask(key[v], kj), below[v], _mm512_set1_epi32(1));
+#else
+      below[v] += I((key[v] > kj).data);  // the compare's true lanes are -1
+#endif
+    }
   }
   const I need(static_cast<std::int32_t>(rank - m)), none(INT32_MIN), huge(INT32_MAX);
   I best(INT32_MIN), count(INT32_MAX);
