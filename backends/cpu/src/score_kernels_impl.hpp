@@ -559,10 +559,11 @@ inline std::int32_t order_key(float f) noexcept {
 }
 
 // Candidate collection, 64 scores at a time: the compares produce one 64-bit
-// word per 64 scores (a block of words stays in L1), then the set bits are
-// turned into indices. Two light passes beat compressing every vector: only
-// the ~1-2% of scores above the threshold cost more than a compare.
-inline constexpr std::int64_t kCollectBlock = 4096;
+// word per 64 scores, whose set bits are turned into indices at once. This
+// beats compressing every vector: only the ~1-2% of scores above the threshold
+// cost more than a compare. (Words were once staged 64 at a time and turned
+// into indices in a second loop; emitting each word as it is made measured the
+// same or up to 7 % faster on AVX2 for 32 x 131072 scores, 2026-12-07.)
 
 // The lanes of the vector at p that are >= thr (ordered compare: NaN fails), as the low kLanes bits.
 #if KVP_CPU_TU_ISA == 2
@@ -646,16 +647,11 @@ inline void emit_bits(std::uint64_t w, std::int32_t base, std::int32_t* out, std
   m += c;
 }
 
-// The dense scan of collect_at_least from score i0 on: a block of words, then their indices.
+// The dense scan of collect_at_least from score i0 on, a word at a time.
 template <int F, class T>
 inline std::int64_t collect_words(const float* s, std::int64_t n, std::int64_t i0, float threshold, T thr, std::int32_t* out,
                                   std::int64_t m) noexcept {
-  std::uint64_t words[kCollectBlock / 64];
-  for (; i0 + 64 <= n; i0 += kCollectBlock) {
-    const std::int64_t nw = (n - i0 < kCollectBlock ? n - i0 : kCollectBlock) / 64;
-    for (std::int64_t w = 0; w < nw; ++w) words[w] = ge_word(s + i0 + 64 * w, thr);
-    for (std::int64_t w = 0; w < nw; ++w) emit_bits<F>(words[w], static_cast<std::int32_t>(i0 + 64 * w), out, m);
-  }
+  for (; i0 + 64 <= n; i0 += 64) emit_bits<F>(ge_word(s + i0, thr), static_cast<std::int32_t>(i0), out, m);
   // The last < 64 scores: whole vectors into one word, then the < kLanes rest one by one.
   const std::int64_t t0 = n / 64 * 64, tv = (n - t0) / kLanes;
   emit_bits<F>(ge_vectors(s + t0, tv, thr), static_cast<std::int32_t>(t0), out, m);
