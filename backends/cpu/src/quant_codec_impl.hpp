@@ -766,13 +766,15 @@ inline void kivi_key_words(const float* x, std::int64_t d, std::int64_t c, int g
 inline bool kivi_recip_ok(vf scale) noexcept {
   return all_lanes(mand(lt(scale, set1(std::numeric_limits<float>::infinity())), gt(scale, set1(0.0f))));
 }
-inline vf kivi_decode(vi q, vf scale, vf mn) noexcept { return r16(add(r16(mul(tof(q), scale)), mn)); }
+/// kivi_decode before its last fp16 rounding: for consumers that round to fp16 themselves (a store, a table).
+inline vf kivi_decode_unrounded(vi q, vf scale, vf mn) noexcept { return add(r16(mul(tof(q), scale)), mn); }
+inline vf kivi_decode(vi q, vf scale, vf mn) noexcept { return r16(kivi_decode_unrounded(q, scale, mn)); }
 /// kivi_decode stored at p: fp16 output skips the last rounding's return trip (the store rounds to nearest
 /// even itself, and rounding twice to fp16 gives what rounding once does): four conversions per vector, not six.
 template <class T>
 inline void kivi_store(T* p, vi q, vf scale, vf mn) noexcept {
   if constexpr (std::is_same_v<T, half>)
-    st(p, add(r16(mul(tof(q), scale)), mn));
+    st(p, kivi_decode_unrounded(q, scale, mn));
   else
     st(p, kivi_decode(q, scale, mn));
 }
@@ -1087,17 +1089,17 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
     }
     for (std::int64_t g = 0; g < groups; ++g) {
       const vf gs = set1(get_half(sc + 2 * g)), gm = set1(get_half(sc + 2 * (groups + g)));
-      const vf table = kivi_decode(iota(), gs, gm);
 #if KVP_CPU_TU_ISA == 1
       if constexpr (kBits == 4 && std::is_same_v<T, half>) {
         if (group % 32 == 0) {  // the group's 16 outputs as fp16 byte tables, 32 channels per lookup
-          __m256i lo, hi;
-          f16_byte_tables(table, kivi_decode(iadd(iota(), set1i(8)), gs, gm), lo, hi);
+          __m256i lo, hi;       // (the tables round to fp16 themselves: the decoder's last rounding is theirs)
+          f16_byte_tables(kivi_decode_unrounded(iota(), gs, gm), kivi_decode_unrounded(iadd(iota(), set1i(8)), gs, gm), lo, hi);
           for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 32) kivi4_lookup_f16(lo, hi, cw + ch / 2, yr + ch);
           continue;
         }
       }
 #endif
+      const vf table = kivi_decode(iota(), gs, gm);
 #if KVP_CPU_TU_ISA != 2
       if (kBits == 2 && group % (2 * kW) == 0) {  // one word's 16 codes make two vectors: loaded once, no per-vector choice
         for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 2 * kW) {
