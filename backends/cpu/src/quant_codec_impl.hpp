@@ -1779,13 +1779,25 @@ inline void ggml_decode_block(const std::uint8_t* in, T* y) noexcept {
       constexpr bool five = kT == GgmlType::kQ5_0;
       const vf d = set1(get_half(in));
       const std::uint8_t* qs = in + (five ? 6 : 2);
-      std::uint32_t h = 0;
-      if constexpr (five) std::memcpy(&h, in + 2, 4);
-      const vi off = set1i(five ? 16 : 8);
-      for (int i = 0; i < kBlockVecs; ++i) {
-        vi q = block_nibbles(qs, i);
-        if constexpr (five) q = ior(q, block_high(h, i));
-        st(y + i * kW, mul(d, tof(isub(q, off))));
+      if constexpr (five) {
+        // q - 16 = nibble + 16 h - 16 = nibble - 16 where the lane's high bit h is clear: one test, compare, and,
+        // add per vector instead of shift, and, shift, or, subtract.
+        std::uint32_t h = 0;
+        std::memcpy(&h, in + 2, 4);
+        const vi hv = set1i(static_cast<std::int32_t>(h)), minus16 = set1i(-16);
+        for (int i = 0; i < kBlockVecs; ++i) {
+          const vi bit = sllv(set1i(1), iadd(iota(), set1i(i * static_cast<int>(kW))));  // constant per i
+          const vi nib = block_nibbles(qs, i);
+#if KVP_CPU_TU_ISA == 2
+          const vi q = _mm512_mask_add_epi32(nib, _mm512_testn_epi32_mask(hv, bit), nib, minus16);
+#else
+          const vi q = iadd(nib, iand(_mm256_cmpeq_epi32(iand(hv, bit), _mm256_setzero_si256()), minus16));
+#endif
+          st(y + i * kW, mul(d, tof(q)));
+        }
+      } else {
+        const vi off = set1i(8);
+        for (int i = 0; i < kBlockVecs; ++i) st(y + i * kW, mul(d, tof(isub(block_nibbles(qs, i), off))));
       }
       return;
     }
