@@ -26,7 +26,9 @@ inline void narrow8(const float* f, std::uint16_t* h) noexcept {
 }
 inline float half_to_float(std::uint16_t h) noexcept { return _cvtsh_ss(h); }
 inline std::uint16_t float_to_half(float f) noexcept {
-  return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // The vector conversion of lane 0 (clang's _cvtss_sh is a macro built on a C99 compound literal, which
+  // -Wc99-extensions reports in C++).
+  return static_cast<std::uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0));
 }
 #else
 // SSE2 has no F16C: the exact bit-level conversions (same results as `half`'s).
