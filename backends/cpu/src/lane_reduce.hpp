@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Reductions across the lanes of one level's float vectors (internal), shared by the quantization codecs
+// Reductions across the lanes of one level's vectors (internal), shared by the quantization codecs
 // (quant_codec_impl.hpp) and the top-k kernels (score_kernels_impl.hpp): the largest / smallest lane of one
-// vector, and the transposing tree that reduces one vector per block into one vector of block results.
+// float or int32 vector, and the transposing tree that reduces one vector per block into one vector of block results.
 #pragma once
+
+#include <cstdint>
 
 #include "isa_arch.hpp"
 
@@ -49,6 +51,39 @@ inline float hmax(__m128 v) noexcept {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 #endif
+
+/// The largest (hmax_i32) / smallest (hmin_i32) int32 lane of one vector, without a round trip through memory.
+#if KVP_CPU_TU_ISA == 2
+inline std::int32_t hmax_i32(__m512i v) noexcept { return _mm512_reduce_max_epi32(v); }
+inline std::int32_t hmin_i32(__m512i v) noexcept { return _mm512_reduce_min_epi32(v); }
+#else
+template <bool Max>
+inline std::int32_t hext_i32(__m128i m) noexcept {
+  const auto op = [](__m128i a, __m128i b) {
+#if KVP_CPU_TU_ISA == 1
+    return Max ? _mm_max_epi32(a, b) : _mm_min_epi32(a, b);
+#else  // SSE2 has no 32-bit integer min / max: select through a compare
+    const __m128i a_wins = Max ? _mm_cmpgt_epi32(a, b) : _mm_cmplt_epi32(a, b);
+    return _mm_or_si128(_mm_and_si128(a_wins, a), _mm_andnot_si128(a_wins, b));
+#endif
+  };
+  m = op(m, _mm_shuffle_epi32(m, 0x4E));  // lanes 2 3 0 1
+  m = op(m, _mm_shuffle_epi32(m, 0xB1));  // lanes 1 0 3 2
+  return _mm_cvtsi128_si32(m);
+}
+#if KVP_CPU_TU_ISA == 1
+inline std::int32_t hmax_i32(__m256i v) noexcept {
+  return hext_i32<true>(_mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+inline std::int32_t hmin_i32(__m256i v) noexcept {
+  return hext_i32<false>(_mm_min_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+#else
+inline std::int32_t hmax_i32(__m128i v) noexcept { return hext_i32<true>(v); }
+inline std::int32_t hmin_i32(__m128i v) noexcept { return hext_i32<false>(v); }
+#endif
+#endif
+
 #if KVP_CPU_TU_ISA >= 1
 /// The level's whole-vector tree: lane b <- the maximum (Max) or minimum of the lanes of m[b], for as many
 /// vectors m[b] as a vector has lanes (16 on AVX-512, 8 on AVX2).

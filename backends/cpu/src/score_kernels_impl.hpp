@@ -729,13 +729,8 @@ inline void keys_min_max(std::int64_t m, Vec&& vec, One&& one, std::int32_t* key
     vlo = _mm256_min_epi32(vlo, k);
     vhi = _mm256_max_epi32(vhi, k);
   }
-  alignas(32) std::int32_t l[8], h[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(l), vlo);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(h), vhi);
-  for (int q = 0; q < 8; ++q) {
-    a = l[q] < a ? l[q] : a;
-    b = h[q] > b ? h[q] : b;
-  }
+  a = hmin_i32(vlo);
+  b = hmax_i32(vhi);
 #else
   (void)vec;
 #endif
@@ -1065,9 +1060,7 @@ inline std::int32_t min_key_at_least(const std::int32_t* keys, std::int64_t m, s
     a0 = xsimd::min(a0, xsimd::select(k0 < tv, big, k0));
     a1 = xsimd::min(a1, xsimd::select(k1 < tv, big, k1));
   }
-  alignas(64) std::int32_t lane[kLanes];
-  xsimd::min(a0, a1).store_aligned(lane);
-  for (std::int64_t l = 0; l < kLanes; ++l) r = lane[l] < r ? lane[l] : r;
+  r = hmin_i32(xsimd::min(a0, a1));
 #endif
   for (; i < m; ++i) r = (keys[i] >= t && keys[i] < r) ? keys[i] : r;
   return r;
@@ -1108,16 +1101,8 @@ inline std::int32_t kth_largest_by_count_v(const std::int32_t* keys, std::int64_
     best = xsimd::max(best, xsimd::select(reach, key[v], none));
     count = xsimd::min(count, xsimd::select(reach, below[v], huge));
   }
-  alignas(64) std::int32_t b[kLanes], c[kLanes];
-  best.store_aligned(b);
-  count.store_aligned(c);
-  std::int32_t r = INT32_MIN, cmin = INT32_MAX;
-  for (std::int64_t l = 0; l < kLanes; ++l) {
-    r = b[l] > r ? b[l] : r;
-    cmin = c[l] < cmin ? c[l] : cmin;
-  }
-  if (at_least != nullptr) *at_least = m + cmin;
-  return r;
+  if (at_least != nullptr) *at_least = m + hmin_i32(count);
+  return hmax_i32(best);
 }
 template <int kVecs = 1>
 inline std::int32_t kth_largest_by_count(const std::int32_t* keys, std::int64_t m, std::int64_t rank, std::int64_t* at_least) noexcept {
@@ -1139,30 +1124,14 @@ inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, st
   if (m <= kRankCountMax) return kth_largest_by_count(keys, m, rank, at_least);
   std::int32_t lo = INT32_MAX, hi = INT32_MIN;
   std::int64_t i = 0;
-#if KVP_CPU_TU_ISA == 2
-  __m512i vlo = _mm512_set1_epi32(INT32_MAX), vhi = _mm512_set1_epi32(INT32_MIN);
-  for (; i + 16 <= m; i += 16) {
-    const __m512i k = _mm512_loadu_si512(keys + i);
-    vlo = _mm512_min_epi32(vlo, k);
-    vhi = _mm512_max_epi32(vhi, k);
-  }
-  lo = _mm512_reduce_min_epi32(vlo);
-  hi = _mm512_reduce_max_epi32(vhi);
-#else
   I vlo(INT32_MAX), vhi(INT32_MIN);
   for (; i + kLanes <= m; i += kLanes) {
     const I k = I::load_unaligned(keys + i);
     vlo = xsimd::min(vlo, k);
     vhi = xsimd::max(vhi, k);
   }
-  alignas(64) std::int32_t l[kLanes], h[kLanes];
-  vlo.store_aligned(l);
-  vhi.store_aligned(h);
-  for (std::int64_t q = 0; q < kLanes; ++q) {
-    lo = l[q] < lo ? l[q] : lo;
-    hi = h[q] > hi ? h[q] : hi;
-  }
-#endif
+  lo = hmin_i32(vlo);
+  hi = hmax_i32(vhi);
   for (; i < m; ++i) {
     lo = keys[i] < lo ? keys[i] : lo;
     hi = keys[i] > hi ? keys[i] : hi;
