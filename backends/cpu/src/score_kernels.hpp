@@ -106,10 +106,12 @@ struct ScoreKernels {
                                     std::int64_t nb, std::int32_t cut, std::int32_t* list, std::int32_t* out) noexcept;
   /// How many of keys[0, m) are >= t.
   std::int64_t (*count_keys_at_least)(const std::int32_t* keys, std::int64_t m, std::int32_t t) noexcept;
-  /// The rank-th largest of keys[0, m) (1 <= rank <= m): up to 48 keys by counting, for each key, the keys at
-  /// or above it; more by a bisection over the key bits below the keys' common prefix, each step one vector pass
-  /// counting the keys at or above the candidate. *at_least (when not null) gets how many keys are >= the result.
-  std::int32_t (*kth_largest_key)(const std::int32_t* keys, std::int64_t m, std::int64_t rank, std::int64_t* at_least) noexcept;
+  /// The rank-th largest of keys[0, m) (1 <= rank <= m), or with slack > 0 any threshold that at least rank and
+  /// at most rank + slack keys reach: up to 48 keys by counting, for each key, the keys at or above it; more by an
+  /// interpolating search over the key values, each step one vector pass counting the keys at or above a guess.
+  /// *at_least (when not null) gets how many keys are >= the result.
+  std::int32_t (*kth_largest_key)(const std::int32_t* keys, std::int64_t m, std::int64_t rank, std::int64_t slack,
+                                  std::int64_t* at_least) noexcept;
   // The outputs of collect_at_least, gather_keys, keep_in_key_range and keep_at_least need kCollectSlack entries of slack (whole
   // vectors are stored) and may alias their inputs.
 };
