@@ -1059,6 +1059,31 @@ inline void kivi4_lookup_f16(__m256i lo, __m256i hi, const std::uint8_t* codes, 
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute2x128_si256(c0, c1, 0x20));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), _mm256_permute2x128_si256(c0, c1, 0x31));
 }
+/// A 2-bit value group's 4 fp16 values (h: entries 0-3 in its low 64 bits) as byte tables for kivi2_lookup_f16,
+/// repeated in both 128-bit lanes: lo holds each entry's low byte, hi its high byte. Its indices are a code c
+/// (channels 4j and 4j + 2) or 4c (4j + 1 and 4j + 3), so entries c and 4c both hold value c.
+inline void kivi2_f16_tables(__m128i h, __m256i& lo, __m256i& hi) noexcept {
+  const __m128i lo_of = _mm_setr_epi8(0, 2, 4, 6, 2, -1, -1, -1, 4, -1, -1, -1, 6, -1, -1, -1);
+  const __m128i hi_of = _mm_setr_epi8(1, 3, 5, 7, 3, -1, -1, -1, 5, -1, -1, -1, 7, -1, -1, -1);
+  lo = _mm256_broadcastsi128_si256(_mm_shuffle_epi8(h, lo_of));
+  hi = _mm256_broadcastsi128_si256(_mm_shuffle_epi8(h, hi_of));
+}
+/// 32 channels of 2-bit KIVI value codes (byte j: channels 4j .. 4j + 3 at bits 0, 2, 4, 6) into fp16 through
+/// kivi2_f16_tables' tables: each byte is copied to its 4 channels' positions, and each position keeps its
+/// code's bits as c (bits 0-1) or 4c (bits 2-3) of the byte or of the byte shifted right by 4.
+inline void kivi2_lookup_f16(__m256i lo, __m256i hi, const std::uint8_t* codes, half* y) noexcept {
+  std::int64_t eight;
+  std::memcpy(&eight, codes, 8);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+  const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight), spread);  // byte c: channel c's code byte
+  const __m256i low_pos = _mm256_set1_epi32(0x00000c03), high_pos = _mm256_set1_epi32(0x0c030000);
+  // srli_epi16 moves the next byte's low bits into this byte's bits 4-7, which high_pos clears.
+  const __m256i idx = _mm256_or_si256(_mm256_and_si256(x, low_pos), _mm256_and_si256(_mm256_srli_epi16(x, 4), high_pos));
+  const __m256i l = _mm256_shuffle_epi8(lo, idx), h = _mm256_shuffle_epi8(hi, idx);  // byte c: channel c's fp16 bytes
+  const __m256i e0 = _mm256_unpacklo_epi8(l, h), e1 = _mm256_unpackhi_epi8(l, h);    // channels 0-7 | 16-23, 8-15 | 24-31
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute2x128_si256(e0, e1, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), _mm256_permute2x128_si256(e0, e1, 0x31));
+}
 #endif
 
 /// 2 and 4 bits: each group's decoded values in one vector (lane j = the decoder's value of code j, by its own
@@ -1095,6 +1120,14 @@ inline void kivi_dequantize_values_table(const std::uint8_t* codes, std::int64_t
           __m256i lo, hi;       // (the tables round to fp16 themselves: the decoder's last rounding is theirs)
           f16_byte_tables(kivi_decode_unrounded(iota(), gs, gm), kivi_decode_unrounded(iadd(iota(), set1i(8)), gs, gm), lo, hi);
           for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 32) kivi4_lookup_f16(lo, hi, cw + ch / 2, yr + ch);
+          continue;
+        }
+      }
+      if constexpr (kBits == 2 && std::is_same_v<T, half>) {
+        if (group % 32 == 0) {  // the group's 4 outputs as fp16 byte tables (rounded by their conversion), 32 channels per lookup
+          __m256i lo, hi;
+          kivi2_f16_tables(_mm256_cvtps_ph(kivi_decode_unrounded(iota(), gs, gm), kRne), lo, hi);
+          for (std::int64_t ch = g * group; ch < (g + 1) * group; ch += 32) kivi2_lookup_f16(lo, hi, cw + ch / 4, yr + ch);
           continue;
         }
       }
