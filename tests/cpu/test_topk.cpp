@@ -32,7 +32,7 @@ std::vector<std::int32_t> run_topk_cpu(const std::vector<float>& s, std::int64_t
 
 /// Compares Cpu with Scalar for k in {0, 1, 64, n/100, n/32, n/8, n/8 + 1, n/2, n-1, n} on every ISA. n/32 is
 /// Quest's shape at a 4K-token budget (255 of 8191 pages): its threshold comes from 2k block maxima in the lane
-/// layout and its cut from the bisection (kth_largest_key); k = 1 and 64 on the longer rows take the word layout
+/// layout and its cut from kth_largest_key's search; k = 1 and 64 on the longer rows take the word layout
 /// (blocks of whole 64-score words, 20000 scores: blocks of 2.5 words on AVX2), whose collection reads only the
 /// blocks that reach the threshold; n/8 and n/2 take the other paths (more block maxima, every score a candidate).
 void check_all_k(const std::vector<float>& s, const std::string& what) {

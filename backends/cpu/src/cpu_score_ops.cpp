@@ -82,7 +82,7 @@ constexpr std::int64_t kSample = kSampleRun * kSampleRuns;  // sample size
 constexpr std::int64_t kBins = 2048;                        // histogram bins of one rank-search round
 constexpr std::int64_t kDirect = 4096;                      // below this length every score is a candidate
 constexpr std::int64_t kSmallSet = 48;                      // a boundary set this small is resolved by nth_element
-constexpr std::int64_t kBisectMax = 4096;                   // key sets up to this many: kth_largest_key
+constexpr std::int64_t kKeySearchMax = 4096;                // key sets up to this many: kth_largest_key
 constexpr std::int64_t kBlockRowMin = 256;                  // rows of this length ...
 constexpr std::int64_t kBlockRowMax = 32768;                // ... up to this one take the block-maximum threshold
 
@@ -199,11 +199,11 @@ std::uint64_t kth_pair(const cpu_detail::ScoreKernels& kern, const std::int32_t*
   }
 }
 
-// The k-th largest (key, index) pair of the m candidates by bisection over the keys (kth_largest_key), then
+// The k-th largest (key, index) pair of the m candidates by kth_largest_key's search over the keys, then
 // the ties at that key that the pair order keeps: the highest indices (the candidates are in ascending index
 // order, so the last ones). Out of line: the small sets' path through select_exact stays as compact as before.
-[[gnu::noinline]] void cut_by_bisection(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int64_t k, const TopkScratch& t,
-                                        std::int32_t* cut_key, std::int32_t* cut_idx) noexcept {
+[[gnu::noinline]] void cut_by_search(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int64_t k, const TopkScratch& t,
+                                     std::int32_t* cut_key, std::int32_t* cut_idx) noexcept {
   std::int64_t at_least = 0;
   const std::int32_t c = kern.kth_largest_key(t.keys, m, k, 0, &at_least);
   *cut_key = c;
@@ -230,8 +230,8 @@ void select_exact(const cpu_detail::ScoreKernels& kern, std::int64_t m, std::int
     return;
   }
   std::int32_t cut_key = 0, cut_idx = 0;
-  if (m <= kBisectMax) {
-    cut_by_bisection(kern, m, k, t, &cut_key, &cut_idx);
+  if (m <= kKeySearchMax) {
+    cut_by_search(kern, m, k, t, &cut_key, &cut_idx);
   } else {
     const std::uint64_t cut = kth_pair(kern, t.candidates, t.keys, m, k, lo, hi, t);
     cut_key = static_cast<std::int32_t>(static_cast<std::uint32_t>(cut >> 32) ^ 0x80000000u);

@@ -1069,7 +1069,7 @@ inline std::int32_t min_key_at_least(const std::int32_t* keys, std::int64_t m, s
 // kth_largest_key for a set of at most kRankCountMax keys (1 <= rank <= m): each key's count of keys at or
 // above it, by one broadcast compare per (key, vector of keys), then the largest key whose count reaches `rank`
 // (*at_least: the smallest such count, which is the answer's own). Branch-free, two instructions per key and
-// vector of keys: faster than both the bisection, whose passes wait on each other, and std::nth_element, whose
+// vector of keys: faster than both a bit-by-bit counting search, whose passes wait on each other, and std::nth_element, whose
 // comparisons mispredict, for the few dozen block maxima and candidates of a row of 1K-4K scores (AVX2, 16 / 32 /
 // 48 keys: 17-23 / 81-108 / 167-179 ns against nth_element's 58-84 / 98-141 / 138-189 ns).
 inline constexpr std::int64_t kRankCountMax = 48;
