@@ -4,9 +4,12 @@
 kvp_add_test(test_cpu
   ${CMAKE_CURRENT_LIST_DIR}/test_window_scores.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_topk.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/test_kth_key.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_pool1d.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_reduce.cpp
   ${CMAKE_CURRENT_LIST_DIR}/test_isa.cpp)
+# test_kth_key.cpp reaches the top-k's internal rank search through the CPU backend's kernel table.
+target_include_directories(test_cpu PRIVATE ${PROJECT_SOURCE_DIR}/backends/cpu/src)
 
 # The environment override is read at first use, so it needs its own process.
 add_test(NAME "test_cpu: KVP_CPU_ISA=sse2 at first use" COMMAND test_cpu "Cpu ISA: the level in use honours KVP_CPU_ISA at first use")
