@@ -897,6 +897,39 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
     constexpr bool kRecip = decltype(recip_path)::value;
     const float* xg = x + r * d + g * group;
     std::uint8_t* cw = codes + r * codes_stride;
+#if KVP_CPU_TU_ISA == 1
+    if (bits != 8 && group % 32 == 0) {
+      // 32 channels (4 vectors) at once: their codes as 32 bytes through two packing steps, which leave each
+      // 128-bit lane with 4 channels of every vector (channels 0-3 of the 4 vectors, then their channels 4-7);
+      // neighbouring channels stay adjacent bytes, so each output byte is made in place (4 bits: a byte and its
+      // neighbour shifted by 4; 2 bits: four bytes shifted by 0, 6, 12 and 18 within a 32-bit lane), picked to
+      // the lane's front by a byte shuffle and interleaved with the other lane's. Per vector this is a third
+      // of the packing instructions of the form below, whose byte shuffles bounded this kernel.
+      for (std::int64_t c = 0; c < group; c += 32) {
+        const __m256i q01 = _mm256_packus_epi32(kivi_code<kRecip>(ld(xg + c), vlo, vscale, top, vrecip),
+                                                kivi_code<kRecip>(ld(xg + c + 8), vlo, vscale, top, vrecip));
+        const __m256i q23 = _mm256_packus_epi32(kivi_code<kRecip>(ld(xg + c + 16), vlo, vscale, top, vrecip),
+                                                kivi_code<kRecip>(ld(xg + c + 24), vlo, vscale, top, vrecip));
+        const __m256i b = _mm256_packus_epi16(q01, q23);  // lane 0: channels 0-3 of vectors 0..3; lane 1: 4-7
+        const std::int64_t ch = g * group + c;
+        if constexpr (bits == 4) {
+          const __m256i pair = _mm256_or_si256(b, _mm256_srli_epi16(b, 4));  // low byte of each 16 bits: 2 channels
+          const __m256i front = _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1, 0, 2,
+                                                                           4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(cw + ch / 2),
+                           _mm_unpacklo_epi16(_mm256_castsi256_si128(front), _mm256_extracti128_si256(front, 1)));
+        } else {
+          const __m256i quad = _mm256_or_si256(_mm256_or_si256(b, _mm256_srli_epi32(b, 6)),
+                                               _mm256_or_si256(_mm256_srli_epi32(b, 12), _mm256_srli_epi32(b, 18)));
+          const __m256i front = _mm256_shuffle_epi8(quad, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0,
+                                                                           4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(cw + ch / 4),
+                           _mm_unpacklo_epi8(_mm256_castsi256_si128(front), _mm256_extracti128_si256(front, 1)));
+        }
+      }
+      return;
+    }
+#endif
     for (std::int64_t c = 0; c < group; c += kW) {
       const vi q = kivi_code<kRecip>(ld(xg + c), vlo, vscale, top, vrecip);
       const std::int64_t ch = g * group + c;  // first channel of the vector
