@@ -165,6 +165,13 @@ inline void st_u8(std::uint8_t* p, vi v) noexcept {  // lanes hold 0..255
   const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
 }
+/// Two vectors of codes (lanes hold 0..255) as 16 bytes, v0's lanes then v1's: three shuffles where two st_u8
+/// take six (the packs leave dwords v0 0-3, v1 0-3 in lane 0 and v0 4-7, v1 4-7 in lane 1; one permute orders them).
+inline void st_u8x2(std::uint8_t* p, vi v0, vi v1) noexcept {
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(v0, v1), _mm256_setzero_si256());
+  const __m256i o = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(o));
+}
 inline bool unord_any(vf a, vf b, vf c, vf d) noexcept {
   return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q))) != 0;
 }
@@ -428,7 +435,12 @@ inline bool int4_quantize(const float* x, std::int64_t rows, std::int64_t d, int
       return toi(t);
     };
     if (bits == 4) {
-      for (std::int64_t c = 0; c < h; c += kW) st_u8(o + c, ior(code(xr + c), sll(code(xr + c + h), 4)));
+      std::int64_t c = 0;
+#if KVP_CPU_TU_ISA == 1
+      for (; c + 2 * kW <= h; c += 2 * kW)
+        st_u8x2(o + c, ior(code(xr + c), sll(code(xr + c + h), 4)), ior(code(xr + c + kW), sll(code(xr + c + kW + h), 4)));
+#endif
+      for (; c < h; c += kW) st_u8(o + c, ior(code(xr + c), sll(code(xr + c + h), 4)));
     } else {
       for (std::int64_t c = 0; c < d; c += kW) st_u8(o + c, code(xr + c));
     }
@@ -1308,7 +1320,11 @@ inline void block_min_max(const float* x, float* mn, float* mx) noexcept {
 /// Codes q (lanes < 16 after the mask) packed as ggml's nibbles: byte j = q[j] | q[j + 16] << 4.
 inline void st_nibbles(std::uint8_t* qs, const vi* q) noexcept {
   const vi m = set1i(15);
+#if KVP_CPU_TU_ISA == 1  // kBlockVecs = 4: the block's 16 bytes in one store
+  st_u8x2(qs, ior(iand(q[0], m), sll(iand(q[2], m), 4)), ior(iand(q[1], m), sll(iand(q[3], m), 4)));
+#else
   for (int i = 0; i < kBlockVecs / 2; ++i) st_u8(qs + i * kW, ior(iand(q[i], m), sll(iand(q[i + kBlockVecs / 2], m), 4)));
+#endif
 }
 inline void put_u32(std::uint8_t* p, std::uint32_t v) noexcept { std::memcpy(p, &v, 4); }
 
