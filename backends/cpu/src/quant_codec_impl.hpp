@@ -916,7 +916,7 @@ inline bool kivi_quantize_values_bits(const float* x, std::int64_t rows, std::in
       // neighbouring channels stay adjacent bytes, so each output byte is made in place (4 bits: a byte and its
       // neighbour shifted by 4; 2 bits: four bytes shifted by 0, 6, 12 and 18 within a 32-bit lane), picked to
       // the lane's front by a byte shuffle and interleaved with the other lane's. Per vector this is a third
-      // of the packing instructions of the form below, whose byte shuffles bounded this kernel.
+      // of the packing instructions of the form below, whose byte shuffles topped this kernel's profile.
       for (std::int64_t c = 0; c < group; c += 32) {
         const __m256i q01 = _mm256_packus_epi32(kivi_code<kRecip>(ld(xg + c), vlo, vscale, top, vrecip),
                                                 kivi_code<kRecip>(ld(xg + c + 8), vlo, vscale, top, vrecip));
