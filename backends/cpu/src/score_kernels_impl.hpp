@@ -343,7 +343,11 @@ inline std::uint32_t bf16_bits_rne(float f) noexcept {
 template <class Tk, bool kDot = false>
 void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, const WindowScratch& ws) noexcept {
   const std::int64_t G = s.group, w = s.window, d = s.head_dim, T = s.kv_len, L = s.num_cols;
-  const std::int64_t Q = ws.layout.num_q, qpad = ws.layout.qpad, nv = qpad / kLanes;
+  // nv: the query vectors that hold a query. The rows past them up to qpad (the layout's padding to AVX-512's
+  // 16 lanes) are never computed: each lane's logits, exps and sums are its own, and padding rows reach no
+  // output. A few queries (TOVA: the newest query of each of a group's 4 heads) then take one vector of tiles
+  // where the padding took two (AVX2) or four (SSE2), with the same bits for every real query.
+  const std::int64_t Q = ws.layout.num_q, qpad = ws.layout.qpad, nv = (Q + kLanes - 1) / kLanes;
   constexpr std::int64_t kChunk = WindowLayout::kChunk;
   for (std::int64_t i = 0; i < G * L; ++i) out[i] = 0.0f;
   if (Q <= 0 || T <= 0) return;
