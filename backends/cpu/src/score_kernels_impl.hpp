@@ -1116,108 +1116,6 @@ inline std::int32_t kth_largest_by_count(const std::int32_t* keys, std::int64_t 
   return kth_largest_by_count_v<kVecs>(keys, m, rank, at_least);
 }
 
-// The keys of keys[0, m) in [lo, hi) (hi up to 2^31: no upper bound), in order, to out; returns their count.
-// out needs room for the kept keys plus kLanes (whole vectors are stored).
-inline std::int64_t keys_in_range(const std::int32_t* keys, std::int64_t m, std::int32_t lo, std::int64_t hi, std::int32_t* out) noexcept {
-  const auto last = static_cast<std::int32_t>(hi - 1);  // key < hi <=> key <= last (hi > lo)
-  std::int64_t o = 0, i = 0;
-#if KVP_CPU_TU_ISA == 2
-  const __m512i l = _mm512_set1_epi32(lo), h = _mm512_set1_epi32(last);
-  for (; i + 16 <= m; i += 16) {
-    const __m512i k = _mm512_loadu_si512(keys + i);
-    const __mmask16 keep = _mm512_cmpge_epi32_mask(k, l) & _mm512_cmple_epi32_mask(k, h);
-    _mm512_storeu_si512(out + o, _mm512_maskz_compress_epi32(keep, k));
-    o += __builtin_popcount(keep);
-  }
-#elif KVP_CPU_TU_ISA == 1
-  const __m256i l = _mm256_set1_epi32(lo), h = _mm256_set1_epi32(last);
-  for (; i + 8 <= m; i += 8) {
-    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
-    const unsigned keep = ~lane_mask(_mm256_or_si256(_mm256_cmpgt_epi32(l, k), _mm256_cmpgt_epi32(k, h))) & 0xffu;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + o), pack_kept(k, keep));
-    o += __builtin_popcount(keep);
-  }
-#endif
-  for (; i < m; ++i) {
-    out[o] = keys[i];
-    o += (keys[i] >= lo && keys[i] <= last) ? 1 : 0;
-  }
-  return o;
-}
-
-// A bracket of at most this many keys around the answer is finished by kth_largest_by_count on its keys
-// (one compaction pass) instead of further counting passes.
-inline constexpr std::int64_t kBracketFinish = 16;
-
-// The rank-th largest key of a set of more than kRankCountMax keys (smaller ones are counted above); with
-// slack > 0, any threshold T that at least `rank` and at most rank + slack keys reach (a caller that only needs
-// a lower bound for the rank-th key, such as the block-maximum cut of the top-k, stops earlier). *at_least (when
-// not null) gets how many keys are >= the result.
-//
-// A search over a bracket [a, b) of key values: ca keys are >= a (ca >= rank), cb keys are >= b (cb < rank), so
-// the answer lies in it. Each step is one branch-free counting pass at a guess t inside the bracket, which
-// becomes a or b. The guess interpolates linearly between (a, ca) and (b, cb) for the count rank + 1/2 (+ slack/2);
-// after a step that kept more than half of the bracket's keys, the next one halves the key interval instead, so
-// skewed sets cost at most about twice the 32 steps of a bit-by-bit bisection. It ends when exactly `rank` keys
-// reach a (the answer is then the smallest of them: one pass), when a bracket of kBracketFinish keys or fewer
-// remains (compacted, then counted), or when the interval is one key wide. For the few hundred block maxima and
-// candidates of a row of scores this takes 5-9 passes where the bit-by-bit bisection took 15-18 (simulated
-// on normal scores: 8191 scores, k = 63 / 255).
-inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, std::int64_t rank, std::int64_t slack,
-                                    std::int64_t* at_least) noexcept {
-  if (m <= kRankCountMax) return kth_largest_by_count(keys, m, rank, at_least);
-  std::int32_t lo = INT32_MAX, hi = INT32_MIN;
-  std::int64_t i = 0;
-  I vlo(INT32_MAX), vhi(INT32_MIN);
-  for (; i + kLanes <= m; i += kLanes) {
-    const I k = I::load_unaligned(keys + i);
-    vlo = xsimd::min(vlo, k);
-    vhi = xsimd::max(vhi, k);
-  }
-  lo = hmin_i32(vlo);
-  hi = hmax_i32(vhi);
-  for (; i < m; ++i) {
-    lo = keys[i] < lo ? keys[i] : lo;
-    hi = keys[i] > hi ? keys[i] : hi;
-  }
-  const auto done = [&](std::int64_t key, std::int64_t count) {
-    if (at_least != nullptr) *at_least = count;
-    return static_cast<std::int32_t>(key);
-  };
-  if (lo == hi) return done(lo, m);  // all equal
-  if (rank <= 1) return done(hi, at_least != nullptr ? count_keys_at_least(keys, m, hi) : 0);
-  std::int64_t a = lo, b = std::int64_t{hi} + 1, ca = m, cb = 0;
-  std::int64_t width_before = std::numeric_limits<std::int64_t>::max();  // the bracket's key count one step earlier
-  for (;;) {
-    if (ca - rank <= slack) return slack > 0 ? done(a, ca) : done(min_key_at_least(keys, m, static_cast<std::int32_t>(a)), ca);
-    if (b - a == 1) return done(a, ca);  // every key of the bracket equals a
-    const std::int64_t width = ca - cb;
-    if (slack == 0 && width <= kBracketFinish) {
-      alignas(64) std::int32_t set[kBracketFinish + kLanes];
-      const std::int64_t s = keys_in_range(keys, m, static_cast<std::int32_t>(a), b, set);
-      std::int64_t in_set = 0;
-      const std::int32_t r = kth_largest_by_count(set, s, rank - cb, &in_set);
-      return done(r, cb + in_set);
-    }
-    std::int64_t t = a + (b - a) / 2;
-    if (2 * width <= width_before) {
-      const double share =
-          (static_cast<double>(ca) - (static_cast<double>(rank) + 0.5 + 0.5 * static_cast<double>(slack))) / static_cast<double>(width);
-      t = a + static_cast<std::int64_t>(static_cast<double>(b - a) * share);
-    }
-    t = t < a + 1 ? a + 1 : (t > b - 1 ? b - 1 : t);
-    width_before = width;
-    const std::int64_t c = count_keys_at_least(keys, m, static_cast<std::int32_t>(t));
-    if (c >= rank) {
-      a = t;
-      ca = c;
-    } else {
-      b = t;
-      cb = c;
-    }
-  }
-}
-
 // Stable compaction of (idx, key) pairs: keeps pair i when
 //   in_range:  key_lo <= key[i] < key_hi           (writes idx and key)
 //   at_least:  (key[i], idx[i]) >= (key_lo, idx_lo) (writes idx only)
@@ -1263,6 +1161,80 @@ inline std::int64_t keep_in_key_range(const std::int32_t* idx, const std::int32_
   }
   return o;
 }
+// A bracket of at most this many keys around the answer is finished by kth_largest_by_count on its keys
+// (one compaction pass) instead of further counting passes.
+inline constexpr std::int64_t kBracketFinish = 16;
+
+// The rank-th largest key of a set of more than kRankCountMax keys (smaller ones are counted above); with
+// slack > 0, any threshold T that at least `rank` and at most rank + slack keys reach (a caller that only needs
+// a lower bound for the rank-th key, such as the block-maximum cut of the top-k, stops earlier). *at_least (when
+// not null) gets how many keys are >= the result.
+//
+// A search over a bracket [a, b) of key values: ca keys are >= a (ca >= rank), cb keys are >= b (cb < rank), so
+// the answer lies in it. Each step is one branch-free counting pass at a guess t inside the bracket, which
+// becomes a or b. The guess interpolates linearly between (a, ca) and (b, cb) for the count rank + 1/2 (+ slack/2);
+// after a step that kept more than half of the bracket's keys, the next one halves the key interval instead, so
+// skewed sets cost at most about twice the 32 steps of a bit-by-bit bisection. It ends when exactly `rank` keys
+// reach a (the answer is then the smallest of them: one pass), when a bracket of kBracketFinish keys or fewer
+// remains (compacted by keep_in_key_range, then counted), or when the interval is one key wide. For the few hundred block maxima and
+// candidates of a row of scores this takes 5-9 passes where the bit-by-bit bisection took 15-18 (simulated
+// on normal scores: 8191 scores, k = 63 / 255).
+inline std::int32_t kth_largest_key(const std::int32_t* keys, std::int64_t m, std::int64_t rank, std::int64_t slack,
+                                    std::int64_t* at_least) noexcept {
+  if (m <= kRankCountMax) return kth_largest_by_count(keys, m, rank, at_least);
+  std::int32_t lo = INT32_MAX, hi = INT32_MIN;
+  std::int64_t i = 0;
+  I vlo(INT32_MAX), vhi(INT32_MIN);
+  for (; i + kLanes <= m; i += kLanes) {
+    const I k = I::load_unaligned(keys + i);
+    vlo = xsimd::min(vlo, k);
+    vhi = xsimd::max(vhi, k);
+  }
+  lo = hmin_i32(vlo);
+  hi = hmax_i32(vhi);
+  for (; i < m; ++i) {
+    lo = keys[i] < lo ? keys[i] : lo;
+    hi = keys[i] > hi ? keys[i] : hi;
+  }
+  const auto done = [&](std::int64_t key, std::int64_t count) {
+    if (at_least != nullptr) *at_least = count;
+    return static_cast<std::int32_t>(key);
+  };
+  if (lo == hi) return done(lo, m);  // all equal
+  if (rank <= 1) return done(hi, at_least != nullptr ? count_keys_at_least(keys, m, hi) : 0);
+  std::int64_t a = lo, b = std::int64_t{hi} + 1, ca = m, cb = 0;
+  std::int64_t width_before = std::numeric_limits<std::int64_t>::max();  // the bracket's key count one step earlier
+  for (;;) {
+    if (ca - rank <= slack) return slack > 0 ? done(a, ca) : done(min_key_at_least(keys, m, static_cast<std::int32_t>(a)), ca);
+    if (b - a == 1) return done(a, ca);  // every key of the bracket equals a
+    const std::int64_t width = ca - cb;
+    if (slack == 0 && width <= kBracketFinish) {
+      // keep_in_key_range with the keys as their own indices (its index output is scratch here).
+      alignas(64) std::int32_t set[kBracketFinish + kCollectSlack], scratch[kBracketFinish + kCollectSlack];
+      const std::int64_t s = keep_in_key_range(keys, keys, m, static_cast<std::int32_t>(a), b, scratch, set);
+      std::int64_t in_set = 0;
+      const std::int32_t r = kth_largest_by_count(set, s, rank - cb, &in_set);
+      return done(r, cb + in_set);
+    }
+    std::int64_t t = a + (b - a) / 2;
+    if (2 * width <= width_before) {
+      const double share =
+          (static_cast<double>(ca) - (static_cast<double>(rank) + 0.5 + 0.5 * static_cast<double>(slack))) / static_cast<double>(width);
+      t = a + static_cast<std::int64_t>(static_cast<double>(b - a) * share);
+    }
+    t = t < a + 1 ? a + 1 : (t > b - 1 ? b - 1 : t);
+    width_before = width;
+    const std::int64_t c = count_keys_at_least(keys, m, static_cast<std::int32_t>(t));
+    if (c >= rank) {
+      a = t;
+      ca = c;
+    } else {
+      b = t;
+      cb = c;
+    }
+  }
+}
+
 inline std::int64_t keep_at_least(const std::int32_t* idx, const std::int32_t* key, std::int64_t m, std::int32_t key_lo,
                                   std::int32_t idx_lo, std::int32_t* out_idx) noexcept {
   std::int64_t o = 0, i = 0;
