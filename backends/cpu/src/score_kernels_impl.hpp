@@ -49,6 +49,12 @@ inline constexpr int kRows = 6, kVecs = 4;
 #else
 inline constexpr int kRows = 4, kVecs = 3;
 #endif
+// Tile of one query vector (a few queries, e.g. TOVA's newest query of each head of a group): kRowsOne keys,
+// so that the tile has enough independent accumulators to hide the FMA latency (kRows keys x 1 vector are
+// kRows dependent chains: 4 on AVX2, one FMA per cycle at best). Each accumulator still sums its channels in
+// order, so the logits keep their bits.
+inline constexpr int kRowsOne = 12;
+static_assert(WindowLayout::kChunk % kRowsOne == 0, "a chunk is whole one-vector tiles");
 
 // ---- key rows ----------------------------------------------------------------
 
@@ -199,41 +205,40 @@ struct TileArgs {
   float scale;
 };
 
-// Logits of kRows keys x V query vectors: broadcast one key element, FMA
+// Logits of R keys x V query vectors: broadcast one key element, FMA
 // against V query vectors, over the head dimension. Then scale, causal mask,
-// fold into the chunk max, and store the logits. A partial tile (rc < kRows
+// fold into the chunk max, and store the logits. A partial tile (rc < R
 // keys, the last of a short chunk) repeats its last key in the spare rows and
 // drops their results: one instantiation per V keeps the code size (and the
 // compile time) small.
-template <int V>
-inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcept;
+template <int V, int R>
+inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[R][V]) noexcept;
 
-template <int V>
+template <int V, int R>
 inline void logit_tile(const TileArgs& a, int rc) noexcept {
-  constexpr int R = kRows;
   F acc[R][V];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int v = 0; v < V; ++v) acc[r][v] = F(0.0f);
   const float* rows[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int r = 0; r < R; ++r) rows[r] = a.key_buf + (a.r + (r < rc ? r : rc - 1)) * a.d;
   // The tile's V query vectors over all channels are one contiguous block (see the query layout in
   // window_scores): the loop streams it, and it stays in L1 for the chunk's key tiles.
   const float* qt = a.qt + a.v * kLanes * a.d;
   for (std::int64_t c = 0; c < a.d; ++c) {
     F qv[V];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int v = 0; v < V; ++v) qv[v] = F::load_aligned(qt + (c * V + v) * kLanes);
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
       const F k(rows[r][c]);
-#pragma GCC unroll 8
+#pragma GCC unroll 32
       for (int v = 0; v < V; ++v) acc[r][v] = fmadd(k, qv[v], acc[r][v]);
     }
   }
-  tile_epilogue<V>(a, rc, acc);
+  tile_epilogue<V, R>(a, rc, acc);
 }
 
 #if KVP_CPU_TU_ISA == 2
@@ -241,54 +246,52 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
 // per step one pair of channels, vdpbf16ps adding q[2c] k[2c] and q[2c+1] k[2c+1] (exact bf16 products, fp32
 // adds) to each accumulator, the key pair broadcast straight from the bf16 row. Same register tile, half the
 // steps; the epilogue is the fp32 form's.
-template <int V>
+template <int V, int R>
 __attribute__((target("avx512bf16"))) void logit_tile_dot(const TileArgs& a, int rc) noexcept {
-  constexpr int R = kRows;
   __m512 acc[R][V];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   const std::uint16_t* rows[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int r = 0; r < R; ++r) rows[r] = a.key_pairs[a.r + (r < rc ? r : rc - 1)];
   const std::int64_t pairs = a.d / 2;
   const auto* qt = reinterpret_cast<const std::uint32_t*>(a.qt) + a.v * kLanes * pairs;  // the tile's block, as logit_tile
   for (std::int64_t c = 0; c < pairs; ++c) {
     __m512bh qv[V];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_load_si512(qt + (c * V + v) * kLanes);
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
       const auto k = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(rows[r] + 2 * c));  // rows need no alignment
-#pragma GCC unroll 8
+#pragma GCC unroll 32
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k, qv[v]);
     }
   }
   F out[R][V];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int v = 0; v < V; ++v) out[r][v] = F(acc[r][v]);
-  tile_epilogue<V>(a, rc, out);
+  tile_epilogue<V, R>(a, rc, out);
 }
 #endif
 
-template <int V>
-inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcept {
-  constexpr int R = kRows;
+template <int V, int R>
+inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[R][V]) noexcept {
   const F scale(a.scale);
   F m[V];
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int v = 0; v < V; ++v) m[v] = F::load_aligned(a.cur_max + (a.v + v) * kLanes);
   // Only keys after q_pos0 are hidden from some query of the window.
   const bool masked = a.j + rc - 1 > a.q_pos0;
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int r = 0; r < R; ++r) {
     if (r >= rc) break;
     float* prow = a.p + (a.j + r) * a.qpad + a.v * kLanes;
     const I key_index(static_cast<std::int32_t>(a.j + r));
-#pragma GCC unroll 8
+#pragma GCC unroll 32
     for (int v = 0; v < V; ++v) {
       F l = acc[r][v] * scale;
       if (masked) {
@@ -299,8 +302,41 @@ inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[kRows][V]) noexcep
       l.store_aligned(prow + v * kLanes);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 32
   for (int v = 0; v < V; ++v) m[v].store_aligned(a.cur_max + (a.v + v) * kLanes);
+}
+
+// The one-vector tile: kRowsOne keys x 1 query vector, the rows kRowsOne consecutive rows of key_buf from a.r
+// (all present: the caller repeats the last key into the spare rows of a partial tile; their results are
+// dropped). The rows are addressed as four bases (rows 0, 3, 6, 9) plus 0, 1, 2, 4 or 8 row strides, so the
+// loop keeps five general registers for them instead of twelve pointers (which spilled to the stack).
+inline void logit_tile_one(const TileArgs& a, int rc) noexcept {
+  constexpr int R = kRowsOne;
+  static_assert(R == 12, "the base / stride map below covers 12 rows");
+  constexpr int kBase[R] = {0, 0, 0, 1, 0, 1, 2, 1, 0, 3, 2, 1};  // row r = base row 3 kBase[r] + kStep[r]
+  constexpr int kStep[R] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8};
+  F acc[R];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) acc[r] = F(0.0f);
+  const auto stride = static_cast<std::ptrdiff_t>(a.d * static_cast<std::int64_t>(sizeof(float)));
+  const char* base[4];
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) base[b] = reinterpret_cast<const char*>(a.key_buf + (a.r + 3 * b) * a.d);
+  const float* qt = a.qt + a.v * kLanes * a.d;
+  for (std::int64_t c = 0; c < a.d; ++c) {
+    const F qv = F::load_aligned(qt + c * kLanes);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const F k(*reinterpret_cast<const float*>(base[kBase[r]] + kStep[r] * stride));
+      acc[r] = fmadd(k, qv, acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < 4; ++b) base[b] += sizeof(float);
+  }
+  F out[R][1];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) out[r][0] = acc[r];
+  tile_epilogue<1, R>(a, rc, out);
 }
 
 // Picks the tile instantiation for the last query vectors (vc <= V).
@@ -310,9 +346,9 @@ inline void dispatch_tile(int vc, int rc, const TileArgs& a) noexcept {
     if (vc < V) return dispatch_tile<kDot, V - 1>(vc, rc, a);
   }
 #if KVP_CPU_TU_ISA == 2
-  if constexpr (kDot) return logit_tile_dot<V>(a, rc);
+  if constexpr (kDot) return logit_tile_dot<V, kRows>(a, rc);
 #endif
-  logit_tile<V>(a, rc);
+  logit_tile<V, kRows>(a, rc);
 }
 
 // All tiles of one chunk (nr keys starting at key j0, already in key_buf; bf16 dot: their rows in key_pairs).
@@ -383,9 +419,8 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
   // bf16 dot: the chunk's key row pointers in the key buffer's place (kChunk pointers fit in kChunk x d floats).
   auto* key_pairs = reinterpret_cast<const std::uint16_t**>(ws.key_buf);
   TileArgs a{ws.key_buf, ws.qt, key_pairs, ws.last_visible, ws.p, ws.cur_max, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
-  for (std::int64_t ch = 0; ch * kChunk < T; ++ch) {
-    const std::int64_t j0 = ch * kChunk, nr = T - j0 < kChunk ? T - j0 : kChunk;
-    for (std::int64_t r = 0; r < nr; ++r) {
+  const auto load_rows = [&](std::int64_t j0, std::int64_t r0, std::int64_t r1) {
+    for (std::int64_t r = r0; r < r1; ++r) {
       if constexpr (kDot) {
         key_pairs[r] = reinterpret_cast<const std::uint16_t*>(key_row(keys, j0 + r));
       } else if constexpr (std::is_same_v<Tk, float>) {
@@ -394,14 +429,42 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
         widen_row(key_row(keys, j0 + r), d, ws.key_buf + r * d);
       }
     }
-    // The next chunk's keys are requested now, so that its widening finds them in cache instead of waiting
-    // on memory (the tiles of this chunk take far longer than the requests).
-    for (std::int64_t r = j0 + kChunk, r1 = std::min(T, j0 + 2 * kChunk); r < r1; ++r) {
-      prefetch_lines(key_row(keys, r), d * static_cast<std::int64_t>(sizeof(Tk)));
+  };
+  // Keys one chunk ahead of rows [r0, r1) are requested, so that their widening finds them in cache instead of
+  // waiting on memory; into L1, or into L2 where the caller passes std::true_type.
+  const auto prefetch_ahead = [&](std::int64_t j0, std::int64_t r0, std::int64_t r1, auto to_l2) {
+    for (std::int64_t r = j0 + kChunk + r0, end = std::min(T, j0 + kChunk + r1); r < end; ++r) {
+      prefetch_lines<decltype(to_l2)::value>(key_row(keys, r), d * static_cast<std::int64_t>(sizeof(Tk)));
+    }
+  };
+  for (std::int64_t ch = 0; ch * kChunk < T; ++ch) {
+    const std::int64_t j0 = ch * kChunk, nr = T - j0 < kChunk ? T - j0 : kChunk;
+    if (!kDot && nv == 1) {
+      // One query vector (a few queries, e.g. TOVA's): each tile's kRowsOne keys are widened just before the
+      // tile, which then reads them from L1, and the next chunk's keys are requested into L2 a tile at a time.
+      // The tile does too little work per key to hide a whole chunk's widening: 60 widened rows (30 KB at
+      // d = 128) plus their fp16 source overflow a 32 KB L1, and the tile read its first rows back from L2;
+      // requests into L1 ahead of a tile evicted the rows it was reading (measured: 12-15 % slower at T = 32K).
+      for (std::int64_t i = 0; i < kLanes; ++i) ws.cur_max[i] = -kInf;
+      a.v = 0;
+      for (std::int64_t r0 = 0; r0 < nr; r0 += kRowsOne) {
+        const std::int64_t r1 = std::min(nr, r0 + kRowsOne);
+        load_rows(j0, r0, r1);
+        for (std::int64_t r = r1; r < r0 + kRowsOne; ++r) {  // a partial tile's spare rows: the last key again
+          std::memcpy(ws.key_buf + r * d, ws.key_buf + (r1 - 1) * d, static_cast<std::size_t>(d) * sizeof(float));
+        }
+        prefetch_ahead(j0, r0, r0 + kRowsOne, std::true_type{});
+        a.r = r0;
+        a.j = j0 + r0;
+        logit_tile_one(a, static_cast<int>(r1 - r0));
+      }
+    } else {
+      load_rows(j0, 0, nr);
+      prefetch_ahead(j0, 0, kChunk, std::false_type{});  // the tiles of this chunk take far longer than the requests
+      chunk_tiles<kDot>(a, j0, nr, nv);
     }
     float* cref = ws.chunk_ref + ch * qpad;
     float* csum = ws.chunk_sum + ch * qpad;
-    chunk_tiles<kDot>(a, j0, nr, nv);
     for (std::int64_t v = 0; v < nv; ++v) {
       const F m = F::load_aligned(ws.cur_max + v * kLanes);
       const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
@@ -461,6 +524,13 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
           for (std::int64_t v = 1; v < vph; ++v) acc = fmadd(F::load_aligned(pg + v * kLanes), F::load_aligned(fg + v * kLanes), acc);
           out[g * L + j] = xsimd::hadd(acc);
         }
+      }
+    } else if (w == 1) {
+      // One query per head (TOVA): the head's score is its query's weight p x factor, which the sum below would
+      // add to 0.0f, and 0 + x is x here (x >= +0 or NaN: p and the factors are exps and their products).
+      for (std::int64_t j = j0; j < j1; ++j) {
+        const float* pr = ws.p + j * qpad;
+        for (std::int64_t g = 0; g < G; ++g) out[g * L + j] = pr[g] * ws.factor[g];
       }
     } else {
       for (std::int64_t j = j0; j < j1; ++j) {
