@@ -37,7 +37,8 @@ struct WindowScratch {
   WindowLayout layout{};
   float* qt = nullptr;                   // (head_dim, qpad): queries transposed, zero padded
   std::int32_t* last_visible = nullptr;  // (qpad): last key each query row sees (causal)
-  float* p = nullptr;                    // (kv_len, qpad): exp(logit - chunk reference)
+  float* p = nullptr;                    // (kv_len, qpad): exp(logit - chunk reference); rows of the computed
+                                         // query vectors only, so a call with fewer queries uses less of it
   float* chunk_ref = nullptr;            // (num_chunks, qpad): chunk maxima, then exp(chunk max - row max)
   float* chunk_sum = nullptr;            // (num_chunks, qpad): sum of the chunk's exp
   float* key_buf = nullptr;              // (kChunk, head_dim): keys of one chunk in fp32

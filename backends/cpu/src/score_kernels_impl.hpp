@@ -196,9 +196,10 @@ struct TileArgs {
   const float* qt;                        // blocks of kVecs query vectors, (d, width) each; bf16 dot: (d / 2, width) bf16 pairs
   const std::uint16_t* const* key_pairs;  // bf16 dot: (kChunk) the chunk's key rows (bf16 bits, read in pairs)
   const std::int32_t* last_visible;       // (qpad)
-  float* p;                               // (kv_len, qpad)
-  float* cur_max;                         // (qpad): max of the current chunk
-  std::int64_t qpad, d, q_pos0;
+  float* p;                               // (kv_len, pw)
+  float* cur_max;                         // (pw): max of the current chunk
+  std::int64_t pw;                        // row stride of p: the query vectors computed (nv), in floats
+  std::int64_t d, q_pos0;
   std::int64_t j;  // absolute index of the tile's first key
   std::int64_t r;  // row of the tile's first key in key_buf
   std::int64_t v;  // first query vector of the tile
@@ -289,7 +290,7 @@ inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[R][V]) noexcept {
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r) {
     if (r >= rc) break;
-    float* prow = a.p + (a.j + r) * a.qpad + a.v * kLanes;
+    float* prow = a.p + (a.j + r) * a.pw + a.v * kLanes;
     const I key_index(static_cast<std::int32_t>(a.j + r));
 #pragma GCC unroll 32
     for (int v = 0; v < V; ++v) {
@@ -354,7 +355,7 @@ inline void dispatch_tile(int vc, int rc, const TileArgs& a) noexcept {
 // All tiles of one chunk (nr keys starting at key j0, already in key_buf; bf16 dot: their rows in key_pairs).
 template <bool kDot>
 inline void chunk_tiles(TileArgs& a, std::int64_t j0, std::int64_t nr, std::int64_t nv) noexcept {
-  for (std::int64_t i = 0; i < a.qpad; ++i) a.cur_max[i] = -kInf;
+  for (std::int64_t i = 0; i < a.pw; ++i) a.cur_max[i] = -kInf;
   for (std::int64_t v0 = 0; v0 < nv; v0 += kVecs) {
     a.v = v0;
     const int vc = static_cast<int>(nv - v0 < kVecs ? nv - v0 : kVecs);
@@ -384,6 +385,9 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
   // output. A few queries (TOVA: the newest query of each of a group's 4 heads) then take one vector of tiles
   // where the padding took two (AVX2) or four (SSE2), with the same bits for every real query.
   const std::int64_t Q = ws.layout.num_q, qpad = ws.layout.qpad, nv = (Q + kLanes - 1) / kLanes;
+  // p's rows hold the computed vectors only (nv kLanes <= qpad floats): TOVA's 4 queries write and read back
+  // 32 bytes per key on AVX2 instead of a 64-byte row of which half was padding.
+  const std::int64_t pw = nv * kLanes;
   constexpr std::int64_t kChunk = WindowLayout::kChunk;
   for (std::int64_t i = 0; i < G * L; ++i) out[i] = 0.0f;
   if (Q <= 0 || T <= 0) return;
@@ -418,7 +422,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
   // buffer, the logits, then p = exp(logit - chunk max) with the chunk sums.
   // bf16 dot: the chunk's key row pointers in the key buffer's place (kChunk pointers fit in kChunk x d floats).
   auto* key_pairs = reinterpret_cast<const std::uint16_t**>(ws.key_buf);
-  TileArgs a{ws.key_buf, ws.qt, key_pairs, ws.last_visible, ws.p, ws.cur_max, qpad, d, s.q_pos0, 0, 0, 0, s.scale};
+  TileArgs a{ws.key_buf, ws.qt, key_pairs, ws.last_visible, ws.p, ws.cur_max, pw, d, s.q_pos0, 0, 0, 0, s.scale};
   const auto load_rows = [&](std::int64_t j0, std::int64_t r0, std::int64_t r1) {
     for (std::int64_t r = r0; r < r1; ++r) {
       if constexpr (kDot) {
@@ -469,8 +473,8 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
       const F m = F::load_aligned(ws.cur_max + v * kLanes);
       const F base = xsimd::select(m == F(-kInf), F(0.0f), m);  // fully masked: exp(-inf) = 0
       F sum(0.0f);
-      float* pp = ws.p + j0 * qpad + v * kLanes;
-      for (std::int64_t r = 0; r < nr; ++r, pp += qpad) {
+      float* pp = ws.p + j0 * pw + v * kLanes;
+      for (std::int64_t r = 0; r < nr; ++r, pp += pw) {
         const F e = exp_clamped(F::load_aligned(pp) - base);
         e.store_aligned(pp);
         sum += e;
@@ -516,7 +520,7 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
     if (whole_vectors) {
       const std::int64_t vph = w / kLanes;  // vectors per head
       for (std::int64_t j = j0; j < j1; ++j) {
-        const float* pr = ws.p + j * qpad;
+        const float* pr = ws.p + j * pw;
         for (std::int64_t g = 0; g < G; ++g) {
           const float* pg = pr + g * w;
           const float* fg = ws.factor + g * w;
@@ -529,12 +533,12 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
       // One query per head (TOVA): the head's score is its query's weight p x factor, which the sum below would
       // add to 0.0f, and 0 + x is x here (x >= +0 or NaN: p and the factors are exps and their products).
       for (std::int64_t j = j0; j < j1; ++j) {
-        const float* pr = ws.p + j * qpad;
+        const float* pr = ws.p + j * pw;
         for (std::int64_t g = 0; g < G; ++g) out[g * L + j] = pr[g] * ws.factor[g];
       }
     } else {
       for (std::int64_t j = j0; j < j1; ++j) {
-        const float* pr = ws.p + j * qpad;
+        const float* pr = ws.p + j * pw;
         for (std::int64_t v = 0; v < nv; ++v) {
           (F::load_aligned(pr + v * kLanes) * F::load_aligned(ws.factor + v * kLanes)).store_aligned(ws.row_tmp + v * kLanes);
         }
