@@ -206,40 +206,42 @@ struct TileArgs {
   float scale;
 };
 
-// Logits of R keys x V query vectors: broadcast one key element, FMA
+// Logits of kRows keys x V query vectors: broadcast one key element, FMA
 // against V query vectors, over the head dimension. Then scale, causal mask,
-// fold into the chunk max, and store the logits. A partial tile (rc < R
+// fold into the chunk max, and store the logits (tile_epilogue, R rows: kRows
+// here, kRowsOne for logit_tile_one). A partial tile (rc < kRows
 // keys, the last of a short chunk) repeats its last key in the spare rows and
 // drops their results: one instantiation per V keeps the code size (and the
 // compile time) small.
 template <int V, int R>
 inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[R][V]) noexcept;
 
-template <int V, int R>
+template <int V>
 inline void logit_tile(const TileArgs& a, int rc) noexcept {
+  constexpr int R = kRows;
   F acc[R][V];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) acc[r][v] = F(0.0f);
   const float* rows[R];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) rows[r] = a.key_buf + (a.r + (r < rc ? r : rc - 1)) * a.d;
   // The tile's V query vectors over all channels are one contiguous block (see the query layout in
   // window_scores): the loop streams it, and it stays in L1 for the chunk's key tiles.
   const float* qt = a.qt + a.v * kLanes * a.d;
   for (std::int64_t c = 0; c < a.d; ++c) {
     F qv[V];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) qv[v] = F::load_aligned(qt + (c * V + v) * kLanes);
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const F k(rows[r][c]);
-#pragma GCC unroll 32
+#pragma GCC unroll 8
       for (int v = 0; v < V; ++v) acc[r][v] = fmadd(k, qv[v], acc[r][v]);
     }
   }
-  tile_epilogue<V, R>(a, rc, acc);
+  tile_epilogue<V, kRows>(a, rc, acc);
 }
 
 #if KVP_CPU_TU_ISA == 2
@@ -247,35 +249,36 @@ inline void logit_tile(const TileArgs& a, int rc) noexcept {
 // per step one pair of channels, vdpbf16ps adding q[2c] k[2c] and q[2c+1] k[2c+1] (exact bf16 products, fp32
 // adds) to each accumulator, the key pair broadcast straight from the bf16 row. Same register tile, half the
 // steps; the epilogue is the fp32 form's.
-template <int V, int R>
+template <int V>
 __attribute__((target("avx512bf16"))) void logit_tile_dot(const TileArgs& a, int rc) noexcept {
+  constexpr int R = kRows;
   __m512 acc[R][V];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   const std::uint16_t* rows[R];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) rows[r] = a.key_pairs[a.r + (r < rc ? r : rc - 1)];
   const std::int64_t pairs = a.d / 2;
   const auto* qt = reinterpret_cast<const std::uint32_t*>(a.qt) + a.v * kLanes * pairs;  // the tile's block, as logit_tile
   for (std::int64_t c = 0; c < pairs; ++c) {
     __m512bh qv[V];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) qv[v] = (__m512bh)_mm512_load_si512(qt + (c * V + v) * kLanes);
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const auto k = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(rows[r] + 2 * c));  // rows need no alignment
-#pragma GCC unroll 32
+#pragma GCC unroll 8
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k, qv[v]);
     }
   }
   F out[R][V];
-#pragma GCC unroll 32
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 32
+#pragma GCC unroll 8
     for (int v = 0; v < V; ++v) out[r][v] = F(acc[r][v]);
-  tile_epilogue<V, R>(a, rc, out);
+  tile_epilogue<V, kRows>(a, rc, out);
 }
 #endif
 
@@ -309,8 +312,8 @@ inline void tile_epilogue(const TileArgs& a, int rc, F (&acc)[R][V]) noexcept {
 
 // The one-vector tile: kRowsOne keys x 1 query vector, the rows kRowsOne consecutive rows of key_buf from a.r
 // (all present: the caller repeats the last key into the spare rows of a partial tile; their results are
-// dropped). The rows are addressed as four bases (rows 0, 3, 6, 9) plus 0, 1, 2, 4 or 8 row strides, so the
-// loop keeps five general registers for them instead of twelve pointers (which spilled to the stack).
+// dropped). The rows are written as four bases (rows 0, 3, 6, 9) plus 0, 1, 2, 4 or 8 row strides: with an
+// array of twelve row pointers GCC's inner loop reloaded some of them from the stack; with this form it does not.
 inline void logit_tile_one(const TileArgs& a, int rc) noexcept {
   constexpr int R = kRowsOne;
   static_assert(R == 12, "the base / stride map below covers 12 rows");
@@ -347,9 +350,9 @@ inline void dispatch_tile(int vc, int rc, const TileArgs& a) noexcept {
     if (vc < V) return dispatch_tile<kDot, V - 1>(vc, rc, a);
   }
 #if KVP_CPU_TU_ISA == 2
-  if constexpr (kDot) return logit_tile_dot<V, kRows>(a, rc);
+  if constexpr (kDot) return logit_tile_dot<V>(a, rc);
 #endif
-  logit_tile<V, kRows>(a, rc);
+  logit_tile<V>(a, rc);
 }
 
 // All tiles of one chunk (nr keys starting at key j0, already in key_buf; bf16 dot: their rows in key_pairs).
@@ -447,8 +450,8 @@ void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, flo
       // One query vector (a few queries, e.g. TOVA's): each tile's kRowsOne keys are widened just before the
       // tile, which then reads them from L1, and the next chunk's keys are requested into L2 a tile at a time.
       // The tile does too little work per key to hide a whole chunk's widening: 60 widened rows (30 KB at
-      // d = 128) plus their fp16 source overflow a 32 KB L1, and the tile read its first rows back from L2;
-      // requests into L1 ahead of a tile evicted the rows it was reading (measured: 12-15 % slower at T = 32K).
+      // d = 128) plus their fp16 source overflow a 32 KB L1, and the tile read its first rows back from L2.
+      // Requests into L1 instead of L2 measured 12-15 % slower at T = 32K.
       for (std::int64_t i = 0; i < kLanes; ++i) ws.cur_max[i] = -kInf;
       a.v = 0;
       for (std::int64_t r0 = 0; r0 < nr; r0 += kRowsOne) {
