@@ -3,6 +3,7 @@
 // G in {1,2,4,8}, d in {64,96,128}, T in {1,7,100,1000,4099}, w in {1,8,32}.
 #include <catch2/catch.hpp>
 
+#include <bit>
 #include <cstddef>
 #include <cstdlib>
 #include <sstream>
@@ -171,6 +172,49 @@ TEST_CASE("window_scores: non-finite inputs stay confined and never crash", "[cp
       REQUIRE(window_close(out[i], ref[i]));
     }
   }
+}
+
+// A window of at most one vector of queries takes its own tile (12 keys, widened just before it; score_kernels_impl
+// .hpp, logit_tile_one) and, with w = 1, writes each head's score directly. Each lane's operations are the general
+// tiles' in the same order, so a head's scores are bit for bit those of the same queries inside a window of many
+// vectors: 4 heads of one query each against the same 4 heads among 20 (3 vectors on AVX2, 5 on SSE2, 2 on AVX-512),
+// with partial tiles (T = 1000: the last chunk has 40 keys) and with causal masking (q_pos0 < T - 1).
+template <class Tk>
+void check_one_vector_bits(const char* dtype) {
+  const std::int64_t d = 128, T = 1000, G_small = 4, G_big = 20;
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  std::vector<float> q_big(static_cast<std::size_t>(G_big * d));
+  for (auto& x : q_big) x = nd(rng) * 2.0f;
+  std::vector<Tk> keys(static_cast<std::size_t>(T * d));
+  for (auto& x : keys) x = from_float<Tk>(nd(rng));
+  IsaGuard guard;
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t q_pos0 : {T - 1, T / 2}) {
+      INFO(dtype << " isa " << cpu_isa_name(isa) << " q_pos0 " << q_pos0);
+      std::vector<float> out[2];
+      for (int big = 0; big < 2; ++big) {
+        const WindowScoreShape s{big ? G_big : G_small, 1, d, T, T, q_pos0, 0.0883883f, WindowReduce::kMean};
+        out[big].assign(static_cast<std::size_t>(s.group * T), -1.0f);
+        std::vector<std::byte> ws(Cpu::window_scores_workspace(s));
+        Cpu::window_scores(s, q_big.data(), Rows<Tk>{keys.data(), d}, out[big].data(), Workspace{ws.data(), ws.size()});
+      }
+      for (std::size_t i = 0; i < out[0].size(); ++i) {
+        if (std::bit_cast<std::uint32_t>(out[0][i]) != std::bit_cast<std::uint32_t>(out[1][i])) {
+          INFO("head " << i / T << " key " << i % T << ": one vector " << out[0][i] << ", many vectors " << out[1][i]);
+          REQUIRE(std::bit_cast<std::uint32_t>(out[0][i]) == std::bit_cast<std::uint32_t>(out[1][i]));
+        }
+      }
+      REQUIRE(out[0][0] > 0.0f);
+    }
+  }
+}
+
+TEST_CASE("window_scores: one vector of queries gives the general tiles' bits", "[cpu][window_scores]") {
+  check_one_vector_bits<half>("fp16");
+  check_one_vector_bits<float>("fp32");
+  check_one_vector_bits<bfloat16>("bf16");
 }
 
 TEST_CASE("window_scores: a workspace sized for the reference op falls back to it", "[cpu][window_scores]") {
