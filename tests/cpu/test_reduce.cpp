@@ -149,7 +149,9 @@ TEST_CASE("CpuReduceOps: expected_logits == the scalar reference bit for bit (fp
   };
   for (CpuIsa isa : available_isas()) {
     REQUIRE(Cpu::set_isa(isa));
-    for (std::int64_t d : {1, 2, 7, 8, 9, 16, 31, 64, 100, 128, 256, 260})
+    // Multiples of the lanes take the quadratic form's column tiles: every whole / partial group of column
+    // vectors (AVX-512 groups of 4 vectors: d 16-112; AVX2 groups of 3: d 8, 16, 24, 64, 128, 256).
+    for (std::int64_t d : {1, 2, 7, 8, 9, 16, 24, 31, 32, 48, 64, 80, 96, 100, 112, 128, 256, 260})
       for (std::int64_t T : {1, 5, 16, 17, 33}) {
         for (bool cov : {true, false}) {
           check(float{}, d, T, 0, cov, false, false);
