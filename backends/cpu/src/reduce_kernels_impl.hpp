@@ -174,6 +174,12 @@ inline float f16_to_f32(std::uint16_t h) noexcept {
 
 inline void widen_f16(const std::uint16_t* x, std::int64_t n, float* out) noexcept {
   std::int64_t i = 0;
+#if KVP_CPU_TU_ISA == 2  // 16 at a time, the same conversion
+  for (; i + 32 <= n; i += 32) {
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))));
+    _mm512_storeu_ps(out + i + 16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16))));
+  }
+#endif
 #if KVP_CPU_TU_ISA >= 1  // F16C (AVX2 and AVX-512 levels): exact, NaN quieted with its payload, like the scalar form
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
 #endif
@@ -240,17 +246,18 @@ inline void transpose_lanes(const NF* r, NF* c) noexcept { transpose8(r, c); }
 /// key r), for keys r0 .. r0 + R - 1 and the V column vectors from c0: R x V accumulators, each step V cov
 /// loads and R key broadcasts. u: kRL rows of d floats, aligned.
 template <int R, int V>
-inline void quad_cols_tile(const float* cov, std::int64_t d, const float* keys, std::int64_t r0, std::int64_t c0, float* u) noexcept {
+inline void quad_cols_tile(const float* cov, std::int64_t d, const float* keys, std::int64_t r0, std::int64_t c0, std::int64_t i0,
+                           std::int64_t i1, float* u) noexcept {
   RF acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v] = RF(0.0f);
+    for (int v = 0; v < V; ++v) acc[r][v] = i0 == 0 ? RF(0.0f) : RF::load_aligned(u + (r0 + r) * d + c0 + kRL * v);
   const float* k[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) k[r] = keys + (r0 + r) * d;
-  const float* row = cov + c0;
-  for (std::int64_t i = 0; i < d; ++i, row += d) {
+  const float* row = cov + i0 * d + c0;
+  for (std::int64_t i = i0; i < i1; ++i, row += d) {
     RF cv[V];
 #pragma GCC unroll 8
     for (int v = 0; v < V; ++v) cv[v] = RF::load_unaligned(row + kRL * v);
@@ -267,17 +274,25 @@ inline void quad_cols_tile(const float* cov, std::int64_t d, const float* keys, 
     for (int v = 0; v < V; ++v) acc[r][v].store_aligned(u + (r0 + r) * d + c0 + kRL * v);
 }
 
-/// The block's u for the V column vectors from c0.
+/// The block's u for the V column vectors from c0, over cov's rows in slices of kQuadRows: the tiles of one
+/// slice share its cov rows while they are in L1. At d = 128 a whole strip of 4 column vectors is 32 KiB and,
+/// with the keys, u and kT, overflowed a 48 KiB L1 (Ice Lake Xeon, microbenchmark of the block: unsliced 92-95
+/// GFLOP/s, slices of 16 / 32 / 64 rows 94-95 / 104 / 109-110; d = 64, unsliced, 118). A tile's sums over i
+/// continue across slices through u, in the same order.
+inline constexpr std::int64_t kQuadRows = 64;
 template <int V>
 inline void quad_cols(const float* cov, std::int64_t d, const float* keys, std::int64_t c0, float* u) noexcept {
+  for (std::int64_t i0 = 0; i0 < d; i0 += kQuadRows) {
+    const std::int64_t i1 = d - i0 < kQuadRows ? d : i0 + kQuadRows;
 #if KVP_CPU_TU_ISA == 2
-  quad_cols_tile<6, V>(cov, d, keys, 0, c0, u);
-  quad_cols_tile<6, V>(cov, d, keys, 6, c0, u);
-  quad_cols_tile<4, V>(cov, d, keys, 12, c0, u);
+    quad_cols_tile<6, V>(cov, d, keys, 0, c0, i0, i1, u);
+    quad_cols_tile<6, V>(cov, d, keys, 6, c0, i0, i1, u);
+    quad_cols_tile<4, V>(cov, d, keys, 12, c0, i0, i1, u);
 #else
-  quad_cols_tile<4, V>(cov, d, keys, 0, c0, u);
-  quad_cols_tile<4, V>(cov, d, keys, 4, c0, u);
+    quad_cols_tile<4, V>(cov, d, keys, 0, c0, i0, i1, u);
+    quad_cols_tile<4, V>(cov, d, keys, 4, c0, i0, i1, u);
 #endif
+  }
 }
 #endif
 
@@ -365,59 +380,74 @@ inline void expected_logits_block(const float* mean, const float* cov, std::int6
   for (std::int64_t l = 0; l < nk; ++l) z[l] = t[l];
 }
 
-/// outer_upper_accumulate (reduce_kernels.hpp): register tiles of kR rows x 2 vectors of
-/// columns held across all n tokens, so each entry adds its products in token order (AVX-512: 8 rows, 16
-/// independent FMA chains, enough to cover the FMA's latency at two per cycle; 4 rows on the 16-register levels).
-inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+// outer_upper_accumulate's register tiles: R rows x V vectors of columns (AVX-512 6 x 4: each token 4 loads and
+// 6 broadcasts for 24 FMAs; AVX2 4 x 3; SSE2 4 x 2).
 #if KVP_CPU_TU_ISA == 2
-  constexpr std::int64_t kR = 8, kV = 2;
+inline constexpr int kOuterR = 6, kOuterV = 4;
+#elif KVP_CPU_TU_ISA == 1
+inline constexpr int kOuterR = 4, kOuterV = 3;
 #else
-  constexpr std::int64_t kR = 4, kV = 2;
+inline constexpr int kOuterR = 4, kOuterV = 2;
 #endif
-  const std::int64_t dv = d / kRL * kRL;
-  std::int64_t i0 = 0;
-  for (; i0 + kR <= d; i0 += kR) {
-    // Columns from the vector holding column i0 (earlier lanes are entries j < i: don't-care).
-    std::int64_t j0 = i0 / kRL * kRL;
-    for (; j0 + kV * kRL <= dv; j0 += kV * kRL) {
-      RF acc[kR][kV];
-      for (std::int64_t r = 0; r < kR; ++r)
-        for (std::int64_t v = 0; v < kV; ++v) acc[r][v] = RF::load_unaligned(block + (i0 + r) * d + j0 + v * kRL);
-      for (std::int64_t t = 0; t < n; ++t) {
-        const float* ct = c + t * d;
-        RF cj[kV];
-        for (std::int64_t v = 0; v < kV; ++v) cj[v] = RF::load_unaligned(ct + j0 + v * kRL);
-        for (std::int64_t r = 0; r < kR; ++r) {
-          const RF ci(ct[i0 + r]);
-          for (std::int64_t v = 0; v < kV; ++v) acc[r][v] = fma_exact(ci, cj[v], acc[r][v]);
-        }
-      }
-      for (std::int64_t r = 0; r < kR; ++r)
-        for (std::int64_t v = 0; v < kV; ++v) acc[r][v].store_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+
+/// block[i][j] += c[t][i] c[t][j] over the n tokens in order, rows i0 .. i0 + R - 1, the V column vectors from j0.
+template <int R, int V>
+inline void outer_tile(const float* c, std::int64_t n, std::int64_t d, std::int64_t i0, std::int64_t j0, float* block) noexcept {
+  RF acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = RF::load_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+  const float* ct = c;
+  for (std::int64_t t = 0; t < n; ++t, ct += d) {
+    RF cj[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) cj[v] = RF::load_unaligned(ct + j0 + v * kRL);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const RF ci(ct[i0 + r]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = fma_exact(ci, cj[v], acc[r][v]);
     }
-    for (; j0 + kRL <= dv; j0 += kRL) {
-      RF acc[kR];
-      for (std::int64_t r = 0; r < kR; ++r) acc[r] = RF::load_unaligned(block + (i0 + r) * d + j0);
-      for (std::int64_t t = 0; t < n; ++t) {
-        const RF cj = RF::load_unaligned(c + t * d + j0);
-        for (std::int64_t r = 0; r < kR; ++r) acc[r] = fma_exact(RF(c[t * d + i0 + r]), cj, acc[r]);
-      }
-      for (std::int64_t r = 0; r < kR; ++r) acc[r].store_unaligned(block + (i0 + r) * d + j0);
-    }
-    // Columns past the last whole vector, element by element in token order.
-    for (std::int64_t r = 0; r < kR; ++r)
-      for (std::int64_t j = dv > i0 + r ? dv : i0 + r; j < d; ++j) {
-        float a = block[(i0 + r) * d + j];
-        for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0 + r], c[t * d + j], a);
-        block[(i0 + r) * d + j] = a;
-      }
   }
-  for (; i0 < d; ++i0)
-    for (std::int64_t j = i0; j < d; ++j) {
-      float a = block[i0 * d + j];
-      for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0], c[t * d + j], a);
-      block[i0 * d + j] = a;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v].store_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+}
+
+/// Rows i0 .. i0 + R - 1: whole vectors of columns from the one holding column i0 (earlier lanes are entries
+/// j < i: don't-care), in groups of kOuterV and one narrower group, then the columns past the last whole
+/// vector element by element.
+template <int R>
+inline void outer_rows(const float* c, std::int64_t n, std::int64_t d, std::int64_t i0, float* block) noexcept {
+  const std::int64_t dv = d / kRL * kRL;
+  std::int64_t j0 = i0 / kRL * kRL;
+  for (; j0 + kOuterV * kRL <= dv; j0 += kOuterV * kRL) outer_tile<R, kOuterV>(c, n, d, i0, j0, block);
+  const std::int64_t rest = (dv - j0) / kRL;
+  if constexpr (kOuterV > 3) {
+    if (rest == 3) outer_tile<R, 3>(c, n, d, i0, j0, block);
+  }
+  if constexpr (kOuterV > 2) {
+    if (rest == 2) outer_tile<R, 2>(c, n, d, i0, j0, block);
+  }
+  if (rest == 1) outer_tile<R, 1>(c, n, d, i0, j0, block);
+  for (std::int64_t r = 0; r < R; ++r)
+    for (std::int64_t j = dv > i0 + r ? dv : i0 + r; j < d; ++j) {
+      float a = block[(i0 + r) * d + j];
+      for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0 + r], c[t * d + j], a);
+      block[(i0 + r) * d + j] = a;
     }
+}
+
+/// outer_upper_accumulate (reduce_kernels.hpp): register tiles (outer_tile) held across all n tokens, so each
+/// entry adds its products in token order; rows in groups of kOuterR, the last rows one at a time. On an Ice
+/// Lake Xeon (microbenchmark, d = 128, 64 tokens) the AVX-512 tiles of 6 x 4 ran 1.2-1.27x the 8 x 2 tiles
+/// before them (whose 8 x 1 tail took one load per FMA), the AVX2 tiles of 4 x 3 1.18x the 4 x 2 ones.
+inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+  std::int64_t i0 = 0;
+  for (; i0 + kOuterR <= d; i0 += kOuterR) outer_rows<kOuterR>(c, n, d, i0, block);
+  for (; i0 < d; ++i0) outer_rows<1>(c, n, d, i0, block);
 }
 
 // ---- double accumulation (Expected Attention's query statistics) --------------------------------------
