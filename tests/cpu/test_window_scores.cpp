@@ -3,11 +3,17 @@
 // G in {1,2,4,8}, d in {64,96,128}, T in {1,7,100,1000,4099}, w in {1,8,32}.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <vector>
+#include <utility>
+#include <random>
+#include <cstring>
 
 #include "cpu_test_util.hpp"
 
@@ -215,6 +221,39 @@ TEST_CASE("window_scores: one vector of queries gives the general tiles' bits", 
   check_one_vector_bits<half>("fp16");
   check_one_vector_bits<float>("fp32");
   check_one_vector_bits<bfloat16>("bf16");
+}
+
+TEST_CASE("window_scores: at most 8 queries on the AVX-512 level give the AVX2 level's bits", "[cpu][window_scores]") {
+  // Up to 8 queries run the AVX2 kernel on the AVX-512 level (cpu_score_ops.cpp). The two levels round exp's
+  // exponent differently, so the bits may differ elsewhere; with at most 8 queries they must be the AVX2 ones.
+  const auto isas = available_isas();
+  if (std::find(isas.begin(), isas.end(), CpuIsa::kAvx512) == isas.end()) {
+    SUCCEED("no AVX-512 on this machine: the AVX2 level is the best one");
+    return;
+  }
+  IsaGuard guard;
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd;
+  std::int64_t equal = 0;
+  for (const auto& [G, w] : {std::pair<std::int64_t, std::int64_t>{4, 1}, {8, 1}, {2, 4}, {1, 8}, {1, 1}})
+    for (std::int64_t d : {64, 128}) {
+      const std::int64_t T = 700;
+      std::vector<float> q(static_cast<std::size_t>(G * w * d));
+      std::vector<half> keys(static_cast<std::size_t>(T * d));
+      for (auto& x : q) x = nd(rng) * 2.0f;
+      for (auto& x : keys) x = from_float<half>(nd(rng));
+      const WindowScoreShape s{G, w, d, T, T - w, T - w, 1.0f / std::sqrt(static_cast<float>(d)), WindowReduce::kMean};
+      std::vector<std::byte> ws(Cpu::window_scores_workspace(s));
+      std::vector<float> a(static_cast<std::size_t>(G * s.num_cols)), b(a.size());
+      REQUIRE(Cpu::set_isa(CpuIsa::kAvx512));
+      Cpu::window_scores(s, q.data(), Rows<half>{keys.data(), d}, a.data(), Workspace{ws.data(), ws.size()});
+      REQUIRE(Cpu::set_isa(CpuIsa::kAvx2));
+      Cpu::window_scores(s, q.data(), Rows<half>{keys.data(), d}, b.data(), Workspace{ws.data(), ws.size()});
+      INFO("G " << G << " w " << w << " d " << d);
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+      ++equal;
+    }
+  REQUIRE(equal == 10);
 }
 
 TEST_CASE("window_scores: a workspace sized for the reference op falls back to it", "[cpu][window_scores]") {
