@@ -184,6 +184,29 @@ TEST_CASE("CpuReduceOps: outer_upper_accumulate == the scalar reference bit for 
   }
 }
 
+TEST_CASE("CpuReduceOps: outer_upper_add_f64 == a zero block's outer_upper_accumulate + add_upper_f64, bit for bit",
+          "[cpu][reduce][expected_attention]") {
+  IsaGuard guard;
+  std::mt19937 rng(24);
+  std::normal_distribution<float> nd;
+  for (CpuIsa isa : available_isas()) {
+    REQUIRE(Cpu::set_isa(isa));
+    for (std::int64_t d : {1, 3, 5, 8, 15, 16, 17, 24, 33, 48, 64, 100, 112, 128})
+      for (std::int64_t n : {1, 2, 7, 64}) {
+        std::vector<float> c(static_cast<std::size_t>(n * d)), block(static_cast<std::size_t>(d * d), 0.0f);
+        for (auto& v : c) v = nd(rng);
+        std::vector<double> a(static_cast<std::size_t>(d * d)), b;
+        for (auto& v : a) v = static_cast<double>(nd(rng)) * 1e3;  // accumulates onto what is there
+        b = a;
+        Cpu::outer_upper_add_f64(c.data(), n, d, a.data());
+        Scalar::outer_upper_accumulate(c.data(), n, d, block.data());
+        Scalar::add_upper_f64(block.data(), d, b.data());
+        INFO("isa " << Cpu::isa_name() << " d " << d << " n " << n);
+        REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);  // the lower entries untouched too
+      }
+  }
+}
+
 TEST_CASE("CpuReduceOps: Expected Attention's double accumulations == the scalar reference bit for bit",
           "[cpu][reduce][expected_attention]") {
   IsaGuard guard;

@@ -31,6 +31,11 @@ void CpuReduceOps::outer_upper_accumulate(const float* c, std::int64_t n, std::i
   cpu_detail::reduce_kernels().outer_upper_accumulate(c, n, d, block);
 }
 
+void CpuReduceOps::outer_upper_add_f64(const float* c, std::int64_t n, std::int64_t d, double* acc) noexcept {
+  if (n <= 0 || d <= 0) return;
+  cpu_detail::reduce_kernels().outer_upper_add_f64(c, n, d, acc);
+}
+
 void CpuReduceOps::accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept {
   if (n <= 0 || d <= 0) return;
   cpu_detail::reduce_kernels().accumulate_rows_f64(x, n, d, acc);

@@ -32,6 +32,8 @@ struct ReduceKernels {
   /// `ScalarReduceOps::outer_upper_accumulate`: block[i * d + j] += c[t * d + i] * c[t * d + j] for
   /// t < n in order, j >= i (entries j < i of a row may be written; the reference leaves them alone).
   void (*outer_upper_accumulate)(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept;
+  /// `outer_upper_accumulate` on a zero block, then `add_upper_f64` of it into acc, without the block.
+  void (*outer_upper_add_f64)(const float* c, std::int64_t n, std::int64_t d, double* acc) noexcept;
   /// `ScalarReduceOps::accumulate_rows_f64`, `centre_rows`, `add_upper_f64` (the same double operations).
   void (*accumulate_rows_f64)(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept;
   void (*centre_rows)(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept;

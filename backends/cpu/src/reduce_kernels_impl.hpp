@@ -380,76 +380,6 @@ inline void expected_logits_block(const float* mean, const float* cov, std::int6
   for (std::int64_t l = 0; l < nk; ++l) z[l] = t[l];
 }
 
-// outer_upper_accumulate's register tiles: R rows x V vectors of columns (AVX-512 6 x 4: each token 4 loads and
-// 6 broadcasts for 24 FMAs; AVX2 4 x 3; SSE2 4 x 2).
-#if KVP_CPU_TU_ISA == 2
-inline constexpr int kOuterR = 6, kOuterV = 4;
-#elif KVP_CPU_TU_ISA == 1
-inline constexpr int kOuterR = 4, kOuterV = 3;
-#else
-inline constexpr int kOuterR = 4, kOuterV = 2;
-#endif
-
-/// block[i][j] += c[t][i] c[t][j] over the n tokens in order, rows i0 .. i0 + R - 1, the V column vectors from j0.
-template <int R, int V>
-inline void outer_tile(const float* c, std::int64_t n, std::int64_t d, std::int64_t i0, std::int64_t j0, float* block) noexcept {
-  RF acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v] = RF::load_unaligned(block + (i0 + r) * d + j0 + v * kRL);
-  const float* ct = c;
-  for (std::int64_t t = 0; t < n; ++t, ct += d) {
-    RF cj[V];
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) cj[v] = RF::load_unaligned(ct + j0 + v * kRL);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const RF ci(ct[i0 + r]);
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[r][v] = fma_exact(ci, cj[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v].store_unaligned(block + (i0 + r) * d + j0 + v * kRL);
-}
-
-/// Rows i0 .. i0 + R - 1: whole vectors of columns from the one holding column i0 (earlier lanes are entries
-/// j < i: don't-care), in groups of kOuterV and one narrower group, then the columns past the last whole
-/// vector element by element.
-template <int R>
-inline void outer_rows(const float* c, std::int64_t n, std::int64_t d, std::int64_t i0, float* block) noexcept {
-  const std::int64_t dv = d / kRL * kRL;
-  std::int64_t j0 = i0 / kRL * kRL;
-  for (; j0 + kOuterV * kRL <= dv; j0 += kOuterV * kRL) outer_tile<R, kOuterV>(c, n, d, i0, j0, block);
-  const std::int64_t rest = (dv - j0) / kRL;
-  if constexpr (kOuterV > 3) {
-    if (rest == 3) outer_tile<R, 3>(c, n, d, i0, j0, block);
-  }
-  if constexpr (kOuterV > 2) {
-    if (rest == 2) outer_tile<R, 2>(c, n, d, i0, j0, block);
-  }
-  if (rest == 1) outer_tile<R, 1>(c, n, d, i0, j0, block);
-  for (std::int64_t r = 0; r < R; ++r)
-    for (std::int64_t j = dv > i0 + r ? dv : i0 + r; j < d; ++j) {
-      float a = block[(i0 + r) * d + j];
-      for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0 + r], c[t * d + j], a);
-      block[(i0 + r) * d + j] = a;
-    }
-}
-
-/// outer_upper_accumulate (reduce_kernels.hpp): register tiles (outer_tile) held across all n tokens, so each
-/// entry adds its products in token order; rows in groups of kOuterR, the last rows one at a time. On an Ice
-/// Lake Xeon (microbenchmark, d = 128, 64 tokens) the AVX-512 tiles of 6 x 4 ran 1.2-1.27x the 8 x 2 tiles
-/// before them (whose 8 x 1 tail took one load per FMA), the AVX2 tiles of 4 x 3 1.18x the 4 x 2 ones.
-inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
-  std::int64_t i0 = 0;
-  for (; i0 + kOuterR <= d; i0 += kOuterR) outer_rows<kOuterR>(c, n, d, i0, block);
-  for (; i0 < d; ++i0) outer_rows<1>(c, n, d, i0, block);
-}
-
 // ---- double accumulation (Expected Attention's query statistics) --------------------------------------
 // Each element's operations are the reference's (exact widening, one IEEE double add or subtract, nearest
 // rounding back to fp32), so any vector width gives the same bits.
@@ -481,6 +411,108 @@ inline void st_dx(float* p, VD v) noexcept { _mm_storel_pi(reinterpret_cast<__m6
 inline VD add_d(VD a, VD b) noexcept { return _mm_add_pd(a, b); }
 inline VD sub_d(VD a, VD b) noexcept { return _mm_sub_pd(a, b); }
 #endif
+
+// outer_upper_accumulate's register tiles: R rows x V vectors of columns (AVX-512 6 x 4: each token 4 loads and
+// 6 broadcasts for 24 FMAs; AVX2 4 x 3; SSE2 4 x 2).
+#if KVP_CPU_TU_ISA == 2
+inline constexpr int kOuterR = 6, kOuterV = 4;
+#elif KVP_CPU_TU_ISA == 1
+inline constexpr int kOuterR = 4, kOuterV = 3;
+#else
+inline constexpr int kOuterR = 4, kOuterV = 2;
+#endif
+
+/// block[i][j] += c[t][i] c[t][j] over the n tokens in order, rows i0 .. i0 + R - 1, the V column vectors from j0.
+/// kF64: the sums start from 0.0f instead (a zero block) and each entry j >= i is then added to dacc[i][j] in
+/// double (add_upper_f64's operation); the block is not touched.
+template <int R, int V, bool kF64>
+inline void outer_tile(const float* c, std::int64_t n, std::int64_t d, std::int64_t i0, std::int64_t j0, float* block,
+                       double* dacc) noexcept {
+  RF acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = kF64 ? RF(0.0f) : RF::load_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+  const float* ct = c;
+  for (std::int64_t t = 0; t < n; ++t, ct += d) {
+    RF cj[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) cj[v] = RF::load_unaligned(ct + j0 + v * kRL);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const RF ci(ct[i0 + r]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = fma_exact(ci, cj[v], acc[r][v]);
+    }
+  }
+  if constexpr (kF64) {
+    alignas(64) float tmp[kRL];
+    for (int r = 0; r < R; ++r) {
+      const std::int64_t i = i0 + r;
+      double* row = dacc + i * d;
+      for (int v = 0; v < V; ++v) {
+        const std::int64_t jb = j0 + v * kRL;
+        if (jb + kRL <= i) continue;  // entries j < i only
+        acc[r][v].store_aligned(tmp);
+        if (jb >= i) {
+          for (std::int64_t k = 0; k < kRL; k += kDL) st_d(row + jb + k, add_d(ld_d(row + jb + k), ld_dx(tmp + k)));
+        } else {
+          for (std::int64_t l = i - jb; l < kRL; ++l) row[jb + l] += static_cast<double>(tmp[l]);
+        }
+      }
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v].store_unaligned(block + (i0 + r) * d + j0 + v * kRL);
+  }
+}
+
+/// Rows i0 .. i0 + R - 1: whole vectors of columns from the one holding column i0 (earlier lanes are entries
+/// j < i: don't-care), in groups of kOuterV and one narrower group, then the columns past the last whole
+/// vector element by element.
+template <int R, bool kF64>
+inline void outer_rows(const float* c, std::int64_t n, std::int64_t d, std::int64_t i0, float* block, double* dacc) noexcept {
+  const std::int64_t dv = d / kRL * kRL;
+  std::int64_t j0 = i0 / kRL * kRL;
+  for (; j0 + kOuterV * kRL <= dv; j0 += kOuterV * kRL) outer_tile<R, kOuterV, kF64>(c, n, d, i0, j0, block, dacc);
+  const std::int64_t rest = (dv - j0) / kRL;
+  if constexpr (kOuterV > 3) {
+    if (rest == 3) outer_tile<R, 3, kF64>(c, n, d, i0, j0, block, dacc);
+  }
+  if constexpr (kOuterV > 2) {
+    if (rest == 2) outer_tile<R, 2, kF64>(c, n, d, i0, j0, block, dacc);
+  }
+  if (rest == 1) outer_tile<R, 1, kF64>(c, n, d, i0, j0, block, dacc);
+  for (std::int64_t r = 0; r < R; ++r)
+    for (std::int64_t j = dv > i0 + r ? dv : i0 + r; j < d; ++j) {
+      float a = kF64 ? 0.0f : block[(i0 + r) * d + j];
+      for (std::int64_t t = 0; t < n; ++t) a = std::fma(c[t * d + i0 + r], c[t * d + j], a);
+      if constexpr (kF64)
+        dacc[(i0 + r) * d + j] += static_cast<double>(a);
+      else
+        block[(i0 + r) * d + j] = a;
+    }
+}
+
+/// outer_upper_accumulate (reduce_kernels.hpp): register tiles (outer_tile) held across all n tokens, so each
+/// entry adds its products in token order; rows in groups of kOuterR, the last rows one at a time. On an Ice
+/// Lake Xeon (microbenchmark, d = 128, 64 tokens) the AVX-512 tiles of 6 x 4 ran 1.2-1.27x the 8 x 2 tiles
+/// before them (whose 8 x 1 tail took one load per FMA), the AVX2 tiles of 4 x 3 1.18x the 4 x 2 ones.
+inline void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept {
+  std::int64_t i0 = 0;
+  for (; i0 + kOuterR <= d; i0 += kOuterR) outer_rows<kOuterR, false>(c, n, d, i0, block, nullptr);
+  for (; i0 < d; ++i0) outer_rows<1, false>(c, n, d, i0, block, nullptr);
+}
+
+/// outer_upper_add_f64 (reduce_kernels.hpp): outer_upper_accumulate on a zero block, then add_upper_f64, with
+/// each tile's sums added to acc in double where they are (no block to fill, store and read back).
+inline void outer_upper_add_f64(const float* c, std::int64_t n, std::int64_t d, double* acc) noexcept {
+  std::int64_t i0 = 0;
+  for (; i0 + kOuterR <= d; i0 += kOuterR) outer_rows<kOuterR, true>(c, n, d, i0, nullptr, acc);
+  for (; i0 < d; ++i0) outer_rows<1, true>(c, n, d, i0, nullptr, acc);
+}
 
 /// accumulate_rows_f64 (reduce_kernels.hpp): 4 vectors of columns held across all n rows.
 inline void accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept {

@@ -61,12 +61,16 @@ void expected_statistics_reference(const TensorView<const Tq, 3>& queries, std::
   if (!use_cov) return;
   std::fill(cov, cov + d * d, 0.0);
   for (std::int64_t tb = t0; tb < t1; tb += kExpectedStatBlock) {
-    std::fill(block, block + d * d, 0.0f);
     const std::int64_t nt = std::min(t1, tb + kExpectedStatBlock) - tb;
     widen_block(tb, nt);
     B::centre_rows(c, nt, d, mu);
-    B::outer_upper_accumulate(c, nt, d, block);
-    B::add_upper_f64(block, d, cov);
+    if constexpr (requires { B::outer_upper_add_f64(c, nt, d, cov); }) {
+      B::outer_upper_add_f64(c, nt, d, cov);  // the two steps below in one (backend::Cpu), the same bits
+    } else {
+      std::fill(block, block + d * d, 0.0f);
+      B::outer_upper_accumulate(c, nt, d, block);
+      B::add_upper_f64(block, d, cov);
+    }
   }
   for (std::int64_t i = 0; i < d; ++i)
     for (std::int64_t j = i; j < d; ++j) cov[j * d + i] = cov[i * d + j] = cov[i * d + j] / static_cast<double>(N);

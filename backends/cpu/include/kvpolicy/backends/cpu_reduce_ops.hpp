@@ -86,6 +86,10 @@ struct CpuReduceOps : ScalarReduceOps {
   }
   /// `ScalarReduceOps::outer_upper_accumulate`, bit for bit (register tiles held across the tokens).
   static void outer_upper_accumulate(const float* c, std::int64_t n, std::int64_t d, float* block) noexcept;
+  /// `outer_upper_accumulate` on a zero block followed by `add_upper_f64` of that block into acc (entries
+  /// j >= i; the others are left alone), bit for bit, without the block: each register tile's sums go into
+  /// acc where they are. Expected Attention's statistics use it in place of the two steps.
+  static void outer_upper_add_f64(const float* c, std::int64_t n, std::int64_t d, double* acc) noexcept;
   /// `ScalarReduceOps::accumulate_rows_f64`, `centre_rows` and `add_upper_f64`, bit for bit (vectors of doubles).
   static void accumulate_rows_f64(const float* x, std::int64_t n, std::int64_t d, double* acc) noexcept;
   static void centre_rows(float* x, std::int64_t n, std::int64_t d, const double* mu) noexcept;
