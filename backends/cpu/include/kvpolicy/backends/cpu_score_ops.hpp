@@ -38,7 +38,9 @@ struct CpuScoreOps : ScalarScoreOps {
   /// reference being the running max; pass 2 rescales by exp(reference -
   /// max) / denominator (denominators summed in double) and reduces each
   /// head's window. Probabilities below ~e^-55 of a row's max may come out as
-  /// 0. Thread-safe (no shared state); defined for Tk in {float, half, bfloat16}.
+  /// 0. At most 8 queries (group x window, e.g. TOVA's) run the AVX2 level's kernel on the AVX-512 level
+  /// (a quarter of an AVX-512 vector would hold them), so they get the AVX2 level's bits there.
+  /// Thread-safe (no shared state); defined for Tk in {float, half, bfloat16}.
   template <class Tk>
   static void window_scores(const WindowScoreShape& s, const float* q, Rows<Tk> keys, float* out, Workspace ws) noexcept;
 
