@@ -5,15 +5,15 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstddef>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
+#include <random>
 #include <sstream>
 #include <string>
-#include <vector>
 #include <utility>
-#include <random>
-#include <cstring>
+#include <vector>
 
 #include "cpu_test_util.hpp"
 
